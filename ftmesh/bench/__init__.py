@@ -1,0 +1,1 @@
+"""Benchmarks that compare ftmesh against a peer measured in the same run."""

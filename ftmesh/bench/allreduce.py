@@ -1,0 +1,285 @@
+"""``ftmesh bench allreduce``: ftmesh ring allreduce vs torch.distributed gloo vs a raw TCP ring.
+
+Theory of operation: for each process count N, launch N local processes (multiprocessing,
+spawn). Every process joins a gloo group (TCPStore rendezvous on loopback), starts an ftmesh
+data plane and a raw-socket ring, and publishes the addresses through the store. For each size,
+each repetition runs the three implementations back to back on the same float32 buffer size,
+rotating their order so machine noise hits all of them; a gloo barrier precedes every timed
+call and a repetition's time is the slowest rank's. We report medians (and min/max) of
+
+* algbw = bytes / time, busbw = algbw * 2(N-1)/N (the bytes each rank moves, NCCL's convention);
+* ``ceiling``: the same chunked ring reduce-scatter + allgather written as plainly as possible
+  over blocking sockets (a sender and a receiver thread, ``np.add`` in place, no framing or
+  event loop): what Python can get out of loopback TCP with this algorithm. ``--ceiling wire``
+  drops the reduction instead, i.e. pure data movement.
+
+Everything runs on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
+from ..collective.schedule import chunks_per_segment, segment_bounds
+
+IMPLS = ("ftmesh", "gloo", "ceiling")
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    num = text[:-1] if text[-1:] in "KMG" else text
+    return int(float(num) * mult)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+# -- raw TCP ring (the ceiling) ------------------------------------------------------------
+class RawRing:
+    """Chunked ring allreduce over blocking sockets: same schedule as ftmesh, no framing."""
+
+    def __init__(self, rank: int, n: int, store: Any, chunk_bytes: int, reduce: bool) -> None:
+        self.rank, self.n, self.chunk_bytes, self.reduce = rank, n, chunk_bytes, reduce
+        lst = socket.socket()
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(4)
+        store.set(f"raw/{rank}", str(lst.getsockname()[1]))
+        right_port = int(store.get(f"raw/{(rank + 1) % n}"))
+        self.tx = socket.create_connection(("127.0.0.1", right_port), timeout=60)
+        self.rx, _ = lst.accept()
+        lst.close()
+        for s in (self.tx, self.rx):
+            s.settimeout(120)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+
+    def allreduce(self, a: np.ndarray[Any, Any]) -> None:
+        n, r = self.n, self.rank
+        bounds = segment_bounds(a.size, n)
+        widest = max(bounds[i + 1] - bounds[i] for i in range(n))
+        c = chunks_per_segment(widest, a.itemsize, self.chunk_bytes)
+        sends, recvs = [], []
+        for t in range(2 * n - 2):
+            ss, rs = (r - t - 1) % n, (r - t - 2) % n
+            for k in range(c):
+                s0, s1 = bounds[ss], bounds[ss + 1]
+                r0, r1 = bounds[rs], bounds[rs + 1]
+                sends.append((s0 + (s1 - s0) * k // c, s0 + (s1 - s0) * (k + 1) // c))
+                recvs.append((r0 + (r1 - r0) * k // c, r0 + (r1 - r0) * (k + 1) // c, t < n - 1))
+        done = [0]
+        cv = threading.Condition()
+        raw = a.view(np.uint8).data
+        isz = a.itemsize
+
+        def sender() -> None:
+            for j, (s0, s1) in enumerate(sends):
+                if j >= c:
+                    with cv:
+                        cv.wait_for(lambda j=j: done[0] >= j - c + 1, timeout=120)
+                self.tx.sendall(raw[s0 * isz : s1 * isz])
+
+        th = threading.Thread(target=sender)
+        th.start()
+        scratch = np.empty(max(1, self.chunk_bytes // isz + 1), a.dtype)
+        sraw = scratch.view(np.uint8).data
+        for i, (r0, r1, red) in enumerate(recvs):
+            nb = (r1 - r0) * isz
+            view = sraw[:nb] if red and self.reduce else raw[r0 * isz : r1 * isz]
+            got = 0
+            while got < nb:
+                k = self.rx.recv_into(view[got:], nb - got)
+                if not k:
+                    raise ConnectionError("raw ring: peer closed")
+                got += k
+            if red and self.reduce:
+                np.add(a[r0:r1], scratch[: r1 - r0], out=a[r0:r1])
+            with cv:
+                done[0] = i + 1
+                cv.notify()
+        th.join(120)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+# -- worker --------------------------------------------------------------------------------
+def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, nprocs, rank == 0, timeout=_td(120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
+    config = CollectiveConfig(chunk_bytes=cfg["chunk"], io_timeout=120.0)
+    dp = SyncDataPlane.start(f"bench-{rank:03d}", config=config)
+    store.set(f"ftmesh/{rank}", f"{dp.address[0]}:{dp.address[1]}")
+    peers = []
+    for i in range(nprocs):
+        host, p = store.get(f"ftmesh/{i}").decode().rsplit(":", 1)
+        peers.append(Peer(f"bench-{i:03d}", host, int(p)))
+    view = RingView.of(peers)
+    raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce")
+    results = []
+    try:
+        for size in cfg["sizes"]:
+            elems = size // 4
+            bufs = {k: np.zeros(elems, np.float32) for k in IMPLS}
+            tens = torch.from_numpy(bufs["gloo"])
+            fns = {
+                "ftmesh": lambda b=bufs["ftmesh"]: dp.allreduce(view, b),
+                "gloo": lambda t=tens: dist.all_reduce(t),
+                "ceiling": lambda b=bufs["ceiling"]: raw.allreduce(b),
+            }
+            iters = cfg["iters"] or max(3, min(30, (256 << 20) // max(size, 1) * 2))
+            times: dict[str, list[float]] = {k: [] for k in IMPLS}
+            for rep in range(cfg["warmup"] + iters):
+                order = IMPLS[rep % 3 :] + IMPLS[: rep % 3]
+                mine = []
+                for impl in order:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fns[impl]()
+                    mine.append(time.perf_counter() - t0)
+                slowest = torch.tensor(mine, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                if rep >= cfg["warmup"]:
+                    for impl, dt in zip(order, slowest.tolist(), strict=True):
+                        times[impl].append(dt)
+            results.append({"bytes": size, "times": times})
+            del bufs, tens
+    finally:
+        dp.close()
+        raw.close()
+        dist.destroy_process_group()
+    if rank == 0:
+        out.put(results)
+
+
+def _td(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_procs(nprocs: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, cfg, q)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    try:
+        res: list[dict[str, Any]] = q.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return res
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
+    size = raw["bytes"]
+    factor = 2 * (nprocs - 1) / nprocs
+    cell: dict[str, Any] = {"procs": nprocs, "bytes": size, "algbw": {}, "busbw": {}, "time": {}}
+    for impl in IMPLS:
+        t = _stats(raw["times"][impl])
+        cell["time"][impl] = t
+        # fastest time gives the max bandwidth and vice versa
+        alg = {"median": size / t["median"], "min": size / t["max"], "max": size / t["min"]}
+        cell["algbw"][impl] = alg
+        cell["busbw"][impl] = {k: v * factor for k, v in alg.items()}
+    med = {k: cell["busbw"][k]["median"] for k in IMPLS}
+    cell["vs_gloo"] = med["ftmesh"] / med["gloo"]
+    cell["vs_ceiling"] = med["ftmesh"] / med["ceiling"]
+    return cell
+
+
+def _print_table(cells: list[dict[str, Any]]) -> None:
+    gb = 1e9
+    hdr = (
+        f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^78} | {'ftm/gloo':>8} "
+        f"{'ftm/ceil':>8}"
+    )
+    print(hdr)
+    print(
+        f"{'':>2} {'':>6} | {'ftmesh':^26}{'gloo':^26}{'ceiling':^26} | "
+        f"{'':>8} {'':>8}"
+    )
+    for c in cells:
+        cols = ""
+        for impl in IMPLS:
+            b = c["busbw"][impl]
+            cols += f"{b['median'] / gb:7.3f} [{b['min'] / gb:6.3f}-{b['max'] / gb:6.3f}]  "
+        print(
+            f"{c['procs']:>2} {_fmt_size(c['bytes']):>6} | {cols:<78} | {c['vs_gloo']:8.2f} "
+            f"{c['vs_ceiling']:8.2f}"
+        )
+    print("algbw = bytes/time; busbw = algbw*2(N-1)/N; time = slowest rank, per repetition.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ftmesh bench allreduce", description=__doc__.split("\n")[0])
+    ap.add_argument("--procs", default="2,3,4", help="comma-separated process counts")
+    ap.add_argument("--sizes", default="1M,16M,64M,256M", help="buffer sizes in bytes (K/M/G)")
+    ap.add_argument("--iters", type=int, default=0, help="timed repetitions (0: by size)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--chunk", default="1M", help="ftmesh/ceiling pipeline chunk size")
+    ap.add_argument("--ceiling", choices=("reduce", "wire"), default="reduce")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = {
+        "sizes": [parse_size(s) for s in args.sizes.split(",") if s.strip()],
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "chunk": parse_size(args.chunk),
+        "ceiling": args.ceiling,
+    }
+    cells = []
+    for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
+        if nprocs < 2:
+            print("skipping --procs 1: nothing to compare", file=sys.stderr)
+            continue
+        for raw in run_procs(nprocs, cfg, args.timeout):
+            cells.append(summarise(nprocs, raw))
+            if not args.json:
+                print(f"done N={nprocs} size={_fmt_size(raw['bytes'])}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"benchmark": "allreduce", "dtype": "float32", "cells": cells}))
+    else:
+        _print_table(cells)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,346 @@
+"""The async data-plane API: ring collectives on a ``RingView``, inside trio.
+
+Theory of operation: ``open_data_plane`` binds the data-plane listener and serves inbound ring
+connections in a nursery. Each collective (1) stages the input as a flat host array (``ops``),
+(2) gets the ring for the view, connecting and agreeing on the epoch with both neighbours the
+first time a view is used (``transport``), (3) builds this member's schedule (``schedule``) and
+(4) drives it over the two sockets (``engine``). Collectives on one data plane run one at a
+time, in call order; every member must call the same collectives in the same order on a view.
+"""
+
+from __future__ import annotations
+
+import socket as _stdsocket
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import trio
+
+from ..errors import LocalUsageError
+from ..security import MeshAuth
+from . import schedule
+from .config import CollectiveConfig
+from .engine import Buffers, Pipeline
+from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
+from .transport import Ring, Transport, tune_socket
+from .view import RingView
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CollectiveResult(Generic[T]):
+    """What a collective returns: the view epoch it ran on, the members that contributed (in
+    ring order) and the output (the input object itself for in-place collectives)."""
+
+    epoch: str
+    members: tuple[str, ...]
+    output: T
+
+
+class DataPlane:
+    """One member's data plane. Create with ``open_data_plane``; see the module doc."""
+
+    def __init__(self, transport: Transport, config: CollectiveConfig) -> None:
+        self._transport = transport
+        self.config = config
+        self.node_id = transport.node_id
+        self._lock = trio.Lock()
+        self._sender_pool = ThreadPoolExecutor(1, thread_name_prefix=f"ftmesh-send-{self.node_id}")
+        host, port = transport.listener.getsockname()[:2]
+        self.address: tuple[str, int] = (str(host), int(port))
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Inbound connections refused, by reason (``bad_mac``, ``wrong_mesh``...)."""
+        return dict(self._transport.dropped)
+
+    # -- public collectives -----------------------------------------------------------------
+    async def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
+        """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size."""
+        return await self._run(self.plan_allreduce(view, x, op))
+
+    async def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
+        """Reduce ``x`` over all members and return this member's block of the flattened
+        result: blocks are ``np.array_split(x.ravel(), N)`` in ring order. ``x`` is untouched."""
+        return await self._run(self.plan_reduce_scatter(view, x, op))
+
+    async def allgather(self, view: RingView, x: T) -> CollectiveResult[T]:
+        """Gather every member's ``x`` (same dtype and shape everywhere) into a new array of
+        shape ``(N, *x.shape)``, in ring (sorted node id) order."""
+        return await self._run(self.plan_allgather(view, x))
+
+    async def broadcast(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
+        """Overwrite ``x`` on every member with the root member's ``x`` (in place)."""
+        return await self._run(self.plan_broadcast(view, x, root))
+
+    async def barrier(self, view: RingView) -> CollectiveResult[None]:
+        """Return once every member of the view has entered the barrier."""
+        return await self._run(self.plan_barrier(view))
+
+    # -- plans: everything but the I/O (shared by the async and the sync API) -------------------
+    def plan_allreduce(self, view: RingView, x: T, op: str) -> Plan[T]:
+        st = stage(x, writable=True)
+        red, scale = self._reducers(op, st.dtype, view.size)
+        sched = self._ring_schedule(view, st, first=0, last=2 * view.size - 3)
+
+        def finish() -> T:
+            if view.size == 1 and scale is not None:
+                scale(st.flat)
+            if st.commit is not None:
+                st.commit()
+            return x
+
+        return Plan(
+            view,
+            "allreduce",
+            op,
+            st.dtype,
+            st.shape,
+            None,
+            sched,
+            Buffers(st.flat, st.flat, red, scale),
+            finish,
+        )
+
+    def plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:
+        st = stage(x, writable=False)
+        red, scale = self._reducers(op, st.dtype, view.size)
+        bounds = schedule.segment_bounds(st.flat.size, view.size)
+        rank = view.rank_of(self.node_id)
+        acc = np.empty_like(st.flat) if view.size > 1 else st.flat.copy()
+        sched = self._ring_schedule(view, st, first=0, last=view.size - 2)
+
+        def finish() -> T:
+            if view.size == 1 and scale is not None:
+                scale(acc)
+            mine = acc[bounds[rank] : bounds[rank + 1]]
+            out, out_st = empty_like_input(x, (int(mine.size),))
+            out_st.flat[...] = mine
+            if out_st.commit is not None:
+                out_st.commit()
+            return out  # type: ignore[return-value]
+
+        return Plan(
+            view,
+            "reduce_scatter",
+            op,
+            st.dtype,
+            st.shape,
+            None,
+            sched,
+            Buffers(acc, st.flat, red, scale),
+            finish,
+        )
+
+    def plan_allgather(self, view: RingView, x: T) -> Plan[T]:
+        st = stage(x, writable=False)
+        nm, n = view.size, st.flat.size
+        rank = view.rank_of(self.node_id)
+        out, out_st = empty_like_input(x, (nm, *st.shape))
+        out_st.flat[rank * n : (rank + 1) * n] = st.flat
+        sched = schedule.ring(
+            [i * n for i in range(nm + 1)],
+            rank,
+            first_step=nm - 1,
+            last_step=2 * nm - 3,
+            itemsize=st.flat.itemsize,
+            chunk_bytes=self.config.chunk_bytes,
+        )
+
+        def finish() -> T:
+            if out_st.commit is not None:
+                out_st.commit()
+            return out  # type: ignore[return-value]
+
+        return Plan(
+            view,
+            "allgather",
+            None,
+            st.dtype,
+            st.shape,
+            None,
+            sched,
+            Buffers(out_st.flat, out_st.flat),
+            finish,
+        )
+
+    def plan_broadcast(self, view: RingView, x: T, root: str) -> Plan[T]:
+        st = stage(x, writable=True)
+        sched = schedule.chain(
+            st.flat.size,
+            view.rank_of(self.node_id),
+            view.rank_of(root),
+            view.size,
+            itemsize=st.flat.itemsize,
+            chunk_bytes=self.config.chunk_bytes,
+        )
+
+        def finish() -> T:
+            if st.commit is not None:
+                st.commit()
+            return x
+
+        return Plan(
+            view,
+            "broadcast",
+            None,
+            st.dtype,
+            st.shape,
+            root,
+            sched,
+            Buffers(st.flat, st.flat),
+            finish,
+        )
+
+    def plan_barrier(self, view: RingView) -> Plan[None]:
+        empty = np.empty(0, np.uint8)
+        sched = schedule.ring(
+            [0] * (view.size + 1),
+            view.rank_of(self.node_id),
+            first_step=0,
+            last_step=view.size - 2,
+            itemsize=1,
+            chunk_bytes=self.config.chunk_bytes,
+        )
+        return Plan(
+            view, "barrier", None, "uint8", (0,), None, sched, Buffers(empty, empty), lambda: None
+        )
+
+    # -- execution ------------------------------------------------------------------------
+    def _reducers(self, op: str, dtype: str, size: int) -> tuple[Any, Any]:
+        if op not in REDUCE_OPS:
+            raise LocalUsageError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
+        return reducer(op, dtype), (scaler(dtype, size) if op == "avg" else None)
+
+    def _ring_schedule(self, view: RingView, st: Staged, *, first: int, last: int) -> Any:
+        return schedule.ring(
+            schedule.segment_bounds(st.flat.size, view.size),
+            view.rank_of(self.node_id),
+            first_step=first,
+            last_step=last,
+            itemsize=st.flat.itemsize,
+            chunk_bytes=self.config.chunk_bytes,
+        )
+
+    async def open_ring(self, view: RingView) -> Ring:
+        """Connect to the view's neighbours and agree on its epoch (cached per view)."""
+        view.rank_of(self.node_id)  # raises LocalUsageError if we are not a member
+        async with self._lock:
+            return await self._transport.open_ring(view)
+
+    def cached_ring(self, view: RingView) -> Ring | None:
+        return self._transport.cached_ring(view)
+
+    async def _run(self, plan: Plan[T]) -> CollectiveResult[T]:
+        async with self._lock:
+            ring = await self._transport.open_ring(plan.view)
+            if plan.view.size > 1:
+                pipe = self._pipeline(ring, plan)
+                try:
+                    await trio.to_thread.run_sync(
+                        self._run_pipeline, ring, pipe, abandon_on_cancel=True
+                    )
+                except trio.Cancelled:
+                    # The engine threads may still run: fail their sockets so they exit promptly.
+                    ring.broken = True
+                    ring.shutdown()
+                    self._transport.drop_ring(ring)
+                    raise
+            else:
+                await trio.lowlevel.checkpoint()
+        return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
+
+    def run_plan_blocking(self, ring: Ring, plan: Plan[T]) -> CollectiveResult[T]:
+        """Run ``plan`` on an already open ``ring`` in the calling (non-trio) thread. Used by
+        the sync facade to skip two thread hand-offs per call; one caller at a time."""
+        if plan.view.size > 1:
+            self._run_pipeline(ring, self._pipeline(ring, plan))
+        return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
+
+    def _pipeline(self, ring: Ring, plan: Plan[Any]) -> Pipeline:
+        ring.seq += 1
+        header = {
+            "seq": ring.seq,
+            "kind": plan.kind,
+            "op": plan.op,
+            "dtype": plan.dtype,
+            "shape": list(plan.shape),
+            "root": plan.root,
+            "frames": len(plan.sched.sends),
+        }
+        return Pipeline(
+            self.node_id,
+            ring,
+            header,
+            plan.sched,
+            plan.bufs,
+            io_timeout=self.config.io_timeout,
+            chunk_bytes=self.config.chunk_bytes,
+        )
+
+    def _run_pipeline(self, ring: Ring, pipe: Pipeline) -> None:
+        cfg = self.config
+        try:
+            pipe.run_blocking(
+                self._sender_pool,
+                inline_max_bytes=min(cfg.inline_max_bytes, cfg.socket_buffer_bytes // 2),
+            )
+        finally:
+            if ring.broken:
+                self._transport.drop_ring(ring)
+
+
+@dataclass
+class Plan(Generic[T]):
+    """A collective ready to run: its schedule, buffers and how to produce the output."""
+
+    view: RingView
+    kind: str
+    op: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    root: str | None
+    sched: schedule.Schedule
+    bufs: Buffers
+    finish: Callable[[], T]
+
+
+@asynccontextmanager
+async def open_data_plane(
+    node_id: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    auth: MeshAuth | None = None,
+    mesh: str = "default",
+    config: CollectiveConfig | None = None,
+) -> AsyncIterator[DataPlane]:
+    """Bind the data-plane listener on ``host:port`` (0: any free port) and serve it until the
+    block exits. ``dp.address`` is what to publish in member metadata."""
+    config = config or CollectiveConfig()
+    listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
+    try:
+        listener.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_REUSEADDR, 1)
+        tune_socket(listener, config)
+        await listener.bind((host, port))
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    transport = Transport(node_id, listener, auth=auth or MeshAuth.none(), mesh=mesh, config=config)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(transport.serve)
+            dp = DataPlane(transport, config)
+            try:
+                yield dp
+            finally:
+                nursery.cancel_scope.cancel()
+                dp._sender_pool.shutdown(wait=False)
+    finally:
+        transport.close()

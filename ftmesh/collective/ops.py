@@ -1,0 +1,171 @@
+"""Array adapters and reduction kernels.
+
+Theory of operation: the ring engine only sees flat, C-contiguous NumPy arrays and raw byte
+views of them. ``stage()`` turns what the user passed (a NumPy array or a torch tensor, any
+layout, CPU or CUDA) into such a flat array, sharing memory whenever the input already is
+contiguous host memory, and returns a ``commit`` callback that copies the result back when a
+staging copy was needed (non-contiguous or CUDA inputs). bfloat16 travels as its uint16 bit
+pattern and is reduced by torch; float16 is reduced by torch when it is installed because NumPy's
+float16 arithmetic is ~20x slower.
+
+Reductions are elementwise ``out = op(a, b)`` on equal-length chunks. Each chunk is reduced by
+exactly one member per ring step and the final value is computed once and then copied round the
+ring, so every member ends with the same bits whatever the kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LocalUsageError
+
+Array = npt.NDArray[Any]
+Reducer = Callable[[Array, Array, Array], None]
+
+REDUCE_OPS = ("sum", "avg", "min", "max")
+
+_NUMPY_DTYPES = {
+    "float16": np.float16,
+    "float32": np.float32,
+    "float64": np.float64,
+    "int8": np.int8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "uint8": np.uint8,
+}
+SUPPORTED_DTYPES = (*_NUMPY_DTYPES, "bfloat16")
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_tensor(x: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_available() -> bool:
+    try:
+        _torch()
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Staged:
+    """A user input seen as a flat host array. ``flat`` may share memory with the input."""
+
+    flat: Array
+    dtype: str
+    shape: tuple[int, ...]
+    commit: Callable[[], None] | None
+    """Copies ``flat`` back into the user's object; None when ``flat`` is the user's memory."""
+
+
+def stage(x: object, *, writable: bool) -> Staged:
+    """View ``x`` as a flat contiguous host array (see module doc)."""
+    if isinstance(x, np.ndarray):
+        name = x.dtype.name
+        if name not in _NUMPY_DTYPES:
+            raise LocalUsageError(f"unsupported dtype {name}; use one of {SUPPORTED_DTYPES}")
+        if writable and not x.flags.writeable:
+            raise LocalUsageError("in-place collective on a read-only array")
+        shape = tuple(int(d) for d in x.shape)
+        if x.flags.c_contiguous:
+            return Staged(x.reshape(-1), name, shape, None)
+        host = np.ascontiguousarray(x).reshape(-1)
+
+        def commit_np() -> None:
+            x[...] = host.reshape(shape)
+
+        return Staged(host, name, shape, commit_np if writable else None)
+    if _is_tensor(x):
+        return _stage_tensor(x, writable=writable)
+    raise LocalUsageError(f"expected a NumPy array or torch tensor, got {type(x).__name__}")
+
+
+def _stage_tensor(t: Any, *, writable: bool) -> Staged:
+    torch = _torch()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in SUPPORTED_DTYPES:
+        raise LocalUsageError(f"unsupported dtype {name}; use one of {SUPPORTED_DTYPES}")
+    shape = tuple(int(d) for d in t.shape)
+    src = t.detach()
+    direct = src.device.type == "cpu" and src.is_contiguous()
+    host = src if direct else src.contiguous().cpu()
+    host_bits = host.view(torch.uint16) if name == "bfloat16" else host
+    flat = host_bits.reshape(-1).numpy()
+    if direct or not writable:
+        return Staged(flat, name, shape, None)
+
+    def commit_t() -> None:
+        with torch.no_grad():
+            t.copy_(host)
+
+    return Staged(flat, name, shape, commit_t)
+
+
+def empty_like_input(x: object, shape: tuple[int, ...]) -> tuple[object, Staged]:
+    """A new output of the same kind (NumPy/torch, dtype, device) as ``x`` with ``shape``."""
+    if isinstance(x, np.ndarray):
+        out: object = np.empty(shape, dtype=x.dtype)
+    else:
+        torch = _torch()
+        t: Any = x
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    return out, stage(out, writable=True)
+
+
+def _torch_view(a: Array, dtype: str) -> Any:
+    torch = _torch()
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def reducer(op: str, dtype: str) -> Reducer:
+    """``fn(a, b, out)`` computing ``out = op(a, b)`` elementwise. ``avg`` reduces as ``sum``;
+    the division happens once, at the member that owns the final value."""
+    if op not in REDUCE_OPS:
+        raise LocalUsageError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
+    if dtype == "bfloat16" or (dtype == "float16" and _torch_available()):
+        torch = _torch()
+        tfn = {"sum": torch.add, "avg": torch.add, "min": torch.minimum, "max": torch.maximum}[op]
+
+        def reduce_torch(a: Array, b: Array, out: Array) -> None:
+            tfn(_torch_view(a, dtype), _torch_view(b, dtype), out=_torch_view(out, dtype))
+
+        return reduce_torch
+    nfn = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum}[op]
+
+    def reduce_np(a: Array, b: Array, out: Array) -> None:
+        nfn(a, b, out=out)
+
+    return reduce_np
+
+
+def scaler(dtype: str, divisor: int) -> Callable[[Array], None]:
+    """In-place ``x /= divisor`` for ``avg``; floating dtypes only."""
+    if dtype in ("bfloat16", "float16") and _torch_available():
+
+        def scale_torch(a: Array) -> None:
+            _torch_view(a, dtype).div_(divisor)
+
+        return scale_torch
+    if dtype not in ("float16", "float32", "float64"):
+        raise LocalUsageError(f"op='avg' needs a floating dtype, got {dtype}; use 'sum'")
+
+    def scale_np(a: Array) -> None:
+        np.divide(a, a.dtype.type(divisor), out=a)
+
+    return scale_np

@@ -1,0 +1,387 @@
+"""Data-plane connections: listener, authenticated handshake, pairwise view agreement.
+
+Theory of operation: each member keeps one TCP connection per ring edge, opened by the sender
+(member ``i`` connects to its right neighbour ``i+1``; bytes of collectives only flow that way).
+Opening a ring for a view runs two halves concurrently:
+
+* *right*: connect to the right neighbour, say hello (mesh, our id, its id, the epoch, a nonce),
+  check its challenge response, answer its challenge, then wait for its ``view_ok``;
+* *left*: wait for the left neighbour's authenticated connection carrying the same epoch (the
+  listener parks connections by ``(from, epoch)``), then send it ``view_ok``.
+
+A neighbour only sends ``view_ok`` once it is itself opening a ring on that epoch, so when both
+halves succeed, both neighbours hold our view; if every adjacent pair agrees the whole ring
+agrees, and nobody runs a collective on a view its neighbours don't share. A mismatch waits
+(gossip may be about to converge) for ``view_timeout`` and then raises ``ViewMismatchError``.
+
+With a mesh secret, both sides prove knowledge of it by MACing the transcript, which includes a
+fresh nonce from each side, so a node without the secret cannot join and recorded handshakes
+cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket as _stdsocket
+import struct
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..errors import FtmeshError, RemoteProtocolError
+from ..security import MeshAuth
+from . import wire
+from .config import CollectiveConfig
+from .errors import RingPeerLostError, ViewMismatchError
+from .view import Peer, RingView
+
+log = logging.getLogger(__name__)
+
+MAX_PARKED = 64
+"""Inbound connections waiting for their view to be adopted locally. Bounds what unknown or
+stale peers can pin; the oldest is closed first."""
+
+Socket = trio.socket.SocketType
+
+
+def tune_socket(sock: Socket, config: CollectiveConfig) -> None:
+    sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
+    if config.socket_buffer_bytes:
+        sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_SNDBUF, config.socket_buffer_bytes)
+        sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_RCVBUF, config.socket_buffer_bytes)
+
+
+async def send_all(sock: Socket, data: bytes | memoryview) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = await sock.send(mv)
+        mv = mv[n:]
+
+
+async def recv_exactly_into(sock: Socket, mv: memoryview) -> bool:
+    """Fill ``mv``; False on a clean EOF before it is full."""
+    while mv:
+        n = await sock.recv_into(mv)
+        if n == 0:
+            return False
+        mv = mv[n:]
+    return True
+
+
+async def send_control(sock: Socket, msg: dict[str, Any]) -> None:
+    await send_all(sock, wire.pack_control(msg))
+
+
+async def recv_control(sock: Socket) -> dict[str, Any]:
+    head = bytearray(wire.CONTROL_LEN.size)
+    if not await recv_exactly_into(sock, memoryview(head)):
+        raise EOFError("connection closed")
+    (length,) = wire.CONTROL_LEN.unpack(head)
+    if length > wire.MAX_CONTROL_BYTES:
+        raise RemoteProtocolError("oversized", f"control message of {length} bytes")
+    body = bytearray(length)
+    if not await recv_exactly_into(sock, memoryview(body)):
+        raise EOFError("connection closed")
+    return wire.unpack_control(bytes(body))
+
+
+def _field(msg: dict[str, Any], key: str, typ: type) -> Any:
+    v = msg.get(key)
+    if not isinstance(v, typ):
+        raise RemoteProtocolError("malformed", f"handshake field {key!r} missing or mistyped")
+    return v
+
+
+@dataclass(eq=False)
+class Ring:
+    """The two connections of one member for one view: to the right and from the left."""
+
+    view: RingView
+    rank: int
+    right: Peer
+    left: Peer
+    send_sock: _stdsocket.socket | None
+    """Blocking stdlib socket to the right neighbour (used from the engine's threads)."""
+    recv_sock: _stdsocket.socket | None
+    """Blocking stdlib socket from the left neighbour."""
+    seq: int = 0
+    broken: bool = False
+
+    def shutdown(self) -> None:
+        """Unblock any thread using the sockets (they then fail fast); used on cancellation."""
+        for s in (self.send_sock, self.recv_sock):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.shutdown(_stdsocket.SHUT_RDWR)
+
+    def close(self) -> None:
+        for s in (self.send_sock, self.recv_sock):
+            if s is not None:
+                s.close()
+        self.send_sock = self.recv_sock = None
+
+
+def to_blocking(sock: Socket, io_timeout: float) -> _stdsocket.socket:
+    """Take the fd away from trio: a blocking stdlib socket whose every send and receive gives
+    up after ``io_timeout`` seconds (SO_SNDTIMEO/SO_RCVTIMEO, so waits need no extra syscall)."""
+    std = _stdsocket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM, fileno=sock.detach())
+    std.setblocking(True)
+    sec = int(io_timeout)
+    tv = struct.pack("ll", sec, int((io_timeout - sec) * 1e6))
+    std.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_RCVTIMEO, tv)
+    std.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_SNDTIMEO, tv)
+    return std
+
+
+class Transport:
+    """Owns the listening socket, parked inbound connections and open rings of one member."""
+
+    def __init__(
+        self,
+        node_id: str,
+        listener: Socket,
+        *,
+        auth: MeshAuth,
+        mesh: str,
+        config: CollectiveConfig,
+    ) -> None:
+        self.node_id = node_id
+        self.listener = listener
+        self.auth = auth
+        self.mesh = mesh
+        self.config = config
+        self._parked: OrderedDict[tuple[str, str], Socket] = OrderedDict()
+        self._parked_changed = trio.Event()
+        self._rings: OrderedDict[str, Ring] = OrderedDict()
+        self.dropped: dict[str, int] = {}
+        self._handshakes = trio.CapacityLimiter(32)
+
+    # -- inbound ------------------------------------------------------------------------
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                sock, _addr = await self.listener.accept()
+                nursery.start_soon(self._inbound_handshake, sock)
+
+    def _drop(self, reason: str, detail: str) -> None:
+        n = self.dropped.get(reason, 0) + 1
+        self.dropped[reason] = n
+        if n & (n - 1) == 0:  # log the 1st, 2nd, 4th, 8th... occurrence
+            log.warning("data plane dropped inbound connection (%s, #%d): %s", reason, n, detail)
+
+    async def _inbound_handshake(self, sock: Socket) -> None:
+        parked = False
+        try:
+            async with self._handshakes:
+                with trio.fail_after(self.config.connect_timeout):
+                    tune_socket(sock, self.config)
+                    hello = await recv_control(sock)
+                    if hello.get("v") != wire.PROTOCOL_VERSION:
+                        raise RemoteProtocolError("bad_version", repr(hello.get("v")))
+                    if _field(hello, "mesh", str) != self.mesh:
+                        raise RemoteProtocolError("wrong_mesh", repr(hello.get("mesh")))
+                    if _field(hello, "to", str) != self.node_id:
+                        raise RemoteProtocolError("malformed", "hello addressed to another node")
+                    src = _field(hello, "from", str)
+                    epoch = _field(hello, "epoch", str)
+                    nc = _field(hello, "nonce", bytes)
+                    if len(nc) != wire.NONCE_BYTES or len(src) > 256 or len(epoch) > 64:
+                        raise RemoteProtocolError("malformed", "bad hello field sizes")
+                    na = os.urandom(wire.NONCE_BYTES)
+                    t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na)
+                    tag = self.auth.tag(b"A" + t) if self.auth.enabled else b""
+                    await send_control(sock, {"v": wire.PROTOCOL_VERSION, "nonce": na, "tag": tag})
+                    resp = await recv_control(sock)
+                    if self.auth.enabled and not self.auth.verify(
+                        b"C" + t, _field(resp, "tag", bytes)
+                    ):
+                        raise RemoteProtocolError("bad_mac", f"from {src!r}")
+            self._park((src, epoch), sock)
+            parked = True
+        except (RemoteProtocolError, EOFError, OSError, trio.TooSlowError) as exc:
+            reason = exc.reason if isinstance(exc, RemoteProtocolError) else "handshake_failed"
+            self._drop(reason, str(exc))
+        finally:
+            if not parked:
+                sock.close()
+
+    def _park(self, key: tuple[str, str], sock: Socket) -> None:
+        old = self._parked.pop(key, None)
+        if old is not None:
+            old.close()
+        self._parked[key] = sock
+        while len(self._parked) > MAX_PARKED:
+            _, victim = self._parked.popitem(last=False)
+            victim.close()
+        ev, self._parked_changed = self._parked_changed, trio.Event()
+        ev.set()
+
+    async def _take_parked(self, key: tuple[str, str]) -> Socket:
+        while key not in self._parked:
+            await self._parked_changed.wait()
+        return self._parked.pop(key)
+
+    # -- rings --------------------------------------------------------------------------
+    def cached_ring(self, view: RingView) -> Ring | None:
+        ring = self._rings.get(view.epoch)
+        if ring is not None and ring.broken:
+            self.drop_ring(ring)
+            return None
+        return ring
+
+    def drop_ring(self, ring: Ring) -> None:
+        ring.close()
+        if self._rings.get(ring.view.epoch) is ring:
+            del self._rings[ring.view.epoch]
+
+    def close(self) -> None:
+        for ring in list(self._rings.values()):
+            ring.close()
+        self._rings.clear()
+        for s in self._parked.values():
+            s.close()
+        self._parked.clear()
+        self.listener.close()
+
+    async def open_ring(self, view: RingView) -> Ring:
+        """Return the ring for ``view``, connecting and agreeing with the neighbours if needed."""
+        ring = self.cached_ring(view)
+        if ring is not None:
+            return ring
+        rank = view.rank_of(self.node_id)
+        ring = Ring(view, rank, view.right_of(self.node_id), view.left_of(self.node_id), None, None)
+        if view.size > 1:
+            errors: list[FtmeshError] = []
+
+            async def half(fn: Callable[[Ring], Awaitable[None]], cancel: trio.CancelScope) -> None:
+                try:
+                    await fn(ring)
+                except FtmeshError as exc:  # surfaced below, unwrapped from the group
+                    errors.append(exc)
+                    cancel.cancel()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(half, self._open_right, nursery.cancel_scope)
+                    nursery.start_soon(half, self._open_left, nursery.cancel_scope)
+            except BaseException:
+                ring.close()
+                raise
+            if errors:
+                ring.close()
+                raise errors[0]
+        self._rings[view.epoch] = ring
+        while len(self._rings) > self.config.max_cached_views:
+            _, old = self._rings.popitem(last=False)
+            old.close()
+        return ring
+
+    async def _open_left(self, ring: Ring) -> None:
+        epoch, left = ring.view.epoch, ring.left.node_id
+        with trio.move_on_after(self.config.view_timeout):
+            sock = await self._take_parked((left, epoch))
+            try:
+                await send_control(sock, {"view_ok": epoch})
+            except OSError:
+                sock.close()
+                raise RingPeerLostError(
+                    f"left neighbour {left} closed the connection during view agreement",
+                    peer=left,
+                    epoch=epoch,
+                ) from None
+            ring.recv_sock = to_blocking(sock, self.config.io_timeout)
+            return
+        others = [e for (src, e) in self._parked if src == left]
+        seen = f"; it connected with epoch(s) {others}" if others else ""
+        raise ViewMismatchError(
+            f"{self.node_id}: left neighbour {left} did not confirm view epoch {epoch} "
+            f"(members {list(ring.view.node_ids)}) within {self.config.view_timeout}s{seen}",
+            epoch=epoch,
+            peer=left,
+        )
+
+    async def _open_right(self, ring: Ring) -> None:
+        view, right = ring.view, ring.right
+        sock = await self._connect(view, right)
+        try:
+            with trio.move_on_after(self.config.view_timeout):
+                msg = await recv_control(sock)
+                if msg.get("view_ok") != view.epoch:
+                    raise RemoteProtocolError("malformed", f"unexpected view reply {msg!r}")
+                ring.send_sock = to_blocking(sock, self.config.io_timeout)
+                return
+        except (EOFError, OSError):
+            sock.close()
+            raise RingPeerLostError(
+                f"right neighbour {right.node_id} closed the connection during view agreement",
+                peer=right.node_id,
+                epoch=view.epoch,
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        sock.close()
+        raise ViewMismatchError(
+            f"{self.node_id}: right neighbour {right.node_id} did not confirm view epoch "
+            f"{view.epoch} (members {list(view.node_ids)}) within {self.config.view_timeout}s",
+            epoch=view.epoch,
+            peer=right.node_id,
+        )
+
+    async def _connect(self, view: RingView, peer: Peer) -> Socket:
+        """Connect and authenticate, retrying refused connections until connect_timeout."""
+        last: BaseException | None = None
+        delay = 0.01
+        with trio.move_on_after(self.config.connect_timeout):
+            for _attempt in range(1000):  # bounded by count and by the deadline above
+                sock = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
+                try:
+                    tune_socket(sock, self.config)
+                    await sock.connect((peer.host, peer.port))
+                    await self._client_handshake(sock, view, peer)
+                    return sock
+                except (OSError, EOFError) as exc:
+                    sock.close()
+                    last = exc
+                except BaseException:
+                    sock.close()
+                    raise
+                await trio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        raise RingPeerLostError(
+            f"{self.node_id}: cannot reach ring neighbour {peer.node_id} at "
+            f"{peer.host}:{peer.port} within {self.config.connect_timeout}s ({last!r})",
+            peer=peer.node_id,
+            epoch=view.epoch,
+        )
+
+    async def _client_handshake(self, sock: Socket, view: RingView, peer: Peer) -> None:
+        nc = os.urandom(wire.NONCE_BYTES)
+        await send_control(
+            sock,
+            {
+                "v": wire.PROTOCOL_VERSION,
+                "mesh": self.mesh,
+                "from": self.node_id,
+                "to": peer.node_id,
+                "epoch": view.epoch,
+                "nonce": nc,
+            },
+        )
+        reply = await recv_control(sock)
+        na = _field(reply, "nonce", bytes)
+        t = wire.transcript(self.mesh, self.node_id, peer.node_id, view.epoch, nc, na)
+        if self.auth.enabled:
+            if not self.auth.verify(b"A" + t, _field(reply, "tag", bytes)):
+                raise RemoteProtocolError(
+                    "bad_mac", f"{peer.node_id} did not prove the mesh secret"
+                )
+            tag = self.auth.tag(b"C" + t)
+        else:
+            tag = b""
+        await send_control(sock, {"tag": tag})

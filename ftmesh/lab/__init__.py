@@ -1,0 +1,7 @@
+"""Test and demo labs: virtual LANs of network namespaces (root only)."""
+
+from __future__ import annotations
+
+from .netns import LabError, VirtualLan, cleanup_stale, is_root
+
+__all__ = ["LabError", "VirtualLan", "cleanup_stale", "is_root"]

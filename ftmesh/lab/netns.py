@@ -1,0 +1,395 @@
+"""A virtual LAN of Linux network namespaces, for multicast, partition and loss tests.
+
+Theory of operation: ``VirtualLan(hosts=N)`` creates N namespaces ``<prefix>h<i>``, each with a
+veth pair whose other end is a port of a Linux bridge living in its own namespace
+``<prefix>br``. Every interface is created directly inside a lab namespace (``ip link add ...
+netns ...``), so nothing is ever created in, attached to or changed on the host's root
+namespace: traffic between lab hosts cannot leave the lab. Each host gets ``lo`` up, one
+address from ``subnet`` on ``eth0``, a default route and a 224.0.0.0/4 route through ``eth0``
+(so mDNS and :func:`ftmesh.discovery.default_interface_ip` work with zero configuration); the
+bridge has multicast snooping off so multicast floods to every port.
+
+Faults are injected on host ``i``'s link: ``link(i, up=False)`` takes the bridge port down
+(both ends lose carrier, like a pulled cable); ``set_rate`` installs tbf on the egress of *both*
+ends of the veth pair, so each direction passes through exactly one of them; ``set_loss`` drops
+frames to and from host ``i``'s port at random with nftables in the bridge's forward hook
+(invisible to senders, like loss on a real LAN), because not every kernel has ``sch_netem``.
+
+Cleanup: ``down()`` signals every process left in the namespaces and deletes them; it is
+idempotent and runs on ``__exit__``, on a failed construction and at interpreter exit. A run
+killed with SIGKILL cannot clean up, so the creating pid is part of every name
+(``<base><pid>x<n>``) and :func:`cleanup_stale` removes namespaces whose creator is dead; the
+constructor calls it for its own base prefix.
+
+Requires root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's ``ip``; ``tc`` and ``sch_tbf``
+for ``set_rate``; ``nft`` (package ``nftables``) and ``nft_numgen`` for ``set_loss``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from ..errors import FtmeshError
+
+DEFAULT_BASE = "ftm"
+"""Default base of lab names. :func:`cleanup_stale` only touches names under a given base."""
+
+MAX_HOSTS = 200
+"""Hosts in one lab. Each costs a namespace and about eight ``ip`` calls to set up."""
+
+CMD_TIMEOUT = 15.0
+"""Seconds allowed for one ``ip``/``tc`` call. They normally take milliseconds."""
+
+_BASE_RE = re.compile(r"[a-z][a-z0-9]{0,7}")
+_HOST_IF = "eth0"  # inside each host namespace
+_BRIDGE_IF = "br0"  # inside the bridge namespace
+_NFT_TABLE = "ftmlab"  # nftables table holding loss rules, inside the bridge namespace
+_counter = itertools.count()
+_live: set[VirtualLan] = set()  # strong refs: a lab dropped without down() is still cleaned
+_live_lock = threading.Lock()
+
+
+_RATE_RE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)")
+_UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def _burst_bytes(rate: str) -> int:
+    """tbf bucket size: 10 ms worth of ``rate``, at least 2 full-size frames."""
+    m = _RATE_RE.fullmatch(rate)
+    assert m is not None
+    bits = float(m.group(1)) * _UNIT[m.group(2)] * (8 if m.group(3) == "bps" else 1)
+    return max(3200, int(bits / 8 / 100))
+
+
+class LabError(FtmeshError):
+    """The virtual lab cannot be built or driven (not root, iproute2 missing, a command failed)."""
+
+
+def is_root() -> bool:
+    """Whether this process runs as root (needed to create network namespaces)."""
+    return os.geteuid() == 0
+
+
+def _require_tools() -> None:
+    if not is_root():
+        raise LabError("creating network namespaces needs root (run the lab as root)")
+    if shutil.which("ip") is None:
+        raise LabError("the 'ip' command (iproute2) is not installed")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _cmd(["ip", *args], check=check)
+
+
+def _cmd(
+    argv: Sequence[str], *, check: bool = True, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    try:
+        p = subprocess.run(
+            list(argv),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=CMD_TIMEOUT,
+            check=False,
+        )
+    except FileNotFoundError as e:
+        raise LabError(f"{argv[0]} is not installed") from e
+    except subprocess.TimeoutExpired as e:
+        raise LabError(f"{' '.join(argv)} took over {CMD_TIMEOUT}s") from e
+    if check and p.returncode != 0:
+        raise LabError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def _list_netns() -> list[str]:
+    p = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+def _netns_pids(ns: str) -> list[int]:
+    p = _ip("netns", "pids", ns, check=False)
+    return [int(t) for t in p.stdout.split() if t.isdigit()]
+
+
+def _kill_netns(ns: str, sig: int) -> int:
+    n = 0
+    for pid in _netns_pids(ns):
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, sig)
+            n += 1
+        except ProcessLookupError:
+            pass
+    return n
+
+
+def _delete_netns(ns: str) -> None:
+    # A namespace only disappears once its last process has exited: kill them first.
+    _kill_netns(ns, signal.SIGKILL)
+    _ip("netns", "del", ns, check=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
+    """Delete lab namespaces under base ``prefix`` whose creating process is dead.
+
+    Names look like ``<prefix><pid>x<n>h<i>`` / ``<prefix><pid>x<n>br``; namespaces of live
+    processes (other test workers) are left alone. Returns the names removed. Every interface of
+    a lab lives inside its namespaces, so deleting them removes the links too.
+    """
+    _require_tools()
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)x\d+(?:br|h\d+)")
+    removed = []
+    for ns in _list_netns():
+        m = pattern.fullmatch(ns)
+        if m and not _pid_alive(int(m.group(1))):
+            _delete_netns(ns)
+            removed.append(ns)
+    return removed
+
+
+class VirtualLan:
+    """N hosts on one bridged virtual LAN. See the module docstring.
+
+    ``hosts``: number of host namespaces. ``prefix``: base of the names (lowercase letter then
+    up to 7 lowercase letters or digits; default ``"ftm"``); the creating pid and a counter are
+    appended, giving :attr:`prefix`. ``subnet``: IPv4 subnet; host ``i`` gets its ``i+1``-th
+    address.
+    """
+
+    def __init__(
+        self, hosts: int = 2, prefix: str | None = None, subnet: str = "10.77.0.0/24"
+    ) -> None:
+        base = DEFAULT_BASE if prefix is None else prefix
+        if not _BASE_RE.fullmatch(base):
+            raise LabError(f"lab prefix {base!r} must match {_BASE_RE.pattern}")
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise LabError(f"hosts={hosts} must be within 1..{MAX_HOSTS}")
+        try:
+            net = ipaddress.IPv4Network(subnet)
+        except ValueError as e:
+            raise LabError(f"subnet {subnet!r}: {e}") from e
+        addrs = list(itertools.islice(net.hosts(), hosts))
+        if len(addrs) < hosts:
+            raise LabError(f"subnet {subnet} has fewer than {hosts} host addresses")
+        _require_tools()
+        cleanup_stale(base)
+        self.base = base
+        self.prefix = f"{base}{os.getpid()}x{next(_counter)}"
+        """Full prefix of this lab's names, e.g. ``ftm1234x0``."""
+        self.subnet = net
+        self.bridge_ns = f"{self.prefix}br"
+        self._ips = [str(a) for a in addrs]
+        self._created: list[str] = []
+        self._loss: dict[int, int] = {}  # host -> drop threshold out of 10000
+        self._closed = False
+        with _live_lock:
+            _live.add(self)
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+
+    # --- construction -------------------------------------------------------------------------
+
+    def _add_ns(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self._created.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        br = self.bridge_ns
+        self._add_ns(br)
+        _ip("-n", br, "link", "add", _BRIDGE_IF, "type", "bridge", "mcast_snooping", "0")
+        _ip("-n", br, "link", "set", _BRIDGE_IF, "up")
+        plen = self.subnet.prefixlen
+        for i, ip in enumerate(self._ips):
+            ns = self.ns_name(i)
+            self._add_ns(ns)
+            port = self._port(i)
+            _ip(
+                "-n", br, "link", "add", port, "type", "veth", "peer", "name", _HOST_IF, "netns", ns
+            )
+            _ip("-n", br, "link", "set", port, "master", _BRIDGE_IF)
+            _ip("-n", br, "link", "set", port, "up")
+            _ip("-n", ns, "addr", "add", f"{ip}/{plen}", "dev", _HOST_IF)
+            _ip("-n", ns, "link", "set", _HOST_IF, "up", "multicast", "on")
+            _ip("-n", ns, "route", "add", "default", "dev", _HOST_IF)
+            _ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", _HOST_IF)
+
+    @staticmethod
+    def _port(i: int) -> str:
+        return f"p{i}"
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def hosts(self) -> int:
+        """Number of hosts."""
+        return len(self._ips)
+
+    def _check(self, i: int) -> None:
+        if self._closed:
+            raise LabError("the virtual LAN is down")
+        if not 0 <= i < len(self._ips):
+            raise LabError(f"host {i} out of range 0..{len(self._ips) - 1}")
+
+    def ns_name(self, i: int) -> str:
+        """Name of host ``i``'s namespace (``<prefix>h<i>``)."""
+        return f"{self.prefix}h{i}"
+
+    def host_ip(self, i: int) -> str:
+        """IPv4 address of host ``i`` on the LAN."""
+        self._check(i)
+        return self._ips[i]
+
+    def namespaces(self) -> list[str]:
+        """Every namespace of this lab (hosts and bridge) still existing."""
+        return list(self._created)
+
+    # --- processes ------------------------------------------------------------------------------
+
+    def popen(self, i: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside host ``i`` (``ip netns exec``); keyword args go to Popen.
+
+        The process is killed by :meth:`down` if still running then.
+        """
+        self._check(i)
+        return subprocess.Popen(["ip", "netns", "exec", self.ns_name(i), *argv], **kw)
+
+    def run(
+        self, i: int, argv: Sequence[str], timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` inside host ``i`` to completion, capturing text output.
+
+        Raises :class:`LabError` if it takes over ``timeout`` seconds (the process is killed).
+        """
+        self._check(i)
+        full = ["ip", "netns", "exec", self.ns_name(i), *argv]
+        try:
+            return subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise LabError(f"{' '.join(argv)} on host {i} took over {timeout}s") from e
+
+    def kill_host(self, i: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to every process in host ``i``'s namespace; returns how many."""
+        self._check(i)
+        return _kill_netns(self.ns_name(i), sig)
+
+    # --- faults ---------------------------------------------------------------------------------
+
+    def link(self, i: int, up: bool) -> None:
+        """Connect (``up=True``) or disconnect host ``i`` from the bridge."""
+        self._check(i)
+        _ip("-n", self.bridge_ns, "link", "set", self._port(i), "up" if up else "down")
+
+    def set_loss(self, i: int, percent: float) -> None:
+        """Drop ``percent`` % of frames in each direction of host ``i``'s link (0 clears).
+
+        An nftables ``numgen random`` rule in the bridge's forward hook, for frames entering from
+        and leaving towards host ``i``'s port (resolution 0.01 %). Dropping inside the switch,
+        not in the host, keeps the loss invisible to senders, as on a real LAN (a drop in the
+        host's output hook would fail ``sendto`` with EPERM). ARP is dropped too. Used instead
+        of netem because many kernels lack ``sch_netem``; needs the ``nft`` tool (Debian package
+        ``nftables``).
+        """
+        self._check(i)
+        if not 0 <= percent <= 100:
+            raise LabError(f"loss {percent}% must be within 0..100")
+        threshold = round(percent * 100)
+        if threshold:
+            self._loss[i] = threshold
+        else:
+            self._loss.pop(i, None)
+        # Declaring the table first makes the delete succeed whether or not it existed, and
+        # "nft -f" applies the whole script atomically.
+        script = f"table bridge {_NFT_TABLE} {{}}\ndelete table bridge {_NFT_TABLE}\n"
+        if self._loss:
+            rules = []
+            for host, t in sorted(self._loss.items()):
+                verdict = "drop" if t >= 10000 else f"numgen random mod 10000 < {t} drop"
+                port = self._port(host)
+                rules += [f'    iifname "{port}" {verdict}', f'    oifname "{port}" {verdict}']
+            script += (
+                f"table bridge {_NFT_TABLE} {{\n"
+                "  chain loss { type filter hook forward priority -300; policy accept;\n"
+                + "\n".join(rules)
+                + "\n  }\n}\n"
+            )
+        if shutil.which("nft") is None:
+            raise LabError("set_loss needs the 'nft' tool: install the 'nftables' package")
+        _cmd(["ip", "netns", "exec", self.bridge_ns, "nft", "-f", "-"], stdin=script)
+
+    def set_rate(self, i: int, rate: str | None) -> None:
+        """Limit each direction of host ``i``'s link to ``rate`` (tc syntax: ``"10mbit"``).
+
+        A tbf qdisc on the egress of both ends of the veth pair; ``None`` removes the limit.
+        """
+        self._check(i)
+        if rate is not None and not _RATE_RE.fullmatch(rate):
+            raise LabError(f"rate {rate!r} is not a tc rate like '10mbit'")
+        for ns, dev in ((self.bridge_ns, self._port(i)), (self.ns_name(i), _HOST_IF)):
+            tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+            _cmd([*tc, "del", "dev", dev, "root"], check=False)
+            if rate is not None:
+                burst = str(_burst_bytes(rate))
+                _cmd([*tc, "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                      "latency", "100ms"])  # fmt: skip
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def down(self) -> None:
+        """Kill every process in the lab and delete its namespaces. Idempotent."""
+        self._closed = True
+        with _live_lock:
+            _live.discard(self)
+        # Hosts first, bridge last: deleting a host namespace deletes its veth pair.
+        for ns in reversed(self._created):
+            _delete_netns(ns)
+        self._created.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.down()
+
+    def __repr__(self) -> str:
+        state = "down" if self._closed else f"{len(self._ips)} hosts"
+        return f"<VirtualLan {self.prefix} {self.subnet} {state}>"
+
+
+@atexit.register
+def _down_all() -> None:
+    with _live_lock:
+        labs = list(_live)
+    for lab in labs:
+        lab.down()

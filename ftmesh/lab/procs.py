@@ -1,0 +1,215 @@
+"""Run ``ftmesh node`` processes and watch their JSON event streams (tests, benchmarks, lab).
+
+Each :class:`NodeProcess` is a real OS process; a reader thread parses its stdout (one JSON
+object per line, see ``ftmesh node --events json``) into a list guarded by a condition, so a
+caller can wait for an event with a deadline. :class:`NodeGroup` starts several on one registry
+directory (same-host discovery, no multicast) and kills every one of them on exit, even when
+the test failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..errors import DeadlineExceeded
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SeenRecord:
+    mono: float
+    """``time.monotonic()`` in this process when the line was read."""
+    record: Record
+
+
+class NodeProcess:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        stderr_path: Path | None = None,
+    ) -> None:
+        self._stderr = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self._cond = threading.Condition()
+        self.records: list[SeenRecord] = []
+        self.bad_lines = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        first = self.wait_for(lambda r: r["event"] == "self", timeout=20.0)
+        self.node_id: str = first["node"]
+        self.name: str = first["name"]
+        self.addr: str = first["addr"]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                self.bad_lines += 1
+                continue
+            with self._cond:
+                self.records.append(SeenRecord(time.monotonic(), rec))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def find(self, pred: Callable[[Record], bool]) -> SeenRecord | None:
+        with self._cond:
+            return next((s for s in self.records if pred(s.record)), None)
+
+    def wait_for(self, pred: Callable[[Record], bool], timeout: float) -> Record:
+        """The first record (already seen or future) matching ``pred``; raises
+        ``DeadlineExceeded`` after ``timeout`` seconds or if the process exits first."""
+        seen = self.wait_seen(pred, timeout)
+        return seen.record
+
+    def wait_seen(self, pred: Callable[[Record], bool], timeout: float) -> SeenRecord:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for s in self.records:
+                    if pred(s.record):
+                        return s
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise DeadlineExceeded(
+                        f"node pid {self.pid}: no matching event within {timeout:.1f}s "
+                        f"(exit code {self.proc.poll()}, {len(self.records)} events)"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def events_about(self, node_id: str) -> list[str]:
+        with self._cond:
+            return [s.record["event"] for s in self.records if s.record.get("node") == node_id]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> int:
+        """SIGTERM (graceful leave), then SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        rc = self.proc.wait()
+        self._reader.join(2.0)
+        if self._stderr is not subprocess.DEVNULL:
+            self._stderr.close()  # type: ignore[union-attr]
+        return rc
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def joined(node_id: str) -> Callable[[Record], bool]:
+    """Predicate: a ``joined`` event about ``node_id``."""
+    return lambda r: r["event"] == "joined" and r["node"] == node_id
+
+
+def declared_dead(node_id: str) -> Callable[[Record], bool]:
+    """Predicate: a ``dead`` event about ``node_id``."""
+    return lambda r: r["event"] == "dead" and r["node"] == node_id
+
+
+class NodeGroup:
+    """Several ``ftmesh node`` processes of one mesh on this host (local discovery)."""
+
+    def __init__(
+        self,
+        *,
+        mesh: str = "test",
+        preset: str = "local",
+        extra_args: Sequence[str] = (),
+        log_dir: Path | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.preset = preset
+        self.extra_args = list(extra_args)
+        self._tmp = tempfile.TemporaryDirectory(prefix="ftmesh-group-")
+        self.registry = Path(self._tmp.name) / "registry"
+        self.log_dir = log_dir or Path(self._tmp.name)
+        self.nodes: list[NodeProcess] = []
+
+    def argv(self, *extra: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "ftmesh",
+            "node",
+            "--mesh",
+            self.mesh,
+            "--preset",
+            self.preset,
+            "--events",
+            "json",
+            "--registry-dir",
+            str(self.registry),
+            *self.extra_args,
+            *extra,
+        ]
+
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> NodeProcess:
+        idx = len(self.nodes)
+        node = NodeProcess(
+            self.argv(*extra), env=env, stderr_path=self.log_dir / f"node{idx}.stderr"
+        )
+        self.nodes.append(node)
+        return node
+
+    def running(self) -> list[NodeProcess]:
+        return [n for n in self.nodes if n.proc.poll() is None]
+
+    def wait_converged(self, nodes: Sequence[NodeProcess], timeout: float) -> None:
+        """Every node in ``nodes`` has seen every other one join."""
+        deadline = time.monotonic() + timeout
+        for a in nodes:
+            for b in nodes:
+                if a is not b:
+                    a.wait_for(joined(b.node_id), max(0.1, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for n in self.nodes:
+            if n.proc.poll() is None:
+                n.signal(signal.SIGKILL)
+        for n in self.nodes:
+            n.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> NodeGroup:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

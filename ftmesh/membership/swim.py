@@ -1,0 +1,636 @@
+"""SWIM membership with Lifeguard, as a sans-IO state machine.
+
+Theory of operation (SWIM: Das, Gupta, Motivala 2002; Lifeguard: Dadgar et al. 2018;
+behaviour follows hashicorp/memberlist where the papers are silent):
+
+* Every probe interval this member probes the next member of a shuffled round-robin list with
+  a ``Ping``. No ``Ack`` within the probe timeout: it asks ``k`` random members to probe the
+  target for it (``IndirectPing``); they relay the target's ack, or a ``Nack`` when the target
+  stays silent, which tells us our own link works. No ack by the end of the interval: the target
+  becomes *suspect*, and a ``Suspect`` rumour spreads.
+* A suspect that hears of its suspicion refutes it by raising its incarnation and spreading
+  ``Alive``. Otherwise, when its suspicion timeout (shrinking with confirmations, see
+  ``suspicion``) expires, it is declared *dead*.
+* Rumours (``Alive``/``Suspect``/``Dead``) are piggybacked on every packet through a
+  transmit-limited queue (``broadcast``) and pushed by gossip rounds to a few random members;
+  dead members keep receiving gossip for a while so a paused process learns of its death.
+* Periodic TCP push-pull of the full member list with one random member heals what gossip
+  missed and merges partitions. Joining is a push-pull with a known address.
+
+Precedence of rumours about one member, for incarnation i (memberlist's rules): Alive(j) wins
+over anything with i < j; Suspect(i) overrides Alive(i); Dead(i) overrides Alive(i) and
+Suspect(i); Left (a Dead whose accuser is the member itself) overrides Dead(i). Incarnations
+only grow; the member itself is the only one that raises its own incarnation.
+
+The machine owns no socket, clock or random source: the driver passes ``now`` (monotonic
+seconds) and a seeded ``random.Random``, feeds received messages to :meth:`Swim.receive`, calls
+:meth:`Swim.tick` at :meth:`Swim.next_deadline`, and carries out the returned effects.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from ..errors import LocalUsageError, RemoteProtocolError
+from .broadcast import BroadcastQueue
+from .config import MembershipConfig
+from .messages import (
+    Ack,
+    Address,
+    Alive,
+    Dead,
+    Gossip,
+    IndirectPing,
+    MemberSnapshot,
+    MemberState,
+    Message,
+    Meta,
+    Nack,
+    Ping,
+    PushPull,
+    Suspect,
+)
+from .suspicion import Awareness, Suspicion
+from .wire import MAX_MEMBERS, check_meta, encoded_size
+
+EventKind: TypeAlias = Literal["joined", "alive", "suspect", "dead", "left", "updated"]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``msgs`` in one datagram to ``dest``."""
+
+    dest: Address
+    msgs: tuple[Message, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartPushPull:
+    """Open a TCP exchange with ``dest``: send :meth:`Swim.push_pull_state`, feed the reply to
+    :meth:`Swim.merge_push_pull`, and report failure of a join with :meth:`Swim.join_failed`."""
+
+    dest: Address
+    join: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MemberEvent:
+    kind: EventKind
+    member: MemberSnapshot
+    at: float
+
+
+Effect: TypeAlias = Send | StartPushPull | MemberEvent
+
+
+@dataclass(slots=True)
+class _Member:
+    node: str
+    name: str
+    addr: Address
+    incarnation: int
+    state: MemberState
+    meta: Meta
+    since: float
+
+    def snapshot(self) -> MemberSnapshot:
+        return MemberSnapshot(node=self.node, name=self.name, addr=self.addr,
+                              incarnation=self.incarnation, state=self.state, meta=dict(self.meta))
+
+
+@dataclass(slots=True)
+class _Probe:
+    target: str
+    indirect_sent: int = 0
+    nacks: int = 0
+    acked: bool = False
+
+
+@dataclass(slots=True)
+class _Relay:
+    origin: Address
+    origin_seq: int
+    target: str
+    want_nack: bool
+
+
+_LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+MAX_RELAYS = 4096
+"""Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
+
+
+class Swim:
+    """One member's view of the mesh. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        name: str,
+        addr: Address,
+        config: MembershipConfig,
+        rng: random.Random,
+        now: float,
+        meta: Meta | None = None,
+        size_of: Callable[[Gossip], int] = encoded_size,
+    ) -> None:
+        self.config = config
+        self.node_id = node_id
+        self._rng = rng
+        self._me = _Member(node_id, name, addr, 1, MemberState.ALIVE, check_meta(meta or {}), now)
+        self._members: dict[str, _Member] = {}
+        self._peer_ids: list[str] = []  # every known member but us, for O(1) random picks
+        self._peer_index: dict[str, int] = {}
+        self._live = 0  # members (not us) ALIVE or SUSPECT
+        self._departed: dict[str, float] = {}  # DEAD or LEFT members -> since when
+        self._probe_order: list[str] = []
+        self._probe_pos = 0
+        self._probes: dict[int, _Probe] = {}
+        self._relays: dict[int, _Relay] = {}
+        self._suspicions: dict[str, Suspicion] = {}
+        self._seq = 0
+        self._timers: list[tuple[float, int, str, object]] = []  # (when, order, kind, key)
+        self._timer_order = 0
+        self._queue = BroadcastQueue(size_of)
+        self._size_of = size_of
+        self._awareness = Awareness(config.awareness_max_multiplier)
+        self._out: list[Effect] = []
+        self.leaving = False
+        self.counters: dict[str, int] = {}
+        jitter = rng.random()
+        self._arm(now + config.probe_interval * jitter, "probe", None)
+        self._arm(now + config.gossip_interval * jitter, "gossip", None)
+        self._arm(now + 1.0, "reap", None)
+        if config.push_pull_interval > 0:
+            self._arm(now + config.push_pull_interval * (1 + jitter), "push_pull", None)
+        self._broadcast(self._alive_self())
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def incarnation(self) -> int:
+        return self._me.incarnation
+
+    @property
+    def awareness(self) -> int:
+        return self._awareness.score
+
+    def num_live(self) -> int:
+        """Members ALIVE or SUSPECT, us included."""
+        return self._live + 1
+
+    def members(self) -> list[MemberSnapshot]:
+        """Every known member including us (dead ones until they are forgotten)."""
+        return [self._me.snapshot()] + [m.snapshot() for m in self._members.values()]
+
+    def member(self, node_id: str) -> MemberSnapshot | None:
+        if node_id == self.node_id:
+            return self._me.snapshot()
+        m = self._members.get(node_id)
+        return m.snapshot() if m else None
+
+    def next_deadline(self) -> float:
+        return self._timers[0][0] if self._timers else float("inf")
+
+    def join(self, now: float, addrs: Iterable[Address]) -> list[Effect]:
+        """Contact ``addrs`` (seeds or discovered peers) with a joining push-pull."""
+        for addr in addrs:
+            if addr != self._me.addr:
+                self._out.append(StartPushPull(addr, join=True))
+        return self._flush()
+
+    def receive(self, now: float, src: Address, msgs: Sequence[Message]) -> list[Effect]:
+        """Handle the messages of one datagram from ``src``."""
+        for msg in msgs:
+            self._count(f"rx_{type(msg).__name__.lower()}")
+            if isinstance(msg, Ping):
+                self._on_ping(now, src, msg)
+            elif isinstance(msg, IndirectPing):
+                self._on_indirect_ping(now, src, msg)
+            elif isinstance(msg, Ack):
+                self._on_ack(now, msg)
+            elif isinstance(msg, Nack):
+                self._on_nack(msg)
+            elif isinstance(msg, Alive | Suspect | Dead):
+                self._on_gossip(now, msg)
+            else:
+                self._count("dropped_unexpected")
+        return self._flush()
+
+    def tick(self, now: float) -> list[Effect]:
+        """Fire every timer due at ``now``."""
+        while self._timers and self._timers[0][0] <= now:
+            _, _, kind, key = heapq.heappop(self._timers)
+            getattr(self, f"_fire_{kind}")(now, key)
+        return self._flush()
+
+    def push_pull_state(self, *, join: bool = False, observer: bool = False) -> PushPull:
+        """Our full state, to send in a push-pull exchange."""
+        return PushPull(source=self.node_id, members=tuple(self.members()), join=join,
+                        observer=observer)
+
+    def merge_push_pull(self, now: float, remote: PushPull) -> list[Effect]:
+        """Merge a peer's full state (their request to us, or their reply to ours)."""
+        if remote.observer:
+            return self._flush()
+        for m in remote.members:
+            if m.state == MemberState.ALIVE:
+                self._on_alive(now, Alive(node=m.node, name=m.name, addr=m.addr,
+                                          incarnation=m.incarnation, meta=m.meta))
+            elif m.state == MemberState.LEFT:
+                self._on_dead(now, Dead(node=m.node, incarnation=m.incarnation, accuser=m.node))
+            else:
+                # A remote "dead" is only a suspicion here: it lets the member refute it.
+                self._on_suspect(now, Suspect(node=m.node, incarnation=m.incarnation,
+                                              accuser=remote.source))
+        return self._flush()
+
+    def join_failed(self, now: float, dest: Address) -> list[Effect]:
+        self._count("join_failed")
+        return self._flush()
+
+    def update_meta(self, now: float, meta: Meta) -> list[Effect]:
+        """Replace our metadata; spreads as an Alive with a higher incarnation."""
+        try:
+            self._me.meta = check_meta(meta)
+        except RemoteProtocolError as exc:
+            raise LocalUsageError(f"invalid member metadata: {exc}") from None
+        self._me.incarnation += 1
+        self._broadcast(self._alive_self())
+        return self._flush()
+
+    def leave(self, now: float) -> list[Effect]:
+        """Announce a graceful leave. The driver should keep running for about two gossip
+        intervals so the news spreads, then stop."""
+        self.leaving = True
+        msg = Dead(node=self.node_id, incarnation=self._me.incarnation, accuser=self.node_id)
+        self._broadcast(msg)
+        targets = [m for m in self._members.values() if m.state in _LIVE]
+        if len(targets) > 64:
+            targets = self._rng.sample(targets, 64)
+        for m in targets:
+            self._out.append(Send(m.addr, (msg,)))
+        return self._flush()
+
+    def report_unreachable(self, now: float, node_id: str) -> list[Effect]:
+        """Hard evidence (a data-plane connection to ``node_id`` broke): probe it right away,
+        directly and indirectly at once, instead of waiting for its turn."""
+        m = self._members.get(node_id)
+        if m is not None and m.state == MemberState.ALIVE and not any(
+            p.target == node_id for p in self._probes.values()
+        ):
+            self._count("fast_probes")
+            self._start_probe(now, m, indirect_now=True)
+        return self._flush()
+
+    # ------------------------------------------------------------------ probing
+
+    def _fire_probe(self, now: float, _key: object) -> None:
+        interval = self._awareness.scale(self.config.probe_interval)
+        self._arm(now + interval, "probe", None)
+        target = self._next_probe_target()
+        if target is not None:
+            self._start_probe(now, target, indirect_now=False)
+
+    def _next_probe_target(self) -> _Member | None:
+        for _ in range(len(self._probe_order) + 1):
+            if self._probe_pos >= len(self._probe_order):
+                self._probe_order = [n for n in self._peer_ids if self._members[n].state in _LIVE]
+                self._rng.shuffle(self._probe_order)
+                self._probe_pos = 0
+                if not self._probe_order:
+                    return None
+            node = self._probe_order[self._probe_pos]
+            self._probe_pos += 1
+            m = self._members.get(node)
+            if m is not None and m.state in _LIVE:
+                return m
+        return None
+
+    def _start_probe(self, now: float, target: _Member, *, indirect_now: bool) -> None:
+        seq = self._next_seq()
+        self._probes[seq] = _Probe(target.node)
+        self._send(target.addr, Ping(seq=seq, target=target.node, source=self.node_id,
+                                     source_addr=self._me.addr))
+        self._count("probes")
+        if indirect_now:
+            self._send_indirect(seq, target)
+        else:
+            self._arm(now + self._awareness.scale(self.config.probe_timeout), "probe_timeout", seq)
+        self._arm(now + self._awareness.scale(self.config.probe_interval), "probe_end", seq)
+
+    def _fire_probe_timeout(self, now: float, seq: object) -> None:
+        assert isinstance(seq, int)
+        probe = self._probes.get(seq)
+        target = self._members.get(probe.target) if probe else None
+        if probe is None or probe.acked or target is None:
+            return
+        self._send_indirect(seq, target)
+
+    def _send_indirect(self, seq: int, target: _Member) -> None:
+        probe = self._probes[seq]
+        helpers = self._random_members(self.config.indirect_checks, exclude=target.node,
+                                       states=(MemberState.ALIVE,))
+        for helper in helpers:
+            self._send(helper.addr, IndirectPing(seq=seq, target=target.node,
+                                                 target_addr=target.addr, source=self.node_id,
+                                                 source_addr=self._me.addr))
+        probe.indirect_sent = len(helpers)
+
+    def _fire_probe_end(self, now: float, seq: object) -> None:
+        assert isinstance(seq, int)
+        probe = self._probes.pop(seq, None)
+        if probe is None or probe.acked:
+            return
+        # Lifeguard: missing nacks mean our own links or process are the slow part.
+        if probe.indirect_sent:
+            self._awareness.apply(max(probe.indirect_sent - probe.nacks, 0))
+        else:
+            self._awareness.apply(1)
+        target = self._members.get(probe.target)
+        if target is None or target.state not in _LIVE:
+            return
+        self._count("probe_failures")
+        self._on_suspect(now, Suspect(node=target.node, incarnation=target.incarnation,
+                                      accuser=self.node_id))
+
+    def _on_ping(self, now: float, src: Address, ping: Ping) -> None:
+        if ping.target != self.node_id:
+            self._count("dropped_ping_not_for_us")  # stale address of a previous process
+            return
+        extra: tuple[Message, ...] = ()
+        sender = self._members.get(ping.source)
+        if sender is not None and sender.state in (MemberState.DEAD, MemberState.LEFT):
+            # Tell a paused or partitioned member straight away that it was declared dead.
+            extra = (Dead(node=sender.node, incarnation=sender.incarnation, accuser=self.node_id),)
+        self._send(src, Ack(seq=ping.seq, source=self.node_id), *extra)
+
+    def _on_indirect_ping(self, now: float, src: Address, req: IndirectPing) -> None:
+        if len(self._relays) >= MAX_RELAYS:
+            self._count("dropped_relay_cap")
+            return
+        seq = self._next_seq()
+        self._relays[seq] = _Relay(src, req.seq, req.target, req.want_nack)
+        self._send(req.target_addr, Ping(seq=seq, target=req.target, source=self.node_id,
+                                         source_addr=self._me.addr))
+        self._arm(now + self.config.probe_timeout, "relay_timeout", seq)
+
+    def _fire_relay_timeout(self, now: float, seq: object) -> None:
+        assert isinstance(seq, int)
+        relay = self._relays.pop(seq, None)
+        if relay is not None and relay.want_nack:
+            self._send(relay.origin, Nack(seq=relay.origin_seq, source=self.node_id))
+
+    def _on_ack(self, now: float, ack: Ack) -> None:
+        relay = self._relays.pop(ack.seq, None)
+        if relay is not None:
+            if ack.source == relay.target:
+                self._send(relay.origin, Ack(seq=relay.origin_seq, source=ack.source))
+            return
+        probe = self._probes.get(ack.seq)
+        if probe is None or probe.acked or ack.source != probe.target:
+            self._count("dropped_stale_ack")
+            return
+        probe.acked = True
+        self._awareness.apply(-1)
+
+    def _on_nack(self, nack: Nack) -> None:
+        probe = self._probes.get(nack.seq)
+        if probe is not None:
+            probe.nacks += 1
+
+    # ------------------------------------------------------------------ rumours
+
+    def _on_gossip(self, now: float, msg: Gossip) -> None:
+        if isinstance(msg, Alive):
+            self._on_alive(now, msg)
+        elif isinstance(msg, Suspect):
+            self._on_suspect(now, msg)
+        else:
+            self._on_dead(now, msg)
+
+    def _on_alive(self, now: float, a: Alive) -> None:
+        if a.node == self.node_id:
+            if a.incarnation > self._me.incarnation or (
+                a.incarnation == self._me.incarnation
+                and (a.addr != self._me.addr or a.meta != self._me.meta)
+            ):
+                self._refute(a.incarnation)
+            return
+        m = self._members.get(a.node)
+        if m is None:
+            if len(self._members) >= MAX_MEMBERS:
+                self._count("dropped_member_cap")
+                return
+            m = _Member(a.node, a.name, a.addr, a.incarnation, MemberState.ALIVE, dict(a.meta), now)
+            self._add(m)
+            self._emit("joined", m, now)
+            self._broadcast(a)
+            return
+        if a.incarnation <= m.incarnation:
+            return
+        before = m.state
+        changed = (m.addr, m.meta, m.name) != (a.addr, a.meta, a.name)
+        m.incarnation, m.addr, m.meta, m.name = a.incarnation, a.addr, dict(a.meta), a.name
+        if before != MemberState.ALIVE:
+            self._set_state(m, MemberState.ALIVE, now)
+            self._emit("alive" if before == MemberState.SUSPECT else "joined", m, now)
+        elif changed:
+            self._emit("updated", m, now)
+        self._broadcast(a)
+
+    def _on_suspect(self, now: float, s: Suspect) -> None:
+        if s.node == self.node_id:
+            if not self.leaving:
+                self._refute(s.incarnation)
+            return
+        m = self._members.get(s.node)
+        if m is None or s.incarnation < m.incarnation:
+            return
+        if m.state == MemberState.SUSPECT:
+            susp = self._suspicions.get(m.node)
+            if susp is not None and susp.confirm(s.accuser):
+                self._arm(susp.deadline, "suspicion", m.node)
+                self._broadcast(s)
+            return
+        if m.state != MemberState.ALIVE:
+            return
+        m.incarnation = s.incarnation
+        self._set_state(m, MemberState.SUSPECT, now)
+        self._emit("suspect", m, now)
+        self._broadcast(s)
+        n = self.num_live()
+        k = self.config.suspicion_mult - 2
+        if n - 2 < k:
+            k = 0  # too few members to expect independent confirmations
+        lo = self.config.suspicion_min_timeout(n)
+        susp = Suspicion(s.incarnation, now, lo, lo * self.config.suspicion_max_timeout_mult, k,
+                         {s.accuser})
+        self._suspicions[m.node] = susp
+        self._arm(susp.deadline, "suspicion", m.node)
+
+    def _fire_suspicion(self, now: float, node: object) -> None:
+        assert isinstance(node, str)
+        susp = self._suspicions.get(node)
+        m = self._members.get(node)
+        if susp is None or m is None or m.state != MemberState.SUSPECT:
+            return
+        if susp.incarnation != m.incarnation or now < susp.deadline:
+            return  # refuted in between, or a confirmation moved the deadline
+        self._count("suspicion_expired")
+        self._on_dead(now, Dead(node=node, incarnation=m.incarnation, accuser=self.node_id))
+
+    def _on_dead(self, now: float, d: Dead) -> None:
+        left = d.accuser == d.node
+        if d.node == self.node_id:
+            if not self.leaving:
+                self._refute(d.incarnation)
+            return
+        m = self._members.get(d.node)
+        if m is None or d.incarnation < m.incarnation:
+            return
+        if m.state == MemberState.LEFT or (m.state == MemberState.DEAD and not left):
+            return
+        m.incarnation = d.incarnation
+        self._set_state(m, MemberState.LEFT if left else MemberState.DEAD, now)
+        self._suspicions.pop(m.node, None)
+        self._emit("left" if left else "dead", m, now)
+        self._broadcast(d)
+
+    def _refute(self, accused_incarnation: int) -> None:
+        self._me.incarnation = max(self._me.incarnation, accused_incarnation) + 1
+        self._awareness.apply(1)  # being suspected suggests we are the slow one
+        self._count("refutes")
+        self._broadcast(self._alive_self())
+
+    def _alive_self(self) -> Alive:
+        me = self._me
+        return Alive(node=me.node, name=me.name, addr=me.addr, incarnation=me.incarnation,
+                     meta=dict(me.meta))
+
+    # ------------------------------------------------------------------ gossip rounds
+
+    def _fire_gossip(self, now: float, _key: object) -> None:
+        self._arm(now + self.config.gossip_interval, "gossip", None)
+        if not len(self._queue):
+            return
+        for m in self._random_members(self.config.gossip_nodes, exclude=None,
+                                      states=tuple(MemberState), now=now):
+            rumours = self._take_rumours(self.config.packet_budget)
+            if not rumours:
+                break
+            self._out.append(Send(m.addr, tuple(rumours)))
+
+    def _fire_push_pull(self, now: float, _key: object) -> None:
+        period = self.config.push_pull_period(self.num_live())
+        self._arm(now + period * (0.5 + self._rng.random()), "push_pull", None)
+        peers = self._random_members(1, exclude=None, states=(MemberState.ALIVE,))
+        if peers:
+            self._out.append(StartPushPull(peers[0].addr, join=False))
+
+    def _fire_reap(self, now: float, _key: object) -> None:
+        self._arm(now + 1.0, "reap", None)
+        gone = [n for n, since in self._departed.items()
+                if now - since > self.config.dead_reclaim]
+        for node in gone:
+            self._remove(node)
+        stale = [s for s, p in self._probes.items() if p.target not in self._members]
+        for s in stale:
+            del self._probes[s]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _send(self, dest: Address, *msgs: Message) -> None:
+        budget = self.config.packet_budget - sum(self._size_of(m) for m in msgs
+                                                 if isinstance(m, Alive | Suspect | Dead))
+        budget -= 48 * len(msgs)
+        rumours = self._take_rumours(budget) if budget > 32 else []
+        self._out.append(Send(dest, (*msgs, *rumours)))
+
+    def _take_rumours(self, budget: int) -> list[Gossip]:
+        if not len(self._queue):
+            return []
+        return self._queue.take(budget, self.config.retransmit_limit(self.num_live()))
+
+    def _broadcast(self, msg: Gossip) -> None:
+        self._queue.push(msg)
+
+    def _random_members(
+        self,
+        k: int,
+        *,
+        exclude: str | None,
+        states: tuple[MemberState, ...],
+        now: float | None = None,
+    ) -> list[_Member]:
+        """Up to ``k`` distinct random members in ``states`` (dead ones only within
+        ``gossip_to_dead`` of their death when ``now`` is given). Rejection sampling keeps
+        this O(k) for large meshes."""
+        picked: dict[str, _Member] = {}
+        ids = self._peer_ids
+        for _ in range(min(len(ids), 4 * k + 8)):
+            if len(picked) >= k:
+                break
+            m = self._members[ids[self._rng.randrange(len(ids))]]
+            if m.node == exclude or m.node in picked or m.state not in states:
+                continue
+            if (now is not None and m.state not in _LIVE
+                    and now - m.since > self.config.gossip_to_dead):
+                continue
+            picked[m.node] = m
+        return list(picked.values())
+
+    def _add(self, m: _Member) -> None:
+        self._members[m.node] = m
+        self._peer_index[m.node] = len(self._peer_ids)
+        self._peer_ids.append(m.node)
+        if m.state in _LIVE:
+            self._live += 1
+            # Insert at a random place in the current probe round so a new member is probed
+            # soon, not after a whole round.
+            pos = self._rng.randint(self._probe_pos, len(self._probe_order))
+            self._probe_order.insert(pos, m.node)
+
+    def _remove(self, node: str) -> None:
+        m = self._members.pop(node)
+        if m.state in _LIVE:
+            self._live -= 1
+        idx = self._peer_index.pop(node)
+        last = self._peer_ids.pop()
+        if last != node:
+            self._peer_ids[idx] = last
+            self._peer_index[last] = idx
+        self._suspicions.pop(node, None)
+        self._departed.pop(node, None)
+
+    def _set_state(self, m: _Member, state: MemberState, now: float) -> None:
+        self._live += (state in _LIVE) - (m.state in _LIVE)
+        m.state = state
+        m.since = now
+        if state in _LIVE:
+            self._departed.pop(m.node, None)
+        else:
+            self._departed[m.node] = now
+
+    def _emit(self, kind: EventKind, m: _Member, now: float) -> None:
+        self._count(f"event_{kind}")
+        self._out.append(MemberEvent(kind, m.snapshot(), now))
+
+    def _arm(self, when: float, kind: str, key: object) -> None:
+        self._timer_order += 1
+        heapq.heappush(self._timers, (when, self._timer_order, kind, key))
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) % (1 << 32)
+        return self._seq
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    def _flush(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out

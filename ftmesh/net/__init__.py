@@ -1,0 +1,7 @@
+"""trio runtime: drives the membership machine over real sockets."""
+
+from __future__ import annotations
+
+from .node import Node, NodeConfig, open_node, parse_hostport
+
+__all__ = ["Node", "NodeConfig", "open_node", "parse_hostport"]

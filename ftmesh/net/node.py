@@ -1,0 +1,401 @@
+"""The trio runtime of one mesh member: drives the SWIM machine over UDP and TCP.
+
+Theory of operation: the ``Swim`` machine decides; this module only moves bytes and time.
+Four long-lived tasks run in the node's nursery:
+
+* the UDP loop opens each datagram with the ``PacketCodec`` (bad input is counted and dropped
+  here, never raised further) and feeds the messages to the machine;
+* the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
+  call makes an earlier deadline) and then ticks it;
+* the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
+* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins.
+
+Effects come back from every machine call and are applied at once: datagrams are sent without
+blocking (a full socket buffer drops the datagram, as the network might, and counts it);
+push-pulls run as short tasks with a deadline; member events go to every subscriber's bounded
+channel (a subscriber that does not keep up loses events and the loss is counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+
+import trio
+
+from ..discovery import Advert, make_discovery
+from ..errors import ConfigError, RemoteProtocolError
+from ..membership.config import MembershipConfig
+from ..membership.messages import Address, MemberSnapshot, Meta
+from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
+from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
+from ..security import MeshAuth
+from .frames import exchange_push_pull, read_push_pull, write_push_pull
+
+log = logging.getLogger("ftmesh.node")
+
+MAX_CONCURRENT_PUSH_PULLS = 16
+"""Outgoing and incoming TCP exchanges at once; more are refused, bounding sockets and tasks."""
+JOIN_RETRY_INTERVAL = 2.0
+"""Seconds before a discovered address that is not yet a live member is contacted again."""
+
+
+def parse_hostport(text: str) -> Address:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"expected HOST:PORT, got {text!r}")
+    return (host, int(port))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Identity and network settings of one member; timing lives in ``membership``."""
+
+    mesh: str = "default"
+    """Mesh name: members of different meshes never merge, even on one LAN."""
+    name: str = ""
+    """Human name; default ``hostname-pid``."""
+    bind: str = "127.0.0.1"
+    """Address the gossip UDP and TCP sockets bind to."""
+    port: int = 0
+    """Gossip port (UDP and TCP); 0 picks a free one."""
+    advertise: str = ""
+    """Address peers use to reach us; default ``bind`` (required when binding 0.0.0.0)."""
+    discovery: str = "local"
+    """``local`` (same host, no multicast), ``seeds`` (the ``join`` list), ``mdns`` (LAN
+    multicast) or ``none`` (only ``join``)."""
+    join: tuple[str, ...] = ()
+    """``HOST:PORT`` of members (or DNS names resolving to several) to join through."""
+    interface: str = ""
+    """For ``mdns``: the IPv4 address of the interface to announce and browse on."""
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    auth: MeshAuth = field(default_factory=MeshAuth.none)
+    meta: Meta = field(default_factory=dict)
+    registry_dir: str = ""
+    """For ``local``: where same-host members register; default per ``ftmesh.discovery``."""
+
+    def __post_init__(self) -> None:
+        if not self.mesh or len(self.mesh) > MAX_MESH_NAME:
+            raise ConfigError(f"mesh name must be 1..{MAX_MESH_NAME} characters")
+        if self.discovery not in ("local", "seeds", "mdns", "none"):
+            raise ConfigError(f"unknown discovery {self.discovery!r}: local, seeds, mdns, none")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port out of range: {self.port}")
+        for j in self.join:
+            parse_hostport(j)
+
+
+class Node:
+    """A running member. Get one from :func:`open_node`."""
+
+    def __init__(self, config: NodeConfig, swim: Swim, sock: socket.socket) -> None:
+        self.config = config
+        self._swim = swim
+        self._sock = sock
+        self._codec = PacketCodec(config.mesh, config.auth, config.membership.replay_window)
+        self._nonce_rng = random.Random(os.urandom(16))
+        self._subscribers: list[trio.MemorySendChannel[MemberEvent]] = []
+        self._timer_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
+        self._push_pull_slots = trio.Semaphore(MAX_CONCURRENT_PUSH_PULLS)
+        self._join_attempts: dict[Address, float] = {}
+        self._last_log: dict[str, float] = {}
+        self.counters: dict[str, int] = {}
+        self._last_incarnation = swim.incarnation
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def node_id(self) -> str:
+        return self._swim.node_id
+
+    @property
+    def name(self) -> str:
+        me = self._swim.member(self.node_id)
+        assert me is not None
+        return me.name
+
+    @property
+    def address(self) -> Address:
+        """The gossip address other members can join through."""
+        me = self._swim.member(self.node_id)
+        assert me is not None
+        return me.addr
+
+    @property
+    def incarnation(self) -> int:
+        return self._swim.incarnation
+
+    def me(self) -> MemberSnapshot:
+        me = self._swim.member(self.node_id)
+        assert me is not None
+        return me
+
+    def members(self) -> list[MemberSnapshot]:
+        """Every known member, us first; dead and left ones until they are forgotten."""
+        return self._swim.members()
+
+    def alive_members(self) -> list[MemberSnapshot]:
+        return [m for m in self._swim.members() if m.state == 0]
+
+    def subscribe(self, max_buffer: int = 4096) -> trio.MemoryReceiveChannel[MemberEvent]:
+        """A channel of every membership event from now on (bounded; overflow is counted)."""
+        send, recv = trio.open_memory_channel[MemberEvent](max_buffer)
+        self._subscribers.append(send)
+        return recv
+
+    async def events(self) -> AsyncIterator[MemberEvent]:
+        """``async for event in node.events()``: membership events from now on."""
+        recv = self.subscribe()
+        async with recv:
+            async for ev in recv:
+                yield ev
+
+    def update_meta(self, meta: Meta) -> None:
+        """Replace our metadata; it spreads to every member with a higher incarnation."""
+        self._apply(self._swim.update_meta(trio.current_time(), meta))
+
+    def join(self, addrs: list[Address]) -> None:
+        """Contact these addresses to join (or merge with) their mesh."""
+        self._apply(self._swim.join(trio.current_time(), addrs))
+
+    def report_unreachable(self, node_id: str) -> None:
+        """Hard evidence from the data plane: probe ``node_id`` now."""
+        self._apply(self._swim.report_unreachable(trio.current_time(), node_id))
+
+    def statistics(self) -> dict[str, int]:
+        """Drop counters of this driver and the protocol machine's counters."""
+        return {**self._swim.counters, **self.counters}
+
+    # ------------------------------------------------------------------ effects
+
+    def _apply(self, effects: list[Effect]) -> None:
+        if self._swim.incarnation != self._last_incarnation:
+            # We refuted a suspicion or a death (or changed metadata): tell subscribers about
+            # ourselves, as an "alive" event whose member is us.
+            self._last_incarnation = self._swim.incarnation
+            effects = [*effects, MemberEvent("alive", self.me(), trio.current_time())]
+        for eff in effects:
+            if isinstance(eff, Send):
+                data = self._codec.seal(eff.msgs, time.time(), self._nonce_rng.randbytes(8))
+                try:
+                    self._sock.sendto(data, eff.dest)
+                except (BlockingIOError, InterruptedError):
+                    self._count("tx_dropped_full")
+                except OSError as exc:
+                    self._count("tx_errors")
+                    self._log_limited("tx", "send to %s failed: %s", eff.dest, exc)
+            elif isinstance(eff, StartPushPull):
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._push_pull, eff.dest, eff.join)
+            else:
+                for ch in self._subscribers:
+                    try:
+                        ch.send_nowait(eff)
+                    except trio.WouldBlock:
+                        self._count("events_dropped_slow_subscriber")
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self._subscribers.remove(ch)
+        if self._timer_scope is not None:
+            self._timer_scope.deadline = min(self._timer_scope.deadline, self._swim.next_deadline())
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    def _log_limited(self, key: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(key, -1e9) > 10.0:
+            self._last_log[key] = now
+            log.warning(fmt, *args)
+
+    def _drop(self, exc: RemoteProtocolError, src: object) -> None:
+        self._count(f"rx_dropped_{exc.reason}")
+        self._log_limited(f"rx_{exc.reason}", "dropped input from %s: %s", src, exc)
+
+    # ------------------------------------------------------------------ tasks
+
+    async def _udp_loop(self) -> None:
+        tsock = trio.socket.from_stdlib_socket(self._sock)
+        while True:
+            try:
+                data, src = await tsock.recvfrom(MAX_DATAGRAM + 1)
+            except OSError as exc:  # e.g. ICMP port unreachable surfacing on Linux
+                self._count("rx_errors")
+                self._log_limited("rx_err", "recvfrom failed: %s", exc)
+                continue
+            try:
+                msgs = self._codec.open(data, time.time())
+            except RemoteProtocolError as exc:
+                self._drop(exc, src)
+                continue
+            self._apply(self._swim.receive(trio.current_time(), (src[0], src[1]), msgs))
+
+    async def _timer_loop(self) -> None:
+        while True:
+            with trio.CancelScope(deadline=self._swim.next_deadline()) as scope:
+                self._timer_scope = scope
+                await trio.sleep_forever()
+            self._timer_scope = None
+            self._apply(self._swim.tick(trio.current_time()))
+
+    async def _push_pull(self, dest: Address, join: bool) -> None:
+        if self._push_pull_slots.value == 0:
+            self._count("push_pull_refused_busy")
+            return
+        async with self._push_pull_slots:
+            ours = self._swim.push_pull_state(join=join)
+            try:
+                theirs = await exchange_push_pull(
+                    dest, self._codec, ours, self.config.membership.tcp_timeout
+                )
+            except RemoteProtocolError as exc:
+                self._drop(exc, dest)
+                self._apply(self._swim.join_failed(trio.current_time(), dest))
+                return
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                self._count("push_pull_failed")
+                self._log_limited("pp_fail", "push-pull with %s failed: %r", dest, exc)
+                self._apply(self._swim.join_failed(trio.current_time(), dest))
+                return
+            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+
+    async def _serve_tcp(self, listener: trio.SocketListener) -> None:
+        async with listener, trio.open_nursery() as nursery:
+            while True:
+                stream = await listener.accept()
+                if self._push_pull_slots.value == 0:
+                    self._count("tcp_refused_busy")
+                    await stream.aclose()
+                    continue
+                nursery.start_soon(self._handle_tcp, stream)
+
+    async def _handle_tcp(self, stream: trio.SocketStream) -> None:
+        async with self._push_pull_slots, stream:
+            try:
+                with trio.fail_after(self.config.membership.tcp_timeout):
+                    theirs = await read_push_pull(stream, self._codec)
+                    await write_push_pull(stream, self._codec, self._swim.push_pull_state())
+            except RemoteProtocolError as exc:
+                self._drop(exc, "tcp")
+                return
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError):
+                self._count("tcp_failed")
+                return
+            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+
+    def _on_found(self, advert: Advert) -> None:
+        addr = (advert.host, advert.port)
+        if addr == self.address or (advert.node_id and advert.node_id == self.node_id):
+            return
+        if any(m.addr == addr and m.state == 0 for m in self._swim.members()):
+            return
+        now = trio.current_time()
+        if now - self._join_attempts.get(addr, -1e9) < JOIN_RETRY_INTERVAL:
+            return
+        if len(self._join_attempts) > 4096:
+            self._join_attempts.clear()
+        self._join_attempts[addr] = now
+        self.join([addr])
+
+    async def _run_discovery(self, *, task_status: trio.TaskStatus[None]) -> None:
+        cfg = self.config
+        kind = cfg.discovery
+        if kind == "none":
+            task_status.started()
+            return
+        discovery = make_discovery(
+            kind,
+            seeds=cfg.join,
+            interface_ip=cfg.interface or None,
+            registry_dir=cfg.registry_dir or None,
+        )
+        host, port = self.address
+        advert = Advert(mesh=cfg.mesh, node_id=self.node_id, name=self.name, host=host, port=port)
+        await discovery.run(advert, self._on_found, task_status=task_status)
+
+    async def _leave(self) -> None:
+        self._apply(self._swim.leave(trio.current_time()))
+        # Keep answering for a moment so the leave spreads before we go silent.
+        await trio.sleep(min(2 * self.config.membership.gossip_interval, 1.0))
+
+
+def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket bound to the same port (a free one when ``port`` is 0)."""
+    last: OSError | None = None
+    for _ in range(50 if port == 0 else 1):
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+            udp.bind((host, port))
+            udp.setblocking(False)
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                tcp.bind((host, udp.getsockname()[1]))
+                tcp.listen(128)
+            except OSError:
+                tcp.close()
+                raise
+            return udp, tcp
+        except OSError as exc:
+            udp.close()
+            last = exc
+    raise ConfigError(f"cannot bind gossip port {port} on {host}: {last}")
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@asynccontextmanager
+async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
+    """Run a mesh member for the duration of the ``async with`` block; leave gracefully on
+    exit.
+
+    ``async with open_node(NodeConfig(mesh="lab")) as node: ...``
+    """
+    config = config or NodeConfig()
+    if config.bind in ("0.0.0.0", "") and not config.advertise:
+        raise ConfigError("binding to all interfaces needs an explicit advertise address")
+    udp, tcp = _bind_udp_tcp(config.bind, config.port)
+    advertise = (config.advertise or config.bind, udp.getsockname()[1])
+    node_id = os.urandom(16).hex()
+    swim = Swim(
+        node_id=node_id,
+        name=config.name or default_name(),
+        addr=advertise,
+        config=config.membership,
+        rng=random.Random(os.urandom(16)),
+        now=trio.current_time(),
+        meta=config.meta,
+    )
+    node = Node(config, swim, udp)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
+    try:
+        async with trio.open_nursery() as nursery:
+            node._nursery = nursery
+            nursery.start_soon(node._udp_loop)
+            nursery.start_soon(node._timer_loop)
+            nursery.start_soon(node._serve_tcp, listener)
+            if config.join:
+                node.join([parse_hostport(j) for j in config.join])
+            await nursery.start(node._run_discovery)
+            try:
+                yield node
+            finally:
+                with trio.CancelScope(shield=True):
+                    await node._leave()
+                nursery.cancel_scope.cancel()
+    finally:
+        for ch in node._subscribers:
+            ch.close()
+        with suppress(OSError):
+            udp.close()
+        with suppress(OSError):
+            tcp.close()

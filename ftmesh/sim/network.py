@@ -1,0 +1,218 @@
+"""Deterministic in-memory network for the sans-IO membership machines.
+
+Theory of operation: one event heap drives everything. Datagrams become ``deliver`` events
+after a random latency (or vanish with probability ``loss``, or when a partition separates the
+two ends); push-pull exchanges complete after a round trip; each node's timers become ``tick``
+events at its ``next_deadline``. A crashed node drops everything; a paused node keeps its
+inbox and processes it (late) when resumed, like a SIGSTOPped process. All randomness comes
+from one seeded ``random.Random``, so a run is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ..membership.config import MembershipConfig
+from ..membership.messages import Address, Message
+from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
+from ..membership.wire import encoded_size
+
+
+@dataclass(slots=True)
+class SimNode:
+    swim: Swim
+    addr: Address
+    crashed: bool = False
+    paused: bool = False
+    inbox: list[tuple[Address, tuple[Message, ...]]] = field(default_factory=list)
+    scheduled: float = float("inf")
+    msgs_sent: int = 0
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SeenEvent:
+    time: float
+    observer: str
+    event: MemberEvent
+
+
+class SimNetwork:
+    def __init__(
+        self,
+        *,
+        seed: int,
+        config: MembershipConfig,
+        loss: float = 0.0,
+        latency: tuple[float, float] = (0.0002, 0.002),
+        count_bytes: bool = True,
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.config = config
+        self.loss = loss
+        self.latency = latency
+        self.count_bytes = count_bytes
+        self.now = 0.0
+        self.nodes: dict[Address, SimNode] = {}
+        self.by_id: dict[str, SimNode] = {}
+        self.events: list[SeenEvent] = []
+        self.on_event: Callable[[SeenEvent], None] | None = None
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._order = 0
+        self._group: dict[Address, int] = {}  # partition group per node; absent = group 0
+        self.dropped = 0
+        self._sizes: dict[int, tuple[Message, int]] = {}
+
+    # ------------------------------------------------------------------ topology
+
+    def add_node(self, *, join: Iterable[Address] = ()) -> SimNode:
+        idx = len(self.nodes) + 1
+        addr = (f"10.{idx // 65536}.{idx // 256 % 256}.{idx % 256}", 7946)
+        node_id = f"{self.rng.getrandbits(128):032x}"
+        swim = Swim(node_id=node_id, name=f"n{idx}", addr=addr, config=self.config,
+                    rng=random.Random(self.rng.getrandbits(64)), now=self.now)
+        node = SimNode(swim, addr)
+        self.nodes[addr] = node
+        self.by_id[node_id] = node
+        self._apply(node, swim.join(self.now, list(join)))
+        self._reschedule(node)
+        return node
+
+    def crash(self, node: SimNode) -> None:
+        node.crashed = True
+        node.inbox.clear()
+
+    def pause(self, node: SimNode) -> None:
+        node.paused = True
+
+    def resume(self, node: SimNode) -> None:
+        node.paused = False
+        inbox, node.inbox = node.inbox, []
+        for src, msgs in inbox:
+            self._apply(node, node.swim.receive(self.now, src, msgs))
+        node.scheduled = float("inf")
+        self._apply(node, node.swim.tick(self.now))
+        self._reschedule(node)
+
+    def partition(self, groups: Iterable[Iterable[SimNode]]) -> None:
+        """Cut the network between groups; nodes not named form group 0."""
+        self._group = {}
+        for gi, group in enumerate(groups, start=1):
+            for n in group:
+                self._group[n.addr] = gi
+
+    def heal(self) -> None:
+        self._group = {}
+
+    # ------------------------------------------------------------------ running
+
+    def run_until(self, t_end: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= t_end:
+            when, _, kind, payload = heapq.heappop(heap)
+            self.now = when
+            if kind == "tick":
+                node = payload
+                assert isinstance(node, SimNode)
+                if node.scheduled != when or node.crashed or node.paused:
+                    continue
+                node.scheduled = float("inf")
+                self._apply(node, node.swim.tick(when))
+                self._reschedule(node)
+            elif kind == "deliver":
+                dest, src, msgs = payload  # type: ignore[misc]
+                node = self.nodes[dest]
+                if node.crashed:
+                    continue
+                if node.paused:
+                    node.inbox.append((src, msgs))
+                    continue
+                self._apply(node, node.swim.receive(when, src, msgs))
+                self._reschedule(node)
+            elif kind == "push_pull":
+                self._push_pull(*payload)  # type: ignore[misc]
+        self.now = t_end
+
+    def _push_pull(self, src: SimNode, dest_addr: Address, join: bool) -> None:
+        dest = self.nodes.get(dest_addr)
+        if src.crashed or src.paused:
+            return
+        if dest is None or dest.crashed or dest.paused or not self._connected(src.addr, dest_addr):
+            self._apply(src, src.swim.join_failed(self.now, dest_addr) if join else [])
+            return
+        request = src.swim.push_pull_state(join=join)
+        reply = dest.swim.push_pull_state()
+        self._account(src, request)
+        self._account(dest, reply)
+        self._apply(dest, dest.swim.merge_push_pull(self.now, request))
+        self._reschedule(dest)
+        self._apply(src, src.swim.merge_push_pull(self.now, reply))
+        self._reschedule(src)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _apply(self, node: SimNode, effects: list[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Send):
+                self._account(node, *eff.msgs)
+                if not self._connected(node.addr, eff.dest) or self.rng.random() < self.loss:
+                    self.dropped += 1
+                    continue
+                lo, hi = self.latency
+                self._push(self.now + self.rng.uniform(lo, hi), "deliver",
+                           (eff.dest, node.addr, eff.msgs))
+            elif isinstance(eff, StartPushPull):
+                lo, hi = self.latency
+                self._push(self.now + 2 * self.rng.uniform(lo, hi), "push_pull",
+                           (node, eff.dest, eff.join))
+            else:
+                seen = SeenEvent(self.now, node.swim.node_id, eff)
+                self.events.append(seen)
+                if self.on_event is not None:
+                    self.on_event(seen)
+
+    def _account(self, node: SimNode, *msgs: Message) -> None:
+        node.msgs_sent += 1
+        if self.count_bytes:
+            node.bytes_sent += 28 + sum(self._size(m) for m in msgs)
+
+    def _size(self, msg: Message) -> int:
+        # Rumours are shared objects piggybacked many times: encode each once. The cache holds
+        # the message itself so its id cannot be reused while cached.
+        hit = self._sizes.get(id(msg))
+        if hit is None:
+            hit = (msg, encoded_size(msg))
+            self._sizes[id(msg)] = hit
+        return hit[1]
+
+    def _connected(self, a: Address, b: Address) -> bool:
+        return self._group.get(a, 0) == self._group.get(b, 0)
+
+    def _reschedule(self, node: SimNode) -> None:
+        nd = node.swim.next_deadline()
+        if nd < node.scheduled:
+            node.scheduled = nd
+            self._push(nd, "tick", node)
+
+    def _push(self, when: float, kind: str, payload: object) -> None:
+        self._order += 1
+        heapq.heappush(self._heap, (when, self._order, kind, payload))
+
+    # ------------------------------------------------------------------ queries
+
+    def live_nodes(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if not n.crashed]
+
+    def converged(self) -> bool:
+        """Every running node sees exactly the running nodes as alive."""
+        running = {n.swim.node_id for n in self.live_nodes() if not n.paused}
+        for n in self.live_nodes():
+            if n.paused:
+                continue
+            alive = {m.node for m in n.swim.members() if m.state == 0}
+            if alive != running:
+                return False
+        return True

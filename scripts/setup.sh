@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Idempotent setup: system packages the tests need (when root), a virtual environment in .venv
+# with ftmesh and its dev + torch extras. torch is pinned to the CPU build in pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${need_apt[*]} (network-namespace lab tests)"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: ${need_apt[*]} missing and not root: namespace tests will be skipped" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.ftmesh-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev,torch]'
+  touch "$stamp"
+fi
