@@ -1,17 +1,11 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ftmesh.lab.procs import NodeGroup
-
-ROOT = Path(__file__).resolve().parent.parent
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root to create network namespaces (CI runs as root)"
-)
 
 
 @pytest.fixture

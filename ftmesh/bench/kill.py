@@ -28,8 +28,10 @@ def run_kill_bench(*, procs: int, rounds: int, preset: str) -> dict[str, Any]:
             survivors = [n for n in nodes if n is not victim]
             killed = time.monotonic()
             victim.kill()
-            seen = [n.wait_seen(declared_dead(victim.node_id), timeout=30).mono - killed
-                    for n in survivors]
+            seen = [
+                n.wait_seen(declared_dead(victim.node_id), timeout=30).mono - killed
+                for n in survivors
+            ]
             firsts.append(min(seen))
             lasts.append(max(seen))
             # Replace the victim so every round runs at the same size.
@@ -42,8 +44,7 @@ def run_kill_bench(*, procs: int, rounds: int, preset: str) -> dict[str, Any]:
         "rounds": rounds,
         "preset": preset,
         "first_dead_s": {"median": statistics.median(firsts), "max": max(firsts)},
-        "last_dead_s": {"median": statistics.median(lasts), "max": max(lasts),
-                        "min": min(lasts)},
+        "last_dead_s": {"median": statistics.median(lasts), "max": max(lasts), "min": min(lasts)},
         "protocol_bound_s": bound,
     }
 

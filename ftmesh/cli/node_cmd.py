@@ -74,7 +74,7 @@ def _emit(fmt: str, record: dict[str, Any]) -> None:
 
 
 async def _print_events(node: Node, fmt: str) -> None:
-    async for ev in node.events():
+    async for ev in node.events(replay=True):
         # Events about ourselves (a refutation raised our incarnation) print as "self".
         kind = "self" if ev.member.node == node.node_id else ev.kind
         _emit(fmt, event_record(kind, ev.member))

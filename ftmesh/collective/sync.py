@@ -5,8 +5,8 @@ private daemon thread and waits until the listener is bound. A collective on a v
 already open runs straight in the caller's thread (the engine is blocking-socket code, see
 ``engine``); opening a ring for a new view is handed to the trio thread with
 ``trio.from_thread.run``. Calls are serialised; the arrays are shared, not copied. Don't use the
-underlying async ``dp`` concurrently with this facade. ``close()`` (or leaving the ``with`` block) cancels the trio run and joins
-the thread, bounded by ``join_timeout``.
+underlying async ``dp`` concurrently with this facade. ``close()`` (or leaving the ``with``
+block) cancels the trio run and joins the thread, bounded by ``join_timeout``.
 """
 
 from __future__ import annotations

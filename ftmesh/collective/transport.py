@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from ..errors import FtmeshError, RemoteProtocolError
+from ..errors import CollectiveError, FtmeshError, RemoteProtocolError
 from ..security import MeshAuth
 from . import wire
 from .config import CollectiveConfig
@@ -348,6 +348,13 @@ class Transport:
                 except (OSError, EOFError) as exc:
                     sock.close()
                     last = exc
+                except RemoteProtocolError as exc:
+                    sock.close()
+                    raise CollectiveError(
+                        f"{self.node_id}: ring neighbour {peer.node_id} refused or failed the "
+                        f"data-plane handshake ({exc}); is it in the same mesh, with the same "
+                        "secret?"
+                    ) from None
                 except BaseException:
                     sock.close()
                     raise

@@ -32,7 +32,7 @@ import trio
 from ..discovery import Advert, make_discovery
 from ..errors import ConfigError, RemoteProtocolError
 from ..membership.config import MembershipConfig
-from ..membership.messages import Address, MemberSnapshot, Meta
+from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
 from ..security import MeshAuth
@@ -144,15 +144,28 @@ class Node:
     def alive_members(self) -> list[MemberSnapshot]:
         return [m for m in self._swim.members() if m.state == 0]
 
-    def subscribe(self, max_buffer: int = 4096) -> trio.MemoryReceiveChannel[MemberEvent]:
-        """A channel of every membership event from now on (bounded; overflow is counted)."""
+    def subscribe(
+        self, max_buffer: int = 4096, *, replay: bool = False
+    ) -> trio.MemoryReceiveChannel[MemberEvent]:
+        """A channel of every membership event from now on (bounded; overflow is counted).
+
+        With ``replay`` the channel starts with a ``joined`` event for every member already
+        alive or suspect, taken atomically with the subscription, so nothing falls in a gap.
+        """
         send, recv = trio.open_memory_channel[MemberEvent](max_buffer)
+        if replay:
+            now = trio.current_time()
+            for m in self._swim.members()[1:]:
+                if m.state in (MemberState.ALIVE, MemberState.SUSPECT):
+                    with suppress(trio.WouldBlock):
+                        send.send_nowait(MemberEvent("joined", m, now))
         self._subscribers.append(send)
         return recv
 
-    async def events(self) -> AsyncIterator[MemberEvent]:
-        """``async for event in node.events()``: membership events from now on."""
-        recv = self.subscribe()
+    async def events(self, *, replay: bool = False) -> AsyncIterator[MemberEvent]:
+        """``async for event in node.events()``: membership events from now on (with
+        ``replay``, first a ``joined`` event per current member)."""
+        recv = self.subscribe(replay=replay)
         async with recv:
             async for ev in recv:
                 yield ev

@@ -1,0 +1,103 @@
+"""Collectives across real processes on loopback (tests/collective_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("collective_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(n: int, mode: str, io_timeout: float = 10.0) -> list[subprocess.Popen[str]]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), f"p{i}", str(io_timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        for i in range(n)
+    ]
+    peers = []
+    for i, p in enumerate(procs):
+        assert p.stdout is not None
+        line = p.stdout.readline().split()
+        assert line and line[0] == "ADDR", line
+        peers.append([f"p{i}", int(line[1])])
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps({"peers": peers, "mode": mode}) + "\n")
+        p.stdin.flush()
+    return procs
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        for f in (p.stdin, p.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_correct_and_bitwise_identical_across_processes(n: int) -> None:
+    procs = start(n, "correctness")
+    try:
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0
+            results.append([json.loads(line) for line in out.splitlines() if line.strip()])
+    finally:
+        stop(procs)
+    cases = [r["case"] for r in results[0]]
+    assert cases[-1] == "done" and len(cases) > 100
+    for rank_results in results:
+        bad = [r for r in rank_results if not r["ok"]]
+        assert not bad, bad[:5]
+    for i, case in enumerate(cases):
+        if case.startswith(("allreduce", "allgather", "broadcast")):
+            hashes = {res[i]["hash"] for res in results}
+            assert len(hashes) == 1, f"{case}: members differ"
+
+
+@pytest.mark.slow
+def test_killed_peer_raises_peer_lost_on_survivors_within_deadline() -> None:
+    io_timeout = 10.0
+    procs = start(4, "until_lost", io_timeout)
+    try:
+        victim = procs[2]
+        assert victim.stdout is not None
+        for _ in range(1000):  # wait until collectives are running
+            line = json.loads(victim.stdout.readline())
+            if line.get("iter", 0) >= 2:
+                break
+        victim.kill()
+        killed_at = time.monotonic()
+        for i, p in enumerate(procs):
+            if p is victim:
+                continue
+            assert p.stdout is not None
+            last: dict[str, object] = {}
+            for _ in range(1000):
+                raw = p.stdout.readline()
+                if not raw:
+                    break
+                last = json.loads(raw)
+                if "iter" not in last:
+                    break
+            assert last.get("lost") == "p2", (i, last)
+            assert "PeerLost" in str(last.get("type")) or "Lost" in str(last.get("type"))
+            assert float(last["t"]) - killed_at < io_timeout  # type: ignore[arg-type]
+            p.wait(30)
+    finally:
+        stop(procs)
