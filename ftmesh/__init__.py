@@ -12,6 +12,10 @@ from .errors import (
     PeerLostError,
     RemoteProtocolError,
 )
+from .membership.config import MembershipConfig
+from .mesh import Mesh, MeshConfig, open_mesh
+from .net.node import Node, NodeConfig, open_node
+from .sync import SyncMesh, connect
 
 __version__ = "0.1.0"
 
@@ -21,6 +25,15 @@ __all__ = [
     "DeadlineExceeded",
     "FtmeshError",
     "LocalUsageError",
+    "MembershipConfig",
+    "Mesh",
+    "MeshConfig",
+    "Node",
+    "NodeConfig",
+    "SyncMesh",
+    "connect",
+    "open_mesh",
+    "open_node",
     "MeshClosedError",
     "PeerLostError",
     "RemoteProtocolError",

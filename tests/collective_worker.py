@@ -49,8 +49,14 @@ def correctness(dp: SyncDataPlane, view: RingView, rank: int) -> None:
                 res = dp.allreduce(view, x, op=op)
                 err = float(np.abs(x.astype(np.float64) - want[op]).max()) if size else 0.0
                 ok = err <= TOL.get(dtype, 0.0) * n and res.members == view.node_ids
-                emit({"case": f"allreduce/{dtype}/{op}/{size}", "ok": ok, "err": err,
-                      "hash": hashlib.sha256(x.tobytes()).hexdigest()})
+                emit(
+                    {
+                        "case": f"allreduce/{dtype}/{op}/{size}",
+                        "ok": ok,
+                        "err": err,
+                        "hash": hashlib.sha256(x.tobytes()).hexdigest(),
+                    }
+                )
     for size in sizes:
         allx = [member_input("float32", size, r, size) for r in range(n)]
         x = allx[rank]
@@ -60,11 +66,19 @@ def correctness(dp: SyncDataPlane, view: RingView, rank: int) -> None:
         emit({"case": f"reduce_scatter/{size}/{rank}", "ok": ok, "hash": ""})
         ag = dp.allgather(view, x).output
         ok = bool(np.array_equal(ag, np.stack(allx)))
-        emit({"case": f"allgather/{size}", "ok": ok, "hash": hashlib.sha256(ag.tobytes()).hexdigest()})
+        emit(
+            {
+                "case": f"allgather/{size}",
+                "ok": ok,
+                "hash": hashlib.sha256(ag.tobytes()).hexdigest(),
+            }
+        )
         b = x.copy()
         dp.broadcast(view, b, root=view.node_ids[0])
         ok = bool(np.array_equal(b, allx[0]))
-        emit({"case": f"broadcast/{size}", "ok": ok, "hash": hashlib.sha256(b.tobytes()).hexdigest()})
+        emit(
+            {"case": f"broadcast/{size}", "ok": ok, "hash": hashlib.sha256(b.tobytes()).hexdigest()}
+        )
     dp.barrier(view)
     emit({"case": "done", "ok": True, "hash": ""})
 
@@ -75,8 +89,14 @@ def until_lost(dp: SyncDataPlane, view: RingView) -> None:
         try:
             dp.allreduce(view, x)
         except PeerLostError as exc:
-            emit({"lost": getattr(exc, "peer", None), "type": type(exc).__name__,
-                  "t": time.monotonic(), "msg": str(exc)})
+            emit(
+                {
+                    "lost": getattr(exc, "peer", None),
+                    "type": type(exc).__name__,
+                    "t": time.monotonic(),
+                    "msg": str(exc),
+                }
+            )
             return
         except FtmeshError as exc:
             emit({"other": type(exc).__name__, "msg": str(exc), "t": time.monotonic()})

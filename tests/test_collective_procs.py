@@ -20,7 +20,10 @@ def start(n: int, mode: str, io_timeout: float = 10.0) -> list[subprocess.Popen[
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), f"p{i}", str(io_timeout)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for i in range(n)
     ]

@@ -19,6 +19,7 @@ Everything runs on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import socket
@@ -26,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -92,7 +94,10 @@ class RawRing:
             for j, (s0, s1) in enumerate(sends):
                 if j >= c:
                     with cv:
-                        cv.wait_for(lambda j=j: done[0] >= j - c + 1, timeout=120)
+                        for _ in range(1200):  # bounded: 0.1 s waits, 120 s in all
+                            if done[0] >= j - c + 1:
+                                break
+                            cv.wait(0.1)
                 self.tx.sendall(raw[s0 * isz : s1 * isz])
 
         th = threading.Thread(target=sender)
@@ -126,7 +131,8 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, nprocs, rank == 0, timeout=_td(120))
+    tcp_store: Any = getattr(dist, "TCPStore")  # noqa: B009 - not re-exported for mypy
+    store = tcp_store("127.0.0.1", port, nprocs, rank == 0, timeout=_td(120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
     config = CollectiveConfig(chunk_bytes=cfg["chunk"], io_timeout=120.0)
     dp = SyncDataPlane.start(f"bench-{rank:03d}", config=config)
@@ -143,10 +149,10 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
             elems = size // 4
             bufs = {k: np.zeros(elems, np.float32) for k in IMPLS}
             tens = torch.from_numpy(bufs["gloo"])
-            fns = {
-                "ftmesh": lambda b=bufs["ftmesh"]: dp.allreduce(view, b),
-                "gloo": lambda t=tens: dist.all_reduce(t),
-                "ceiling": lambda b=bufs["ceiling"]: raw.allreduce(b),
+            fns: dict[str, Callable[[], object]] = {
+                "ftmesh": functools.partial(dp.allreduce, view, bufs["ftmesh"]),
+                "gloo": functools.partial(dist.all_reduce, tens),
+                "ceiling": functools.partial(raw.allreduce, bufs["ceiling"]),
             }
             iters = cfg["iters"] or max(3, min(30, (256 << 20) // max(size, 1) * 2))
             times: dict[str, list[float]] = {k: [] for k in IMPLS}
@@ -231,10 +237,7 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
         f"{'ftm/ceil':>8}"
     )
     print(hdr)
-    print(
-        f"{'':>2} {'':>6} | {'ftmesh':^26}{'gloo':^26}{'ceiling':^26} | "
-        f"{'':>8} {'':>8}"
-    )
+    print(f"{'':>2} {'':>6} | {'ftmesh':^26}{'gloo':^26}{'ceiling':^26} | {'':>8} {'':>8}")
     for c in cells:
         cols = ""
         for impl in IMPLS:

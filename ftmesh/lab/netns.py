@@ -14,6 +14,14 @@ Faults are injected on host ``i``'s link: ``link(i, up=False)`` takes the bridge
 ends of the veth pair, so each direction passes through exactly one of them; ``set_loss`` drops
 frames to and from host ``i``'s port at random with nftables in the bridge's forward hook
 (invisible to senders, like loss on a real LAN), because not every kernel has ``sch_netem``.
+``set_lan_loss`` does the same for every frame the bridge forwards (end-to-end loss between any
+two hosts), and ``partition`` drops every frame between hosts of different groups (unicast,
+multicast and ARP alike) in the same nftables table, so one atomic ``nft -f`` script always
+describes the whole fault state.
+
+Persistent labs (``ftmesh lab up``): ``VirtualLan(name=...)`` uses a fixed prefix instead of
+the pid-bound one, :meth:`VirtualLan.detach` keeps it alive after this process exits, and
+:meth:`VirtualLan.to_state` / :meth:`VirtualLan.attach` carry it to a later process.
 
 Cleanup: ``down()`` signals every process left in the namespaces and deletes them; it is
 idempotent and runs on ``__exit__``, on a failed construction and at interpreter exit. A run
@@ -52,6 +60,7 @@ CMD_TIMEOUT = 15.0
 """Seconds allowed for one ``ip``/``tc`` call. They normally take milliseconds."""
 
 _BASE_RE = re.compile(r"[a-z][a-z0-9]{0,7}")
+_NAME_RE = re.compile(r"[a-z][a-z0-9]{0,11}")
 _HOST_IF = "eth0"  # inside each host namespace
 _BRIDGE_IF = "br0"  # inside the bridge namespace
 _NFT_TABLE = "ftmlab"  # nftables table holding loss rules, inside the bridge namespace
@@ -170,21 +179,48 @@ def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
     return removed
 
 
+def _owned_by(prefix: str, ns: str) -> bool:
+    return re.fullmatch(rf"{re.escape(prefix)}(?:br|h\d+)", ns) is not None
+
+
+def cleanup_named(name: str) -> list[str]:
+    """Delete every namespace of the persistent lab ``name`` (``VirtualLan(name=...)``),
+    whatever state it was left in. Returns the names removed."""
+    _require_tools()
+    if not _NAME_RE.fullmatch(name):
+        raise LabError(f"lab name {name!r} must match {_NAME_RE.pattern}")
+    removed = []
+    # Hosts before the bridge (sorted puts "...br" first, so reverse the kinds).
+    for ns in sorted(_list_netns(), key=lambda n: n.endswith("br")):
+        if _owned_by(name, ns):
+            _delete_netns(ns)
+            removed.append(ns)
+    return removed
+
+
 class VirtualLan:
     """N hosts on one bridged virtual LAN. See the module docstring.
 
     ``hosts``: number of host namespaces. ``prefix``: base of the names (lowercase letter then
     up to 7 lowercase letters or digits; default ``"ftm"``); the creating pid and a counter are
     appended, giving :attr:`prefix`. ``subnet``: IPv4 subnet; host ``i`` gets its ``i+1``-th
-    address.
+    address. ``name``: a fixed prefix instead (persistent labs, see :meth:`detach`); refused if
+    a lab of that name exists.
     """
 
     def __init__(
-        self, hosts: int = 2, prefix: str | None = None, subnet: str = "10.77.0.0/24"
+        self,
+        hosts: int = 2,
+        prefix: str | None = None,
+        subnet: str = "10.77.0.0/24",
+        *,
+        name: str | None = None,
     ) -> None:
         base = DEFAULT_BASE if prefix is None else prefix
         if not _BASE_RE.fullmatch(base):
             raise LabError(f"lab prefix {base!r} must match {_BASE_RE.pattern}")
+        if name is not None and not _NAME_RE.fullmatch(name):
+            raise LabError(f"lab name {name!r} must match {_NAME_RE.pattern}")
         if not 1 <= hosts <= MAX_HOSTS:
             raise LabError(f"hosts={hosts} must be within 1..{MAX_HOSTS}")
         try:
@@ -195,16 +231,15 @@ class VirtualLan:
         if len(addrs) < hosts:
             raise LabError(f"subnet {subnet} has fewer than {hosts} host addresses")
         _require_tools()
-        cleanup_stale(base)
-        self.base = base
-        self.prefix = f"{base}{os.getpid()}x{next(_counter)}"
-        """Full prefix of this lab's names, e.g. ``ftm1234x0``."""
-        self.subnet = net
-        self.bridge_ns = f"{self.prefix}br"
-        self._ips = [str(a) for a in addrs]
-        self._created: list[str] = []
-        self._loss: dict[int, int] = {}  # host -> drop threshold out of 10000
-        self._closed = False
+        if name is None:
+            cleanup_stale(base)
+            prefix_full = f"{base}{os.getpid()}x{next(_counter)}"
+        else:
+            prefix_full = name
+            taken = [ns for ns in _list_netns() if _owned_by(name, ns)]
+            if taken:
+                raise LabError(f"a lab named {name!r} already exists ({', '.join(taken[:3])})")
+        self._init_fields(base, prefix_full, net, [str(a) for a in addrs])
         with _live_lock:
             _live.add(self)
         try:
@@ -212,6 +247,72 @@ class VirtualLan:
         except BaseException:
             self.down()
             raise
+
+    def _init_fields(
+        self, base: str, prefix: str, net: ipaddress.IPv4Network, ips: list[str]
+    ) -> None:
+        self.base = base
+        self.prefix = prefix
+        """Full prefix of this lab's names, e.g. ``ftm1234x0`` (or the ``name`` given)."""
+        self.subnet = net
+        self.bridge_ns = f"{self.prefix}br"
+        self._ips = ips
+        self._created: list[str] = []
+        self._loss: dict[int, int] = {}  # host -> drop threshold out of 10000
+        self._lan_loss = 0  # drop threshold out of 10000 for every forwarded frame
+        self._groups: list[list[int]] = []  # partition: frames between groups are dropped
+        self._rates: dict[int, str] = {}
+        self._links_down: set[int] = set()
+        self._closed = False
+
+    # --- persistence (labs that outlive the process that built them) ------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything another process needs to drive this lab (JSON-serialisable)."""
+        return {
+            "base": self.base,
+            "prefix": self.prefix,
+            "subnet": str(self.subnet),
+            "ips": list(self._ips),
+            "namespaces": list(self._created),
+            "loss": {str(k): v for k, v in self._loss.items()},
+            "lan_loss": self._lan_loss,
+            "groups": [list(g) for g in self._groups],
+            "rates": {str(k): v for k, v in self._rates.items()},
+            "links_down": sorted(self._links_down),
+        }
+
+    @classmethod
+    def attach(cls, state: dict[str, Any]) -> VirtualLan:
+        """Drive a lab built by another process from its :meth:`to_state`. The lab is not
+        torn down when this process exits (call :meth:`down` for that)."""
+        _require_tools()
+        self = cls.__new__(cls)
+        try:
+            self._init_fields(
+                str(state["base"]),
+                str(state["prefix"]),
+                ipaddress.IPv4Network(state["subnet"]),
+                [str(ip) for ip in state["ips"]],
+            )
+            self._created = [str(ns) for ns in state["namespaces"]]
+            self._loss = {int(k): int(v) for k, v in state.get("loss", {}).items()}
+            self._lan_loss = int(state.get("lan_loss", 0))
+            self._groups = [[int(h) for h in g] for g in state.get("groups", [])]
+            self._rates = {int(k): str(v) for k, v in state.get("rates", {}).items()}
+            self._links_down = {int(h) for h in state.get("links_down", [])}
+        except (KeyError, TypeError, ValueError) as e:
+            raise LabError(f"lab state is damaged: {e!r}") from e
+        existing = set(_list_netns())
+        missing = [ns for ns in self._created if ns not in existing]
+        if missing:
+            raise LabError(f"lab {self.prefix!r} is gone (missing {', '.join(missing[:3])})")
+        return self
+
+    def detach(self) -> None:
+        """Let this lab outlive the process: it is no longer torn down at interpreter exit."""
+        with _live_lock:
+            _live.discard(self)
 
     # --- construction -------------------------------------------------------------------------
 
@@ -294,6 +395,11 @@ class VirtualLan:
         except subprocess.TimeoutExpired as e:
             raise LabError(f"{' '.join(argv)} on host {i} took over {timeout}s") from e
 
+    def host_pids(self, i: int) -> list[int]:
+        """Pids of every process running inside host ``i``'s namespace."""
+        self._check(i)
+        return _netns_pids(self.ns_name(i))
+
     def kill_host(self, i: int, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` to every process in host ``i``'s namespace; returns how many."""
         self._check(i)
@@ -305,6 +411,10 @@ class VirtualLan:
         """Connect (``up=True``) or disconnect host ``i`` from the bridge."""
         self._check(i)
         _ip("-n", self.bridge_ns, "link", "set", self._port(i), "up" if up else "down")
+        if up:
+            self._links_down.discard(i)
+        else:
+            self._links_down.add(i)
 
     def set_loss(self, i: int, percent: float) -> None:
         """Drop ``percent`` % of frames in each direction of host ``i``'s link (0 clears).
@@ -324,15 +434,75 @@ class VirtualLan:
             self._loss[i] = threshold
         else:
             self._loss.pop(i, None)
+        self._apply_nft()
+
+    def set_lan_loss(self, percent: float) -> None:
+        """Drop ``percent`` % of every frame the bridge forwards (0 clears): end-to-end loss
+        of exactly ``percent`` between any two hosts (per-host :meth:`set_loss` compounds over
+        the two links of a path). Each copy of a flooded multicast frame is dropped
+        independently, as each receiver's cable would."""
+        self._check(0)
+        if not 0 <= percent <= 100:
+            raise LabError(f"loss {percent}% must be within 0..100")
+        self._lan_loss = round(percent * 100)
+        self._apply_nft()
+
+    def partition(self, groups: Sequence[Sequence[int]]) -> None:
+        """Split the LAN: frames between hosts of different groups are dropped (both ways,
+        unicast, multicast and ARP). Hosts named in no group form one more group together.
+        Replaces any earlier partition; :meth:`heal` removes it."""
+        seen: set[int] = set()
+        clean: list[list[int]] = []
+        for g in groups:
+            grp = sorted(set(g))
+            for h in grp:
+                self._check(h)
+                if h in seen:
+                    raise LabError(f"host {h} is in two partition groups")
+            seen.update(grp)
+            if grp:
+                clean.append(grp)
+        rest = [h for h in range(self.hosts) if h not in seen]
+        if rest:
+            clean.append(rest)
+        self._groups = clean if len(clean) > 1 else []
+        self._apply_nft()
+
+    def heal(self) -> None:
+        """Remove the partition (loss and rate limits stay)."""
+        self._check(0)
+        self._groups = []
+        self._apply_nft()
+
+    def faults(self) -> dict[str, Any]:
+        """The fault state this object knows of: loss, partition, rates, links down."""
+        return {
+            "loss_percent": {h: t / 100 for h, t in sorted(self._loss.items())},
+            "lan_loss_percent": self._lan_loss / 100,
+            "partition": [list(g) for g in self._groups],
+            "rates": dict(sorted(self._rates.items())),
+            "links_down": sorted(self._links_down),
+        }
+
+    def _apply_nft(self) -> None:
         # Declaring the table first makes the delete succeed whether or not it existed, and
         # "nft -f" applies the whole script atomically.
         script = f"table bridge {_NFT_TABLE} {{}}\ndelete table bridge {_NFT_TABLE}\n"
-        if self._loss:
-            rules = []
-            for host, t in sorted(self._loss.items()):
-                verdict = "drop" if t >= 10000 else f"numgen random mod 10000 < {t} drop"
-                port = self._port(host)
-                rules += [f'    iifname "{port}" {verdict}', f'    oifname "{port}" {verdict}']
+        rules = []
+        for a, ga in enumerate(self._groups):
+            for b, gb in enumerate(self._groups):
+                if a != b:
+                    src = ", ".join(f'"{self._port(h)}"' for h in ga)
+                    dst = ", ".join(f'"{self._port(h)}"' for h in gb)
+                    rules.append(f"    iifname {{ {src} }} oifname {{ {dst} }} drop")
+        if self._lan_loss:
+            t = self._lan_loss
+            rules.append("    drop" if t >= 10000 else f"    numgen random mod 10000 < {t} drop")
+        for host, t in sorted(self._loss.items()):
+            verdict = "drop" if t >= 10000 else f"numgen random mod 10000 < {t} drop"
+            port = self._port(host)
+            rules += [f'    iifname "{port}" {verdict}', f'    oifname "{port}" {verdict}']
+        if rules:
             script += (
                 f"table bridge {_NFT_TABLE} {{\n"
                 "  chain loss { type filter hook forward priority -300; policy accept;\n"
@@ -340,7 +510,7 @@ class VirtualLan:
                 + "\n  }\n}\n"
             )
         if shutil.which("nft") is None:
-            raise LabError("set_loss needs the 'nft' tool: install the 'nftables' package")
+            raise LabError("loss and partitions need the 'nft' tool: install 'nftables'")
         _cmd(["ip", "netns", "exec", self.bridge_ns, "nft", "-f", "-"], stdin=script)
 
     def set_rate(self, i: int, rate: str | None) -> None:
@@ -358,6 +528,10 @@ class VirtualLan:
                 burst = str(_burst_bytes(rate))
                 _cmd([*tc, "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                       "latency", "100ms"])  # fmt: skip
+        if rate is None:
+            self._rates.pop(i, None)
+        else:
+            self._rates[i] = rate
 
     # --- teardown -------------------------------------------------------------------------------
 

@@ -132,6 +132,34 @@ class NodeProcess:
         self.proc.wait()
 
 
+MEMBER_KINDS = frozenset({"joined", "alive", "updated", "suspect"})
+"""Event kinds after which a member is still in the view (a suspect is still a member)."""
+
+
+def member_states(node: NodeProcess) -> dict[str, str]:
+    """``node``'s view of the others as read from its event stream: node id -> the kind of
+    the last event about it (``joined``, ``alive``, ``updated``, ``suspect``, ``dead``,
+    ``left``). Events about ``node`` itself are left out."""
+    states: dict[str, str] = {}
+    with node._cond:
+        records = list(node.records)
+    for s in records:
+        r = s.record
+        kind = r.get("event")
+        other = r.get("node")
+        if kind in ("self", "stats") or other == node.node_id or not isinstance(other, str):
+            continue
+        states[other] = str(kind)
+    return states
+
+
+def view(node: NodeProcess) -> frozenset[str]:
+    """Ids of the members ``node`` counts in its view (alive or suspect), itself included."""
+    return frozenset(
+        [node.node_id, *(m for m, k in member_states(node).items() if k in MEMBER_KINDS)]
+    )
+
+
 def joined(node_id: str) -> Callable[[Record], bool]:
     """Predicate: a ``joined`` event about ``node_id``."""
     return lambda r: r["event"] == "joined" and r["node"] == node_id

@@ -40,8 +40,13 @@ class Suspicion:
         return self.start + timeout
 
     def confirm(self, accuser: str) -> bool:
-        """Record an accusation; True when it is a new, independent one."""
-        if accuser in self.accusers:
+        """Record an accusation; True when it is a new, independent one that still counts.
+
+        Once ``k`` confirmations are in, the timeout sits at its floor and further ones are
+        ignored (as memberlist does): otherwise every member that probes the dead member
+        would restart the spread of a Suspect rumour, n rumours per death, and the accuser
+        set would grow with the mesh."""
+        if len(self.accusers) > self.k or accuser in self.accusers:
             return False
         self.accusers.add(accuser)
         return True

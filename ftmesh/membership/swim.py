@@ -33,7 +33,7 @@ import heapq
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from ..errors import LocalUsageError, RemoteProtocolError
 from .broadcast import BroadcastQueue
@@ -55,7 +55,7 @@ from .messages import (
     Suspect,
 )
 from .suspicion import Awareness, Suspicion
-from .wire import MAX_MEMBERS, check_meta, encoded_size
+from .wire import MAX_COUNTER, MAX_MEMBERS, check_meta, encoded_size
 
 EventKind: TypeAlias = Literal["joined", "alive", "suspect", "dead", "left", "updated"]
 
@@ -161,6 +161,26 @@ class Swim:
         self._out: list[Effect] = []
         self.leaving = False
         self.counters: dict[str, int] = {}
+        self._fire: dict[str, Callable[[float, object], None]] = {
+            "probe": self._fire_probe,
+            "probe_timeout": self._fire_probe_timeout,
+            "probe_end": self._fire_probe_end,
+            "relay_timeout": self._fire_relay_timeout,
+            "suspicion": self._fire_suspicion,
+            "gossip": self._fire_gossip,
+            "push_pull": self._fire_push_pull,
+            "reap": self._fire_reap,
+        }
+        self._handlers: dict[type, tuple[str, Callable[[float, Address, Any], None]]] = {
+            Ping: ("rx_ping", self._on_ping),
+            IndirectPing: ("rx_indirectping", self._on_indirect_ping),
+            Ack: ("rx_ack", lambda now, _src, msg: self._on_ack(now, msg)),
+            Nack: ("rx_nack", lambda _now, _src, msg: self._on_nack(msg)),
+            Alive: ("rx_alive", lambda now, _src, msg: self._on_alive(now, msg)),
+            Suspect: ("rx_suspect", lambda now, _src, msg: self._on_suspect(now, msg)),
+            Dead: ("rx_dead", lambda now, _src, msg: self._on_dead(now, msg)),
+        }
+        self._limit_cache = (-1, 0)  # (live members, retransmit limit) of the last lookup
         jitter = rng.random()
         self._arm(now + config.probe_interval * jitter, "probe", None)
         self._arm(now + config.gossip_interval * jitter, "gossip", None)
@@ -193,6 +213,14 @@ class Swim:
         m = self._members.get(node_id)
         return m.snapshot() if m else None
 
+    def state_of(self, node_id: str) -> MemberState | None:
+        """The state of one member (``None`` if unknown), without copying anything: for
+        drivers and simulators that poll the view of many members."""
+        if node_id == self.node_id:
+            return self._me.state
+        m = self._members.get(node_id)
+        return m.state if m is not None else None
+
     def next_deadline(self) -> float:
         return self._timers[0][0] if self._timers else float("inf")
 
@@ -205,27 +233,24 @@ class Swim:
 
     def receive(self, now: float, src: Address, msgs: Sequence[Message]) -> list[Effect]:
         """Handle the messages of one datagram from ``src``."""
+        handlers = self._handlers
+        counters = self.counters
         for msg in msgs:
-            self._count(f"rx_{type(msg).__name__.lower()}")
-            if isinstance(msg, Ping):
-                self._on_ping(now, src, msg)
-            elif isinstance(msg, IndirectPing):
-                self._on_indirect_ping(now, src, msg)
-            elif isinstance(msg, Ack):
-                self._on_ack(now, msg)
-            elif isinstance(msg, Nack):
-                self._on_nack(msg)
-            elif isinstance(msg, Alive | Suspect | Dead):
-                self._on_gossip(now, msg)
-            else:
+            entry = handlers.get(type(msg))
+            if entry is None:
+                self._count("rx_" + type(msg).__name__.lower())
                 self._count("dropped_unexpected")
+                continue
+            key, handle = entry
+            counters[key] = counters.get(key, 0) + 1
+            handle(now, src, msg)
         return self._flush()
 
     def tick(self, now: float) -> list[Effect]:
         """Fire every timer due at ``now``."""
         while self._timers and self._timers[0][0] <= now:
             _, _, kind, key = heapq.heappop(self._timers)
-            getattr(self, f"_fire_{kind}")(now, key)
+            self._fire[kind](now, key)
         return self._flush()
 
     def push_pull_state(self, *, join: bool = False, observer: bool = False) -> PushPull:
@@ -237,8 +262,12 @@ class Swim:
         """Merge a peer's full state (their request to us, or their reply to ours)."""
         if remote.observer:
             return self._flush()
+        known = self._members
         for m in remote.members:
             if m.state == MemberState.ALIVE:
+                cur = known.get(m.node)
+                if cur is not None and m.incarnation <= cur.incarnation:
+                    continue  # what _on_alive would decide, without building an Alive
                 self._on_alive(now, Alive(node=m.node, name=m.name, addr=m.addr,
                                           incarnation=m.incarnation, meta=m.meta))
             elif m.state == MemberState.LEFT:
@@ -259,7 +288,7 @@ class Swim:
             self._me.meta = check_meta(meta)
         except RemoteProtocolError as exc:
             raise LocalUsageError(f"invalid member metadata: {exc}") from None
-        self._me.incarnation += 1
+        self._me.incarnation = min(self._me.incarnation + 1, MAX_COUNTER)
         self._broadcast(self._alive_self())
         return self._flush()
 
@@ -405,15 +434,10 @@ class Swim:
 
     # ------------------------------------------------------------------ rumours
 
-    def _on_gossip(self, now: float, msg: Gossip) -> None:
-        if isinstance(msg, Alive):
-            self._on_alive(now, msg)
-        elif isinstance(msg, Suspect):
-            self._on_suspect(now, msg)
-        else:
-            self._on_dead(now, msg)
-
     def _on_alive(self, now: float, a: Alive) -> None:
+        m = self._members.get(a.node)
+        if m is not None and a.incarnation <= m.incarnation:
+            return  # the common case under gossip: old news
         if a.node == self.node_id:
             if a.incarnation > self._me.incarnation or (
                 a.incarnation == self._me.incarnation
@@ -421,7 +445,6 @@ class Swim:
             ):
                 self._refute(a.incarnation)
             return
-        m = self._members.get(a.node)
         if m is None:
             if len(self._members) >= MAX_MEMBERS:
                 self._count("dropped_member_cap")
@@ -431,13 +454,12 @@ class Swim:
             self._emit("joined", m, now)
             self._broadcast(a)
             return
-        if a.incarnation <= m.incarnation:
-            return
         before = m.state
         changed = (m.addr, m.meta, m.name) != (a.addr, a.meta, a.name)
         m.incarnation, m.addr, m.meta, m.name = a.incarnation, a.addr, dict(a.meta), a.name
         if before != MemberState.ALIVE:
             self._set_state(m, MemberState.ALIVE, now)
+            self._suspicions.pop(m.node, None)
             self._emit("alive" if before == MemberState.SUSPECT else "joined", m, now)
         elif changed:
             self._emit("updated", m, now)
@@ -451,17 +473,21 @@ class Swim:
         m = self._members.get(s.node)
         if m is None or s.incarnation < m.incarnation:
             return
-        if m.state == MemberState.SUSPECT:
+        if m.state == MemberState.SUSPECT and s.incarnation == m.incarnation:
             susp = self._suspicions.get(m.node)
             if susp is not None and susp.confirm(s.accuser):
                 self._arm(susp.deadline, "suspicion", m.node)
                 self._broadcast(s)
             return
-        if m.state != MemberState.ALIVE:
+        if m.state not in _LIVE:
             return
+        # A fresh suspicion: of an alive member, or of a suspect at a newer incarnation (it
+        # refuted the old suspicion in a rumour we missed and was suspected again).
+        before = m.state
         m.incarnation = s.incarnation
-        self._set_state(m, MemberState.SUSPECT, now)
-        self._emit("suspect", m, now)
+        if before == MemberState.ALIVE:
+            self._set_state(m, MemberState.SUSPECT, now)
+            self._emit("suspect", m, now)
         self._broadcast(s)
         n = self.num_live()
         k = self.config.suspicion_mult - 2
@@ -502,7 +528,15 @@ class Swim:
         self._broadcast(d)
 
     def _refute(self, accused_incarnation: int) -> None:
-        self._me.incarnation = max(self._me.incarnation, accused_incarnation) + 1
+        if accused_incarnation < self._me.incarnation:
+            # Old news (we refuted it already) still circulating, or a member that missed our
+            # refutation: repeat our current Alive rather than raising the incarnation again.
+            if not self._queue.has(self.node_id):
+                self._count("refutes_repeated")
+                self._broadcast(self._alive_self())
+            return
+        # Capped so our Alive stays decodable (wire.MAX_COUNTER); unreachable in practice.
+        self._me.incarnation = min(accused_incarnation + 1, MAX_COUNTER)
         self._awareness.apply(1)  # being suspected suggests we are the slow one
         self._count("refutes")
         self._broadcast(self._alive_self())
@@ -528,6 +562,18 @@ class Swim:
     def _fire_push_pull(self, now: float, _key: object) -> None:
         period = self.config.push_pull_period(self.num_live())
         self._arm(now + period * (0.5 + self._rng.random()), "push_pull", None)
+        # Reconnect (as serf does): with probability dead / (dead + live), sync with a member
+        # we declared dead instead. If it is alive on the far side of a healed partition, the
+        # exchange tells each side the other's state and the two views merge; if it is really
+        # gone, the driver's exchange fails and costs one connection attempt.
+        dead = sum(1 for m in (self._members.get(n) for n in self._departed)
+                   if m is not None and m.state == MemberState.DEAD)
+        if dead and self._rng.random() * (dead + self._live) < dead:
+            peers = self._random_members(1, exclude=None, states=(MemberState.DEAD,))
+            if peers:
+                self._count("reconnects")
+                self._out.append(StartPushPull(peers[0].addr, join=False))
+                return
         peers = self._random_members(1, exclude=None, states=(MemberState.ALIVE,))
         if peers:
             self._out.append(StartPushPull(peers[0].addr, join=False))
@@ -545,16 +591,22 @@ class Swim:
     # ------------------------------------------------------------------ helpers
 
     def _send(self, dest: Address, *msgs: Message) -> None:
-        budget = self.config.packet_budget - sum(self._size_of(m) for m in msgs
-                                                 if isinstance(m, Alive | Suspect | Dead))
-        budget -= 48 * len(msgs)
+        budget = self.config.packet_budget - 48 * len(msgs)
+        for m in msgs:
+            if isinstance(m, Alive | Suspect | Dead):
+                budget -= self._size_of(m)
         rumours = self._take_rumours(budget) if budget > 32 else []
         self._out.append(Send(dest, (*msgs, *rumours)))
 
     def _take_rumours(self, budget: int) -> list[Gossip]:
         if not len(self._queue):
             return []
-        return self._queue.take(budget, self.config.retransmit_limit(self.num_live()))
+        n = self._live + 1
+        cached_n, limit = self._limit_cache
+        if cached_n != n:
+            limit = self.config.retransmit_limit(n)
+            self._limit_cache = (n, limit)
+        return self._queue.take(budget, limit)
 
     def _broadcast(self, msg: Gossip) -> None:
         self._queue.push(msg)

@@ -367,9 +367,12 @@ def default_name() -> str:
 
 
 @asynccontextmanager
-async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
+async def open_node(
+    config: NodeConfig | None = None, *, node_id: str | None = None
+) -> AsyncIterator[Node]:
     """Run a mesh member for the duration of the ``async with`` block; leave gracefully on
-    exit.
+    exit. ``node_id`` (32 hex digits) defaults to a fresh random one: a restarted process is
+    a new member.
 
     ``async with open_node(NodeConfig(mesh="lab")) as node: ...``
     """
@@ -378,7 +381,7 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
         raise ConfigError("binding to all interfaces needs an explicit advertise address")
     udp, tcp = _bind_udp_tcp(config.bind, config.port)
     advertise = (config.advertise or config.bind, udp.getsockname()[1])
-    node_id = os.urandom(16).hex()
+    node_id = node_id or os.urandom(16).hex()
     swim = Swim(
         node_id=node_id,
         name=config.name or default_name(),

@@ -16,9 +16,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..membership.config import MembershipConfig
-from ..membership.messages import Address, Message
+from ..membership.messages import Address, Alive, Dead, MemberState, Message, Suspect
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import encoded_size
+
+
+_GOSSIP = (Alive, Suspect, Dead)
+_SIZE_CACHE = 200_000
+"""Cached rumour sizes in the byte accounting (~40 MB at most)."""
 
 
 @dataclass(slots=True)
@@ -49,12 +54,14 @@ class SimNetwork:
         loss: float = 0.0,
         latency: tuple[float, float] = (0.0002, 0.002),
         count_bytes: bool = True,
+        record_events: bool = True,
     ) -> None:
         self.rng = random.Random(seed)
         self.config = config
         self.loss = loss
         self.latency = latency
         self.count_bytes = count_bytes
+        self.record_events = record_events
         self.now = 0.0
         self.nodes: dict[Address, SimNode] = {}
         self.by_id: dict[str, SimNode] = {}
@@ -65,6 +72,7 @@ class SimNetwork:
         self._group: dict[Address, int] = {}  # partition group per node; absent = group 0
         self.dropped = 0
         self._sizes: dict[int, tuple[Message, int]] = {}
+        self._stopped: set[Address] = set()
 
     # ------------------------------------------------------------------ topology
 
@@ -170,23 +178,30 @@ class SimNetwork:
                            (node, eff.dest, eff.join))
             else:
                 seen = SeenEvent(self.now, node.swim.node_id, eff)
-                self.events.append(seen)
+                if self.record_events:
+                    self.events.append(seen)
                 if self.on_event is not None:
                     self.on_event(seen)
 
     def _account(self, node: SimNode, *msgs: Message) -> None:
         node.msgs_sent += 1
         if self.count_bytes:
-            node.bytes_sent += 28 + sum(self._size(m) for m in msgs)
-
-    def _size(self, msg: Message) -> int:
-        # Rumours are shared objects piggybacked many times: encode each once. The cache holds
-        # the message itself so its id cannot be reused while cached.
-        hit = self._sizes.get(id(msg))
-        if hit is None:
-            hit = (msg, encoded_size(msg))
-            self._sizes[id(msg)] = hit
-        return hit[1]
+            size = 28  # IP + UDP headers
+            sizes = self._sizes
+            for m in msgs:
+                if isinstance(m, _GOSSIP):
+                    # Rumours are shared objects piggybacked many times: encode each once. The
+                    # cache holds the message itself so its id cannot be reused while cached,
+                    # and is emptied when full so memory stays bounded on long runs.
+                    hit = sizes.get(id(m))
+                    if hit is None:
+                        if len(sizes) >= _SIZE_CACHE:
+                            sizes.clear()
+                        hit = sizes[id(m)] = (m, encoded_size(m))
+                    size += hit[1]
+                else:
+                    size += encoded_size(m)  # probes and acks are made once, sent once
+            node.bytes_sent += size
 
     def _connected(self, a: Address, b: Address) -> bool:
         return self._group.get(a, 0) == self._group.get(b, 0)
@@ -207,12 +222,17 @@ class SimNetwork:
         return [n for n in self.nodes.values() if not n.crashed]
 
     def converged(self) -> bool:
-        """Every running node sees exactly the running nodes as alive."""
-        running = {n.swim.node_id for n in self.live_nodes() if not n.paused}
-        for n in self.live_nodes():
-            if n.paused:
-                continue
-            alive = {m.node for m in n.swim.members() if m.state == 0}
-            if alive != running:
+        """Every running node sees exactly the running nodes as alive (and none suspect)."""
+        nodes = [n for n in self.live_nodes() if not n.paused]
+        running = [n.swim.node_id for n in nodes]
+        for n in nodes:
+            swim = n.swim
+            # Cheap reject first: live (alive or suspect) members must number exactly the
+            # running ones; then every running one must be alive, which leaves no room for
+            # another alive or suspect member.
+            if swim.num_live() != len(running):
+                return False
+            state_of = swim.state_of
+            if any(state_of(node) != MemberState.ALIVE for node in running):
                 return False
         return True

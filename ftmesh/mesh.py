@@ -1,0 +1,209 @@
+"""The mesh: membership and the data plane of one member, joined into collectives on the
+current view.
+
+Theory of operation: a member runs a SWIM node (``ftmesh.net``) and a data plane
+(``ftmesh.collective``). It publishes its data-plane address and role in its member metadata.
+The *view* is the sorted list of members whose role is ``train`` and that membership holds
+ALIVE or SUSPECT (a suspect is still in the ring until it is declared dead: dropping it at the
+first missed ack would reshuffle the ring on every hiccup). Every member derives the same ring
+from the same view; before a collective runs on a view the data plane checks with both ring
+neighbours that they hold the same view epoch, so if gossip has not converged yet the call
+waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
+collective is reported to membership as hard evidence (an immediate probe), and the error is
+raised: whether to retry, and with what inputs, is the caller's decision (see
+``ftmesh.training``), because an in-place collective may have partly overwritten its input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import trio
+
+from .collective import (
+    CollectiveConfig,
+    CollectiveResult,
+    DataPlane,
+    Peer,
+    RingPeerLostError,
+    RingView,
+    ViewMismatchError,
+    open_data_plane,
+)
+from .errors import ConfigError, DeadlineExceeded
+from .membership.messages import MemberSnapshot, MemberState
+from .net.node import Node, NodeConfig, open_node, parse_hostport
+
+T = TypeVar("T")
+
+DATA_KEY = "data"
+"""Member metadata key holding the data-plane ``host:port``."""
+ROLE_KEY = "role"
+"""Member metadata key: ``train`` members form the ring; others (``spare``, ``observer``) not."""
+ROLES = ("train", "spare", "observer")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    collective: CollectiveConfig = field(
+        default_factory=lambda: CollectiveConfig(view_timeout=1.0)
+    )
+    role: str = "train"
+    """This member's role: ``train`` members form the ring."""
+    data_port: int = 0
+    """Data-plane TCP port (0: any free one). It binds the gossip bind address."""
+    agree_timeout: float = 120.0
+    """Seconds a collective keeps retrying while ring neighbours do not hold the same view
+    (gossip still converging, or a neighbour still computing its previous step). Each try
+    waits ``collective.view_timeout``."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.agree_timeout <= 0:
+            raise ConfigError("agree_timeout must be positive")
+
+
+def view_of(members: list[MemberSnapshot]) -> RingView | None:
+    """The ring view membership implies: live ``train`` members with a data address."""
+    peers = []
+    for m in members:
+        if m.state not in (MemberState.ALIVE, MemberState.SUSPECT):
+            continue
+        if m.meta.get(ROLE_KEY) != "train" or not isinstance(m.meta.get(DATA_KEY), str):
+            continue
+        host, port = parse_hostport(str(m.meta[DATA_KEY]))
+        peers.append(Peer(m.node, host, port))
+    return RingView.of(peers) if peers else None
+
+
+class Mesh:
+    """One member of a training mesh. Get one from :func:`open_mesh`."""
+
+    def __init__(self, config: MeshConfig, node: Node, dp: DataPlane) -> None:
+        self.config = config
+        self.node = node
+        self.data_plane = dp
+        self._view_changed = trio.Event()
+        self._last_epoch = ""
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    def view(self) -> RingView | None:
+        """The current view (``None`` while we are not a training member)."""
+        return view_of(self.node.members())
+
+    async def wait_view(
+        self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
+    ) -> RingView:
+        """Wait until the view holds at least ``min_members`` (us included) and has not
+        changed for ``settle`` seconds."""
+        with trio.move_on_after(timeout):
+            while True:
+                view = self.view()
+                if view is not None and view.size >= min_members and self.node_id in view:
+                    with trio.move_on_after(settle) as quiet:
+                        await self.view_changed()
+                    if quiet.cancelled_caught or settle == 0:
+                        return view
+                else:
+                    await self.view_changed()
+        raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s")
+
+    async def view_changed(self) -> None:
+        """Return after the next membership event (the view may or may not have changed)."""
+        await self._view_changed.wait()
+
+    async def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
+        """Reduce ``x`` in place over the view; ``avg`` divides by the members that ran."""
+        return await self._run(lambda v: self.data_plane.allreduce(v, x, op))
+
+    async def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
+        return await self._run(lambda v: self.data_plane.reduce_scatter(v, x, op))
+
+    async def allgather(self, x: T) -> CollectiveResult[T]:
+        return await self._run(lambda v: self.data_plane.allgather(v, x))
+
+    async def broadcast(self, x: T, root: str) -> CollectiveResult[T]:
+        return await self._run(lambda v: self.data_plane.broadcast(v, x, root))
+
+    async def barrier(self) -> CollectiveResult[None]:
+        return await self._run(self.data_plane.barrier)
+
+    async def on_view(
+        self, view: RingView, kind: str, x: T, op: str = "sum", root: str = ""
+    ) -> CollectiveResult[T]:
+        """Run one collective on exactly ``view`` (no retry on another view): the building block
+        of protocols that must know which view a round ran on (``ftmesh.training``).
+        ``kind`` is ``allreduce`` or ``broadcast``. A lost peer is reported to membership."""
+        try:
+            if kind == "allreduce":
+                return await self.data_plane.allreduce(view, x, op)
+            if kind == "broadcast":
+                return await self.data_plane.broadcast(view, x, root)
+        except RingPeerLostError as exc:
+            self.node.report_unreachable(exc.peer)
+            raise
+        raise ConfigError(f"unknown collective {kind!r}")
+
+    async def run_on_view(
+        self, fn: Callable[[RingView], Awaitable[CollectiveResult[T]]]
+    ) -> CollectiveResult[T]:
+        """Run ``fn(view)`` on the current view, retrying on view disagreement; see the module
+        docstring. For collectives the ``Mesh`` methods do not cover."""
+        return await self._run(fn)
+
+    async def _run(
+        self, fn: Callable[[RingView], Awaitable[CollectiveResult[T]]]
+    ) -> CollectiveResult[T]:
+        deadline = trio.current_time() + self.config.agree_timeout
+        while True:
+            view = self.view()
+            if view is None or self.node_id not in view:
+                raise ConfigError(f"{self.node_id} is not a training member of the mesh")
+            try:
+                return await fn(view)
+            except ViewMismatchError:
+                if trio.current_time() >= deadline:
+                    raise
+            except RingPeerLostError as exc:
+                self.node.report_unreachable(exc.peer)
+                raise
+
+    async def _watch(self) -> None:
+        async for _ in self.node.events():
+            event, self._view_changed = self._view_changed, trio.Event()
+            event.set()
+
+
+@asynccontextmanager
+async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
+    """Join (or start) a training mesh for the duration of the block; leave on exit."""
+    config = config or MeshConfig()
+    node_id = os.urandom(16).hex()
+    nc = config.node
+    async with open_data_plane(
+        node_id,
+        host=nc.advertise or nc.bind,
+        port=config.data_port,
+        auth=nc.auth,
+        mesh=nc.mesh,
+        config=config.collective,
+    ) as dp:
+        host, port = dp.address
+        meta: dict[str, Any] = {**nc.meta, DATA_KEY: f"{host}:{port}", ROLE_KEY: config.role}
+        async with open_node(replace(nc, meta=meta), node_id=node_id) as node:
+            mesh = Mesh(config, node, dp)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(mesh._watch)
+                try:
+                    yield mesh
+                finally:
+                    nursery.cancel_scope.cancel()

@@ -1,0 +1,214 @@
+"""Disk checkpoints: atomic writes, verified reads, keep the last K.
+
+Theory of operation: a checkpoint is a snapshot blob (see ``snapshot``) in
+``step-<step>-<digest16>.ftmckpt`` plus a small JSON manifest next to it
+(``...ftmckpt.json``: format, step, digest, size). Both are written the crash-safe way: write
+a uniquely named temporary file in the same directory, ``fsync`` it, ``rename`` it over the
+final name, ``fsync`` the directory. The data file is renamed before its manifest, so a
+manifest only ever names a complete data file; a crash leaves at worst a temporary file or a
+data file without manifest, both ignored (and reported) when scanning.
+
+``latest_valid_checkpoint`` walks manifests from the newest step down and returns the first
+whose file has the announced size and whose content hashes to the announced digest; every
+checkpoint skipped on the way is logged and listed, so nothing is lost silently. Several
+members may share one directory: they write the same name for the same committed state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import LocalUsageError, RemoteProtocolError
+from .snapshot import Snapshot, chunk_count, hash_chunks, root_digest
+
+log = logging.getLogger(__name__)
+
+DATA_SUFFIX = ".ftmckpt"
+MANIFEST_SUFFIX = ".ftmckpt.json"
+MANIFEST_FORMAT = 1
+MAX_MANIFEST_BYTES = 64 << 10
+"""A manifest is ~200 bytes; anything bigger is not ours and is not read into memory."""
+STALE_TMP_S = 600.0
+"""Temporary files older than this (by mtime) are leftovers of a crashed writer: removed."""
+_NAME = re.compile(r"^step-(\d{12})-([0-9a-f]{16})\.ftmckpt$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    digest: str
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    path: Path
+    reason: str
+
+
+@dataclass
+class CheckpointScan:
+    latest: Checkpoint | None
+    skipped: list[SkippedCheckpoint] = field(default_factory=list)
+
+
+def checkpoint_name(step: int, digest: str) -> str:
+    return f"step-{step:012d}-{digest[:16]}{DATA_SUFFIX}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(final: Path, parts: list[memoryview] | list[bytes]) -> None:
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            for p in parts:
+                f.write(p)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(final.parent)
+
+
+def save_checkpoint(directory: str | Path, snapshot: Snapshot, *, keep: int = 3) -> Path:
+    """Write ``snapshot`` atomically into ``directory``; keep only the newest ``keep``
+    checkpoints (by step). Returns the data file's path. Blocking: call it from a worker
+    thread when inside trio (``trio.to_thread.run_sync``)."""
+    if keep < 1:
+        raise LocalUsageError(f"keep must be >= 1, got {keep}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    with snapshot.lease():
+        digest = snapshot.digest
+        final = d / checkpoint_name(snapshot.step, digest)
+        _atomic_write(final, snapshot.to_bytes_parts())
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "step": snapshot.step,
+            "digest": digest,
+            "nbytes": snapshot.nbytes,
+            "file": final.name,
+        }
+        body = json.dumps(manifest, sort_keys=True).encode()
+        _atomic_write(final.with_name(final.name + ".json"), [body])
+    _prune(d, keep)
+    return final
+
+
+def _prune(d: Path, keep: int) -> None:
+    manifests = sorted(
+        (m for m in d.glob("step-*" + MANIFEST_SUFFIX) if _NAME.match(m.name[:-5])),
+        key=lambda m: m.name,
+        reverse=True,
+    )
+    for m in manifests[keep:]:
+        data = m.with_name(m.name[:-5])
+        for p in (m, data):  # manifest first: never a manifest without its data
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    now = time.time()
+    for tmp in d.glob(".step-*.tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ValueError("manifest too large")
+    m = json.loads(raw)
+    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
+        raise ValueError("unknown manifest format")
+    for key, typ in (("step", int), ("digest", str), ("nbytes", int), ("file", str)):
+        if not isinstance(m.get(key), typ):
+            raise ValueError(f"manifest field {key!r} missing")
+    if m["file"] != path.name[:-5]:
+        raise ValueError("manifest names another file")
+    return m
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and verify one checkpoint (its manifest must sit next to it). Raises
+    ``ValueError`` (or ``OSError``) with the reason when it does not verify."""
+    data = Path(path)
+    m = _read_manifest(data.with_name(data.name + ".json"))
+    size = data.stat().st_size
+    if size != m["nbytes"]:
+        raise ValueError(f"truncated: {size} bytes, manifest says {m['nbytes']}")
+    buf = np.empty(size, dtype=np.uint8)
+    with open(data, "rb") as f:
+        got = f.readinto(memoryview(buf))
+    if got != size:
+        raise ValueError(f"truncated: read {got} of {size} bytes")
+    mv = memoryview(buf)
+    digest = root_digest(size, hash_chunks(mv, 0, chunk_count(size), size))
+    if digest != m["digest"]:
+        raise ValueError("content hash mismatch")
+    try:
+        snap = Snapshot.from_buffer(buf)
+    except RemoteProtocolError as exc:
+        raise ValueError(f"unparseable: {exc}") from exc
+    if snap.step != m["step"]:
+        raise ValueError("step does not match the manifest")
+    snap._digest = digest
+    return Checkpoint(data, snap.step, digest, snap)
+
+
+def scan_checkpoints(directory: str | Path) -> CheckpointScan:
+    """Find the newest checkpoint that verifies; list (and log) every newer one skipped."""
+    d = Path(directory)
+    scan = CheckpointScan(None)
+    if not d.is_dir():
+        return scan
+    data_files = {p.name for p in d.glob("step-*" + DATA_SUFFIX) if _NAME.match(p.name)}
+    manifests = {m.name[:-5] for m in d.glob("step-*" + MANIFEST_SUFFIX)}
+    candidates = sorted(data_files | manifests, reverse=True)  # zero-padded step: newest first
+    for name in candidates:
+        path = d / name
+        if not _NAME.match(name):
+            scan.skipped.append(SkippedCheckpoint(path, "unexpected file name"))
+            continue
+        if name not in manifests:
+            scan.skipped.append(SkippedCheckpoint(path, "no manifest (interrupted write)"))
+            continue
+        if name not in data_files:
+            scan.skipped.append(SkippedCheckpoint(path, "manifest without data file"))
+            continue
+        try:
+            scan.latest = load_checkpoint(path)
+            break
+        except (OSError, ValueError, RecursionError) as exc:
+            scan.skipped.append(SkippedCheckpoint(path, str(exc)))
+    for s in scan.skipped:
+        log.warning("skipping checkpoint %s: %s", s.path, s.reason)
+    return scan
+
+
+def latest_valid_checkpoint(directory: str | Path) -> Checkpoint | None:
+    """The newest checkpoint in ``directory`` whose content verifies, or None. Skipped ones
+    are logged; use ``scan_checkpoints`` to get them as a list."""
+    return scan_checkpoints(directory).latest

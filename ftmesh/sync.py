@@ -1,0 +1,200 @@
+"""Blocking facade over :class:`ftmesh.mesh.Mesh` for training loops not written in trio.
+
+Theory of operation: :meth:`SyncMesh.start` runs ``open_mesh`` inside ``trio.run`` on a private
+daemon thread and waits until the member has joined. Each blocking call is handed to that
+thread with ``trio.from_thread.run`` and waits for its result; exceptions travel back
+unchanged. ``close()`` (or leaving the ``with`` block) leaves the mesh gracefully and joins the
+thread, bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from .collective import CollectiveResult, RingView
+from .errors import MeshClosedError
+from .mesh import Mesh, MeshConfig, open_mesh
+from .membership.messages import MemberSnapshot
+
+T = TypeVar("T")
+
+
+class SyncMesh:
+    """Blocking twin of :class:`Mesh`. Create with :meth:`start` or :func:`ftmesh.connect`."""
+
+    def __init__(self) -> None:
+        self._mesh: Mesh | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, config: MeshConfig | None = None, start_timeout: float = 30.0) -> SyncMesh:
+        self = cls()
+
+        async def main() -> None:
+            try:
+                async with open_mesh(config) as mesh:
+                    self._mesh = mesh
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._stop = trio.Event()
+                    self._ready.set()
+                    await self._stop.wait()
+            except BaseException as exc:
+                self._error = exc
+                raise
+            finally:
+                self._ready.set()
+
+        def thread_main() -> None:
+            try:
+                trio.run(main)
+            except BaseException:  # reported through self._error
+                pass
+
+        self._thread = threading.Thread(target=thread_main, name="ftmesh-mesh", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout):
+            raise MeshClosedError(f"mesh did not start within {start_timeout}s")
+        if self._error is not None or self._mesh is None:
+            raise MeshClosedError(f"mesh failed to start: {self._error!r}") from self._error
+        return self
+
+    @property
+    def mesh(self) -> Mesh:
+        if self._mesh is None or self._stop is None or self._stop.is_set():
+            raise MeshClosedError("the mesh is closed")
+        return self._mesh
+
+    @property
+    def node_id(self) -> str:
+        return self.mesh.node_id
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in the mesh's trio thread and return its result."""
+        self.mesh  # noqa: B018 - raises if closed
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""
+        self.mesh  # noqa: B018 - raises if closed
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    def view(self) -> RingView | None:
+        return self.call_sync(self.mesh.view)
+
+    def members(self) -> list[MemberSnapshot]:
+        return self.call_sync(self.mesh.node.members)
+
+    def wait_view(
+        self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
+    ) -> RingView:
+        async def wait() -> RingView:
+            return await self.mesh.wait_view(
+                min_members=min_members, settle=settle, timeout=timeout
+            )
+
+        return self.call(wait)
+
+    def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
+        return self.call(self.mesh.allreduce, x, op)
+
+    def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
+        return self.call(self.mesh.reduce_scatter, x, op)
+
+    def allgather(self, x: T) -> CollectiveResult[T]:
+        return self.call(self.mesh.allgather, x)
+
+    def broadcast(self, x: T, root: str) -> CollectiveResult[T]:
+        return self.call(self.mesh.broadcast, x, root)
+
+    def barrier(self) -> CollectiveResult[None]:
+        return self.call(self.mesh.barrier)
+
+    def allreduce_on(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
+        """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`."""
+        return self.call(self.mesh.on_view, view, "allreduce", x, op)
+
+    def broadcast_on(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
+        """Broadcast from ``root`` on exactly ``view``; see :meth:`Mesh.on_view`."""
+        return self.call(self.mesh.on_view, view, "broadcast", x, "sum", root)
+
+    def wait_view_change(self, epoch: str, timeout: float) -> RingView | None:
+        """Block until the view's epoch differs from ``epoch`` (or ``timeout`` seconds);
+        returns the view then."""
+
+        async def wait() -> RingView | None:
+            with trio.move_on_after(timeout):
+                while (v := self.mesh.view()) is None or v.epoch == epoch:
+                    await self.mesh.view_changed()
+            return self.mesh.view()
+
+        return self.call(wait)
+
+    def close(self, join_timeout: float = 10.0) -> None:
+        if self._stop is not None and self._token is not None and not self._stop.is_set():
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        if self._thread is not None:
+            self._thread.join(join_timeout)
+
+    def __enter__(self) -> SyncMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+ENV_PREFIX = "FTMESH_"
+
+
+def connect(
+    *,
+    mesh: str | None = None,
+    discovery: str | None = None,
+    join: tuple[str, ...] | None = None,
+    preset: str | None = None,
+    role: str = "train",
+    start_timeout: float = 30.0,
+) -> SyncMesh:
+    """Join a training mesh from a plain (non-trio) program; the usual entry point of a
+    training script started by ``ftmesh launch`` or ``ftmesh worker``.
+
+    Every argument left as ``None`` falls back to the environment those commands set
+    (``FTMESH_MESH``, ``FTMESH_DISCOVERY``, ``FTMESH_JOIN`` (comma-separated),
+    ``FTMESH_PRESET``, ``FTMESH_INTERFACE``, ``FTMESH_BIND``, ``FTMESH_REGISTRY_DIR``,
+    ``FTMESH_SECRET_FILE``), then to the defaults: mesh ``default``, ``local`` discovery, the
+    ``lan`` preset. Explicit arguments always win over the environment.
+    """
+    import os
+
+    from .membership.config import MembershipConfig
+    from .net.node import NodeConfig
+    from .security import load_secrets
+
+    env = os.environ
+    joins = join if join is not None else tuple(
+        j for j in env.get("FTMESH_JOIN", "").split(",") if j
+    )
+    disc = discovery or env.get("FTMESH_DISCOVERY") or ("seeds" if joins else "local")
+    interface = env.get("FTMESH_INTERFACE", "")
+    bind = env.get("FTMESH_BIND", "") or (interface if disc == "mdns" and interface else "")
+    node = NodeConfig(
+        mesh=mesh or env.get("FTMESH_MESH", "default"),
+        discovery=disc,
+        join=joins,
+        bind=bind or "127.0.0.1",
+        interface=interface,
+        registry_dir=env.get("FTMESH_REGISTRY_DIR", ""),
+        membership=MembershipConfig.preset(preset or env.get("FTMESH_PRESET", "lan")),
+        auth=load_secrets(env.get("FTMESH_SECRET_FILE") or None),
+    )
+    return SyncMesh.start(MeshConfig(node=node, role=role), start_timeout=start_timeout)

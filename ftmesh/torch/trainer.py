@@ -1,0 +1,242 @@
+"""Elastic, fault-tolerant data-parallel training of a PyTorch model on the mesh.
+
+``ElasticTrainer.step(loss_fn)`` runs one committed training step following
+``ftmesh.training.protocol``: it picks the current view, syncs state when the view changed
+(joiners and members left behind get the newest committed state by ring broadcast), computes
+this member's share of the step's global batch, adds all members' gradients with one
+allreduce and applies the optimizer. A failure during the step (a peer died or stalled, the
+ring disagreed about the view or the inputs) retries the step on the next view, with the
+step's batch re-split among the survivors, so the step's samples are all trained exactly once.
+
+Gradients are averaged over samples, not members: each member contributes
+``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
+which equals single-process training on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+import numpy as np
+import torch
+
+from ..collective import InputMismatchError, RingView, ViewMismatchError
+from ..errors import CollectiveError, DeadlineExceeded, FtmeshError, PeerLostError
+from ..sync import SyncMesh
+from ..training.checkpoint_io import latest_checkpoint, save_checkpoint
+from ..training.protocol import FRESH, plan_sync, sync_vector
+from .digest import state_digest
+from .sampler import ElasticSampler
+
+log = logging.getLogger("ftmesh.torch")
+
+RECOVERABLE = (PeerLostError, ViewMismatchError, InputMismatchError, CollectiveError)
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    step: int
+    """The committed step count after this step (1 after the first step)."""
+    loss: float
+    """Mean loss over the step's global batch, all members together."""
+    samples: int
+    members: tuple[str, ...]
+    """The members that contributed (ring order)."""
+    epoch: str
+    """The view epoch the step ran on."""
+    attempts: int
+    """1 when the step ran without a failure."""
+    synced: bool
+    """Whether this step began with a state sync (view changed)."""
+
+
+class ElasticTrainer:
+    """See the module docstring. One per member process; not thread-safe."""
+
+    def __init__(
+        self,
+        mesh: SyncMesh,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: ElasticSampler,
+        *,
+        min_peers: int = 1,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+        step_timeout: float = 300.0,
+        on_world_change: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.min_peers = min_peers
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_every = checkpoint_every
+        self.step_timeout = step_timeout
+        self.on_world_change = on_world_change
+        self.committed = FRESH
+        self._synced_epoch = ""
+        self._world = 0
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._numel = sum(p.numel() for p in self._params)
+        self.recoveries = 0
+        if self.checkpoint_dir is not None:
+            found = latest_checkpoint(self.checkpoint_dir)
+            if found is not None:
+                self.load_state_bytes(found)
+                log.info("resumed from checkpoint at step %d", self.committed)
+
+    # ------------------------------------------------------------------ state
+
+    def state_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.committed,
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        blob = torch.load(io.BytesIO(data), weights_only=True)
+        self.model.load_state_dict(blob["model"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.committed = int(blob["step"])
+
+    def digest(self) -> str:
+        """Content hash of the model and optimizer state (bitwise comparison across members)."""
+        return state_digest(self.model, self.optimizer)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, loss_fn: Callable[[np.ndarray], torch.Tensor]) -> StepReport:
+        """Run one committed step. ``loss_fn(indices)`` returns the *mean* loss of this
+        member's samples ``indices`` (it is not called when the share is empty)."""
+        deadline = time.monotonic() + self.step_timeout
+        attempts = 0
+        synced = False
+        while True:
+            attempts += 1
+            view = self.mesh.wait_view(
+                min_members=self.min_peers, timeout=max(deadline - time.monotonic(), 0.1)
+            )
+            try:
+                if view.epoch != self._synced_epoch:
+                    self._sync(view)
+                    synced = True
+                report = self._attempt(view, loss_fn, attempts, synced)
+            except RECOVERABLE as exc:
+                self.recoveries += 1
+                self._synced_epoch = ""  # whatever happened, agree on state again first
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"step {self.committed + 1} did not commit within {self.step_timeout}s"
+                    ) from exc
+                log.info("step %d attempt %d failed (%s); retrying on the next view",
+                         self.committed + 1, attempts, exc)
+                if isinstance(exc, PeerLostError):
+                    self.mesh.wait_view_change(view.epoch, timeout=2.0)
+                continue
+            self._maybe_checkpoint()
+            return report
+
+    def finish(self, timeout: float = 60.0) -> None:
+        """A last sync on the current view before leaving, so that a member whose final step
+        failed after others committed it catches up instead of redoing it alone."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            view = self.mesh.wait_view(timeout=max(deadline - time.monotonic(), 0.1))
+            try:
+                self._sync(view)
+                return
+            except RECOVERABLE as exc:
+                log.info("final sync failed (%s); retrying", exc)
+                self.mesh.wait_view_change(view.epoch, timeout=1.0)
+        raise DeadlineExceeded(f"final sync did not complete within {timeout}s")
+
+    def _sync(self, view: RingView) -> None:
+        me = self.mesh.node_id
+        rank = view.rank_of(me)
+        mine = self.state_bytes()
+        vec = sync_vector(rank, view.size, self.committed, len(mine))
+        self.mesh.allreduce_on(view, vec, "max")
+        plan = plan_sync(vec)
+        if plan.root >= 0:
+            root_id = view.members[plan.root].node_id
+            if rank == plan.root:
+                buf = np.frombuffer(bytearray(mine), dtype=np.uint8)
+            else:
+                buf = np.empty(plan.nbytes, dtype=np.uint8)
+            self.mesh.broadcast_on(view, buf, root_id)
+            if rank in plan.behind:
+                self.load_state_bytes(buf.tobytes())
+        self.committed = plan.target_step
+        self._synced_epoch = view.epoch
+        if self._world != view.size:
+            if self._world and self.on_world_change is not None:
+                self.on_world_change(self._world, view.size)
+            self._world = view.size
+
+    def _attempt(
+        self,
+        view: RingView,
+        loss_fn: Callable[[np.ndarray], torch.Tensor],
+        attempts: int,
+        synced: bool,
+    ) -> StepReport:
+        me = self.mesh.node_id
+        step = self.committed  # the step being computed (0-based)
+        indices = self.sampler.indices(step, view.node_ids, me)
+        self.optimizer.zero_grad(set_to_none=False)
+        flat = np.zeros(self._numel + 2, dtype=np.float32)
+        if len(indices):
+            loss = loss_fn(indices)
+            (loss * len(indices)).backward()
+            offset = 0
+            for p in self._params:
+                n = p.numel()
+                if p.grad is not None:
+                    flat[offset : offset + n] = p.grad.detach().reshape(-1).numpy()
+                offset += n
+            flat[-2] = len(indices)
+            flat[-1] = float(loss.detach()) * len(indices)
+        result = self.mesh.allreduce_on(view, flat, "sum")
+        total = float(flat[-2])
+        if total <= 0:
+            raise FtmeshError("a step reduced zero samples")
+        scale = 1.0 / total
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                g = torch.from_numpy(flat[offset : offset + n]).view_as(p)
+                if p.grad is None:
+                    p.grad = g.mul(scale)
+                else:
+                    p.grad.copy_(g).mul_(scale)
+                offset += n
+        self.optimizer.step()
+        self.committed = step + 1
+        return StepReport(
+            step=self.committed,
+            loss=float(flat[-1]) / total,
+            samples=int(total),
+            members=result.members,
+            epoch=result.epoch,
+            attempts=attempts,
+            synced=synced,
+        )
+
+    def _maybe_checkpoint(self) -> None:
+        if self.checkpoint_dir is None or self.checkpoint_every <= 0:
+            return
+        if self.committed % self.checkpoint_every == 0:
+            save_checkpoint(self.checkpoint_dir, self.committed, self.state_bytes())

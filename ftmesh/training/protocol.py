@@ -1,0 +1,72 @@
+"""The per-step agreement of fault-tolerant training, as pure functions.
+
+Theory of operation. Every member counts its *committed* steps. A step runs on one view:
+
+1. **Sync (only when the view's epoch differs from the last one we trained on).** One
+   allreduce(max) of a vector with a slot per ring rank: each member writes its committed step
+   (``-1`` for a fresh member that never trained in this mesh) and the byte size of its
+   serialized state. Everyone then computes the same :class:`SyncPlan` from the same vector:
+   the newest committed step ``M`` wins; the first rank holding it is the *root*; every rank
+   behind ``M`` receives the root's state by a ring broadcast. (When nobody has trained yet,
+   ``M == -1``: rank 0's initial weights become everybody's, so all start identical.)
+2. **Step.** Each member computes gradients on its share of the step's global batch (see
+   ``ftmesh.torch.sampler``) and one allreduce(sum) adds them up, with the sample counts and
+   losses riding in the same buffer. A member whose allreduce completes applies the update
+   and commits the step.
+3. **Failure.** If the allreduce fails (a ring member died or stalled), every survivor's round
+   fails too (the ring is broken). Survivors wait for membership to drop the dead member, then
+   go back to 1 on the new view. Members that completed the round before it broke are one
+   step ahead of those that did not; the sync makes the latter adopt the former's state
+   instead of recomputing. So a step is committed by every survivor or by none (when nobody
+   completed it, or only members that then died), never applied twice, never skipped.
+
+The invariant this rests on: two members with the same committed step hold bitwise-identical
+state, because they started identical (1) and applied the same reduced gradients, which every
+ring member receives bitwise identical (``ftmesh.collective``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FRESH = -1
+"""Committed step of a member that has not yet trained in this mesh."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPlan:
+    target_step: int
+    """The committed step every member holds after the sync."""
+    root: int
+    """Rank whose state is broadcast (``-1``: nobody is behind, no broadcast)."""
+    behind: tuple[int, ...]
+    """Ranks that load the root's state."""
+    nbytes: int
+    """Size of the broadcast state in bytes."""
+
+
+def sync_vector(rank: int, size: int, committed: int, nbytes: int) -> np.ndarray:
+    """This member's contribution to the sync allreduce(max)."""
+    v = np.full(2 * size, FRESH, dtype=np.int64)
+    v[rank] = committed
+    v[size + rank] = nbytes
+    return v
+
+
+def plan_sync(reduced: np.ndarray) -> SyncPlan:
+    """The sync decision from the reduced vector; every member computes the same one."""
+    size = len(reduced) // 2
+    steps = [int(s) for s in reduced[:size]]
+    sizes = [int(b) for b in reduced[size:]]
+    newest = max(steps)
+    if newest == FRESH:
+        # Nobody has trained: rank 0's initial state becomes everybody's starting point.
+        behind = tuple(range(1, size))
+        return SyncPlan(0, 0 if behind else -1, behind, sizes[0])
+    root = steps.index(newest)
+    behind = tuple(r for r, s in enumerate(steps) if s < newest)
+    if not behind:
+        return SyncPlan(newest, -1, (), 0)
+    return SyncPlan(newest, root, behind, sizes[root])
