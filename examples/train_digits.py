@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 
@@ -64,17 +66,19 @@ def progress(record: dict[str, object]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-peers", type=int, default=1)
-    p.add_argument("--step-delay", type=float, default=0.0,
-                   help="seconds to sleep per step (slows the demo down to watch it)")
+    p.add_argument("--step-delay", type=float, default=0.03,
+                   help="seconds to sleep after each step, so a demo can be watched and a joiner's start-up (~5 s) lands mid-run; 0 for full speed")
     p.add_argument("--single", action="store_true", help="train in one process, no mesh")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     args = p.parse_args()
+    logging.basicConfig(level=os.environ.get("FTMESH_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed)

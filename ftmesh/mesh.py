@@ -4,8 +4,7 @@ current view.
 Theory of operation: a member runs a SWIM node (``ftmesh.net``) and a data plane
 (``ftmesh.collective``). It publishes its data-plane address and role in its member metadata.
 The *view* is the sorted list of members whose role is ``train`` and that membership holds
-ALIVE or SUSPECT (a suspect is still in the ring until it is declared dead: dropping it at the
-first missed ack would reshuffle the ring on every hiccup). Every member derives the same ring
+ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off). Every member derives the same ring
 from the same view; before a collective runs on a view the data plane checks with both ring
 neighbours that they hold the same view epoch, so if gossip has not converged yet the call
 waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
@@ -44,19 +43,24 @@ DATA_KEY = "data"
 """Member metadata key holding the data-plane ``host:port``."""
 ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others (``spare``, ``observer``) not."""
-ROLES = ("train", "spare", "observer")
+ROLES = ("train", "joining", "spare", "observer")
 
 
 @dataclass(frozen=True)
 class MeshConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     collective: CollectiveConfig = field(
-        default_factory=lambda: CollectiveConfig(view_timeout=1.0)
+        default_factory=lambda: CollectiveConfig(view_timeout=5.0, max_cached_views=1)
     )
     role: str = "train"
     """This member's role: ``train`` members form the ring."""
     data_port: int = 0
     """Data-plane TCP port (0: any free one). It binds the gossip bind address."""
+    suspects_in_view: bool = False
+    """Whether SUSPECT members stay in the ring. No (default): a member stops being waited for
+    as soon as it is suspected, which is what makes recovery from a crash take well under a
+    second; a refuted false suspicion costs one extra state sync. Yes: the ring changes only on
+    a death, at the price of waiting for the full suspicion timeout after a crash."""
     agree_timeout: float = 120.0
     """Seconds a collective keeps retrying while ring neighbours do not hold the same view
     (gossip still converging, or a neighbour still computing its previous step). Each try
@@ -69,11 +73,13 @@ class MeshConfig:
             raise ConfigError("agree_timeout must be positive")
 
 
-def view_of(members: list[MemberSnapshot]) -> RingView | None:
-    """The ring view membership implies: live ``train`` members with a data address."""
+def view_of(members: list[MemberSnapshot], suspects: bool = False) -> RingView | None:
+    """The ring view membership implies: ``train`` members with a data address that are
+    ALIVE (or SUSPECT, with ``suspects``)."""
+    live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
     peers = []
     for m in members:
-        if m.state not in (MemberState.ALIVE, MemberState.SUSPECT):
+        if m.state not in live:
             continue
         if m.meta.get(ROLE_KEY) != "train" or not isinstance(m.meta.get(DATA_KEY), str):
             continue
@@ -98,7 +104,7 @@ class Mesh:
 
     def view(self) -> RingView | None:
         """The current view (``None`` while we are not a training member)."""
-        return view_of(self.node.members())
+        return view_of(self.node.members(), self.config.suspects_in_view)
 
     async def wait_view(
         self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
@@ -116,6 +122,28 @@ class Mesh:
                 else:
                     await self.view_changed()
         raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s")
+
+    def set_role(self, role: str) -> None:
+        """Change our role (``train`` members form the ring); spreads by gossip."""
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
+        me = self.node.me()
+        if me.meta.get(ROLE_KEY) != role:
+            self.node.update_meta({**me.meta, ROLE_KEY: role})
+
+    @property
+    def role(self) -> str:
+        return str(self.node.me().meta.get(ROLE_KEY, ""))
+
+    async def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
+        """Wait until membership has had no event for ``settle`` seconds (at most
+        ``timeout``): discovery and gossip have settled."""
+        with trio.move_on_after(timeout):
+            while True:
+                with trio.move_on_after(settle) as quiet:
+                    await self.view_changed()
+                if quiet.cancelled_caught:
+                    return
 
     async def view_changed(self) -> None:
         """Return after the next membership event (the view may or may not have changed)."""

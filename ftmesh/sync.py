@@ -102,6 +102,16 @@ class SyncMesh:
 
         return self.call(wait)
 
+    def set_role(self, role: str) -> None:
+        self.call_sync(self.mesh.set_role, role)
+
+    @property
+    def role(self) -> str:
+        return self.call_sync(lambda: self.mesh.role)
+
+    def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
+        self.call(self.mesh.wait_quiet, settle, timeout)
+
     def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
         return self.call(self.mesh.allreduce, x, op)
 

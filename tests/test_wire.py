@@ -17,6 +17,7 @@ from ftmesh.membership.messages import (
     MemberSnapshot,
     MemberState,
     Message,
+    Meta,
     Nack,
     Ping,
     PushPull,
@@ -48,17 +49,33 @@ def authed(*secrets: bytes, mesh: str = "m", window: float = 30.0) -> PacketCode
     return PacketCodec(mesh, MeshAuth.from_secrets(list(secrets)), window)
 
 
-SNAP = MemberSnapshot(node=NODE, name="host-1", addr=("10.0.0.1", 7946), incarnation=3,
-                      state=MemberState.SUSPECT, meta={"role": "trainer", "gpus": 2,
-                                                       "lr": 0.5, "ok": True, "none": None})
+SNAP = MemberSnapshot(
+    node=NODE,
+    name="host-1",
+    addr=("10.0.0.1", 7946),
+    incarnation=3,
+    state=MemberState.SUSPECT,
+    meta={"role": "trainer", "gpus": 2, "lr": 0.5, "ok": True, "none": None},
+)
 EVERY_MESSAGE: list[Message] = [
     Ping(seq=1, target=PEER, source=NODE, source_addr=("127.0.0.1", 7000)),
-    IndirectPing(seq=2**32 - 1, target=PEER, target_addr=("10.1.2.3", 1), source=NODE,
-                 source_addr=("127.0.0.1", 65535), want_nack=False),
+    IndirectPing(
+        seq=2**32 - 1,
+        target=PEER,
+        target_addr=("10.1.2.3", 1),
+        source=NODE,
+        source_addr=("127.0.0.1", 65535),
+        want_nack=False,
+    ),
     Ack(seq=0, source=PEER),
     Nack(seq=7, source=PEER),
-    Alive(node=NODE, name="host-1", addr=("10.0.0.1", 7946), incarnation=wire.MAX_COUNTER,
-          meta={"data": "10.0.0.1:9000", "step": -5}),
+    Alive(
+        node=NODE,
+        name="host-1",
+        addr=("10.0.0.1", 7946),
+        incarnation=wire.MAX_COUNTER,
+        meta={"data": "10.0.0.1:9000", "step": -5},
+    ),
     Alive(node=NODE, name="", addr=("h", 2), incarnation=0),
     Suspect(node=NODE, incarnation=4, accuser=PEER),
     Dead(node=NODE, incarnation=5, accuser=NODE),
@@ -97,15 +114,17 @@ def test_unknown_message_type_from_a_newer_peer_is_skipped() -> None:
 # ---------------------------------------------------------------------- refusals
 
 
-def reason_of(codec: PacketCodec, data: bytes, now: float = NOW,
-              cap: int = wire.MAX_DATAGRAM) -> str:
+def reason_of(
+    codec: PacketCodec, data: bytes, now: float = NOW, cap: int = wire.MAX_DATAGRAM
+) -> str:
     with pytest.raises(RemoteProtocolError) as info:
         codec.open(data, now, cap=cap)
     return info.value.reason
 
 
 def raw(envelope: object, *, version: int = wire.PROTOCOL_VERSION, flags: int = 0) -> bytes:
-    return wire.MAGIC + bytes((version, flags)) + msgpack.packb(envelope)
+    body: bytes = msgpack.packb(envelope)
+    return wire.MAGIC + bytes((version, flags)) + body
 
 
 def test_wrong_mesh() -> None:
@@ -212,19 +231,44 @@ LONG_ID = "a" * (wire.MAX_NODE_ID + 1)
         Ping(seq=1, target=PEER, source=NODE, source_addr=("h" * (wire.MAX_HOST + 1), 1)),
         Alive(node=NODE, name="n" * (wire.MAX_NAME + 1), addr=("h", 1), incarnation=1),
         Alive(node=NODE, name="n", addr=("h", 1), incarnation=wire.MAX_COUNTER + 1),
-        Alive(node=NODE, name="n", addr=("h", 1), incarnation=1,
-              meta={"k" * (wire.MAX_META_KEY + 1): 1}),
-        Alive(node=NODE, name="n", addr=("h", 1), incarnation=1,
-              meta={"k": "v" * (wire.MAX_META_STR + 1)}),
-        Alive(node=NODE, name="n", addr=("h", 1), incarnation=1,
-              meta={f"k{i}": i for i in range(wire.MAX_META_ENTRIES + 1)}),
+        Alive(
+            node=NODE,
+            name="n",
+            addr=("h", 1),
+            incarnation=1,
+            meta={"k" * (wire.MAX_META_KEY + 1): 1},
+        ),
+        Alive(
+            node=NODE,
+            name="n",
+            addr=("h", 1),
+            incarnation=1,
+            meta={"k": "v" * (wire.MAX_META_STR + 1)},
+        ),
+        Alive(
+            node=NODE,
+            name="n",
+            addr=("h", 1),
+            incarnation=1,
+            meta={f"k{i}": i for i in range(wire.MAX_META_ENTRIES + 1)},
+        ),
         Alive(node=NODE, name="n", addr=("h", 1), incarnation=1, meta={"k": 2**63}),
         Alive(node=NODE, name="n", addr=("h", 1), incarnation=1, meta={"k": float("nan")}),
         Suspect(node=NODE, incarnation=True, accuser=PEER),  # bool is not an int
         Dead(node=NODE, incarnation=1, accuser=LONG_ID),
-        PushPull(source=NODE, members=(MemberSnapshot(
-            node=NODE, name="n", addr=("h", 1), incarnation=1, state=MemberState.ALIVE,
-            meta={"k": "v" * (wire.MAX_META_STR + 1)}),)),
+        PushPull(
+            source=NODE,
+            members=(
+                MemberSnapshot(
+                    node=NODE,
+                    name="n",
+                    addr=("h", 1),
+                    incarnation=1,
+                    state=MemberState.ALIVE,
+                    meta={"k": "v" * (wire.MAX_META_STR + 1)},
+                ),
+            ),
+        ),
     ],
     ids=lambda m: type(m).__name__,
 )
@@ -233,7 +277,7 @@ def test_field_caps(msg: Message) -> None:
 
 
 def test_meta_bytes_cap() -> None:
-    meta = {f"k{i}": "v" * 500 for i in range(5)}  # every entry fits, the total does not
+    meta: Meta = {f"k{i}": "v" * 500 for i in range(5)}  # every entry fits, the total does not
     msg = Alive(node=NODE, name="n", addr=("h", 1), incarnation=1, meta=meta)
     assert reason_of(plain(), plain().seal([msg], NOW, nonce())) == "oversized"
     with pytest.raises(RemoteProtocolError):
@@ -257,8 +301,7 @@ def test_messages_per_packet_cap() -> None:
 
 def test_members_cap() -> None:
     # A push-pull claiming more than MAX_MEMBERS entries is refused before any is decoded.
-    env = ["m", int(NOW * 1000), nonce(), [[8, NODE, [0] * (wire.MAX_MEMBERS + 1), False,
-                                            False]]]
+    env = ["m", int(NOW * 1000), nonce(), [[8, NODE, [0] * (wire.MAX_MEMBERS + 1), False, False]]]
     assert reason_of(plain(), raw(env), cap=wire.MAX_FRAME) == "malformed"
 
 

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to search")
 
+    from .launch_cmd import add_launch_parser
+
+    add_launch_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a peer")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     mem = bench_sub.add_parser("membership", help="SWIM on the deterministic simulator")
@@ -124,6 +128,10 @@ def run(argv: list[str] | None = None) -> int:
             from .status_cmd import run_status
 
             return run_status(args)
+        if args.command in ("launch", "worker"):
+            from .launch_cmd import run_launch, run_worker
+
+            return run_launch(args) if args.command == "launch" else run_worker(args)
         if args.command == "bench":
             from .bench_cmd import run_bench
 

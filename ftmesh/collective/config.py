@@ -20,6 +20,13 @@ class CollectiveConfig:
     aborted. It bounds every wait on a neighbour; a stalled peer is reported after this long.
     Too small aborts healthy rounds on an overloaded host; too large delays fault recovery."""
 
+    poll_interval: float = 0.2
+    """Seconds an engine thread blocked on a socket sleeps before it wakes to look for an abort
+    (``DataPlane.abort_view``, or a neighbour's abort notice arriving on the reverse direction of
+    a ring connection) and to count towards ``io_timeout``. It bounds how long an abort takes to
+    reach a member whose neighbour has stopped sending. Costs one wake-up per interval of a
+    blocked thread and nothing while data flows; capped at ``io_timeout``."""
+
     connect_timeout: float = 10.0
     """Seconds to connect to and authenticate with a ring neighbour (retries included)."""
 
@@ -46,7 +53,7 @@ class CollectiveConfig:
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096 or self.chunk_bytes > 1 << 30:
             raise ConfigError(f"chunk_bytes must be in [4 KiB, 1 GiB], got {self.chunk_bytes}")
-        for name in ("io_timeout", "connect_timeout", "view_timeout"):
+        for name in ("io_timeout", "poll_interval", "connect_timeout", "view_timeout"):
             v = getattr(self, name)
             if not v > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {v}")

@@ -11,6 +11,7 @@ time, in call order; every member must call the same collectives in the same ord
 from __future__ import annotations
 
 import socket as _stdsocket
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -25,11 +26,15 @@ from ..security import MeshAuth
 from . import schedule
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline
+from .errors import RingPeerLostError
 from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
 from .transport import Ring, Transport, tune_socket
 from .view import RingView
 
 T = TypeVar("T")
+
+MAX_ABORTED_VIEWS = 64
+"""Aborted epochs remembered (so later collectives on them fail at once); oldest forgotten."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,53 @@ class DataPlane:
         self._sender_pool = ThreadPoolExecutor(1, thread_name_prefix=f"ftmesh-send-{self.node_id}")
         host, port = transport.listener.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
+        self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._opening: dict[str, set[trio.CancelScope]] = {}
+
+    def abort_view(self, epoch: str, peer: str, reason: str) -> None:
+        """Declare that ``peer`` is dead for view ``epoch``: every collective on that epoch on
+        this member, running (in the engine threads, or waiting in trio to connect) or future,
+        fails promptly with ``RingPeerLostError(peer=peer, epoch=epoch)``, and the abort is sent
+        both ways round the ring so the other members' rounds on it fail promptly too rather
+        than after ``io_timeout``. The ring's connections are dropped. Sync and non-blocking;
+        call it from the trio thread (``SyncDataPlane.abort_view`` from any other thread). Meant
+        for the membership layer, when it declares a member of a running view dead (a crash is
+        noticed by the sockets already; a stalled peer, e.g. SIGSTOPped, is not)."""
+        reason_msg = {
+            "kind": "lost",
+            "peer": peer,
+            "origin": self.node_id,
+            "msg": f"{peer} was declared dead: {reason}"[:1000],
+        }
+        self._aborted[epoch] = reason_msg
+        self._aborted.move_to_end(epoch)
+        while len(self._aborted) > MAX_ABORTED_VIEWS:
+            self._aborted.popitem(last=False)
+        for scope in self._opening.get(epoch, ()):
+            scope.cancel()
+        self._transport.kill_ring(epoch, reason_msg)
+
+    def _check_aborted(self, epoch: str) -> None:
+        reason = self._aborted.get(epoch)
+        if reason is not None:
+            raise RingPeerLostError(str(reason["msg"]), peer=str(reason["peer"]), epoch=epoch)
+
+    async def _open_ring(self, view: RingView) -> Ring:
+        """``transport.open_ring``, cancelled by ``abort_view`` of the view's epoch."""
+        epoch = view.epoch
+        self._check_aborted(epoch)
+        scope = trio.CancelScope()
+        scopes = self._opening.setdefault(epoch, set())
+        scopes.add(scope)
+        try:
+            with scope:
+                return await self._transport.open_ring(view)
+        finally:
+            scopes.discard(scope)
+            if not scopes:
+                self._opening.pop(epoch, None)
+        self._check_aborted(epoch)
+        raise AssertionError("unreachable: scope cancelled without an abort")  # pragma: no cover
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -231,14 +283,14 @@ class DataPlane:
         """Connect to the view's neighbours and agree on its epoch (cached per view)."""
         view.rank_of(self.node_id)  # raises LocalUsageError if we are not a member
         async with self._lock:
-            return await self._transport.open_ring(view)
+            return await self._open_ring(view)
 
     def cached_ring(self, view: RingView) -> Ring | None:
         return self._transport.cached_ring(view)
 
     async def _run(self, plan: Plan[T]) -> CollectiveResult[T]:
         async with self._lock:
-            ring = await self._transport.open_ring(plan.view)
+            ring = await self._open_ring(plan.view)
             if plan.view.size > 1:
                 pipe = self._pipeline(ring, plan)
                 try:
@@ -281,11 +333,13 @@ class DataPlane:
             plan.bufs,
             io_timeout=self.config.io_timeout,
             chunk_bytes=self.config.chunk_bytes,
+            poll_interval=self.config.poll_interval,
         )
 
     def _run_pipeline(self, ring: Ring, pipe: Pipeline) -> None:
         cfg = self.config
         try:
+            self._check_aborted(ring.view.epoch)
             pipe.run_blocking(
                 self._sender_pool,
                 inline_max_bytes=min(cfg.inline_max_bytes, cfg.socket_buffer_bytes // 2),

@@ -23,16 +23,29 @@ Failure handling keeps every member informed without any coordinator:
 * a receiver that originated an abort keeps reading (and discarding) from its left until that
   neighbour's ``ABORT`` or ``DONE``, so nobody blocks writing into a socket no one reads and the
   connections stay in sync for the next collective;
-* a send or receive that times out aborts with ``PeerStalledError`` naming that neighbour.
+* a send or receive that makes no progress for ``io_timeout`` aborts with ``PeerStalledError``
+  naming that neighbour.
 
 A member sends ``DONE`` only when all its receives completed, so a mismatch, detected at the
 header, is always seen by every member.
+
+*Fatal* aborts (a neighbour lost or stalled, or ``DataPlane.abort_view`` saying a member of the
+view is dead) end the ring instead of keeping it in sync: the forward ``ABORT`` frame cannot get
+past a dead member, so the member that learns of it also writes the abort as a *notice* on the
+reverse direction of its connection from the left (nothing else ever flows that way), and the
+socket towards the dead member is shut down. Engine threads wake every ``poll_interval`` while
+blocked (the sockets' SO_RCVTIMEO/SO_SNDTIMEO) to read such notices, see a local abort and count
+towards ``io_timeout``; so an abort travels both ways round the ring until it reaches the dead
+member from both sides, every survivor raises it within about one ``poll_interval`` per hop, and
+the ring is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +62,8 @@ from .transport import Ring
 
 _ABORT_MSG_CAP = 2000
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_FATAL = ("lost", "stalled")
 
 
 @dataclass
@@ -68,40 +83,14 @@ class _Stalled(Exception):
     pass
 
 
-def _recv_exactly(sock: socket.socket, mv: memoryview) -> None:
-    while mv:
-        try:
-            n = sock.recv_into(mv, len(mv), _WAITALL)
-        except BlockingIOError:  # SO_RCVTIMEO expired
-            raise _Stalled from None
-        if n == 0:
-            raise EOFError
-        mv = mv[n:]
+class _Killed(Exception):
+    """A fatal abort is set: stop using the sockets (the ring will be dropped)."""
 
 
-def _send_all(sock: socket.socket, mv: memoryview | bytes) -> None:
-    mv = memoryview(mv)
-    while mv:
-        try:
-            n = sock.send(mv)
-        except BlockingIOError:  # SO_SNDTIMEO expired
-            raise _Stalled from None
-        mv = mv[n:]
-
-
-def _send_frame(sock: socket.socket, kind: int, payload: memoryview | bytes) -> None:
-    head = wire.FRAME.pack(kind, len(payload))
-    if not len(payload):
-        _send_all(sock, head)
-        return
-    try:
-        n = sock.sendmsg([head, payload])
-    except BlockingIOError:
-        raise _Stalled from None
-    if n < len(head):
-        _send_all(sock, head[n:])
-        n = len(head)
-    _send_all(sock, memoryview(payload)[n - len(head) :])
+def _send_frame_raw(sock: socket.socket, kind: int, payload: bytes) -> None:
+    """Best-effort, non-blocking write of one small frame (abort notices)."""
+    with contextlib.suppress(OSError):
+        sock.send(wire.FRAME.pack(kind, len(payload)) + payload, _DONTWAIT)
 
 
 class Pipeline:
@@ -117,6 +106,7 @@ class Pipeline:
         *,
         io_timeout: float,
         chunk_bytes: int,
+        poll_interval: float = 0.2,
     ) -> None:
         self.node_id = node_id
         self.ring = ring
@@ -124,6 +114,7 @@ class Pipeline:
         self.sched = sched
         self.bufs = bufs
         self.io_timeout = io_timeout
+        self.poll_interval = min(poll_interval, io_timeout)
         self.isz = bufs.acc.itemsize
         self.acc_b = bufs.acc.view(np.uint8).data
         self.inp_b = bufs.inp.view(np.uint8).data
@@ -134,24 +125,146 @@ class Pipeline:
         self.cv = threading.Condition()
         self.recv_done = 0
         self.abort: dict[str, Any] | None = None
+        self.fatal = False
         self.done_sent = False
         self.broken = False
         self.stalled: str | None = None
         self.inline = False
+        self.owner = 0
         self.next_send = 0
         self.send_dead = False
+        self._back_lock = threading.Lock()
 
     # -- shared state ---------------------------------------------------------------------
-    def _set_abort(self, reason: dict[str, Any], *, broken: bool = False) -> None:
+    def _set_abort(
+        self,
+        reason: dict[str, Any],
+        *,
+        broken: bool = False,
+        override: bool = False,
+        from_left: bool = False,
+    ) -> None:
+        fatal = reason.get("kind") in _FATAL
         with self.cv:
-            if broken:
+            if broken or fatal:
                 self.broken = True
             first = self.abort is None
-            if first:
+            if first or override:
                 self.abort = reason
+            if fatal:
+                self.fatal = True
             self.cv.notify_all()
-        if first and self.inline:
+        if fatal:
+            self._notify_left(reason, from_left=from_left)
+            self.ring.shutdown_towards(str(reason.get("peer")))
+        if first and self.inline and threading.get_ident() == self.owner:
             self._send_abort_inline()
+
+    def abort_from_outside(self, reason: dict[str, Any]) -> None:
+        """``Ring.kill``: a member of the view is dead; end this round with ``reason``."""
+        self._set_abort(reason, override=True)
+
+    def _notify_left(self, reason: dict[str, Any], *, from_left: bool) -> None:
+        """Write the abort once on the reverse direction of the connection from the left (the
+        left neighbour reads it while blocked; see the module doc). Skipped when the abort came
+        from the left, or names it."""
+        ring = self.ring
+        with ring.lock:
+            if ring.notice_sent or from_left or reason.get("peer") == ring.left.node_id:
+                return
+            ring.notice_sent = True
+            sock = ring.recv_sock
+        if sock is not None:
+            _send_frame_raw(sock, wire.ABORT, wire.pack_control(reason)[4:])
+
+    def _poll_back(self) -> None:
+        """Read an abort notice from the right neighbour, if one arrived (never blocks)."""
+        sock = self.ring.send_sock
+        if sock is None or not self._back_lock.acquire(blocking=False):
+            return
+        try:
+            try:
+                data = sock.recv(4096, _DONTWAIT)
+            except OSError:  # nothing there (EAGAIN), or the socket already failed
+                return
+            right = self.ring.right.node_id
+            if not data:
+                msg = f"{right} closed the connection"
+                self._set_abort(self._reason("lost", right, msg))
+                return
+            back = self.ring.back
+            back += data
+            if len(back) < wire.FRAME.size:
+                return
+            kind, length = wire.FRAME.unpack_from(back)
+            if kind != wire.ABORT or length > wire.MAX_CONTROL_BYTES:
+                back.clear()  # not a notice: ignore it, the data stream decides
+                return
+            if len(back) < wire.FRAME.size + length:
+                return
+            try:
+                body = bytes(back[wire.FRAME.size : wire.FRAME.size + length])
+                reason = wire.unpack_control(body)
+            except RemoteProtocolError:
+                return
+            finally:
+                back.clear()
+            if isinstance(reason.get("kind"), str) and isinstance(reason.get("msg"), str):
+                self._set_abort(reason)
+        finally:
+            self._back_lock.release()
+
+    def _idle(self, since: float) -> float:
+        """A socket call returned with nothing moved after ``poll_interval``: look for aborts,
+        enforce ``io_timeout``. Returns when the wait goes on since ``since`` (0: just began)."""
+        now = time.monotonic()
+        if not since:
+            since = now - self.poll_interval
+        self._poll_back()
+        if self.fatal:
+            raise _Killed
+        if now - since >= self.io_timeout:
+            raise _Stalled
+        return since
+
+    def _recv_exactly(self, sock: socket.socket, mv: memoryview) -> None:
+        since = 0.0
+        while mv:
+            try:
+                n = sock.recv_into(mv, len(mv), _WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO: nothing arrived for poll_interval
+                since = self._idle(since)
+                continue
+            if n == 0:
+                raise EOFError
+            since = 0.0
+            mv = mv[n:]
+
+    def _send_all(self, sock: socket.socket, mv: memoryview | bytes) -> None:
+        mv = memoryview(mv)
+        since = 0.0
+        while mv:
+            try:
+                n = sock.send(mv)
+            except BlockingIOError:  # SO_SNDTIMEO: nothing went out for poll_interval
+                since = self._idle(since)
+                continue
+            since = 0.0
+            mv = mv[n:]
+
+    def _send_frame(self, sock: socket.socket, kind: int, payload: memoryview | bytes) -> None:
+        head = wire.FRAME.pack(kind, len(payload))
+        if not len(payload):
+            self._send_all(sock, head)
+            return
+        try:
+            n = sock.sendmsg([head, payload])
+        except BlockingIOError:
+            n = 0
+        if n < len(head):
+            self._send_all(sock, head[n:])
+            n = len(head)
+        self._send_all(sock, memoryview(payload)[n - len(head) :])
 
     def _reason(self, kind: str, peer: str, msg: str) -> dict[str, Any]:
         return {"kind": kind, "peer": peer, "origin": self.node_id, "msg": msg}
@@ -174,7 +287,7 @@ class Pipeline:
         try:
             if sock is None:
                 raise EOFError
-            _send_frame(sock, wire.HEADER, wire.pack_control(self.header)[4:])
+            self._send_frame(sock, wire.HEADER, wire.pack_control(self.header)[4:])
             sends, after, isz = self.sched.sends, self.sched.send_after, self.isz
             inp_b, acc_b = self.inp_b, self.acc_b
             for j, s in enumerate(sends):
@@ -184,18 +297,22 @@ class Pipeline:
                 if self.abort is not None:
                     break
                 src = inp_b if s.from_input else acc_b
-                _send_frame(sock, wire.DATA, src[s.start * isz : s.stop * isz])
+                self._send_frame(sock, wire.DATA, src[s.start * isz : s.stop * isz])
             else:
                 if self._wait_recvs(len(self.sched.recvs)):
-                    _send_frame(sock, wire.DONE, b"")
+                    self._send_frame(sock, wire.DONE, b"")
                     self.done_sent = True
                     return
-            assert self.abort is not None
-            _send_frame(sock, wire.ABORT, wire.pack_control(self.abort)[4:])
+            reason = self.abort
+            if reason is not None and not (self.fatal and reason.get("peer") == right):
+                self._send_frame(sock, wire.ABORT, wire.pack_control(reason)[4:])
+        except _Killed:
+            pass
         except _Stalled:
             self.stalled = self.stalled or right
             self._set_abort(self._reason("stalled", right, f"{right} stopped reading"), broken=True)
         except (OSError, EOFError) as exc:
+            self._poll_back()  # a notice sent before the connection broke names the culprit
             msg = f"connection to {right} broke: {exc!r}"
             self._set_abort(self._reason("lost", right, msg), broken=True)
 
@@ -207,11 +324,15 @@ class Pipeline:
             if sock is None:
                 raise EOFError
             self._receive(sock, left)
+        except _Killed:
+            if self.inline:
+                self._send_abort_inline()
         except _Stalled:
             self.stalled = self.stalled or left
             msg = f"no data from {left} for {self.io_timeout}s"
             self._set_abort(self._reason("stalled", left, msg), broken=True)
         except (EOFError, OSError) as exc:
+            self._poll_back()
             what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
             msg = f"connection from {left} {what}"
             self._set_abort(self._reason("lost", left, msg), broken=True)
@@ -220,7 +341,7 @@ class Pipeline:
             self._set_abort(self._reason("protocol", left, msg), broken=True)
 
     def _read_head(self, sock: socket.socket) -> tuple[int, int]:
-        _recv_exactly(sock, memoryview(self.fhead))
+        self._recv_exactly(sock, memoryview(self.fhead))
         kind, length = wire.FRAME.unpack(self.fhead)
         return int(kind), int(length)
 
@@ -228,11 +349,14 @@ class Pipeline:
         if length > wire.MAX_CONTROL_BYTES:
             raise RemoteProtocolError("oversized", f"control frame of {length} bytes")
         body = bytearray(length)
-        _recv_exactly(sock, memoryview(body))
+        self._recv_exactly(sock, memoryview(body))
         return wire.unpack_control(bytes(body))
 
     def _receive(self, sock: socket.socket, left: str) -> None:
         kind, length = self._read_head(sock)
+        if kind == wire.ABORT:  # the left neighbour's ring was killed before it started
+            self._take_abort(sock, length)
+            return
         if kind != wire.HEADER:
             raise RemoteProtocolError("malformed", f"expected HEADER, got frame kind {kind}")
         theirs = self._read_control(sock, length)
@@ -261,6 +385,8 @@ class Pipeline:
             if kind == wire.ABORT:
                 self._take_abort(sock, length)
                 return
+            if self.fatal:
+                raise _Killed
             if self.abort is not None:  # we aborted: read and discard the rest
                 self._drain(sock, len(recvs) - i, first=(kind, length))
                 return
@@ -270,11 +396,11 @@ class Pipeline:
                     "malformed", f"frame kind {kind} length {length}, expected {n * isz} data"
                 )
             if r.reduce:
-                _recv_exactly(sock, scratch_b[: n * isz])
+                self._recv_exactly(sock, scratch_b[: n * isz])
                 if reduce is not None:
                     reduce(inp[r.start : r.stop], scratch[:n], acc[r.start : r.stop])
             else:
-                _recv_exactly(sock, acc_b[r.start * isz : r.stop * isz])
+                self._recv_exactly(sock, acc_b[r.start * isz : r.stop * isz])
             if r.final and scale is not None:
                 scale(acc[r.start : r.stop])
             if self.inline:
@@ -294,7 +420,7 @@ class Pipeline:
         reason = self._read_control(sock, length)
         if not isinstance(reason.get("kind"), str) or not isinstance(reason.get("msg"), str):
             raise RemoteProtocolError("malformed", "abort frame without kind/msg")
-        self._set_abort(reason)
+        self._set_abort(reason, from_left=True)
 
     def _drain(
         self, sock: socket.socket, frames: int, first: tuple[int, int] | None = None
@@ -312,7 +438,7 @@ class Pipeline:
                 raise RemoteProtocolError("malformed", f"frame kind {kind} while draining")
             while length:
                 k = min(length, len(junk))
-                _recv_exactly(sock, junk[:k])
+                self._recv_exactly(sock, junk[:k])
                 length -= k
             kind, length = self._read_head(sock)
         raise RemoteProtocolError("malformed", "left neighbour sent more frames than announced")
@@ -323,14 +449,17 @@ class Pipeline:
         try:
             if sock is None:
                 raise EOFError
-            _send_frame(sock, kind, payload)
+            self._send_frame(sock, kind, payload)
             return True
+        except _Killed:
+            self.send_dead = True
         except _Stalled:
             self.send_dead = True
             self.stalled = self.stalled or right
             self._set_abort(self._reason("stalled", right, f"{right} stopped reading"), broken=True)
         except (OSError, EOFError) as exc:
             self.send_dead = True
+            self._poll_back()
             msg = f"connection to {right} broke: {exc!r}"
             self._set_abort(self._reason("lost", right, msg), broken=True)
         return False
@@ -360,15 +489,20 @@ class Pipeline:
             self.done_sent = True
 
     def _send_abort_inline(self) -> None:
-        if not self.done_sent and not self.send_dead and self.abort is not None:
+        reason = self.abort
+        if self.fatal and reason is not None and reason.get("peer") == self.ring.right.node_id:
+            return  # no one to tell there
+        if not self.done_sent and not self.send_dead and reason is not None:
             self.send_dead = True  # nothing may follow an ABORT
-            self._inline_send(wire.ABORT, wire.pack_control(self.abort)[4:])
+            self._inline_send(wire.ABORT, wire.pack_control(reason)[4:])
 
     def _run_inline(self) -> None:
         self.inline = True
+        self.owner = threading.get_ident()
         if self._inline_send(wire.HEADER, wire.pack_control(self.header)[4:]):
             self._pump()
         self._receiver()
+        self._send_abort_inline()  # if an abort came from another thread; no-op otherwise
 
     # -- entry point ----------------------------------------------------------------------
     def run_blocking(self, sender_pool: ThreadPoolExecutor, *, inline_max_bytes: int = 0) -> None:
@@ -377,17 +511,29 @@ class Pipeline:
         sends never block, and a thread hand-off would cost more than it saves); larger ones
         receive here and send from ``sender_pool``. Marks the ring broken when its streams are
         out of sync."""
-        total = sum(s.stop - s.start for s in self.sched.sends) * self.isz
-        if total <= inline_max_bytes:
-            self._run_inline()
-        else:
-            fut = sender_pool.submit(self._sender)
+        ring = self.ring
+        with ring.lock:
+            started = ring.killed is None
+            if started:
+                ring.active = self
+            else:
+                self.abort, self.fatal, self.broken = ring.killed, True, True
+        if started:
             try:
-                self._receiver()
+                total = sum(s.stop - s.start for s in self.sched.sends) * self.isz
+                if total <= inline_max_bytes:
+                    self._run_inline()
+                else:
+                    fut = sender_pool.submit(self._sender)
+                    try:
+                        self._receiver()
+                    finally:
+                        fut.result()  # bounded: every sender wait and socket call has a timeout
             finally:
-                fut.result()  # bounded: every sender wait and socket call has a timeout
+                with ring.lock:
+                    ring.active = None
         if self.broken:
-            self.ring.broken = True
+            ring.broken = True
         if self.abort is None:
             return
         reason = self.abort

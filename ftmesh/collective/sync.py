@@ -102,6 +102,14 @@ class SyncDataPlane:
                 ring = trio.from_thread.run(dp.open_ring, plan.view, trio_token=token)
             return dp.run_plan_blocking(ring, plan)
 
+    def open_ring(self, view: RingView) -> None:
+        """Connect to the view's neighbours and agree on its epoch now (the first collective on
+        a view does it otherwise)."""
+        dp, token = self.dp, self._token
+        with self._call_lock:
+            if dp.cached_ring(view) is None:
+                trio.from_thread.run(dp.open_ring, view, trio_token=token)
+
     def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         return self._run(self.dp.plan_allreduce(view, x, op))
 
@@ -116,6 +124,12 @@ class SyncDataPlane:
 
     def barrier(self, view: RingView) -> CollectiveResult[None]:
         return self._run(self.dp.plan_barrier(view))
+
+    def abort_view(self, epoch: str, peer: str, reason: str) -> None:
+        """``DataPlane.abort_view`` from any thread (it hops to the trio thread); a collective
+        blocked in another thread on that epoch then raises ``RingPeerLostError``."""
+        dp, token = self.dp, self._token
+        trio.from_thread.run_sync(dp.abort_view, epoch, peer, reason, trio_token=token)
 
     def close(self, join_timeout: float = 10.0) -> None:
         token, stop = self._token, self._stop

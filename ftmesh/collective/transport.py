@@ -26,9 +26,10 @@ import logging
 import os
 import socket as _stdsocket
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -99,7 +100,11 @@ def _field(msg: dict[str, Any], key: str, typ: type) -> Any:
 
 @dataclass(eq=False)
 class Ring:
-    """The two connections of one member for one view: to the right and from the left."""
+    """The two connections of one member for one view: to the right and from the left.
+
+    Bytes of collectives only flow rightwards. The reverse direction of each connection carries
+    nothing but abort notices (see ``engine``), so a member whose left neighbour has stopped
+    sending still hears of an abort from its right."""
 
     view: RingView
     rank: int
@@ -111,6 +116,49 @@ class Ring:
     """Blocking stdlib socket from the left neighbour."""
     seq: int = 0
     broken: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Guards ``active``, ``killed`` and ``notice_sent`` (engine threads, the trio thread and a
+    sync caller's thread all touch them)."""
+    active: Any = None
+    """The engine ``Pipeline`` running on this ring, if any."""
+    killed: dict[str, Any] | None = None
+    """Abort reason set by ``kill``: no collective may start on this ring any more."""
+    notice_sent: bool = False
+    """An abort notice went out on this ring already (each ring sends at most one each way)."""
+    back: bytearray = field(default_factory=bytearray, repr=False)
+    """Partial abort notice read from the reverse direction of ``send_sock``."""
+
+    def kill(self, reason: dict[str, Any]) -> None:
+        """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``).
+        Sync and non-blocking; callable from any thread."""
+        with self.lock:
+            self.broken = True
+            if self.killed is None:
+                self.killed = reason
+            pipe = self.active
+            if pipe is None and not self.notice_sent:
+                # Nothing runs here: tell both neighbours ourselves. No engine thread can be
+                # writing (none is active and none may start once ``killed`` is set).
+                self.notice_sent = True
+                body = wire.pack_control(reason)[4:]
+                frame = wire.FRAME.pack(wire.ABORT, len(body)) + body
+                for s in (self.send_sock, self.recv_sock):
+                    if s is not None:
+                        with contextlib.suppress(OSError):
+                            s.send(frame, _stdsocket.MSG_DONTWAIT)
+        if pipe is not None:
+            pipe.abort_from_outside(reason)
+        self.shutdown_towards(str(reason.get("peer")))
+
+    def shutdown_towards(self, peer: str) -> None:
+        """Fail the socket(s) to ``peer`` if it is a neighbour: a thread blocked writing to or
+        reading from a dead member returns at once."""
+        if self.view.size < 2:
+            return
+        for s, who in ((self.send_sock, self.right), (self.recv_sock, self.left)):
+            if s is not None and who.node_id == peer:
+                with contextlib.suppress(OSError):
+                    s.shutdown(_stdsocket.SHUT_RDWR)
 
     def shutdown(self) -> None:
         """Unblock any thread using the sockets (they then fail fast); used on cancellation."""
@@ -126,13 +174,15 @@ class Ring:
         self.send_sock = self.recv_sock = None
 
 
-def to_blocking(sock: Socket, io_timeout: float) -> _stdsocket.socket:
-    """Take the fd away from trio: a blocking stdlib socket whose every send and receive gives
-    up after ``io_timeout`` seconds (SO_SNDTIMEO/SO_RCVTIMEO, so waits need no extra syscall)."""
+def to_blocking(sock: Socket, poll_interval: float) -> _stdsocket.socket:
+    """Take the fd away from trio: a blocking stdlib socket whose sends and receives return
+    (``BlockingIOError`` when nothing moved) after ``poll_interval`` seconds, so engine threads
+    wake up to check for aborts and count towards ``io_timeout`` (SO_SNDTIMEO/SO_RCVTIMEO: no
+    extra syscall while data flows)."""
     std = _stdsocket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM, fileno=sock.detach())
     std.setblocking(True)
-    sec = int(io_timeout)
-    tv = struct.pack("ll", sec, int((io_timeout - sec) * 1e6))
+    sec = int(poll_interval)
+    tv = struct.pack("ll", sec, max(1000, int((poll_interval - sec) * 1e6)))
     std.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_RCVTIMEO, tv)
     std.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_SNDTIMEO, tv)
     return std
@@ -160,6 +210,15 @@ class Transport:
         self._rings: OrderedDict[str, Ring] = OrderedDict()
         self.dropped: dict[str, int] = {}
         self._handshakes = trio.CapacityLimiter(32)
+        self._poll = min(config.poll_interval, config.io_timeout)
+
+    def kill_ring(self, epoch: str, reason: dict[str, Any]) -> None:
+        """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it."""
+        ring = self._rings.get(epoch)
+        if ring is not None:
+            ring.kill(reason)
+            if ring.active is None:
+                self.drop_ring(ring)
 
     # -- inbound ------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -294,7 +353,7 @@ class Transport:
                     peer=left,
                     epoch=epoch,
                 ) from None
-            ring.recv_sock = to_blocking(sock, self.config.io_timeout)
+            ring.recv_sock = to_blocking(sock, self._poll)
             return
         others = [e for (src, e) in self._parked if src == left]
         seen = f"; it connected with epoch(s) {others}" if others else ""
@@ -313,7 +372,7 @@ class Transport:
                 msg = await recv_control(sock)
                 if msg.get("view_ok") != view.epoch:
                     raise RemoteProtocolError("malformed", f"unexpected view reply {msg!r}")
-                ring.send_sock = to_blocking(sock, self.config.io_timeout)
+                ring.send_sock = to_blocking(sock, self._poll)
                 return
         except (EOFError, OSError):
             sock.close()

@@ -18,7 +18,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -74,8 +74,11 @@ class LabMesh:
         preset: str = "local",
         secret_file: Path | None = None,
         extra_args: Sequence[str] = (),
+        argv_factory: Callable[[VirtualLan, int], list[str]] | None = None,
     ) -> None:
         self.lan = lan
+        self.argv_factory = argv_factory
+        """Replaces :func:`node_argv` (a workload process that prints the same JSON events)."""
         self.log_dir = log_dir
         self.mesh = mesh
         self.preset = preset
@@ -94,14 +97,17 @@ class LabMesh:
         if slot.node is not None and slot.node.proc.poll() is None:
             raise LabError(f"host {host} already runs member {slot.node.name}")
         n = len(slot.history)
-        argv = node_argv(
-            self.lan,
-            host,
-            mesh=self.mesh,
-            preset=self.preset,
-            secret_file=secret_file or self.secret_file,
-            extra=self.extra_args,
-        )
+        if self.argv_factory is not None:
+            argv = self.argv_factory(self.lan, host)
+        else:
+            argv = node_argv(
+                self.lan,
+                host,
+                mesh=self.mesh,
+                preset=self.preset,
+                secret_file=secret_file or self.secret_file,
+                extra=self.extra_args,
+            )
         node = NodeProcess(argv, stderr_path=self.log_dir / f"{self.mesh}-h{host}.{n}.stderr")
         slot.node, slot.frozen = node, False
         slot.history.append(node)
@@ -239,4 +245,3 @@ class LabMesh:
             members = json.loads(r.stdout)
             out[h] = frozenset(m["node"] for m in members if m["state"] == "alive")
         return out
-

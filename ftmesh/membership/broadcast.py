@@ -69,8 +69,9 @@ class BroadcastQueue:
         if budget < min_size or not self._by_key:
             return out
         by_key = self._by_key
-        moved: list[_Rumour] = []
+        promoted: list[tuple[int, list[_Rumour]]] = []
         for sent in sorted(self._buckets):
+            moved: list[_Rumour] = []
             bucket = self._buckets[sent]
             skipped: list[_Rumour] = []
             while bucket:
@@ -98,11 +99,14 @@ class BroadcastQueue:
                 self._entries += len(skipped)
             if not bucket:
                 del self._buckets[sent]
+            if moved:
+                promoted.append((sent + 1, moved))
             if budget < min_size:
                 break
-        for rumour in moved:
-            self._buckets.setdefault(rumour.sent, []).append(rumour)
-        self._entries += len(moved)
+        # Only now, so that no rumour is taken twice in one call.
+        for sent, moved in promoted:
+            self._buckets.setdefault(sent, []).extend(moved)
+            self._entries += len(moved)
         return out
 
     def prune(self, limit: int) -> None:

@@ -88,10 +88,7 @@ class MembershipConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "push_pull_interval":
-                ok = value >= 0
-            else:
-                ok = value > 0
+            ok = value >= 0 if f.name == "push_pull_interval" else value > 0
             if not ok:
                 raise ConfigError(f"MembershipConfig.{f.name} must be positive, got {value!r}")
         if self.probe_timeout >= self.probe_interval:

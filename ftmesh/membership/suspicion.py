@@ -36,7 +36,9 @@ class Suspicion:
             timeout = self.min_timeout
         else:
             frac = math.log(c + 1) / math.log(self.k + 1)
-            timeout = max(self.min_timeout, self.max_timeout - (self.max_timeout - self.min_timeout) * frac)
+            timeout = max(
+                self.min_timeout, self.max_timeout - (self.max_timeout - self.min_timeout) * frac
+            )
         return self.start + timeout
 
     def confirm(self, accuser: str) -> bool:

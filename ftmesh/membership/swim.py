@@ -9,13 +9,19 @@ behaviour follows hashicorp/memberlist where the papers are silent):
   stays silent, which tells us our own link works. No ack by the end of the interval: the target
   becomes *suspect*, and a ``Suspect`` rumour spreads.
 * A suspect that hears of its suspicion refutes it by raising its incarnation and spreading
-  ``Alive``. Otherwise, when its suspicion timeout (shrinking with confirmations, see
-  ``suspicion``) expires, it is declared *dead*.
+  ``Alive``, and also sends that ``Alive`` straight to the accuser named in the rumour; a
+  member probing a suspect adds its ``Suspect`` to the ping. (Beyond memberlist: at small n a
+  rumour is sent only a few times and can miss a member, and a missed refutation is a false
+  death.) An accusation older than our incarnation only re-queues our current ``Alive``.
+  Otherwise, when the suspicion timeout (shrinking with up to k confirmations, see
+  ``suspicion``) expires, the suspect is declared *dead*.
 * Rumours (``Alive``/``Suspect``/``Dead``) are piggybacked on every packet through a
   transmit-limited queue (``broadcast``) and pushed by gossip rounds to a few random members;
   dead members keep receiving gossip for a while so a paused process learns of its death.
 * Periodic TCP push-pull of the full member list with one random member heals what gossip
-  missed and merges partitions. Joining is a push-pull with a known address.
+  missed. To merge partitions, the partner is, with probability dead / (dead + live), a
+  member we declared dead (serf's reconnect; memberlist alone never talks to the dead).
+  Joining is a push-pull with a known address.
 
 Precedence of rumours about one member, for incarnation i (memberlist's rules): Alive(j) wins
 over anything with i < j; Suspect(i) overrides Alive(i); Dead(i) overrides Alive(i) and
@@ -98,8 +104,14 @@ class _Member:
     since: float
 
     def snapshot(self) -> MemberSnapshot:
-        return MemberSnapshot(node=self.node, name=self.name, addr=self.addr,
-                              incarnation=self.incarnation, state=self.state, meta=dict(self.meta))
+        return MemberSnapshot(
+            node=self.node,
+            name=self.name,
+            addr=self.addr,
+            incarnation=self.incarnation,
+            state=self.state,
+            meta=dict(self.meta),
+        )
 
 
 @dataclass(slots=True)
@@ -235,7 +247,15 @@ class Swim:
         """Handle the messages of one datagram from ``src``."""
         handlers = self._handlers
         counters = self.counters
+        known = self._members
+        old_news = 0
         for msg in msgs:
+            if type(msg) is Alive:
+                # Fast path for the bulk of gossip traffic: an Alive we already have.
+                m = known.get(msg.node)
+                if m is not None and msg.incarnation <= m.incarnation:
+                    old_news += 1
+                    continue
             entry = handlers.get(type(msg))
             if entry is None:
                 self._count("rx_" + type(msg).__name__.lower())
@@ -244,6 +264,8 @@ class Swim:
             key, handle = entry
             counters[key] = counters.get(key, 0) + 1
             handle(now, src, msg)
+        if old_news:
+            counters["rx_alive"] = counters.get("rx_alive", 0) + old_news
         return self._flush()
 
     def tick(self, now: float) -> list[Effect]:
@@ -255,8 +277,9 @@ class Swim:
 
     def push_pull_state(self, *, join: bool = False, observer: bool = False) -> PushPull:
         """Our full state, to send in a push-pull exchange."""
-        return PushPull(source=self.node_id, members=tuple(self.members()), join=join,
-                        observer=observer)
+        return PushPull(
+            source=self.node_id, members=tuple(self.members()), join=join, observer=observer
+        )
 
     def merge_push_pull(self, now: float, remote: PushPull) -> list[Effect]:
         """Merge a peer's full state (their request to us, or their reply to ours)."""
@@ -268,14 +291,23 @@ class Swim:
                 cur = known.get(m.node)
                 if cur is not None and m.incarnation <= cur.incarnation:
                     continue  # what _on_alive would decide, without building an Alive
-                self._on_alive(now, Alive(node=m.node, name=m.name, addr=m.addr,
-                                          incarnation=m.incarnation, meta=m.meta))
+                self._on_alive(
+                    now,
+                    Alive(
+                        node=m.node,
+                        name=m.name,
+                        addr=m.addr,
+                        incarnation=m.incarnation,
+                        meta=m.meta,
+                    ),
+                )
             elif m.state == MemberState.LEFT:
                 self._on_dead(now, Dead(node=m.node, incarnation=m.incarnation, accuser=m.node))
             else:
                 # A remote "dead" is only a suspicion here: it lets the member refute it.
-                self._on_suspect(now, Suspect(node=m.node, incarnation=m.incarnation,
-                                              accuser=remote.source))
+                self._on_suspect(
+                    now, Suspect(node=m.node, incarnation=m.incarnation, accuser=remote.source)
+                )
         return self._flush()
 
     def join_failed(self, now: float, dest: Address) -> list[Effect]:
@@ -309,8 +341,10 @@ class Swim:
         """Hard evidence (a data-plane connection to ``node_id`` broke): probe it right away,
         directly and indirectly at once, instead of waiting for its turn."""
         m = self._members.get(node_id)
-        if m is not None and m.state == MemberState.ALIVE and not any(
-            p.target == node_id for p in self._probes.values()
+        if (
+            m is not None
+            and m.state == MemberState.ALIVE
+            and not any(p.target == node_id for p in self._probes.values())
         ):
             self._count("fast_probes")
             self._start_probe(now, m, indirect_now=True)
@@ -343,8 +377,17 @@ class Swim:
     def _start_probe(self, now: float, target: _Member, *, indirect_now: bool) -> None:
         seq = self._next_seq()
         self._probes[seq] = _Probe(target.node)
-        self._send(target.addr, Ping(seq=seq, target=target.node, source=self.node_id,
-                                     source_addr=self._me.addr))
+        ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
+        if target.state == MemberState.SUSPECT:
+            # Tell a suspect directly that we suspect it, so it refutes to us even if the
+            # rumour missed it.
+            self._send(
+                target.addr,
+                ping,
+                Suspect(node=target.node, incarnation=target.incarnation, accuser=self.node_id),
+            )
+        else:
+            self._send(target.addr, ping)
         self._count("probes")
         if indirect_now:
             self._send_indirect(seq, target)
@@ -362,12 +405,20 @@ class Swim:
 
     def _send_indirect(self, seq: int, target: _Member) -> None:
         probe = self._probes[seq]
-        helpers = self._random_members(self.config.indirect_checks, exclude=target.node,
-                                       states=(MemberState.ALIVE,))
+        helpers = self._random_members(
+            self.config.indirect_checks, exclude=target.node, states=(MemberState.ALIVE,)
+        )
         for helper in helpers:
-            self._send(helper.addr, IndirectPing(seq=seq, target=target.node,
-                                                 target_addr=target.addr, source=self.node_id,
-                                                 source_addr=self._me.addr))
+            self._send(
+                helper.addr,
+                IndirectPing(
+                    seq=seq,
+                    target=target.node,
+                    target_addr=target.addr,
+                    source=self.node_id,
+                    source_addr=self._me.addr,
+                ),
+            )
         probe.indirect_sent = len(helpers)
 
     def _fire_probe_end(self, now: float, seq: object) -> None:
@@ -384,8 +435,9 @@ class Swim:
         if target is None or target.state not in _LIVE:
             return
         self._count("probe_failures")
-        self._on_suspect(now, Suspect(node=target.node, incarnation=target.incarnation,
-                                      accuser=self.node_id))
+        self._on_suspect(
+            now, Suspect(node=target.node, incarnation=target.incarnation, accuser=self.node_id)
+        )
 
     def _on_ping(self, now: float, src: Address, ping: Ping) -> None:
         if ping.target != self.node_id:
@@ -404,8 +456,10 @@ class Swim:
             return
         seq = self._next_seq()
         self._relays[seq] = _Relay(src, req.seq, req.target, req.want_nack)
-        self._send(req.target_addr, Ping(seq=seq, target=req.target, source=self.node_id,
-                                         source_addr=self._me.addr))
+        self._send(
+            req.target_addr,
+            Ping(seq=seq, target=req.target, source=self.node_id, source_addr=self._me.addr),
+        )
         self._arm(now + self.config.probe_timeout, "relay_timeout", seq)
 
     def _fire_relay_timeout(self, now: float, seq: object) -> None:
@@ -468,7 +522,7 @@ class Swim:
     def _on_suspect(self, now: float, s: Suspect) -> None:
         if s.node == self.node_id:
             if not self.leaving:
-                self._refute(s.incarnation)
+                self._refute(s.incarnation, s.accuser)
             return
         m = self._members.get(s.node)
         if m is None or s.incarnation < m.incarnation:
@@ -494,8 +548,9 @@ class Swim:
         if n - 2 < k:
             k = 0  # too few members to expect independent confirmations
         lo = self.config.suspicion_min_timeout(n)
-        susp = Suspicion(s.incarnation, now, lo, lo * self.config.suspicion_max_timeout_mult, k,
-                         {s.accuser})
+        susp = Suspicion(
+            s.incarnation, now, lo, lo * self.config.suspicion_max_timeout_mult, k, {s.accuser}
+        )
         self._suspicions[m.node] = susp
         self._arm(susp.deadline, "suspicion", m.node)
 
@@ -514,7 +569,7 @@ class Swim:
         left = d.accuser == d.node
         if d.node == self.node_id:
             if not self.leaving:
-                self._refute(d.incarnation)
+                self._refute(d.incarnation, d.accuser)
             return
         m = self._members.get(d.node)
         if m is None or d.incarnation < m.incarnation:
@@ -527,7 +582,13 @@ class Swim:
         self._emit("left" if left else "dead", m, now)
         self._broadcast(d)
 
-    def _refute(self, accused_incarnation: int) -> None:
+    def _refute(self, accused_incarnation: int, accuser: str | None = None) -> None:
+        # Besides gossip, answer the accuser directly: it holds a suspicion timer for us, and
+        # at small n a rumour can miss a member (each is sent only a few times), which would
+        # turn into a false death. One datagram per accusation, only to known members.
+        target = self._members.get(accuser) if accuser is not None else None
+        if target is not None and target.state in _LIVE:
+            self._send(target.addr, self._alive_self_after(accused_incarnation))
         if accused_incarnation < self._me.incarnation:
             # Old news (we refuted it already) still circulating, or a member that missed our
             # refutation: repeat our current Alive rather than raising the incarnation again.
@@ -541,10 +602,19 @@ class Swim:
         self._count("refutes")
         self._broadcast(self._alive_self())
 
+    def _alive_self_after(self, accused_incarnation: int) -> Alive:
+        """Our Alive as it will be once ``_refute`` has run (incarnation above the accused)."""
+        me = self._me
+        inc = me.incarnation
+        if accused_incarnation >= inc:
+            inc = min(accused_incarnation + 1, MAX_COUNTER)
+        return Alive(node=me.node, name=me.name, addr=me.addr, incarnation=inc, meta=dict(me.meta))
+
     def _alive_self(self) -> Alive:
         me = self._me
-        return Alive(node=me.node, name=me.name, addr=me.addr, incarnation=me.incarnation,
-                     meta=dict(me.meta))
+        return Alive(
+            node=me.node, name=me.name, addr=me.addr, incarnation=me.incarnation, meta=dict(me.meta)
+        )
 
     # ------------------------------------------------------------------ gossip rounds
 
@@ -552,8 +622,9 @@ class Swim:
         self._arm(now + self.config.gossip_interval, "gossip", None)
         if not len(self._queue):
             return
-        for m in self._random_members(self.config.gossip_nodes, exclude=None,
-                                      states=tuple(MemberState), now=now):
+        for m in self._random_members(
+            self.config.gossip_nodes, exclude=None, states=tuple(MemberState), now=now
+        ):
             rumours = self._take_rumours(self.config.packet_budget)
             if not rumours:
                 break
@@ -566,8 +637,11 @@ class Swim:
         # we declared dead instead. If it is alive on the far side of a healed partition, the
         # exchange tells each side the other's state and the two views merge; if it is really
         # gone, the driver's exchange fails and costs one connection attempt.
-        dead = sum(1 for m in (self._members.get(n) for n in self._departed)
-                   if m is not None and m.state == MemberState.DEAD)
+        dead = sum(
+            1
+            for m in (self._members.get(n) for n in self._departed)
+            if m is not None and m.state == MemberState.DEAD
+        )
         if dead and self._rng.random() * (dead + self._live) < dead:
             peers = self._random_members(1, exclude=None, states=(MemberState.DEAD,))
             if peers:
@@ -580,8 +654,7 @@ class Swim:
 
     def _fire_reap(self, now: float, _key: object) -> None:
         self._arm(now + 1.0, "reap", None)
-        gone = [n for n, since in self._departed.items()
-                if now - since > self.config.dead_reclaim]
+        gone = [n for n, since in self._departed.items() if now - since > self.config.dead_reclaim]
         for node in gone:
             self._remove(node)
         stale = [s for s, p in self._probes.items() if p.target not in self._members]
@@ -630,8 +703,11 @@ class Swim:
             m = self._members[ids[self._rng.randrange(len(ids))]]
             if m.node == exclude or m.node in picked or m.state not in states:
                 continue
-            if (now is not None and m.state not in _LIVE
-                    and now - m.since > self.config.gossip_to_dead):
+            if (
+                now is not None
+                and m.state not in _LIVE
+                and now - m.since > self.config.gossip_to_dead
+            ):
                 continue
             picked[m.node] = m
         return list(picked.values())

@@ -159,36 +159,56 @@ def _members(x: Any) -> tuple[MemberSnapshot, ...]:
 _DECODERS: dict[int, tuple[int, Callable[[tuple[Any, ...]], Message]]] = {
     MsgType.PING: (
         4,
-        lambda f: Ping(seq=_int(f[0], "seq"), target=_node_id(f[1]), source=_node_id(f[2]),
-                       source_addr=_addr(f[3])),
+        lambda f: Ping(
+            seq=_int(f[0], "seq"),
+            target=_node_id(f[1]),
+            source=_node_id(f[2]),
+            source_addr=_addr(f[3]),
+        ),
     ),
     MsgType.INDIRECT_PING: (
         6,
-        lambda f: IndirectPing(seq=_int(f[0], "seq"), target=_node_id(f[1]),
-                               target_addr=_addr(f[2]), source=_node_id(f[3]),
-                               source_addr=_addr(f[4]), want_nack=_bool(f[5], "want_nack")),
+        lambda f: IndirectPing(
+            seq=_int(f[0], "seq"),
+            target=_node_id(f[1]),
+            target_addr=_addr(f[2]),
+            source=_node_id(f[3]),
+            source_addr=_addr(f[4]),
+            want_nack=_bool(f[5], "want_nack"),
+        ),
     ),
     MsgType.ACK: (2, lambda f: Ack(seq=_int(f[0], "seq"), source=_node_id(f[1]))),
     MsgType.NACK: (2, lambda f: Nack(seq=_int(f[0], "seq"), source=_node_id(f[1]))),
     MsgType.ALIVE: (
         5,
-        lambda f: Alive(node=_node_id(f[0]), name=_str(f[1], MAX_NAME, "name"), addr=_addr(f[2]),
-                        incarnation=_int(f[3], "incarnation"), meta=check_meta(f[4])),
+        lambda f: Alive(
+            node=_node_id(f[0]),
+            name=_str(f[1], MAX_NAME, "name"),
+            addr=_addr(f[2]),
+            incarnation=_int(f[3], "incarnation"),
+            meta=check_meta(f[4]),
+        ),
     ),
     MsgType.SUSPECT: (
         3,
-        lambda f: Suspect(node=_node_id(f[0]), incarnation=_int(f[1], "incarnation"),
-                          accuser=_node_id(f[2])),
+        lambda f: Suspect(
+            node=_node_id(f[0]), incarnation=_int(f[1], "incarnation"), accuser=_node_id(f[2])
+        ),
     ),
     MsgType.DEAD: (
         3,
-        lambda f: Dead(node=_node_id(f[0]), incarnation=_int(f[1], "incarnation"),
-                       accuser=_node_id(f[2])),
+        lambda f: Dead(
+            node=_node_id(f[0]), incarnation=_int(f[1], "incarnation"), accuser=_node_id(f[2])
+        ),
     ),
     MsgType.PUSH_PULL: (
         4,
-        lambda f: PushPull(source=_node_id(f[0]), members=_members(f[1]), join=_bool(f[2], "join"),
-                           observer=_bool(f[3], "observer")),
+        lambda f: PushPull(
+            source=_node_id(f[0]),
+            members=_members(f[1]),
+            join=_bool(f[2], "join"),
+            observer=_bool(f[3], "observer"),
+        ),
     ),
 }
 
@@ -198,8 +218,15 @@ def message_fields(msg: Message) -> list[Any]:
     if isinstance(msg, Ping):
         return [MsgType.PING, msg.seq, msg.target, msg.source, list(msg.source_addr)]
     if isinstance(msg, IndirectPing):
-        return [MsgType.INDIRECT_PING, msg.seq, msg.target, list(msg.target_addr), msg.source,
-                list(msg.source_addr), msg.want_nack]
+        return [
+            MsgType.INDIRECT_PING,
+            msg.seq,
+            msg.target,
+            list(msg.target_addr),
+            msg.source,
+            list(msg.source_addr),
+            msg.want_nack,
+        ]
     if isinstance(msg, Ack):
         return [MsgType.ACK, msg.seq, msg.source]
     if isinstance(msg, Nack):
@@ -210,10 +237,13 @@ def message_fields(msg: Message) -> list[Any]:
         return [MsgType.SUSPECT, msg.node, msg.incarnation, msg.accuser]
     if isinstance(msg, Dead):
         return [MsgType.DEAD, msg.node, msg.incarnation, msg.accuser]
-    return [MsgType.PUSH_PULL, msg.source,
-            [[m.node, m.name, list(m.addr), m.incarnation, int(m.state), m.meta]
-             for m in msg.members],
-            msg.join, msg.observer]
+    return [
+        MsgType.PUSH_PULL,
+        msg.source,
+        [[m.node, m.name, list(m.addr), m.incarnation, int(m.state), m.meta] for m in msg.members],
+        msg.join,
+        msg.observer,
+    ]
 
 
 def encoded_size(msg: Message) -> int:
@@ -252,7 +282,7 @@ class PacketCodec:
         self._nonces: OrderedDict[bytes, float] = OrderedDict()
 
     def seal(self, msgs: Sequence[Message], now_wall: float, nonce: bytes) -> bytes:
-        body = msgpack.packb(
+        body: bytes = msgpack.packb(
             [self.mesh, int(now_wall * 1000), nonce, [message_fields(m) for m in msgs]]
         )
         flags = FLAG_AUTH if self.auth.enabled else 0

@@ -190,18 +190,20 @@ def run_membership_bench(
 
 
 def format_report(r: MembershipReport) -> str:
-    return "\n".join([
-        f"membership bench: {r.nodes} members, preset {r.preset}, loss {r.loss:.1%}, "
-        f"{r.duration_s:.0f} simulated s, seed {r.seed} (wall {r.wall_s:.1f} s)",
-        f"  converged after warm-up:   {r.converged_after_warmup}",
-        f"  crash detection, first:    p50 {r.detect_first_p50_s:.2f} s   "
-        f"p99 {r.detect_first_p99_s:.2f} s   ({r.crashes} crashes, {r.undetected} not "
-        f"seen by all)",
-        f"  crash detection, all:      p50 {r.detect_all_p50_s:.2f} s   "
-        f"p99 {r.detect_all_p99_s:.2f} s",
-        f"  join dissemination (all):  {r.join_dissemination_s:.2f} s",
-        f"  false-positive deaths:     {r.false_positive_deaths}   "
-        f"(suspicions of live members, refuted: {r.suspicions_of_live_members})",
-        f"  cost per member:           {r.msgs_per_member_per_s:.1f} msgs/s   "
-        f"{r.bytes_per_member_per_s:.0f} B/s",
-    ])
+    return "\n".join(
+        [
+            f"membership bench: {r.nodes} members, preset {r.preset}, loss {r.loss:.1%}, "
+            f"{r.duration_s:.0f} simulated s, seed {r.seed} (wall {r.wall_s:.1f} s)",
+            f"  converged after warm-up:   {r.converged_after_warmup}",
+            f"  crash detection, first:    p50 {r.detect_first_p50_s:.2f} s   "
+            f"p99 {r.detect_first_p99_s:.2f} s   ({r.crashes} crashes, {r.undetected} not "
+            f"seen by all)",
+            f"  crash detection, all:      p50 {r.detect_all_p50_s:.2f} s   "
+            f"p99 {r.detect_all_p99_s:.2f} s",
+            f"  join dissemination (all):  {r.join_dissemination_s:.2f} s",
+            f"  false-positive deaths:     {r.false_positive_deaths}   "
+            f"(suspicions of live members, refuted: {r.suspicions_of_live_members})",
+            f"  cost per member:           {r.msgs_per_member_per_s:.1f} msgs/s   "
+            f"{r.bytes_per_member_per_s:.0f} B/s",
+        ]
+    )

@@ -14,12 +14,12 @@ import heapq
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..membership.config import MembershipConfig
 from ..membership.messages import Address, Alive, Dead, MemberState, Message, Suspect
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import encoded_size
-
 
 _GOSSIP = (Alive, Suspect, Dead)
 _SIZE_CACHE = 200_000
@@ -80,8 +80,14 @@ class SimNetwork:
         idx = len(self.nodes) + 1
         addr = (f"10.{idx // 65536}.{idx // 256 % 256}.{idx % 256}", 7946)
         node_id = f"{self.rng.getrandbits(128):032x}"
-        swim = Swim(node_id=node_id, name=f"n{idx}", addr=addr, config=self.config,
-                    rng=random.Random(self.rng.getrandbits(64)), now=self.now)
+        swim = Swim(
+            node_id=node_id,
+            name=f"n{idx}",
+            addr=addr,
+            config=self.config,
+            rng=random.Random(self.rng.getrandbits(64)),
+            now=self.now,
+        )
         node = SimNode(swim, addr)
         self.nodes[addr] = node
         self.by_id[node_id] = node
@@ -103,6 +109,21 @@ class SimNetwork:
             self._apply(node, node.swim.receive(self.now, src, msgs))
         node.scheduled = float("inf")
         self._apply(node, node.swim.tick(self.now))
+        self._reschedule(node)
+
+    def leave(self, node: SimNode) -> None:
+        """Graceful leave: the member announces it and keeps running (so the news spreads)
+        until the caller crashes it, as ``ftmesh node`` does on SIGTERM."""
+        self._apply(node, node.swim.leave(self.now))
+        self._reschedule(node)
+
+    def update_meta(self, node: SimNode, meta: dict[str, str | int | float | bool | None]) -> None:
+        self._apply(node, node.swim.update_meta(self.now, meta))
+        self._reschedule(node)
+
+    def inject(self, node: SimNode, src: Address, msgs: tuple[Message, ...]) -> None:
+        """Hand ``msgs`` to ``node`` now as if a datagram from ``src`` had arrived."""
+        self._apply(node, node.swim.receive(self.now, src, msgs))
         self._reschedule(node)
 
     def partition(self, groups: Iterable[Iterable[SimNode]]) -> None:
@@ -131,7 +152,7 @@ class SimNetwork:
                 self._apply(node, node.swim.tick(when))
                 self._reschedule(node)
             elif kind == "deliver":
-                dest, src, msgs = payload  # type: ignore[misc]
+                dest, src, msgs = cast(tuple[Address, Address, tuple[Message, ...]], payload)
                 node = self.nodes[dest]
                 if node.crashed:
                     continue
@@ -141,7 +162,7 @@ class SimNetwork:
                 self._apply(node, node.swim.receive(when, src, msgs))
                 self._reschedule(node)
             elif kind == "push_pull":
-                self._push_pull(*payload)  # type: ignore[misc]
+                self._push_pull(*cast(tuple[SimNode, Address, bool], payload))
         self.now = t_end
 
     def _push_pull(self, src: SimNode, dest_addr: Address, join: bool) -> None:
@@ -163,19 +184,35 @@ class SimNetwork:
     # ------------------------------------------------------------------ plumbing
 
     def _apply(self, node: SimNode, effects: list[Effect]) -> None:
+        rand = self.rng.random
         for eff in effects:
-            if isinstance(eff, Send):
-                self._account(node, *eff.msgs)
-                if not self._connected(node.addr, eff.dest) or self.rng.random() < self.loss:
+            if type(eff) is Send:
+                if self.count_bytes:
+                    self._account(node, *eff.msgs)
+                else:
+                    node.msgs_sent += 1
+                if (self._group and not self._connected(node.addr, eff.dest)) or (
+                    rand() < self.loss
+                ):
                     self.dropped += 1
                     continue
                 lo, hi = self.latency
-                self._push(self.now + self.rng.uniform(lo, hi), "deliver",
-                           (eff.dest, node.addr, eff.msgs))
+                # lo + (hi - lo) * random() is what rng.uniform computes, inlined.
+                self._order += 1
+                heapq.heappush(
+                    self._heap,
+                    (
+                        self.now + lo + (hi - lo) * rand(),
+                        self._order,
+                        "deliver",
+                        (eff.dest, node.addr, eff.msgs),
+                    ),
+                )
             elif isinstance(eff, StartPushPull):
                 lo, hi = self.latency
-                self._push(self.now + 2 * self.rng.uniform(lo, hi), "push_pull",
-                           (node, eff.dest, eff.join))
+                self._push(
+                    self.now + 2 * self.rng.uniform(lo, hi), "push_pull", (node, eff.dest, eff.join)
+                )
             else:
                 seen = SeenEvent(self.now, node.swim.node_id, eff)
                 if self.record_events:

@@ -161,10 +161,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise ValueError(f"truncated: {size} bytes, manifest says {m['nbytes']}")
     buf = np.empty(size, dtype=np.uint8)
     with open(data, "rb") as f:
-        got = f.readinto(memoryview(buf))
+        got = f.readinto(buf.data)
     if got != size:
         raise ValueError(f"truncated: read {got} of {size} bytes")
-    mv = memoryview(buf)
+    mv = buf.data
     digest = root_digest(size, hash_chunks(mv, 0, chunk_count(size), size))
     if digest != m["digest"]:
         raise ValueError("content hash mismatch")

@@ -33,9 +33,7 @@ class StateLostError(StateError):
 
     def __init__(self, lost: Sequence[tuple[int, int, int, tuple[str, ...]]]) -> None:
         self.lost = tuple(lost)
-        desc = ", ".join(
-            f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8]
-        )
+        desc = ", ".join(f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8])
         more = f" (+{len(self.lost) - 8} more)" if len(self.lost) > 8 else ""
         super().__init__(
             f"{len(self.lost)} shard(s) lost with no surviving replica: {desc}{more}; "

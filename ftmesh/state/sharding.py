@@ -17,7 +17,7 @@ Sources are spread deterministically over the surviving holders of each old shar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import LocalUsageError
@@ -27,8 +27,8 @@ DEFAULT_REPLICAS = 2
 
 
 def _ids(members: Sequence[str] | object) -> tuple[str, ...]:
-    ids = getattr(members, "node_ids", members)  # accepts a RingView
-    out = tuple(ids)  # type: ignore[call-overload]
+    ids: Iterable[str] = getattr(members, "node_ids", members)  # type: ignore[arg-type]
+    out = tuple(ids)
     if not out:
         raise LocalUsageError("a shard layout needs at least one member")
     if len(set(out)) != len(out):
@@ -170,10 +170,8 @@ def plan_recovery(
                 if start >= stop:
                     continue
                 srcs = sources[i]
-                if dest in srcs:
-                    src = dest
-                else:  # spread the load: rotate over surviving holders by destination
-                    src = srcs[new.index_of(dest) % len(srcs)]
+                # already local, or spread the load: rotate over holders by destination
+                src = dest if dest in srcs else srcs[new.index_of(dest) % len(srcs)]
                 transfers.append(Transfer(dest, src, start, stop))
     return RecoveryPlan(old, new, tuple(sources), tuple(transfers))
 

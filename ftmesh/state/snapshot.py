@@ -267,7 +267,7 @@ class Snapshot:
     def to_bytes_parts(self) -> list[memoryview]:
         """``[prefix, arena]`` as read-only memoryviews; their concatenation is the blob."""
         self._check_live()
-        return [self._prefix.toreadonly(), memoryview(self._arena).cast("B").toreadonly()]
+        return [self._prefix.toreadonly(), self._arena.data.cast("B").toreadonly()]
 
     def to_bytes(self) -> bytes:
         """The blob as one ``bytes`` (a full copy; prefer ``to_bytes_parts``)."""
@@ -307,7 +307,7 @@ class Snapshot:
     def from_buffer(cls, buf: bytes | bytearray | memoryview | np.ndarray[Any, Any]) -> Snapshot:
         """Parse a contiguous blob in place. Raises ``RemoteProtocolError`` on any
         inconsistency (verify the digest first when the bytes come from elsewhere)."""
-        mv = memoryview(buf).cast("B")
+        mv = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
         if len(mv) < _PREFIX.size:
             raise RemoteProtocolError("truncated", "snapshot shorter than its prefix")
         magic, hlen = _PREFIX.unpack_from(mv, 0)
@@ -398,9 +398,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def _unpack(data: bytes | memoryview) -> Any:
-    return msgpack.unpackb(
-        data, raw=False, strict_map_key=False, ext_hook=_ext_hook, use_list=True
-    )
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_hook, use_list=True)
 
 
 def _decode_header(data: memoryview) -> Any:

@@ -68,6 +68,7 @@ class ElasticTrainer:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         step_timeout: float = 300.0,
+        join_settle: float = 2.0,
         on_world_change: Callable[[int, int], None] | None = None,
     ) -> None:
         self.mesh = mesh
@@ -78,6 +79,7 @@ class ElasticTrainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
+        self.join_settle = join_settle
         self.on_world_change = on_world_change
         self.committed = FRESH
         self._synced_epoch = ""
@@ -85,6 +87,10 @@ class ElasticTrainer:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._numel = sum(p.numel() for p in self._params)
         self.recoveries = 0
+        # Stay out of the ring until our first step: members in the ring would otherwise wait
+        # for us while we are still starting up.
+        mesh.set_role("joining")
+        self._in_ring = False
         if self.checkpoint_dir is not None:
             found = latest_checkpoint(self.checkpoint_dir)
             if found is not None:
@@ -125,8 +131,21 @@ class ElasticTrainer:
         synced = False
         while True:
             attempts += 1
+            if not self._in_ring:
+                # Join: let discovery and gossip settle (so we join the mesh that is there
+                # instead of starting a lonely one), then enter the ring at a step boundary.
+                self.mesh.wait_quiet(self.join_settle, timeout=max(deadline - time.monotonic(), 0.1))
+                self.mesh.set_role("train")
+                self._in_ring = True
+                # Members that started together flip to "train" within moments of each other:
+                # let the view settle so the first step does not run on a partial ring.
+                settle = self.join_settle / 4
+            else:
+                settle = 0.0
             view = self.mesh.wait_view(
-                min_members=self.min_peers, timeout=max(deadline - time.monotonic(), 0.1)
+                min_members=self.min_peers,
+                settle=settle,
+                timeout=max(deadline - time.monotonic(), 0.1),
             )
             try:
                 if view.epoch != self._synced_epoch:
@@ -143,7 +162,9 @@ class ElasticTrainer:
                 log.info("step %d attempt %d failed (%s); retrying on the next view",
                          self.committed + 1, attempts, exc)
                 if isinstance(exc, PeerLostError):
-                    self.mesh.wait_view_change(view.epoch, timeout=2.0)
+                    # Give membership a moment to drop the lost peer; keep it short, so that
+                    # we are back before neighbours that wait for us give up.
+                    self.mesh.wait_view_change(view.epoch, timeout=0.5)
                 continue
             self._maybe_checkpoint()
             return report
@@ -166,7 +187,7 @@ class ElasticTrainer:
         me = self.mesh.node_id
         rank = view.rank_of(me)
         mine = self.state_bytes()
-        vec = sync_vector(rank, view.size, self.committed, len(mine))
+        vec = sync_vector(rank, view.size, self.committed, len(mine), self.digest())
         self.mesh.allreduce_on(view, vec, "max")
         plan = plan_sync(vec)
         if plan.root >= 0:

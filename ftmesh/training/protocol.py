@@ -3,11 +3,12 @@
 Theory of operation. Every member counts its *committed* steps. A step runs on one view:
 
 1. **Sync (only when the view's epoch differs from the last one we trained on).** One
-   allreduce(max) of a vector with a slot per ring rank: each member writes its committed step
-   (``-1`` for a fresh member that never trained in this mesh) and the byte size of its
-   serialized state. Everyone then computes the same :class:`SyncPlan` from the same vector:
-   the newest committed step ``M`` wins; the first rank holding it is the *root*; every rank
-   behind ``M`` receives the root's state by a ring broadcast. (When nobody has trained yet,
+   allreduce(max) of a vector with slots per ring rank: each member writes its committed step
+   (``-1`` for a fresh member that never trained in this mesh), the byte size of its serialized
+   state and 62 bits of its state digest. Everyone then computes the same :class:`SyncPlan`
+   from the same vector: the newest committed step ``M`` wins; the first rank holding it is the
+   *root*; every rank behind ``M``, or at ``M`` with another digest (two sides of a healed
+   partition that trained separately), receives the root's state by a ring broadcast. (When nobody has trained yet,
    ``M == -1``: rank 0's initial weights become everybody's, so all start identical.)
 2. **Step.** Each member computes gradients on its share of the step's global batch (see
    ``ftmesh.torch.sampler``) and one allreduce(sum) adds them up, with the sample counts and
@@ -47,26 +48,31 @@ class SyncPlan:
     """Size of the broadcast state in bytes."""
 
 
-def sync_vector(rank: int, size: int, committed: int, nbytes: int) -> np.ndarray:
-    """This member's contribution to the sync allreduce(max)."""
-    v = np.full(2 * size, FRESH, dtype=np.int64)
+def sync_vector(rank: int, size: int, committed: int, nbytes: int, digest: str) -> np.ndarray:
+    """This member's contribution to the sync allreduce(max). ``digest`` is a hex state
+    digest; its first 62 bits take part."""
+    v = np.full(3 * size, FRESH, dtype=np.int64)
     v[rank] = committed
     v[size + rank] = nbytes
+    v[2 * size + rank] = int(digest[:16], 16) >> 2
     return v
 
 
 def plan_sync(reduced: np.ndarray) -> SyncPlan:
     """The sync decision from the reduced vector; every member computes the same one."""
-    size = len(reduced) // 2
+    size = len(reduced) // 3
     steps = [int(s) for s in reduced[:size]]
-    sizes = [int(b) for b in reduced[size:]]
+    sizes = [int(b) for b in reduced[size : 2 * size]]
+    digests = [int(d) for d in reduced[2 * size :]]
     newest = max(steps)
     if newest == FRESH:
         # Nobody has trained: rank 0's initial state becomes everybody's starting point.
         behind = tuple(range(1, size))
         return SyncPlan(0, 0 if behind else -1, behind, sizes[0])
     root = steps.index(newest)
-    behind = tuple(r for r, s in enumerate(steps) if s < newest)
+    behind = tuple(
+        r for r, s in enumerate(steps) if s < newest or digests[r] != digests[root]
+    )
     if not behind:
         return SyncPlan(newest, -1, (), 0)
     return SyncPlan(newest, root, behind, sizes[root])

@@ -1,0 +1,328 @@
+"""``ftmesh lab``: a virtual LAN of network namespaces with fault injection, and a chaos soak.
+
+``up`` builds a persistent lab (kept in a state file, see :mod:`ftmesh.lab.state`) that later
+invocations drive: ``run`` a command inside a host, ``kill``/``freeze``/``thaw`` a host's
+processes, take its ``link`` down, add ``loss``, limit its ``rate``, ``partition`` the LAN and
+``heal`` it, ``status``; ``down`` deletes it and any leftovers of crashed labs and test runs.
+``chaos`` builds its own throw-away lab, runs a mesh in it under random faults and prints a
+summary (exit status 1 on any violated invariant). Everything needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..lab import state as lab_state
+from ..lab.chaos import KINDS, ChaosRunner, parse_kinds
+from ..lab.netns import LabError, VirtualLan, cleanup_named, cleanup_stale, is_root
+
+DEFAULT_NAME = "ftmlab"
+"""Name (namespace prefix) of the lab ``ftmesh lab`` commands act on without ``--name``."""
+
+STALE_BASES = ("ftm", "ftmchaos")
+"""Name bases of pid-bound labs (tests, chaos runs) whose leftovers ``down`` removes once their
+creator is dead."""
+
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "CONT": signal.SIGCONT,
+           "TERM": signal.SIGTERM, "INT": signal.SIGINT}  # fmt: skip
+
+
+def _host(text: str) -> int:
+    t = text[1:] if text.startswith("h") else text
+    if not t.isdigit():
+        raise argparse.ArgumentTypeError(f"host {text!r}: give an index like 0 or h0")
+    return int(t)
+
+
+def _group(text: str) -> list[int]:
+    try:
+        return [_host(t) for t in text.split(",") if t]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"group {text!r}: {e}") from e
+
+
+def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``lab`` and its subcommands to the ``ftmesh`` parser."""
+    lab = sub.add_parser(
+        "lab", help="virtual LAN of network namespaces with fault injection (root)"
+    )
+    lab.add_argument(
+        "--name",
+        default=DEFAULT_NAME,
+        help="lab name: prefix of its namespaces (default: %(default)s)",
+    )
+    cmds = lab.add_subparsers(dest="lab_command", required=True)
+
+    up = cmds.add_parser("up", help="build a lab of N hosts on one bridge")
+    up.add_argument("--hosts", type=int, default=4)
+    up.add_argument("--subnet", default="10.78.0.0/24", help="IPv4 subnet (default: %(default)s)")
+    up.add_argument("--json", action="store_true")
+
+    run = cmds.add_parser(
+        "run", help="run a command inside a host: lab run 0 -- CMD ... ({ip}: the host's IP)"
+    )
+    run.add_argument("host", type=_host)
+    run.add_argument("-d", "--detach", action="store_true", help="run in the background")
+    run.add_argument("--timeout", type=float, default=0.0, help="seconds, 0 = no limit")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+
+    status = cmds.add_parser("status", help="hosts, addresses, faults and processes")
+    status.add_argument("--json", action="store_true")
+
+    cmds.add_parser(
+        "down", help="delete the lab, its logs, and leftovers of crashed labs and test runs"
+    )
+
+    kill = cmds.add_parser("kill", help="signal every process of a host (default: kill -9)")
+    kill.add_argument("host", type=_host)
+    kill.add_argument("--signal", choices=sorted(SIGNALS), default="KILL")
+    freeze = cmds.add_parser("freeze", help="SIGSTOP every process of a host")
+    freeze.add_argument("host", type=_host)
+    thaw = cmds.add_parser("thaw", help="SIGCONT every process of a host")
+    thaw.add_argument("host", type=_host)
+
+    link = cmds.add_parser("link", help="plug or unplug a host's cable")
+    link.add_argument("host", type=_host)
+    link.add_argument("state", choices=["up", "down"])
+
+    loss = cmds.add_parser("loss", help="random loss on a host's link, or LAN-wide with 'all'")
+    loss.add_argument("host", help="host index, or 'all' for end-to-end loss on every path")
+    loss.add_argument("percent", type=float, help="0 clears")
+
+    rate = cmds.add_parser("rate", help="limit a host's link (tc tbf)")
+    rate.add_argument("host", type=_host)
+    rate.add_argument("rate", help="tc rate like 1mbit, or 'none'")
+
+    part = cmds.add_parser("partition", help="split the LAN: lab partition 0,1 2,3")
+    part.add_argument("groups", nargs="+", type=_group, metavar="HOSTS")
+    cmds.add_parser("heal", help="remove the partition")
+
+    chaos = cmds.add_parser("chaos", help="random faults on a mesh in a fresh lab; a summary")
+    chaos.add_argument("--hosts", type=int, default=5)
+    chaos.add_argument("--duration", type=float, default=180.0, help="seconds of faults")
+    chaos.add_argument("--seed", type=int, default=1)
+    chaos.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
+    chaos.add_argument(
+        "--kinds", default=",".join(KINDS), help="fault kinds (default: %(default)s)"
+    )
+    chaos.add_argument("--log-dir", default=None, help="keep member logs here")
+    chaos.add_argument("--json", action="store_true", help="print the summary as JSON")
+    chaos.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _attach(name: str) -> tuple[VirtualLan, dict[str, Any]]:
+    saved = lab_state.load(name)
+    if saved is None:
+        raise LabError(f"no lab named {name!r} is up (run 'ftmesh lab up --hosts N')")
+    return VirtualLan.attach(saved["lan"]), saved
+
+
+def _save(name: str, lan: VirtualLan, saved: dict[str, Any]) -> None:
+    saved["lan"] = lan.to_state()
+    lab_state.save(name, saved)
+
+
+def _up(args: argparse.Namespace) -> int:
+    if lab_state.load(args.name) is not None:
+        raise LabError(f"lab {args.name!r} is already up; 'ftmesh lab down' first")
+    lan = VirtualLan(hosts=args.hosts, subnet=args.subnet, name=args.name)
+    try:
+        saved = {"name": args.name, "created": time.time(), "detached": [], "lan": {}}
+        _save(args.name, lan, saved)
+    except BaseException:
+        lan.down()
+        raise
+    lan.detach()
+    hosts = [
+        {"host": i, "namespace": lan.ns_name(i), "ip": lan.host_ip(i)} for i in range(lan.hosts)
+    ]
+    if args.json:
+        print(json.dumps({"name": args.name, "hosts": hosts}))
+    else:
+        for h in hosts:
+            print(f"h{h['host']}  {h['namespace']}  {h['ip']}")
+        print(f"lab {args.name!r} is up: 'ftmesh lab run 0 -- CMD', 'ftmesh lab down'")
+    return 0
+
+
+def _run(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) -> int:
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise LabError("nothing to run: ftmesh lab run HOST -- CMD ...")
+    # "{ip}" in the command stands for the host's address (e.g. --interface {ip}).
+    ip = lan.host_ip(args.host)
+    argv = [a.replace("{ip}", ip) for a in argv]
+    if args.detach:
+        log = lab_state.state_dir() / f"{args.name}-h{args.host}-{int(time.time() * 1000)}.log"
+        with open(log, "wb") as out:
+            proc = lan.popen(
+                args.host,
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        saved.setdefault("detached", []).append(
+            {"host": args.host, "pid": proc.pid, "argv": argv, "log": str(log)}
+        )
+        print(f"started pid {proc.pid} on h{args.host}; output in {log}")
+        return 0
+    full = ["ip", "netns", "exec", lan.ns_name(args.host), *argv]
+    try:
+        return subprocess.run(full, timeout=args.timeout or None, check=False).returncode
+    except subprocess.TimeoutExpired:
+        print(f"ftmesh lab: command took over {args.timeout}s; killed", file=sys.stderr)
+        return 124
+
+
+def _status(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) -> int:
+    hosts = [
+        {
+            "host": i,
+            "namespace": lan.ns_name(i),
+            "ip": lan.host_ip(i),
+            "pids": lan.host_pids(i),
+        }
+        for i in range(lan.hosts)
+    ]
+    out = {"name": args.name, "hosts": hosts, "faults": lan.faults()}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    for h in hosts:
+        print(f"h{h['host']}  {h['namespace']}  {h['ip']}  pids {h['pids']}")
+    for k, v in lan.faults().items():
+        if v:
+            print(f"{k}: {v}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    removed: list[str] = []
+    with lab_state.locked(args.name):
+        saved = lab_state.load(args.name) if lab_state.state_path(args.name).exists() else None
+        if saved is not None:
+            try:
+                lan = VirtualLan.attach(saved["lan"])
+                removed += lan.namespaces()
+                lan.down()
+            except (LabError, KeyError):
+                pass  # half gone already: the sweep below finds the rest
+        lab_state.remove(args.name)
+        for log in lab_state.state_dir().glob(f"{args.name}-h*.log"):
+            log.unlink(missing_ok=True)
+    removed += cleanup_named(args.name)
+    for base in STALE_BASES:
+        removed += cleanup_stale(base)
+    print(
+        f"removed {len(set(removed))} namespaces"
+        + (f": {' '.join(sorted(set(removed)))}" if removed else "")
+    )
+    return 0
+
+
+def _fault(args: argparse.Namespace, lan: VirtualLan) -> None:
+    cmd = args.lab_command
+    if cmd == "kill":
+        n = lan.kill_host(args.host, SIGNALS[args.signal])
+        print(f"sent SIG{args.signal} to {n} processes on h{args.host}")
+    elif cmd in ("freeze", "thaw"):
+        n = lan.kill_host(args.host, signal.SIGSTOP if cmd == "freeze" else signal.SIGCONT)
+        print(f"{cmd}: {n} processes on h{args.host}")
+    elif cmd == "link":
+        lan.link(args.host, args.state == "up")
+    elif cmd == "loss":
+        if args.host == "all":
+            lan.set_lan_loss(args.percent)
+        else:
+            try:
+                host = _host(args.host)
+            except argparse.ArgumentTypeError as e:
+                raise LabError(str(e)) from e
+            lan.set_loss(host, args.percent)
+    elif cmd == "rate":
+        lan.set_rate(args.host, None if args.rate == "none" else args.rate)
+    elif cmd == "partition":
+        lan.partition(args.groups)
+    elif cmd == "heal":
+        lan.heal()
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    runner = ChaosRunner(
+        hosts=args.hosts,
+        duration=args.duration,
+        seed=args.seed,
+        preset=args.preset,
+        kinds=parse_kinds(args.kinds),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        progress=progress,
+    )
+    summary = runner.run()
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=1))
+    else:
+        print(summary.text())
+    return 0 if summary.ok else 1
+
+
+def run_lab(args: argparse.Namespace) -> int:
+    """Carry out ``ftmesh lab ...``; raises :class:`LabError` (an ``FtmeshError``) on failure."""
+    if not is_root():
+        raise LabError(
+            "ftmesh lab needs root to create network namespaces (try: sudo ftmesh lab ...)"
+        )
+    cmd = args.lab_command
+    if cmd == "up":
+        with lab_state.locked(args.name):
+            return _up(args)
+    if cmd == "down":
+        return _down(args)
+    if cmd == "chaos":
+        return _chaos(args)
+    if cmd == "run" and not args.detach:
+        with lab_state.locked(args.name):
+            lan, saved = _attach(args.name)
+        return _run(args, lan, saved)  # no lock held while a foreground command runs
+    with lab_state.locked(args.name):
+        lan, saved = _attach(args.name)
+        if cmd == "run":
+            rc = _run(args, lan, saved)
+        elif cmd == "status":
+            return _status(args, lan, saved)
+        else:
+            _fault(args, lan)
+            rc = 0
+        _save(args.name, lan, saved)
+        return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m ftmesh.cli.lab_cmd lab ...`` = ``ftmesh lab ...``."""
+    parser = argparse.ArgumentParser(prog="ftmesh")
+    add_lab_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run_lab(args)
+    except LabError as exc:
+        print(f"ftmesh: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,761 @@
+"""Striped, hash-verified state transfer over TCP (trio), and its benchmark.
+
+Theory of operation: every member that holds a committed snapshot can run a ``StateServer``.
+A member that needs that state (a joiner, or a survivor that is behind) knows the ``(step,
+digest)`` it wants from the commit protocol, and calls ``fetch_state`` with several peers.
+
+Per connection, the protocol (version 1; length-prefixed msgpack control messages, capped at
+``MAX_CONTROL_BYTES``, then raw bytes)::
+
+    C -> S  hello      {v, t, mesh, nonce_c, step, digest}
+    S -> C  challenge  {v, t, nonce_s, tag_s}       | error {reason} (wrong mesh / version)
+    C -> S  auth       {t, tag_c}
+    S -> C  manifest   {t, step, digest, size, chunk} + leaf hashes (32 B per chunk)
+            | unavailable {t, step, digest}         (the server holds another state)
+    C -> S  get        {t, first, count}             (repeated)
+    S -> C  raw bytes of chunks [first, first+count)
+    C -> S  bye
+
+With a mesh secret, ``tag_s = MAC("S" | transcript)`` and ``tag_c = MAC("C" | transcript)``
+where the transcript binds the mesh name, both fresh nonces, the step and the digest: each
+side proves it holds the secret, and a recorded handshake cannot be replayed. Integrity does
+not rest on the secret: the client checks the manifest's leaves against the digest it asked
+for, and every chunk against its leaf as it arrives, so a lying or broken peer is detected
+(its chunks are re-fetched from another peer and it is dropped), and a corrupt state is
+never returned.
+
+Striping: the blob is split into ranges of ``chunks_per_request`` chunks in a shared queue;
+each peer's worker takes the next range, so peers pull disjoint stripes in parallel and fast
+peers naturally take more. A range whose peer dies, lies or misses its ``request_timeout`` goes
+back to the front of the queue for another peer. Chunks are received straight into one
+preallocated buffer (``recv_into``), and hashing runs in worker threads (hashlib releases the
+GIL), overlapping with the next receive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import queue
+import socket as _stdsocket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import trio
+
+from ..errors import ConfigError, LocalUsageError, RemoteProtocolError
+from ..security import MeshAuth
+from .errors import StaleSnapshotError, StateTransferError
+from .snapshot import (
+    DIGEST_CHUNK_BYTES,
+    LEAF_BYTES,
+    Snapshot,
+    chunk_count,
+    chunk_len,
+    hash_chunks,
+    root_digest,
+)
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+NONCE_BYTES = 16
+MAX_CONTROL_BYTES = 4096
+"""Cap on one control message. The largest legitimate one (hello) is ~200 bytes."""
+MAX_CHUNKS_PER_GET = 256
+"""Cap on one request: bounds how long one client request keeps a server sending (256 MiB)."""
+MAX_MESH_NAME = 256
+MAX_DIGEST_CHARS = 128
+_LEN = struct.Struct(">I")
+_TRANSCRIPT_PERSON = b"ftmesh-state-transfer-v1"
+
+Socket = trio.socket.SocketType
+SnapshotSource = Callable[[], "Snapshot | None"]
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Timeouts and sizes of state transfer. Every wait is bounded by one of these."""
+
+    connect_timeout: float = 5.0
+    """Seconds for TCP connect + handshake + manifest. Loopback/LAN need milliseconds; the
+    slack covers a server that is computing the digest of a fresh multi-GB snapshot."""
+    request_timeout: float = 10.0
+    """Seconds for one request of ``chunks_per_request`` chunks. A peer slower than
+    ``chunks_per_request`` MiB per ``request_timeout`` is given up on and its stripe
+    re-assigned; lower it to react faster to stalled peers, at the risk of dropping slow ones."""
+    chunks_per_request: int = 8
+    """Chunks (1 MiB each) per request: larger amortises round trips, smaller re-assigns less
+    work when a peer fails and spreads the tail more evenly over peers."""
+    max_state_bytes: int = 1 << 40
+    """Largest state a client accepts from a manifest (bounds the buffer it allocates)."""
+    idle_timeout: float = 60.0
+    """Server: seconds a client may stay silent between requests before it is dropped."""
+    max_sessions: int = 32
+    """Server: concurrent client sessions; more are refused (bounds memory and threads)."""
+    socket_buffer_bytes: int = 4 << 20
+    """SO_SNDBUF/SO_RCVBUF; 0 keeps the OS default."""
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "request_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0")
+        if not 1 <= self.chunks_per_request <= MAX_CHUNKS_PER_GET:
+            raise ConfigError(f"chunks_per_request must be in [1, {MAX_CHUNKS_PER_GET}]")
+        if self.max_sessions < 1 or self.max_state_bytes < 1 or self.socket_buffer_bytes < 0:
+            raise ConfigError("max_sessions, max_state_bytes must be >= 1")
+
+
+# -- low-level I/O -------------------------------------------------------------------------
+
+
+def _tune(sock: Socket, config: TransferConfig) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
+        if config.socket_buffer_bytes:
+            sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_SNDBUF, config.socket_buffer_bytes)
+            sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_RCVBUF, config.socket_buffer_bytes)
+
+
+async def _send_all(sock: Socket, data: bytes | memoryview) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = await sock.send(mv)
+        mv = mv[n:]
+
+
+async def _recv_into(sock: Socket, mv: memoryview) -> None:
+    while mv:
+        n = await sock.recv_into(mv)
+        if n == 0:
+            raise EOFError("connection closed")
+        mv = mv[n:]
+
+
+async def _send_msg(sock: Socket, msg: dict[str, Any]) -> None:
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    await _send_all(sock, _LEN.pack(len(body)) + body)
+
+
+async def _recv_msg(sock: Socket) -> dict[str, Any]:
+    head = bytearray(_LEN.size)
+    await _recv_into(sock, memoryview(head))
+    (length,) = _LEN.unpack(head)
+    if length > MAX_CONTROL_BYTES:
+        raise RemoteProtocolError("oversized", f"control message of {length} bytes")
+    body = bytearray(length)
+    await _recv_into(sock, memoryview(body))
+    try:
+        msg = msgpack.unpackb(bytes(body), raw=False)
+    except Exception as exc:  # msgpack's own error types vary by version
+        raise RemoteProtocolError("malformed", f"control message: {exc!r}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise RemoteProtocolError("malformed", "control message is not a typed map")
+    return msg
+
+
+def _field(msg: dict[str, Any], key: str, typ: type) -> Any:
+    v = msg.get(key)
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise RemoteProtocolError("malformed", f"field {key!r} missing or mistyped")
+    return v
+
+
+def _transcript(mesh: str, nc: bytes, ns: bytes, step: int, digest: str) -> bytes:
+    m = mesh.encode()
+    return b"".join(
+        [
+            _TRANSCRIPT_PERSON,
+            len(m).to_bytes(4, "big"),
+            m,
+            nc,
+            ns,
+            step.to_bytes(8, "big"),
+            digest.encode(),
+        ]
+    )
+
+
+def _addr(peer: Any) -> tuple[str, int]:
+    if hasattr(peer, "host") and hasattr(peer, "port"):
+        return str(peer.host), int(peer.port)
+    host, port = peer
+    return str(host), int(port)
+
+
+# -- server --------------------------------------------------------------------------------
+
+
+class StateServer:
+    """Serves the latest committed snapshot of ``source`` (a ``State`` or a callable returning
+    a ``Snapshot`` or None). Start it with ``nursery.start(server.serve, ...)`` or
+    ``serve_state``; ``close()`` stops it and drops every session."""
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        auth: MeshAuth,
+        mesh: str,
+        config: TransferConfig | None = None,
+    ) -> None:
+        if callable(source):
+            self._source: Callable[[], Snapshot | None] = source
+        elif hasattr(source, "committed"):
+            self._source = lambda: source.committed  # type: ignore[no-any-return]
+        else:
+            raise LocalUsageError("source must be a State or a callable returning a Snapshot")
+        self.auth = auth
+        self.mesh = mesh
+        self.config = config or TransferConfig()
+        self.host = ""
+        self.port = 0
+        self.dropped: dict[str, int] = {}
+        """Refused or failed sessions by reason (``bad_mac``, ``wrong_mesh``, ``timeout``...)."""
+        self.sessions_served = 0
+        self.bytes_sent = 0
+        self._cancel = trio.CancelScope()
+        self._limiter = trio.CapacityLimiter(self.config.max_sessions)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def close(self) -> None:
+        self._cancel.cancel()
+
+    async def serve(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        task_status: trio.TaskStatus[StateServer] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with self._cancel:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+            try:
+                sockname = listeners[0].socket.getsockname()
+                self.host, self.port = str(sockname[0]), int(sockname[1])
+                async with trio.open_nursery() as nursery:
+                    task_status.started(self)
+                    while True:
+                        stream = await listeners[0].accept()
+                        nursery.start_soon(self._session, stream)
+            finally:
+                for lst in listeners:
+                    with contextlib.suppress(OSError):
+                        lst.socket.close()
+
+    def _drop(self, reason: str, detail: str) -> None:
+        n = self.dropped.get(reason, 0) + 1
+        self.dropped[reason] = n
+        if n & (n - 1) == 0:  # log the 1st, 2nd, 4th, 8th... occurrence
+            log.warning("state server dropped a session (%s, #%d): %s", reason, n, detail)
+
+    async def _session(self, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        try:
+            try:
+                self._limiter.acquire_nowait()
+            except trio.WouldBlock:
+                self._drop("busy", "too many sessions")
+                return
+            try:
+                _tune(sock, self.config)
+                await self._run_session(sock)
+            finally:
+                self._limiter.release()
+        except RemoteProtocolError as exc:
+            self._drop(exc.reason, str(exc))
+        except trio.TooSlowError:
+            self._drop("timeout", "client too slow")
+        except StaleSnapshotError as exc:
+            self._drop("stale", str(exc))
+        except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._drop("eof", repr(exc))
+        finally:
+            sock.close()
+
+    async def _run_session(self, sock: Socket) -> None:
+        cfg = self.config
+        with trio.fail_after(cfg.connect_timeout):
+            hello = await _recv_msg(sock)
+            if hello.get("v") != PROTOCOL_VERSION or hello["t"] != "hello":
+                await _send_msg(sock, {"t": "error", "reason": "bad_version"})
+                raise RemoteProtocolError("bad_version", repr(hello.get("v")))
+            mesh = _field(hello, "mesh", str)
+            if mesh != self.mesh:
+                await _send_msg(sock, {"t": "error", "reason": "wrong_mesh"})
+                raise RemoteProtocolError("wrong_mesh", repr(mesh[:MAX_MESH_NAME]))
+            nc = _field(hello, "nonce", bytes)
+            step = _field(hello, "step", int)
+            digest = _field(hello, "digest", str)
+            if len(nc) != NONCE_BYTES or len(digest) > MAX_DIGEST_CHARS or not 0 <= step < 2**63:
+                raise RemoteProtocolError("malformed", "hello field sizes")
+            ns = os.urandom(NONCE_BYTES)
+            tr = _transcript(self.mesh, nc, ns, step, digest)
+            tag = self.auth.tag(b"S" + tr) if self.auth.enabled else b""
+            await _send_msg(
+                sock, {"v": PROTOCOL_VERSION, "t": "challenge", "nonce": ns, "tag": tag}
+            )
+            resp = await _recv_msg(sock)
+            ctag = _field(resp, "tag", bytes) if resp["t"] == "auth" else None
+            if ctag is None:
+                raise RemoteProtocolError("malformed", "expected auth")
+            if self.auth.enabled and not self.auth.verify(b"C" + tr, ctag):
+                raise RemoteProtocolError("bad_mac", "client failed the challenge")
+            snap = self._source()
+            if snap is None or snap.step != step:
+                await self._unavailable(sock, snap)
+                return
+            with snap.lease():
+                if await trio.to_thread.run_sync(lambda: snap.digest) != digest:
+                    await self._unavailable(sock, snap)
+                    return
+                await _send_msg(
+                    sock,
+                    {
+                        "t": "manifest",
+                        "step": snap.step,
+                        "digest": snap.digest,
+                        "size": snap.nbytes,
+                        "chunk": DIGEST_CHUNK_BYTES,
+                    },
+                )
+                await _send_all(sock, snap.leaves)
+                self.sessions_served += 1
+        with snap.lease():
+            await self._serve_chunks(sock, snap)
+
+    async def _unavailable(self, sock: Socket, snap: Snapshot | None) -> None:
+        have = {"step": -1, "digest": ""} if snap is None else {"step": snap.step, "digest": ""}
+        await _send_msg(sock, {"t": "unavailable", **have})
+
+    async def _serve_chunks(self, sock: Socket, snap: Snapshot) -> None:
+        n = snap.chunk_count
+        while True:
+            with trio.fail_after(self.config.idle_timeout):
+                try:
+                    msg = await _recv_msg(sock)
+                except EOFError:
+                    return  # client done (or gone): a normal end
+            if msg["t"] == "bye":
+                return
+            if msg["t"] != "get":
+                raise RemoteProtocolError("malformed", f"unexpected {msg['t']!r}")
+            first, count = _field(msg, "first", int), _field(msg, "count", int)
+            if not (first >= 0 and 1 <= count <= MAX_CHUNKS_PER_GET and first + count <= n):
+                raise RemoteProtocolError("malformed", f"bad range {first}+{count} of {n}")
+            with trio.fail_after(self.config.request_timeout):
+                for i in range(first, first + count):
+                    await self._send_chunk(sock, snap, i)
+
+    async def _send_chunk(self, sock: Socket, snap: Snapshot, index: int) -> None:
+        """Send one chunk. Fault-injection tests override this."""
+        for mv in snap.chunk_views(index):
+            await _send_all(sock, mv)
+            self.bytes_sent += len(mv)
+
+
+async def serve_state(
+    source: Any,
+    *,
+    auth: MeshAuth,
+    mesh: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: TransferConfig | None = None,
+    task_status: trio.TaskStatus[StateServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a ``StateServer``; use as ``server = await nursery.start(functools.partial(
+    serve_state, state, auth=auth, mesh=name))``. ``server.port`` is the bound port."""
+    server = StateServer(source, auth=auth, mesh=mesh, config=config)
+    await server.serve(host=host, port=port, task_status=task_status)
+
+
+# -- client --------------------------------------------------------------------------------
+
+
+@dataclass
+class TransferStats:
+    """What a ``fetch_state`` did: bytes per peer, peers given up on and why."""
+
+    bytes_from: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    bad_chunks: int = 0
+    reassigned: int = 0
+    """Ranges put back in the queue after their peer failed."""
+    seconds: float = 0.0
+
+
+class _Job:
+    def __init__(self, step: int, digest: str, config: TransferConfig) -> None:
+        self.step = step
+        self.digest = digest
+        self.config = config
+        self.size = -1
+        self.leaves = b""
+        self.buf: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self.mv = memoryview(b"")
+        self.n = 0
+        self.pending: deque[tuple[int, int]] = deque()
+        self.done = 0
+        self.changed = trio.Event()
+        self.finished = trio.Event()
+
+    def adopt(self, size: int, leaves: bytes) -> None:
+        if root_digest(size, leaves) != self.digest:
+            raise RemoteProtocolError("bad_manifest", "manifest does not hash to the digest")
+        if self.buf is not None:
+            return
+        self.size, self.leaves = size, leaves
+        self.n = chunk_count(size)
+        self.buf = np.empty(size, dtype=np.uint8)
+        self.mv = self.buf.data
+        step = self.config.chunks_per_request
+        self.pending.extend((i, min(step, self.n - i)) for i in range(0, self.n, step))
+        self._poke()
+
+    def _poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def take(self) -> tuple[int, int] | None:
+        while True:
+            if self.done == self.n:
+                return None
+            if self.pending:
+                return self.pending.popleft()
+            await self.changed.wait()
+
+    def give_back(self, rng: tuple[int, int]) -> None:
+        self.pending.appendleft(rng)
+        self._poke()
+
+    def complete(self, rng: tuple[int, int]) -> None:
+        self.done += rng[1]
+        if self.done == self.n:
+            self.finished.set()
+        self._poke()
+
+    def view(self, rng: tuple[int, int]) -> memoryview:
+        first, count = rng
+        start = first * DIGEST_CHUNK_BYTES
+        stop = start + sum(chunk_len(self.size, i) for i in range(first, first + count))
+        return self.mv[start:stop]
+
+    def expected(self, rng: tuple[int, int]) -> bytes:
+        first, count = rng
+        return self.leaves[first * LEAF_BYTES : (first + count) * LEAF_BYTES]
+
+
+async def _client_handshake(
+    sock: Socket, job: _Job, *, auth: MeshAuth, mesh: str, config: TransferConfig
+) -> tuple[int, bytes]:
+    nc = os.urandom(NONCE_BYTES)
+    await _send_msg(
+        sock,
+        {
+            "v": PROTOCOL_VERSION,
+            "t": "hello",
+            "mesh": mesh,
+            "nonce": nc,
+            "step": job.step,
+            "digest": job.digest,
+        },
+    )
+    ch = await _recv_msg(sock)
+    if ch["t"] == "error":
+        reason = ch.get("reason")
+        raise RemoteProtocolError(reason if isinstance(reason, str) else "refused", "by server")
+    if ch["t"] != "challenge" or ch.get("v") != PROTOCOL_VERSION:
+        raise RemoteProtocolError("bad_version", "expected a challenge")
+    ns = _field(ch, "nonce", bytes)
+    stag = _field(ch, "tag", bytes)
+    if len(ns) != NONCE_BYTES:
+        raise RemoteProtocolError("malformed", "nonce size")
+    tr = _transcript(mesh, nc, ns, job.step, job.digest)
+    if auth.enabled and not auth.verify(b"S" + tr, stag):
+        raise RemoteProtocolError("bad_mac", "server failed the challenge")
+    await _send_msg(sock, {"t": "auth", "tag": auth.tag(b"C" + tr) if auth.enabled else b""})
+    m = await _recv_msg(sock)
+    if m["t"] == "unavailable":
+        raise RemoteProtocolError("unavailable", f"peer holds step {m.get('step')!r}")
+    if m["t"] != "manifest":
+        # an authenticated server that refuses our tag just closes: EOF above
+        raise RemoteProtocolError("malformed", f"expected a manifest, got {m['t']!r}")
+    size = _field(m, "size", int)
+    if _field(m, "chunk", int) != DIGEST_CHUNK_BYTES:
+        raise RemoteProtocolError("bad_version", "different chunk size")
+    if not 0 < size <= config.max_state_bytes:
+        raise RemoteProtocolError("oversized", f"state of {size} bytes")
+    if _field(m, "step", int) != job.step or _field(m, "digest", str) != job.digest:
+        raise RemoteProtocolError("unavailable", "manifest for another state")
+    leaves = bytearray(chunk_count(size) * LEAF_BYTES)
+    await _recv_into(sock, memoryview(leaves))
+    return size, bytes(leaves)
+
+
+async def _worker(
+    peer: tuple[str, int],
+    job: _Job,
+    stats: TransferStats,
+    *,
+    auth: MeshAuth,
+    mesh: str,
+    config: TransferConfig,
+) -> None:
+    key = f"{peer[0]}:{peer[1]}"
+    stream: trio.SocketStream | None = None
+    stats.bytes_from.setdefault(key, 0)
+    failure: list[BaseException] = []
+    bad: list[str] = []
+    try:
+        with trio.fail_after(config.connect_timeout):
+            stream = await trio.open_tcp_stream(*peer)
+            sock = stream.socket
+            _tune(sock, config)
+            size, leaves = await _client_handshake(sock, job, auth=auth, mesh=mesh, config=config)
+        job.adopt(size, leaves)
+        async with trio.open_nursery() as verifiers:
+            # A received range is hashed in a thread while the next one is requested; at most
+            # two ranges per peer are unverified at once.
+            slots = trio.Semaphore(2)
+            while True:
+                await slots.acquire()
+                rng = await job.take()
+                if rng is None:
+                    slots.release()
+                    break
+                try:
+                    with trio.fail_after(config.request_timeout):
+                        await _send_msg(sock, {"t": "get", "first": rng[0], "count": rng[1]})
+                        dst = job.view(rng)
+                        await _recv_into(sock, dst)
+                except BaseException as exc:
+                    slots.release()
+                    job.give_back(rng)
+                    stats.reassigned += 1
+                    if not isinstance(exc, _PEER_FAILURES):
+                        raise
+                    # recorded here: raising inside the nursery would wrap it in a group
+                    failure.append(exc)
+                    verifiers.cancel_scope.cancel()
+                    break
+                stats.bytes_from[key] += len(dst)
+                verifiers.start_soon(_verify, rng, job, stats, slots, bad, verifiers.cancel_scope)
+        if bad:
+            raise RemoteProtocolError("bad_chunk", bad[0])
+        if failure:
+            raise failure[0]
+        if job.done == job.n:
+            with contextlib.suppress(*_PEER_FAILURES), trio.move_on_after(1):
+                await _send_msg(sock, {"t": "bye"})
+    except _PEER_FAILURES as exc:
+        stats.failures[key] = _reason(exc)
+        log.info("state transfer: giving up on %s: %r", key, exc)
+    finally:
+        if stream is not None:
+            stream.socket.close()
+
+
+_PEER_FAILURES = (
+    trio.TooSlowError,
+    RemoteProtocolError,
+    EOFError,
+    OSError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    if isinstance(exc, RemoteProtocolError):
+        return exc.reason
+    if isinstance(exc, EOFError):
+        return "eof"
+    return f"io: {exc.__class__.__name__}"
+
+
+async def _verify(
+    rng: tuple[int, int],
+    job: _Job,
+    stats: TransferStats,
+    slots: trio.Semaphore,
+    bad: list[str],
+    scope: trio.CancelScope,
+) -> None:
+    try:
+        got = await trio.to_thread.run_sync(hash_chunks, job.mv, rng[0], rng[1], job.size)
+        if got == job.expected(rng):
+            job.complete(rng)
+        else:  # a lying or broken peer: re-fetch elsewhere, stop using this peer
+            stats.bad_chunks += 1
+            stats.reassigned += 1
+            job.give_back(rng)
+            bad.append(f"chunks {rng[0]}+{rng[1]} fail their hash")
+            scope.cancel()
+    finally:
+        slots.release()
+
+
+async def fetch_state(
+    peers: Sequence[Any],
+    step: int,
+    digest: str,
+    *,
+    auth: MeshAuth,
+    mesh: str,
+    config: TransferConfig | None = None,
+    stats: TransferStats | None = None,
+) -> Snapshot:
+    """Fetch the committed state ``(step, digest)`` from ``peers`` (``(host, port)`` pairs or
+    objects with ``.host``/``.port``), striped over all of them, every chunk verified.
+
+    Returns a ``Snapshot`` whose digest is ``digest`` (feed it to ``State.load_snapshot``).
+    Raises ``StateTransferError`` (a ``PeerLostError``) with each peer's failure reason when
+    the peers together cannot supply it. Fill ``stats`` to see who sent what.
+    """
+    if not peers:
+        raise LocalUsageError("fetch_state needs at least one peer")
+    config = config or TransferConfig()
+    stats = stats if stats is not None else TransferStats()
+    job = _Job(step, digest, config)
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+
+        async def stop_when_done() -> None:
+            await job.finished.wait()
+            nursery.cancel_scope.cancel()  # stop peers still connecting or saying bye
+
+        nursery.start_soon(stop_when_done)
+        async with trio.open_nursery() as workers:
+            for p in dict.fromkeys(_addr(p) for p in peers):
+                workers.start_soon(
+                    functools.partial(_worker, p, job, stats, auth=auth, mesh=mesh, config=config)
+                )
+        nursery.cancel_scope.cancel()
+    stats.seconds = time.perf_counter() - t0
+    if job.buf is None or job.done != job.n:
+        raise StateTransferError(
+            f"could not fetch state step={step} digest={digest[:16]}", stats.failures
+        )
+    try:
+        snap = Snapshot.from_buffer(job.buf)
+    except RemoteProtocolError as exc:
+        raise StateTransferError(f"state {digest[:16]} does not parse: {exc}", {}) from exc
+    snap._leaves, snap._digest = job.leaves, digest
+    return snap
+
+
+# -- benchmark -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferBenchmark:
+    size_mb: float
+    peers: int
+    transfer_mb_per_s: float
+    """Best of the runs: ``fetch_state`` from ``peers`` servers, hash-verified, MB = 1e6 B."""
+    raw_tcp_mb_per_s: float
+    """Best of the runs: one plain blocking socket ``sendall`` of the same bytes, received
+    with ``recv_into`` into a preallocated buffer: the ceiling on this host."""
+
+    @property
+    def ratio(self) -> float:
+        return self.transfer_mb_per_s / self.raw_tcp_mb_per_s
+
+
+def measure_transfer(size_mb: float, peers: int = 3, *, repeats: int = 3) -> TransferBenchmark:
+    """Measure joiner state transfer against the raw TCP ceiling, on loopback, in one run.
+
+    The servers run in one background thread (one trio loop), the client in the calling
+    thread; the raw ceiling uses the same two-thread layout. Synchronous: do not call it
+    from inside trio.
+    """
+    from .state import State
+
+    if size_mb <= 0 or peers < 1 or repeats < 1:
+        raise LocalUsageError("size_mb must be > 0, peers and repeats >= 1")
+    payload = np.random.default_rng(0).integers(0, 256, int(size_mb * 1e6), dtype=np.uint8)
+    snap = State(arrays={"payload": payload}, rng=False).commit(step=1)
+    digest = snap.digest
+    auth = MeshAuth.none()
+
+    ready: queue.Queue[tuple[Any, trio.CancelScope, list[int]]] = queue.Queue()
+
+    async def servers_main() -> None:
+        async with trio.open_nursery() as nursery:
+            ports = []
+            for _ in range(peers):
+                server = await nursery.start(
+                    functools.partial(serve_state, lambda: snap, auth=auth, mesh="bench")
+                )
+                ports.append(server.port)
+            ready.put((trio.lowlevel.current_trio_token(), nursery.cancel_scope, ports))
+
+    thread = threading.Thread(target=trio.run, args=(servers_main,), daemon=True)
+    thread.start()
+    token, scope, ports = ready.get(timeout=30)
+    try:
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            got = trio.run(
+                functools.partial(
+                    fetch_state,
+                    [("127.0.0.1", p) for p in ports],
+                    1,
+                    digest,
+                    auth=auth,
+                    mesh="bench",
+                )
+            )
+            best = max(best, snap.nbytes / 1e6 / (time.perf_counter() - t0))
+            if got.digest != digest:
+                raise RuntimeError("benchmark transfer returned the wrong state")
+            del got
+    finally:
+        trio.from_thread.run_sync(scope.cancel, trio_token=token)
+        thread.join(timeout=30)
+    raw = max(_raw_tcp_once(snap) for _ in range(repeats))
+    return TransferBenchmark(size_mb, peers, best, raw)
+
+
+def _raw_tcp_once(snap: Snapshot) -> float:
+    parts = snap.to_bytes_parts()
+    size = snap.nbytes
+    with _stdsocket.create_server(("127.0.0.1", 0)) as ls:
+        port = ls.getsockname()[1]
+
+        def send() -> None:
+            conn, _ = ls.accept()
+            with conn:
+                for p in parts:
+                    conn.sendall(p)
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        buf = np.empty(size, dtype=np.uint8)
+        t0 = time.perf_counter()
+        with _stdsocket.create_connection(("127.0.0.1", port)) as s:
+            mv = buf.data
+            while mv:
+                n = s.recv_into(mv)
+                if n == 0:
+                    raise RuntimeError("raw TCP benchmark: early EOF")
+                mv = mv[n:]
+        dt = time.perf_counter() - t0
+        t.join(timeout=30)
+    return size / 1e6 / dt

@@ -1,0 +1,167 @@
+"""Aborting collectives whose peer stopped participating (``DataPlane.abort_view``), and the
+``io_timeout`` stall path without an abort.
+
+The stalled member opens the ring (so the view agreement succeeds) and then never runs the
+collective: the kernel accepts what its left neighbour sends until the buffers fill and nothing
+comes out towards its right, exactly what a SIGSTOPped process looks like from the wire."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from ftmesh.collective import (
+    CollectiveConfig,
+    Peer,
+    PeerStalledError,
+    RingPeerLostError,
+    RingView,
+    SyncDataPlane,
+    open_data_plane,
+)
+from ftmesh.collective.dataplane import DataPlane
+
+SLOW = CollectiveConfig(
+    chunk_bytes=1 << 16, io_timeout=60.0, connect_timeout=5.0, view_timeout=5.0, poll_interval=0.05
+)
+NO_HANG = 20.0
+"""Generous bound (seconds) for 'promptly': far below io_timeout, far above any real latency
+on a loaded 2-core machine. A no-hang check, not a speed test."""
+
+STALLED = "m2"
+
+
+@asynccontextmanager
+async def ring_of(
+    n: int, config: CollectiveConfig
+) -> AsyncIterator[tuple[list[DataPlane], RingView]]:
+    async with AsyncExitStack() as stack:
+        dps = [
+            await stack.enter_async_context(open_data_plane(f"m{i}", config=config))
+            for i in range(n)
+        ]
+        yield dps, RingView.of(Peer(d.node_id, *d.address) for d in dps)
+
+
+@pytest.mark.parametrize("elems", [1000, 1 << 20])  # one-thread (inline) and two-thread rounds
+@pytest.mark.parametrize("abort_on", ["all", "m0", "m3"])
+async def test_abort_view_fails_every_survivor_promptly(elems: int, abort_on: str) -> None:
+    async with ring_of(4, SLOW) as (dps, view):
+        survivors = [i for i in range(4) if dps[i].node_id != STALLED]
+        out: dict[int, Any] = {}
+        entered = 0
+
+        async def member(i: int) -> None:
+            nonlocal entered
+            entered += 1
+            try:
+                out[i] = await dps[i].allreduce(view, np.ones(elems, np.float32))
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dps[2].open_ring, view)  # agrees, then never takes part
+                for i in survivors:
+                    nursery.start_soon(member, i)
+                while entered < len(survivors):
+                    await trio.sleep(0.01)
+                await trio.sleep(0.3)  # let them block on the stalled member
+                assert not out, out
+                for i in survivors:
+                    if abort_on in ("all", dps[i].node_id):
+                        dps[i].abort_view(view.epoch, STALLED, "declared dead by the test")
+        for i in survivors:
+            exc = out[i]
+            assert isinstance(exc, RingPeerLostError), (i, exc)
+            assert not isinstance(exc, PeerStalledError), (i, exc)
+            assert exc.peer == STALLED and exc.epoch == view.epoch, (i, out)
+        # an aborted epoch stays aborted on the members that were told
+        told = [i for i in survivors if abort_on in ("all", dps[i].node_id)]
+        with trio.fail_after(NO_HANG), pytest.raises(RingPeerLostError):
+            await dps[told[0]].allreduce(view, np.ones(4, np.float32))
+
+
+async def test_abort_view_before_the_ring_connects() -> None:
+    """A collective still waiting in trio for view agreement is cancelled by the abort."""
+    async with ring_of(3, SLOW) as (dps, view):
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                result: list[Any] = []
+
+                async def member() -> None:
+                    try:
+                        await dps[0].allreduce(view, np.ones(8))
+                    except Exception as exc:
+                        result.append(exc)
+
+                nursery.start_soon(member)
+                await trio.sleep(0.2)  # m1 and m2 never connect
+                dps[0].abort_view(view.epoch, "m1", "gone")
+        assert isinstance(result[0], RingPeerLostError) and result[0].peer == "m1", result
+
+
+@pytest.mark.parametrize("elems", [1000, 1 << 20])
+async def test_stall_without_abort_raises_peer_stalled_after_io_timeout(elems: int) -> None:
+    cfg = CollectiveConfig(
+        chunk_bytes=1 << 16, io_timeout=1.0, connect_timeout=5.0, view_timeout=5.0
+    )
+    async with ring_of(4, cfg) as (dps, view):
+        survivors = [i for i in range(4) if i != 2]
+        out: dict[int, Any] = {}
+
+        async def member(i: int) -> None:
+            try:
+                out[i] = await dps[i].allreduce(view, np.ones(elems, np.float32))
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dps[2].open_ring, view)
+                for i in survivors:
+                    nursery.start_soon(member, i)
+        for i in survivors:
+            exc = out[i]
+            assert isinstance(exc, PeerStalledError), (i, exc)
+            assert exc.peer == STALLED and exc.epoch == view.epoch, (i, out)
+
+
+def test_abort_view_unblocks_the_sync_api() -> None:
+    dps = [SyncDataPlane.start(f"m{i}", config=SLOW) for i in range(4)]
+    try:
+        view = RingView.of(Peer(d.node_id, *d.address) for d in dps)
+        results: dict[int, BaseException | None] = {}
+
+        def go(i: int) -> None:
+            try:
+                dps[i].allreduce(view, np.ones(1 << 20, np.float32))
+                results[i] = None
+            except BaseException as exc:  # reported below
+                results[i] = exc
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in (0, 1, 3)]
+        opener = threading.Thread(target=dps[2].open_ring, args=(view,))
+        opener.start()
+        for t in threads:
+            t.start()
+        opener.join(NO_HANG)
+        for t in threads:
+            t.join(0.3)
+        assert all(t.is_alive() for t in threads), results  # blocked on m2
+        dps[0].abort_view(view.epoch, STALLED, "declared dead by the test")  # m0 only
+        for t in threads:
+            t.join(NO_HANG)
+        assert not any(t.is_alive() for t in threads)
+        for i in (0, 1, 3):
+            exc = results[i]
+            assert isinstance(exc, RingPeerLostError) and exc.peer == STALLED, (i, exc)
+    finally:
+        for d in dps:
+            d.close()
