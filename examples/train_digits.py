@@ -73,6 +73,8 @@ def main() -> int:
     p.add_argument("--min-peers", type=int, default=1)
     p.add_argument("--step-delay", type=float, default=0.03,
                    help="seconds to sleep after each step, so a demo can be watched and a joiner's start-up (~5 s) lands mid-run; 0 for full speed")
+    p.add_argument("--digest-every", type=int, default=10,
+                   help="report the state digest every N steps (tests compare members)")
     p.add_argument("--single", action="store_true", help="train in one process, no mesh")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -104,10 +106,11 @@ def main() -> int:
                                      checkpoint_every=args.checkpoint_every)
             while trainer.committed < total:
                 r = trainer.step(loss_fn)
+                every = args.digest_every
                 progress({"step": r.step, "total": total, "loss": round(r.loss, 4),
-                          "members": len(r.members), "attempts": r.attempts,
-                          "synced": r.synced, "node": mesh.node_id,
-                          "digest": trainer.digest() if r.step % 10 == 0 else None})
+                          "samples": r.samples, "members": len(r.members),
+                          "attempts": r.attempts, "synced": r.synced, "node": mesh.node_id,
+                          "digest": trainer.digest() if every and r.step % every == 0 else None})
                 if args.step_delay:
                     time.sleep(args.step_delay)
             trainer.finish()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 
 import numpy as np
@@ -105,6 +106,15 @@ def until_lost(dp: SyncDataPlane, view: RingView) -> None:
     emit({"finished": True})
 
 
+def abort_on_request(dp: SyncDataPlane, view: RingView) -> None:
+    """Reads ``{"abort": peer}`` lines from the parent (as membership would declare a death)."""
+    for _ in range(100):
+        line = sys.stdin.readline()
+        if not line:
+            return
+        dp.abort_view(view.epoch, json.loads(line)["abort"], "declared dead by the test")
+
+
 def main() -> int:
     node_id = sys.argv[1]
     io_timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 10.0
@@ -117,6 +127,8 @@ def main() -> int:
         if setup["mode"] == "correctness":
             correctness(dp, view, rank)
         else:
+            if setup["mode"] == "until_abort":
+                threading.Thread(target=abort_on_request, args=(dp, view), daemon=True).start()
             until_lost(dp, view)
     return 0
 

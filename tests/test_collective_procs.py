@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,4 +104,45 @@ def test_killed_peer_raises_peer_lost_on_survivors_within_deadline() -> None:
             assert float(last["t"]) - killed_at < io_timeout  # type: ignore[arg-type]
             p.wait(30)
     finally:
+        stop(procs)
+
+
+@pytest.mark.slow
+def test_sigstopped_peer_is_aborted_by_abort_view_long_before_io_timeout() -> None:
+    """A stopped process keeps its sockets open: only ``abort_view`` (membership declaring it
+    dead) ends the round. It is called on one survivor; the abort travels round the ring."""
+    io_timeout = 60.0
+    procs = start(4, "until_abort", io_timeout)
+    try:
+        victim = procs[2]
+        assert victim.stdout is not None
+        for _ in range(1000):
+            line = json.loads(victim.stdout.readline())
+            if line.get("iter", 0) >= 2:
+                break
+        victim.send_signal(signal.SIGSTOP)
+        time.sleep(0.5)  # survivors block on it
+        told = procs[0]
+        assert told.stdin is not None
+        told.stdin.write(json.dumps({"abort": "p2"}) + "\n")
+        told.stdin.flush()
+        aborted_at = time.monotonic()
+        for i, p in enumerate(procs):
+            if p is victim:
+                continue
+            assert p.stdout is not None
+            last: dict[str, object] = {}
+            for _ in range(1000):
+                raw = p.stdout.readline()
+                if not raw:
+                    break
+                last = json.loads(raw)
+                if "iter" not in last:
+                    break
+            assert last.get("lost") == "p2", (i, last)
+            assert last.get("type") == "RingPeerLostError", (i, last)
+            assert float(last["t"]) - aborted_at < 20.0  # type: ignore[arg-type]
+    finally:
+        if procs[2].poll() is None:
+            procs[2].send_signal(signal.SIGCONT)
         stop(procs)

@@ -64,6 +64,7 @@ _ABORT_MSG_CAP = 2000
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _FATAL = ("lost", "stalled")
+_KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
 
 
 @dataclass
@@ -214,7 +215,7 @@ class Pipeline:
         finally:
             self._back_lock.release()
 
-    def _idle(self, since: float) -> float:
+    def _idle(self, since: float, *, receiving: bool = False) -> float:
         """A socket call returned with nothing moved after ``poll_interval``: look for aborts,
         enforce ``io_timeout``. Returns when the wait goes on since ``since`` (0: just began)."""
         now = time.monotonic()
@@ -225,6 +226,8 @@ class Pipeline:
             raise _Killed
         if now - since >= self.io_timeout:
             raise _Stalled
+        if receiving and self.inline and threading.get_ident() == self.owner:
+            self._inline_keepalive()
         return since
 
     def _recv_exactly(self, sock: socket.socket, mv: memoryview) -> None:
@@ -233,7 +236,7 @@ class Pipeline:
             try:
                 n = sock.recv_into(mv, len(mv), _WAITALL)
             except BlockingIOError:  # SO_RCVTIMEO: nothing arrived for poll_interval
-                since = self._idle(since)
+                since = self._idle(since, receiving=True)
                 continue
             if n == 0:
                 raise EOFError
@@ -269,15 +272,18 @@ class Pipeline:
     def _reason(self, kind: str, peer: str, msg: str) -> dict[str, Any]:
         return {"kind": kind, "peer": peer, "origin": self.node_id, "msg": msg}
 
-    def _wait_recvs(self, need: int) -> bool:
-        """Block until ``need`` receives are done (True) or the round aborted (False)."""
-        with self.cv:
-            for _ in range(1 << 20):  # each wait is bounded; the receiver's are too
+    def _wait_recvs(self, need: int, sock: socket.socket) -> bool:
+        """Block until ``need`` receives are done (True) or the round aborted (False), sending
+        a ``KEEPALIVE`` to the right every ``poll_interval`` meanwhile."""
+        for _ in range(1 << 40):  # each wait is bounded, and so is the receiver's
+            with self.cv:
                 if self.abort is not None:
                     return False
                 if self.recv_done >= need:
                     return True
-                self.cv.wait(self.io_timeout)
+                if self.cv.wait(self.poll_interval):
+                    continue
+            self._send_all(sock, _KEEPALIVE_FRAME)
         return False
 
     # -- sender ---------------------------------------------------------------------------
@@ -292,14 +298,14 @@ class Pipeline:
             inp_b, acc_b = self.inp_b, self.acc_b
             for j, s in enumerate(sends):
                 need = after[j]
-                if need and self.recv_done < need and not self._wait_recvs(need):
+                if need and self.recv_done < need and not self._wait_recvs(need, sock):
                     break
                 if self.abort is not None:
                     break
                 src = inp_b if s.from_input else acc_b
                 self._send_frame(sock, wire.DATA, src[s.start * isz : s.stop * isz])
             else:
-                if self._wait_recvs(len(self.sched.recvs)):
+                if self._wait_recvs(len(self.sched.recvs), sock):
                     self._send_frame(sock, wire.DONE, b"")
                     self.done_sent = True
                     return
@@ -341,9 +347,15 @@ class Pipeline:
             self._set_abort(self._reason("protocol", left, msg), broken=True)
 
     def _read_head(self, sock: socket.socket) -> tuple[int, int]:
-        self._recv_exactly(sock, memoryview(self.fhead))
-        kind, length = wire.FRAME.unpack(self.fhead)
-        return int(kind), int(length)
+        """The next frame head, skipping keepalives (each one restarts the stall clock)."""
+        for _ in range(1 << 40):
+            self._recv_exactly(sock, memoryview(self.fhead))
+            kind, length = wire.FRAME.unpack(self.fhead)
+            if kind != wire.KEEPALIVE:
+                return int(kind), int(length)
+            if length:
+                raise RemoteProtocolError("malformed", f"keepalive with {length} bytes")
+        raise RemoteProtocolError("malformed", "endless keepalives")
 
     def _read_control(self, sock: socket.socket, length: int) -> dict[str, Any]:
         if length > wire.MAX_CONTROL_BYTES:
@@ -487,6 +499,10 @@ class Pipeline:
             and self._inline_send(wire.DONE, b"")
         ):
             self.done_sent = True
+
+    def _inline_keepalive(self) -> None:
+        if self.abort is None and not self.send_dead and not self.done_sent:
+            self._inline_send(wire.KEEPALIVE, b"")
 
     def _send_abort_inline(self) -> None:
         reason = self.abort

@@ -8,6 +8,13 @@ Two layers, both little-endian:
   what the sender is about to run), then the data frames of the schedule, then ``DONE``;
   ``ABORT`` (msgpack: why) may replace whatever is left. Data payloads are raw array bytes whose
   length both sides derive from the schedule, so the receiver ``recv_into``s them in place.
+  ``KEEPALIVE`` (empty) may come between any two frames: a sender waiting on its own left
+  neighbour sends one every ``poll_interval``, so that its right neighbour blames a stall on the
+  member that actually stopped, not on everyone waiting behind it.
+* Abort notices: one ``ABORT`` frame on the *reverse* direction of a ring connection (from the
+  receiving member to the sending one), the only bytes that ever flow that way.
+
+Version 2 added ``KEEPALIVE`` and the reverse-direction notices.
 
 The numeric values below are part of the protocol: append only.
 """
@@ -21,7 +28,7 @@ import msgpack
 
 from ..errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 FRAME = struct.Struct("<II")
 CONTROL_LEN = struct.Struct("<I")
@@ -30,6 +37,7 @@ HEADER = 1
 DATA = 2
 DONE = 3
 ABORT = 4
+KEEPALIVE = 5
 
 MAX_CONTROL_BYTES = 16 * 1024
 """Cap on a handshake message, header or abort payload: bounds what an unauthenticated or

@@ -1,0 +1,146 @@
+"""The lab itself: partitions and LAN-wide loss in nftables, persistent labs, ``ftmesh lab``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftmesh.cli import lab_cmd
+from ftmesh.lab import VirtualLan
+from ftmesh.lab.netns import LabError, _list_netns, cleanup_named
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,
+    reason="needs root to create network namespaces (and iproute2, nftables); CI runs as root",
+)
+
+# Counts UDP datagrams arriving on port 9999 until 0.7 s of silence.
+_RECV = (
+    "import socket\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999))\n"
+    "s.settimeout(0.7); n = 0\n"
+    "try:\n    while True: s.recv(64); n += 1\nexcept OSError: pass\nprint(n)\n"
+)
+_SEND = (
+    "import socket, sys, time\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "for _ in range(int(sys.argv[2])):\n"
+    "    s.sendto(b'x', (sys.argv[1], 9999)); time.sleep(0.001)\n"
+)
+
+
+def _delivered(lan: VirtualLan, src: int, dst: int, n: int = 400) -> int:
+    recv = lan.popen(dst, [sys.executable, "-c", _RECV], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    lan.run(src, [sys.executable, "-c", _SEND, lan.host_ip(dst), str(n)])
+    out, _ = recv.communicate(timeout=20)
+    return int(out)
+
+
+@pytest.mark.netns
+@needs_root
+def test_partition_heal_and_lan_loss() -> None:
+    with VirtualLan(hosts=3) as lan:
+        lan.partition([[0], [1, 2]])
+        assert _delivered(lan, 1, 2) == 400
+        assert _delivered(lan, 0, 1) == 0
+        assert lan.faults()["partition"] == [[0], [1, 2]]
+        lan.heal()
+        lan.set_lan_loss(30)
+        got = _delivered(lan, 0, 1, 1000)
+        assert 550 < got < 850, got  # 30 % end to end (binomial, 1000 tries)
+        lan.set_lan_loss(0)
+        assert _delivered(lan, 0, 2) == 400
+        with pytest.raises(LabError):
+            lan.partition([[0, 1], [1, 2]])
+
+
+@pytest.mark.netns
+@needs_root
+def test_persistent_lab_outlives_its_object() -> None:
+    name = f"ftmt{os.getpid() % 100000}"
+    try:
+        lan = VirtualLan(hosts=2, name=name, subnet="10.79.0.0/24")
+        lan.set_loss(1, 5)
+        lan.detach()
+        state = json.loads(json.dumps(lan.to_state()))
+        with pytest.raises(LabError, match="already exists"):
+            VirtualLan(hosts=1, name=name)
+        again = VirtualLan.attach(state)
+        assert again.host_ip(1) == "10.79.0.2"
+        assert again.faults()["loss_percent"] == {1: 5.0}
+        assert again.run(1, ["ip", "-br", "addr"]).stdout.count("10.79.0.2") == 1
+        again.down()
+        assert not [ns for ns in _list_netns() if ns.startswith(name)]
+        with pytest.raises(LabError, match="gone"):
+            VirtualLan.attach(state)
+    finally:
+        cleanup_named(name)
+
+
+def _lab(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FTMESH_LAB_DIR": str(tmp_path / "state")}
+    argv = [sys.executable, "-m", "ftmesh.cli.lab_cmd", "lab", "--name", "ftmclit", *args]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    if check:
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+    return r
+
+
+@pytest.mark.netns
+@needs_root
+def test_cli_up_run_faults_down(tmp_path: Path) -> None:
+    try:
+        up = json.loads(_lab(tmp_path, "up", "--hosts", "3", "--json").stdout)
+        assert [h["ip"] for h in up["hosts"]] == ["10.78.0.1", "10.78.0.2", "10.78.0.3"]
+        assert _lab(tmp_path, "up", "--hosts", "2", check=False).returncode == 2
+        r = _lab(tmp_path, "run", "2", "--", "ip", "-br", "addr", "show", "eth0")
+        assert "10.78.0.3" in r.stdout
+        _lab(tmp_path, "run", "-d", "1", "--", "sleep", "60")
+        _lab(tmp_path, "partition", "0", "1,2")
+        _lab(tmp_path, "loss", "all", "5")
+        _lab(tmp_path, "rate", "h1", "1mbit")
+        _lab(tmp_path, "link", "0", "down")
+        st = json.loads(_lab(tmp_path, "status", "--json").stdout)
+        assert st["faults"]["partition"] == [[0], [1, 2]]
+        assert st["faults"]["links_down"] == [0]
+        assert st["faults"]["rates"] == {"1": "1mbit"}
+        assert len(st["hosts"][1]["pids"]) == 1
+        _lab(tmp_path, "freeze", "1")
+        _lab(tmp_path, "thaw", "1")
+        _lab(tmp_path, "heal")
+        _lab(tmp_path, "kill", "1")
+        st = json.loads(_lab(tmp_path, "status", "--json").stdout)
+        assert st["faults"]["partition"] == [] and st["hosts"][1]["pids"] == []
+    finally:
+        down = _lab(tmp_path, "down", check=False)
+    assert down.returncode == 0, down.stderr
+    assert not [ns for ns in _list_netns() if ns.startswith("ftmclit")]
+    assert _lab(tmp_path, "status", check=False).returncode == 2
+
+
+@pytest.mark.netns
+@needs_root
+def test_cli_down_sweeps_a_lab_whose_state_file_is_lost(tmp_path: Path) -> None:
+    _lab(tmp_path, "up", "--hosts", "2")
+    for f in (tmp_path / "state").glob("*.json"):
+        f.unlink()
+    _lab(tmp_path, "down")
+    assert not [ns for ns in _list_netns() if ns.startswith("ftmclit")]
+
+
+def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lab_cmd, "is_root", lambda: False)
+    parser = argparse.ArgumentParser()
+    lab_cmd.add_lab_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["lab", "up", "--hosts", "2"])
+    with pytest.raises(LabError, match="needs root"):
+        lab_cmd.run_lab(args)

@@ -1,0 +1,85 @@
+"""The pure parts of fault-tolerant training: the sync decision and the elastic sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftmesh.errors import LocalUsageError
+from ftmesh.torch.sampler import ElasticSampler
+from ftmesh.training.protocol import FRESH, plan_sync, sync_vector
+
+D0 = "0" * 32
+D1 = "f" * 32
+
+
+def reduce(*contribs: np.ndarray) -> np.ndarray:
+    out = contribs[0].copy()
+    for c in contribs[1:]:
+        np.maximum(out, c, out=out)
+    return out
+
+
+def test_all_fresh_members_adopt_rank_zero() -> None:
+    v = reduce(*(sync_vector(r, 3, FRESH, 100 + r, D0) for r in range(3)))
+    plan = plan_sync(v)
+    assert (plan.target_step, plan.root, plan.behind, plan.nbytes) == (0, 0, (1, 2), 100)
+
+
+def test_member_behind_gets_newest_state() -> None:
+    v = reduce(sync_vector(0, 3, 7, 10, D0), sync_vector(1, 3, 8, 11, D1),
+               sync_vector(2, 3, 8, 11, D1))
+    plan = plan_sync(v)
+    assert (plan.target_step, plan.root, plan.behind, plan.nbytes) == (8, 1, (0,), 11)
+
+
+def test_same_step_different_state_is_resolved() -> None:
+    # Two sides of a healed partition at the same step: the first rank's state wins.
+    v = reduce(sync_vector(0, 2, 5, 10, D0), sync_vector(1, 2, 5, 10, D1))
+    plan = plan_sync(v)
+    assert (plan.root, plan.behind) == (0, (1,))
+
+
+def test_in_sync_members_do_nothing() -> None:
+    v = reduce(*(sync_vector(r, 4, 3, 10, D1) for r in range(4)))
+    assert plan_sync(v).root == -1
+
+
+def test_single_member() -> None:
+    assert plan_sync(sync_vector(0, 1, FRESH, 10, D0)).behind == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(50, 400),
+    batch=st.integers(1, 50),
+    views=st.lists(st.integers(1, 7), min_size=1, max_size=60),
+)
+def test_sampler_covers_each_sample_once_per_epoch(n: int, batch: int, views: list[int]) -> None:
+    """Whatever the view at each step, a step's shares are disjoint and cover its global
+    batch, and an epoch's steps cover each sample at most once (exactly once but the tail)."""
+    if batch > n:
+        batch = n
+    s = ElasticSampler(n, batch, seed=3)
+    seen: dict[int, list[int]] = {}
+    for step in range(2 * s.steps_per_epoch):
+        size = views[step % len(views)]
+        members = [f"{i:032x}" for i in range(size)]
+        shares = [s.indices(step, members, m) for m in members]
+        union = np.concatenate(shares)
+        assert len(union) == batch
+        assert sorted(union.tolist()) == sorted(s.global_indices(step).tolist())
+        seen.setdefault(s.epoch_of(step), []).extend(union.tolist())
+    for epoch, samples in seen.items():
+        assert len(samples) == len(set(samples)) == s.steps_per_epoch * batch, epoch
+
+
+def test_sampler_rejects_bad_arguments() -> None:
+    with pytest.raises(LocalUsageError):
+        ElasticSampler(10, 0)
+    with pytest.raises(LocalUsageError):
+        ElasticSampler(10, 11)
+    with pytest.raises(LocalUsageError):
+        ElasticSampler(10, 2).indices(0, ["a"], "b")
