@@ -22,12 +22,14 @@ needs_root = pytest.mark.skipif(
     reason="needs root to create network namespaces (and iproute2, nftables); CI runs as root",
 )
 
-# Counts UDP datagrams arriving on port 9999 until 0.7 s of silence.
+# Counts UDP datagrams arriving on port 9999: waits up to 3 s for the first (ARP may have to
+# be resolved again after a partition), then stops after 0.7 s of silence.
 _RECV = (
     "import socket\n"
     "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999))\n"
-    "s.settimeout(0.7); n = 0\n"
-    "try:\n    while True: s.recv(64); n += 1\nexcept OSError: pass\nprint(n)\n"
+    "s.settimeout(3.0); n = 0\n"
+    "try:\n    while True: s.recv(64); n += 1; s.settimeout(0.7)\nexcept OSError: pass\n"
+    "print(n)\n"
 )
 _SEND = (
     "import socket, sys, time\n"

@@ -31,7 +31,9 @@ def _wait_one_view(nodes: list[NodeProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         views = [view(n) for n in nodes]
-        sus = [k for n in nodes for m, k in member_states(n).items() if m in want and k == "suspect"]
+        sus = [
+            k for n in nodes for m, k in member_states(n).items() if m in want and k == "suspect"
+        ]
         if all(v == want for v in views) and not sus:
             return
         if time.monotonic() > deadline:

@@ -180,9 +180,11 @@ class Launcher:
         step = self.committed()
         while self.kills and step >= self.kills[0]:
             self.kills.pop(0)
-            live = [w for w in self.workers if w.running and not w.done]
+            # Victims are training members (they reported progress), never the last one: with
+            # no survivor holding the state there would be nothing to recover from.
+            live = [w for w in self.workers if w.running and not w.done and w.step > 0]
             if len(live) <= 1:
-                self.event(f"step {step}: not killing the last live worker")
+                self.event(f"step {step}: not killing the last training worker")
                 continue
             victim = self.rng.choice(live)
             victim.killed = True

@@ -90,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to search")
 
+    from .lab_cmd import add_lab_parser
     from .launch_cmd import add_launch_parser
 
     add_launch_parser(sub)
+    add_lab_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a peer")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -132,6 +134,10 @@ def run(argv: list[str] | None = None) -> int:
             from .launch_cmd import run_launch, run_worker
 
             return run_launch(args) if args.command == "launch" else run_worker(args)
+        if args.command == "lab":
+            from .lab_cmd import run_lab
+
+            return run_lab(args)
         if args.command == "bench":
             from .bench_cmd import run_bench
 

@@ -32,7 +32,12 @@ def parse_meta(items: list[str]) -> Meta:
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
-    bind = args.bind or (args.interface if args.discovery == "mdns" and args.interface else "")
+    bind = args.bind
+    if not bind and args.discovery == "mdns":
+        # mDNS announces one interface's address: bind there (default: the default route's).
+        from ..discovery import default_interface_ip
+
+        bind = args.interface or default_interface_ip()
     return NodeConfig(
         mesh=args.mesh,
         name=args.name,

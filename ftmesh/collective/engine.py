@@ -355,6 +355,8 @@ class Pipeline:
                 return int(kind), int(length)
             if length:
                 raise RemoteProtocolError("malformed", f"keepalive with {length} bytes")
+            if self.inline:  # our left waits on its left: so do we; tell our right (the sender
+                self._inline_keepalive()  # thread does that on its own in two-thread mode)
         raise RemoteProtocolError("malformed", "endless keepalives")
 
     def _read_control(self, sock: socket.socket, length: int) -> dict[str, Any]:

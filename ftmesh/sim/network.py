@@ -186,7 +186,7 @@ class SimNetwork:
     def _apply(self, node: SimNode, effects: list[Effect]) -> None:
         rand = self.rng.random
         for eff in effects:
-            if type(eff) is Send:
+            if isinstance(eff, Send):
                 if self.count_bytes:
                     self._account(node, *eff.msgs)
                 else:

@@ -25,10 +25,17 @@ import numpy as np
 import torch
 
 from ..collective import InputMismatchError, RingView, ViewMismatchError
-from ..errors import CollectiveError, DeadlineExceeded, FtmeshError, PeerLostError
+from ..errors import (
+    CollectiveError,
+    DeadlineExceeded,
+    FtmeshError,
+    LocalUsageError,
+    PeerLostError,
+)
 from ..sync import SyncMesh
 from ..training.checkpoint_io import latest_checkpoint, save_checkpoint
-from ..training.protocol import FRESH, plan_sync, sync_vector
+from ..membership.messages import MemberState
+from ..training.protocol import FRESH, QUORUM_POLICIES, has_quorum, plan_sync, sync_vector
 from .digest import state_digest
 from .sampler import ElasticSampler
 
@@ -69,6 +76,7 @@ class ElasticTrainer:
         checkpoint_every: int = 0,
         step_timeout: float = 300.0,
         join_settle: float = 2.0,
+        quorum: str = "majority",
         on_world_change: Callable[[int, int], None] | None = None,
     ) -> None:
         self.mesh = mesh
@@ -80,6 +88,10 @@ class ElasticTrainer:
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
         self.join_settle = join_settle
+        if quorum not in QUORUM_POLICIES:
+            raise LocalUsageError(f"quorum must be one of {QUORUM_POLICIES}, got {quorum!r}")
+        self.quorum = quorum
+        self._last_view: tuple[str, ...] = ()
         self.on_world_change = on_world_change
         self.committed = FRESH
         self._synced_epoch = ""
@@ -147,6 +159,13 @@ class ElasticTrainer:
                 settle=settle,
                 timeout=max(deadline - time.monotonic(), 0.1),
             )
+            if not self._quorate(view):
+                log.info("view of %d lacks a quorum of the last view of %d; waiting",
+                         view.size, len(self._last_view))
+                self.mesh.wait_view_change(view.epoch, timeout=1.0)
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"no quorum within {self.step_timeout}s")
+                continue
             try:
                 if view.epoch != self._synced_epoch:
                     self._sync(view)
@@ -201,10 +220,21 @@ class ElasticTrainer:
                 self.load_state_bytes(buf.tobytes())
         self.committed = plan.target_step
         self._synced_epoch = view.epoch
+        self._last_view = view.node_ids
         if self._world != view.size:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
+
+    def _quorate(self, view: RingView) -> bool:
+        if self.quorum == "any" or not self._last_view:
+            return True
+        dead = [m.node for m in self.mesh.members() if m.state in (MemberState.DEAD,
+                                                                   MemberState.LEFT)]
+        known = {m.node for m in self.mesh.members()}
+        # Members forgotten by membership (long dead) count as dead too.
+        dead += [n for n in self._last_view if n not in known]
+        return has_quorum(self.quorum, view.node_ids, self._last_view, dead)
 
     def _attempt(
         self,

@@ -28,9 +28,12 @@ ring member receives bitwise identical (``ftmesh.collective``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+
+QUORUM_POLICIES = ("majority", "any")
 
 FRESH = -1
 """Committed step of a member that has not yet trained in this mesh."""
@@ -76,3 +79,27 @@ def plan_sync(reduced: np.ndarray) -> SyncPlan:
     if not behind:
         return SyncPlan(newest, -1, (), 0)
     return SyncPlan(newest, root, behind, sizes[root])
+
+
+def has_quorum(
+    policy: str, ring: Iterable[str], last_view: Iterable[str], dead: Iterable[str]
+) -> bool:
+    """May a member train on ``ring``, given the view it last trained on?
+
+    ``majority`` (default): the ring must hold more than half of the last view's members
+    that are not known dead. A member cut off from the others (or so slow that it suspects
+    everybody) therefore stops and waits instead of training alone, while a crash costs no
+    wait as long as the survivors are a majority; once the lost members are declared dead
+    they stop counting, so a mesh can shrink one death at a time down to one member. A true
+    partition whose sides declare each other dead lets both sides go on; when it heals, the
+    sync keeps the side with the newest step (ties: the lowest ring rank), deterministically.
+
+    ``any``: every view trains (no waiting, no protection against split brain).
+    """
+    if policy == "any":
+        return True
+    dead_set = set(dead)
+    base = {m for m in last_view if m not in dead_set}
+    if not base:
+        return True
+    return 2 * len(base & set(ring)) > len(base)

@@ -1,0 +1,58 @@
+"""Helpers shared by the end-to-end training tests."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "train_digits.py")
+
+
+def launch(tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+
+
+def progress(log_dir: Path) -> dict[str, list[dict[str, object]]]:
+    out: dict[str, list[dict[str, object]]] = {}
+    for log in sorted(log_dir.glob("w*.log")):
+        out[log.stem] = [json.loads(line[len("FTMESH "):])
+                         for line in log.read_text().splitlines() if line.startswith("FTMESH ")]
+    return out
+
+
+def accuracy(text: str) -> float:
+    found = re.findall(r"^test accuracy: (0\.\d+)$", text, re.M)
+    assert found, text[-2000:]
+    return float(found[-1])
+
+
+def check_consistency(records: dict[str, list[dict[str, object]]], total: int) -> None:
+    """Bitwise-identical states at every step (digests), steps never repeat, every step is
+    committed by somebody, and every step covered its whole global batch."""
+    digests: dict[int, set[str]] = defaultdict(set)
+    committed: set[int] = set()
+    for name, recs in records.items():
+        steps = [int(r["step"]) for r in recs if "done" not in r]  # type: ignore[call-overload]
+        assert steps == sorted(set(steps)), f"{name} repeated or reordered a step"
+        for prev, cur in zip(recs, recs[1:], strict=False):
+            if "done" in cur:
+                continue
+            if int(cur["step"]) != int(prev["step"]) + 1:  # type: ignore[call-overload]
+                assert cur["synced"], f"{name} skipped from {prev['step']} to {cur['step']}"
+        for r in recs:
+            if r.get("digest"):
+                digests[int(r["step"])].add(str(r["digest"]))  # type: ignore[call-overload]
+            if "done" not in r:
+                committed.add(int(r["step"]))  # type: ignore[call-overload]
+                assert r["samples"] == 32, r
+    assert committed == set(range(1, total + 1)), "some step was never committed"
+    split = {s: d for s, d in digests.items() if len(d) > 1}
+    assert not split, f"members disagree at steps {sorted(split)[:5]}"
