@@ -50,8 +50,12 @@ def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     x_train, x_test, y_train, y_test = train_test_split(
         x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
     )
-    return (torch.from_numpy(x_train), torch.from_numpy(y_train).long(),
-            torch.from_numpy(x_test), torch.from_numpy(y_test).long())
+    return (
+        torch.from_numpy(x_train),
+        torch.from_numpy(y_train).long(),
+        torch.from_numpy(x_test),
+        torch.from_numpy(y_test).long(),
+    )
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -71,16 +75,27 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-peers", type=int, default=1)
-    p.add_argument("--step-delay", type=float, default=0.03,
-                   help="seconds to sleep after each step, so a demo can be watched and a joiner's start-up (~5 s) lands mid-run; 0 for full speed")
-    p.add_argument("--digest-every", type=int, default=10,
-                   help="report the state digest every N steps (tests compare members)")
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.03,
+        help="seconds to sleep after each step, so that a demo can be watched and a "
+        "joiner's start-up (~5 s) lands mid-run; 0 for full speed",
+    )
+    p.add_argument(
+        "--digest-every",
+        type=int,
+        default=10,
+        help="report the state digest every N steps (tests compare members)",
+    )
     p.add_argument("--single", action="store_true", help="train in one process, no mesh")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     args = p.parse_args()
-    logging.basicConfig(level=os.environ.get("FTMESH_LOG", "WARNING"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("FTMESH_LOG", "WARNING"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed)
@@ -101,24 +116,47 @@ def main() -> int:
             optimizer.step()
     else:
         with ftmesh.connect() as mesh:
-            trainer = ElasticTrainer(mesh, model, optimizer, sampler, min_peers=args.min_peers,
-                                     checkpoint_dir=args.checkpoint_dir,
-                                     checkpoint_every=args.checkpoint_every)
+            trainer = ElasticTrainer(
+                mesh,
+                model,
+                optimizer,
+                sampler,
+                min_peers=args.min_peers,
+                checkpoint_dir=args.checkpoint_dir,
+                checkpoint_every=args.checkpoint_every,
+            )
             while trainer.committed < total:
                 r = trainer.step(loss_fn)
                 every = args.digest_every
-                progress({"step": r.step, "total": total, "loss": round(r.loss, 4),
-                          "samples": r.samples, "members": len(r.members),
-                          "attempts": r.attempts, "synced": r.synced, "node": mesh.node_id,
-                          "digest": trainer.digest() if every and r.step % every == 0 else None})
+                progress(
+                    {
+                        "step": r.step,
+                        "total": total,
+                        "loss": round(r.loss, 4),
+                        "samples": r.samples,
+                        "members": len(r.members),
+                        "attempts": r.attempts,
+                        "synced": r.synced,
+                        "node": mesh.node_id,
+                        "digest": trainer.digest() if every and r.step % every == 0 else None,
+                    }
+                )
                 if args.step_delay:
                     time.sleep(args.step_delay)
             trainer.finish()
-            progress({"done": True, "step": trainer.committed, "node": mesh.node_id,
-                      "digest": trainer.digest()})
+            progress(
+                {
+                    "done": True,
+                    "step": trainer.committed,
+                    "node": mesh.node_id,
+                    "digest": trainer.digest(),
+                }
+            )
     acc = accuracy(model, x_test, y_test)
-    print(f"trained {total} steps in {time.monotonic() - started:.1f}s; "
-          f"final digest {state_digest(model, optimizer)}")
+    print(
+        f"trained {total} steps in {time.monotonic() - started:.1f}s; "
+        f"final digest {state_digest(model, optimizer)}"
+    )
     print(f"test accuracy: {acc:.3f}")
     return 0
 

@@ -9,6 +9,7 @@ thread, bounded by a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,8 +18,8 @@ import trio
 
 from .collective import CollectiveResult, RingView
 from .errors import MeshClosedError
-from .mesh import Mesh, MeshConfig, open_mesh
 from .membership.messages import MemberSnapshot
+from .mesh import Mesh, MeshConfig, open_mesh
 
 T = TypeVar("T")
 
@@ -53,10 +54,8 @@ class SyncMesh:
                 self._ready.set()
 
         def thread_main() -> None:
-            try:
+            with contextlib.suppress(BaseException):  # reported through self._error
                 trio.run(main)
-            except BaseException:  # reported through self._error
-                pass
 
         self._thread = threading.Thread(target=thread_main, name="ftmesh-mesh", daemon=True)
         self._thread.start()
@@ -149,10 +148,8 @@ class SyncMesh:
 
     def close(self, join_timeout: float = 10.0) -> None:
         if self._stop is not None and self._token is not None and not self._stop.is_set():
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
         if self._thread is not None:
             self._thread.join(join_timeout)
 
@@ -191,8 +188,8 @@ def connect(
     from .security import load_secrets
 
     env = os.environ
-    joins = join if join is not None else tuple(
-        j for j in env.get("FTMESH_JOIN", "").split(",") if j
+    joins = (
+        join if join is not None else tuple(j for j in env.get("FTMESH_JOIN", "").split(",") if j)
     )
     disc = discovery or env.get("FTMESH_DISCOVERY") or ("seeds" if joins else "local")
     interface = env.get("FTMESH_INTERFACE", "")

@@ -8,14 +8,24 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tests_support import EXAMPLE, ROOT, accuracy, check_consistency, launch, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+
 def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
-    res = launch(tmp_path / "mesh", "-n", "4", "--kill-at", "20", "--join-at", "40", EXAMPLE,
-                 "--digest-every", "1")
+    res = launch(
+        tmp_path / "mesh",
+        "-n",
+        "4",
+        "--kill-at",
+        "20",
+        "--join-at",
+        "40",
+        EXAMPLE,
+        "--digest-every",
+        "1",
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     acc = accuracy(res.stdout)
     assert acc >= 0.95
@@ -29,8 +39,14 @@ def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
     # The joiner entered mid-run, with the others' state.
     joiner = records["w4"]
     assert 40 < int(joiner[0]["step"]) < total and joiner[0]["synced"]  # type: ignore[call-overload]
-    single = subprocess.run([sys.executable, EXAMPLE, "--single"], capture_output=True,
-                            text=True, timeout=600, cwd=ROOT, check=True)
+    single = subprocess.run(
+        [sys.executable, EXAMPLE, "--single"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=True,
+    )
     assert abs(accuracy(single.stdout) - acc) <= 0.01
 
 

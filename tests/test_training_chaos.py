@@ -7,7 +7,6 @@ trains as well as a single process."""
 from __future__ import annotations
 
 import pytest
-
 from tests_support import EXAMPLE, accuracy, check_consistency, launch, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -26,8 +25,22 @@ def test_twenty_kills_with_rejoins(tmp_path: object, n: int) -> None:
         step = 15 + k * SPACING
         chaos += ["--kill-at", str(step), "--join-at", str(step + 1)]
     epochs = (15 + KILLS * SPACING) // 44 + 2
-    res = launch(logs, "-n", str(n), "--seed", str(n), *chaos, EXAMPLE, "--epochs", str(epochs),
-                 "--step-delay", "0.1", "--digest-every", "1", timeout=900)
+    res = launch(
+        logs,
+        "-n",
+        str(n),
+        "--seed",
+        str(n),
+        *chaos,
+        EXAMPLE,
+        "--epochs",
+        str(epochs),
+        "--step-delay",
+        "0.1",
+        "--digest-every",
+        "1",
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("kill -9") == KILLS, res.stdout[-3000:]
     records = progress(logs)

@@ -29,8 +29,9 @@ def test_all_fresh_members_adopt_rank_zero() -> None:
 
 
 def test_member_behind_gets_newest_state() -> None:
-    v = reduce(sync_vector(0, 3, 7, 10, D0), sync_vector(1, 3, 8, 11, D1),
-               sync_vector(2, 3, 8, 11, D1))
+    v = reduce(
+        sync_vector(0, 3, 7, 10, D0), sync_vector(1, 3, 8, 11, D1), sync_vector(2, 3, 8, 11, D1)
+    )
     plan = plan_sync(v)
     assert (plan.target_step, plan.root, plan.behind, plan.nbytes) == (8, 1, (0,), 11)
 

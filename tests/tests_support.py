@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -16,15 +17,21 @@ EXAMPLE = str(ROOT / "examples" / "train_digits.py")
 def launch(tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
 def progress(log_dir: Path) -> dict[str, list[dict[str, object]]]:
     out: dict[str, list[dict[str, object]]] = {}
     for log in sorted(log_dir.glob("w*.log")):
-        out[log.stem] = [json.loads(line[len("FTMESH "):])
-                         for line in log.read_text().splitlines() if line.startswith("FTMESH ")]
+        out[log.stem] = [
+            json.loads(line[len("FTMESH ") :])
+            for line in log.read_text().splitlines()
+            if line.startswith("FTMESH ")
+        ]
     return out
 
 
@@ -42,7 +49,7 @@ def check_consistency(records: dict[str, list[dict[str, object]]], total: int) -
     for name, recs in records.items():
         steps = [int(r["step"]) for r in recs if "done" not in r]  # type: ignore[call-overload]
         assert steps == sorted(set(steps)), f"{name} repeated or reordered a step"
-        for prev, cur in zip(recs, recs[1:], strict=False):
+        for prev, cur in itertools.pairwise(recs):
             if "done" in cur:
                 continue
             if int(cur["step"]) != int(prev["step"]) + 1:  # type: ignore[call-overload]

@@ -56,10 +56,22 @@ class Worker:
 def add_launch_parser(sub: Any) -> None:
     p = sub.add_parser("launch", help="run a training script as N local workers")
     p.add_argument("-n", "--nprocs", type=int, required=True, help="workers to start")
-    p.add_argument("--kill-at", type=int, action="append", default=[], metavar="STEP",
-                   help="kill -9 a random worker once STEP steps are committed; repeatable")
-    p.add_argument("--join-at", type=int, action="append", default=[], metavar="STEP",
-                   help="start a new worker once STEP steps are committed; repeatable")
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="kill -9 a random worker once STEP steps are committed; repeatable",
+    )
+    p.add_argument(
+        "--join-at",
+        type=int,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="start a new worker once STEP steps are committed; repeatable",
+    )
     p.add_argument("--discovery", choices=["local", "mdns", "seeds"], default="local")
     p.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
     p.add_argument("--seed", type=int, default=0, help="seed for choosing whom to kill")
@@ -84,10 +96,15 @@ def add_launch_parser(sub: Any) -> None:
 def run_worker(args: argparse.Namespace) -> int:
     """``ftmesh worker``: set the mesh environment for ``ftmesh.connect`` and run the script."""
     env = dict(os.environ)
-    env.update(FTMESH_MESH=args.mesh, FTMESH_DISCOVERY=args.discovery,
-               FTMESH_JOIN=",".join(args.join), FTMESH_INTERFACE=args.interface,
-               FTMESH_BIND=args.bind, FTMESH_PRESET=args.preset,
-               FTMESH_SECRET_FILE=args.secret_file)
+    env.update(
+        FTMESH_MESH=args.mesh,
+        FTMESH_DISCOVERY=args.discovery,
+        FTMESH_JOIN=",".join(args.join),
+        FTMESH_INTERFACE=args.interface,
+        FTMESH_BIND=args.bind,
+        FTMESH_PRESET=args.preset,
+        FTMESH_SECRET_FILE=args.secret_file,
+    )
     os.execvpe(sys.executable, [sys.executable, args.script, *args.args], env)
     return 127  # pragma: no cover - exec does not return
 
@@ -133,8 +150,11 @@ class Launcher:
         env = {**self.env, "FTMESH_WORKER_NAME": name}
         proc = subprocess.Popen(
             [sys.executable, self.args.script, *self.args.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
         w = Worker(name, proc, log_path, time.monotonic())
         w.reader = threading.Thread(target=self._read, args=(w,), daemon=True)
@@ -151,7 +171,7 @@ class Launcher:
                 log.write(line + "\n")
                 log.flush()
                 if line.startswith(PROGRESS_PREFIX):
-                    self._progress(w, line[len(PROGRESS_PREFIX):])
+                    self._progress(w, line[len(PROGRESS_PREFIX) :])
                 else:
                     w.tail.append(line)
                     if w.done:
@@ -204,10 +224,23 @@ class Launcher:
         for col in ("worker", "pid", "state", "step", "loss", "members"):
             table.add_column(col)
         for w in self.workers:
-            state = ("killed" if w.killed else "done" if w.done and not w.running
-                     else "running" if w.running else f"exit {w.proc.returncode}")
-            table.add_row(w.name, str(w.proc.pid), state, str(w.step),
-                          "" if w.loss is None else f"{w.loss:.4f}", str(w.members))
+            state = (
+                "killed"
+                if w.killed
+                else "done"
+                if w.done and not w.running
+                else "running"
+                if w.running
+                else f"exit {w.proc.returncode}"
+            )
+            table.add_row(
+                w.name,
+                str(w.proc.pid),
+                state,
+                str(w.step),
+                "" if w.loss is None else f"{w.loss:.4f}",
+                str(w.members),
+            )
         elapsed = time.monotonic() - self.t0
         rate = self.committed() / elapsed if elapsed > 0 else 0.0
         head = Text(f"committed steps {self.committed()}  ({rate:.1f} steps/s)")
@@ -252,10 +285,13 @@ class Launcher:
             elif time.monotonic() - last_line > 2.0:
                 last_line = time.monotonic()
                 live = sum(w.running for w in self.workers)
-                loss = next((w.loss for w in reversed(self.workers) if w.loss is not None),
-                            None)
-                print(f"  step {self.committed()}  live workers {live}  loss "
-                      f"{'-' if loss is None else f'{loss:.4f}'}", file=self.out, flush=True)
+                loss = next((w.loss for w in reversed(self.workers) if w.loss is not None), None)
+                print(
+                    f"  step {self.committed()}  live workers {live}  loss "
+                    f"{'-' if loss is None else f'{loss:.4f}'}",
+                    file=self.out,
+                    flush=True,
+                )
             time.sleep(0.05)
         return 0
 
@@ -267,8 +303,11 @@ class Launcher:
         ok = [w for w in self.workers if not w.killed and w.proc.returncode == 0]
         print(f"logs: {self.log_dir}", file=self.out)
         for w in failed:
-            print(f"\nworker {w.name} (pid {w.proc.pid}) failed with exit code "
-                  f"{w.proc.returncode}; last lines of {w.log_path}:", file=self.out)
+            print(
+                f"\nworker {w.name} (pid {w.proc.pid}) failed with exit code "
+                f"{w.proc.returncode}; last lines of {w.log_path}:",
+                file=self.out,
+            )
             for line in list(w.tail)[-25:]:
                 print(f"  | {line}", file=self.out)
         if ok:

@@ -24,8 +24,9 @@ from ..errors import LocalUsageError
 
 
 class ElasticSampler:
-    def __init__(self, dataset_len: int, global_batch: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self, dataset_len: int, global_batch: int, *, seed: int = 0, shuffle: bool = True
+    ) -> None:
         if global_batch < 1 or dataset_len < global_batch:
             raise LocalUsageError(
                 f"need 1 <= global_batch <= dataset_len, got {global_batch} and {dataset_len}"
@@ -47,9 +48,7 @@ class ElasticSampler:
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             if self.shuffle:
-                self._perm = np.random.default_rng((self.seed, epoch)).permutation(
-                    self.dataset_len
-                )
+                self._perm = np.random.default_rng((self.seed, epoch)).permutation(self.dataset_len)
             self._perm_epoch = epoch
         return self._perm
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -32,9 +33,9 @@ from ..errors import (
     LocalUsageError,
     PeerLostError,
 )
+from ..membership.messages import MemberState
 from ..sync import SyncMesh
 from ..training.checkpoint_io import latest_checkpoint, save_checkpoint
-from ..membership.messages import MemberState
 from ..training.protocol import FRESH, QUORUM_POLICIES, has_quorum, plan_sync, sync_vector
 from .digest import state_digest
 from .sampler import ElasticSampler
@@ -146,7 +147,9 @@ class ElasticTrainer:
             if not self._in_ring:
                 # Join: let discovery and gossip settle (so we join the mesh that is there
                 # instead of starting a lonely one), then enter the ring at a step boundary.
-                self.mesh.wait_quiet(self.join_settle, timeout=max(deadline - time.monotonic(), 0.1))
+                self.mesh.wait_quiet(
+                    self.join_settle, timeout=max(deadline - time.monotonic(), 0.1)
+                )
                 self.mesh.set_role("train")
                 self._in_ring = True
                 # Members that started together flip to "train" within moments of each other:
@@ -160,8 +163,11 @@ class ElasticTrainer:
                 timeout=max(deadline - time.monotonic(), 0.1),
             )
             if not self._quorate(view):
-                log.info("view of %d lacks a quorum of the last view of %d; waiting",
-                         view.size, len(self._last_view))
+                log.info(
+                    "view of %d lacks a quorum of the last view of %d; waiting",
+                    view.size,
+                    len(self._last_view),
+                )
                 self.mesh.wait_view_change(view.epoch, timeout=1.0)
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(f"no quorum within {self.step_timeout}s")
@@ -178,8 +184,12 @@ class ElasticTrainer:
                     raise DeadlineExceeded(
                         f"step {self.committed + 1} did not commit within {self.step_timeout}s"
                     ) from exc
-                log.info("step %d attempt %d failed (%s); retrying on the next view",
-                         self.committed + 1, attempts, exc)
+                log.info(
+                    "step %d attempt %d failed (%s); retrying on the next view",
+                    self.committed + 1,
+                    attempts,
+                    exc,
+                )
                 if isinstance(exc, PeerLostError):
                     # Give membership a moment to drop the lost peer; keep it short, so that
                     # we are back before neighbours that wait for us give up.
@@ -229,8 +239,9 @@ class ElasticTrainer:
     def _quorate(self, view: RingView) -> bool:
         if self.quorum == "any" or not self._last_view:
             return True
-        dead = [m.node for m in self.mesh.members() if m.state in (MemberState.DEAD,
-                                                                   MemberState.LEFT)]
+        dead = [
+            m.node for m in self.mesh.members() if m.state in (MemberState.DEAD, MemberState.LEFT)
+        ]
         known = {m.node for m in self.mesh.members()}
         # Members forgotten by membership (long dead) count as dead too.
         dead += [n for n in self._last_view if n not in known]
@@ -250,7 +261,7 @@ class ElasticTrainer:
         flat = np.zeros(self._numel + 2, dtype=np.float32)
         if len(indices):
             loss = loss_fn(indices)
-            (loss * len(indices)).backward()
+            (loss * len(indices)).backward()  # type: ignore[no-untyped-call]
             offset = 0
             for p in self._params:
                 n = p.numel()

@@ -52,7 +52,10 @@ def latest_checkpoint(directory: Path) -> bytes | None:
     for path in sorted(directory.glob("step-*.ckpt"), reverse=True):
         data = path.read_bytes()
         digest, payload = data[:_DIGEST], data[_DIGEST:]
-        if len(digest) == _DIGEST and hashlib.blake2b(payload, digest_size=_DIGEST).digest() == digest:
+        if (
+            len(digest) == _DIGEST
+            and hashlib.blake2b(payload, digest_size=_DIGEST).digest() == digest
+        ):
             return payload
         log.warning("skipping corrupt checkpoint %s", path)
     return None

@@ -8,8 +8,9 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
    state and 62 bits of its state digest. Everyone then computes the same :class:`SyncPlan`
    from the same vector: the newest committed step ``M`` wins; the first rank holding it is the
    *root*; every rank behind ``M``, or at ``M`` with another digest (two sides of a healed
-   partition that trained separately), receives the root's state by a ring broadcast. (When nobody has trained yet,
-   ``M == -1``: rank 0's initial weights become everybody's, so all start identical.)
+   partition that trained separately), receives the root's state by a ring broadcast. (When
+   nobody has trained yet, ``M == -1``: rank 0's initial weights become everybody's, so all
+   start identical.)
 2. **Step.** Each member computes gradients on its share of the step's global batch (see
    ``ftmesh.torch.sampler``) and one allreduce(sum) adds them up, with the sample counts and
    losses riding in the same buffer. A member whose allreduce completes applies the update
@@ -73,9 +74,7 @@ def plan_sync(reduced: np.ndarray) -> SyncPlan:
         behind = tuple(range(1, size))
         return SyncPlan(0, 0 if behind else -1, behind, sizes[0])
     root = steps.index(newest)
-    behind = tuple(
-        r for r, s in enumerate(steps) if s < newest or digests[r] != digests[root]
-    )
+    behind = tuple(r for r, s in enumerate(steps) if s < newest or digests[r] != digests[root])
     if not behind:
         return SyncPlan(newest, -1, (), 0)
     return SyncPlan(newest, root, behind, sizes[root])
