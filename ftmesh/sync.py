@@ -177,7 +177,8 @@ def connect(
 
     Every argument left as ``None`` falls back to the environment those commands set
     (``FTMESH_MESH``, ``FTMESH_DISCOVERY``, ``FTMESH_JOIN`` (comma-separated),
-    ``FTMESH_PRESET``, ``FTMESH_INTERFACE``, ``FTMESH_BIND``, ``FTMESH_REGISTRY_DIR``,
+    ``FTMESH_PRESET``, ``FTMESH_INTERFACE``, ``FTMESH_BIND``, ``FTMESH_PORT``,
+    ``FTMESH_REGISTRY_DIR``,
     ``FTMESH_SECRET_FILE``), then to the defaults: mesh ``default``, ``local`` discovery, the
     ``lan`` preset. Explicit arguments always win over the environment.
     """
@@ -199,6 +200,7 @@ def connect(
         discovery=disc,
         join=joins,
         bind=bind or "127.0.0.1",
+        port=int(env.get("FTMESH_PORT") or 0),
         interface=interface,
         registry_dir=env.get("FTMESH_REGISTRY_DIR", ""),
         membership=MembershipConfig.preset(preset or env.get("FTMESH_PRESET", "lan")),

@@ -11,7 +11,7 @@ import pytest
 from ftmesh.errors import LocalUsageError
 from ftmesh.membership.broadcast import BroadcastQueue
 from ftmesh.membership.config import MembershipConfig
-from ftmesh.membership.messages import Alive, Dead, MemberState, Suspect
+from ftmesh.membership.messages import Ack, Alive, Dead, MemberState, Ping, Suspect
 from ftmesh.membership.suspicion import Suspicion
 from ftmesh.membership.swim import MemberEvent, Send, Swim
 from ftmesh.membership.wire import MAX_COUNTER, encoded_size
@@ -264,9 +264,37 @@ def test_resuspicion_at_newer_incarnation_restarts_timer() -> None:
     swim.receive(0.0, ("h", 1), [Suspect(node=other, incarnation=1, accuser="c" * 32)])
     swim.receive(0.5, ("h", 1), [Suspect(node=other, incarnation=2, accuser="c" * 32)])
     assert swim.member(other).incarnation == 2  # type: ignore[union-attr]
-    effects = swim.tick(100.0)
+    # The suspicion expires, the final direct probe goes unanswered, then it is dead.
+    effects = swim.tick(100.0) + swim.tick(101.0)
     deaths = [e for e in effects if isinstance(e, MemberEvent) and e.kind == "dead"]
     assert [d.member.incarnation for d in deaths] == [2]
+
+
+def test_last_chance_probe_saves_a_live_suspect() -> None:
+    """A suspect whose refutation was lost answers the final direct probe: not declared
+    dead; the probe carries the accusation so it can refute."""
+    swim = machine()
+    other = "b" * 32
+    swim.receive(0.0, ("h", 1), [Alive(node=other, name="b", addr=("10.0.0.2", 1), incarnation=1)])
+    swim.receive(0.0, ("h", 1), [Suspect(node=other, incarnation=1, accuser="c" * 32)])
+    effects = swim.tick(100.0)
+    pings = [
+        (e.msgs[0], e.msgs[1:])
+        for e in effects
+        if isinstance(e, Send) and e.dest == ("10.0.0.2", 1) and isinstance(e.msgs[0], Ping)
+    ]
+    assert pings, effects
+    ping, rest = pings[-1]
+    assert any(isinstance(m, Suspect) and m.node == other for m in rest)
+    swim.receive(100.01, ("10.0.0.2", 1), [Ack(seq=ping.seq, source=other)])
+    effects = swim.tick(101.0)
+    assert not [e for e in effects if isinstance(e, MemberEvent) and e.kind == "dead"]
+    assert swim.member(other).state == MemberState.SUSPECT  # type: ignore[union-attr]
+    # It refutes: alive again.
+    swim.receive(
+        101.1, ("10.0.0.2", 1), [Alive(node=other, name="b", addr=("10.0.0.2", 1), incarnation=2)]
+    )
+    assert swim.member(other).state == MemberState.ALIVE  # type: ignore[union-attr]
 
 
 def test_confirmations_stop_after_k() -> None:

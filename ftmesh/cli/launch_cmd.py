@@ -87,6 +87,7 @@ def add_launch_parser(sub: Any) -> None:
     w.add_argument("--join", action="append", default=[], metavar="HOST:PORT")
     w.add_argument("--interface", default="", metavar="IP")
     w.add_argument("--bind", default="", metavar="IP")
+    w.add_argument("--port", type=int, default=0, help="gossip port (0: any free port)")
     w.add_argument("--preset", choices=["local", "lan", "wan"], default="lan")
     w.add_argument("--secret-file", default="")
     w.add_argument("script")

@@ -150,9 +150,12 @@ class MembershipConfig:
 
     def crash_detection_bound(self, n: int) -> float:
         """Worst-case seconds from a crash to its death declaration on a healthy network:
-        two probe rounds to reach it plus the longest suspicion (no confirmations)."""
-        return 2 * self.probe_interval + self.suspicion_max_timeout_mult * (
-            self.suspicion_min_timeout(n)
+        two probe rounds to reach it, the longest suspicion (no confirmations) and the final
+        direct probe sent when the suspicion expires."""
+        return (
+            2 * self.probe_interval
+            + self.suspicion_max_timeout_mult * self.suspicion_min_timeout(n)
+            + self.probe_timeout
         )
 
 

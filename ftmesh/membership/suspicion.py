@@ -28,6 +28,8 @@ class Suspicion:
     max_timeout: float
     k: int
     accusers: set[str] = field(default_factory=set)
+    last_chance: int = 0
+    """Sequence number of the final direct probe sent when the timeout expired (0: none)."""
 
     @property
     def deadline(self) -> float:

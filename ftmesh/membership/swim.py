@@ -179,6 +179,7 @@ class Swim:
             "probe_end": self._fire_probe_end,
             "relay_timeout": self._fire_relay_timeout,
             "suspicion": self._fire_suspicion,
+            "last_chance": self._fire_last_chance,
             "gossip": self._fire_gossip,
             "push_pull": self._fire_push_pull,
             "reap": self._fire_reap,
@@ -562,6 +563,36 @@ class Swim:
             return
         if susp.incarnation != m.incarnation or now < susp.deadline:
             return  # refuted in between, or a confirmation moved the deadline
+        if susp.last_chance:
+            return  # the final probe is out; _fire_last_chance decides
+        # Last chance: one direct probe carrying the accusation. A member that answers is
+        # alive and gets to refute; only silence turns the suspicion into a death. This
+        # catches the rare refutation that gossip lost, at the cost of one probe timeout.
+        seq = self._next_seq()
+        susp.last_chance = seq
+        self._probes[seq] = _Probe(node)
+        self._send(
+            m.addr,
+            Ping(seq=seq, target=node, source=self.node_id, source_addr=self._me.addr),
+            Suspect(node=node, incarnation=m.incarnation, accuser=self.node_id),
+        )
+        self._arm(now + self._awareness.scale(self.config.probe_timeout), "last_chance", node)
+
+    def _fire_last_chance(self, now: float, node: object) -> None:
+        assert isinstance(node, str)
+        susp = self._suspicions.get(node)
+        m = self._members.get(node)
+        if susp is None or m is None or m.state != MemberState.SUSPECT or not susp.last_chance:
+            return
+        probe = self._probes.pop(susp.last_chance, None)
+        susp.last_chance = 0
+        if susp.incarnation != m.incarnation:
+            return
+        if probe is not None and probe.acked:
+            self._count("last_chance_acked")
+            susp.start = now  # it lives: give its refutation another suspicion period
+            self._arm(susp.deadline, "suspicion", node)
+            return
         self._count("suspicion_expired")
         self._on_dead(now, Dead(node=node, incarnation=m.incarnation, accuser=self.node_id))
 

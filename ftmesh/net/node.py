@@ -37,6 +37,7 @@ from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
 from ..security import MeshAuth
 from .frames import exchange_push_pull, read_push_pull, write_push_pull
+from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
 
@@ -44,6 +45,12 @@ MAX_CONCURRENT_PUSH_PULLS = 16
 """Outgoing and incoming TCP exchanges at once; more are refused, bounding sockets and tasks."""
 JOIN_RETRY_INTERVAL = 2.0
 """Seconds before a discovered address that is not yet a live member is contacted again."""
+RATE_PER_SOURCE = 200.0
+"""Datagrams per second accepted from one source (burst: twice that). A member sends a peer
+a few probes, acks and gossip rounds per second; this leaves a wide margin for that and stops
+one host from spending all our CPU on MAC checks."""
+GLOBAL_RATE = 20_000.0
+"""Datagrams per second accepted from all sources together."""
 
 
 def parse_hostport(text: str) -> Address:
@@ -108,6 +115,8 @@ class Node:
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
         self._last_incarnation = swim.incarnation
+        per_source = max(RATE_PER_SOURCE, 20 / config.membership.gossip_interval)
+        self._limiter = RateLimiter(per_source, 2 * per_source, GLOBAL_RATE)
 
     # ------------------------------------------------------------------ public API
 
@@ -241,6 +250,11 @@ class Node:
             except OSError as exc:  # e.g. ICMP port unreachable surfacing on Linux
                 self._count("rx_errors")
                 self._log_limited("rx_err", "recvfrom failed: %s", exc)
+                continue
+            # Same-host members share 127.0.0.1: tell them apart by port there.
+            key = src if src[0].startswith("127.") else src[0]
+            if not self._limiter.allow(key, trio.current_time()):
+                self._count("rx_dropped_rate_limited")
                 continue
             try:
                 msgs = self._codec.open(data, time.time())

@@ -60,6 +60,10 @@ class StepReport:
     """1 when the step ran without a failure."""
     synced: bool
     """Whether this step began with a state sync (view changed)."""
+    sync_bytes: int = 0
+    """State bytes this member received in the sync (0: it was not behind)."""
+    sync_seconds: float = 0.0
+    """Seconds the last sync took (agreement plus state broadcast)."""
 
 
 class ElasticTrainer:
@@ -78,6 +82,7 @@ class ElasticTrainer:
         step_timeout: float = 300.0,
         join_settle: float = 2.0,
         quorum: str = "majority",
+        quorum_grace: float = 5.0,
         on_world_change: Callable[[int, int], None] | None = None,
     ) -> None:
         self.mesh = mesh
@@ -92,6 +97,8 @@ class ElasticTrainer:
         if quorum not in QUORUM_POLICIES:
             raise LocalUsageError(f"quorum must be one of {QUORUM_POLICIES}, got {quorum!r}")
         self.quorum = quorum
+        self.quorum_grace = quorum_grace
+        self._dead_since: dict[str, float] = {}
         self._last_view: tuple[str, ...] = ()
         self.on_world_change = on_world_change
         self.committed = FRESH
@@ -100,6 +107,8 @@ class ElasticTrainer:
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._numel = sum(p.numel() for p in self._params)
         self.recoveries = 0
+        self.last_sync_bytes = 0
+        self.last_sync_seconds = 0.0
         # Stay out of the ring until our first step: members in the ring would otherwise wait
         # for us while we are still starting up.
         mesh.set_role("joining")
@@ -213,6 +222,8 @@ class ElasticTrainer:
         raise DeadlineExceeded(f"final sync did not complete within {timeout}s")
 
     def _sync(self, view: RingView) -> None:
+        started = time.monotonic()
+        self.last_sync_bytes = 0
         me = self.mesh.node_id
         rank = view.rank_of(me)
         mine = self.state_bytes()
@@ -228,9 +239,11 @@ class ElasticTrainer:
             self.mesh.broadcast_on(view, buf, root_id)
             if rank in plan.behind:
                 self.load_state_bytes(buf.tobytes())
+                self.last_sync_bytes = plan.nbytes
         self.committed = plan.target_step
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
+        self.last_sync_seconds = time.monotonic() - started
         if self._world != view.size:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, view.size)
@@ -239,13 +252,18 @@ class ElasticTrainer:
     def _quorate(self, view: RingView) -> bool:
         if self.quorum == "any" or not self._last_view:
             return True
-        dead = [
-            m.node for m in self.mesh.members() if m.state in (MemberState.DEAD, MemberState.LEFT)
-        ]
-        known = {m.node for m in self.mesh.members()}
-        # Members forgotten by membership (long dead) count as dead too.
-        dead += [n for n in self._last_view if n not in known]
-        return has_quorum(self.quorum, view.node_ids, self._last_view, dead)
+        now = time.monotonic()
+        states = {m.node: m.state for m in self.mesh.members()}
+        gone = (MemberState.DEAD, MemberState.LEFT)
+        for node in self._last_view:
+            # Forgotten members (dead for long) count as dead.
+            if states.get(node, MemberState.DEAD) in gone:
+                self._dead_since.setdefault(node, now)
+            else:
+                self._dead_since.pop(node, None)
+        left = [n for n in self._last_view if states.get(n) == MemberState.LEFT]
+        dead = [n for n, t in self._dead_since.items() if now - t >= self.quorum_grace]
+        return has_quorum(self.quorum, view.node_ids, self._last_view, [*left, *dead])
 
     def _attempt(
         self,
@@ -295,6 +313,8 @@ class ElasticTrainer:
             epoch=result.epoch,
             attempts=attempts,
             synced=synced,
+            sync_bytes=self.last_sync_bytes if synced else 0,
+            sync_seconds=self.last_sync_seconds if synced else 0.0,
         )
 
     def _maybe_checkpoint(self) -> None:

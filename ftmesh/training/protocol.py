@@ -85,13 +85,15 @@ def has_quorum(
 ) -> bool:
     """May a member train on ``ring``, given the view it last trained on?
 
-    ``majority`` (default): the ring must hold more than half of the last view's members
-    that are not known dead. A member cut off from the others (or so slow that it suspects
-    everybody) therefore stops and waits instead of training alone, while a crash costs no
-    wait as long as the survivors are a majority; once the lost members are declared dead
-    they stop counting, so a mesh can shrink one death at a time down to one member. A true
-    partition whose sides declare each other dead lets both sides go on; when it heals, the
-    sync keeps the side with the newest step (ties: the lowest ring rank), deterministically.
+    ``majority`` (default): the ring must hold more than half of the last view's members,
+    not counting those in ``dead`` (the caller passes members that left gracefully, and
+    members declared dead for longer than a grace period). A member cut off from the others
+    (or so slow that it suspects everybody) therefore stops and waits instead of training
+    alone, while a crash costs no wait as long as the survivors are a majority; lost members
+    stop counting after the grace period, so a mesh can shrink down to one member. A true
+    partition whose sides declare each other dead lets both sides go on after the grace
+    period; when it heals, the sync keeps the side with the newest step (ties: the lowest
+    ring rank), deterministically.
 
     ``any``: every view trains (no waiting, no protection against split brain).
     """

@@ -1,0 +1,762 @@
+"""``ftmesh bench recovery``: kill -9 / SIGSTOP / join on real local training processes, with
+torchrun's restart measured the same way in the same run.
+
+Theory of operation. Every phase runs real worker processes (``ftmesh.bench.workloads``)
+training the same MLP (model + SGD momentum state of about ``--state-mb`` MiB) on synthetic
+data with the same global batch. Workers print ``FTMESH {json}`` records; a reader thread per
+process stamps each record with this process's ``time.monotonic()`` as it arrives, and every
+"time to X" below is measured from just before the signal is sent to the arrival of the first
+record that shows X (so it includes the record's trip through the pipe, well under 1 ms).
+
+1. **ftmesh, kill -9.** N members (``ElasticTrainer``, ``local`` preset, same-host discovery).
+   Before each kill every member has committed two steps on the full view; we then wait a
+   random fraction of a step period (so kills land mid-forward, mid-allreduce, mid-sync or
+   between steps), SIGKILL a random member, and time the first step a survivor commits on a
+   view of N-1 members without the victim (``kill_to_step_s``). A replacement is started right
+   away and must have committed a step on the full view before the next kill; its sync gives
+   the join numbers. The workers' own timelines (spans of every mesh call, see
+   ``workloads/mlp_worker.py``) give ``kill_breakdown_s``: the medians, from the kill, of the
+   moment the first survivor's collective failed (EOF / abort), the moment its view dropped the
+   victim (membership), the start and end of the state-agreement sync on the new view, the
+   start and end of the retried step's gradient allreduce, and its commit.
+2. **ftmesh, SIGSTOP.** The same, with SIGSTOP: time to the first step committed without the
+   stopped member (``sigstop_to_step_s``), compared with the preset's crash-detection bound
+   + 1 s. Then SIGCONT; the member should refute its suspicion, rejoin and sync
+   (``sigcont_to_rejoin_s``); one that has not within 30 s is killed and replaced.
+3. **Join vs raw TCP.** ``join_mb_per_s`` = the joiner's received state bytes / its
+   ``sync_seconds`` (agreement + broadcast + load), MB = 1e6 bytes; ``join_transfer_mb_per_s``
+   counts only the broadcast (last member done - last member arrived). The ceiling: the same
+   number of bytes sent over one fresh loopback TCP connection between two processes with
+   blocking ``sendall`` / ``recv_into`` (median of 5), measured in the same run.
+4. **torchrun.** N ``torchrun --nnodes=1:N --nproc-per-node=1`` agents with c10d rendezvous on
+   127.0.0.1 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), each running a DDP/gloo worker that
+   resumes from rank 0's checkpoint. A random *worker* (not agent) is SIGKILLed the same way;
+   ``torchrun_kill_to_step_s`` is the time to the first step completed by a restarted worker.
+   Its breakdown: when the new workers started, finished importing, formed the process group,
+   loaded the checkpoint (slowest rank each).
+
+Everything runs on 127.0.0.1; OMP_NUM_THREADS is the CPU count divided by N (at least 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..membership.config import MembershipConfig
+
+PROGRESS_PREFIX = "FTMESH "
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+Event = tuple[float, "Proc", dict[str, Any]]
+
+
+class BenchError(RuntimeError):
+    """A phase could not go on (a worker died on its own, or a wait timed out)."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    started: float
+    node: str = ""
+    killed: bool = False
+    stopped: bool = False
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+class Procs:
+    """Worker processes with reader threads feeding one queue of timestamped records."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+        self.events: queue.Queue[Event] = queue.Queue()
+
+    def start(self, argv: list[str], name: str) -> Proc:
+        log_path = self.log_dir / f"{name}.log"
+        popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+        proc = Proc(name, popen, log_path, time.monotonic())
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        self.procs.append(proc)
+        return proc
+
+    def _read(self, proc: Proc) -> None:
+        assert proc.popen.stdout is not None
+        with open(proc.log_path, "w") as log:
+            for raw in proc.popen.stdout:
+                t = time.monotonic()
+                line = raw.decode(errors="replace").rstrip("\n")
+                if line.startswith(PROGRESS_PREFIX):
+                    try:
+                        rec = json.loads(line[len(PROGRESS_PREFIX) :])
+                    except ValueError:
+                        rec = None
+                    if isinstance(rec, dict):
+                        self.events.put((t, proc, rec))
+                        continue
+                log.write(line + "\n")
+                log.flush()
+                proc.tail = [*proc.tail[-30:], line]
+        self.events.put((time.monotonic(), proc, {"eof": True}))
+
+    def wait(
+        self, pred: Callable[[Event], bool], timeout: float, what: str, ingest: Callable[[Event], None]
+    ) -> Event:
+        """Feed events to ``ingest`` until one satisfies ``pred``; a worker that ends without
+        having been killed aborts the wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
+            try:
+                ev = self.events.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            _, proc, rec = ev
+            if rec.get("eof") and not proc.killed:
+                tail = "\n  | ".join(proc.tail[-15:])
+                raise BenchError(f"{proc.name} (pid {proc.pid}) ended on its own:\n  | {tail}")
+            ingest(ev)
+            if pred(ev):
+                return ev
+
+    def signal(self, proc: Proc, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.killed = True
+                self.signal(p, signal.SIGCONT)
+                self.signal(p, signal.SIGKILL)
+        for p in self.procs:
+            try:
+                p.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _env(nprocs: int) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    path = env.get("PYTHONPATH", "")
+    env.update(
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=str(threads),
+        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
+    )
+    return env
+
+
+def _stats(xs: list[float]) -> dict[str, Any]:
+    if not xs:
+        return {"median": None, "p99": None, "n": 0}
+    return {
+        "median": statistics.median(xs),
+        "p99": float(np.percentile(xs, 99)),
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+        "samples": [round(x, 4) for x in xs],
+    }
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+# -- ftmesh phases ------------------------------------------------------------------------
+class FtmeshMesh:
+    """N ElasticTrainer workers and what their records say."""
+
+    def __init__(self, args: argparse.Namespace, log_dir: Path, rng: random.Random) -> None:
+        self.args = args
+        self.rng = rng
+        self.registry = tempfile.mkdtemp(prefix="ftmesh-bench-recovery-")
+        env = _env(args.procs)
+        env.update(
+            FTMESH_MESH=f"bench-recovery-{os.getpid()}-{rng.getrandbits(32):08x}",
+            FTMESH_DISCOVERY="local",
+            FTMESH_REGISTRY_DIR=self.registry,
+            FTMESH_PRESET="local",
+        )
+        self.procs = Procs(env, log_dir)
+        self.by_node: dict[str, Proc] = {}
+        self.spans: dict[str, list[dict[str, Any]]] = {}
+        self.steps: dict[str, list[dict[str, Any]]] = {}
+        self.full: dict[str, int] = {}
+        self.state_bytes = 0
+        self.count = 0
+
+    def start(self) -> Proc:
+        a = self.args
+        argv = [
+            sys.executable,
+            "-m",
+            "ftmesh.bench.workloads.mlp_worker",
+            "--state-mb",
+            str(a.state_mb),
+            "--global-batch",
+            str(a.global_batch),
+            "--step-delay",
+            str(a.step_delay),
+            "--seed",
+            str(a.seed),
+        ]
+        self.count += 1
+        return self.procs.start(argv, f"ftmesh-w{self.count - 1}")
+
+    def expected(self) -> set[str]:
+        return {n for n, p in self.by_node.items() if not p.killed}
+
+    def ingest(self, ev: Event) -> None:
+        _, proc, rec = ev
+        if rec.get("hello"):
+            proc.node = str(rec["node"])
+            self.by_node[proc.node] = proc
+            self.full = {}
+        if "ev" in rec:
+            self.spans.setdefault(proc.node, []).extend(rec["ev"])
+        if "ids" in rec:
+            self.steps.setdefault(proc.node, []).append({**rec, "recv": ev[0]})
+            if rec.get("sync_bytes"):
+                self.state_bytes = max(self.state_bytes, int(rec["sync_bytes"]))
+            if set(rec["ids"]) == self.expected():
+                self.full[proc.node] = self.full.get(proc.node, 0) + 1
+
+    def wait(self, pred: Callable[[Event], bool], what: str) -> Event:
+        return self.procs.wait(pred, self.args.wait_timeout, what, self.ingest)
+
+    def wait_full(self) -> None:
+        """Until N members said hello and each committed 2 steps on the view of all of them."""
+
+        def done(_: Event) -> bool:
+            exp = self.expected()
+            return len(exp) == self.args.procs and all(self.full.get(n, 0) >= 2 for n in exp)
+
+        if not done((0.0, self.procs.procs[0], {})):
+            self.wait(done, f"{self.args.procs} members training together")
+
+    def period(self) -> float:
+        times = [r["t"] for recs in self.steps.values() for r in recs[-12:]]
+        per_node = [
+            statistics.median(np.diff([r["t"] for r in recs[-12:]]).tolist())
+            for recs in self.steps.values()
+            if len(recs) >= 3
+        ]
+        return statistics.median(per_node) if per_node and times else 0.1
+
+    def pick(self) -> Proc:
+        live = sorted(self.expected())
+        return self.by_node[self.rng.choice(live)]
+
+    def first_step_without(self, victim: Proc, what: str) -> Event:
+        n = self.args.procs
+
+        def pred(ev: Event) -> bool:
+            _, proc, rec = ev
+            ids = rec.get("ids")
+            return (
+                proc is not victim
+                and isinstance(ids, list)
+                and victim.node not in ids
+                and len(ids) == n - 1
+            )
+
+        return self.wait(pred, what)
+
+    def breakdown(self, t0: float, ev: Event, victim: Proc) -> dict[str, float | None]:
+        """Milestones (seconds after the signal) in the timeline of the survivor that
+        committed first, for the step it committed."""
+        _, proc, rec = ev
+        commit = float(rec["t"])
+        spans = [s for s in self.spans.get(proc.node, []) if s["b"] >= t0 and s["a"] <= commit]
+        fails = [s["b"] for s in spans if s.get("err")]
+        views = [s["a"] for s in spans if s["k"] == "view" and victim.node not in s["ids"]]
+        ok = [s for s in spans if not s.get("err") and s["k"] != "view"]
+        big = [s for s in ok if s["k"] == "ar" and s.get("n", 0) > 4096]
+        step_ar = big[-1] if big else None
+        fwd = [s for s in ok if s["k"] == "fwd" and (step_ar is None or s["b"] <= step_ar["a"])]
+        step_start = fwd[-1]["a"] if fwd else (step_ar["a"] if step_ar else commit)
+        wvs = [s for s in ok if s["k"] == "wv" and s["b"] <= step_start]
+        last_wv_end = wvs[-1]["b"] if wvs else t0
+        sync = [
+            s
+            for s in ok
+            if s["k"] in ("ar", "bc", "ld", "sb", "dg")
+            and s["a"] >= last_wv_end - 1e-6
+            and s["b"] <= step_start + 1e-6
+        ]
+
+        def rel(x: float | None) -> float | None:
+            return None if x is None else x - t0
+
+        return {
+            "first_failure": rel(min(fails)) if fails else None,
+            "view_without_victim": rel(min(views)) if views else None,
+            "retry_view_ready": rel(last_wv_end) if wvs else None,
+            "sync_start": rel(min(s["a"] for s in sync)) if sync else None,
+            "sync_end": rel(max(s["b"] for s in sync)) if sync else None,
+            "sync_state_bytes": float(sum(s.get("n", 0) for s in sync if s["k"] == "bc")),
+            "step_start": rel(step_start),
+            "allreduce_start": rel(step_ar["a"]) if step_ar else None,
+            "allreduce_end": rel(step_ar["b"]) if step_ar else None,
+            "commit": rel(commit),
+            "received": rel(ev[0]),
+            "attempts": float(rec.get("attempts", 0)),
+        }
+
+    def join_numbers(self, joiner: Proc, ev: Event) -> dict[str, float]:
+        """The joiner's sync: its own rate, and the broadcast alone across all members."""
+        _, _, rec = ev
+        epoch = rec["epoch"]
+        out = {
+            "bytes": float(rec["sync_bytes"]),
+            "sync_seconds": float(rec["sync_seconds"]),
+            "start_to_step_s": ev[0] - joiner.started,
+        }
+        starts, ends = [], []
+        for node in self.expected():
+            recs = [r for r in self.steps.get(node, []) if r.get("epoch") == epoch]
+            if not recs:
+                continue
+            bcs = [s for s in recs[0]["ev"] if s["k"] == "bc" and not s.get("err")]
+            if bcs:
+                starts.append(bcs[-1]["a"])
+                ends.append(bcs[-1]["b"])
+        if starts and len(starts) == len(self.expected()):
+            out["transfer_seconds"] = max(ends) - max(starts)
+        return out
+
+
+def _ftmesh_phases(
+    args: argparse.Namespace, log_dir: Path, rng: random.Random, say: Callable[[str], None]
+) -> dict[str, Any]:
+    mesh = FtmeshMesh(args, log_dir, rng)
+    kills: list[float] = []
+    kill_commit: list[float] = []
+    breakdowns: list[dict[str, float | None]] = []
+    joins: list[dict[str, float]] = []
+    stops: list[float] = []
+    stop_breakdowns: list[dict[str, float | None]] = []
+    rejoins: list[float] = []
+    failures: list[str] = []
+    try:
+        for _ in range(args.procs):
+            mesh.start()
+        mesh.wait_full()
+        say(f"ftmesh: {args.procs} members training, step period {mesh.period() * 1e3:.0f} ms")
+        for k in range(args.kills):
+            mesh.wait_full()
+            time.sleep(rng.uniform(0, mesh.period()))
+            victim = mesh.pick()
+            t0 = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.killed = True
+            mesh.full = {}
+            ev = mesh.first_step_without(victim, f"a step without killed {victim.name}")
+            kills.append(ev[0] - t0)
+            kill_commit.append(float(ev[2]["t"]) - t0)
+            breakdowns.append(mesh.breakdown(t0, ev, victim))
+            say(f"ftmesh kill {k + 1}/{args.kills}: {victim.name} -> step in {kills[-1]:.3f}s")
+            joiner = mesh.start()
+
+            def joined(ev: Event, joiner: Proc = joiner) -> bool:
+                ids = ev[2].get("ids")
+                return ev[1] is joiner and isinstance(ids, list) and len(ids) == args.procs
+
+            jev = mesh.wait(joined, f"replacement {joiner.name} to join")
+            if jev[2].get("sync_bytes"):
+                mesh.wait_full()  # the others' first records on the new epoch
+                joins.append(mesh.join_numbers(joiner, jev))
+        for k in range(args.stops):
+            mesh.wait_full()
+            time.sleep(rng.uniform(0, mesh.period()))
+            victim = mesh.pick()
+            t0 = time.monotonic()
+            mesh.procs.signal(victim, signal.SIGSTOP)
+            victim.stopped = True
+            ev = mesh.first_step_without(victim, f"a step without stopped {victim.name}")
+            stops.append(ev[0] - t0)
+            stop_breakdowns.append(mesh.breakdown(t0, ev, victim))
+            say(f"ftmesh SIGSTOP {k + 1}/{args.stops}: {victim.name} -> step in {stops[-1]:.3f}s")
+            t1 = time.monotonic()
+            mesh.procs.signal(victim, signal.SIGCONT)
+            victim.stopped = False
+
+            def back(ev: Event, victim: Proc = victim) -> bool:
+                ids = ev[2].get("ids")
+                return ev[1] is victim and isinstance(ids, list) and len(ids) == args.procs
+
+            try:
+                ev = mesh.procs.wait(back, 30.0, f"{victim.name} to rejoin", mesh.ingest)
+                rejoins.append(ev[0] - t1)
+            except BenchError as exc:
+                failures.append(f"SIGCONT {victim.name}: {exc}")
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.killed = True
+                mesh.start()
+    except BenchError as exc:
+        failures.append(str(exc))
+    finally:
+        mesh.procs.close()
+        shutil.rmtree(mesh.registry, ignore_errors=True)
+    return {
+        "kills": kills,
+        "kill_commit": kill_commit,
+        "breakdowns": breakdowns,
+        "joins": joins,
+        "stops": stops,
+        "stop_breakdowns": stop_breakdowns,
+        "rejoins": rejoins,
+        "failures": failures,
+        "state_bytes": mesh.state_bytes,
+    }
+
+
+# -- raw TCP ceiling ----------------------------------------------------------------------
+def _ceiling_receiver(conn: Any, nbytes: int, reps: int) -> None:
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    conn.send(lst.getsockname()[1])
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    for _ in range(reps):
+        s, _ = lst.accept()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        got = 0
+        while got < nbytes:
+            k = s.recv_into(view[got:], nbytes - got)
+            if not k:
+                break
+            got += k
+        s.sendall(b"k")
+        s.close()
+    lst.close()
+
+
+def raw_tcp_mb_per_s(nbytes: int, reps: int = 5) -> float:
+    """Median MB/s (1e6) of sending ``nbytes`` over a fresh loopback TCP connection to another
+    process: connect, ``sendall``, wait for the receiver's one-byte ack."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ceiling_receiver, args=(child, nbytes, reps), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise BenchError("ceiling receiver did not start")
+        port = int(parent.recv())
+        data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            s = socket.create_connection(("127.0.0.1", port), timeout=60)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            s.sendall(data)
+            s.recv(1)
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e6)
+            s.close()
+        return statistics.median(rates)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+# -- torchrun phase -----------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun_phase(
+    args: argparse.Namespace, log_dir: Path, rng: random.Random, say: Callable[[str], None]
+) -> dict[str, Any]:
+    ckpt = Path(tempfile.mkdtemp(prefix="ftmesh-bench-torchrun-"))
+    env = _env(args.procs)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    procs = Procs(env, log_dir)
+    port = _free_port()
+    n = args.procs
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes=1:{n}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=bench-{os.getpid()}-{port}",
+        f"--max-restarts={args.torchrun_kills + 2}",
+        "--local-addr=127.0.0.1",
+        str(WORKLOADS / "torchrun_worker.py"),
+        "--state-mb",
+        str(args.state_mb),
+        "--global-batch",
+        str(args.global_batch),
+        "--step-delay",
+        str(args.step_delay),
+        "--seed",
+        str(args.seed),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
+    ]
+    pids: dict[int, list[dict[str, Any]]] = {}  # worker pid -> its records (recv-stamped)
+    old: set[int] = set()
+    times: list[float] = []
+    breakdowns: list[dict[str, float | None]] = []
+    lost: list[int] = []
+    failures: list[str] = []
+
+    def ingest(ev: Event) -> None:
+        rec = ev[2]
+        if "pid" in rec:
+            pids.setdefault(int(rec["pid"]), []).append({**rec, "recv": ev[0]})
+
+    def generation_ready(_: Event) -> bool:
+        new = [recs for pid, recs in pids.items() if pid not in old]
+        return len(new) == n and all(
+            len(r) >= 2 and r[-1].get("world") == n for r in new
+        )
+
+    def period() -> float:
+        new = [recs for pid, recs in pids.items() if pid not in old and len(recs) >= 3]
+        ds = [statistics.median(np.diff([r["t"] for r in recs[-12:]]).tolist()) for recs in new]
+        return statistics.median(ds) if ds else 0.1
+
+    try:
+        for i in range(n):
+            procs.start(argv, f"torchrun-agent{i}")
+        procs.wait(generation_ready, args.wait_timeout, "torchrun workers to train", ingest)
+        say(f"torchrun: {n} workers training, step period {period() * 1e3:.0f} ms")
+        for k in range(args.torchrun_kills):
+            time.sleep(rng.uniform(0, period()))
+            current = sorted(pid for pid in pids if pid not in old)
+            victim = rng.choice(current)
+            last_step = max(int(pids[pid][-1]["step"]) for pid in current)
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            old.update(pids)
+
+            def restarted(ev: Event) -> bool:
+                return "pid" in ev[2] and int(ev[2]["pid"]) not in old
+
+            ev = procs.wait(restarted, args.wait_timeout, "a step after the restart", ingest)
+            times.append(ev[0] - t0)
+            lost.append(last_step - int(ev[2]["resumed_from"]))
+            say(f"torchrun kill {k + 1}/{args.torchrun_kills}: step in {times[-1]:.3f}s")
+            procs.wait(generation_ready, args.wait_timeout, "all restarted workers", ingest)
+            firsts = [recs[0] for pid, recs in pids.items() if pid not in old]
+
+            def slowest(key: str, firsts: list[dict[str, Any]] = firsts, t0: float = t0) -> float:
+                return max(float(r[key]) for r in firsts) - t0
+
+            breakdowns.append(
+                {
+                    "workers_started": slowest("t_start"),
+                    "workers_imported": slowest("t_imported"),
+                    "process_group_ready": slowest("t_pg"),
+                    "checkpoint_loaded": slowest("t_loaded"),
+                    "first_step": ev[0] - t0,
+                }
+            )
+    except BenchError as exc:
+        failures.append(str(exc))
+    finally:
+        for p in procs.procs:
+            procs.signal(p, signal.SIGTERM)
+        time.sleep(0.5)
+        procs.close()
+        shutil.rmtree(ckpt, ignore_errors=True)
+    return {"times": times, "breakdowns": breakdowns, "steps_redone": lost, "failures": failures}
+
+
+# -- report -------------------------------------------------------------------------------
+def _median_breakdown(rows: list[dict[str, float | None]]) -> dict[str, float | None]:
+    if not rows:
+        return {}
+    return {k: _median([r.get(k) for r in rows]) for k in rows[0]}
+
+
+def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    keep = args.keep_logs
+    log_dir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="ftmesh-bench-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        ft = _ftmesh_phases(args, log_dir, rng, say)
+        nbytes = ft["state_bytes"] or int(args.state_mb * (1 << 20))
+        ceiling = raw_tcp_mb_per_s(nbytes)
+        say(f"raw TCP ceiling for {nbytes / 1e6:.1f} MB: {ceiling:.0f} MB/s")
+        tr = (
+            _torchrun_phase(args, log_dir, rng, say)
+            if args.torchrun_kills > 0
+            else {"times": [], "breakdowns": [], "steps_redone": [], "failures": []}
+        )
+    finally:
+        if not keep:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    bound = MembershipConfig.preset("local").crash_detection_bound(args.procs)
+    kill = _stats(ft["kills"])
+    stop = _stats(ft["stops"])
+    trs = _stats(tr["times"])
+    joins = ft["joins"]
+    join_rate = _median([j["bytes"] / j["sync_seconds"] / 1e6 for j in joins if j["sync_seconds"]])
+    transfer = _median(
+        [j["bytes"] / j["transfer_seconds"] / 1e6 for j in joins if j.get("transfer_seconds")]
+    )
+    vs = trs["median"] / kill["median"] if trs["median"] and kill["median"] else None
+    result: dict[str, Any] = {
+        "benchmark": "recovery",
+        "procs": args.procs,
+        "preset": "local",
+        "state_mb": args.state_mb,
+        "state_bytes": ft["state_bytes"],
+        "kill_to_step_s": kill,
+        "kill_to_commit_s": _stats(ft["kill_commit"]),
+        "kill_breakdown_s": _median_breakdown(ft["breakdowns"]),
+        "kill_breakdowns_s": ft["breakdowns"],
+        "sigstop_to_step_s": stop,
+        "sigstop_breakdown_s": _median_breakdown(ft["stop_breakdowns"]),
+        "suspicion_bound_s": bound,
+        "sigcont_to_rejoin_s": _stats(ft["rejoins"]),
+        "torchrun_kill_to_step_s": trs,
+        "torchrun_breakdown_s": _median_breakdown(tr["breakdowns"]),
+        "torchrun_steps_redone": tr["steps_redone"],
+        "vs_torchrun": vs,
+        "join_mb_per_s": join_rate,
+        "join_transfer_mb_per_s": transfer,
+        "join_sync_seconds": _median([j["sync_seconds"] for j in joins]),
+        "join_start_to_step_s": _median([j["start_to_step_s"] for j in joins]),
+        "joins": len(joins),
+        "raw_tcp_mb_per_s": ceiling,
+        "join_vs_ceiling": join_rate / ceiling if join_rate else None,
+        "join_transfer_vs_ceiling": transfer / ceiling if transfer else None,
+        "failures": ft["failures"] + tr["failures"],
+        "wall_s": time.monotonic() - started,
+    }
+    result["goals"] = {
+        "kill_median_under_0.5s": kill["median"] is not None and kill["median"] < 0.5,
+        "vs_torchrun_at_least_4x": vs is not None and vs >= 4.0,
+        "sigstop_within_bound_plus_1s": stop["median"] is not None
+        and max(ft["stops"]) <= bound + 1.0,
+        "join_at_least_half_ceiling": join_rate is not None and join_rate >= 0.5 * ceiling,
+    }
+    return result
+
+
+def _fmt(x: float | None, unit: str = "s") -> str:
+    return "-" if x is None else f"{x:.3f}{unit}"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    k, s, t = r["kill_to_step_s"], r["sigstop_to_step_s"], r["torchrun_kill_to_step_s"]
+    lines = [
+        f"recovery, {r['procs']} local processes, preset local, state "
+        f"{r['state_bytes'] / 1e6:.1f} MB",
+        f"  kill -9 -> next step (ftmesh):  median {_fmt(k['median'])}  p99 {_fmt(k['p99'])}"
+        f"  (n={k['n']})",
+        f"  kill -9 -> next step (torchrun): median {_fmt(t['median'])}  (n={t['n']})",
+        f"  vs torchrun: {_fmt(r['vs_torchrun'], 'x')}",
+        f"  SIGSTOP -> next step: median {_fmt(s['median'])}  p99 {_fmt(s['p99'])}  "
+        f"(bound {r['suspicion_bound_s']:.2f}s + 1s)",
+        f"  SIGCONT -> rejoined: median {_fmt(r['sigcont_to_rejoin_s']['median'])}",
+        f"  join: {_fmt(r['join_mb_per_s'], ' MB/s')} (sync), "
+        f"{_fmt(r['join_transfer_mb_per_s'], ' MB/s')} (broadcast only); raw TCP "
+        f"{r['raw_tcp_mb_per_s']:.0f} MB/s -> {_fmt(r['join_vs_ceiling'], 'x')} / "
+        f"{_fmt(r['join_transfer_vs_ceiling'], 'x')}",
+        "  kill breakdown (median s after the kill): "
+        + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["kill_breakdown_s"].items()),
+        "  torchrun breakdown (median s after the kill): "
+        + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["torchrun_breakdown_s"].items()),
+        "  goals: " + ", ".join(f"{g} {'yes' if ok else 'NO'}" for g, ok in r["goals"].items()),
+    ]
+    lines += [f"  failure: {f}" for f in r["failures"]]
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--procs", type=int, default=4, help="training processes (N)")
+    ap.add_argument("--kills", type=int, default=10, help="kill -9 rounds (ftmesh)")
+    ap.add_argument("--stops", type=int, default=3, help="SIGSTOP rounds (ftmesh)")
+    ap.add_argument(
+        "--torchrun-kills", type=int, default=-1, help="kill rounds under torchrun (-1: min(kills, 4))"
+    )
+    ap.add_argument("--state-mb", type=float, default=16.0, help="model + optimizer state, MiB")
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--step-delay", type=float, default=0.02, help="sleep after each step (s)")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun checkpoints")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wait-timeout", type=float, default=90.0, help="seconds per wait")
+    ap.add_argument("--keep-logs", default="", metavar="DIR", help="keep worker logs in DIR")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ftmesh bench recovery", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.procs < 2:
+        print("ftmesh bench recovery: --procs must be at least 2", file=sys.stderr)
+        return 2
+    if args.torchrun_kills < 0:
+        args.torchrun_kills = min(args.kills, 4)
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    result = run_recovery_bench(args, say)
+    print(json.dumps(result) if args.json else format_report(result))
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
