@@ -27,7 +27,8 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 import ftmesh
-from ftmesh.torch import ElasticSampler, ElasticTrainer, state_digest
+from ftmesh.state import State
+from ftmesh.torch import ElasticSampler, ElasticTrainer
 
 
 class DigitsNet(nn.Module):
@@ -155,7 +156,7 @@ def main() -> int:
     acc = accuracy(model, x_test, y_test)
     print(
         f"trained {total} steps in {time.monotonic() - started:.1f}s; "
-        f"final digest {state_digest(model, optimizer)}"
+        f"final digest {State(model=model, optimizer=optimizer, rng=False).live_digest()}"
     )
     print(f"test accuracy: {acc:.3f}")
     return 0

@@ -15,6 +15,7 @@ from .errors import (
 from .membership.config import MembershipConfig
 from .mesh import Mesh, MeshConfig, open_mesh
 from .net.node import Node, NodeConfig, open_node
+from .state import State
 from .sync import SyncMesh, connect
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "NodeConfig",
     "PeerLostError",
     "RemoteProtocolError",
+    "State",
     "SyncMesh",
     "__version__",
     "connect",

@@ -20,11 +20,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_embed_minimal_two_members(tmp_path: Path) -> None:
-    env = {**os.environ, "FTMESH_REGISTRY_DIR": str(tmp_path), "FTMESH_PRESET": "local",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "FTMESH_REGISTRY_DIR": str(tmp_path),
+        "FTMESH_PRESET": "local",
+        "OMP_NUM_THREADS": "1",
+    }
     procs = [
-        subprocess.Popen([sys.executable, str(ROOT / "examples" / "embed_minimal.py")],
-                         stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "embed_minimal.py")],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]

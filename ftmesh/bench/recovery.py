@@ -134,7 +134,11 @@ class Procs:
         self.events.put((time.monotonic(), proc, {"eof": True}))
 
     def wait(
-        self, pred: Callable[[Event], bool], timeout: float, what: str, ingest: Callable[[Event], None]
+        self,
+        pred: Callable[[Event], bool],
+        timeout: float,
+        what: str,
+        ingest: Callable[[Event], None],
     ) -> Event:
         """Feed events to ``ingest`` until one satisfies ``pred``; a worker that ends without
         having been killed aborts the wait."""
@@ -241,6 +245,7 @@ class FtmeshMesh:
             str(a.step_delay),
             "--seed",
             str(a.seed),
+            *(["--abort-on-view-change"] if a.abort_on_view_change else []),
         ]
         self.count += 1
         return self.procs.start(argv, f"ftmesh-w{self.count - 1}")
@@ -365,6 +370,20 @@ class FtmeshMesh:
                 ends.append(bcs[-1]["b"])
         if starts and len(starts) == len(self.expected()):
             out["transfer_seconds"] = max(ends) - max(starts)
+        # Where the joiner's sync went: the spans of its last (successful) sync.
+        mine = [s for s in rec["ev"] if not s.get("err") and s["k"] != "view"]
+        step_ar = [s for s in mine if s["k"] == "ar" and s.get("n", 0) > 4096]
+        end = step_ar[-1]["a"] if step_ar else float(rec["t"])
+        begin = end - float(rec["sync_seconds"]) - 0.5
+        for key, kind in (
+            ("serialize_own_s", "sb"),
+            ("digest_s", "dg"),
+            ("broadcast_s", "bc"),
+            ("load_s", "ld"),
+        ):
+            out[key] = sum(s["b"] - s["a"] for s in mine if s["k"] == kind and s["a"] >= begin)
+        small = [s for s in mine if s["k"] == "ar" and s.get("n", 0) <= 4096 and s["a"] >= begin]
+        out["agree_s"] = sum(s["b"] - s["a"] for s in small)
         return out
 
 
@@ -558,9 +577,7 @@ def _torchrun_phase(
 
     def generation_ready(_: Event) -> bool:
         new = [recs for pid, recs in pids.items() if pid not in old]
-        return len(new) == n and all(
-            len(r) >= 2 and r[-1].get("world") == n for r in new
-        )
+        return len(new) == n and all(len(r) >= 2 and r[-1].get("world") == n for r in new)
 
     def period() -> float:
         new = [recs for pid, recs in pids.items() if pid not in old and len(recs) >= 3]
@@ -672,6 +689,10 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "join_transfer_mb_per_s": transfer,
         "join_sync_seconds": _median([j["sync_seconds"] for j in joins]),
         "join_start_to_step_s": _median([j["start_to_step_s"] for j in joins]),
+        "join_sync_breakdown_s": {
+            k: _median([j.get(k) for j in joins])
+            for k in ("serialize_own_s", "digest_s", "agree_s", "broadcast_s", "load_s")
+        },
         "joins": len(joins),
         "raw_tcp_mb_per_s": ceiling,
         "join_vs_ceiling": join_rate / ceiling if join_rate else None,
@@ -724,7 +745,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kills", type=int, default=10, help="kill -9 rounds (ftmesh)")
     ap.add_argument("--stops", type=int, default=3, help="SIGSTOP rounds (ftmesh)")
     ap.add_argument(
-        "--torchrun-kills", type=int, default=-1, help="kill rounds under torchrun (-1: min(kills, 4))"
+        "--torchrun-kills",
+        type=int,
+        default=-1,
+        help="kill rounds under torchrun (-1: min(kills, 4))",
     )
     ap.add_argument("--state-mb", type=float, default=16.0, help="model + optimizer state, MiB")
     ap.add_argument("--global-batch", type=int, default=64)
@@ -732,6 +756,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait-timeout", type=float, default=90.0, help="seconds per wait")
+    ap.add_argument(
+        "--abort-on-view-change",
+        action="store_true",
+        help="experiment: workers abort collectives on a view that lost a member at once "
+        "(what the mesh should do; see the report)",
+    )
     ap.add_argument("--keep-logs", default="", metavar="DIR", help="keep worker logs in DIR")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -22,7 +22,8 @@ What a snapshot includes:
 * ``scalars``: a dict of user values — None, bool, int, float, str, bytes, lists, tuples,
   dicts with str/int keys, tensors and arrays (NumPy scalars are stored as Python scalars);
 * with ``rng=True`` (default): the Python ``random`` state, the NumPy *global* (legacy)
-  generator state and the torch CPU default generator state.
+  generator state and the torch CPU default generator state (when torch is imported: the
+  state layer never imports torch itself).
 
 What it does not include: CUDA generator states, ``numpy.random.Generator`` objects the user
 created (put ``gen.bit_generator.state`` in ``scalars``), gradients (``.grad``), non-persistent

@@ -5,8 +5,7 @@ Import ``ftmesh.torch`` only where torch is installed (``pip install ftmesh[torc
 
 from __future__ import annotations
 
-from .digest import state_digest
 from .sampler import ElasticSampler
 from .trainer import ElasticTrainer, StepReport
 
-__all__ = ["ElasticSampler", "ElasticTrainer", "StepReport", "state_digest"]
+__all__ = ["ElasticSampler", "ElasticTrainer", "StepReport"]

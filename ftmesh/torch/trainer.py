@@ -15,7 +15,6 @@ which equals single-process training on the whole global batch.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Callable
@@ -34,10 +33,9 @@ from ..errors import (
     PeerLostError,
 )
 from ..membership.messages import MemberState
+from ..state import Snapshot, State, latest_valid_checkpoint, save_checkpoint
 from ..sync import SyncMesh
-from ..training.checkpoint_io import latest_checkpoint, save_checkpoint
 from ..training.protocol import FRESH, QUORUM_POLICIES, has_quorum, plan_sync, sync_vector
-from .digest import state_digest
 from .sampler import ElasticSampler
 
 log = logging.getLogger("ftmesh.torch")
@@ -104,6 +102,9 @@ class ElasticTrainer:
         self.committed = FRESH
         self._synced_epoch = ""
         self._world = 0
+        # Members run the same seeded code, but their global RNGs need not agree: leave them
+        # out so that digests compare model and optimizer only.
+        self.state = State(model=model, optimizer=optimizer, rng=False)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._numel = sum(p.numel() for p in self._params)
         self.recoveries = 0
@@ -114,34 +115,24 @@ class ElasticTrainer:
         mesh.set_role("joining")
         self._in_ring = False
         if self.checkpoint_dir is not None:
-            found = latest_checkpoint(self.checkpoint_dir)
+            found = latest_valid_checkpoint(self.checkpoint_dir)
             if found is not None:
-                self.load_state_bytes(found)
+                self.load_snapshot(found.snapshot)
                 log.info("resumed from checkpoint at step %d", self.committed)
 
     # ------------------------------------------------------------------ state
 
-    def state_bytes(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "step": self.committed,
-            },
-            buf,
-        )
-        return buf.getvalue()
+    def snapshot(self) -> Snapshot:
+        """The live model and optimizer state (and committed step) as a snapshot."""
+        return self.state.commit(step=max(self.committed, 0))
 
-    def load_state_bytes(self, data: bytes) -> None:
-        blob = torch.load(io.BytesIO(data), weights_only=True)
-        self.model.load_state_dict(blob["model"])
-        self.optimizer.load_state_dict(blob["optimizer"])
-        self.committed = int(blob["step"])
+    def load_snapshot(self, snap: Snapshot) -> None:
+        self.state.load_snapshot(snap)
+        self.committed = snap.step
 
     def digest(self) -> str:
         """Content hash of the model and optimizer state (bitwise comparison across members)."""
-        return state_digest(self.model, self.optimizer)
+        return self.state.live_digest()
 
     # ------------------------------------------------------------------ the step
 
@@ -226,19 +217,19 @@ class ElasticTrainer:
         self.last_sync_bytes = 0
         me = self.mesh.node_id
         rank = view.rank_of(me)
-        mine = self.state_bytes()
-        vec = sync_vector(rank, view.size, self.committed, len(mine), self.digest())
+        mine = self.snapshot()
+        vec = sync_vector(rank, view.size, self.committed, mine.nbytes, mine.digest)
         self.mesh.allreduce_on(view, vec, "max")
         plan = plan_sync(vec)
         if plan.root >= 0:
             root_id = view.members[plan.root].node_id
             if rank == plan.root:
-                buf = np.frombuffer(bytearray(mine), dtype=np.uint8)
+                buf = np.frombuffer(mine.to_bytes(), dtype=np.uint8).copy()
             else:
                 buf = np.empty(plan.nbytes, dtype=np.uint8)
             self.mesh.broadcast_on(view, buf, root_id)
             if rank in plan.behind:
-                self.load_state_bytes(buf.tobytes())
+                self.load_snapshot(Snapshot.from_buffer(buf))
                 self.last_sync_bytes = plan.nbytes
         self.committed = plan.target_step
         self._synced_epoch = view.epoch
@@ -321,4 +312,4 @@ class ElasticTrainer:
         if self.checkpoint_dir is None or self.checkpoint_every <= 0:
             return
         if self.committed % self.checkpoint_every == 0:
-            save_checkpoint(self.checkpoint_dir, self.committed, self.state_bytes())
+            save_checkpoint(self.checkpoint_dir, self.snapshot())

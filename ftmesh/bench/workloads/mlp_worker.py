@@ -66,9 +66,7 @@ class Timeline:
             try:
                 out = fn(*args, **kwargs)
             except BaseException as exc:
-                self.add(
-                    {"k": kind, "a": a, "b": time.monotonic(), "err": type(exc).__name__}
-                )
+                self.add({"k": kind, "a": a, "b": time.monotonic(), "err": type(exc).__name__})
                 raise
             span: dict[str, Any] = {"k": kind, "a": a, "b": time.monotonic()}
             if kind in ("ar", "bc") and len(args) >= 2 and hasattr(args[1], "nbytes"):
@@ -87,6 +85,12 @@ def main() -> int:
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=900.0)
+    p.add_argument(
+        "--abort-on-view-change",
+        action="store_true",
+        help="experiment: when this member's view drops a member, abort collectives on the "
+        "old view at once (DataPlane.abort_view) instead of waiting for io_timeout",
+    )
     args = p.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
@@ -117,20 +121,30 @@ def main() -> int:
             ("wait_quiet", "wq"),
         ):
             setattr(mesh, name, tl.wrap(kind, getattr(mesh, name)))
-        for name, kind in (("state_bytes", "sb"), ("load_state_bytes", "ld"), ("digest", "dg")):
-            setattr(trainer, name, tl.wrap(kind, getattr(trainer, name)))
-        state_size = len(trainer.state_bytes())
-        tl.drain()
+        for name, kind in (
+            ("snapshot", "sb"),
+            ("load_snapshot", "ld"),
+            ("state_bytes", "sb"),
+            ("load_state_bytes", "ld"),
+            ("digest", "dg"),
+        ):
+            if hasattr(trainer, name):  # whichever state API the trainer has
+                setattr(trainer, name, tl.wrap(kind, getattr(trainer, name)))
 
         def monitor() -> None:
             epoch = ""
+            ids: tuple[str, ...] = ()
             while time.monotonic() < deadline:
                 try:
                     view = monitor_wait(epoch, 1.0)
+                    if view is not None and view.epoch != epoch and args.abort_on_view_change:
+                        for gone in set(ids) - set(view.node_ids):
+                            dp = mesh.mesh.data_plane
+                            mesh.call_sync(dp.abort_view, epoch, gone, "left the view")
                 except BaseException:  # the mesh is closing (trio.Cancelled included)
                     return
                 if view is not None and view.epoch != epoch:
-                    epoch = view.epoch
+                    epoch, ids = view.epoch, view.node_ids
                     now = time.monotonic()
                     tl.add({"k": "view", "a": now, "b": now, "ids": list(view.node_ids)})
 
@@ -140,7 +154,7 @@ def main() -> int:
                 "hello": True,
                 "pid": os.getpid(),
                 "node": mesh.node_id,
-                "state_bytes": state_size,
+                "state_bytes_estimate": 8 * param_count(model),  # params + momentum, fp32
                 "params": param_count(model),
                 "t_start": T_START,
                 "t_imported": T_IMPORTED,

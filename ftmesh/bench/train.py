@@ -1,0 +1,261 @@
+"""``ftmesh bench train``: step time of ftmesh's ElasticTrainer vs torch DistributedDataParallel
+(gloo), same model, same global batch, same processes, same run.
+
+Theory of operation: for each process count N, launch N local processes (multiprocessing,
+spawn). Each joins a gloo process group (TCPStore on loopback) and, per model, a fresh ftmesh
+mesh (same-host discovery, ``local`` preset), and builds two identical copies of the model
+and of its SGD-momentum optimizer: one trained by :class:`ftmesh.torch.ElasticTrainer`, one
+wrapped in ``DistributedDataParallel``. Both train on the same synthetic data with the same
+global batch, split the same way (``ElasticSampler``'s global batch, ``array_split`` over the
+ranks). After warm-up steps, each round times ``--steps`` consecutive steps of one and then of
+the other (the order alternates between rounds so machine noise hits both), each block after a
+gloo barrier; a round's ms/step is the slowest rank's. We report medians over rounds and
+``ddp_over_ftmesh`` = DDP ms/step / ftmesh ms/step (> 1: ftmesh is faster).
+
+Models (``ftmesh.bench.workloads``): ``wide``, a 4.2M-parameter MLP where the gradient
+allreduce (16.8 MB) matters, and ``digits``, the ~14k-parameter CNN of
+``examples/train_digits.py`` on 8x8 inputs, where per-step overhead does. OMP_NUM_THREADS is
+the CPU count divided by N (at least 1) for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+IMPLS = ("ftmesh", "ddp")
+DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
+
+
+def _worker(
+    rank: int, nprocs: int, port: int, registry: str, cfg: dict[str, Any], out: Any
+) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ftmesh
+    from ftmesh.bench.workloads import make_data, make_model, make_optimizer, param_count
+    from ftmesh.torch import ElasticSampler, ElasticTrainer
+
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    torch.set_num_threads(threads)
+    os.environ["FTMESH_REGISTRY_DIR"] = registry
+    tcp_store: Any = getattr(dist, "TCPStore")  # noqa: B009 - not re-exported for mypy
+    store = tcp_store(
+        "127.0.0.1", port, nprocs, rank == 0, timeout=datetime.timedelta(seconds=120)
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
+    cells = []
+    try:
+        for kind in cfg["models"]:
+            batch = cfg["global_batch"] or DEFAULT_BATCH[kind]
+            batch -= batch % nprocs
+            x, y = make_data(kind, max(4096, 4 * batch), seed=0)
+            sampler = ElasticSampler(len(x), batch, seed=0)
+            model_f = make_model(kind, seed=0)
+            opt_f = make_optimizer(model_f)
+            model_d = make_model(kind, seed=0)
+            opt_d = make_optimizer(model_d)
+            ddp = DistributedDataParallel(model_d)
+
+            def loss_f(idx: np.ndarray, model: Any = model_f, x: Any = x, y: Any = y) -> Any:
+                i = torch.from_numpy(idx)
+                return F.cross_entropy(model(x[i]), y[i])
+
+            ddp_step = [0]
+
+            def step_ddp(
+                ddp: Any = ddp, opt: Any = opt_d, sampler: Any = sampler, x: Any = x, y: Any = y
+            ) -> None:
+                idx = np.array_split(sampler.global_indices(ddp_step[0]), nprocs)[rank]
+                i = torch.from_numpy(idx)
+                opt.zero_grad()
+                F.cross_entropy(ddp(x[i]), y[i]).backward()
+                opt.step()
+                ddp_step[0] += 1
+
+            with ftmesh.connect(
+                mesh=f"{cfg['mesh']}-{kind}", discovery="local", preset="local"
+            ) as mesh:
+                trainer = ElasticTrainer(
+                    mesh, model_f, opt_f, sampler, min_peers=nprocs, join_settle=1.0
+                )
+                retries = 0
+
+                def step_ftmesh(trainer: Any = trainer, loss_f: Any = loss_f) -> None:
+                    nonlocal retries
+                    r = trainer.step(loss_f)
+                    retries += r.attempts - 1
+
+                for _ in range(cfg["warmup"]):
+                    step_ftmesh()
+                    step_ddp()
+                retries = 0
+                per_round: dict[str, list[float]] = {k: [] for k in IMPLS}
+                for rnd in range(cfg["rounds"]):
+                    order = IMPLS if rnd % 2 == 0 else IMPLS[::-1]
+                    mine = []
+                    for impl in order:
+                        fn = step_ftmesh if impl == "ftmesh" else step_ddp
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        for _ in range(cfg["steps"]):
+                            fn()
+                        mine.append((time.perf_counter() - t0) / cfg["steps"])
+                    slowest = torch.tensor(mine, dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    for impl, dt in zip(order, slowest.tolist(), strict=True):
+                        per_round[impl].append(dt)
+                total_retries = torch.tensor([retries], dtype=torch.int64)
+                dist.all_reduce(total_retries)
+                # Both copies took the same steps on the same data: they should agree closely.
+                diff = max(
+                    float((a.detach() - b.detach()).abs().max())
+                    for a, b in zip(model_f.parameters(), model_d.parameters(), strict=True)
+                )
+                dist.barrier()
+            cells.append(
+                {
+                    "model": kind,
+                    "params": param_count(model_f),
+                    "global_batch": batch,
+                    "per_round_s": per_round,
+                    "ftmesh_retries": int(total_retries.item()),
+                    "max_weight_diff": diff,
+                }
+            )
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out.put(cells)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_procs(nprocs: int, cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    registry = tempfile.mkdtemp(prefix="ftmesh-bench-train-")
+    cfg = {**cfg, "mesh": f"bench-train-{os.getpid()}-{port}"}
+    procs = [
+        ctx.Process(target=_worker, args=(r, nprocs, port, registry, cfg, q))
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                res: list[dict[str, Any]] = q.get(timeout=1.0)
+                return res
+            except Exception as exc:  # queue.Empty
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"exit codes {[p.exitcode for p in procs]}" if dead else "timeout"
+                    raise RuntimeError(f"bench train N={nprocs} failed: {why}") from exc
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        shutil.rmtree(registry, ignore_errors=True)
+
+
+def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
+    ms = {k: statistics.median(raw["per_round_s"][k]) * 1e3 for k in IMPLS}
+    return {
+        "procs": nprocs,
+        "model": raw["model"],
+        "params": raw["params"],
+        "grad_mb": raw["params"] * 4 / 1e6,
+        "global_batch": raw["global_batch"],
+        "ftmesh_ms": ms["ftmesh"],
+        "ddp_ms": ms["ddp"],
+        "ddp_over_ftmesh": ms["ddp"] / ms["ftmesh"],
+        "rounds_ms": {k: [round(v * 1e3, 2) for v in raw["per_round_s"][k]] for k in IMPLS},
+        "ftmesh_retries": raw["ftmesh_retries"],
+        "max_weight_diff": raw["max_weight_diff"],
+    }
+
+
+def format_table(cells: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'N':>2} {'model':>7} {'params':>9} {'batch':>5} | {'ftmesh ms':>9} {'ddp ms':>8} "
+        f"| {'ddp/ftmesh':>10}"
+    ]
+    for c in cells:
+        lines.append(
+            f"{c['procs']:>2} {c['model']:>7} {c['params']:>9} {c['global_batch']:>5} | "
+            f"{c['ftmesh_ms']:9.2f} {c['ddp_ms']:8.2f} | {c['ddp_over_ftmesh']:10.2f}"
+        )
+    lines.append("ms/step: median over rounds of the slowest rank; ddp/ftmesh > 1: ftmesh faster.")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--procs", default="2,4", help="comma-separated process counts")
+    ap.add_argument("--models", default="wide,digits", help="comma-separated: wide, digits")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per block")
+    ap.add_argument("--rounds", type=int, default=4, help="blocks per implementation")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
+    ap.add_argument("--global-batch", type=int, default=0, help="0: per model default")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process count")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = {
+        "models": [m.strip() for m in args.models.split(",") if m.strip()],
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "global_batch": args.global_batch,
+    }
+    cells = []
+    for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
+        if nprocs < 2:
+            print("skipping --procs 1: nothing to compare", file=sys.stderr)
+            continue
+        for raw in run_procs(nprocs, cfg, args.timeout):
+            cells.append(summarise(nprocs, raw))
+            print(
+                f"done N={nprocs} {raw['model']}: ddp/ftmesh "
+                f"{cells[-1]['ddp_over_ftmesh']:.2f}",
+                file=sys.stderr,
+            )
+    if args.json:
+        print(json.dumps({"benchmark": "train", "cells": cells}))
+    else:
+        print(format_table(cells))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ftmesh bench train", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
