@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import trio
@@ -34,6 +35,7 @@ class SyncMesh:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._nursery: trio.Nursery | None = None
 
     @classmethod
     def start(cls, config: MeshConfig | None = None, start_timeout: float = 30.0) -> SyncMesh:
@@ -41,12 +43,14 @@ class SyncMesh:
 
         async def main() -> None:
             try:
-                async with open_mesh(config) as mesh:
+                async with open_mesh(config) as mesh, trio.open_nursery() as nursery:
                     self._mesh = mesh
+                    self._nursery = nursery
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     self._ready.set()
                     await self._stop.wait()
+                    nursery.cancel_scope.cancel()
             except BaseException as exc:
                 self._error = exc
                 raise
@@ -79,6 +83,27 @@ class SyncMesh:
         """Run ``await fn(*args)`` in the mesh's trio thread and return its result."""
         self.mesh  # noqa: B018 - raises if closed
         return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
+        """Start ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
+        future completes with its result or exception. Calls run concurrently in trio, but
+        collectives on the data plane still run one at a time, in submission order."""
+        fut: Future[T] = Future()
+
+        async def run() -> None:
+            try:
+                fut.set_result(await fn(*args))
+            except Exception as exc:
+                fut.set_exception(exc)
+            except BaseException as exc:  # cancelled: the mesh is closing
+                fut.set_exception(MeshClosedError(f"mesh closed: {exc!r}"))
+                raise
+
+        nursery = self._nursery
+        if nursery is None:
+            raise MeshClosedError("the mesh is closed")
+        self.call_sync(nursery.start_soon, run)
+        return fut
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""

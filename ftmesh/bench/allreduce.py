@@ -13,6 +13,15 @@ call and a repetition's time is the slowest rank's. We report medians (and min/m
   event loop): what Python can get out of loopback TCP with this algorithm. ``--ceiling wire``
   drops the reduction instead, i.e. pure data movement.
 
+Noise: the machine is shared, so repetitions are many (``--iters``, by default about 1 GiB of
+traffic per implementation and cell, 6 to 40 repetitions) and the implementations take turns
+within every repetition, so a burst of load hits all of them alike; the ratios are taken
+between medians measured in the same run.
+
+Large buffers: ``--impls ftmesh --check --sizes 2.5G --procs 2`` allreduces a buffer larger than
+2**31 bytes and checks every element. Each process holds one buffer per implementation; a cell
+that would not fit in 80% of MemAvailable is skipped with a message.
+
 Everything runs on 127.0.0.1.
 """
 
@@ -143,21 +152,30 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
         peers.append(Peer(f"bench-{i:03d}", host, int(p)))
     view = RingView.of(peers)
     raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce")
+    impls: tuple[str, ...] = tuple(cfg["impls"])
     results = []
     try:
         for size in cfg["sizes"]:
             elems = size // 4
-            bufs = {k: np.zeros(elems, np.float32) for k in IMPLS}
-            tens = torch.from_numpy(bufs["gloo"])
-            fns: dict[str, Callable[[], object]] = {
-                "ftmesh": functools.partial(dp.allreduce, view, bufs["ftmesh"]),
-                "gloo": functools.partial(dist.all_reduce, tens),
-                "ceiling": functools.partial(raw.allreduce, bufs["ceiling"]),
-            }
-            iters = cfg["iters"] or max(3, min(30, (256 << 20) // max(size, 1) * 2))
-            times: dict[str, list[float]] = {k: [] for k in IMPLS}
+            if not _fits(size * len(impls) * nprocs):
+                results.append({"bytes": size, "skipped": "not enough memory"})
+                continue
+            bufs = {k: np.zeros(elems, np.float32) for k in impls}
+            fns: dict[str, Callable[[], object]] = {}
+            if "ftmesh" in bufs:
+                fns["ftmesh"] = functools.partial(dp.allreduce, view, bufs["ftmesh"])
+            if "gloo" in bufs:
+                fns["gloo"] = functools.partial(dist.all_reduce, torch.from_numpy(bufs["gloo"]))
+            if "ceiling" in bufs:
+                fns["ceiling"] = functools.partial(raw.allreduce, bufs["ceiling"])
+            check = None
+            if cfg["check"]:
+                check = _check(rank, nprocs, bufs, fns)
+            iters = cfg["iters"] or max(6, min(40, (1 << 30) // max(size, 1)))
+            times: dict[str, list[float]] = {k: [] for k in impls}
             for rep in range(cfg["warmup"] + iters):
-                order = IMPLS[rep % 3 :] + IMPLS[: rep % 3]
+                k = rep % len(impls)
+                order = impls[k:] + impls[:k]
                 mine = []
                 for impl in order:
                     dist.barrier()
@@ -169,14 +187,41 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
                 if rep >= cfg["warmup"]:
                     for impl, dt in zip(order, slowest.tolist(), strict=True):
                         times[impl].append(dt)
-            results.append({"bytes": size, "times": times})
-            del bufs, tens
+            results.append({"bytes": size, "times": times, "check": check})
+            del bufs, fns
     finally:
         dp.close()
         raw.close()
         dist.destroy_process_group()
     if rank == 0:
         out.put(results)
+
+
+def _fits(total_bytes: int) -> bool:
+    """Whether ``total_bytes`` (all processes' buffers) fit in 80% of MemAvailable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return total_bytes <= int(line.split()[1]) * 1024 * 0.8
+    except OSError:
+        pass
+    return True
+
+
+def _check(
+    rank: int, nprocs: int, bufs: dict[str, Any], fns: dict[str, Callable[[], object]]
+) -> dict[str, bool]:
+    """One allreduce per implementation of ``rank + 1`` everywhere, then compare every element
+    with the exact sum (integers below 2**24 are exact in float32)."""
+    want = np.float32(nprocs * (nprocs + 1) // 2)
+    ok = {}
+    for impl, buf in bufs.items():
+        buf.fill(rank + 1)
+        fns[impl]()
+        ok[impl] = bool(np.all(buf == want))
+        buf.fill(0)
+    return ok
 
 
 def _td(seconds: float) -> Any:
@@ -217,16 +262,22 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
     size = raw["bytes"]
     factor = 2 * (nprocs - 1) / nprocs
     cell: dict[str, Any] = {"procs": nprocs, "bytes": size, "algbw": {}, "busbw": {}, "time": {}}
-    for impl in IMPLS:
+    if "skipped" in raw:
+        cell["skipped"] = raw["skipped"]
+        return cell
+    cell["check"] = raw.get("check")
+    for impl in raw["times"]:
         t = _stats(raw["times"][impl])
         cell["time"][impl] = t
         # fastest time gives the max bandwidth and vice versa
         alg = {"median": size / t["median"], "min": size / t["max"], "max": size / t["min"]}
         cell["algbw"][impl] = alg
         cell["busbw"][impl] = {k: v * factor for k, v in alg.items()}
-    med = {k: cell["busbw"][k]["median"] for k in IMPLS}
-    cell["vs_gloo"] = med["ftmesh"] / med["gloo"]
-    cell["vs_ceiling"] = med["ftmesh"] / med["ceiling"]
+    med = {k: cell["busbw"][k]["median"] for k in raw["times"]}
+    if "ftmesh" in med:
+        for other in ("gloo", "ceiling"):
+            if other in med:
+                cell[f"vs_{other}"] = med["ftmesh"] / med[other]
     return cell
 
 
@@ -239,14 +290,26 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
     print(hdr)
     print(f"{'':>2} {'':>6} | {'ftmesh':^26}{'gloo':^26}{'ceiling':^26} | {'':>8} {'':>8}")
     for c in cells:
+        head = f"{c['procs']:>2} {_fmt_size(c['bytes']):>6} | "
+        if "skipped" in c:
+            print(head + f"skipped: {c['skipped']}")
+            continue
         cols = ""
         for impl in IMPLS:
-            b = c["busbw"][impl]
-            cols += f"{b['median'] / gb:7.3f} [{b['min'] / gb:6.3f}-{b['max'] / gb:6.3f}]  "
-        print(
-            f"{c['procs']:>2} {_fmt_size(c['bytes']):>6} | {cols:<78} | {c['vs_gloo']:8.2f} "
-            f"{c['vs_ceiling']:8.2f}"
+            b = c["busbw"].get(impl)
+            if b is None:
+                cols += f"{'-':^26}"
+            else:
+                cols += f"{b['median'] / gb:7.3f} [{b['min'] / gb:6.3f}-{b['max'] / gb:6.3f}]  "
+        ratios = " ".join(
+            f"{c[k]:8.2f}" if k in c else f"{'-':>8}" for k in ("vs_gloo", "vs_ceiling")
         )
+        check = ""
+        if c.get("check"):
+            check = "  check " + ",".join(
+                f"{k}={'ok' if v else 'FAIL'}" for k, v in c["check"].items()
+            )
+        print(f"{head}{cols:<78} | {ratios}{check}")
     print("algbw = bytes/time; busbw = algbw*2(N-1)/N; time = slowest rank, per repetition.")
 
 
@@ -258,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--chunk", default="1M", help="ftmesh/ceiling pipeline chunk size")
     ap.add_argument("--ceiling", choices=("reduce", "wire"), default="reduce")
+    ap.add_argument(
+        "--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}"
+    )
+    ap.add_argument("--check", action="store_true", help="verify one result per cell first")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -267,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "chunk": parse_size(args.chunk),
         "ceiling": args.ceiling,
+        "impls": [i for i in IMPLS if i in args.impls.split(",")],
+        "check": args.check,
     }
+    if not cfg["impls"]:
+        ap.error(f"--impls: choose from {','.join(IMPLS)}")
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:

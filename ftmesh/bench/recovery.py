@@ -41,6 +41,7 @@ Everything runs on 127.0.0.1; OMP_NUM_THREADS is the CPU count divided by N (at 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -160,10 +161,8 @@ class Procs:
                 return ev
 
     def signal(self, proc: Proc, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def close(self) -> None:
         for p in self.procs:
@@ -172,10 +171,8 @@ class Procs:
                 self.signal(p, signal.SIGCONT)
                 self.signal(p, signal.SIGKILL)
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 def _env(nprocs: int) -> dict[str, str]:
@@ -318,19 +315,21 @@ class FtmeshMesh:
         fails = [s["b"] for s in spans if s.get("err")]
         views = [s["a"] for s in spans if s["k"] == "view" and victim.node not in s["ids"]]
         ok = [s for s in spans if not s.get("err") and s["k"] != "view"]
-        big = [s for s in ok if s["k"] == "ar" and s.get("n", 0) > 4096]
-        step_ar = big[-1] if big else None
-        fwd = [s for s in ok if s["k"] == "fwd" and (step_ar is None or s["b"] <= step_ar["a"])]
-        step_start = fwd[-1]["a"] if fwd else (step_ar["a"] if step_ar else commit)
+        fwd = [s for s in ok if s["k"] == "fwd"]
+        step_start = fwd[-1]["a"] if fwd else commit
         wvs = [s for s in ok if s["k"] == "wv" and s["b"] <= step_start]
         last_wv_end = wvs[-1]["b"] if wvs else t0
+        after = [s for s in ok if s["a"] >= last_wv_end - 1e-6]
+        # The sync: state snapshot/digest, the agreement allreduce (small), the broadcast and
+        # the load, all before the step's forward pass; the step's gradient allreduces after.
         sync = [
             s
-            for s in ok
+            for s in after
             if s["k"] in ("ar", "bc", "ld", "sb", "dg")
-            and s["a"] >= last_wv_end - 1e-6
             and s["b"] <= step_start + 1e-6
+            and (s["k"] != "ar" or s.get("n", 0) <= 4096)
         ]
+        step_ars = [s for s in after if s["k"] == "ar" and s not in sync]
 
         def rel(x: float | None) -> float | None:
             return None if x is None else x - t0
@@ -343,8 +342,8 @@ class FtmeshMesh:
             "sync_end": rel(max(s["b"] for s in sync)) if sync else None,
             "sync_state_bytes": float(sum(s.get("n", 0) for s in sync if s["k"] == "bc")),
             "step_start": rel(step_start),
-            "allreduce_start": rel(step_ar["a"]) if step_ar else None,
-            "allreduce_end": rel(step_ar["b"]) if step_ar else None,
+            "allreduce_start": rel(min(s["a"] for s in step_ars)) if step_ars else None,
+            "allreduce_end": rel(max(s["b"] for s in step_ars)) if step_ars else None,
             "commit": rel(commit),
             "received": rel(ev[0]),
             "attempts": float(rec.get("attempts", 0)),
@@ -372,8 +371,8 @@ class FtmeshMesh:
             out["transfer_seconds"] = max(ends) - max(starts)
         # Where the joiner's sync went: the spans of its last (successful) sync.
         mine = [s for s in rec["ev"] if not s.get("err") and s["k"] != "view"]
-        step_ar = [s for s in mine if s["k"] == "ar" and s.get("n", 0) > 4096]
-        end = step_ar[-1]["a"] if step_ar else float(rec["t"])
+        fwd = [s for s in mine if s["k"] == "fwd"]
+        end = fwd[-1]["a"] if fwd else float(rec["t"])
         begin = end - float(rec["sync_seconds"]) - 0.5
         for key, kind in (
             ("serialize_own_s", "sb"),
@@ -694,6 +693,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
             for k in ("serialize_own_s", "digest_s", "agree_s", "broadcast_s", "load_s")
         },
         "joins": len(joins),
+        "joins_detail": joins,
         "raw_tcp_mb_per_s": ceiling,
         "join_vs_ceiling": join_rate / ceiling if join_rate else None,
         "join_transfer_vs_ceiling": transfer / ceiling if transfer else None,

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 IMPLS = ("ftmesh", "ddp")
+EXTRAS = ("ftmesh_allreduce", "gloo_allreduce")
 DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
 
 
@@ -55,9 +56,7 @@ def _worker(
     torch.set_num_threads(threads)
     os.environ["FTMESH_REGISTRY_DIR"] = registry
     tcp_store: Any = getattr(dist, "TCPStore")  # noqa: B009 - not re-exported for mypy
-    store = tcp_store(
-        "127.0.0.1", port, nprocs, rank == 0, timeout=datetime.timedelta(seconds=120)
-    )
+    store = tcp_store("127.0.0.1", port, nprocs, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
     cells = []
     try:
@@ -79,14 +78,19 @@ def _worker(
             ddp_step = [0]
 
             def step_ddp(
-                ddp: Any = ddp, opt: Any = opt_d, sampler: Any = sampler, x: Any = x, y: Any = y
+                ddp: Any = ddp,
+                opt: Any = opt_d,
+                sampler: Any = sampler,
+                x: Any = x,
+                y: Any = y,
+                counter: list[int] = ddp_step,
             ) -> None:
-                idx = np.array_split(sampler.global_indices(ddp_step[0]), nprocs)[rank]
+                idx = np.array_split(sampler.global_indices(counter[0]), nprocs)[rank]
                 i = torch.from_numpy(idx)
                 opt.zero_grad()
-                F.cross_entropy(ddp(x[i]), y[i]).backward()
+                F.cross_entropy(ddp(x[i]), y[i]).backward()  # type: ignore[no-untyped-call]
                 opt.step()
-                ddp_step[0] += 1
+                counter[0] += 1
 
             with ftmesh.connect(
                 mesh=f"{cfg['mesh']}-{kind}", discovery="local", preset="local"
@@ -95,6 +99,22 @@ def _worker(
                     mesh, model_f, opt_f, sampler, min_peers=nprocs, join_settle=1.0
                 )
                 retries = 0
+                # Time the trainer's gradient allreduce (the instance's method: nothing else
+                # changes), to split ftmesh's step into communication and the rest.
+                in_ar = [0.0]
+                allreduce_on = mesh.allreduce_on
+
+                def timed_allreduce(
+                    *a: Any, _orig: Any = allreduce_on, _acc: list[float] = in_ar, **kw: Any
+                ) -> Any:
+                    t = time.perf_counter()
+                    try:
+                        return _orig(*a, **kw)
+                    finally:
+                        _acc[0] += time.perf_counter() - t
+
+                setattr(mesh, "allreduce_on", timed_allreduce)  # noqa: B010
+                grads = torch.zeros(param_count(model_f) + 2)
 
                 def step_ftmesh(trainer: Any = trainer, loss_f: Any = loss_f) -> None:
                     nonlocal retries
@@ -105,20 +125,29 @@ def _worker(
                     step_ftmesh()
                     step_ddp()
                 retries = 0
-                per_round: dict[str, list[float]] = {k: [] for k in IMPLS}
+                per_round: dict[str, list[float]] = {k: [] for k in (*IMPLS, *EXTRAS)}
                 for rnd in range(cfg["rounds"]):
                     order = IMPLS if rnd % 2 == 0 else IMPLS[::-1]
                     mine = []
                     for impl in order:
                         fn = step_ftmesh if impl == "ftmesh" else step_ddp
                         dist.barrier()
+                        in_ar[0] = 0.0
                         t0 = time.perf_counter()
                         for _ in range(cfg["steps"]):
                             fn()
                         mine.append((time.perf_counter() - t0) / cfg["steps"])
-                    slowest = torch.tensor(mine, dtype=torch.float64)
+                        if impl == "ftmesh":
+                            ar_time = in_ar[0] / cfg["steps"]
+                    # The same bytes through a bare gloo allreduce, for scale.
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(cfg["steps"]):
+                        dist.all_reduce(grads)
+                    gloo_ar = (time.perf_counter() - t0) / cfg["steps"]
+                    slowest = torch.tensor([*mine, ar_time, gloo_ar], dtype=torch.float64)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                    for impl, dt in zip(order, slowest.tolist(), strict=True):
+                    for impl, dt in zip((*order, *EXTRAS), slowest.tolist(), strict=True):
                         per_round[impl].append(dt)
                 total_retries = torch.tensor([retries], dtype=torch.int64)
                 dist.all_reduce(total_retries)
@@ -157,8 +186,7 @@ def run_procs(nprocs: int, cfg: dict[str, Any], timeout: float) -> list[dict[str
     registry = tempfile.mkdtemp(prefix="ftmesh-bench-train-")
     cfg = {**cfg, "mesh": f"bench-train-{os.getpid()}-{port}"}
     procs = [
-        ctx.Process(target=_worker, args=(r, nprocs, port, registry, cfg, q))
-        for r in range(nprocs)
+        ctx.Process(target=_worker, args=(r, nprocs, port, registry, cfg, q)) for r in range(nprocs)
     ]
     for p in procs:
         p.start()
@@ -183,7 +211,7 @@ def run_procs(nprocs: int, cfg: dict[str, Any], timeout: float) -> list[dict[str
 
 
 def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
-    ms = {k: statistics.median(raw["per_round_s"][k]) * 1e3 for k in IMPLS}
+    ms = {k: statistics.median(v) * 1e3 for k, v in raw["per_round_s"].items()}
     return {
         "procs": nprocs,
         "model": raw["model"],
@@ -193,7 +221,9 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         "ftmesh_ms": ms["ftmesh"],
         "ddp_ms": ms["ddp"],
         "ddp_over_ftmesh": ms["ddp"] / ms["ftmesh"],
-        "rounds_ms": {k: [round(v * 1e3, 2) for v in raw["per_round_s"][k]] for k in IMPLS},
+        "ftmesh_allreduce_ms": ms.get("ftmesh_allreduce"),
+        "gloo_allreduce_ms": ms.get("gloo_allreduce"),
+        "rounds_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in raw["per_round_s"].items()},
         "ftmesh_retries": raw["ftmesh_retries"],
         "max_weight_diff": raw["max_weight_diff"],
     }
@@ -202,14 +232,19 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
 def format_table(cells: list[dict[str, Any]]) -> str:
     lines = [
         f"{'N':>2} {'model':>7} {'params':>9} {'batch':>5} | {'ftmesh ms':>9} {'ddp ms':>8} "
-        f"| {'ddp/ftmesh':>10}"
+        f"| {'ddp/ftmesh':>10} | {'ftmesh AR':>9} {'gloo AR':>8}"
     ]
     for c in cells:
         lines.append(
             f"{c['procs']:>2} {c['model']:>7} {c['params']:>9} {c['global_batch']:>5} | "
-            f"{c['ftmesh_ms']:9.2f} {c['ddp_ms']:8.2f} | {c['ddp_over_ftmesh']:10.2f}"
+            f"{c['ftmesh_ms']:9.2f} {c['ddp_ms']:8.2f} | {c['ddp_over_ftmesh']:10.2f} | "
+            f"{c['ftmesh_allreduce_ms']:9.2f} {c['gloo_allreduce_ms']:8.2f}"
         )
     lines.append("ms/step: median over rounds of the slowest rank; ddp/ftmesh > 1: ftmesh faster.")
+    lines.append(
+        "ftmesh AR: the trainer's gradient allreduce inside its step; gloo AR: a bare gloo "
+        "allreduce of the same bytes (DDP overlaps its own with backward)."
+    )
     return "\n".join(lines)
 
 
@@ -240,8 +275,7 @@ def run(args: argparse.Namespace) -> int:
         for raw in run_procs(nprocs, cfg, args.timeout):
             cells.append(summarise(nprocs, raw))
             print(
-                f"done N={nprocs} {raw['model']}: ddp/ftmesh "
-                f"{cells[-1]['ddp_over_ftmesh']:.2f}",
+                f"done N={nprocs} {raw['model']}: ddp/ftmesh {cells[-1]['ddp_over_ftmesh']:.2f}",
                 file=sys.stderr,
             )
     if args.json:

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--crashes", type=int, default=10, help="members crashed during the run")
     mem.add_argument("--seed", type=int, default=1)
     mem.add_argument("--json", action="store_true")
+    # Listed for --help only; run() hands these to their own parsers.
+    bench_sub.add_parser("allreduce", help="CPU ring allreduce vs gloo and a raw TCP ring")
+    bench_sub.add_parser("recovery", help="kill/SIGSTOP -> next committed step, vs torchrun")
+    bench_sub.add_parser("train", help="step time of the gradient sync vs DDP on gloo")
     kill = bench_sub.add_parser("kill", help="real processes: kill -9 to the last dead event")
     kill.add_argument("--procs", type=int, default=8)
     kill.add_argument("--rounds", type=int, default=10)
@@ -114,7 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DELEGATED_BENCHES = ("allreduce", "recovery", "train")
+"""Benchmarks with their own argument parsers: ``ftmesh bench NAME ...`` runs
+``ftmesh.bench.NAME.main(...)`` with the rest of the command line."""
+
+
 def run(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in DELEGATED_BENCHES:
+        import importlib
+
+        return int(importlib.import_module(f"ftmesh.bench.{argv[1]}").main(argv[2:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),

@@ -41,10 +41,8 @@ class CollectiveConfig:
     caps the value at net.core.{r,w}mem_max."""
 
     inline_max_bytes: int = 2 << 20
-    """Collectives that send at most this many bytes (and at most half of
-    ``socket_buffer_bytes``) run on one thread: their sends fit in the kernel buffers and never
-    block, so handing off to a sender thread would only add latency. Larger ones use a sender
-    thread so that sending, receiving and reducing overlap."""
+    """Unused since the engine runs every collective on one thread (see ``engine``); kept so
+    that existing configurations still load."""
 
     max_cached_views: int = 2
     """How many views keep their ring connections open. The current view and the previous one

@@ -1,30 +1,34 @@
 """The pipelined ring engine: drives one member's half of a ``Schedule`` over its two sockets.
 
-Theory of operation: two threads per collective, on blocking sockets whose every send and
-receive times out after ``io_timeout`` (SO_SNDTIMEO/SO_RCVTIMEO). The *sender* writes
-``HEADER``, then each send of the schedule as a ``DATA`` frame once the receives it depends on
-are done, then ``DONE`` once all receives are done. The *receiver* reads the left neighbour's
-``HEADER`` and compares it with ours, then ``recv_into``s each ``DATA`` frame (``MSG_WAITALL``:
-one syscall per chunk) straight into place (allgather, broadcast) or into one chunk-sized
-scratch buffer that is reduced into place on arrival (reduce-scatter). No other copies are made.
+Theory of operation: one thread per collective runs a small event loop over the member's two
+blocking sockets, using non-blocking calls (``MSG_DONTWAIT``) and ``poll()`` when neither can
+move. The *transmit* side writes ``HEADER``, then each send of the schedule as a ``DATA`` frame
+(``sendmsg`` gathers the 8-byte frame head and the payload, straight from the array) once the
+receives it depends on are done, then ``DONE`` once all receives are done. The *receive* side
+reads the left neighbour's ``HEADER`` and compares it with ours, then ``recv_into``s each
+``DATA`` payload straight into place (allgather, broadcast) or into one chunk-sized scratch
+buffer that is reduced into place when the chunk is complete (reduce-scatter). No other copies
+are made, no allocation happens per chunk.
 
-Why threads and not trio tasks: on a CPU-bound host (several members per core) the time goes
-into the kernel's copies and the reduction, all of which release the GIL; two threads let the
-send copy, the receive copy and the reduction of one member proceed in parallel, and blocking
-calls avoid an event-loop round trip per partial read. Trio still owns connection setup,
-agreement and cancellation (``DataPlane`` runs ``run_blocking`` via ``trio.to_thread`` and shuts
-the sockets down if cancelled).
+Why one thread and not a sender and a receiver thread (nor trio tasks): on a CPU-bound host
+(several members per core) the time goes into the kernel's copies and the reduction; a second
+thread per member only adds wake-ups, GIL hand-offs and context switches per chunk, and an
+event-loop round trip through trio would add more. The kernel's socket buffers give the
+overlap: while this thread reduces a chunk the kernel keeps moving what is queued both ways.
+Trio still owns connection setup, agreement and cancellation (``DataPlane`` runs
+``run_blocking`` via ``trio.to_thread`` and shuts the sockets down if cancelled).
 
 Failure handling keeps every member informed without any coordinator:
 
 * a mismatching header, a closed connection or a malformed frame sets the *abort reason*;
-* a sender that has not yet sent ``DONE`` replaces the rest of its stream by one ``ABORT`` frame
+* a member that has not yet sent ``DONE`` replaces the rest of its stream by one ``ABORT`` frame
   carrying the reason, so the abort travels round the ring and every member raises it;
-* a receiver that originated an abort keeps reading (and discarding) from its left until that
+* a member that originated an abort keeps reading (and discarding) from its left until that
   neighbour's ``ABORT`` or ``DONE``, so nobody blocks writing into a socket no one reads and the
   connections stay in sync for the next collective;
-* a send or receive that makes no progress for ``io_timeout`` aborts with ``PeerStalledError``
-  naming that neighbour.
+* a direction that makes no progress for ``io_timeout`` aborts with ``PeerStalledError`` naming
+  that neighbour. A member waiting on its own left neighbour sends its right one a
+  ``KEEPALIVE`` every ``poll_interval``, so only the member that actually stopped is blamed.
 
 A member sends ``DONE`` only when all its receives completed, so a mismatch, detected at the
 header, is always seen by every member.
@@ -32,17 +36,17 @@ header, is always seen by every member.
 *Fatal* aborts (a neighbour lost or stalled, or ``DataPlane.abort_view`` saying a member of the
 view is dead) end the ring instead of keeping it in sync: the forward ``ABORT`` frame cannot get
 past a dead member, so the member that learns of it also writes the abort as a *notice* on the
-reverse direction of its connection from the left (nothing else ever flows that way), and the
-socket towards the dead member is shut down. Engine threads wake every ``poll_interval`` while
-blocked (the sockets' SO_RCVTIMEO/SO_SNDTIMEO) to read such notices, see a local abort and count
-towards ``io_timeout``; so an abort travels both ways round the ring until it reaches the dead
-member from both sides, every survivor raises it within about one ``poll_interval`` per hop, and
-the ring is dropped.
+reverse direction of its connection from the left (nothing else ever flows that way; the loop
+polls that direction too), and the socket towards the dead member is shut down. The loop wakes
+at least every ``poll_interval`` to see an abort set from another thread. So an abort travels
+both ways round the ring until it reaches the dead member from both sides, every survivor raises
+it promptly, and the ring is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -61,10 +65,14 @@ from .schedule import Schedule
 from .transport import Ring
 
 _ABORT_MSG_CAP = 2000
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _FATAL = ("lost", "stalled")
 _KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
+_DONE_FRAME = wire.FRAME.pack(wire.DONE, 0)
+_JUNK = 1 << 16
+
+# receive states
+_HEAD, _CONTROL, _DATA, _JUNK_DATA, _FINISHED = range(5)
 
 
 @dataclass
@@ -80,18 +88,8 @@ class Buffers:
     """Applied to chunks this member finalises (``avg``), or None."""
 
 
-class _Stalled(Exception):
-    pass
-
-
-class _Killed(Exception):
-    """A fatal abort is set: stop using the sockets (the ring will be dropped)."""
-
-
-def _send_frame_raw(sock: socket.socket, kind: int, payload: bytes) -> None:
-    """Best-effort, non-blocking write of one small frame (abort notices)."""
-    with contextlib.suppress(OSError):
-        sock.send(wire.FRAME.pack(kind, len(payload)) + payload, _DONTWAIT)
+class _Stop(Exception):
+    """Leave the loop: the abort reason is set."""
 
 
 class Pipeline:
@@ -122,48 +120,51 @@ class Pipeline:
         need = any(r.reduce for r in sched.recvs)
         self.scratch = np.empty(chunk_bytes // self.isz + 1 if need else 1, bufs.acc.dtype)
         self.scratch_b = self.scratch.view(np.uint8).data
-        self.fhead = bytearray(wire.FRAME.size)
-        self.cv = threading.Condition()
-        self.recv_done = 0
+        self.lock = threading.Lock()
         self.abort: dict[str, Any] | None = None
         self.fatal = False
-        self.done_sent = False
         self.broken = False
-        self.stalled: str | None = None
-        self.inline = False
-        self.owner = 0
+        # transmit side
+        self.tx_pending: list[memoryview] = []
+        self.tx_off = 0
+        """Bytes of the pending frame already written (0: a frame boundary)."""
+        self.tx_closed = False
+        self.header_sent = False
         self.next_send = 0
-        self.send_dead = False
-        self._back_lock = threading.Lock()
+        self.done_sent = False
+        # receive side
+        self.recv_done = 0
+        self.fhead = bytearray(wire.FRAME.size)
+        self.rx_state = _HEAD
+        self.rx_mv = memoryview(self.fhead)
+        self.control = bytearray(0)
+        self.control_kind = 0
+        self.got_header = False
+        self.junk_left = 0
+        self.drain_frames = 0
+        self.junk = memoryview(bytearray(0))
 
-    # -- shared state ---------------------------------------------------------------------
+    # -- abort state ----------------------------------------------------------------------
     def _set_abort(
-        self,
-        reason: dict[str, Any],
-        *,
-        broken: bool = False,
-        override: bool = False,
-        from_left: bool = False,
+        self, reason: dict[str, Any], *, override: bool = False, from_left: bool = False
     ) -> None:
         fatal = reason.get("kind") in _FATAL
-        with self.cv:
-            if broken or fatal:
-                self.broken = True
-            first = self.abort is None
-            if first or override:
+        with self.lock:
+            if self.abort is None or override:
                 self.abort = reason
             if fatal:
-                self.fatal = True
-            self.cv.notify_all()
+                self.fatal = self.broken = True
         if fatal:
             self._notify_left(reason, from_left=from_left)
             self.ring.shutdown_towards(str(reason.get("peer")))
-        if first and self.inline and threading.get_ident() == self.owner:
-            self._send_abort_inline()
 
     def abort_from_outside(self, reason: dict[str, Any]) -> None:
-        """``Ring.kill``: a member of the view is dead; end this round with ``reason``."""
+        """``Ring.kill``: a member of the view is dead; end this round with ``reason``. Any
+        thread; the loop sees it within ``poll_interval``."""
         self._set_abort(reason, override=True)
+
+    def _reason(self, kind: str, peer: str, msg: str) -> dict[str, Any]:
+        return {"kind": kind, "peer": peer, "origin": self.node_id, "msg": msg}
 
     def _notify_left(self, reason: dict[str, Any], *, from_left: bool) -> None:
         """Write the abort once on the reverse direction of the connection from the left (the
@@ -176,359 +177,313 @@ class Pipeline:
             ring.notice_sent = True
             sock = ring.recv_sock
         if sock is not None:
-            _send_frame_raw(sock, wire.ABORT, wire.pack_control(reason)[4:])
+            body = wire.pack_control(reason)[4:]
+            with contextlib.suppress(OSError):  # best effort: the left also has io_timeout
+                sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
 
     def _poll_back(self) -> None:
-        """Read an abort notice from the right neighbour, if one arrived (never blocks)."""
+        """Read an abort notice (or EOF) from the right neighbour, if one arrived."""
         sock = self.ring.send_sock
-        if sock is None or not self._back_lock.acquire(blocking=False):
+        if sock is None:
             return
         try:
-            try:
-                data = sock.recv(4096, _DONTWAIT)
-            except OSError:  # nothing there (EAGAIN), or the socket already failed
-                return
-            right = self.ring.right.node_id
-            if not data:
-                msg = f"{right} closed the connection"
-                self._set_abort(self._reason("lost", right, msg))
-                return
-            back = self.ring.back
-            back += data
-            if len(back) < wire.FRAME.size:
-                return
-            kind, length = wire.FRAME.unpack_from(back)
-            if kind != wire.ABORT or length > wire.MAX_CONTROL_BYTES:
-                back.clear()  # not a notice: ignore it, the data stream decides
-                return
-            if len(back) < wire.FRAME.size + length:
-                return
-            try:
-                body = bytes(back[wire.FRAME.size : wire.FRAME.size + length])
-                reason = wire.unpack_control(body)
-            except RemoteProtocolError:
-                return
-            finally:
-                back.clear()
-            if isinstance(reason.get("kind"), str) and isinstance(reason.get("msg"), str):
-                self._set_abort(reason)
-        finally:
-            self._back_lock.release()
-
-    def _idle(self, since: float, *, receiving: bool = False) -> float:
-        """A socket call returned with nothing moved after ``poll_interval``: look for aborts,
-        enforce ``io_timeout``. Returns when the wait goes on since ``since`` (0: just began)."""
-        now = time.monotonic()
-        if not since:
-            since = now - self.poll_interval
-        self._poll_back()
-        if self.fatal:
-            raise _Killed
-        if now - since >= self.io_timeout:
-            raise _Stalled
-        if receiving and self.inline and threading.get_ident() == self.owner:
-            self._inline_keepalive()
-        return since
-
-    def _recv_exactly(self, sock: socket.socket, mv: memoryview) -> None:
-        since = 0.0
-        while mv:
-            try:
-                n = sock.recv_into(mv, len(mv), _WAITALL)
-            except BlockingIOError:  # SO_RCVTIMEO: nothing arrived for poll_interval
-                since = self._idle(since, receiving=True)
-                continue
-            if n == 0:
-                raise EOFError
-            since = 0.0
-            mv = mv[n:]
-
-    def _send_all(self, sock: socket.socket, mv: memoryview | bytes) -> None:
-        mv = memoryview(mv)
-        since = 0.0
-        while mv:
-            try:
-                n = sock.send(mv)
-            except BlockingIOError:  # SO_SNDTIMEO: nothing went out for poll_interval
-                since = self._idle(since)
-                continue
-            since = 0.0
-            mv = mv[n:]
-
-    def _send_frame(self, sock: socket.socket, kind: int, payload: memoryview | bytes) -> None:
-        head = wire.FRAME.pack(kind, len(payload))
-        if not len(payload):
-            self._send_all(sock, head)
+            data = sock.recv(4096, _DONTWAIT)
+        except OSError:  # nothing there (EAGAIN), or the socket already failed
             return
-        try:
-            n = sock.sendmsg([head, payload])
-        except BlockingIOError:
-            n = 0
-        if n < len(head):
-            self._send_all(sock, head[n:])
-            n = len(head)
-        self._send_all(sock, memoryview(payload)[n - len(head) :])
-
-    def _reason(self, kind: str, peer: str, msg: str) -> dict[str, Any]:
-        return {"kind": kind, "peer": peer, "origin": self.node_id, "msg": msg}
-
-    def _wait_recvs(self, need: int, sock: socket.socket) -> bool:
-        """Block until ``need`` receives are done (True) or the round aborted (False), sending
-        a ``KEEPALIVE`` to the right every ``poll_interval`` meanwhile."""
-        for _ in range(1 << 40):  # each wait is bounded, and so is the receiver's
-            with self.cv:
-                if self.abort is not None:
-                    return False
-                if self.recv_done >= need:
-                    return True
-                if self.cv.wait(self.poll_interval):
-                    continue
-            self._send_all(sock, _KEEPALIVE_FRAME)
-        return False
-
-    # -- sender ---------------------------------------------------------------------------
-    def _sender(self) -> None:
-        sock = self.ring.send_sock
         right = self.ring.right.node_id
+        if not data:
+            self._set_abort(self._reason("lost", right, f"{right} closed the connection"))
+            return
+        back = self.ring.back
+        back += data
+        if len(back) < wire.FRAME.size:
+            return
+        kind, length = wire.FRAME.unpack_from(back)
+        if kind != wire.ABORT or length > wire.MAX_CONTROL_BYTES:
+            back.clear()  # not a notice: ignore it, the data stream decides
+            return
+        if len(back) < wire.FRAME.size + length:
+            return
+        body = bytes(back[wire.FRAME.size : wire.FRAME.size + length])
+        back.clear()
         try:
-            if sock is None:
-                raise EOFError
-            self._send_frame(sock, wire.HEADER, wire.pack_control(self.header)[4:])
-            sends, after, isz = self.sched.sends, self.sched.send_after, self.isz
-            inp_b, acc_b = self.inp_b, self.acc_b
-            for j, s in enumerate(sends):
-                need = after[j]
-                if need and self.recv_done < need and not self._wait_recvs(need, sock):
-                    break
-                if self.abort is not None:
-                    break
-                src = inp_b if s.from_input else acc_b
-                self._send_frame(sock, wire.DATA, src[s.start * isz : s.stop * isz])
-            else:
-                if self._wait_recvs(len(self.sched.recvs), sock):
-                    self._send_frame(sock, wire.DONE, b"")
-                    self.done_sent = True
-                    return
-            reason = self.abort
-            if reason is not None and not (self.fatal and reason.get("peer") == right):
-                self._send_frame(sock, wire.ABORT, wire.pack_control(reason)[4:])
-        except _Killed:
-            pass
-        except _Stalled:
-            self.stalled = self.stalled or right
-            self._set_abort(self._reason("stalled", right, f"{right} stopped reading"), broken=True)
-        except (OSError, EOFError) as exc:
-            self._poll_back()  # a notice sent before the connection broke names the culprit
-            msg = f"connection to {right} broke: {exc!r}"
-            self._set_abort(self._reason("lost", right, msg), broken=True)
+            reason = wire.unpack_control(body)
+        except RemoteProtocolError:
+            return
+        if isinstance(reason.get("kind"), str) and isinstance(reason.get("msg"), str):
+            self._set_abort(reason)
 
-    # -- receiver -------------------------------------------------------------------------
-    def _receiver(self) -> None:
-        sock = self.ring.recv_sock
-        left = self.ring.left.node_id
-        try:
-            if sock is None:
-                raise EOFError
-            self._receive(sock, left)
-        except _Killed:
-            if self.inline:
-                self._send_abort_inline()
-        except _Stalled:
-            self.stalled = self.stalled or left
-            msg = f"no data from {left} for {self.io_timeout}s"
-            self._set_abort(self._reason("stalled", left, msg), broken=True)
-        except (EOFError, OSError) as exc:
-            self._poll_back()
-            what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
-            msg = f"connection from {left} {what}"
-            self._set_abort(self._reason("lost", left, msg), broken=True)
-        except RemoteProtocolError as exc:
-            msg = f"bad frame from {left}: {exc}"
-            self._set_abort(self._reason("protocol", left, msg), broken=True)
+    # -- transmit side --------------------------------------------------------------------
+    def _next_frame(self) -> list[memoryview] | None:
+        """The next frame to write, or None when there is nothing to write now."""
+        if self.tx_closed:
+            return None
+        reason = self.abort
+        if reason is not None:
+            self.tx_closed = True
+            if self.fatal and reason.get("peer") == self.ring.right.node_id:
+                return None  # no one to tell there
+            body = wire.pack_control(reason)[4:]
+            return [memoryview(wire.FRAME.pack(wire.ABORT, len(body)) + body)]
+        if not self.header_sent:
+            self.header_sent = True
+            body = wire.pack_control(self.header)[4:]
+            return [memoryview(wire.FRAME.pack(wire.HEADER, len(body)) + body)]
+        sends = self.sched.sends
+        j = self.next_send
+        if j < len(sends):
+            if self.sched.send_after[j] > self.recv_done:
+                return None
+            s = sends[j]
+            self.next_send = j + 1
+            src = self.inp_b if s.from_input else self.acc_b
+            payload = src[s.start * self.isz : s.stop * self.isz]
+            return [memoryview(wire.FRAME.pack(wire.DATA, len(payload))), payload]
+        if self.recv_done == len(self.sched.recvs):
+            self.tx_closed = self.done_sent = True
+            return [memoryview(_DONE_FRAME)]
+        return None
 
-    def _read_head(self, sock: socket.socket) -> tuple[int, int]:
-        """The next frame head, skipping keepalives (each one restarts the stall clock)."""
-        for _ in range(1 << 40):
-            self._recv_exactly(sock, memoryview(self.fhead))
-            kind, length = wire.FRAME.unpack(self.fhead)
-            if kind != wire.KEEPALIVE:
-                return int(kind), int(length)
+    def _tx(self, sock: socket.socket) -> bool:
+        """Write what can be written without blocking; True if any byte went out."""
+        moved = False
+        pending = self.tx_pending
+        for _ in range(len(self.sched.sends) + 4):
+            if not pending:
+                frame = self._next_frame()
+                if frame is None:
+                    break
+                pending.extend(frame)
+            try:
+                n = sock.sendmsg(pending, (), _DONTWAIT)
+            except BlockingIOError:
+                break
+            moved = True
+            self.tx_off += n
+            while n:
+                k = len(pending[0])
+                if n >= k:
+                    n -= k
+                    pending.pop(0)
+                else:
+                    pending[0] = pending[0][n:]
+                    n = 0
+            while pending and not len(pending[0]):
+                pending.pop(0)
+            if pending:
+                break  # the socket is full
+            self.tx_off = 0
+        return moved
+
+    # -- receive side ---------------------------------------------------------------------
+    def _rx(self, sock: socket.socket) -> bool:
+        """Read what has arrived without blocking; True if any byte came in."""
+        moved = False
+        for _ in range(1 << 20):  # bounded; ends when the socket is empty
+            if self.rx_state == _FINISHED:
+                break
+            mv = self.rx_mv
+            if len(mv):
+                try:
+                    n = sock.recv_into(mv, len(mv), _DONTWAIT)
+                except BlockingIOError:
+                    break
+                if n == 0:
+                    raise EOFError
+                moved = True
+                if n < len(mv):
+                    self.rx_mv = mv[n:]
+                    break  # the socket is empty
+            if self.rx_state == _DATA:
+                self._rx_complete()
+                break  # a chunk is done: let the sends it unlocks go first
+            self._rx_complete()
+        return moved
+
+    def _expect(self, state: int, mv: memoryview) -> None:
+        self.rx_state, self.rx_mv = state, mv
+
+    def _rx_complete(self) -> None:
+        """The current receive target is full: act on it and set the next one."""
+        state = self.rx_state
+        if state == _DATA:
+            r = self.sched.recvs[self.recv_done]
+            bufs = self.bufs
+            if r.reduce and bufs.reduce is not None:
+                n = r.stop - r.start
+                bufs.reduce(
+                    bufs.inp[r.start : r.stop], self.scratch[:n], bufs.acc[r.start : r.stop]
+                )
+            if r.final and bufs.scale is not None:
+                bufs.scale(bufs.acc[r.start : r.stop])
+            self.recv_done += 1
+            self._expect(_HEAD, memoryview(self.fhead))
+        elif state == _HEAD:
+            self._on_head()
+        elif state == _JUNK_DATA:
+            self._next_junk()
+        elif state == _CONTROL:
+            self._on_control()
+
+    def _on_head(self) -> None:
+        kind, length = wire.FRAME.unpack(self.fhead)
+        head = memoryview(self.fhead)
+        if kind == wire.KEEPALIVE:
             if length:
                 raise RemoteProtocolError("malformed", f"keepalive with {length} bytes")
-            if self.inline:  # our left waits on its left: so do we; tell our right (the sender
-                self._inline_keepalive()  # thread does that on its own in two-thread mode)
-        raise RemoteProtocolError("malformed", "endless keepalives")
-
-    def _read_control(self, sock: socket.socket, length: int) -> dict[str, Any]:
-        if length > wire.MAX_CONTROL_BYTES:
-            raise RemoteProtocolError("oversized", f"control frame of {length} bytes")
-        body = bytearray(length)
-        self._recv_exactly(sock, memoryview(body))
-        return wire.unpack_control(bytes(body))
-
-    def _receive(self, sock: socket.socket, left: str) -> None:
-        kind, length = self._read_head(sock)
-        if kind == wire.ABORT:  # the left neighbour's ring was killed before it started
-            self._take_abort(sock, length)
+            self._expect(_HEAD, head)
             return
-        if kind != wire.HEADER:
+        if kind in (wire.HEADER, wire.ABORT):
+            if kind == wire.HEADER and self.got_header:
+                raise RemoteProtocolError("malformed", "second HEADER")
+            if length > wire.MAX_CONTROL_BYTES:
+                raise RemoteProtocolError("oversized", f"control frame of {length} bytes")
+            self.control_kind = kind
+            self.control = bytearray(length)
+            self._expect(_CONTROL, memoryview(self.control))
+            return
+        if not self.got_header:
             raise RemoteProtocolError("malformed", f"expected HEADER, got frame kind {kind}")
-        theirs = self._read_control(sock, length)
-        mine = {k: v for k, v in self.header.items() if k != "frames"}
-        their_cmp = {k: v for k, v in theirs.items() if k != "frames"}
-        if their_cmp != mine:
-            msg = (
-                f"{self.node_id} called {_describe(mine)} but its left neighbour {left} "
-                f"called {_describe(their_cmp)}"
-            )
-            self._set_abort(self._reason("mismatch", left, msg))
-            frames = theirs.get("frames")
-            self._drain(sock, frames if isinstance(frames, int) else 1 << 30)
-            return
-        recvs, bufs, isz = self.sched.recvs, self.bufs, self.isz
-        acc, inp, acc_b, scratch, scratch_b = (
-            bufs.acc,
-            bufs.inp,
-            self.acc_b,
-            self.scratch,
-            self.scratch_b,
-        )
-        reduce, scale, cv = bufs.reduce, bufs.scale, self.cv
-        for i, r in enumerate(recvs):
-            kind, length = self._read_head(sock)
-            if kind == wire.ABORT:
-                self._take_abort(sock, length)
-                return
-            if self.fatal:
-                raise _Killed
-            if self.abort is not None:  # we aborted: read and discard the rest
-                self._drain(sock, len(recvs) - i, first=(kind, length))
-                return
-            n = r.stop - r.start
-            if kind != wire.DATA or length != n * isz:
-                raise RemoteProtocolError(
-                    "malformed", f"frame kind {kind} length {length}, expected {n * isz} data"
-                )
-            if r.reduce:
-                self._recv_exactly(sock, scratch_b[: n * isz])
-                if reduce is not None:
-                    reduce(inp[r.start : r.stop], scratch[:n], acc[r.start : r.stop])
-            else:
-                self._recv_exactly(sock, acc_b[r.start * isz : r.stop * isz])
-            if r.final and scale is not None:
-                scale(acc[r.start : r.stop])
-            if self.inline:
-                self.recv_done = i + 1
-                self._pump()
-            else:
-                with cv:
-                    self.recv_done = i + 1
-                    cv.notify()
-        kind, length = self._read_head(sock)
-        if kind == wire.ABORT:
-            self._take_abort(sock, length)
-        elif kind != wire.DONE or length:
-            raise RemoteProtocolError("malformed", f"expected DONE, got frame kind {kind}")
-
-    def _take_abort(self, sock: socket.socket, length: int) -> None:
-        reason = self._read_control(sock, length)
-        if not isinstance(reason.get("kind"), str) or not isinstance(reason.get("msg"), str):
-            raise RemoteProtocolError("malformed", "abort frame without kind/msg")
-        self._set_abort(reason, from_left=True)
-
-    def _drain(
-        self, sock: socket.socket, frames: int, first: tuple[int, int] | None = None
-    ) -> None:
-        """Discard the left neighbour's stream up to its DONE or ABORT (at most frames+1)."""
-        kind, length = first if first is not None else self._read_head(sock)
-        junk = memoryview(bytearray(1 << 16))
-        for _ in range(frames + 1):
-            if kind == wire.ABORT:
-                self._read_control(sock, length)
-                return
+        if self.abort is not None:  # we aborted: read and discard up to DONE or ABORT
+            self.drain_frames -= 1
+            if self.drain_frames < 0:
+                raise RemoteProtocolError("malformed", "left sent more frames than announced")
             if kind == wire.DONE:
-                return
-            if kind != wire.DATA:
+                self._expect(_FINISHED, head)
+            elif kind == wire.DATA:
+                self.junk_left = length
+                self._next_junk()
+            else:
                 raise RemoteProtocolError("malformed", f"frame kind {kind} while draining")
-            while length:
-                k = min(length, len(junk))
-                self._recv_exactly(sock, junk[:k])
-                length -= k
-            kind, length = self._read_head(sock)
-        raise RemoteProtocolError("malformed", "left neighbour sent more frames than announced")
+            return
+        recvs = self.sched.recvs
+        i = self.recv_done
+        if kind == wire.DONE and not length and i == len(recvs):
+            self._expect(_FINISHED, head)
+            return
+        if kind != wire.DATA or i >= len(recvs):
+            raise RemoteProtocolError("malformed", f"unexpected frame kind {kind}")
+        r = recvs[i]
+        nb = (r.stop - r.start) * self.isz
+        if length != nb:
+            raise RemoteProtocolError("malformed", f"data frame of {length} bytes, expected {nb}")
+        if r.reduce:
+            self._expect(_DATA, self.scratch_b[:nb])
+        else:
+            self._expect(_DATA, self.acc_b[r.start * self.isz : r.stop * self.isz])
 
-    # -- inline mode: small rounds, one thread ------------------------------------------------
-    def _inline_send(self, kind: int, payload: memoryview | bytes) -> bool:
-        sock, right = self.ring.send_sock, self.ring.right.node_id
-        try:
-            if sock is None:
-                raise EOFError
-            self._send_frame(sock, kind, payload)
-            return True
-        except _Killed:
-            self.send_dead = True
-        except _Stalled:
-            self.send_dead = True
-            self.stalled = self.stalled or right
-            self._set_abort(self._reason("stalled", right, f"{right} stopped reading"), broken=True)
-        except (OSError, EOFError) as exc:
-            self.send_dead = True
-            self._poll_back()
-            msg = f"connection to {right} broke: {exc!r}"
-            self._set_abort(self._reason("lost", right, msg), broken=True)
-        return False
+    def _next_junk(self) -> None:
+        if not self.junk_left:
+            self._expect(_HEAD, memoryview(self.fhead))
+            return
+        if not len(self.junk):
+            self.junk = memoryview(bytearray(_JUNK))
+        k = min(self.junk_left, _JUNK)
+        self.junk_left -= k
+        self._expect(_JUNK_DATA, self.junk[:k])
 
-    def _pump(self) -> None:
-        """Send everything the receives done so far allow, then DONE after the last one."""
-        sends, after, isz = self.sched.sends, self.sched.send_after, self.isz
-        while (
-            self.next_send < len(sends)
-            and after[self.next_send] <= self.recv_done
-            and self.abort is None
-            and not self.send_dead
-        ):
-            s = sends[self.next_send]
-            src = self.inp_b if s.from_input else self.acc_b
-            if not self._inline_send(wire.DATA, src[s.start * isz : s.stop * isz]):
+    def _on_control(self) -> None:
+        msg = wire.unpack_control(bytes(self.control))
+        left = self.ring.left.node_id
+        if self.control_kind == wire.ABORT:
+            if not isinstance(msg.get("kind"), str) or not isinstance(msg.get("msg"), str):
+                raise RemoteProtocolError("malformed", "abort frame without kind/msg")
+            self._set_abort(msg, from_left=True)
+            self._expect(_FINISHED, memoryview(self.fhead))
+            return
+        self.got_header = True
+        mine = {k: v for k, v in self.header.items() if k != "frames"}
+        theirs = {k: v for k, v in msg.items() if k != "frames"}
+        if theirs != mine:
+            text = (
+                f"{self.node_id} called {_describe(mine)} but its left neighbour {left} "
+                f"called {_describe(theirs)}"
+            )
+            self._set_abort(self._reason("mismatch", left, text))
+            frames = msg.get("frames")
+            self.drain_frames = (frames if isinstance(frames, int) else 1 << 30) + 1
+        self._expect(_HEAD, memoryview(self.fhead))
+
+    # -- the loop -------------------------------------------------------------------------
+    def _finished(self) -> bool:
+        return self.rx_state == _FINISHED and self.tx_closed and not self.tx_pending
+
+    def _loop(self) -> None:
+        ring = self.ring
+        tx, rx = ring.send_sock, ring.recv_sock
+        left, right = ring.left.node_id, ring.right.node_id
+        if tx is None or rx is None:
+            who = right if tx is None else left
+            raise _Stop(self._reason("lost", who, f"connection with {who} is closed"))
+        poller = select.poll()
+        txfd, rxfd = tx.fileno(), rx.fileno()
+        poller.register(txfd, select.POLLIN)
+        poller.register(rxfd, select.POLLIN)
+        tx_mask = rx_mask = select.POLLIN
+        poll_ms = max(1, int(self.poll_interval * 1000))
+        now = time.monotonic()
+        last_rx = last_tx = last_sent = now
+        for _ in range(1 << 40):  # bounded in time by io_timeout per idle direction
+            if self.fatal:
                 return
-            self.next_send += 1
-        if (
-            self.next_send == len(sends)
-            and self.recv_done == len(self.sched.recvs)
-            and self.abort is None
-            and not self.send_dead
-            and not self.done_sent
-            and self._inline_send(wire.DONE, b"")
-        ):
-            self.done_sent = True
-
-    def _inline_keepalive(self) -> None:
-        if self.abort is None and not self.send_dead and not self.done_sent:
-            self._inline_send(wire.KEEPALIVE, b"")
-
-    def _send_abort_inline(self) -> None:
-        reason = self.abort
-        if self.fatal and reason is not None and reason.get("peer") == self.ring.right.node_id:
-            return  # no one to tell there
-        if not self.done_sent and not self.send_dead and reason is not None:
-            self.send_dead = True  # nothing may follow an ABORT
-            self._inline_send(wire.ABORT, wire.pack_control(reason)[4:])
-
-    def _run_inline(self) -> None:
-        self.inline = True
-        self.owner = threading.get_ident()
-        if self._inline_send(wire.HEADER, wire.pack_control(self.header)[4:]):
-            self._pump()
-        self._receiver()
-        self._send_abort_inline()  # if an abort came from another thread; no-op otherwise
+            try:
+                sent = self._tx(tx)
+            except OSError as exc:
+                self._poll_back()  # a notice sent before the connection broke names the culprit
+                msg = f"connection to {right} broke: {exc!r}"
+                raise _Stop(self._reason("lost", right, msg)) from None
+            try:
+                got = self._rx(rx)
+            except (EOFError, OSError) as exc:
+                self._poll_back()
+                what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
+                raise _Stop(self._reason("lost", left, f"connection from {left} {what}")) from None
+            except RemoteProtocolError as exc:
+                # The left stream is out of sync: stop reading it, still tell the right.
+                self.broken = True
+                self._set_abort(self._reason("protocol", left, f"bad frame from {left}: {exc}"))
+                self.rx_state = _FINISHED
+                got = True
+            if self._finished():
+                return
+            if sent or got:
+                now = time.monotonic()
+                if got:
+                    last_rx = now
+                if sent:
+                    last_tx = last_sent = now
+                continue
+            # Nothing moved: wait for either socket (or a notice on the reverse direction).
+            want_tx = select.POLLIN | (select.POLLOUT if self.tx_pending else 0)
+            want_rx = select.POLLIN if self.rx_state != _FINISHED else 0
+            if want_tx != tx_mask:
+                poller.modify(txfd, want_tx)
+                tx_mask = want_tx
+            if want_rx != rx_mask:
+                poller.modify(rxfd, want_rx)
+                rx_mask = want_rx
+            events = poller.poll(poll_ms)
+            for fd, ev in events:
+                if fd == txfd and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    self._poll_back()
+            now = time.monotonic()
+            if self.rx_state != _FINISHED and now - last_rx >= self.io_timeout:
+                msg = f"no data from {left} for {self.io_timeout}s"
+                raise _Stop(self._reason("stalled", left, msg))
+            if self.tx_pending and now - last_tx >= self.io_timeout:
+                raise _Stop(self._reason("stalled", right, f"{right} stopped reading"))
+            if not self.tx_pending:
+                last_tx = now  # not waiting on the right neighbour
+                if not self.tx_closed and now - last_sent >= self.poll_interval:
+                    self.tx_pending.append(memoryview(_KEEPALIVE_FRAME))
 
     # -- entry point ----------------------------------------------------------------------
-    def run_blocking(self, sender_pool: ThreadPoolExecutor, *, inline_max_bytes: int = 0) -> None:
-        """Run the collective and raise the round's error, if any. Rounds whose sends total at
-        most ``inline_max_bytes`` run in this thread alone (they fit in the socket buffers, so
-        sends never block, and a thread hand-off would cost more than it saves); larger ones
-        receive here and send from ``sender_pool``. Marks the ring broken when its streams are
-        out of sync."""
+    def run_blocking(
+        self, sender_pool: ThreadPoolExecutor | None = None, *, inline_max_bytes: int = 0
+    ) -> None:
+        """Run the collective in this thread and raise the round's error, if any. Marks the
+        ring broken when its streams are out of sync. (``sender_pool`` and
+        ``inline_max_bytes`` are accepted for compatibility and unused.)"""
         ring = self.ring
         with ring.lock:
             started = ring.killed is None
@@ -538,24 +493,21 @@ class Pipeline:
                 self.abort, self.fatal, self.broken = ring.killed, True, True
         if started:
             try:
-                total = sum(s.stop - s.start for s in self.sched.sends) * self.isz
-                if total <= inline_max_bytes:
-                    self._run_inline()
-                else:
-                    fut = sender_pool.submit(self._sender)
-                    try:
-                        self._receiver()
-                    finally:
-                        fut.result()  # bounded: every sender wait and socket call has a timeout
+                self._loop()
+            except _Stop as stop:
+                self._set_abort(stop.args[0])
+                self.broken = True
             finally:
+                if self.fatal:
+                    self._forward_abort()
                 with ring.lock:
                     ring.active = None
         if self.broken:
             ring.broken = True
-        if self.abort is None:
-            return
         reason = self.abort
-        epoch = self.ring.view.epoch
+        if reason is None:
+            return
+        epoch = ring.view.epoch
         kind, msg = str(reason.get("kind")), str(reason.get("msg"))[:_ABORT_MSG_CAP]
         origin, peer = str(reason.get("origin")), str(reason.get("peer"))
         if origin != self.node_id:
@@ -567,6 +519,19 @@ class Pipeline:
         if kind == "mismatch":
             raise InputMismatchError(msg)
         raise CollectiveError(f"collective aborted: {msg}")
+
+    def _forward_abort(self) -> None:
+        """After a fatal abort: pass it to the right neighbour if we are at a frame boundary
+        (best effort, never blocks; the right neighbour also gets the notice chain or EOF)."""
+        reason, sock = self.abort, self.ring.send_sock
+        if self.tx_closed or self.tx_off or reason is None or sock is None:
+            return
+        self.tx_closed = True
+        if reason.get("peer") == self.ring.right.node_id:
+            return
+        body = wire.pack_control(reason)[4:]
+        with contextlib.suppress(OSError):
+            sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
 
 
 def _describe(h: dict[str, Any]) -> str:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from ..membership.messages import MemberState
 from ..state import Snapshot, State, latest_valid_checkpoint, save_checkpoint
 from ..sync import SyncMesh
 from ..training.protocol import FRESH, QUORUM_POLICIES, has_quorum, plan_sync, sync_vector
+from .buckets import GradBuckets
 from .sampler import ElasticSampler
 
 log = logging.getLogger("ftmesh.torch")
@@ -81,6 +84,7 @@ class ElasticTrainer:
         join_settle: float = 2.0,
         quorum: str = "majority",
         quorum_grace: float = 5.0,
+        bucket_mb: float = 25.0,
         on_world_change: Callable[[int, int], None] | None = None,
     ) -> None:
         self.mesh = mesh
@@ -105,8 +109,9 @@ class ElasticTrainer:
         # Members run the same seeded code, but their global RNGs need not agree: leave them
         # out so that digests compare model and optimizer only.
         self.state = State(model=model, optimizer=optimizer, rng=False)
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        self._numel = sum(p.numel() for p in self._params)
+        self._buckets = GradBuckets(
+            [p for p in model.parameters() if p.requires_grad], int(bucket_mb * 2**20)
+        )
         self.recoveries = 0
         self.last_sync_bytes = 0
         self.last_sync_seconds = 0.0
@@ -267,41 +272,30 @@ class ElasticTrainer:
         step = self.committed  # the step being computed (0-based)
         indices = self.sampler.indices(step, view.node_ids, me)
         self.optimizer.zero_grad(set_to_none=False)
-        flat = np.zeros(self._numel + 2, dtype=np.float32)
+        buckets = self._buckets
+
+        def launch(buf: np.ndarray) -> Future[Any]:
+            return self.mesh.submit(self.mesh.mesh.on_view, view, "allreduce", buf, "sum")
+
+        buckets.start(launch)
         if len(indices):
             loss = loss_fn(indices)
+            buckets.header[:] = (len(indices), float(loss.detach()) * len(indices))
+            # Gradients of the summed (not mean) loss: the allreduce adds every member's.
             (loss * len(indices)).backward()  # type: ignore[no-untyped-call]
-            offset = 0
-            for p in self._params:
-                n = p.numel()
-                if p.grad is not None:
-                    flat[offset : offset + n] = p.grad.detach().reshape(-1).numpy()
-                offset += n
-            flat[-2] = len(indices)
-            flat[-1] = float(loss.detach()) * len(indices)
-        result = self.mesh.allreduce_on(view, flat, "sum")
-        total = float(flat[-2])
+        buckets.finish(timeout=self.step_timeout)
+        total, loss_sum = (float(v) for v in buckets.header)
         if total <= 0:
             raise FtmeshError("a step reduced zero samples")
-        scale = 1.0 / total
-        offset = 0
-        with torch.no_grad():
-            for p in self._params:
-                n = p.numel()
-                g = torch.from_numpy(flat[offset : offset + n]).view_as(p)
-                if p.grad is None:
-                    p.grad = g.mul(scale)
-                else:
-                    p.grad.copy_(g).mul_(scale)
-                offset += n
+        buckets.write_grads(1.0 / total)
         self.optimizer.step()
         self.committed = step + 1
         return StepReport(
             step=self.committed,
-            loss=float(flat[-1]) / total,
+            loss=loss_sum / total,
             samples=int(total),
-            members=result.members,
-            epoch=result.epoch,
+            members=view.node_ids,
+            epoch=view.epoch,
             attempts=attempts,
             synced=synced,
             sync_bytes=self.last_sync_bytes if synced else 0,

@@ -4,12 +4,12 @@
 Started with the ``FTMESH_*`` environment of ``ftmesh launch`` (``ftmesh.connect``). It prints
 a ``hello`` record (pid, node id, state size), then one record per committed step with the
 step's members and a timeline ``ev`` of what the step call spent its time on: every mesh call
-the trainer made (``ar`` allreduce, ``bc`` broadcast, ``wv`` wait for a view, ``wvc`` wait for
-a view change, ``wq`` wait for quiet), state (de)serialization (``sb``, ``ld``), digests
-(``dg``) and the forward pass (``fwd``), each ``{"k", "a" (start), "b" (end), "err"?}`` on
-the monotonic clock. A monitor thread adds ``view`` events (``a``: when this member saw a new
-view, ``ids``: its members). The instrumentation wraps the mesh and trainer *instances*; it
-changes nothing in ftmesh. Runs until killed or ``--max-seconds``.
+the trainer made (``ar`` allreduce, blocking or submitted, ``bc`` broadcast, ``wv`` wait for a
+view, ``wvc`` wait for a view change, ``wq`` wait for quiet), state snapshot / load (``sb``,
+``ld``), digests (``dg``) and the forward pass (``fwd``), each ``{"k", "a" (start), "b" (end),
+"err"?}`` on the monotonic clock. A monitor thread adds ``view`` events (``a``: when this
+member saw a new view, ``ids``: its members). The instrumentation wraps the mesh and trainer
+*instances*; it changes nothing in ftmesh. Runs until killed or ``--max-seconds``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ T_START = time.monotonic()
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -77,6 +78,16 @@ class Timeline:
         return timed
 
 
+def abort_round(dp: Any, epoch: str, peer: str) -> None:
+    """The ``--abort-on-view-change`` experiment (runs in the mesh's trio thread): fail the
+    rounds running on ``epoch`` now. ``abort_view`` also fails every *future* round on that
+    epoch id, and epoch ids recur (the same members again after a refuted suspicion or a
+    joiner's flap), which would wedge the ring for good; so the mark is dropped at once and
+    only the kill of the running ring remains."""
+    dp.abort_view(epoch, peer, "left the view")
+    dp._aborted.pop(epoch, None)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state-mb", type=float, default=16.0)
@@ -93,6 +104,10 @@ def main() -> int:
     )
     args = p.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    logging.basicConfig(
+        level=os.environ.get("FTMESH_LOG", "WARNING"),
+        format="%(created).3f %(name)s %(levelname)s %(message)s",
+    )
 
     model = make_model("mlp", args.state_mb, seed=args.seed)
     optimizer = make_optimizer(model)
@@ -121,6 +136,25 @@ def main() -> int:
             ("wait_quiet", "wq"),
         ):
             setattr(mesh, name, tl.wrap(kind, getattr(mesh, name)))
+        if hasattr(mesh, "submit"):  # asynchronous (bucketed) collectives
+            mesh_submit = mesh.submit
+
+            def submit(fn: Callable[..., Any], *a: Any) -> Any:
+                t0 = time.monotonic()
+                fut = mesh_submit(fn, *a)
+                n = next((int(x.nbytes) for x in a if hasattr(x, "nbytes")), 0)
+
+                def done(f: Any) -> None:
+                    span: dict[str, Any] = {"k": "ar", "a": t0, "b": time.monotonic(), "n": n}
+                    exc = None if f.cancelled() else f.exception()
+                    if f.cancelled() or exc is not None:
+                        span["err"] = type(exc).__name__ if exc else "cancelled"
+                    tl.add(span)
+
+                fut.add_done_callback(done)
+                return fut
+
+            setattr(mesh, "submit", submit)  # noqa: B010
         for name, kind in (
             ("snapshot", "sb"),
             ("load_snapshot", "ld"),
@@ -139,8 +173,7 @@ def main() -> int:
                     view = monitor_wait(epoch, 1.0)
                     if view is not None and view.epoch != epoch and args.abort_on_view_change:
                         for gone in set(ids) - set(view.node_ids):
-                            dp = mesh.mesh.data_plane
-                            mesh.call_sync(dp.abort_view, epoch, gone, "left the view")
+                            mesh.call_sync(abort_round, mesh.mesh.data_plane, epoch, gone)
                 except BaseException:  # the mesh is closing (trio.Cancelled included)
                     return
                 if view is not None and view.epoch != epoch:

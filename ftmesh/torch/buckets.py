@@ -1,0 +1,112 @@
+"""Gradient buckets that are allreduced while backward is still running.
+
+Theory of operation: parameters are grouped, in reverse registration order (roughly the order
+in which backward produces their gradients), into buckets of about ``bucket_bytes``. Each
+bucket owns one flat float32 buffer. A post-accumulate-grad hook copies a parameter's gradient
+into its bucket's slice; when a bucket is complete it is handed to the mesh for an allreduce
+without waiting, so communication overlaps with the rest of backward, as in
+``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
+completes early waits for the ones before it), so every member issues the same collectives in
+the same order whatever order its hooks fire in. The last bucket carries two extra slots: the
+member's sample count and summed loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class GradBuckets:
+    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int) -> None:
+        self.params = params
+        order = list(reversed(params))
+        groups: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in order:
+            nbytes = p.numel() * 4
+            if groups[-1] and size + nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        self.groups = groups
+        self.buffers: list[np.ndarray] = []
+        self.slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, start, stop)
+        for b, group in enumerate(groups):
+            offset = 0
+            for p in group:
+                self.slot[id(p)] = (b, offset, offset + p.numel())
+                offset += p.numel()
+            extra = 2 if b == len(groups) - 1 else 0
+            self.buffers.append(np.zeros(offset + extra, dtype=np.float32))
+        self._pending: list[int] = []
+        self._launched = 0
+        self._futures: list[Future[Any]] = []
+        self._launch: Callable[[np.ndarray], Future[Any]] | None = None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in params
+        ]
+
+    @property
+    def header(self) -> np.ndarray:
+        """The two extra slots of the last bucket: [samples, summed loss]."""
+        return self.buffers[-1][-2:]
+
+    def start(self, launch: Callable[[np.ndarray], Future[Any]]) -> None:
+        """Arm the hooks for one backward pass; ``launch(buffer)`` starts an allreduce."""
+        for buf in self.buffers:
+            buf.fill(0.0)
+        self._pending = [len(g) for g in self.groups]
+        self._launched = 0
+        self._futures = []
+        self._launch = launch
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._launch is None or p.grad is None:
+            return
+        b, start, stop = self.slot[id(p)]
+        self.buffers[b][start:stop] = p.grad.detach().reshape(-1).numpy()
+        self._pending[b] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        assert self._launch is not None
+        while self._launched < len(self.buffers) and self._pending[self._launched] <= 0:
+            self._futures.append(self._launch(self.buffers[self._launched]))
+            self._launched += 1
+
+    def finish(self, timeout: float) -> None:
+        """Launch what is left (gradients that never came are zero) and wait for every
+        bucket; raises the first collective error."""
+        assert self._launch is not None
+        self._pending = [0] * len(self.buffers)
+        self._launch_ready()
+        self._launch = None
+        errors = []
+        for fut in self._futures:
+            exc = fut.exception(timeout)
+            if exc is not None:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def write_grads(self, scale: float) -> None:
+        """Copy the reduced buckets back into ``.grad``, times ``scale``."""
+        with torch.no_grad():
+            for p in self.params:
+                b, start, stop = self.slot[id(p)]
+                g = torch.from_numpy(self.buffers[b][start:stop]).view_as(p)
+                if p.grad is None:
+                    p.grad = g.mul(scale)
+                else:
+                    p.grad.copy_(g).mul_(scale)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,96 @@
+"""Smoke runs of ``ftmesh bench recovery`` and ``ftmesh bench train``: tiny configurations,
+real processes on loopback; they check the JSON shape and that the values are sane, never
+speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _bench(module: str, *args: str, timeout: float) -> dict[str, Any]:
+    res = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_recovery_bench_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.recovery",
+        "--procs",
+        "3",
+        "--kills",
+        "1",
+        "--stops",
+        "1",
+        "--torchrun-kills",
+        "1",
+        "--state-mb",
+        "1",
+        "--abort-on-view-change",  # keeps the SIGSTOP round short (see the module doc)
+        timeout=240,
+    )
+    assert r["failures"] == []
+    for key in ("kill_to_step_s", "sigstop_to_step_s"):
+        assert set(r[key]) >= {"median", "p99"}
+        assert 0 < r[key]["median"] <= r[key]["p99"] < 60
+    assert 0 < r["torchrun_kill_to_step_s"]["median"] < 120
+    assert _positive(r["vs_torchrun"])
+    assert r["vs_torchrun"] == pytest.approx(
+        r["torchrun_kill_to_step_s"]["median"] / r["kill_to_step_s"]["median"]
+    )
+    assert _positive(r["join_mb_per_s"])
+    assert _positive(r["raw_tcp_mb_per_s"])
+    assert r["joins"] == 1
+    assert r["state_bytes"] > 1 << 20  # 1 MiB of model + momentum, serialized
+    assert r["sigcont_to_rejoin_s"]["n"] == 1
+    bd = r["kill_breakdown_s"]
+    assert bd["commit"] is not None and bd["commit"] <= bd["received"]
+    assert set(r["goals"]) == {
+        "kill_median_under_0.5s",
+        "vs_torchrun_at_least_4x",
+        "sigstop_within_bound_plus_1s",
+        "join_at_least_half_ceiling",
+    }
+
+
+def test_train_bench_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.train",
+        "--procs",
+        "2",
+        "--models",
+        "digits",
+        "--steps",
+        "3",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        timeout=180,
+    )
+    assert r["benchmark"] == "train"
+    (cell,) = r["cells"]
+    assert cell["procs"] == 2 and cell["model"] == "digits"
+    assert _positive(cell["ftmesh_ms"]) and _positive(cell["ddp_ms"])
+    assert cell["ddp_over_ftmesh"] == pytest.approx(cell["ddp_ms"] / cell["ftmesh_ms"])
+    assert cell["ftmesh_retries"] == 0
+    # Both copies trained the same steps on the same data from the same initial weights.
+    assert cell["max_weight_diff"] < 1e-3
