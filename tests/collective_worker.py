@@ -62,8 +62,8 @@ def correctness(dp: SyncDataPlane, view: RingView, rank: int) -> None:
         allx = [member_input("float32", size, r, size) for r in range(n)]
         x = allx[rank]
         rs = dp.reduce_scatter(view, x).output
-        want = np.array_split(np.sum([a.astype(np.float64) for a in allx], 0), n)[rank]
-        ok = rs.shape == want.shape and bool(np.allclose(rs, want, atol=1e-5 * n))
+        part = np.array_split(np.sum([a.astype(np.float64) for a in allx], 0), n)[rank]
+        ok = rs.shape == part.shape and bool(np.allclose(rs, part, atol=1e-5 * n))
         emit({"case": f"reduce_scatter/{size}/{rank}", "ok": ok, "hash": ""})
         ag = dp.allgather(view, x).output
         ok = bool(np.array_equal(ag, np.stack(allx)))

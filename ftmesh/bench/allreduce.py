@@ -143,7 +143,9 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
     tcp_store: Any = getattr(dist, "TCPStore")  # noqa: B009 - not re-exported for mypy
     store = tcp_store("127.0.0.1", port, nprocs, rank == 0, timeout=_td(120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
-    config = CollectiveConfig(chunk_bytes=cfg["chunk"], io_timeout=120.0)
+    config = CollectiveConfig(
+        chunk_bytes=cfg["chunk"], io_timeout=120.0, socket_buffer_bytes=cfg["sockbuf"]
+    )
     dp = SyncDataPlane.start(f"bench-{rank:03d}", config=config)
     store.set(f"ftmesh/{rank}", f"{dp.address[0]}:{dp.address[1]}")
     peers = []
@@ -324,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}"
     )
+    ap.add_argument(
+        "--sockbuf", default="4M", help="ftmesh SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)"
+    )
     ap.add_argument("--check", action="store_true", help="verify one result per cell first")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -336,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling": args.ceiling,
         "impls": [i for i in IMPLS if i in args.impls.split(",")],
         "check": args.check,
+        "sockbuf": parse_size(args.sockbuf),
     }
     if not cfg["impls"]:
         ap.error(f"--impls: choose from {','.join(IMPLS)}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import socket as _stdsocket
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -55,7 +54,6 @@ class DataPlane:
         self.config = config
         self.node_id = transport.node_id
         self._lock = trio.Lock()
-        self._sender_pool = ThreadPoolExecutor(1, thread_name_prefix=f"ftmesh-send-{self.node_id}")
         host, port = transport.listener.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
         self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -337,13 +335,9 @@ class DataPlane:
         )
 
     def _run_pipeline(self, ring: Ring, pipe: Pipeline) -> None:
-        cfg = self.config
         try:
             self._check_aborted(ring.view.epoch)
-            pipe.run_blocking(
-                self._sender_pool,
-                inline_max_bytes=min(cfg.inline_max_bytes, cfg.socket_buffer_bytes // 2),
-            )
+            pipe.run_blocking()
         finally:
             if ring.broken:
                 self._transport.drop_ring(ring)
@@ -395,6 +389,5 @@ async def open_data_plane(
                 yield dp
             finally:
                 nursery.cancel_scope.cancel()
-                dp._sender_pool.shutdown(wait=False)
     finally:
         transport.close()

@@ -51,7 +51,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +65,7 @@ from .transport import Ring
 
 _ABORT_MSG_CAP = 2000
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _FATAL = ("lost", "stalled")
 _KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
 _DONE_FRAME = wire.FRAME.pack(wire.DONE, 0)
@@ -129,6 +129,7 @@ class Pipeline:
         self.tx_off = 0
         """Bytes of the pending frame already written (0: a frame boundary)."""
         self.tx_closed = False
+        self.right_closed = False
         self.header_sent = False
         self.next_send = 0
         self.done_sent = False
@@ -192,7 +193,9 @@ class Pipeline:
             return
         right = self.ring.right.node_id
         if not data:
-            self._set_abort(self._reason("lost", right, f"{right} closed the connection"))
+            self.right_closed = self.broken = True
+            if not (self.tx_closed and not self.tx_pending):  # else it has all it needs from us
+                self._set_abort(self._reason("lost", right, f"{right} closed the connection"))
             return
         back = self.ring.back
         back += data
@@ -276,8 +279,10 @@ class Pipeline:
         return moved
 
     # -- receive side ---------------------------------------------------------------------
-    def _rx(self, sock: socket.socket) -> bool:
-        """Read what has arrived without blocking; True if any byte came in."""
+    def _rx(self, sock: socket.socket, flags: int) -> bool:
+        """Read what has arrived (``_DONTWAIT``), or wait for the current target to fill
+        (``_WAITALL``: one wake-up per chunk instead of one per segment; bounded by the socket's
+        ``poll_interval`` timeout); True if any byte came in."""
         moved = False
         for _ in range(1 << 20):  # bounded; ends when the socket is empty
             if self.rx_state == _FINISHED:
@@ -285,7 +290,7 @@ class Pipeline:
             mv = self.rx_mv
             if len(mv):
                 try:
-                    n = sock.recv_into(mv, len(mv), _DONTWAIT)
+                    n = sock.recv_into(mv, len(mv), flags)
                 except BlockingIOError:
                     break
                 if n == 0:
@@ -420,7 +425,9 @@ class Pipeline:
         poller.register(txfd, select.POLLIN)
         poller.register(rxfd, select.POLLIN)
         tx_mask = rx_mask = select.POLLIN
-        poll_ms = max(1, int(self.poll_interval * 1000))
+        tx_reg = True
+        poll_s = self.poll_interval
+        poll_ms = max(1, int(poll_s * 1000))
         now = time.monotonic()
         last_rx = last_tx = last_sent = now
         for _ in range(1 << 40):  # bounded in time by io_timeout per idle direction
@@ -432,8 +439,10 @@ class Pipeline:
                 self._poll_back()  # a notice sent before the connection broke names the culprit
                 msg = f"connection to {right} broke: {exc!r}"
                 raise _Stop(self._reason("lost", right, msg)) from None
+            # Nothing to write until more arrives: block on the left (no poll, no busy loop).
+            block = not self.tx_pending and self.rx_state != _FINISHED
             try:
-                got = self._rx(rx)
+                got = self._rx(rx, _WAITALL if block else _DONTWAIT)
             except (EOFError, OSError) as exc:
                 self._poll_back()
                 what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
@@ -452,20 +461,36 @@ class Pipeline:
                     last_rx = now
                 if sent:
                     last_tx = last_sent = now
+                elif not self.tx_pending and not self.tx_closed and now - last_sent >= poll_s:
+                    self.tx_pending.append(memoryview(_KEEPALIVE_FRAME))
                 continue
-            # Nothing moved: wait for either socket (or a notice on the reverse direction).
-            want_tx = select.POLLIN | (select.POLLOUT if self.tx_pending else 0)
-            want_rx = select.POLLIN if self.rx_state != _FINISHED else 0
-            if want_tx != tx_mask:
-                poller.modify(txfd, want_tx)
-                tx_mask = want_tx
-            if want_rx != rx_mask:
-                poller.modify(rxfd, want_rx)
-                rx_mask = want_rx
-            events = poller.poll(poll_ms)
+            if block:  # the blocking receive already waited poll_interval
+                events = poller.poll(0) if tx_reg else []
+            else:  # wait for either socket (or a notice on the reverse direction)
+                want_tx = (0 if self.right_closed else select.POLLIN) | (
+                    select.POLLOUT if self.tx_pending else 0
+                )
+                want_rx = select.POLLIN if self.rx_state != _FINISHED else 0
+                if want_tx != tx_mask and tx_reg:
+                    poller.modify(txfd, want_tx)
+                    tx_mask = want_tx
+                if want_rx != rx_mask:
+                    poller.modify(rxfd, want_rx)
+                    rx_mask = want_rx
+                events = poller.poll(poll_ms)
             for fd, ev in events:
-                if fd == txfd and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                    self._poll_back()
+                if fd != txfd:
+                    continue
+                self._poll_back()
+                if (
+                    ev & (select.POLLERR | select.POLLHUP)
+                    and self.tx_closed
+                    and not self.tx_pending
+                ):
+                    self.right_closed = self.broken = True  # done with it: stop polling it
+                    if tx_reg:
+                        poller.unregister(txfd)
+                        tx_reg = False
             now = time.monotonic()
             if self.rx_state != _FINISHED and now - last_rx >= self.io_timeout:
                 msg = f"no data from {left} for {self.io_timeout}s"
@@ -478,12 +503,9 @@ class Pipeline:
                     self.tx_pending.append(memoryview(_KEEPALIVE_FRAME))
 
     # -- entry point ----------------------------------------------------------------------
-    def run_blocking(
-        self, sender_pool: ThreadPoolExecutor | None = None, *, inline_max_bytes: int = 0
-    ) -> None:
+    def run_blocking(self) -> None:
         """Run the collective in this thread and raise the round's error, if any. Marks the
-        ring broken when its streams are out of sync. (``sender_pool`` and
-        ``inline_max_bytes`` are accepted for compatibility and unused.)"""
+        ring broken when its streams are out of sync."""
         ring = self.ring
         with ring.lock:
             started = ring.killed is None

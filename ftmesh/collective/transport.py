@@ -175,10 +175,9 @@ class Ring:
 
 
 def to_blocking(sock: Socket, poll_interval: float) -> _stdsocket.socket:
-    """Take the fd away from trio: a blocking stdlib socket whose sends and receives return
-    (``BlockingIOError`` when nothing moved) after ``poll_interval`` seconds, so engine threads
-    wake up to check for aborts and count towards ``io_timeout`` (SO_SNDTIMEO/SO_RCVTIMEO: no
-    extra syscall while data flows)."""
+    """Take the fd away from trio: a blocking stdlib socket for the engine. The engine itself
+    uses non-blocking calls (``MSG_DONTWAIT``) and ``poll()``; SO_SNDTIMEO/SO_RCVTIMEO of
+    ``poll_interval`` are a safety net so that no call on it can block for longer."""
     std = _stdsocket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM, fileno=sock.detach())
     std.setblocking(True)
     sec = int(poll_interval)

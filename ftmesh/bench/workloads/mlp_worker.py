@@ -78,14 +78,15 @@ class Timeline:
         return timed
 
 
-def abort_round(dp: Any, epoch: str, peer: str) -> None:
+def abort_round(dp: Any, old_epoch: str, new_epoch: str, gone: list[str]) -> None:
     """The ``--abort-on-view-change`` experiment (runs in the mesh's trio thread): fail the
-    rounds running on ``epoch`` now. ``abort_view`` also fails every *future* round on that
-    epoch id, and epoch ids recur (the same members again after a refuted suspicion or a
-    joiner's flap), which would wedge the ring for good; so the mark is dropped at once and
-    only the kill of the running ring remains."""
-    dp.abort_view(epoch, peer, "left the view")
-    dp._aborted.pop(epoch, None)
+    rounds on ``old_epoch`` now, as if membership had called ``abort_view`` for each member
+    that left. ``abort_view`` also fails every *future* round on that epoch id, and epoch ids
+    recur (the same members again after a refuted suspicion or a joiner's flap), which would
+    wedge that view for good; so the mark of the epoch that becomes current is dropped."""
+    dp._aborted.pop(new_epoch, None)
+    for peer in gone:
+        dp.abort_view(old_epoch, peer, "left the view")
 
 
 def main() -> int:
@@ -172,8 +173,9 @@ def main() -> int:
                 try:
                     view = monitor_wait(epoch, 1.0)
                     if view is not None and view.epoch != epoch and args.abort_on_view_change:
-                        for gone in set(ids) - set(view.node_ids):
-                            mesh.call_sync(abort_round, mesh.mesh.data_plane, epoch, gone)
+                        gone = sorted(set(ids) - set(view.node_ids))
+                        dp = mesh.mesh.data_plane
+                        mesh.call_sync(abort_round, dp, epoch, view.epoch, gone)
                 except BaseException:  # the mesh is closing (trio.Cancelled included)
                     return
                 if view is not None and view.epoch != epoch:
