@@ -44,6 +44,8 @@ DATA_KEY = "data"
 ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others (``spare``, ``observer``) not."""
 ROLES = ("train", "joining", "spare", "observer")
+MAX_VIEWS_WATCHED = 4
+"""Recent views whose collectives a membership loss aborts."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Mesh:
         self.node = node
         self.data_plane = dp
         self._view_changed = trio.Event()
-        self._last_epoch = ""
+        self._views: dict[str, RingView] = {}
 
     @property
     def node_id(self) -> str:
@@ -171,6 +173,7 @@ class Mesh:
         """Run one collective on exactly ``view`` (no retry on another view): the building block
         of protocols that must know which view a round ran on (``ftmesh.training``).
         ``kind`` is ``allreduce`` or ``broadcast``. A lost peer is reported to membership."""
+        self._in_use(view)
         try:
             if kind == "allreduce":
                 return await self.data_plane.allreduce(view, x, op)
@@ -196,6 +199,7 @@ class Mesh:
             view = self.view()
             if view is None or self.node_id not in view:
                 raise ConfigError(f"{self.node_id} is not a training member of the mesh")
+            self._in_use(view)
             try:
                 return await fn(view)
             except ViewMismatchError:
@@ -205,8 +209,26 @@ class Mesh:
                 self.node.report_unreachable(exc.peer)
                 raise
 
+    def _in_use(self, view: RingView) -> None:
+        """Remember ``view`` as one collectives run on, so a member lost from it aborts them.
+        A view that is the current one again (a suspect refuted) loses any earlier abort."""
+        current = self.view()
+        if current is not None and current.epoch == view.epoch:
+            self.data_plane.clear_abort(view.epoch)
+        self._views[view.epoch] = view
+        while len(self._views) > MAX_VIEWS_WATCHED:
+            del self._views[next(iter(self._views))]
+
     async def _watch(self) -> None:
-        async for _ in self.node.events():
+        async for ev in self.node.events():
+            if ev.kind in ("suspect", "dead", "left"):
+                # Membership no longer counts on this member: collectives waiting for it (a
+                # frozen process sends nothing and closes nothing) fail now, not at io_timeout.
+                for epoch, view in self._views.items():
+                    if ev.member.node in view and ev.member.node != self.node_id:
+                        self.data_plane.abort_view(
+                            epoch, ev.member.node, f"membership: {ev.member.name} is {ev.kind}"
+                        )
             event, self._view_changed = self._view_changed, trio.Event()
             event.set()
 

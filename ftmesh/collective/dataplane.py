@@ -82,6 +82,11 @@ class DataPlane:
             scope.cancel()
         self._transport.kill_ring(epoch, reason_msg)
 
+    def clear_abort(self, epoch: str) -> None:
+        """Forget an abort of ``epoch``: the same set of members is a live view again (a
+        suspected member refuted the suspicion), so collectives on it may run again."""
+        self._aborted.pop(epoch, None)
+
     def _check_aborted(self, epoch: str) -> None:
         reason = self._aborted.get(epoch)
         if reason is not None:
