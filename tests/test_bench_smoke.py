@@ -52,12 +52,12 @@ def test_recovery_bench_smoke() -> None:
         assert set(r[key]) >= {"median", "p99"}
         assert 0 < r[key]["median"] <= r[key]["p99"] < 60
     assert 0 < r["torchrun_kill_to_step_s"]["median"] < 120
-    assert _positive(r["vs_torchrun"])
+    assert _positive(r["vs_torchrun"]), r
     assert r["vs_torchrun"] == pytest.approx(
         r["torchrun_kill_to_step_s"]["median"] / r["kill_to_step_s"]["median"]
     )
-    assert _positive(r["join_mb_per_s"])
-    assert _positive(r["raw_tcp_mb_per_s"])
+    assert _positive(r["join_mb_per_s"]), r
+    assert _positive(r["raw_tcp_mb_per_s"]), r
     assert r["joins"] == 1
     assert r["state_bytes"] > 1 << 20  # 1 MiB of model + momentum, serialized
     assert r["sigcont_to_rejoin_s"]["n"] == 1

@@ -136,7 +136,9 @@ class ElasticTrainer:
         self.committed = snap.step
 
     def digest(self) -> str:
-        """Content hash of the model and optimizer state (bitwise comparison across members)."""
+        """Content hash of the model and optimizer state and the committed step (bitwise
+        comparison across members)."""
+        self.state.step = max(self.committed, 0)
         return self.state.live_digest()
 
     # ------------------------------------------------------------------ the step
