@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests_support import EXAMPLE, ROOT, accuracy, check_consistency, launch, progress
+from tests_support import (
+    EXAMPLE,
+    ROOT,
+    accuracy,
+    check_consistency,
+    check_consistency_from,
+    launch,
+    progress,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,3 +65,17 @@ def test_script_error_is_reported_with_worker_and_traceback(tmp_path: Path) -> N
     assert "worker w1" in res.stdout
     assert "RuntimeError: boom: the model diverged in w1" in res.stdout
     assert "Traceback" in res.stdout
+
+
+def test_cold_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = ["--step-delay", "0", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"]
+    first = launch(tmp_path / "first", "-n", "2", EXAMPLE, "--epochs", "1", *common)
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert sorted(p.name for p in ckpt.glob("*")), "no checkpoint written"
+    # The whole mesh is gone; a new one started cold resumes at the newest checkpoint (40).
+    second = launch(tmp_path / "second", "-n", "2", EXAMPLE, "--epochs", "2", *common)
+    assert second.returncode == 0, second.stdout[-3000:]
+    for recs in progress(tmp_path / "second").values():
+        assert int(recs[0]["step"]) == 41, recs[0]  # type: ignore[call-overload]
+    check_consistency_from(progress(tmp_path / "second"), first=41, total=88)
