@@ -14,7 +14,14 @@ import subprocess
 import sys
 import time
 
-from ftmesh.lab.procs import NodeGroup
+from ftmesh.lab.procs import NodeGroup, declared_dead
+
+
+def show_status(group: NodeGroup) -> None:
+    """What ``ftmesh status`` prints about the demo mesh."""
+    argv = [sys.executable, "-m", "ftmesh", "status", "--mesh", group.mesh,
+            "--registry-dir", str(group.registry)]  # fmt: skip
+    subprocess.run(argv, check=True)
 
 
 def main() -> int:
@@ -29,43 +36,17 @@ def main() -> int:
             f"{len(nodes)} members found each other in {time.monotonic() - t0:.2f} s "
             "(same-host discovery, SWIM gossip, no coordinator):\n"
         )
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ftmesh",
-                "status",
-                "--mesh",
-                "demo",
-                "--registry-dir",
-                str(group.registry),
-            ],
-            check=True,
-        )
+        show_status(group)
         victim = nodes[-1]
         print(f"\nkill -9 {victim.name} ...")
         killed = time.monotonic()
         victim.kill()
         for n in nodes[:-1]:
-            seen = n.wait_seen(
-                lambda r: r["event"] == "dead" and r["node"] == victim.node_id, timeout=10
-            )
+            seen = n.wait_seen(declared_dead(victim.node_id), timeout=10)
             print(f"  {n.name} declared {victim.name} dead after {seen.mono - killed:.3f} s")
         print("\nthe survivors carry on as one mesh:")
         time.sleep(0.5)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ftmesh",
-                "status",
-                "--mesh",
-                "demo",
-                "--registry-dir",
-                str(group.registry),
-            ],
-            check=True,
-        )
+        show_status(group)
     return 0
 
 

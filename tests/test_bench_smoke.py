@@ -22,8 +22,10 @@ def _bench(module: str, *args: str, timeout: float) -> dict[str, Any]:
         text=True,
         timeout=timeout,
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.strip(), res.stderr[-3000:]
     out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    # A bench exits 1 when it recorded failures: show them, not the JSON's tail.
+    assert res.returncode == 0, (out.get("failures"), res.stderr[-2000:])
     return out
 
 
