@@ -52,7 +52,9 @@ MAX_VIEWS_WATCHED = 4
 class MeshConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     collective: CollectiveConfig = field(
-        default_factory=lambda: CollectiveConfig(view_timeout=5.0, max_cached_views=1)
+        default_factory=lambda: CollectiveConfig(
+            view_timeout=5.0, max_cached_views=1, io_timeout=10.0
+        )
     )
     role: str = "train"
     """This member's role: ``train`` members form the ring."""

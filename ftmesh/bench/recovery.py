@@ -353,6 +353,18 @@ class FtmeshMesh:
         """The joiner's sync: its own rate, and the broadcast alone across all members."""
         _, _, rec = ev
         epoch = rec["epoch"]
+        bcs = [s for s in rec["ev"] if s["k"] == "bc" and not s.get("err")]
+        lds = [s for s in rec["ev"] if s["k"] == "ld" and not s.get("err")]
+        if not rec.get("sync_bytes") and bcs:
+            # The joiner received the state in a sync whose step then failed; its report
+            # covers the later sync only (nothing to receive): use the broadcast it received.
+            rec = {
+                **rec,
+                "sync_bytes": bcs[-1].get("n", 0),
+                "sync_seconds": bcs[-1]["b"]
+                - bcs[-1]["a"]
+                + (lds[-1]["b"] - lds[-1]["a"] if lds else 0.0),
+            }
         out = {
             "bytes": float(rec["sync_bytes"]),
             "sync_seconds": float(rec["sync_seconds"]),
@@ -423,7 +435,8 @@ def _ftmesh_phases(
                 return ev[1] is joiner and isinstance(ids, list) and len(ids) == args.procs
 
             jev = mesh.wait(joined, f"replacement {joiner.name} to join")
-            if jev[2].get("sync_bytes"):
+            received = [s for s in jev[2].get("ev", []) if s["k"] == "bc" and not s.get("err")]
+            if jev[2].get("sync_bytes") or received:
                 mesh.wait_full()  # the others' first records on the new epoch
                 joins.append(mesh.join_numbers(joiner, jev))
         for k in range(args.stops):

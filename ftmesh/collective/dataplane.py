@@ -107,7 +107,8 @@ class DataPlane:
             if not scopes:
                 self._opening.pop(epoch, None)
         self._check_aborted(epoch)
-        raise AssertionError("unreachable: scope cancelled without an abort")  # pragma: no cover
+        # The abort was cleared again before we woke up (the view came back): still a loss.
+        raise RingPeerLostError(f"opening view {epoch} was aborted", peer="", epoch=epoch)
 
     @property
     def dropped(self) -> dict[str, int]:
