@@ -10,6 +10,7 @@ thread, bounded by a timeout.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -23,6 +24,7 @@ from .membership.messages import MemberSnapshot
 from .mesh import Mesh, MeshConfig, open_mesh
 
 T = TypeVar("T")
+_Job = tuple[Future[Any], Callable[..., Awaitable[Any]], tuple[Any, ...]]
 
 
 class SyncMesh:
@@ -35,7 +37,7 @@ class SyncMesh:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._nursery: trio.Nursery | None = None
+        self._jobs_in, self._jobs_out = trio.open_memory_channel[_Job](math.inf)
 
     @classmethod
     def start(cls, config: MeshConfig | None = None, start_timeout: float = 30.0) -> SyncMesh:
@@ -45,7 +47,7 @@ class SyncMesh:
             try:
                 async with open_mesh(config) as mesh, trio.open_nursery() as nursery:
                     self._mesh = mesh
-                    self._nursery = nursery
+                    nursery.start_soon(self._run_jobs)
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     self._ready.set()
@@ -85,12 +87,16 @@ class SyncMesh:
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
-        """Start ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
-        future completes with its result or exception. Calls run concurrently in trio, but
-        collectives on the data plane still run one at a time, in submission order."""
+        """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
+        future completes with its result or exception. Submitted calls run one at a time, in
+        submission order (trio schedules new tasks in no fixed order, and members must issue
+        their collectives in the same order)."""
         fut: Future[T] = Future()
+        self.call_sync(self._jobs_in.send_nowait, (fut, fn, args))
+        return fut
 
-        async def run() -> None:
+    async def _run_jobs(self) -> None:
+        async for fut, fn, args in self._jobs_out:
             try:
                 fut.set_result(await fn(*args))
             except Exception as exc:
@@ -98,12 +104,6 @@ class SyncMesh:
             except BaseException as exc:  # cancelled: the mesh is closing
                 fut.set_exception(MeshClosedError(f"mesh closed: {exc!r}"))
                 raise
-
-        nursery = self._nursery
-        if nursery is None:
-            raise MeshClosedError("the mesh is closed")
-        self.call_sync(nursery.start_soon, run)
-        return fut
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""

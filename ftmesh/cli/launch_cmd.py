@@ -3,10 +3,11 @@
 The workers find each other through a private registry directory (same-host discovery, no
 multicast, no configuration), see ``ftmesh.connect``. A training script reports progress by
 printing lines ``FTMESH {json}`` with at least ``step`` (committed steps); everything else it
-prints goes to its log file. ``--kill-at STEP`` kills a random worker with SIGKILL once any
-worker has committed STEP steps; ``--join-at STEP`` starts a new worker then. The launcher
-shows a live view, keeps every worker's log, and exits non-zero, naming the worker and
-showing its traceback, when a worker it did not kill fails.
+prints goes to its log file. ``--kill-at STEP`` kills a random training worker with SIGKILL
+once any worker has committed STEP steps (deferred while only one worker trains);
+``--join-at STEP`` starts a new worker then. The launcher shows a live view, keeps every
+worker's log, and exits non-zero, naming the worker and showing its traceback, when a worker
+it did not kill fails.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Launcher:
         self.kills = sorted(args.kill_at)
         self.joins = sorted(args.join_at)
         self.workers: list[Worker] = []
+        self._kill_deferred = False
         self.events: deque[str] = deque(maxlen=8)
         self.t0 = time.monotonic()
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -200,13 +202,16 @@ class Launcher:
     def chaos(self) -> None:
         step = self.committed()
         while self.kills and step >= self.kills[0]:
-            self.kills.pop(0)
             # Victims are training members (they reported progress), never the last one: with
             # no survivor holding the state there would be nothing to recover from.
             live = [w for w in self.workers if w.running and not w.done and w.step > 0]
             if len(live) <= 1:
-                self.event(f"step {step}: not killing the last training worker")
-                continue
+                if not self._kill_deferred:
+                    self.event(f"step {step}: kill deferred until another worker trains")
+                    self._kill_deferred = True
+                break
+            self._kill_deferred = False
+            self.kills.pop(0)
             victim = self.rng.choice(live)
             victim.killed = True
             os.killpg(victim.proc.pid, signal.SIGKILL)

@@ -43,6 +43,9 @@ from .sampler import ElasticSampler
 
 log = logging.getLogger("ftmesh.torch")
 
+REANNOUNCE_EVERY = 20
+"""Failed attempts after which a member that never trained re-enters the ring."""
+
 RECOVERABLE = (PeerLostError, ViewMismatchError, InputMismatchError, CollectiveError)
 
 
@@ -197,6 +200,12 @@ class ElasticTrainer:
                     attempts,
                     exc,
                 )
+                if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
+                    # A joiner that cannot get in: step out of the ring and back in, which
+                    # every member sees as a view change (and a fresh sync).
+                    self.mesh.set_role("joining")
+                    self._in_ring = False
+                    continue
                 if isinstance(exc, PeerLostError):
                     # Give membership a moment to drop the lost peer; keep it short, so that
                     # we are back before neighbours that wait for us give up.
