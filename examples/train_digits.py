@@ -66,7 +66,10 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def progress(record: dict[str, object]) -> None:
     """A line ``ftmesh launch`` shows in its live view."""
-    print("FTMESH " + json.dumps(record), flush=True)
+    # One write call: a log line on stderr (same pipe under ftmesh launch) cannot land
+    # between the record and its newline.
+    sys.stdout.write("FTMESH " + json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> int:

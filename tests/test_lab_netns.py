@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,16 @@ needs_root = pytest.mark.skipif(
 _RECV = (
     "import socket\n"
     "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999))\n"
+    "print('ready', flush=True)\n"
     "s.settimeout(3.0); n = 0\n"
     "try:\n    while True: s.recv(64); n += 1; s.settimeout(0.7)\nexcept OSError: pass\n"
     "print(n)\n"
+)
+_SEND_WARMUP = (
+    "import socket, sys, time\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "for _ in range(5):\n"
+    "    s.sendto(b'w', (sys.argv[1], 9998)); time.sleep(0.05)\n"
 )
 _SEND = (
     "import socket, sys, time\n"
@@ -41,7 +47,10 @@ _SEND = (
 
 def _delivered(lan: VirtualLan, src: int, dst: int, n: int = 400) -> int:
     recv = lan.popen(dst, [sys.executable, "-c", _RECV], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
+    assert recv.stdout is not None
+    assert recv.stdout.readline().strip() == "ready"  # bound: no datagram can be missed
+    # A few unmeasured datagrams first, so ARP is resolved again after a partition.
+    lan.run(src, [sys.executable, "-c", _SEND_WARMUP, lan.host_ip(dst)])
     lan.run(src, [sys.executable, "-c", _SEND, lan.host_ip(dst), str(n)])
     out, _ = recv.communicate(timeout=20)
     return int(out)

@@ -28,7 +28,7 @@ def progress(log_dir: Path) -> dict[str, list[dict[str, object]]]:
     out: dict[str, list[dict[str, object]]] = {}
     for log in sorted(log_dir.glob("w*.log")):
         out[log.stem] = [
-            json.loads(line[len("FTMESH ") :])
+            json.JSONDecoder().raw_decode(line[len("FTMESH ") :])[0]
             for line in log.read_text().splitlines()
             if line.startswith("FTMESH ")
         ]

@@ -182,7 +182,8 @@ class Launcher:
 
     def _progress(self, w: Worker, text: str) -> None:
         try:
-            rec = json.loads(text)
+            # raw_decode: tolerate text glued after the record (interleaved stderr).
+            rec, _ = json.JSONDecoder().raw_decode(text)
         except ValueError:
             return
         if not isinstance(rec, dict):
