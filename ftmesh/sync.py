@@ -159,6 +159,10 @@ class SyncMesh:
         """Broadcast from ``root`` on exactly ``view``; see :meth:`Mesh.on_view`."""
         return self.call(self.mesh.on_view, view, "broadcast", x, "sum", root)
 
+    def drop_view(self, view: RingView) -> None:
+        """Reconnect ``view``'s ring before its next collective; see ``DataPlane.drop_view``."""
+        self.call_sync(self.mesh.data_plane.drop_view, view.epoch)
+
     def wait_view_change(self, epoch: str, timeout: float) -> RingView | None:
         """Block until the view's epoch differs from ``epoch`` (or ``timeout`` seconds);
         returns the view then."""

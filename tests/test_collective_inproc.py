@@ -5,9 +5,12 @@ multi-process tests (test_collective_procs.py) cover real process boundaries and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -19,10 +22,12 @@ from ftmesh.collective import (
     DataPlane,
     InputMismatchError,
     Peer,
+    PeerStalledError,
     RingView,
     SyncDataPlane,
     ViewMismatchError,
     open_data_plane,
+    wire,
 )
 from ftmesh.errors import CollectiveError, LocalUsageError
 from ftmesh.security import MeshAuth
@@ -277,3 +282,42 @@ def test_sync_facade() -> None:
     finally:
         for d in dps:
             d.close()
+
+
+async def test_nothing_is_written_before_the_receiver_starts_the_collective() -> None:
+    """m1 connects its ring but runs no collective. m0 must not write the collective into
+    m1's connection: had it done so and then given the ring up, m1 could later read those
+    frames as its own first collective (same sequence number and shape, data of a round long
+    gone). m0 and m2 fail (stalled); then, all three present, the result is right."""
+    config = replace(FAST, io_timeout=1.0, poll_interval=0.05)
+    async with ring_of(3, config) as (dps, view):
+        x = [np.full(1000, i + 1, dtype=np.int64) for i in range(3)]
+
+        async def m1_only_connects(i: int, dp: DataPlane) -> Any:
+            if i == 1:
+                return await dp.open_ring(view)
+            return await dp.allreduce(view, x[i], "sum")
+
+        out = await on_all(dps, m1_only_connects)
+        assert isinstance(out[0], PeerStalledError) and out[0].peer == "m1", out[0]
+        assert isinstance(out[2], PeerStalledError) and out[2].peer == "m1", out[2]
+        ring = dps[1].cached_ring(view)
+        assert ring is not None and ring.recv_sock is not None
+        pending = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := ring.recv_sock.recv(1 << 16, socket.MSG_DONTWAIT):
+                pending += chunk
+        kinds = []
+        while len(pending) >= wire.FRAME.size:
+            kind, length = wire.FRAME.unpack_from(pending)
+            kinds.append(kind)
+            pending = pending[wire.FRAME.size + (0 if kind == wire.READY else length) :]
+        assert wire.HEADER not in kinds and wire.DATA not in kinds, kinds
+        for _ in range(3):  # the first tries may still hit the rings m0 and m2 gave up
+            x = [np.full(1000, i + 1, dtype=np.int64) for i in range(3)]
+            out = await on_all(dps, lambda i, dp, x=x: dp.allreduce(view, x[i], "sum"))
+            if not any(isinstance(o, Exception) for o in out):
+                break
+        for i in range(3):
+            assert not isinstance(out[i], Exception), out[i]
+            np.testing.assert_array_equal(x[i], np.full(1000, 6, dtype=np.int64))

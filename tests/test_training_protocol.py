@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ftmesh.errors import LocalUsageError
 from ftmesh.torch.sampler import ElasticSampler
-from ftmesh.training.protocol import FRESH, plan_sync, sync_vector
+from ftmesh.training.protocol import FRESH, own_slots_intact, plan_sync, round_tag, sync_vector
 
 D0 = "0" * 32
 D1 = "f" * 32
@@ -50,6 +50,26 @@ def test_in_sync_members_do_nothing() -> None:
 
 def test_single_member() -> None:
     assert plan_sync(sync_vector(0, 1, FRESH, 10, D0)).behind == ()
+
+
+def test_a_vector_of_another_round_is_recognised() -> None:
+    own = sync_vector(1, 3, 7, 100, "ab" * 32)
+    reduced = np.maximum.reduce(
+        [own, sync_vector(0, 3, 7, 100, "cd" * 32), sync_vector(2, 3, 6, 9, "ef" * 32)]
+    )
+    assert own_slots_intact(reduced, own, 1, 3)
+    # The same members one step earlier (what a stale stream would deliver):
+    stale = np.maximum.reduce([sync_vector(r, 3, 6, 100, "12" * 32) for r in range(3)])
+    assert not own_slots_intact(stale, own, 1, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**7), st.integers(1, 256))
+def test_round_tag_sum_is_exact_and_tells_steps_apart(step: int, size: int) -> None:
+    tag = np.float32(round_tag(step))
+    total = np.add.reduce(np.full(size, tag, dtype=np.float32), dtype=np.float32)
+    assert float(total) == round_tag(step) * size
+    assert round_tag(step + 1) != round_tag(step)
 
 
 @settings(max_examples=200, deadline=None)

@@ -439,6 +439,7 @@ def _ftmesh_phases(
             if jev[2].get("sync_bytes") or received:
                 mesh.wait_full()  # the others' first records on the new epoch
                 joins.append(mesh.join_numbers(joiner, jev))
+                mesh.state_bytes = max(mesh.state_bytes, int(joins[-1]["bytes"]))
         for k in range(args.stops):
             mesh.wait_full()
             time.sleep(rng.uniform(0, mesh.period()))

@@ -10,6 +10,7 @@ time, in call order; every member must call the same collectives in the same ord
 
 from __future__ import annotations
 
+import logging
 import socket as _stdsocket
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ from .transport import Ring, Transport, tune_socket
 from .view import RingView
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 MAX_ABORTED_VIEWS = 64
 """Aborted epochs remembered (so later collectives on them fail at once); oldest forgotten."""
@@ -86,6 +88,14 @@ class DataPlane:
         """Forget an abort of ``epoch``: the same set of members is a live view again (a
         suspected member refuted the suspicion), so collectives on it may run again."""
         self._aborted.pop(epoch, None)
+
+    def drop_view(self, epoch: str) -> None:
+        """Close this member's connections of view ``epoch`` (if no collective runs on them):
+        the next collective on it connects and agrees afresh, and the neighbours' next one on
+        the old connections fails. For callers that find a round's data inconsistent."""
+        ring = self._transport.cached_ring_of(epoch)
+        if ring is not None and ring.active is None:
+            self._transport.drop_ring(ring)
 
     def _check_aborted(self, epoch: str) -> None:
         reason = self._aborted.get(epoch)
@@ -320,6 +330,16 @@ class DataPlane:
 
     def _pipeline(self, ring: Ring, plan: Plan[Any]) -> Pipeline:
         ring.seq += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s #%d %s %s on %s (ring %x)",
+                plan.kind,
+                ring.seq,
+                plan.dtype,
+                plan.shape,
+                plan.view.epoch,
+                id(ring),
+            )
         header = {
             "seq": ring.seq,
             "kind": plan.kind,

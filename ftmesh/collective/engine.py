@@ -18,6 +18,14 @@ overlap: while this thread reduces a chunk the kernel keeps moving what is queue
 Trio still owns connection setup, agreement and cancellation (``DataPlane`` runs
 ``run_blocking`` via ``trio.to_thread`` and shuts the sockets down if cancelled).
 
+Every collective starts by sending ``READY`` (its sequence number) to the left neighbour on the
+reverse direction of that connection, and the transmit side holds its ``HEADER`` until the
+right neighbour's ``READY`` for the same collective has arrived. So a member never writes a
+collective into a connection before its receiver has started that collective; without this, a
+member whose ring formed early could stream a collective, give the ring up, and leave frames
+that the receiver, once its own ring formed, would read as its first collective (same sequence
+number and shape, data of a round long gone).
+
 Failure handling keeps every member informed without any coordinator:
 
 * a mismatching header, a closed connection or a malformed frame sets the *abort reason*;
@@ -36,11 +44,11 @@ header, is always seen by every member.
 *Fatal* aborts (a neighbour lost or stalled, or ``DataPlane.abort_view`` saying a member of the
 view is dead) end the ring instead of keeping it in sync: the forward ``ABORT`` frame cannot get
 past a dead member, so the member that learns of it also writes the abort as a *notice* on the
-reverse direction of its connection from the left (nothing else ever flows that way; the loop
-polls that direction too), and the socket towards the dead member is shut down. The loop wakes
-at least every ``poll_interval`` to see an abort set from another thread. So an abort travels
-both ways round the ring until it reaches the dead member from both sides, every survivor raises
-it promptly, and the ring is dropped.
+reverse direction of its connection from the left (besides ``READY`` frames, nothing else
+flows that way; the loop polls that direction too), and the socket towards the dead member is
+shut down. The loop wakes at least every ``poll_interval`` to see an abort set from another
+thread. So an abort travels both ways round the ring until it reaches the dead member from both
+sides, every survivor raises it promptly, and the ring is dropped.
 """
 
 from __future__ import annotations
@@ -110,6 +118,7 @@ class Pipeline:
         self.node_id = node_id
         self.ring = ring
         self.header = header
+        self.seq = int(header["seq"])
         self.sched = sched
         self.bufs = bufs
         self.io_timeout = io_timeout
@@ -172,18 +181,19 @@ class Pipeline:
         left neighbour reads it while blocked; see the module doc). Skipped when the abort came
         from the left, or names it."""
         ring = self.ring
+        body = wire.pack_control(reason)[4:]
         with ring.lock:
             if ring.notice_sent or from_left or reason.get("peer") == ring.left.node_id:
                 return
             ring.notice_sent = True
             sock = ring.recv_sock
-        if sock is not None:
-            body = wire.pack_control(reason)[4:]
-            with contextlib.suppress(OSError):  # best effort: the left also has io_timeout
-                sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
+            if sock is not None:
+                with contextlib.suppress(OSError):  # best effort: the left also has io_timeout
+                    sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
 
     def _poll_back(self) -> None:
-        """Read an abort notice (or EOF) from the right neighbour, if one arrived."""
+        """Read what the right neighbour sent on the reverse direction: ``READY`` frames, an
+        abort notice, or EOF."""
         sock = self.ring.send_sock
         if sock is None:
             return
@@ -199,22 +209,41 @@ class Pipeline:
             return
         back = self.ring.back
         back += data
-        if len(back) < wire.FRAME.size:
+        for _ in range(len(back)):  # bounded: every pass consumes a frame or stops
+            if len(back) < wire.FRAME.size:
+                return
+            kind, length = wire.FRAME.unpack_from(back)
+            if kind == wire.READY:
+                self.ring.peer_ready = max(self.ring.peer_ready, length)
+                del back[: wire.FRAME.size]
+                continue
+            if kind != wire.ABORT or length > wire.MAX_CONTROL_BYTES:
+                back.clear()  # not a notice: ignore it, the data stream decides
+                return
+            if len(back) < wire.FRAME.size + length:
+                return
+            body = bytes(back[wire.FRAME.size : wire.FRAME.size + length])
+            del back[: wire.FRAME.size + length]
+            try:
+                reason = wire.unpack_control(body)
+            except RemoteProtocolError:
+                continue
+            if isinstance(reason.get("kind"), str) and isinstance(reason.get("msg"), str):
+                self._set_abort(reason)
+
+    def _send_ready(self) -> None:
+        """Tell the left neighbour we have started this collective (it holds its ``HEADER``
+        until then). Best effort: a broken connection shows up in the data stream."""
+        ring, sock = self.ring, self.ring.recv_sock
+        if sock is None:
             return
-        kind, length = wire.FRAME.unpack_from(back)
-        if kind != wire.ABORT or length > wire.MAX_CONTROL_BYTES:
-            back.clear()  # not a notice: ignore it, the data stream decides
-            return
-        if len(back) < wire.FRAME.size + length:
-            return
-        body = bytes(back[wire.FRAME.size : wire.FRAME.size + length])
-        back.clear()
-        try:
-            reason = wire.unpack_control(body)
-        except RemoteProtocolError:
-            return
-        if isinstance(reason.get("kind"), str) and isinstance(reason.get("msg"), str):
-            self._set_abort(reason)
+        with ring.lock, contextlib.suppress(OSError):
+            sock.send(wire.FRAME.pack(wire.READY, self.seq), _DONTWAIT)
+
+    def _waiting_ready(self) -> bool:
+        """Whether our ``HEADER`` is held back because the right neighbour has not started
+        this collective yet."""
+        return not self.header_sent and self.abort is None and self.ring.peer_ready < self.seq
 
     # -- transmit side --------------------------------------------------------------------
     def _next_frame(self) -> list[memoryview] | None:
@@ -229,6 +258,8 @@ class Pipeline:
             body = wire.pack_control(reason)[4:]
             return [memoryview(wire.FRAME.pack(wire.ABORT, len(body)) + body)]
         if not self.header_sent:
+            if self.ring.peer_ready < self.seq:
+                return None  # the right neighbour has not started this collective yet
             self.header_sent = True
             body = wire.pack_control(self.header)[4:]
             return [memoryview(wire.FRAME.pack(wire.HEADER, len(body)) + body)]
@@ -420,6 +451,7 @@ class Pipeline:
         if tx is None or rx is None:
             who = right if tx is None else left
             raise _Stop(self._reason("lost", who, f"connection with {who} is closed"))
+        self._send_ready()
         poller = select.poll()
         txfd, rxfd = tx.fileno(), rx.fileno()
         poller.register(txfd, select.POLLIN)
@@ -439,8 +471,10 @@ class Pipeline:
                 self._poll_back()  # a notice sent before the connection broke names the culprit
                 msg = f"connection to {right} broke: {exc!r}"
                 raise _Stop(self._reason("lost", right, msg)) from None
-            # Nothing to write until more arrives: block on the left (no poll, no busy loop).
-            block = not self.tx_pending and self.rx_state != _FINISHED
+            # Nothing to write until more arrives: block on the left (no poll, no busy loop),
+            # unless we wait for the right neighbour's READY, which comes on the other socket.
+            waiting = self._waiting_ready()
+            block = not waiting and not self.tx_pending and self.rx_state != _FINISHED
             try:
                 got = self._rx(rx, _WAITALL if block else _DONTWAIT)
             except (EOFError, OSError) as exc:
@@ -497,7 +531,10 @@ class Pipeline:
                 raise _Stop(self._reason("stalled", left, msg))
             if self.tx_pending and now - last_tx >= self.io_timeout:
                 raise _Stop(self._reason("stalled", right, f"{right} stopped reading"))
-            if not self.tx_pending:
+            if waiting and now - last_tx >= self.io_timeout:
+                msg = f"{right} did not start the collective within {self.io_timeout}s"
+                raise _Stop(self._reason("stalled", right, msg))
+            if not self.tx_pending and not waiting:
                 last_tx = now  # not waiting on the right neighbour
                 if not self.tx_closed and now - last_sent >= self.poll_interval:
                     self.tx_pending.append(memoryview(_KEEPALIVE_FRAME))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket as _stdsocket
 import struct
 import threading
@@ -126,7 +127,9 @@ class Ring:
     notice_sent: bool = False
     """An abort notice went out on this ring already (each ring sends at most one each way)."""
     back: bytearray = field(default_factory=bytearray, repr=False)
-    """Partial abort notice read from the reverse direction of ``send_sock``."""
+    """Partial frame read from the reverse direction of ``send_sock``."""
+    peer_ready: int = 0
+    """Highest collective sequence number the right neighbour said it started (``READY``)."""
 
     def kill(self, reason: dict[str, Any]) -> None:
         """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``).
@@ -174,6 +177,13 @@ class Ring:
         self.send_sock = self.recv_sock = None
 
 
+def sock_name(sock: _stdsocket.socket) -> str:
+    try:
+        return f"{sock.getsockname()[1]}->{sock.getpeername()[1]}"
+    except OSError as exc:
+        return repr(exc)
+
+
 def to_blocking(sock: Socket, poll_interval: float) -> _stdsocket.socket:
     """Take the fd away from trio: a blocking stdlib socket for the engine. The engine itself
     uses non-blocking calls (``MSG_DONTWAIT``) and ``poll()``; SO_SNDTIMEO/SO_RCVTIMEO of
@@ -185,6 +195,14 @@ def to_blocking(sock: Socket, poll_interval: float) -> _stdsocket.socket:
     std.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_RCVTIMEO, tv)
     std.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_SNDTIMEO, tv)
     return std
+
+
+def _closed_by_peer(sock: Socket) -> bool:
+    """Whether the peer has closed (or reset) a parked connection; never blocks. A parked
+    client sends nothing until we answer, so anything readable means EOF."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 class Transport:
@@ -280,9 +298,15 @@ class Transport:
         ev.set()
 
     async def _take_parked(self, key: tuple[str, str]) -> Socket:
-        while key not in self._parked:
-            await self._parked_changed.wait()
-        return self._parked.pop(key)
+        """The connection parked under ``key``, waiting for one. A connection its client has
+        closed meanwhile (it gave up waiting for us) is dropped, not handed out."""
+        while True:
+            while key not in self._parked:
+                await self._parked_changed.wait()
+            sock = self._parked.pop(key)
+            if not _closed_by_peer(sock):
+                return sock
+            sock.close()
 
     # -- rings --------------------------------------------------------------------------
     def cached_ring(self, view: RingView) -> Ring | None:
@@ -292,7 +316,12 @@ class Transport:
             return None
         return ring
 
+    def cached_ring_of(self, epoch: str) -> Ring | None:
+        return self._rings.get(epoch)
+
     def drop_ring(self, ring: Ring) -> None:
+        if ring.send_sock is not None or ring.recv_sock is not None:
+            log.debug("dropped ring %s at seq %d", ring.view.epoch, ring.seq)
         ring.close()
         if self._rings.get(ring.view.epoch) is ring:
             del self._rings[ring.view.epoch]
@@ -314,32 +343,55 @@ class Transport:
         rank = view.rank_of(self.node_id)
         ring = Ring(view, rank, view.right_of(self.node_id), view.left_of(self.node_id), None, None)
         if view.size > 1:
-            errors: list[FtmeshError] = []
-
-            async def half(fn: Callable[[Ring], Awaitable[None]], cancel: trio.CancelScope) -> None:
-                try:
-                    await fn(ring)
-                except FtmeshError as exc:  # surfaced below, unwrapped from the group
-                    errors.append(exc)
-                    cancel.cancel()
-
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(half, self._open_right, nursery.cancel_scope)
-                    nursery.start_soon(half, self._open_left, nursery.cancel_scope)
-            except BaseException:
-                ring.close()
-                raise
-            if errors:
-                ring.close()
-                raise errors[0]
+            send, recv = await self._connect_halves(ring)
+            ring.send_sock = to_blocking(send, self._poll)
+            ring.recv_sock = to_blocking(recv, self._poll)
+            log.debug(
+                "ring %x of %s: from %s via %s, to %s via %s",
+                id(ring),
+                view.epoch,
+                ring.left.node_id,
+                sock_name(ring.recv_sock),
+                ring.right.node_id,
+                sock_name(ring.send_sock),
+            )
         self._rings[view.epoch] = ring
+        log.debug("opened ring %x of %s: rank %d of %d", id(ring), view.epoch, rank, view.size)
         while len(self._rings) > self.config.max_cached_views:
             _, old = self._rings.popitem(last=False)
+            log.debug("closed ring %s (cache full, at seq %d)", old.view.epoch, old.seq)
             old.close()
         return ring
 
-    async def _open_left(self, ring: Ring) -> None:
+    async def _connect_halves(self, ring: Ring) -> tuple[Socket, Socket]:
+        """Both connections of ``ring``, each confirmed by its neighbour (``view_ok``)."""
+        errors: list[FtmeshError] = []
+        socks: dict[str, Socket] = {}
+
+        async def half(
+            name: str, fn: Callable[[Ring], Awaitable[Socket]], cancel: trio.CancelScope
+        ) -> None:
+            try:
+                socks[name] = await fn(ring)
+            except FtmeshError as exc:  # surfaced below, unwrapped from the group
+                errors.append(exc)
+                cancel.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(half, "send", self._open_right, nursery.cancel_scope)
+                nursery.start_soon(half, "recv", self._open_left, nursery.cancel_scope)
+        except BaseException:
+            for sock in socks.values():
+                sock.close()
+            raise
+        if errors:
+            for sock in socks.values():
+                sock.close()
+            raise errors[0]
+        return socks["send"], socks["recv"]
+
+    async def _open_left(self, ring: Ring) -> Socket:
         epoch, left = ring.view.epoch, ring.left.node_id
         with trio.move_on_after(self.config.view_timeout):
             sock = await self._take_parked((left, epoch))
@@ -352,8 +404,10 @@ class Transport:
                     peer=left,
                     epoch=epoch,
                 ) from None
-            ring.recv_sock = to_blocking(sock, self._poll)
-            return
+            except BaseException:
+                sock.close()
+                raise
+            return sock
         others = [e for (src, e) in self._parked if src == left]
         seen = f"; it connected with epoch(s) {others}" if others else ""
         raise ViewMismatchError(
@@ -363,7 +417,7 @@ class Transport:
             peer=left,
         )
 
-    async def _open_right(self, ring: Ring) -> None:
+    async def _open_right(self, ring: Ring) -> Socket:
         view, right = ring.view, ring.right
         sock = await self._connect(view, right)
         try:
@@ -371,8 +425,7 @@ class Transport:
                 msg = await recv_control(sock)
                 if msg.get("view_ok") != view.epoch:
                     raise RemoteProtocolError("malformed", f"unexpected view reply {msg!r}")
-                ring.send_sock = to_blocking(sock, self._poll)
-                return
+                return sock
         except (EOFError, OSError):
             sock.close()
             raise RingPeerLostError(

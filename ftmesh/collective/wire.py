@@ -11,10 +11,14 @@ Two layers, both little-endian:
   ``KEEPALIVE`` (empty) may come between any two frames: a sender waiting on its own left
   neighbour sends one every ``poll_interval``, so that its right neighbour blames a stall on the
   member that actually stopped, not on everyone waiting behind it.
-* Abort notices: one ``ABORT`` frame on the *reverse* direction of a ring connection (from the
-  receiving member to the sending one), the only bytes that ever flow that way.
+* The *reverse* direction of a ring connection (from the receiving member to the sending one)
+  carries ``READY`` frames (no payload; the length field is the sequence number of the
+  collective the receiver has just started) and at most one ``ABORT`` notice. A sender writes a
+  collective's ``HEADER`` only once the receiver's ``READY`` for it has arrived, so every frame
+  is read by the collective it was written for: never by a later one on a ring the sender
+  has meanwhile given up (which could otherwise match in sequence number and shape).
 
-Version 2 added ``KEEPALIVE`` and the reverse-direction notices.
+Version 2 added ``KEEPALIVE`` and the reverse-direction notices; version 3 ``READY``.
 
 The numeric values below are part of the protocol: append only.
 """
@@ -28,7 +32,7 @@ import msgpack
 
 from ..errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 FRAME = struct.Struct("<II")
 CONTROL_LEN = struct.Struct("<I")
@@ -38,6 +42,7 @@ DATA = 2
 DONE = 3
 ABORT = 4
 KEEPALIVE = 5
+READY = 6
 
 MAX_CONTROL_BYTES = 16 * 1024
 """Cap on a handshake message, header or abort payload: bounds what an unauthenticated or

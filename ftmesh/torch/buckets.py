@@ -7,8 +7,8 @@ into its bucket's slice; when a bucket is complete it is handed to the mesh for 
 without waiting, so communication overlaps with the rest of backward, as in
 ``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
 completes early waits for the ones before it), so every member issues the same collectives in
-the same order whatever order its hooks fire in. The last bucket carries two extra slots: the
-member's sample count and summed loss.
+the same order whatever order its hooks fire in. The last bucket carries three extra slots:
+the member's sample count, its summed loss and a round check (see ``ElasticTrainer``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+HEADER_SLOTS = 3
 
 
 class GradBuckets:
@@ -42,7 +44,7 @@ class GradBuckets:
             for p in group:
                 self.slot[id(p)] = (b, offset, offset + p.numel())
                 offset += p.numel()
-            extra = 2 if b == len(groups) - 1 else 0
+            extra = HEADER_SLOTS if b == len(groups) - 1 else 0
             self.buffers.append(np.zeros(offset + extra, dtype=np.float32))
         self._pending: list[int] = []
         self._launched = 0
@@ -55,8 +57,8 @@ class GradBuckets:
 
     @property
     def header(self) -> np.ndarray:
-        """The two extra slots of the last bucket: [samples, summed loss]."""
-        return self.buffers[-1][-2:]
+        """The extra slots of the last bucket: [samples, summed loss, round check]."""
+        return self.buffers[-1][-HEADER_SLOTS:]
 
     def start(self, launch: Callable[[np.ndarray], Future[Any]]) -> None:
         """Arm the hooks for one backward pass; ``launch(buffer)`` starts an allreduce."""

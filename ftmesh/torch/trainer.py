@@ -37,7 +37,15 @@ from ..errors import (
 from ..membership.messages import MemberState
 from ..state import Snapshot, State, latest_valid_checkpoint, save_checkpoint
 from ..sync import SyncMesh
-from ..training.protocol import FRESH, QUORUM_POLICIES, has_quorum, plan_sync, sync_vector
+from ..training.protocol import (
+    FRESH,
+    QUORUM_POLICIES,
+    has_quorum,
+    own_slots_intact,
+    plan_sync,
+    round_tag,
+    sync_vector,
+)
 from .buckets import GradBuckets
 from .sampler import ElasticSampler
 
@@ -235,8 +243,23 @@ class ElasticTrainer:
         rank = view.rank_of(me)
         mine = self.snapshot()
         vec = sync_vector(rank, view.size, self.committed, mine.nbytes, mine.digest)
+        own = vec.copy()
         self.mesh.allreduce_on(view, vec, "max")
+        if not own_slots_intact(vec, own, rank, view.size):
+            # Every other member writes FRESH into our slots, so max() must give ours back.
+            self._desync(view, f"sync vector {vec.tolist()} lost our slots {own.tolist()}")
         plan = plan_sync(vec)
+        log.info(
+            "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
+            view.epoch,
+            rank,
+            view.size,
+            self.committed,
+            vec[: view.size].tolist(),
+            plan.target_step,
+            plan.root,
+            plan.behind,
+        )
         if plan.root >= 0:
             root_id = view.members[plan.root].node_id
             if rank == plan.root:
@@ -255,6 +278,13 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
+
+    def _desync(self, view: RingView, what: str) -> None:
+        """A collective returned data of another round: never use it. Reconnect the ring (its
+        streams cannot be trusted) and retry the step from a sync."""
+        log.warning("collective data from another round on view %s: %s", view.epoch, what)
+        self.mesh.drop_view(view)
+        raise CollectiveError(f"collective data from another round on view {view.epoch}: {what}")
 
     def _quorate(self, view: RingView) -> bool:
         if self.quorum == "any" or not self._last_view:
@@ -289,13 +319,17 @@ class ElasticTrainer:
             return self.mesh.submit(self.mesh.mesh.on_view, view, "allreduce", buf, "sum")
 
         buckets.start(launch)
+        tag = round_tag(step)
+        buckets.header[2] = tag
         if len(indices):
             loss = loss_fn(indices)
-            buckets.header[:] = (len(indices), float(loss.detach()) * len(indices))
+            buckets.header[:2] = (len(indices), float(loss.detach()) * len(indices))
             # Gradients of the summed (not mean) loss: the allreduce adds every member's.
             (loss * len(indices)).backward()  # type: ignore[no-untyped-call]
         buckets.finish(timeout=self.step_timeout)
-        total, loss_sum = (float(v) for v in buckets.header)
+        total, loss_sum, tags = (float(v) for v in buckets.header)
+        if tags != tag * view.size:
+            self._desync(view, f"step {step + 1}: round check {tags}, expected {tag * view.size}")
         if total <= 0:
             raise FtmeshError("a step reduced zero samples")
         buckets.write_grads(1.0 / total)

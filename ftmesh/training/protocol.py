@@ -22,6 +22,12 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
    instead of recomputing. So a step is committed by every survivor or by none (when nobody
    completed it, or only members that then died), never applied twice, never skipped.
 
+Two cheap checks guard against ever acting on collective data of another round (a data-plane
+bug, or a peer running other code): after the sync allreduce each member finds its own slots
+unchanged (:func:`own_slots_intact`), and the gradient allreduce carries a round-check slot
+that must add up to ``size * round_tag(step)``. A failed check is treated like a failed
+collective: the ring is reconnected and the step retried from a sync.
+
 The invariant this rests on: two members with the same committed step hold bitwise-identical
 state, because they started identical (1) and applied the same reduced gradients, which every
 ring member receives bitwise identical (``ftmesh.collective``).
@@ -60,6 +66,21 @@ def sync_vector(rank: int, size: int, committed: int, nbytes: int, digest: str) 
     v[size + rank] = nbytes
     v[2 * size + rank] = int(digest[:16], 16) >> 2
     return v
+
+
+def own_slots_intact(reduced: np.ndarray, own: np.ndarray, rank: int, size: int) -> bool:
+    """Whether the reduced sync vector still holds this member's own values: every other
+    member writes ``FRESH`` (the minimum) there, so a vector that does not is data of another
+    round and must not be acted on."""
+    slots = [rank, size + rank, 2 * size + rank]
+    return bool(np.array_equal(reduced[slots], own[slots]))
+
+
+def round_tag(step: int) -> float:
+    """Each member's value in the gradient allreduce's round-check slot for computing
+    ``step``: the reduced sum must be ``size * round_tag(step)``, exactly (float32 holds it for
+    any view of up to 256 members), else the reduced gradients are not all of this step."""
+    return float(step % (1 << 15) + 1)
 
 
 def plan_sync(reduced: np.ndarray) -> SyncPlan:
