@@ -15,8 +15,9 @@ raised: whether to retry, and with what inputs, is the caller's decision (see
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -36,11 +37,23 @@ from .collective import (
 from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
 from .net.node import Node, NodeConfig, open_node, parse_hostport
+from .state import (
+    Snapshot,
+    StateServer,
+    StateTransferError,
+    TransferConfig,
+    TransferStats,
+    fetch_state,
+    serve_state,
+)
 
 T = TypeVar("T")
 
 DATA_KEY = "data"
 """Member metadata key holding the data-plane ``host:port``."""
+STATE_KEY = "state"
+"""Member metadata key holding the ``host:port`` of the member's state server, if it runs one
+(``Mesh.serve_state``): where members that are behind fetch committed state from."""
 ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others (``spare``, ``observer``) not."""
 ROLES = ("train", "joining", "spare", "observer")
@@ -65,6 +78,8 @@ class MeshConfig:
     as soon as it is suspected, which is what makes recovery from a crash take well under a
     second; a refuted false suspicion costs one extra state sync. Yes: the ring changes only on
     a death, at the price of waiting for the full suspicion timeout after a crash."""
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """State transfer between members (``serve_state`` / ``fetch_state``)."""
     agree_timeout: float = 120.0
     """Seconds a collective keeps retrying while ring neighbours do not hold the same view
     (gossip still converging, or a neighbour still computing its previous step). Each try
@@ -95,10 +110,14 @@ def view_of(members: list[MemberSnapshot], suspects: bool = False) -> RingView |
 class Mesh:
     """One member of a training mesh. Get one from :func:`open_mesh`."""
 
-    def __init__(self, config: MeshConfig, node: Node, dp: DataPlane) -> None:
+    def __init__(
+        self, config: MeshConfig, node: Node, dp: DataPlane, nursery: trio.Nursery
+    ) -> None:
         self.config = config
         self.node = node
         self.data_plane = dp
+        self._nursery = nursery
+        self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._views: dict[str, RingView] = {}
 
@@ -211,6 +230,53 @@ class Mesh:
                 self.node.report_unreachable(exc.peer)
                 raise
 
+    async def serve_state(self, source: Callable[[], Snapshot | None]) -> tuple[str, int]:
+        """Serve ``source()`` (the committed snapshot, or None) to members that fetch state
+        (``fetch_state``), for as long as the mesh is open, and publish the server's address in
+        our metadata. One server per member; a second call replaces its source."""
+        if self._state_server is not None:
+            self._state_server.close()
+        nc = self.config.node
+        server: StateServer = await self._nursery.start(
+            functools.partial(
+                serve_state,
+                source,
+                auth=nc.auth,
+                mesh=nc.mesh,
+                host=self.data_plane.address[0],
+                config=self.config.transfer,
+            )
+        )
+        self._state_server = server
+        host, port = server.address
+        me = self.node.me()
+        self.node.update_meta({**me.meta, STATE_KEY: f"{host}:{port}"})
+        return host, port
+
+    async def fetch_state(
+        self, holders: Sequence[str], step: int, digest: str, stats: TransferStats | None = None
+    ) -> Snapshot:
+        """Fetch the committed state ``(step, digest)`` from the state servers of the members
+        ``holders``, striped over all of them and verified chunk by chunk."""
+        by_id = {m.node: m for m in self.node.members()}
+        peers = []
+        for node in holders:
+            addr = by_id[node].meta.get(STATE_KEY) if node in by_id else None
+            if isinstance(addr, str):
+                peers.append(parse_hostport(addr))
+        if not peers:
+            raise StateTransferError(f"none of {len(holders)} holders serves its state", {})
+        nc = self.config.node
+        return await fetch_state(
+            peers,
+            step,
+            digest,
+            auth=nc.auth,
+            mesh=nc.mesh,
+            config=self.config.transfer,
+            stats=stats,
+        )
+
     def _in_use(self, view: RingView) -> None:
         """Remember ``view`` as one collectives run on, so a member lost from it aborts them.
         A view that is the current one again (a suspect refuted) loses any earlier abort."""
@@ -251,11 +317,13 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
     ) as dp:
         host, port = dp.address
         meta: dict[str, Any] = {**nc.meta, DATA_KEY: f"{host}:{port}", ROLE_KEY: config.role}
-        async with open_node(replace(nc, meta=meta), node_id=node_id) as node:
-            mesh = Mesh(config, node, dp)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(mesh._watch)
-                try:
-                    yield mesh
-                finally:
-                    nursery.cancel_scope.cancel()
+        async with (
+            open_node(replace(nc, meta=meta), node_id=node_id) as node,
+            trio.open_nursery() as nursery,
+        ):
+            mesh = Mesh(config, node, dp, nursery)
+            nursery.start_soon(mesh._watch)
+            try:
+                yield mesh
+            finally:
+                nursery.cancel_scope.cancel()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from .collective import CollectiveResult, RingView
 from .errors import MeshClosedError
 from .membership.messages import MemberSnapshot
 from .mesh import Mesh, MeshConfig, open_mesh
+from .state import Snapshot, TransferStats
 
 T = TypeVar("T")
 _Job = tuple[Future[Any], Callable[..., Awaitable[Any]], tuple[Any, ...]]
@@ -158,6 +159,16 @@ class SyncMesh:
     def broadcast_on(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
         """Broadcast from ``root`` on exactly ``view``; see :meth:`Mesh.on_view`."""
         return self.call(self.mesh.on_view, view, "broadcast", x, "sum", root)
+
+    def serve_state(self, source: Callable[[], Snapshot | None]) -> tuple[str, int]:
+        """See :meth:`Mesh.serve_state`; ``source`` is called from the mesh's thread."""
+        return self.call(self.mesh.serve_state, source)
+
+    def fetch_state(
+        self, holders: Sequence[str], step: int, digest: str, stats: TransferStats | None = None
+    ) -> Snapshot:
+        """See :meth:`Mesh.fetch_state`."""
+        return self.call(self.mesh.fetch_state, holders, step, digest, stats)
 
     def drop_view(self, view: RingView) -> None:
         """Reconnect ``view``'s ring before its next collective; see ``DataPlane.drop_view``."""

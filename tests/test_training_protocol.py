@@ -11,8 +11,8 @@ from ftmesh.errors import LocalUsageError
 from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.training.protocol import FRESH, own_slots_intact, plan_sync, round_tag, sync_vector
 
-D0 = "0" * 32
-D1 = "f" * 32
+D0 = "0" * 64
+D1 = "f" * 64
 
 
 def reduce(*contribs: np.ndarray) -> np.ndarray:
@@ -34,6 +34,15 @@ def test_member_behind_gets_newest_state() -> None:
     )
     plan = plan_sync(v)
     assert (plan.target_step, plan.root, plan.behind, plan.nbytes) == (8, 1, (0,), 11)
+    assert (plan.digest, plan.holders) == (D1, (1, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=32, max_size=32))
+def test_the_full_digest_travels_in_the_vector(raw: bytes) -> None:
+    digest = raw.hex()
+    plan = plan_sync(reduce(sync_vector(0, 2, 3, 9, D0), sync_vector(1, 2, 4, 9, digest)))
+    assert (plan.root, plan.behind, plan.digest, plan.holders) == (1, (0,), digest, (1,))
 
 
 def test_same_step_different_state_is_resolved() -> None:

@@ -24,8 +24,8 @@ record that shows X (so it includes the record's trip through the pipe, well und
    + 1 s. Then SIGCONT; the member should refute its suspicion, rejoin and sync
    (``sigcont_to_rejoin_s``); one that has not within 30 s is killed and replaced.
 3. **Join vs raw TCP.** ``join_mb_per_s`` = the joiner's received state bytes / its
-   ``sync_seconds`` (agreement + broadcast + load), MB = 1e6 bytes; ``join_transfer_mb_per_s``
-   counts only the broadcast (last member done - last member arrived). The ceiling: the same
+   ``sync_seconds`` (agreement + striped fetch from the members holding the state + load),
+   MB = 1e6 bytes; ``join_transfer_mb_per_s`` counts only the fetch. The ceiling: the same
    number of bytes sent over one fresh loopback TCP connection between two processes with
    blocking ``sendall`` / ``recv_into`` (median of 5), measured in the same run.
 4. **torchrun.** N ``torchrun --nnodes=1:N --nproc-per-node=1`` agents with c10d rendezvous on
@@ -320,12 +320,12 @@ class FtmeshMesh:
         wvs = [s for s in ok if s["k"] == "wv" and s["b"] <= step_start]
         last_wv_end = wvs[-1]["b"] if wvs else t0
         after = [s for s in ok if s["a"] >= last_wv_end - 1e-6]
-        # The sync: state snapshot/digest, the agreement allreduce (small), the broadcast and
+        # The sync: state snapshot/digest, the agreement allreduce (small), the fetch and
         # the load, all before the step's forward pass; the step's gradient allreduces after.
         sync = [
             s
             for s in after
-            if s["k"] in ("ar", "bc", "ld", "sb", "dg")
+            if s["k"] in ("ar", "ft", "ld", "sb", "dg")
             and s["b"] <= step_start + 1e-6
             and (s["k"] != "ar" or s.get("n", 0) <= 4096)
         ]
@@ -340,7 +340,7 @@ class FtmeshMesh:
             "retry_view_ready": rel(last_wv_end) if wvs else None,
             "sync_start": rel(min(s["a"] for s in sync)) if sync else None,
             "sync_end": rel(max(s["b"] for s in sync)) if sync else None,
-            "sync_state_bytes": float(sum(s.get("n", 0) for s in sync if s["k"] == "bc")),
+            "sync_state_bytes": float(sum(s.get("n", 0) for s in sync if s["k"] == "ft")),
             "step_start": rel(step_start),
             "allreduce_start": rel(min(s["a"] for s in step_ars)) if step_ars else None,
             "allreduce_end": rel(max(s["b"] for s in step_ars)) if step_ars else None,
@@ -350,19 +350,18 @@ class FtmeshMesh:
         }
 
     def join_numbers(self, joiner: Proc, ev: Event) -> dict[str, float]:
-        """The joiner's sync: its own rate, and the broadcast alone across all members."""
+        """The joiner's sync: its whole rate, and the state fetch alone."""
         _, _, rec = ev
-        epoch = rec["epoch"]
-        bcs = [s for s in rec["ev"] if s["k"] == "bc" and not s.get("err")]
+        fts = [s for s in rec["ev"] if s["k"] == "ft" and not s.get("err")]
         lds = [s for s in rec["ev"] if s["k"] == "ld" and not s.get("err")]
-        if not rec.get("sync_bytes") and bcs:
-            # The joiner received the state in a sync whose step then failed; its report
-            # covers the later sync only (nothing to receive): use the broadcast it received.
+        if not rec.get("sync_bytes") and fts:
+            # The joiner fetched the state in a sync whose step then failed; its report
+            # covers the later sync only (nothing to fetch): use the fetch it made.
             rec = {
                 **rec,
-                "sync_bytes": bcs[-1].get("n", 0),
-                "sync_seconds": bcs[-1]["b"]
-                - bcs[-1]["a"]
+                "sync_bytes": fts[-1].get("n", 0),
+                "sync_seconds": fts[-1]["b"]
+                - fts[-1]["a"]
                 + (lds[-1]["b"] - lds[-1]["a"] if lds else 0.0),
             }
         out = {
@@ -370,17 +369,8 @@ class FtmeshMesh:
             "sync_seconds": float(rec["sync_seconds"]),
             "start_to_step_s": ev[0] - joiner.started,
         }
-        starts, ends = [], []
-        for node in self.expected():
-            recs = [r for r in self.steps.get(node, []) if r.get("epoch") == epoch]
-            if not recs:
-                continue
-            bcs = [s for s in recs[0]["ev"] if s["k"] == "bc" and not s.get("err")]
-            if bcs:
-                starts.append(bcs[-1]["a"])
-                ends.append(bcs[-1]["b"])
-        if starts and len(starts) == len(self.expected()):
-            out["transfer_seconds"] = max(ends) - max(starts)
+        if fts:
+            out["transfer_seconds"] = fts[-1]["b"] - fts[-1]["a"]
         # Where the joiner's sync went: the spans of its last (successful) sync.
         mine = [s for s in rec["ev"] if not s.get("err") and s["k"] != "view"]
         fwd = [s for s in mine if s["k"] == "fwd"]
@@ -389,7 +379,7 @@ class FtmeshMesh:
         for key, kind in (
             ("serialize_own_s", "sb"),
             ("digest_s", "dg"),
-            ("broadcast_s", "bc"),
+            ("fetch_s", "ft"),
             ("load_s", "ld"),
         ):
             out[key] = sum(s["b"] - s["a"] for s in mine if s["k"] == kind and s["a"] >= begin)
@@ -435,7 +425,7 @@ def _ftmesh_phases(
                 return ev[1] is joiner and isinstance(ids, list) and len(ids) == args.procs
 
             jev = mesh.wait(joined, f"replacement {joiner.name} to join")
-            received = [s for s in jev[2].get("ev", []) if s["k"] == "bc" and not s.get("err")]
+            received = [s for s in jev[2].get("ev", []) if s["k"] == "ft" and not s.get("err")]
             if jev[2].get("sync_bytes") or received:
                 mesh.wait_full()  # the others' first records on the new epoch
                 joins.append(mesh.join_numbers(joiner, jev))
@@ -704,7 +694,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "join_start_to_step_s": _median([j["start_to_step_s"] for j in joins]),
         "join_sync_breakdown_s": {
             k: _median([j.get(k) for j in joins])
-            for k in ("serialize_own_s", "digest_s", "agree_s", "broadcast_s", "load_s")
+            for k in ("serialize_own_s", "digest_s", "agree_s", "fetch_s", "load_s")
         },
         "joins": len(joins),
         "joins_detail": joins,
@@ -741,7 +731,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"(bound {r['suspicion_bound_s']:.2f}s + 1s)",
         f"  SIGCONT -> rejoined: median {_fmt(r['sigcont_to_rejoin_s']['median'])}",
         f"  join: {_fmt(r['join_mb_per_s'], ' MB/s')} (sync), "
-        f"{_fmt(r['join_transfer_mb_per_s'], ' MB/s')} (broadcast only); raw TCP "
+        f"{_fmt(r['join_transfer_mb_per_s'], ' MB/s')} (fetch only); raw TCP "
         f"{r['raw_tcp_mb_per_s']:.0f} MB/s -> {_fmt(r['join_vs_ceiling'], 'x')} / "
         f"{_fmt(r['join_transfer_vs_ceiling'], 'x')}",
         "  kill breakdown (median s after the kill): "

@@ -2,7 +2,8 @@
 
 ``ElasticTrainer.step(loss_fn)`` runs one committed training step following
 ``ftmesh.training.protocol``: it picks the current view, syncs state when the view changed
-(joiners and members left behind get the newest committed state by ring broadcast), computes
+(joiners and members left behind fetch the newest committed state from the members that hold
+it, striped over all of them and hash-verified), computes
 this member's share of the step's global batch, adds all members' gradients with one
 allreduce and applies the optimizer. A failure during the step (a peer died or stalled, the
 ring disagreed about the view or the inputs) retries the step on the next view, with the
@@ -75,7 +76,7 @@ class StepReport:
     sync_bytes: int = 0
     """State bytes this member received in the sync (0: it was not behind)."""
     sync_seconds: float = 0.0
-    """Seconds the last sync took (agreement plus state broadcast)."""
+    """Seconds the last sync took (agreement plus state transfer)."""
 
 
 class ElasticTrainer:
@@ -130,6 +131,9 @@ class ElasticTrainer:
         # for us while we are still starting up.
         mesh.set_role("joining")
         self._in_ring = False
+        # Members behind fetch committed state from those that hold it (see ``_sync``).
+        committed = self.state
+        mesh.serve_state(lambda: committed.committed)
         if self.checkpoint_dir is not None:
             found = latest_valid_checkpoint(self.checkpoint_dir)
             if found is not None:
@@ -260,16 +264,10 @@ class ElasticTrainer:
             plan.root,
             plan.behind,
         )
-        if plan.root >= 0:
-            root_id = view.members[plan.root].node_id
-            if rank == plan.root:
-                buf = np.frombuffer(mine.to_bytes(), dtype=np.uint8).copy()
-            else:
-                buf = np.empty(plan.nbytes, dtype=np.uint8)
-            self.mesh.broadcast_on(view, buf, root_id)
-            if rank in plan.behind:
-                self.load_snapshot(Snapshot.from_buffer(buf))
-                self.last_sync_bytes = plan.nbytes
+        if rank in plan.behind:
+            holders = [view.members[r].node_id for r in plan.holders]
+            self.load_snapshot(self.mesh.fetch_state(holders, plan.target_step, plan.digest))
+            self.last_sync_bytes = plan.nbytes
         self.committed = plan.target_step
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids

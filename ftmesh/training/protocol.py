@@ -5,12 +5,13 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
 1. **Sync (only when the view's epoch differs from the last one we trained on).** One
    allreduce(max) of a vector with slots per ring rank: each member writes its committed step
    (``-1`` for a fresh member that never trained in this mesh), the byte size of its serialized
-   state and 62 bits of its state digest. Everyone then computes the same :class:`SyncPlan`
-   from the same vector: the newest committed step ``M`` wins; the first rank holding it is the
-   *root*; every rank behind ``M``, or at ``M`` with another digest (two sides of a healed
-   partition that trained separately), receives the root's state by a ring broadcast. (When
-   nobody has trained yet, ``M == -1``: rank 0's initial weights become everybody's, so all
-   start identical.)
+   state and its state digest. Everyone then computes the same :class:`SyncPlan` from the same
+   vector: the newest committed step ``M`` wins; the first rank holding it is the *root*; every
+   rank behind ``M``, or at ``M`` with another digest (two sides of a healed partition that
+   trained separately), fetches the root's state, striped over every rank that holds exactly
+   that state and verified against its digest (``ftmesh.state.transfer``), while the others
+   go on to the step's allreduce, which waits for them. (When nobody has trained yet,
+   ``M == -1``: rank 0's initial weights become everybody's, so all start identical.)
 2. **Step.** Each member computes gradients on its share of the step's global batch (see
    ``ftmesh.torch.sampler``) and one allreduce(sum) adds them up, with the sample counts and
    losses riding in the same buffer. A member whose allreduce completes applies the update
@@ -35,6 +36,7 @@ ring member receives bitwise identical (``ftmesh.collective``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,25 +48,51 @@ FRESH = -1
 """Committed step of a member that has not yet trained in this mesh."""
 
 
+DIGEST_HEX = 64
+"""Hex characters of a state digest (``ftmesh.state``: BLAKE2b-256)."""
+_DIGEST_CUTS = (0, 14, 28, 42, 56, 64)
+"""The digest travels as 5 non-negative int64 slots of at most 14 hex characters (56 bits)."""
+DIGEST_SLOTS = len(_DIGEST_CUTS) - 1
+SLOTS = 2 + DIGEST_SLOTS
+"""Slots per member in the sync vector: committed step, state bytes, digest."""
+
+
 @dataclass(frozen=True, slots=True)
 class SyncPlan:
     target_step: int
     """The committed step every member holds after the sync."""
     root: int
-    """Rank whose state is broadcast (``-1``: nobody is behind, no broadcast)."""
+    """First rank holding the state everybody adopts (``-1``: nobody is behind)."""
     behind: tuple[int, ...]
     """Ranks that load the root's state."""
     nbytes: int
-    """Size of the broadcast state in bytes."""
+    """Size of that state in bytes."""
+    digest: str = ""
+    """Its full digest (what the ranks behind fetch and verify)."""
+    holders: tuple[int, ...] = ()
+    """Ranks that hold exactly that state and can serve it (the root first)."""
+
+
+def _digest_slots(digest: str) -> list[int]:
+    if len(digest) != DIGEST_HEX:
+        raise ValueError(f"a state digest has {DIGEST_HEX} hex characters, got {len(digest)}")
+    return [int(digest[a:b], 16) for a, b in itertools.pairwise(_DIGEST_CUTS)]
+
+
+def _digest_of(slots: list[int]) -> str:
+    return "".join(
+        f"{v:0{b - a}x}" for v, (a, b) in zip(slots, itertools.pairwise(_DIGEST_CUTS), strict=True)
+    )
 
 
 def sync_vector(rank: int, size: int, committed: int, nbytes: int, digest: str) -> np.ndarray:
-    """This member's contribution to the sync allreduce(max). ``digest`` is a hex state
-    digest; its first 62 bits take part."""
-    v = np.full(3 * size, FRESH, dtype=np.int64)
+    """This member's contribution to the sync allreduce(max): its slots hold its committed
+    step, state size and digest, every other slot ``FRESH`` (below any real value)."""
+    v = np.full(SLOTS * size, FRESH, dtype=np.int64)
     v[rank] = committed
     v[size + rank] = nbytes
-    v[2 * size + rank] = int(digest[:16], 16) >> 2
+    for k, d in enumerate(_digest_slots(digest)):
+        v[(2 + k) * size + rank] = d
     return v
 
 
@@ -72,8 +100,32 @@ def own_slots_intact(reduced: np.ndarray, own: np.ndarray, rank: int, size: int)
     """Whether the reduced sync vector still holds this member's own values: every other
     member writes ``FRESH`` (the minimum) there, so a vector that does not is data of another
     round and must not be acted on."""
-    slots = [rank, size + rank, 2 * size + rank]
+    slots = [k * size + rank for k in range(SLOTS)]
     return bool(np.array_equal(reduced[slots], own[slots]))
+
+
+def plan_sync(reduced: np.ndarray) -> SyncPlan:
+    """The sync decision from the reduced vector; every member computes the same one."""
+    size = len(reduced) // SLOTS
+    steps = [int(s) for s in reduced[:size]]
+    sizes = [int(b) for b in reduced[size : 2 * size]]
+    digests = [
+        _digest_of([int(reduced[(2 + k) * size + r]) for k in range(DIGEST_SLOTS)])
+        for r in range(size)
+    ]
+    newest = max(steps)
+    if newest == FRESH:
+        # Nobody has trained: rank 0's initial state becomes everybody's starting point.
+        behind = tuple(range(1, size))
+        if not behind:
+            return SyncPlan(0, -1, (), 0)
+        return SyncPlan(0, 0, behind, sizes[0], digests[0], (0,))
+    root = steps.index(newest)
+    same = tuple(r for r in range(size) if steps[r] == newest and digests[r] == digests[root])
+    behind = tuple(r for r in range(size) if r not in same)
+    if not behind:
+        return SyncPlan(newest, -1, (), 0)
+    return SyncPlan(newest, root, behind, sizes[root], digests[root], same)
 
 
 def round_tag(step: int) -> float:
@@ -81,24 +133,6 @@ def round_tag(step: int) -> float:
     ``step``: the reduced sum must be ``size * round_tag(step)``, exactly (float32 holds it for
     any view of up to 256 members), else the reduced gradients are not all of this step."""
     return float(step % (1 << 15) + 1)
-
-
-def plan_sync(reduced: np.ndarray) -> SyncPlan:
-    """The sync decision from the reduced vector; every member computes the same one."""
-    size = len(reduced) // 3
-    steps = [int(s) for s in reduced[:size]]
-    sizes = [int(b) for b in reduced[size : 2 * size]]
-    digests = [int(d) for d in reduced[2 * size :]]
-    newest = max(steps)
-    if newest == FRESH:
-        # Nobody has trained: rank 0's initial state becomes everybody's starting point.
-        behind = tuple(range(1, size))
-        return SyncPlan(0, 0 if behind else -1, behind, sizes[0])
-    root = steps.index(newest)
-    behind = tuple(r for r, s in enumerate(steps) if s < newest or digests[r] != digests[root])
-    if not behind:
-        return SyncPlan(newest, -1, (), 0)
-    return SyncPlan(newest, root, behind, sizes[root])
 
 
 def has_quorum(

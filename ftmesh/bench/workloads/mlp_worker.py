@@ -4,12 +4,13 @@
 Started with the ``FTMESH_*`` environment of ``ftmesh launch`` (``ftmesh.connect``). It prints
 a ``hello`` record (pid, node id, state size), then one record per committed step with the
 step's members and a timeline ``ev`` of what the step call spent its time on: every mesh call
-the trainer made (``ar`` allreduce, blocking or submitted, ``bc`` broadcast, ``wv`` wait for a
-view, ``wvc`` wait for a view change, ``wq`` wait for quiet), state snapshot / load (``sb``,
-``ld``), digests (``dg``) and the forward pass (``fwd``), each ``{"k", "a" (start), "b" (end),
-"err"?}`` on the monotonic clock. A monitor thread adds ``view`` events (``a``: when this
-member saw a new view, ``ids``: its members). The instrumentation wraps the mesh and trainer
-*instances*; it changes nothing in ftmesh. Runs until killed or ``--max-seconds``.
+the trainer made (``ar`` allreduce, blocking or submitted, ``bc`` broadcast, ``ft`` state
+fetch, ``wv`` wait for a view, ``wvc`` wait for a view change, ``wq`` wait for quiet), state
+snapshot / load (``sb``, ``ld``), digests (``dg``) and the forward pass (``fwd``), each
+``{"k", "a" (start), "b" (end), "err"?}`` on the monotonic clock. A monitor thread adds
+``view`` events (``a``: when this member saw a new view, ``ids``: its members). The
+instrumentation wraps the mesh and trainer *instances*; it changes nothing in ftmesh. Runs
+until killed or ``--max-seconds``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class Timeline:
             span: dict[str, Any] = {"k": kind, "a": a, "b": time.monotonic()}
             if kind in ("ar", "bc") and len(args) >= 2 and hasattr(args[1], "nbytes"):
                 span["n"] = int(args[1].nbytes)
+            if kind == "ft" and hasattr(out, "nbytes"):
+                span["n"] = int(out.nbytes)
             self.add(span)
             return out
 
@@ -132,6 +135,7 @@ def main() -> int:
         for name, kind in (
             ("allreduce_on", "ar"),
             ("broadcast_on", "bc"),
+            ("fetch_state", "ft"),
             ("wait_view", "wv"),
             ("wait_view_change", "wvc"),
             ("wait_quiet", "wq"),
