@@ -197,12 +197,23 @@ def to_blocking(sock: Socket, poll_interval: float) -> _stdsocket.socket:
     return std
 
 
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+
+
 def _closed_by_peer(sock: Socket) -> bool:
     """Whether the peer has closed (or reset) a parked connection; never blocks. A parked
     client sends nothing until we answer, so anything readable means EOF."""
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
     return bool(poller.poll(0))
+
+
+def _shut_by_peer(sock: Socket) -> bool:
+    """Whether the peer has shut down or reset a connection, even with data still unread;
+    never blocks."""
+    poller = select.poll()
+    poller.register(sock.fileno(), _POLLRDHUP)
+    return any(ev & (_POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
 
 class Transport:
@@ -343,7 +354,7 @@ class Transport:
         rank = view.rank_of(self.node_id)
         ring = Ring(view, rank, view.right_of(self.node_id), view.left_of(self.node_id), None, None)
         if view.size > 1:
-            send, recv = await self._connect_halves(ring)
+            send, recv = await self._formed_halves(ring)
             ring.send_sock = to_blocking(send, self._poll)
             ring.recv_sock = to_blocking(recv, self._poll)
             log.debug(
@@ -362,6 +373,47 @@ class Transport:
             log.debug("closed ring %s (cache full, at seq %d)", old.view.epoch, old.seq)
             old.close()
         return ring
+
+    async def _formed_halves(self, ring: Ring) -> tuple[Socket, Socket]:
+        """``_connect_halves``, then re-done for any half whose neighbour has meanwhile given
+        its connection up. A half can be confirmed long before the other one (the neighbour
+        on that side formed its ring first), and that neighbour may then have failed and
+        closed it: a ring formed on such a connection fails at once, its failure aborts the
+        neighbours' new rings, whose failures abort the next ones, and so on round the ring
+        for as long as members keep retrying. Checking both connections once the ring is
+        complete, and replacing a dead one, ends that."""
+        deadline = trio.current_time() + self.config.view_timeout
+        send, recv = await self._connect_halves(ring)
+        try:
+            for _ in range(64):  # bounded by count and by view_timeout
+                dead_send, dead_recv = _shut_by_peer(send), _shut_by_peer(recv)
+                if not (dead_send or dead_recv):
+                    return send, recv
+                if trio.current_time() > deadline:
+                    break
+                log.debug(
+                    "ring of %s: %s gave its connection up while the ring formed; reconnecting",
+                    ring.view.epoch,
+                    "right" if dead_send else "left",
+                )
+                if dead_send:
+                    send.close()
+                    send = await self._open_right(ring)
+                if dead_recv:
+                    recv.close()
+                    recv = await self._open_left(ring)
+        except BaseException:
+            send.close()
+            recv.close()
+            raise
+        send.close()
+        recv.close()
+        raise ViewMismatchError(
+            f"{self.node_id}: the neighbours of view {ring.view.epoch} kept giving up their "
+            f"connections within {self.config.view_timeout}s",
+            epoch=ring.view.epoch,
+            peer=ring.right.node_id,
+        )
 
     async def _connect_halves(self, ring: Ring) -> tuple[Socket, Socket]:
         """Both connections of ``ring``, each confirmed by its neighbour (``view_ok``)."""

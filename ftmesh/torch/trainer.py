@@ -17,6 +17,7 @@ which equals single-process training on the whole global batch.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -125,6 +126,7 @@ class ElasticTrainer:
             [p for p in model.parameters() if p.requires_grad], int(bucket_mb * 2**20)
         )
         self.recoveries = 0
+        self._rng = random.Random()
         self.last_sync_bytes = 0
         self.last_sync_seconds = 0.0
         # Stay out of the ring until our first step: members in the ring would otherwise wait
@@ -219,9 +221,7 @@ class ElasticTrainer:
                     self._in_ring = False
                     continue
                 if isinstance(exc, PeerLostError):
-                    # Give membership a moment to drop the lost peer; keep it short, so that
-                    # we are back before neighbours that wait for us give up.
-                    self.mesh.wait_view_change(view.epoch, timeout=0.5)
+                    self._pause_after_loss(view, getattr(exc, "peer", ""))
                 continue
             self._maybe_checkpoint()
             return report
@@ -276,6 +276,20 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
+
+    def _pause_after_loss(self, view: RingView, peer: str) -> None:
+        """After a collective lost a peer: if membership still holds it alive (a neighbour
+        that gave up forming the ring and is forming it again), retry at once, after a random
+        few milliseconds so that members that failed together do not retry in lockstep (in
+        lockstep, each new ring can be torn down by a neighbour still leaving the last one, a
+        failure that then travels round the ring for ever). Otherwise give membership a moment
+        to drop the peer; short, so that we are back before neighbours that wait for us give
+        up."""
+        states = {m.node: m.state for m in self.mesh.members()}
+        if states.get(peer) == MemberState.ALIVE:
+            time.sleep(self._rng.uniform(0.0, 0.2))
+        else:
+            self.mesh.wait_view_change(view.epoch, timeout=0.5)
 
     def _desync(self, view: RingView, what: str) -> None:
         """A collective returned data of another round: never use it. Reconnect the ring (its
