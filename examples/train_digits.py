@@ -80,6 +80,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-peers", type=int, default=1)
     p.add_argument(
+        "--max-peers",
+        type=int,
+        default=0,
+        help="at most this many members train; later ones wait as spares (0: no limit)",
+    )
+    p.add_argument(
         "--step-delay",
         type=float,
         default=0.03,
@@ -126,11 +132,16 @@ def main() -> int:
                 optimizer,
                 sampler,
                 min_peers=args.min_peers,
+                max_peers=args.max_peers,
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
             )
             while trainer.committed < total:
-                r = trainer.step(loss_fn)
+                try:
+                    r = trainer.step(loss_fn)
+                except ftmesh.TrainingFinishedError:
+                    print("spare: the training finished without needing us")
+                    return 0
                 every = args.digest_every
                 progress(
                     {

@@ -11,6 +11,7 @@ from .errors import (
     MeshClosedError,
     PeerLostError,
     RemoteProtocolError,
+    TrainingFinishedError,
 )
 from .membership.config import MembershipConfig
 from .mesh import Mesh, MeshConfig, open_mesh
@@ -36,6 +37,7 @@ __all__ = [
     "RemoteProtocolError",
     "State",
     "SyncMesh",
+    "TrainingFinishedError",
     "__version__",
     "connect",
     "open_mesh",

@@ -39,6 +39,10 @@ class MeshClosedError(FtmeshError):
     """The node or mesh was closed while the operation was waiting."""
 
 
+class TrainingFinishedError(FtmeshError):
+    """A spare was still waiting for a slot when the training members finished."""
+
+
 class PeerLostError(FtmeshError):
     """A peer needed by the operation died or became unreachable."""
 

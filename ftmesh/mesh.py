@@ -55,8 +55,10 @@ STATE_KEY = "state"
 """Member metadata key holding the ``host:port`` of the member's state server, if it runs one
 (``Mesh.serve_state``): where members that are behind fetch committed state from."""
 ROLE_KEY = "role"
-"""Member metadata key: ``train`` members form the ring; others (``spare``, ``observer``) not."""
-ROLES = ("train", "joining", "spare", "observer")
+"""Member metadata key: ``train`` members form the ring; others not (``joining``: about to
+train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
+``done``: finished training, about to leave)."""
+ROLES = ("train", "joining", "spare", "observer", "done")
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
 

@@ -41,7 +41,7 @@ def test_recovery_bench_smoke() -> None:
         "--kills",
         "1",
         "--stops",
-        "0",  # SIGCONT rejoin can stall under churn: a known open bug, see docs/STATUS.md
+        "1",
         "--torchrun-kills",
         "1",
         "--state-mb",
@@ -59,6 +59,9 @@ def test_recovery_bench_smoke() -> None:
     assert _positive(r["join_mb_per_s"]), r
     assert _positive(r["raw_tcp_mb_per_s"]), r
     assert r["joins"] == 1
+    stop = r["sigstop_to_step_s"]
+    assert 0 < stop["median"] < r["suspicion_bound_s"] + 5, r["sigstop_to_step_s"]
+    assert r["sigcont_to_rejoin_s"]["n"] == 1, r["sigcont_to_rejoin_s"]
     assert r["state_bytes"] > 1 << 20  # 1 MiB of model + momentum, serialized
     bd = r["kill_breakdown_s"]
     assert bd["commit"] is not None and bd["commit"] <= bd["received"]

@@ -21,14 +21,19 @@ needs_root = pytest.mark.skipif(
     reason="needs root to create network namespaces (and iproute2, nftables); CI runs as root",
 )
 
-# Counts UDP datagrams arriving on port 9999: waits up to 3 s for the first (ARP may have to
-# be resolved again after a partition), then stops after 0.7 s of silence.
+# Counts UDP datagrams carrying this measurement's tag (argv[1]) on port 9999: waits up to 3 s
+# for the first (ARP may have to be resolved again after a partition), then stops after 0.7 s
+# of silence. The tag keeps out datagrams of an earlier measurement that the kernel held back
+# (queued while ARP could not resolve during a partition) and released on heal.
 _RECV = (
-    "import socket\n"
+    "import socket, sys\n"
+    "tag = sys.argv[1].encode()\n"
     "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999))\n"
     "print('ready', flush=True)\n"
     "s.settimeout(3.0); n = 0\n"
-    "try:\n    while True: s.recv(64); n += 1; s.settimeout(0.7)\nexcept OSError: pass\n"
+    "try:\n"
+    "    while True: n += s.recv(64) == tag; s.settimeout(0.7)\n"
+    "except OSError: pass\n"
     "print(n)\n"
 )
 _SEND_WARMUP = (
@@ -41,17 +46,18 @@ _SEND = (
     "import socket, sys, time\n"
     "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
     "for _ in range(int(sys.argv[2])):\n"
-    "    s.sendto(b'x', (sys.argv[1], 9999)); time.sleep(0.001)\n"
+    "    s.sendto(sys.argv[3].encode(), (sys.argv[1], 9999)); time.sleep(0.001)\n"
 )
 
 
 def _delivered(lan: VirtualLan, src: int, dst: int, n: int = 400) -> int:
-    recv = lan.popen(dst, [sys.executable, "-c", _RECV], stdout=subprocess.PIPE, text=True)
+    tag = os.urandom(6).hex()
+    recv = lan.popen(dst, [sys.executable, "-c", _RECV, tag], stdout=subprocess.PIPE, text=True)
     assert recv.stdout is not None
     assert recv.stdout.readline().strip() == "ready"  # bound: no datagram can be missed
     # A few unmeasured datagrams first, so ARP is resolved again after a partition.
     lan.run(src, [sys.executable, "-c", _SEND_WARMUP, lan.host_ip(dst)])
-    lan.run(src, [sys.executable, "-c", _SEND, lan.host_ip(dst), str(n)])
+    lan.run(src, [sys.executable, "-c", _SEND, lan.host_ip(dst), str(n), tag])
     out, _ = recv.communicate(timeout=20)
     return int(out)
 

@@ -16,6 +16,7 @@ which equals single-process training on the whole global batch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -35,8 +36,10 @@ from ..errors import (
     FtmeshError,
     LocalUsageError,
     PeerLostError,
+    TrainingFinishedError,
 )
 from ..membership.messages import MemberState
+from ..mesh import ROLE_KEY
 from ..state import Snapshot, State, latest_valid_checkpoint, save_checkpoint
 from ..sync import SyncMesh
 from ..training.protocol import (
@@ -91,6 +94,7 @@ class ElasticTrainer:
         sampler: ElasticSampler,
         *,
         min_peers: int = 1,
+        max_peers: int = 0,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         step_timeout: float = 300.0,
@@ -105,6 +109,9 @@ class ElasticTrainer:
         self.optimizer = optimizer
         self.sampler = sampler
         self.min_peers = min_peers
+        if max_peers and max_peers < min_peers:
+            raise LocalUsageError(f"max_peers ({max_peers}) is below min_peers ({min_peers})")
+        self.max_peers = max_peers
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
@@ -174,6 +181,9 @@ class ElasticTrainer:
                 self.mesh.wait_quiet(
                     self.join_settle, timeout=max(deadline - time.monotonic(), 0.1)
                 )
+                if self.max_peers:
+                    self._wait_for_slot()
+                    deadline = time.monotonic() + self.step_timeout
                 self.mesh.set_role("train")
                 self._in_ring = True
                 # Members that started together flip to "train" within moments of each other:
@@ -186,6 +196,12 @@ class ElasticTrainer:
                 settle=settle,
                 timeout=max(deadline - time.monotonic(), 0.1),
             )
+            if self._over_max_peers(view):
+                log.info(
+                    "%d members train (max_peers %d): back to spare", view.size, self.max_peers
+                )
+                self._in_ring = False
+                continue
             if not self._quorate(view):
                 log.info(
                     "view of %d lacks a quorum of the last view of %d; waiting",
@@ -234,6 +250,7 @@ class ElasticTrainer:
             view = self.mesh.wait_view(timeout=max(deadline - time.monotonic(), 0.1))
             try:
                 self._sync(view)
+                self.mesh.set_role("done")  # spares waiting for a slot stop waiting
                 return
             except RECOVERABLE as exc:
                 log.info("final sync failed (%s); retrying", exc)
@@ -276,6 +293,61 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
+
+    def _wait_for_slot(self) -> None:
+        """With ``max_peers``: wait as a ``spare`` until the ring has room for us: at the
+        start, or when a training member dies (one that leaves gracefully frees no slot: that
+        is how training ends). Candidates (spares and members still joining) take free slots
+        in node-id order, so every member that sees the same membership picks the same ones.
+        Raises ``TrainingFinishedError`` once the training members have finished."""
+        me = self.mesh.node_id
+        self.mesh.set_role("spare")
+        announced = False
+        for _ in itertools.count():  # waits on membership events; ends on a slot or the end
+            members = self.mesh.members()
+            roles = {m.node: m.meta.get(ROLE_KEY) for m in members}
+            training = [
+                m.node for m in members if m.state == MemberState.ALIVE and roles[m.node] == "train"
+            ]
+            ended = [
+                m.node
+                for m in members
+                if roles[m.node] == "done"
+                or (m.state == MemberState.LEFT and roles[m.node] == "train")
+            ]
+            died = [
+                m.node for m in members if m.state == MemberState.DEAD and roles[m.node] == "train"
+            ]
+            if ended and not training:
+                raise TrainingFinishedError("the training finished while we waited as a spare")
+            candidates = sorted(
+                m.node
+                for m in members
+                if m.state == MemberState.ALIVE and roles[m.node] in ("spare", "joining")
+            )
+            free = self.max_peers - len(training)
+            if free > 0 and me in candidates[:free] and (not announced or (training and died)):
+                return
+            if not announced:
+                log.info(
+                    "%d members train (max_peers %d): waiting as a spare",
+                    len(training),
+                    self.max_peers,
+                )
+                announced = True
+            view = self.mesh.view()
+            self.mesh.wait_view_change(view.epoch if view else "", timeout=1.0)
+
+    def _over_max_peers(self, view: RingView) -> bool:
+        """Whether we, not having trained yet, are one too many: members that started
+        together can all see a free slot before their roles have spread. The first
+        ``max_peers`` of the view (node-id order) stay, as every member computes alike."""
+        return bool(
+            self.max_peers
+            and self.committed == FRESH
+            and view.size > self.max_peers
+            and self.mesh.node_id not in view.node_ids[: self.max_peers]
+        )
 
     def _pause_after_loss(self, view: RingView, peer: str) -> None:
         """After a collective lost a peer: if membership still holds it alive (a neighbour

@@ -1,0 +1,67 @@
+"""Spares (``ElasticTrainer(max_peers=...)``), real processes on loopback: members beyond
+``max_peers`` wait as spares and one steps in when a training member is killed; with no
+failure the spare exits cleanly at the end without ever training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tests_support import EXAMPLE, accuracy, check_consistency, launch, progress
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _steps(records: dict[str, list[dict[str, object]]]) -> dict[str, list[dict[str, object]]]:
+    return {name: [r for r in recs if "done" not in r] for name, recs in records.items()}
+
+
+def test_spare_steps_in_after_a_kill(tmp_path: Path) -> None:
+    logs = tmp_path / "mesh"
+    res = launch(
+        logs,
+        "-n",
+        "3",
+        "--seed",
+        "1",
+        "--kill-at",
+        "30",
+        EXAMPLE,
+        "--max-peers",
+        "2",
+        "--epochs",
+        "5",
+        "--step-delay",
+        "0.05",
+        "--digest-every",
+        "1",
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("kill -9") == 1, res.stdout[-3000:]
+    records = progress(logs)
+    steps = _steps(records)
+    total = int(next(r for recs in steps.values() for r in recs)["total"])  # type: ignore[call-overload]
+    check_consistency(records, total)
+    assert all(int(r["members"]) <= 2 for recs in steps.values() for r in recs)  # type: ignore[call-overload]
+    firsts = {name: int(recs[0]["step"]) for name, recs in steps.items() if recs}  # type: ignore[call-overload]
+    assert len(firsts) == 3, firsts  # the spare trained too, after the kill
+    starters = [n for n, s in firsts.items() if s <= 2]
+    spares = [n for n, s in firsts.items() if s > 30]
+    assert len(starters) == 2 and len(spares) == 1, firsts
+    assert steps[spares[0]][0]["synced"], steps[spares[0]][0]
+    assert accuracy(res.stdout) >= 0.9
+
+
+def test_unneeded_spare_exits_cleanly(tmp_path: Path) -> None:
+    logs = tmp_path / "mesh"
+    res = launch(
+        logs, "-n", "3", EXAMPLE, "--max-peers", "2", "--epochs", "1", "--step-delay", "0.02"
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = _steps(progress(logs))
+    trained = [name for name, recs in steps.items() if recs]
+    assert len(trained) == 2, {n: len(r) for n, r in steps.items()}
+    assert all(int(r["members"]) <= 2 for recs in steps.values() for r in recs)  # type: ignore[call-overload]
+    (spare,) = set(steps) - set(trained)
+    assert "the training finished without needing us" in (logs / f"{spare}.log").read_text()
