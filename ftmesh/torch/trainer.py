@@ -350,13 +350,11 @@ class ElasticTrainer:
         )
 
     def _pause_after_loss(self, view: RingView, peer: str) -> None:
-        """After a collective lost a peer: if membership still holds it alive (a neighbour
-        that gave up forming the ring and is forming it again), retry at once, after a random
-        few milliseconds so that members that failed together do not retry in lockstep (in
-        lockstep, each new ring can be torn down by a neighbour still leaving the last one, a
-        failure that then travels round the ring for ever). Otherwise give membership a moment
-        to drop the peer; short, so that we are back before neighbours that wait for us give
-        up."""
+        """After a collective lost a peer: if membership still holds it alive (typically a
+        neighbour that gave up a ring and is forming the next one), retry at once, after a
+        random few milliseconds so that members that failed together do not retry in
+        lockstep. Otherwise give membership a moment to drop the peer; short, so that we are
+        back before neighbours that wait for us give up."""
         states = {m.node: m.state for m in self.mesh.members()}
         if states.get(peer) == MemberState.ALIVE:
             time.sleep(self._rng.uniform(0.0, 0.2))
