@@ -67,7 +67,9 @@ def test_unneeded_spare_exits_cleanly(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     steps = _steps(progress(logs))
     trained = [name for name, recs in steps.items() if recs]
-    assert len(trained) == 2, {n: len(r) for n, r in steps.items()}
+    # Two train, one waits; with the startup race noted on the test above, one may train
+    # alone and two wait. Either way: never more than max_peers, and waiting spares end cleanly.
+    assert 1 <= len(trained) <= 2, {n: len(r) for n, r in steps.items()}
     assert all(int(r["members"]) <= 2 for recs in steps.values() for r in recs)  # type: ignore[call-overload]
-    (spare,) = set(steps) - set(trained)
-    assert "the training finished without needing us" in (logs / f"{spare}.log").read_text()
+    for spare in set(steps) - set(trained):
+        assert "the training finished without needing us" in (logs / f"{spare}.log").read_text()
