@@ -200,14 +200,6 @@ def to_blocking(sock: Socket, poll_interval: float) -> _stdsocket.socket:
 _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 
 
-def _closed_by_peer(sock: Socket) -> bool:
-    """Whether the peer has closed (or reset) a parked connection; never blocks. A parked
-    client sends nothing until we answer, so anything readable means EOF."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-    return bool(poller.poll(0))
-
-
 def _shut_by_peer(sock: Socket) -> bool:
     """Whether the peer has shut down or reset a connection, even with data still unread;
     never blocks."""
@@ -315,7 +307,7 @@ class Transport:
             while key not in self._parked:
                 await self._parked_changed.wait()
             sock = self._parked.pop(key)
-            if not _closed_by_peer(sock):
+            if not _shut_by_peer(sock):
                 return sock
             sock.close()
 
