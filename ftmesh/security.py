@@ -1,10 +1,21 @@
-"""Mesh secrets: keyed BLAKE2b message authentication shared by gossip and streams.
+"""Mesh secrets: keyed BLAKE2b message authentication shared by gossip and streams, and
+optional authenticated encryption (AES-256-GCM) derived from the same secrets.
 
 Theory of operation: every member of a mesh with a secret derives one 16-byte tag per packet
 or stream frame with keyed BLAKE2b (a MAC by construction, no HMAC wrapping needed). Several
 secrets may be configured at once so a key can be rotated without a flag day: the first signs,
 all of them verify. Replay protection (timestamps and nonces) is the caller's job, because it
 needs a clock and the caller's notion of a window; see ``ftmesh.membership.wire``.
+
+Encryption (``MeshAuth.encrypt``, off by default) needs a secret. Nothing is ever encrypted
+with a secret or a MAC key directly: ``MeshAuth.derive`` makes a 256-bit AEAD key per purpose
+and context with keyed BLAKE2b under its own personalisation (a PRF independent of the MAC).
+Callers choose contexts so that a key never sees a nonce twice: gossip derives a fresh key per
+datagram from a random 128-bit salt (``ftmesh.membership.wire``); a data-plane connection
+derives one key per direction from its handshake transcript, which holds a fresh nonce from
+each side, and numbers its frames (``ftmesh.collective.secure``). Key rotation works as for
+tags: the first key encrypts, every key is tried to decrypt. The AEAD comes from the
+``cryptography`` package, imported only when encryption is switched on.
 """
 
 from __future__ import annotations
@@ -15,8 +26,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 TAG_BYTES = 16
 """Length of an authentication tag. 128 bits: forging one by guessing is hopeless."""
@@ -25,6 +40,13 @@ MIN_SECRET_BYTES = 16
 """Shortest accepted secret: anything shorter is guessable offline from one captured packet."""
 
 SECRET_ENV = "FTMESH_SECRET"
+ENCRYPT_ENV = "FTMESH_ENCRYPT"
+"""``1``/``true``/``yes``/``on`` switches encryption on where no ``encrypt`` argument is given."""
+
+AEAD_KEY_BYTES = 32
+AEAD_TAG_BYTES = 16
+"""AES-GCM tag: 128 bits, as for the MAC."""
+AEAD_NONCE_BYTES = 12
 
 
 def _derive_key(secret: bytes) -> bytes:
@@ -32,24 +54,47 @@ def _derive_key(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=32, person=b"ftmesh-key-v1").digest()
 
 
+def new_aead(key: bytes) -> AESGCM:
+    """An AES-256-GCM cipher for ``key`` (imports ``cryptography`` on first use)."""
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:  # pragma: no cover - it is a dependency
+        raise ConfigError(
+            "encryption needs the 'cryptography' package (pip install cryptography)"
+        ) from exc
+    return AESGCM(key)
+
+
 @dataclass(frozen=True)
 class MeshAuth:
-    """Signs with the first key, verifies with any. ``MeshAuth.none()`` disables authentication."""
+    """Signs with the first key, verifies with any. ``MeshAuth.none()`` disables authentication.
+
+    ``encrypt``: also encrypt gossip and the data plane (see the module doc). Every member of a
+    mesh must agree on it: a member that encrypts and one that does not cannot talk."""
 
     keys: tuple[bytes, ...] = ()
+    encrypt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.encrypt:
+            if not self.keys:
+                raise ConfigError(
+                    "encryption needs a mesh secret (--secret-file or $FTMESH_SECRET)"
+                )
+            new_aead(bytes(AEAD_KEY_BYTES))  # fail now, not on the first packet
 
     @classmethod
     def none(cls) -> MeshAuth:
         return cls(())
 
     @classmethod
-    def from_secrets(cls, secrets: Sequence[bytes]) -> MeshAuth:
+    def from_secrets(cls, secrets: Sequence[bytes], *, encrypt: bool = False) -> MeshAuth:
         for s in secrets:
             if len(s) < MIN_SECRET_BYTES:
                 raise ConfigError(
                     f"mesh secret too short ({len(s)} bytes); use at least {MIN_SECRET_BYTES}"
                 )
-        return cls(tuple(_derive_key(s) for s in secrets))
+        return cls(tuple(_derive_key(s) for s in secrets), encrypt=encrypt)
 
     @property
     def enabled(self) -> bool:
@@ -67,10 +112,49 @@ class MeshAuth:
             ok |= hmac.compare_digest(want, tag)
         return ok
 
+    def verify_index(self, data: bytes, tag: bytes) -> int | None:
+        """Like ``verify``, but says which key made ``tag`` (its index in ``keys``), so that
+        both ends of a handshake can derive session keys from the same one."""
+        found = None
+        for i, key in enumerate(self.keys):
+            want = hashlib.blake2b(data, key=key, digest_size=TAG_BYTES).digest()
+            if hmac.compare_digest(want, tag) and found is None:
+                found = i
+        return found
 
-def load_secrets(secret_file: str | Path | None = None) -> MeshAuth:
+    def derive(self, index: int, purpose: bytes, context: bytes = b"") -> bytes:
+        """A 256-bit AEAD key for ``purpose`` (a short label) and ``context`` (e.g. a salt or
+        a handshake transcript) from key ``index``. Distinct purposes or contexts give
+        independent keys; none of them equals a MAC key."""
+        if len(purpose) > 16:
+            raise ValueError("purpose label longer than 16 bytes")
+        return hashlib.blake2b(
+            context,
+            key=self.keys[index],
+            digest_size=AEAD_KEY_BYTES,
+            salt=purpose.ljust(16, b"\0"),
+            person=b"ftmesh-aead-v1",
+        ).digest()
+
+
+def encrypt_from_env() -> bool:
+    """``$FTMESH_ENCRYPT`` as a bool (unset or empty: False)."""
+    raw = os.environ.get(ENCRYPT_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"${ENCRYPT_ENV} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
+
+
+def load_secrets(secret_file: str | Path | None = None, encrypt: bool | None = None) -> MeshAuth:
     """Build a ``MeshAuth`` from ``--secret-file`` (one secret per non-empty line; the first
-    line signs) or, if no file is given, from ``$FTMESH_SECRET``. Neither set: no auth."""
+    line signs) or, if no file is given, from ``$FTMESH_SECRET``. Neither set: no auth.
+
+    ``encrypt`` (``--encrypt``): None reads ``$FTMESH_ENCRYPT``; True without a secret is a
+    ``ConfigError``."""
+    if encrypt is None:
+        encrypt = encrypt_from_env()
     lines: list[bytes] = []
     if secret_file is not None:
         try:
@@ -82,4 +166,8 @@ def load_secrets(secret_file: str | Path | None = None) -> MeshAuth:
             raise ConfigError(f"secret file {secret_file} is empty")
     elif os.environ.get(SECRET_ENV):
         lines = [os.environ[SECRET_ENV].encode()]
-    return MeshAuth.from_secrets(lines) if lines else MeshAuth.none()
+    if not lines:
+        if encrypt:
+            raise ConfigError("encryption needs a mesh secret (--secret-file or $FTMESH_SECRET)")
+        return MeshAuth.none()
+    return MeshAuth.from_secrets(lines, encrypt=encrypt)
