@@ -3,13 +3,21 @@
 Layout of one datagram or stream frame::
 
     b"FM" | version:u8 | flags:u8 | body | tag[16] (only when flags & AUTH)
+    b"FM" | version:u8 | flags:u8 | salt[16] | AEAD(body) (flags & ENCRYPT, with AUTH)
     body = msgpack [mesh:str, sent_ms:int, nonce:bin(8), [message, ...]]
     message = msgpack [type:int, field, ...]   (see ``messages``)
 
 Theory of operation: ``PacketCodec.open`` is the only door from the network into the node. It
 checks, in order, the magic and version, the size caps, the tag (with the mesh secret: any
-member's key, see ``ftmesh.security``), the mesh name, then for authenticated packets the
-timestamp window and the nonce cache (replay), and finally every field of every message.
+member's key, see ``ftmesh.security``) or, in an encrypting mesh, the AEAD (which decrypts and
+authenticates at once), the mesh name, then for authenticated packets the timestamp window
+and the nonce cache (replay), and finally every field of every message.
+
+Encryption: AES-256-GCM under a key derived per datagram from the mesh key and the packet's
+random 128-bit salt (so no key ever meets a nonce twice however many datagrams the mesh sends;
+the GCM nonce is then constant), with the 20-byte header and salt as associated data. A packet
+whose encryption flag differs from ours is refused as ``encryption_mismatch``; one that does
+not decrypt under any of our keys (wrong secret, or tampered) as ``bad_mac``.
 Anything wrong raises ``RemoteProtocolError`` with a short ``reason`` that the I/O layer
 counts; nothing else escapes. Unknown message types from a newer peer are skipped, so message
 types can be appended without breaking old members.
@@ -21,6 +29,7 @@ hostile packet can cost.
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +37,7 @@ from typing import Any
 import msgpack
 
 from ..errors import RemoteProtocolError
-from ..security import TAG_BYTES, MeshAuth
+from ..security import AEAD_NONCE_BYTES, AEAD_TAG_BYTES, TAG_BYTES, MeshAuth, new_aead
 from .messages import (
     Ack,
     Address,
@@ -49,8 +58,12 @@ from .messages import (
 PROTOCOL_VERSION = 1
 MAGIC = b"FM"
 FLAG_AUTH = 0x01
+FLAG_ENCRYPT = 0x02
 HEADER_BYTES = 4
 NONCE_BYTES = 8
+SALT_BYTES = 16
+"""Random per encrypted packet; the packet's key is derived from it (see the module doc)."""
+_ZERO_NONCE = bytes(AEAD_NONCE_BYTES)
 
 MAX_DATAGRAM = 65_000
 """Largest datagram accepted: the UDP maximum, so one packet can never exceed a recv buffer."""
@@ -251,7 +264,7 @@ def encoded_size(msg: Message) -> int:
     return len(msgpack.packb(message_fields(msg)))
 
 
-PACKET_OVERHEAD = HEADER_BYTES + TAG_BYTES + NONCE_BYTES + MAX_MESH_NAME + 16
+PACKET_OVERHEAD = HEADER_BYTES + SALT_BYTES + TAG_BYTES + NONCE_BYTES + MAX_MESH_NAME + 16
 """Upper bound on the envelope's bytes around the messages."""
 
 
@@ -281,15 +294,45 @@ class PacketCodec:
         self.replay_window = replay_window
         self._nonces: OrderedDict[bytes, float] = OrderedDict()
 
-    def seal(self, msgs: Sequence[Message], now_wall: float, nonce: bytes) -> bytes:
+    def seal(
+        self, msgs: Sequence[Message], now_wall: float, nonce: bytes, salt: bytes | None = None
+    ) -> bytes:
+        """One packet. ``salt`` (16 random bytes) is only used when encrypting; None draws one
+        from ``os.urandom``."""
         body: bytes = msgpack.packb(
             [self.mesh, int(now_wall * 1000), nonce, [message_fields(m) for m in msgs]]
         )
+        if self.auth.encrypt:
+            head = MAGIC + bytes((PROTOCOL_VERSION, FLAG_AUTH | FLAG_ENCRYPT))
+            salt = os.urandom(SALT_BYTES) if salt is None else salt
+            if len(salt) != SALT_BYTES:
+                raise ValueError(f"salt must be {SALT_BYTES} bytes")
+            aead = new_aead(self.auth.derive(0, b"gossip", salt))
+            return head + salt + aead.encrypt(_ZERO_NONCE, body, head + salt)
         flags = FLAG_AUTH if self.auth.enabled else 0
         head = MAGIC + bytes((PROTOCOL_VERSION, flags))
         if self.auth.enabled:
             return head + body + self.auth.tag(head + body)
         return head + body
+
+    def _decrypt(self, data: bytes) -> bytes:
+        """The body of an encrypted packet, trying every key (rotation); ``bad_mac`` if none
+        opens it."""
+        if len(data) < HEADER_BYTES + SALT_BYTES + AEAD_TAG_BYTES:
+            raise _fail("malformed", "encrypted packet too short")
+        aad = data[: HEADER_BYTES + SALT_BYTES]
+        salt = aad[HEADER_BYTES:]
+        sealed = data[HEADER_BYTES + SALT_BYTES :]
+        from cryptography.exceptions import InvalidTag
+
+        for i in range(len(self.auth.keys)):
+            aead = new_aead(self.auth.derive(i, b"gossip", salt))
+            try:
+                body: bytes = aead.decrypt(_ZERO_NONCE, sealed, aad)
+            except InvalidTag:
+                continue
+            return body
+        raise _fail("bad_mac", "packet does not decrypt with the mesh key")
 
     def open(self, data: bytes, now_wall: float, cap: int = MAX_DATAGRAM) -> list[Message]:
         if len(data) > cap:
@@ -299,7 +342,16 @@ class PacketCodec:
         if data[2] != PROTOCOL_VERSION:
             raise _fail("bad_version", f"version {data[2]}")
         authed = bool(data[3] & FLAG_AUTH)
-        if self.auth.enabled:
+        encrypted = bool(data[3] & FLAG_ENCRYPT)
+        if self.auth.encrypt:
+            if not authed:
+                raise _fail("unauthenticated")
+            if not encrypted:
+                raise _fail("encryption_mismatch", "peer sends plaintext; this mesh encrypts")
+            body = self._decrypt(data)
+        elif encrypted and self.auth.enabled:
+            raise _fail("encryption_mismatch", "peer encrypts; this member does not")
+        elif self.auth.enabled:
             if not authed or len(data) < HEADER_BYTES + TAG_BYTES:
                 raise _fail("unauthenticated")
             signed, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
