@@ -41,6 +41,12 @@ Failure handling keeps every member informed without any coordinator:
 A member sends ``DONE`` only when all its receives completed, so a mismatch, detected at the
 header, is always seen by every member.
 
+With encryption (``secure``), the ring carries a ``RingCrypto``: frames are sealed where they
+are built and the receive side reads through ``FrameOpener``, which presents the same
+plaintext frame stream and decrypts each payload straight into the place this loop reads it
+into. A frame that fails authentication is a protocol error: the round aborts and the ring is
+dropped, as for any stream out of sync. Without encryption none of this runs.
+
 *Fatal* aborts (a neighbour lost or stalled, or ``DataPlane.abort_view`` saying a member of the
 view is dead) end the ring instead of keeping it in sync: the forward ``ABORT`` frame cannot get
 past a dead member, so the member that learns of it also writes the abort as a *notice* on the
@@ -69,6 +75,7 @@ from . import wire
 from .errors import InputMismatchError, PeerStalledError, RingPeerLostError
 from .ops import Array, Reducer
 from .schedule import Schedule
+from .secure import FrameOpener
 from .transport import Ring
 
 _ABORT_MSG_CAP = 2000
@@ -164,6 +171,10 @@ class Pipeline:
                 self.abort = reason
             if fatal:
                 self.fatal = self.broken = True
+            elif reason.get("kind") == "protocol":
+                # The member that saw a bad frame drops its ring (its stream is out of sync),
+                # so the ring is over for everyone: drop ours too rather than fail next time.
+                self.broken = True
         if fatal:
             self._notify_left(reason, from_left=from_left)
             self.ring.shutdown_towards(str(reason.get("peer")))
@@ -189,7 +200,10 @@ class Pipeline:
             sock = ring.recv_sock
             if sock is not None:
                 with contextlib.suppress(OSError):  # best effort: the left also has io_timeout
-                    sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
+                    if ring.crypto is not None:
+                        ring.crypto.rev_tx.send_nowait(sock, wire.ABORT, body)
+                    else:
+                        sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
 
     def _poll_back(self) -> None:
         """Read what the right neighbour sent on the reverse direction: ``READY`` frames, an
@@ -197,11 +211,18 @@ class Pipeline:
         sock = self.ring.send_sock
         if sock is None:
             return
+        right = self.ring.right.node_id
+        reader: socket.socket | FrameOpener = sock
+        if self.ring.crypto is not None:
+            reader = self.ring.crypto.rev_rx
         try:
-            data = sock.recv(4096, _DONTWAIT)
+            data = reader.recv(4096, _DONTWAIT)
         except OSError:  # nothing there (EAGAIN), or the socket already failed
             return
-        right = self.ring.right.node_id
+        except RemoteProtocolError as exc:  # a reverse frame failed authentication
+            self.right_closed = self.broken = True  # stop polling that direction
+            self._set_abort(self._reason("protocol", right, f"bad notice from {right}: {exc}"))
+            return
         if not data:
             self.right_closed = self.broken = True
             if not (self.tx_closed and not self.tx_pending):  # else it has all it needs from us
@@ -238,7 +259,10 @@ class Pipeline:
         if sock is None:
             return
         with ring.lock, contextlib.suppress(OSError):
-            sock.send(wire.FRAME.pack(wire.READY, self.seq), _DONTWAIT)
+            if ring.crypto is not None:
+                ring.crypto.rev_tx.send_nowait(sock, wire.READY, field=self.seq)
+            else:
+                sock.send(wire.FRAME.pack(wire.READY, self.seq), _DONTWAIT)
 
     def _waiting_ready(self) -> bool:
         """Whether our ``HEADER`` is held back because the right neighbour has not started
@@ -246,6 +270,18 @@ class Pipeline:
         return not self.header_sent and self.abort is None and self.ring.peer_ready < self.seq
 
     # -- transmit side --------------------------------------------------------------------
+    def _frame(self, kind: int, body: bytes) -> list[memoryview]:
+        """A control frame (or an empty one) for the right neighbour."""
+        crypto = self.ring.crypto
+        if crypto is not None:
+            return crypto.fwd_tx.seal(kind, body)
+        return [memoryview(wire.FRAME.pack(kind, len(body)) + body)]
+
+    def _keepalive(self) -> list[memoryview]:
+        if self.ring.crypto is not None:
+            return self._frame(wire.KEEPALIVE, b"")
+        return [memoryview(_KEEPALIVE_FRAME)]
+
     def _next_frame(self) -> list[memoryview] | None:
         """The next frame to write, or None when there is nothing to write now."""
         if self.tx_closed:
@@ -255,14 +291,12 @@ class Pipeline:
             self.tx_closed = True
             if self.fatal and reason.get("peer") == self.ring.right.node_id:
                 return None  # no one to tell there
-            body = wire.pack_control(reason)[4:]
-            return [memoryview(wire.FRAME.pack(wire.ABORT, len(body)) + body)]
+            return self._frame(wire.ABORT, wire.pack_control(reason)[4:])
         if not self.header_sent:
             if self.ring.peer_ready < self.seq:
                 return None  # the right neighbour has not started this collective yet
             self.header_sent = True
-            body = wire.pack_control(self.header)[4:]
-            return [memoryview(wire.FRAME.pack(wire.HEADER, len(body)) + body)]
+            return self._frame(wire.HEADER, wire.pack_control(self.header)[4:])
         sends = self.sched.sends
         j = self.next_send
         if j < len(sends):
@@ -272,9 +306,13 @@ class Pipeline:
             self.next_send = j + 1
             src = self.inp_b if s.from_input else self.acc_b
             payload = src[s.start * self.isz : s.stop * self.isz]
+            if self.ring.crypto is not None:
+                return self.ring.crypto.fwd_tx.seal(wire.DATA, payload)
             return [memoryview(wire.FRAME.pack(wire.DATA, len(payload))), payload]
         if self.recv_done == len(self.sched.recvs):
             self.tx_closed = self.done_sent = True
+            if self.ring.crypto is not None:
+                return self._frame(wire.DONE, b"")
             return [memoryview(_DONE_FRAME)]
         return None
 
@@ -310,7 +348,7 @@ class Pipeline:
         return moved
 
     # -- receive side ---------------------------------------------------------------------
-    def _rx(self, sock: socket.socket, flags: int) -> bool:
+    def _rx(self, sock: socket.socket | FrameOpener, flags: int) -> bool:
         """Read what has arrived (``_DONTWAIT``), or wait for the current target to fill
         (``_WAITALL``: one wake-up per chunk instead of one per segment; bounded by the socket's
         ``poll_interval`` timeout); True if any byte came in."""
@@ -458,6 +496,9 @@ class Pipeline:
         poller.register(rxfd, select.POLLIN)
         tx_mask = rx_mask = select.POLLIN
         tx_reg = True
+        reader: socket.socket | FrameOpener = rx
+        if ring.crypto is not None:
+            reader = ring.crypto.fwd_rx
         poll_s = self.poll_interval
         poll_ms = max(1, int(poll_s * 1000))
         now = time.monotonic()
@@ -476,7 +517,7 @@ class Pipeline:
             waiting = self._waiting_ready()
             block = not waiting and not self.tx_pending and self.rx_state != _FINISHED
             try:
-                got = self._rx(rx, _WAITALL if block else _DONTWAIT)
+                got = self._rx(reader, _WAITALL if block else _DONTWAIT)
             except (EOFError, OSError) as exc:
                 self._poll_back()
                 what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
@@ -496,7 +537,7 @@ class Pipeline:
                 if sent:
                     last_tx = last_sent = now
                 elif not self.tx_pending and not self.tx_closed and now - last_sent >= poll_s:
-                    self.tx_pending.append(memoryview(_KEEPALIVE_FRAME))
+                    self.tx_pending.extend(self._keepalive())
                 continue
             if block:  # the blocking receive already waited poll_interval
                 events = poller.poll(0) if tx_reg else []
@@ -537,7 +578,7 @@ class Pipeline:
             if not self.tx_pending and not waiting:
                 last_tx = now  # not waiting on the right neighbour
                 if not self.tx_closed and now - last_sent >= self.poll_interval:
-                    self.tx_pending.append(memoryview(_KEEPALIVE_FRAME))
+                    self.tx_pending.extend(self._keepalive())
 
     # -- entry point ----------------------------------------------------------------------
     def run_blocking(self) -> None:
@@ -585,12 +626,18 @@ class Pipeline:
         reason, sock = self.abort, self.ring.send_sock
         if self.tx_closed or self.tx_off or reason is None or sock is None:
             return
+        crypto = self.ring.crypto
+        if crypto is not None and self.tx_pending:
+            return  # a sealed frame is queued: skipping its number would fail every later tag
         self.tx_closed = True
         if reason.get("peer") == self.ring.right.node_id:
             return
         body = wire.pack_control(reason)[4:]
         with contextlib.suppress(OSError):
-            sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
+            if crypto is not None:
+                crypto.fwd_tx.send_nowait(sock, wire.ABORT, body)
+            else:
+                sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
 
 
 def _describe(h: dict[str, Any]) -> str:

@@ -17,6 +17,13 @@ agrees, and nobody runs a collective on a view its neighbours don't share. A mis
 With a mesh secret, both sides prove knowledge of it by MACing the transcript, which includes a
 fresh nonce from each side, so a node without the secret cannot join and recorded handshakes
 cannot be replayed.
+
+When the mesh encrypts, the hello says so (``enc``) and the transcript binds it, so neither
+side can be talked into the other mode; a server whose mode differs answers with an error
+naming it (the client raises a clear ``CollectiveError``) and drops the connection. Both sides
+then derive the connection's two keys from the transcript and the mesh key that made the
+server's tag (``secure.session_keys``), and everything after ``view_ok`` is sealed
+(``secure.RingCrypto``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from ..security import MeshAuth
 from . import wire
 from .config import CollectiveConfig
 from .errors import RingPeerLostError, ViewMismatchError
+from .secure import RingCrypto, SessionKeys, session_keys
 from .view import Peer, RingView
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ MAX_PARKED = 64
 stale peers can pin; the oldest is closed first."""
 
 Socket = trio.socket.SocketType
+Link = tuple[Socket, SessionKeys | None]
+"""A handshaken connection and, when the mesh encrypts, its keys."""
 
 
 def tune_socket(sock: Socket, config: CollectiveConfig) -> None:
@@ -130,6 +140,8 @@ class Ring:
     """Partial frame read from the reverse direction of ``send_sock``."""
     peer_ready: int = 0
     """Highest collective sequence number the right neighbour said it started (``READY``)."""
+    crypto: RingCrypto | None = None
+    """Sealers and openers of both connections when the mesh encrypts (see ``secure``)."""
 
     def kill(self, reason: dict[str, Any]) -> None:
         """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``).
@@ -145,10 +157,17 @@ class Ring:
                 self.notice_sent = True
                 body = wire.pack_control(reason)[4:]
                 frame = wire.FRAME.pack(wire.ABORT, len(body)) + body
-                for s in (self.send_sock, self.recv_sock):
+                crypto = self.crypto
+                for s, sealer in (
+                    (self.send_sock, crypto and crypto.fwd_tx),
+                    (self.recv_sock, crypto and crypto.rev_tx),
+                ):
                     if s is not None:
                         with contextlib.suppress(OSError):
-                            s.send(frame, _stdsocket.MSG_DONTWAIT)
+                            if sealer:
+                                sealer.send_nowait(s, wire.ABORT, body)
+                            else:
+                                s.send(frame, _stdsocket.MSG_DONTWAIT)
         if pipe is not None:
             pipe.abort_from_outside(reason)
         self.shutdown_towards(str(reason.get("peer")))
@@ -225,7 +244,7 @@ class Transport:
         self.auth = auth
         self.mesh = mesh
         self.config = config
-        self._parked: OrderedDict[tuple[str, str], Socket] = OrderedDict()
+        self._parked: OrderedDict[tuple[str, str], Link] = OrderedDict()
         self._parked_changed = trio.Event()
         self._rings: OrderedDict[str, Ring] = OrderedDict()
         self.dropped: dict[str, int] = {}
@@ -271,8 +290,17 @@ class Transport:
                     nc = _field(hello, "nonce", bytes)
                     if len(nc) != wire.NONCE_BYTES or len(src) > 256 or len(epoch) > 64:
                         raise RemoteProtocolError("malformed", "bad hello field sizes")
+                    enc = self.auth.encrypt
+                    if (hello.get("enc") is True) != enc:
+                        mine = "encrypts" if enc else "does not encrypt"
+                        await send_control(
+                            sock, {"v": wire.PROTOCOL_VERSION, "error": f"this member {mine}"}
+                        )
+                        raise RemoteProtocolError(
+                            "encryption_mismatch", f"{src!r}: this member {mine}, it does not"
+                        )
                     na = os.urandom(wire.NONCE_BYTES)
-                    t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na)
+                    t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na, encrypt=enc)
                     tag = self.auth.tag(b"A" + t) if self.auth.enabled else b""
                     await send_control(sock, {"v": wire.PROTOCOL_VERSION, "nonce": na, "tag": tag})
                     resp = await recv_control(sock)
@@ -280,7 +308,8 @@ class Transport:
                         b"C" + t, _field(resp, "tag", bytes)
                     ):
                         raise RemoteProtocolError("bad_mac", f"from {src!r}")
-            self._park((src, epoch), sock)
+                    keys = session_keys(self.auth, 0, t) if enc else None
+            self._park((src, epoch), (sock, keys))
             parked = True
         except (RemoteProtocolError, EOFError, OSError, trio.TooSlowError) as exc:
             reason = exc.reason if isinstance(exc, RemoteProtocolError) else "handshake_failed"
@@ -289,27 +318,27 @@ class Transport:
             if not parked:
                 sock.close()
 
-    def _park(self, key: tuple[str, str], sock: Socket) -> None:
+    def _park(self, key: tuple[str, str], link: Link) -> None:
         old = self._parked.pop(key, None)
         if old is not None:
-            old.close()
-        self._parked[key] = sock
+            old[0].close()
+        self._parked[key] = link
         while len(self._parked) > MAX_PARKED:
             _, victim = self._parked.popitem(last=False)
-            victim.close()
+            victim[0].close()
         ev, self._parked_changed = self._parked_changed, trio.Event()
         ev.set()
 
-    async def _take_parked(self, key: tuple[str, str]) -> Socket:
+    async def _take_parked(self, key: tuple[str, str]) -> Link:
         """The connection parked under ``key``, waiting for one. A connection its client has
         closed meanwhile (it gave up waiting for us) is dropped, not handed out."""
         while True:
             while key not in self._parked:
                 await self._parked_changed.wait()
-            sock = self._parked.pop(key)
-            if not _shut_by_peer(sock):
-                return sock
-            sock.close()
+            link = self._parked.pop(key)
+            if not _shut_by_peer(link[0]):
+                return link
+            link[0].close()
 
     # -- rings --------------------------------------------------------------------------
     def cached_ring(self, view: RingView) -> Ring | None:
@@ -333,7 +362,7 @@ class Transport:
         for ring in list(self._rings.values()):
             ring.close()
         self._rings.clear()
-        for s in self._parked.values():
+        for s, _keys in self._parked.values():
             s.close()
         self._parked.clear()
         self.listener.close()
@@ -346,9 +375,17 @@ class Transport:
         rank = view.rank_of(self.node_id)
         ring = Ring(view, rank, view.right_of(self.node_id), view.left_of(self.node_id), None, None)
         if view.size > 1:
-            send, recv = await self._formed_halves(ring)
+            (send, send_keys), (recv, recv_keys) = await self._formed_halves(ring)
             ring.send_sock = to_blocking(send, self._poll)
             ring.recv_sock = to_blocking(recv, self._poll)
+            if send_keys is not None and recv_keys is not None:
+                ring.crypto = RingCrypto.create(
+                    ring.send_sock,
+                    send_keys,
+                    ring.recv_sock,
+                    recv_keys,
+                    max(self.config.chunk_bytes + 1024, wire.MAX_CONTROL_BYTES),
+                )
             log.debug(
                 "ring %x of %s: from %s via %s, to %s via %s",
                 id(ring),
@@ -366,7 +403,7 @@ class Transport:
             old.close()
         return ring
 
-    async def _formed_halves(self, ring: Ring) -> tuple[Socket, Socket]:
+    async def _formed_halves(self, ring: Ring) -> tuple[Link, Link]:
         """``_connect_halves``, then re-done for any half whose neighbour has meanwhile given
         its connection up. A half can be confirmed long before the other one (the neighbour
         on that side formed its ring first), and that neighbour may then have failed and
@@ -378,7 +415,7 @@ class Transport:
         send, recv = await self._connect_halves(ring)
         try:
             for _ in range(64):  # bounded by count and by view_timeout
-                dead_send, dead_recv = _shut_by_peer(send), _shut_by_peer(recv)
+                dead_send, dead_recv = _shut_by_peer(send[0]), _shut_by_peer(recv[0])
                 if not (dead_send or dead_recv):
                     return send, recv
                 if trio.current_time() > deadline:
@@ -389,17 +426,17 @@ class Transport:
                     "right" if dead_send else "left",
                 )
                 if dead_send:
-                    send.close()
+                    send[0].close()
                     send = await self._open_right(ring)
                 if dead_recv:
-                    recv.close()
+                    recv[0].close()
                     recv = await self._open_left(ring)
         except BaseException:
-            send.close()
-            recv.close()
+            send[0].close()
+            recv[0].close()
             raise
-        send.close()
-        recv.close()
+        send[0].close()
+        recv[0].close()
         raise ViewMismatchError(
             f"{self.node_id}: the neighbours of view {ring.view.epoch} kept giving up their "
             f"connections within {self.config.view_timeout}s",
@@ -407,13 +444,13 @@ class Transport:
             peer=ring.right.node_id,
         )
 
-    async def _connect_halves(self, ring: Ring) -> tuple[Socket, Socket]:
+    async def _connect_halves(self, ring: Ring) -> tuple[Link, Link]:
         """Both connections of ``ring``, each confirmed by its neighbour (``view_ok``)."""
         errors: list[FtmeshError] = []
-        socks: dict[str, Socket] = {}
+        socks: dict[str, Link] = {}
 
         async def half(
-            name: str, fn: Callable[[Ring], Awaitable[Socket]], cancel: trio.CancelScope
+            name: str, fn: Callable[[Ring], Awaitable[Link]], cancel: trio.CancelScope
         ) -> None:
             try:
                 socks[name] = await fn(ring)
@@ -426,19 +463,19 @@ class Transport:
                 nursery.start_soon(half, "send", self._open_right, nursery.cancel_scope)
                 nursery.start_soon(half, "recv", self._open_left, nursery.cancel_scope)
         except BaseException:
-            for sock in socks.values():
+            for sock, _keys in socks.values():
                 sock.close()
             raise
         if errors:
-            for sock in socks.values():
+            for sock, _keys in socks.values():
                 sock.close()
             raise errors[0]
         return socks["send"], socks["recv"]
 
-    async def _open_left(self, ring: Ring) -> Socket:
+    async def _open_left(self, ring: Ring) -> Link:
         epoch, left = ring.view.epoch, ring.left.node_id
         with trio.move_on_after(self.config.view_timeout):
-            sock = await self._take_parked((left, epoch))
+            sock, keys = await self._take_parked((left, epoch))
             try:
                 await send_control(sock, {"view_ok": epoch})
             except OSError:
@@ -451,7 +488,7 @@ class Transport:
             except BaseException:
                 sock.close()
                 raise
-            return sock
+            return sock, keys
         others = [e for (src, e) in self._parked if src == left]
         seen = f"; it connected with epoch(s) {others}" if others else ""
         raise ViewMismatchError(
@@ -461,15 +498,15 @@ class Transport:
             peer=left,
         )
 
-    async def _open_right(self, ring: Ring) -> Socket:
+    async def _open_right(self, ring: Ring) -> Link:
         view, right = ring.view, ring.right
-        sock = await self._connect(view, right)
+        sock, keys = await self._connect(view, right)
         try:
             with trio.move_on_after(self.config.view_timeout):
                 msg = await recv_control(sock)
                 if msg.get("view_ok") != view.epoch:
                     raise RemoteProtocolError("malformed", f"unexpected view reply {msg!r}")
-                return sock
+                return sock, keys
         except (EOFError, OSError):
             sock.close()
             raise RingPeerLostError(
@@ -488,7 +525,7 @@ class Transport:
             peer=right.node_id,
         )
 
-    async def _connect(self, view: RingView, peer: Peer) -> Socket:
+    async def _connect(self, view: RingView, peer: Peer) -> Link:
         """Connect and authenticate, retrying refused connections until connect_timeout."""
         last: BaseException | None = None
         delay = 0.01
@@ -498,13 +535,19 @@ class Transport:
                 try:
                     tune_socket(sock, self.config)
                     await sock.connect((peer.host, peer.port))
-                    await self._client_handshake(sock, view, peer)
-                    return sock
+                    return sock, await self._client_handshake(sock, view, peer)
                 except (OSError, EOFError) as exc:
                     sock.close()
                     last = exc
                 except RemoteProtocolError as exc:
                     sock.close()
+                    if exc.reason == "encryption_mismatch":
+                        mine = "on" if self.auth.encrypt else "off"
+                        raise CollectiveError(
+                            f"{self.node_id}: ring neighbour {peer.node_id} refused the "
+                            f"data-plane handshake ({exc}); encryption is {mine} here: every "
+                            "member of a mesh must use the same --encrypt setting"
+                        ) from None
                     raise CollectiveError(
                         f"{self.node_id}: ring neighbour {peer.node_id} refused or failed the "
                         f"data-plane handshake ({exc}); is it in the same mesh, with the same "
@@ -522,28 +565,40 @@ class Transport:
             epoch=view.epoch,
         )
 
-    async def _client_handshake(self, sock: Socket, view: RingView, peer: Peer) -> None:
+    async def _client_handshake(
+        self, sock: Socket, view: RingView, peer: Peer
+    ) -> SessionKeys | None:
         nc = os.urandom(wire.NONCE_BYTES)
-        await send_control(
-            sock,
-            {
-                "v": wire.PROTOCOL_VERSION,
-                "mesh": self.mesh,
-                "from": self.node_id,
-                "to": peer.node_id,
-                "epoch": view.epoch,
-                "nonce": nc,
-            },
-        )
+        enc = self.auth.encrypt
+        hello: dict[str, Any] = {
+            "v": wire.PROTOCOL_VERSION,
+            "mesh": self.mesh,
+            "from": self.node_id,
+            "to": peer.node_id,
+            "epoch": view.epoch,
+            "nonce": nc,
+        }
+        if enc:
+            hello["enc"] = True
+        await send_control(sock, hello)
         reply = await recv_control(sock)
+        if "error" in reply:
+            err = str(reply["error"])[:200]
+            reason = "encryption_mismatch" if "encrypt" in err else "refused"
+            raise RemoteProtocolError(reason, err)
         na = _field(reply, "nonce", bytes)
-        t = wire.transcript(self.mesh, self.node_id, peer.node_id, view.epoch, nc, na)
+        t = wire.transcript(self.mesh, self.node_id, peer.node_id, view.epoch, nc, na, encrypt=enc)
+        keys = None
         if self.auth.enabled:
-            if not self.auth.verify(b"A" + t, _field(reply, "tag", bytes)):
+            index = self.auth.verify_index(b"A" + t, _field(reply, "tag", bytes))
+            if index is None:
                 raise RemoteProtocolError(
                     "bad_mac", f"{peer.node_id} did not prove the mesh secret"
                 )
             tag = self.auth.tag(b"C" + t)
+            if enc:
+                keys = session_keys(self.auth, index, t)
         else:
             tag = b""
         await send_control(sock, {"tag": tag})
+        return keys

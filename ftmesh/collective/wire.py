@@ -68,9 +68,14 @@ def unpack_control(body: bytes) -> dict[str, Any]:
     return msg
 
 
-def transcript(mesh: str, src: str, dst: str, epoch: str, nc: bytes, na: bytes) -> bytes:
-    """Bytes both sides MAC during the challenge/response; binds every handshake field."""
-    packed: bytes = msgpack.packb(
-        [b"ftmesh-dp-v1", PROTOCOL_VERSION, mesh, src, dst, epoch, nc, na], use_bin_type=True
-    )
+def transcript(
+    mesh: str, src: str, dst: str, epoch: str, nc: bytes, na: bytes, *, encrypt: bool = False
+) -> bytes:
+    """Bytes both sides MAC during the challenge/response; binds every handshake field,
+    including whether the connection is to be encrypted (then also the key derivation input,
+    see ``secure``)."""
+    fields: list[Any] = [b"ftmesh-dp-v1", PROTOCOL_VERSION, mesh, src, dst, epoch, nc, na]
+    if encrypt:
+        fields.append(b"aes-256-gcm")
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
     return packed
