@@ -39,6 +39,13 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         help="file with the mesh secret (one per line; the first signs, all verify); "
         "default: $FTMESH_SECRET, else no authentication",
     )
+    p.add_argument(
+        "--encrypt",
+        action="store_true",
+        default=None,
+        help="also encrypt gossip and the data plane (AES-256-GCM; needs a secret; every "
+        "member must agree); default: $FTMESH_ENCRYPT, else off",
+    )
     p.add_argument("--registry-dir", default="", help=argparse.SUPPRESS)
 
 

@@ -48,7 +48,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
         join=tuple(args.join),
         interface=args.interface,
         membership=MembershipConfig.preset(args.preset),
-        auth=load_secrets(args.secret_file),
+        auth=load_secrets(args.secret_file, args.encrypt),
         meta=parse_meta(args.meta),
         registry_dir=args.registry_dir,
     )

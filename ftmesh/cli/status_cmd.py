@@ -80,7 +80,9 @@ async def _amain(args: argparse.Namespace) -> int:
     addrs = await _find(args)
     if not addrs:
         raise FtmeshError(f"no member of mesh {args.mesh!r} found by {args.discovery} discovery")
-    members = await fetch_members(addrs, args.mesh, load_secrets(args.secret_file), args.timeout)
+    members = await fetch_members(
+        addrs, args.mesh, load_secrets(args.secret_file, args.encrypt), args.timeout
+    )
     if args.json:
         print(
             json.dumps(
