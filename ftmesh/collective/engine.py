@@ -307,7 +307,7 @@ class Pipeline:
             src = self.inp_b if s.from_input else self.acc_b
             payload = src[s.start * self.isz : s.stop * self.isz]
             if self.ring.crypto is not None:
-                return self.ring.crypto.fwd_tx.seal(wire.DATA, payload)
+                return self.ring.crypto.fwd_tx.seal_data(payload)
             return [memoryview(wire.FRAME.pack(wire.DATA, len(payload))), payload]
         if self.recv_done == len(self.sched.recvs):
             self.tx_closed = self.done_sent = True

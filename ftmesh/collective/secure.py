@@ -79,8 +79,10 @@ class FrameSealer:
 
     def __init__(self, key: bytes) -> None:
         self._aead = new_aead(key)
+        self._encrypt_into: Callable[..., Any] | None = getattr(self._aead, "encrypt_into", None)
         self._next = 0
         self._lock = threading.Lock()
+        self._data_buf: Any = None
 
     def _seal(self, n: int, kind: int, payload: bytes | memoryview, field: int) -> list[memoryview]:
         length = field if kind == wire.READY else len(payload) + TAG
@@ -96,6 +98,23 @@ class FrameSealer:
             n = self._next
             self._next += 1
         return self._seal(n, kind, payload, field)
+
+    def seal_data(self, payload: memoryview) -> list[memoryview]:
+        """Like ``seal(DATA, payload)`` but into a buffer this sealer reuses (no allocation per
+        chunk): the result is only valid until the next ``seal_data``. The engine writes one
+        frame completely before it seals the next."""
+        if self._encrypt_into is None:  # pragma: no cover - cryptography without encrypt_into
+            return self.seal(wire.DATA, payload)
+        size = len(payload) + TAG
+        if self._data_buf is None or len(self._data_buf) < size:
+            self._data_buf = _blank(size)
+        out = self._data_buf[:size]
+        head = wire.FRAME.pack(wire.DATA, size)
+        with self._lock:
+            n = self._next
+            self._next += 1
+        self._encrypt_into(_NONCE.pack(n), payload, head, out)
+        return [memoryview(head), out]
 
     def send_nowait(
         self, sock: socket.socket, kind: int, payload: bytes = b"", field: int = 0
