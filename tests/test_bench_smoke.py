@@ -1,6 +1,6 @@
-"""Smoke runs of ``ftmesh bench recovery`` and ``ftmesh bench train``: tiny configurations,
-real processes on loopback; they check the JSON shape and that the values are sane, never
-speed."""
+"""Smoke runs of ``ftmesh bench recovery``, ``train`` and ``allreduce --encrypt``: tiny
+configurations, real processes on loopback; they check the JSON shape and that the values are
+sane, never speed."""
 
 from __future__ import annotations
 
@@ -96,3 +96,28 @@ def test_train_bench_smoke() -> None:
     assert cell["ftmesh_retries"] == 0
     # Both copies trained the same steps on the same data from the same initial weights.
     assert cell["max_weight_diff"] < 1e-3
+
+
+def test_allreduce_bench_encrypt_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.allreduce",
+        "--procs",
+        "2",
+        "--sizes",
+        "64K",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--impls",
+        "ftmesh",
+        "--encrypt",
+        "--check",
+        timeout=240,
+    )
+    assert r["benchmark"] == "allreduce" and r["encrypt"] is True
+    (cell,) = r["cells"]
+    assert cell["check"] == {"ftmesh": True, "ftmesh_enc": True}
+    busbw = {k: v["median"] for k, v in cell["busbw"].items()}
+    assert set(busbw) == {"ftmesh", "ftmesh_enc"} and all(map(_positive, busbw.values()))
+    assert cell["encrypted_vs_plain"] == pytest.approx(busbw["ftmesh_enc"] / busbw["ftmesh"])

@@ -18,6 +18,11 @@ traffic per implementation and cell, 6 to 40 repetitions) and the implementation
 within every repetition, so a burst of load hits all of them alike; the ratios are taken
 between medians measured in the same run.
 
+Encryption: ``--encrypt`` adds ``ftmesh_enc``, a second ftmesh data plane in every process with
+a random mesh secret and ``MeshAuth(encrypt=True)`` (AES-256-GCM on every frame), to the
+implementations that take turns, and reports per cell ``encrypted_vs_plain`` = busbw of
+``ftmesh_enc`` / busbw of ``ftmesh`` (1.0: encryption is free; 0.5: it halves bandwidth).
+
 Large buffers: ``--impls ftmesh --check --sizes 2.5G --procs 2`` allreduces a buffer larger than
 2**31 bytes and checks every element. Each process holds one buffer per implementation; a cell
 that would not fit in 80% of MemAvailable is skipped with a message.
@@ -31,6 +36,7 @@ import argparse
 import functools
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -43,8 +49,11 @@ import numpy as np
 
 from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ..collective.schedule import chunks_per_segment, segment_bounds
+from ..security import MeshAuth
 
 IMPLS = ("ftmesh", "gloo", "ceiling")
+ENC = "ftmesh_enc"
+"""The encrypted ftmesh data plane (``--encrypt``)."""
 
 
 def parse_size(text: str) -> int:
@@ -146,15 +155,15 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
     config = CollectiveConfig(
         chunk_bytes=cfg["chunk"], io_timeout=120.0, socket_buffer_bytes=cfg["sockbuf"]
     )
-    dp = SyncDataPlane.start(f"bench-{rank:03d}", config=config)
-    store.set(f"ftmesh/{rank}", f"{dp.address[0]}:{dp.address[1]}")
-    peers = []
-    for i in range(nprocs):
-        host, p = store.get(f"ftmesh/{i}").decode().rsplit(":", 1)
-        peers.append(Peer(f"bench-{i:03d}", host, int(p)))
-    view = RingView.of(peers)
-    raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce")
     impls: tuple[str, ...] = tuple(cfg["impls"])
+    dp = SyncDataPlane.start(f"bench-{rank:03d}", config=config)
+    view = _publish_view(store, "ftmesh", dp, rank, nprocs)
+    dp_enc = enc_view = None
+    if ENC in impls:
+        auth = MeshAuth.from_secrets([bytes.fromhex(cfg["secret"])], encrypt=True)
+        dp_enc = SyncDataPlane.start(f"bench-{rank:03d}", auth=auth, config=config)
+        enc_view = _publish_view(store, ENC, dp_enc, rank, nprocs)
+    raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce")
     results = []
     try:
         for size in cfg["sizes"]:
@@ -166,6 +175,8 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
             fns: dict[str, Callable[[], object]] = {}
             if "ftmesh" in bufs:
                 fns["ftmesh"] = functools.partial(dp.allreduce, view, bufs["ftmesh"])
+            if dp_enc is not None and enc_view is not None:
+                fns[ENC] = functools.partial(dp_enc.allreduce, enc_view, bufs[ENC])
             if "gloo" in bufs:
                 fns["gloo"] = functools.partial(dist.all_reduce, torch.from_numpy(bufs["gloo"]))
             if "ceiling" in bufs:
@@ -193,10 +204,22 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
             del bufs, fns
     finally:
         dp.close()
+        if dp_enc is not None:
+            dp_enc.close()
         raw.close()
         dist.destroy_process_group()
     if rank == 0:
         out.put(results)
+
+
+def _publish_view(store: Any, key: str, dp: SyncDataPlane, rank: int, nprocs: int) -> RingView:
+    """Publish our data-plane address under ``key`` and build the view from everyone's."""
+    store.set(f"{key}/{rank}", f"{dp.address[0]}:{dp.address[1]}")
+    peers = []
+    for i in range(nprocs):
+        host, p = store.get(f"{key}/{i}").decode().rsplit(":", 1)
+        peers.append(Peer(f"bench-{i:03d}", host, int(p)))
+    return RingView.of(peers)
 
 
 def _fits(total_bytes: int) -> bool:
@@ -280,39 +303,45 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         for other in ("gloo", "ceiling"):
             if other in med:
                 cell[f"vs_{other}"] = med["ftmesh"] / med[other]
+        if ENC in med:
+            cell["encrypted_vs_plain"] = med[ENC] / med["ftmesh"]
     return cell
 
 
 def _print_table(cells: list[dict[str, Any]]) -> None:
     gb = 1e9
+    impls = IMPLS + ((ENC,) if any(ENC in c["busbw"] for c in cells) else ())
+    keys = ("vs_gloo", "vs_ceiling") + (("encrypted_vs_plain",) if ENC in impls else ())
+    width = 26 * len(impls)
     hdr = (
-        f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^78} | {'ftm/gloo':>8} "
-        f"{'ftm/ceil':>8}"
+        f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^{width}} | {'ftm/gloo':>8} "
+        f"{'ftm/ceil':>8}" + (f" {'enc/plain':>9}" if ENC in impls else "")
     )
     print(hdr)
-    print(f"{'':>2} {'':>6} | {'ftmesh':^26}{'gloo':^26}{'ceiling':^26} | {'':>8} {'':>8}")
+    names = "".join(f"{i:^26}" for i in impls)
+    print(f"{'':>2} {'':>6} | {names} | {'':>8} {'':>8}")
     for c in cells:
         head = f"{c['procs']:>2} {_fmt_size(c['bytes']):>6} | "
         if "skipped" in c:
             print(head + f"skipped: {c['skipped']}")
             continue
         cols = ""
-        for impl in IMPLS:
+        for impl in impls:
             b = c["busbw"].get(impl)
             if b is None:
                 cols += f"{'-':^26}"
             else:
                 cols += f"{b['median'] / gb:7.3f} [{b['min'] / gb:6.3f}-{b['max'] / gb:6.3f}]  "
-        ratios = " ".join(
-            f"{c[k]:8.2f}" if k in c else f"{'-':>8}" for k in ("vs_gloo", "vs_ceiling")
-        )
+        ratios = " ".join(f"{c[k]:8.2f}" if k in c else f"{'-':>8}" for k in keys)
         check = ""
         if c.get("check"):
             check = "  check " + ",".join(
                 f"{k}={'ok' if v else 'FAIL'}" for k, v in c["check"].items()
             )
-        print(f"{head}{cols:<78} | {ratios}{check}")
+        print(f"{head}{cols:<{width}} | {ratios}{check}")
     print("algbw = bytes/time; busbw = algbw*2(N-1)/N; time = slowest rank, per repetition.")
+    if ENC in impls:
+        print("enc/plain = busbw of ftmesh with encryption (AES-256-GCM) / without.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sockbuf", default="4M", help="ftmesh SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)"
     )
     ap.add_argument("--check", action="store_true", help="verify one result per cell first")
+    ap.add_argument(
+        "--encrypt",
+        action="store_true",
+        help=f"also run ftmesh with encryption ({ENC}) and report encrypted/plain busbw",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -342,9 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         "impls": [i for i in IMPLS if i in args.impls.split(",")],
         "check": args.check,
         "sockbuf": parse_size(args.sockbuf),
+        "secret": os.urandom(32).hex(),
     }
     if not cfg["impls"]:
         ap.error(f"--impls: choose from {','.join(IMPLS)}")
+    if args.encrypt:
+        # ftmesh_enc takes turns right after plain ftmesh, which is always measured with it.
+        cfg["impls"] = ["ftmesh", ENC] + [i for i in cfg["impls"] if i != "ftmesh"]
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:
@@ -355,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(f"done N={nprocs} size={_fmt_size(raw['bytes'])}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"benchmark": "allreduce", "dtype": "float32", "cells": cells}))
+        out = {"benchmark": "allreduce", "dtype": "float32", "encrypt": args.encrypt}
+        print(json.dumps({**out, "cells": cells}))
     else:
         _print_table(cells)
     return 0
