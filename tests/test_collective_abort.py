@@ -26,6 +26,7 @@ from ftmesh.collective import (
     open_data_plane,
 )
 from ftmesh.collective.dataplane import DataPlane
+from ftmesh.security import MeshAuth
 
 SLOW = CollectiveConfig(
     chunk_bytes=1 << 16, io_timeout=60.0, connect_timeout=5.0, view_timeout=5.0, poll_interval=0.05
@@ -35,24 +36,31 @@ NO_HANG = 20.0
 on a loaded 2-core machine. A no-hang check, not a speed test."""
 
 STALLED = "m2"
+ENCRYPTED = MeshAuth.from_secrets([b"a mesh secret for the abort tests"], encrypt=True)
+AUTHS = {"plain": MeshAuth.none(), "encrypted": ENCRYPTED}
+"""The abort paths write frames from several threads (notices, forwarded aborts, ``READY``):
+with encryption each of them is sealed and numbered, so they run both ways."""
 
 
 @asynccontextmanager
 async def ring_of(
-    n: int, config: CollectiveConfig
+    n: int, config: CollectiveConfig, auth: MeshAuth | None = None
 ) -> AsyncIterator[tuple[list[DataPlane], RingView]]:
     async with AsyncExitStack() as stack:
         dps = [
-            await stack.enter_async_context(open_data_plane(f"m{i}", config=config))
+            await stack.enter_async_context(open_data_plane(f"m{i}", config=config, auth=auth))
             for i in range(n)
         ]
         yield dps, RingView.of(Peer(d.node_id, *d.address) for d in dps)
 
 
+@pytest.mark.parametrize("mode", list(AUTHS))
 @pytest.mark.parametrize("elems", [1000, 1 << 20])  # one-thread (inline) and two-thread rounds
 @pytest.mark.parametrize("abort_on", ["all", "m0", "m3"])
-async def test_abort_view_fails_every_survivor_promptly(elems: int, abort_on: str) -> None:
-    async with ring_of(4, SLOW) as (dps, view):
+async def test_abort_view_fails_every_survivor_promptly(
+    elems: int, abort_on: str, mode: str
+) -> None:
+    async with ring_of(4, SLOW, AUTHS[mode]) as (dps, view):
         survivors = [i for i in range(4) if dps[i].node_id != STALLED]
         out: dict[int, Any] = {}
         entered = 0
@@ -107,12 +115,15 @@ async def test_abort_view_before_the_ring_connects() -> None:
         assert isinstance(result[0], RingPeerLostError) and result[0].peer == "m1", result
 
 
+@pytest.mark.parametrize("mode", list(AUTHS))
 @pytest.mark.parametrize("elems", [1000, 1 << 20])
-async def test_stall_without_abort_raises_peer_stalled_after_io_timeout(elems: int) -> None:
+async def test_stall_without_abort_raises_peer_stalled_after_io_timeout(
+    elems: int, mode: str
+) -> None:
     cfg = CollectiveConfig(
         chunk_bytes=1 << 16, io_timeout=1.0, connect_timeout=5.0, view_timeout=5.0
     )
-    async with ring_of(4, cfg) as (dps, view):
+    async with ring_of(4, cfg, AUTHS[mode]) as (dps, view):
         survivors = [i for i in range(4) if i != 2]
         out: dict[int, Any] = {}
 

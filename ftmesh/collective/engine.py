@@ -626,15 +626,18 @@ class Pipeline:
         reason, sock = self.abort, self.ring.send_sock
         if self.tx_closed or self.tx_off or reason is None or sock is None:
             return
-        crypto = self.ring.crypto
-        if crypto is not None and self.tx_pending:
-            return  # a sealed frame is queued: skipping its number would fail every later tag
         self.tx_closed = True
         if reason.get("peer") == self.ring.right.node_id:
             return
         body = wire.pack_control(reason)[4:]
+        crypto = self.ring.crypto
         with contextlib.suppress(OSError):
-            if crypto is not None:
+            if crypto is not None and self.tx_pending:
+                # A sealed frame is queued, not one byte of it written (tx_off == 0): the
+                # abort takes its place and its number (a skipped number fails every tag).
+                self.tx_pending.clear()
+                crypto.fwd_tx.send_instead_nowait(sock, wire.ABORT, body)
+            elif crypto is not None:
                 crypto.fwd_tx.send_nowait(sock, wire.ABORT, body)
             else:
                 sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)

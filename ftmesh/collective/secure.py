@@ -28,7 +28,9 @@ socket (heads with the plaintext length, then payloads), through the same ``recv
 ``FrameSealer`` builds the frames of one direction. The engine's transmit path seals a frame
 when it queues it and writes it with ``sendmsg`` as before; the best-effort sends made outside
 it (``READY``, abort notices) go through ``send_nowait``, which numbers a frame only if its
-bytes went out, so a full socket never leaves a gap in the numbering.
+bytes went out, so a full socket never leaves a gap in the numbering. An abort forwarded while
+a sealed frame is queued but not started replaces that frame under its number
+(``send_instead_nowait``).
 """
 
 from __future__ import annotations
@@ -125,6 +127,15 @@ class FrameSealer:
             frame = b"".join(self._seal(self._next, kind, payload, field))
             sock.send(frame, _DONTWAIT)
             self._next += 1
+
+    def send_instead_nowait(self, sock: socket.socket, kind: int, payload: bytes) -> None:
+        """Like ``send_nowait``, but the frame takes the number of the last frame sealed,
+        which the caller guarantees has not had a single byte written and never will (the
+        engine's abort at a frame boundary: the queued frame is given up for the abort).
+        Reusing its nonce is safe because that ciphertext never leaves this process."""
+        with self._lock:
+            n = max(0, self._next - 1)
+            sock.send(b"".join(self._seal(n, kind, payload, 0)), _DONTWAIT)
 
 
 class FrameOpener:
