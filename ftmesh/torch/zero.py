@@ -132,7 +132,8 @@ class ShardedOptimizer:
         for j in layout.held_by(me):
             a, b = layout.shard_range(j)
             shards.append((a, b, torch.nn.Parameter(flat[a:b].clone())))
-        opt = type(self.template)([{"params": [w for _, _, w in shards], **self._hyper()}])
+        cls: Any = type(self.template)  # the user's optimizer class, with its hyper-parameters
+        opt = cls([{"params": [w for _, _, w in shards], **self._hyper()}])
         for (_, _, w), state in zip(shards, states, strict=True):
             if state:
                 opt.state[w] = state
