@@ -105,6 +105,7 @@ def main() -> int:
         help="shard the optimizer state over the members (ZeRO-1) with --replicas copies",
     )
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     args = p.parse_args()
@@ -178,6 +179,10 @@ def main() -> int:
                     "digest": trainer.digest(),
                 }
             )
+    if args.save_model:  # every worker of a mesh writes the same weights: replace atomically
+        tmp = f"{args.save_model}.{os.getpid()}.tmp"
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, args.save_model)
     acc = accuracy(model, x_test, y_test)
     print(
         f"trained {total} steps in {time.monotonic() - started:.1f}s; "
