@@ -406,11 +406,14 @@ class ElasticTrainer:
         zero.rebuild(layout, me, plan.segments, pieces, (step, plan.round))
 
     def _wait_for_slot(self) -> None:
-        """With ``max_peers``: wait as a ``spare`` until the ring has room for us: at the
-        start, or when a training member dies (one that leaves gracefully frees no slot: that
-        is how training ends). Candidates (spares and members still joining) take free slots
-        in node-id order, so every member that sees the same membership picks the same ones.
-        Raises ``TrainingFinishedError`` once the training members have finished."""
+        """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots
+        (``max_peers`` less the members training) go to the candidates (spares and members
+        still joining) in node-id order, so every member that sees the same membership picks
+        the same ones; the choice is re-made on every membership change, so a member that
+        looked at a stale membership catches up (too many that step in at once are sorted out
+        by ``_over_max_peers``). Once a training member has finished (role ``done``, or left
+        gracefully) no slot is taken: that is how training ends, and this raises
+        ``TrainingFinishedError`` when none is training any more."""
         me = self.mesh.node_id
         self.mesh.set_role("spare")
         announced = False
@@ -426,19 +429,18 @@ class ElasticTrainer:
                 if roles[m.node] == "done"
                 or (m.state == MemberState.LEFT and roles[m.node] == "train")
             ]
-            died = [
-                m.node for m in members if m.state == MemberState.DEAD and roles[m.node] == "train"
-            ]
-            if ended and not training:
-                raise TrainingFinishedError("the training finished while we waited as a spare")
-            candidates = sorted(
-                m.node
-                for m in members
-                if m.state == MemberState.ALIVE and roles[m.node] in ("spare", "joining")
-            )
-            free = self.max_peers - len(training)
-            if free > 0 and me in candidates[:free] and (not announced or (training and died)):
-                return
+            if ended:
+                if not training:
+                    raise TrainingFinishedError("the training finished while we waited as a spare")
+            else:
+                candidates = sorted(
+                    m.node
+                    for m in members
+                    if m.state == MemberState.ALIVE and roles[m.node] in ("spare", "joining")
+                )
+                free = self.max_peers - len(training)
+                if free > 0 and me in candidates[:free]:
+                    return
             if not announced:
                 log.info(
                     "%d members train (max_peers %d): waiting as a spare",
