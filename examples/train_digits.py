@@ -99,6 +99,13 @@ def main() -> int:
         help="report the state digest every N steps (tests compare members)",
     )
     p.add_argument("--single", action="store_true", help="train in one process, no mesh")
+    p.add_argument(
+        "--shard-optimizer",
+        action="store_true",
+        help="shard the optimizer state over the members (ZeRO-1) with --replicas copies",
+    )
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     args = p.parse_args()
@@ -135,6 +142,8 @@ def main() -> int:
                 max_peers=args.max_peers,
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
+                shard_optimizer=args.shard_optimizer,
+                replicas=args.replicas,
             )
             while trainer.committed < total:
                 try:
@@ -143,6 +152,7 @@ def main() -> int:
                     print("spare: the training finished without needing us")
                     return 0
                 every = args.digest_every
+                report = every and r.step % every == 0
                 progress(
                     {
                         "step": r.step,
@@ -153,7 +163,9 @@ def main() -> int:
                         "attempts": r.attempts,
                         "synced": r.synced,
                         "node": mesh.node_id,
-                        "digest": trainer.digest() if every and r.step % every == 0 else None,
+                        "digest": trainer.digest() if report else None,
+                        "shards": trainer.shard_digests() if report else None,
+                        "fallbacks": trainer.fallbacks,
                     }
                 )
                 if args.step_delay:
@@ -167,6 +179,10 @@ def main() -> int:
                     "digest": trainer.digest(),
                 }
             )
+    if args.save_model:  # every worker of a mesh writes the same weights: replace atomically
+        tmp = f"{args.save_model}.{os.getpid()}.tmp"
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, args.save_model)
     acc = accuracy(model, x_test, y_test)
     print(
         f"trained {total} steps in {time.monotonic() - started:.1f}s; "

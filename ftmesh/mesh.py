@@ -38,6 +38,7 @@ from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
 from .net.node import Node, NodeConfig, open_node, parse_hostport
 from .state import (
+    Lookup,
     Snapshot,
     StateServer,
     StateTransferError,
@@ -195,11 +196,14 @@ class Mesh:
     ) -> CollectiveResult[T]:
         """Run one collective on exactly ``view`` (no retry on another view): the building block
         of protocols that must know which view a round ran on (``ftmesh.training``).
-        ``kind`` is ``allreduce`` or ``broadcast``. A lost peer is reported to membership."""
+        ``kind`` is ``allreduce``, ``allgather`` or ``broadcast``. A lost peer is reported to
+        membership."""
         self._in_use(view)
         try:
             if kind == "allreduce":
                 return await self.data_plane.allreduce(view, x, op)
+            if kind == "allgather":
+                return await self.data_plane.allgather(view, x)
             if kind == "broadcast":
                 return await self.data_plane.broadcast(view, x, root)
         except RingPeerLostError as exc:
@@ -232,10 +236,10 @@ class Mesh:
                 self.node.report_unreachable(exc.peer)
                 raise
 
-    async def serve_state(self, source: Callable[[], Snapshot | None]) -> tuple[str, int]:
-        """Serve ``source()`` (the committed snapshot, or None) to members that fetch state
-        (``fetch_state``), for as long as the mesh is open, and publish the server's address in
-        our metadata. One server per member; a second call replaces its source."""
+    async def serve_state(self, source: Lookup) -> tuple[str, int]:
+        """Serve ``source(step, digest)`` (the snapshot asked for, or None) to members that
+        fetch state (``fetch_state``), for as long as the mesh is open, and publish the
+        server's address in our metadata. One server per member; a second call replaces it."""
         if self._state_server is not None:
             self._state_server.close()
         nc = self.config.node

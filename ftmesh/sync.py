@@ -22,7 +22,7 @@ from .collective import CollectiveResult, RingView
 from .errors import MeshClosedError
 from .membership.messages import MemberSnapshot
 from .mesh import Mesh, MeshConfig, open_mesh
-from .state import Snapshot, TransferStats
+from .state import Lookup, Snapshot, TransferStats
 
 T = TypeVar("T")
 _Job = tuple[Future[Any], Callable[..., Awaitable[Any]], tuple[Any, ...]]
@@ -160,7 +160,11 @@ class SyncMesh:
         """Broadcast from ``root`` on exactly ``view``; see :meth:`Mesh.on_view`."""
         return self.call(self.mesh.on_view, view, "broadcast", x, "sum", root)
 
-    def serve_state(self, source: Callable[[], Snapshot | None]) -> tuple[str, int]:
+    def allgather_on(self, view: RingView, x: T) -> CollectiveResult[T]:
+        """``allgather`` on exactly ``view``; see :meth:`Mesh.on_view`."""
+        return self.call(self.mesh.on_view, view, "allgather", x)
+
+    def serve_state(self, source: Lookup) -> tuple[str, int]:
         """See :meth:`Mesh.serve_state`; ``source`` is called from the mesh's thread."""
         return self.call(self.mesh.serve_state, source)
 

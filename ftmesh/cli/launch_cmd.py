@@ -205,7 +205,9 @@ class Launcher:
         while self.kills and step >= self.kills[0]:
             # Victims are training members (they reported progress), never the last one: with
             # no survivor holding the state there would be nothing to recover from.
-            live = [w for w in self.workers if w.running and not w.done and w.step > 0]
+            live = [
+                w for w in self.workers if w.running and not w.killed and not w.done and w.step > 0
+            ]
             if len(live) <= 1:
                 if not self._kill_deferred:
                     self.event(f"step {step}: kill deferred until another worker trains")

@@ -36,6 +36,7 @@ from .sharding import (
 from .snapshot import Snapshot
 from .state import State
 from .transfer import (
+    Lookup,
     StateServer,
     TransferBenchmark,
     TransferConfig,
@@ -48,6 +49,7 @@ from .transfer import (
 __all__ = [
     "Checkpoint",
     "CheckpointScan",
+    "Lookup",
     "NoCommittedStateError",
     "RecoveryPlan",
     "ShardLayout",

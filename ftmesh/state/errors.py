@@ -27,18 +27,21 @@ class StateLostError(StateError):
     """More adjacent members died than there are replicas: some shards have no surviving copy.
 
     ``lost`` lists ``(shard_index, start, stop, holders)`` for each lost shard (element ranges
-    in the flat buffer, and the members that held it). The caller falls back to the newest
-    valid disk checkpoint.
+    in the flat buffer, and the members that held it) when they are known; ``what`` describes
+    the loss instead. The caller falls back to the newest valid disk checkpoint.
     """
 
-    def __init__(self, lost: Sequence[tuple[int, int, int, tuple[str, ...]]]) -> None:
+    def __init__(
+        self, lost: Sequence[tuple[int, int, int, tuple[str, ...]]], what: str = ""
+    ) -> None:
         self.lost = tuple(lost)
-        desc = ", ".join(f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8])
-        more = f" (+{len(self.lost) - 8} more)" if len(self.lost) > 8 else ""
-        super().__init__(
-            f"{len(self.lost)} shard(s) lost with no surviving replica: {desc}{more}; "
-            "fall back to the last disk checkpoint"
-        )
+        if not what:
+            desc = ", ".join(
+                f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8]
+            )
+            more = f" (+{len(self.lost) - 8} more)" if len(self.lost) > 8 else ""
+            what = f"{len(self.lost)} shard(s) lost with no surviving replica: {desc}{more}"
+        super().__init__(f"{what}; fall back to the last disk checkpoint")
 
 
 class StateTransferError(PeerLostError):

@@ -78,6 +78,8 @@ _LEN = struct.Struct(">I")
 _TRANSCRIPT_PERSON = b"ftmesh-state-transfer-v1"
 
 Socket = trio.socket.SocketType
+Lookup = Callable[[int, str], Snapshot | None]
+"""``lookup(step, digest)``: the snapshot a state server serves for that request."""
 SnapshotSource = Callable[[], "Snapshot | None"]
 
 
@@ -196,9 +198,11 @@ def _addr(peer: Any) -> tuple[str, int]:
 
 
 class StateServer:
-    """Serves the latest committed snapshot of ``source`` (a ``State`` or a callable returning
-    a ``Snapshot`` or None). Start it with ``nursery.start(server.serve, ...)`` or
-    ``serve_state``; ``close()`` stops it and drops every session."""
+    """Serves snapshots: ``source`` is a ``State`` (its latest committed snapshot is served)
+    or a lookup ``source(step, digest)`` returning the snapshot a client asks for (or any other
+    snapshot, or None: the client is told it is unavailable). Start it with
+    ``nursery.start(server.serve, ...)`` or ``serve_state``; ``close()`` stops it and drops
+    every session."""
 
     def __init__(
         self,
@@ -209,11 +213,11 @@ class StateServer:
         config: TransferConfig | None = None,
     ) -> None:
         if callable(source):
-            self._source: Callable[[], Snapshot | None] = source
+            self._source: Lookup = source
         elif hasattr(source, "committed"):
-            self._source = lambda: source.committed
+            self._source = lambda step, digest: source.committed
         else:
-            raise LocalUsageError("source must be a State or a callable returning a Snapshot")
+            raise LocalUsageError("source must be a State or a lookup(step, digest)")
         self.auth = auth
         self.mesh = mesh
         self.config = config or TransferConfig()
@@ -313,7 +317,7 @@ class StateServer:
                 raise RemoteProtocolError("malformed", "expected auth")
             if self.auth.enabled and not self.auth.verify(b"C" + tr, ctag):
                 raise RemoteProtocolError("bad_mac", "client failed the challenge")
-            snap = self._source()
+            snap = self._source(step, digest)
             if snap is None or snap.step != step:
                 await self._unavailable(sock, snap)
                 return
@@ -769,7 +773,11 @@ def _bench_server_main(conn: Any, size_mb: float, peers: int, config: TransferCo
             for _ in range(peers):
                 server = await nursery.start(
                     functools.partial(
-                        serve_state, lambda: snap, auth=MeshAuth.none(), mesh="bench", config=config
+                        serve_state,
+                        lambda step, digest: snap,
+                        auth=MeshAuth.none(),
+                        mesh="bench",
+                        config=config,
                     )
                 )
                 ports.append(server.port)

@@ -12,6 +12,15 @@ step's batch re-split among the survivors, so the step's samples are all trained
 Gradients are averaged over samples, not members: each member contributes
 ``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
 which equals single-process training on the whole global batch.
+
+With ``shard_optimizer=True`` the optimizer state is sharded over the ring, ZeRO-1 style, each
+shard also held by the next ``replicas - 1`` members (``ftmesh.torch.zero``,
+``ftmesh.training.shards``): a step ends with an allgather of the updated parameters, and the
+sync re-shards after a view change, fetching the shards it lacks from members that hold them.
+When more adjacent members died than there are replicas, every survivor reports the loss
+(``StateLostError``, logged) and falls back to the newest valid checkpoint in
+``checkpoint_dir``, which in this mode holds the whole optimizer state (gathered with the
+parameters on checkpoint steps); without one, ``step`` raises the ``StateLostError``.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ from ..errors import (
 )
 from ..membership.messages import MemberState
 from ..mesh import ROLE_KEY
-from ..state import Snapshot, State, latest_valid_checkpoint, save_checkpoint
+from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
+from ..state.sharding import DEFAULT_REPLICAS, ShardLayout
 from ..sync import SyncMesh
 from ..training.protocol import (
     FRESH,
@@ -51,8 +61,17 @@ from ..training.protocol import (
     round_tag,
     sync_vector,
 )
+from ..training.shards import (
+    Piece,
+    Version,
+    holdings_record,
+    plan_shard_sync,
+    read_holdings,
+    round_id,
+)
 from .buckets import GradBuckets
 from .sampler import ElasticSampler
+from .zero import HeldPiece, ShardedOptimizer
 
 log = logging.getLogger("ftmesh.torch")
 
@@ -103,6 +122,8 @@ class ElasticTrainer:
         quorum_grace: float = 5.0,
         bucket_mb: float = 25.0,
         on_world_change: Callable[[int, int], None] | None = None,
+        shard_optimizer: bool = False,
+        replicas: int = DEFAULT_REPLICAS,
     ) -> None:
         self.mesh = mesh
         self.model = model
@@ -129,10 +150,15 @@ class ElasticTrainer:
         # Members run the same seeded code, but their global RNGs need not agree: leave them
         # out so that digests compare model and optimizer only.
         self.state = State(model=model, optimizer=optimizer, rng=False)
-        self._buckets = GradBuckets(
-            [p for p in model.parameters() if p.requires_grad], int(bucket_mb * 2**20)
-        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
+        # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
+        self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
+        self._served: dict[str, Snapshot] = {}  # optimizer state pieces offered in a sync
+        self._checkpoint_state: dict[str, torch.Tensor] = {}
         self.recoveries = 0
+        self.fallbacks = 0
+        """Times the sharded state was lost and training resumed from a checkpoint."""
         self._rng = random.Random()
         self.last_sync_bytes = 0
         self.last_sync_seconds = 0.0
@@ -141,12 +167,11 @@ class ElasticTrainer:
         mesh.set_role("joining")
         self._in_ring = False
         # Members behind fetch committed state from those that hold it (see ``_sync``).
-        committed = self.state
-        mesh.serve_state(lambda: committed.committed)
+        mesh.serve_state(self._lookup_state)
         if self.checkpoint_dir is not None:
             found = latest_valid_checkpoint(self.checkpoint_dir)
             if found is not None:
-                self.load_snapshot(found.snapshot)
+                self._load_checkpoint(found.snapshot)
                 log.info("resumed from checkpoint at step %d", self.committed)
 
     # ------------------------------------------------------------------ state
@@ -161,9 +186,49 @@ class ElasticTrainer:
 
     def digest(self) -> str:
         """Content hash of the model and optimizer state and the committed step (bitwise
-        comparison across members)."""
+        comparison across members). Sharded: of the model and the optimizer's
+        hyper-parameters (see ``shard_digests`` for the shards)."""
         self.state.step = max(self.committed, 0)
         return self.state.live_digest()
+
+    def shard_digests(self) -> dict[str, str]:
+        """Sharded mode: ``{"start:stop": digest}`` of the optimizer state of each held shard
+        (holders of one shard compare equal). Empty in replicated mode."""
+        if self._zero is None:
+            return {}
+        return {
+            f"{p.start}:{p.stop}": _piece_snapshot(self.committed, p).digest
+            for p in self._zero.held()
+        }
+
+    def _lookup_state(self, step: int, digest: str) -> Snapshot | None:
+        """What our state server serves: a piece of sharded state offered in the current
+        sync, else the committed snapshot. Runs in the mesh's thread."""
+        piece = self._served.get(digest)
+        if piece is not None and piece.step == step:
+            return piece
+        return self.state.committed
+
+    def _load_checkpoint(self, snap: Snapshot) -> None:
+        self.load_snapshot(snap)
+        zero = self.state.scalars.pop("zero", None)
+        if (zero is None) != (self._zero is None):
+            mode = "without" if zero is None else "with"
+            raise LocalUsageError(
+                f"the checkpoint of step {snap.step} was written {mode} shard_optimizer"
+            )
+        if self._zero is not None and zero is not None:
+            self._zero.load_full(snap.step, round_id(f"checkpoint {snap.digest}"), zero)
+
+    def _fall_back(self, exc: StateLostError) -> None:
+        """The sharded state is lost (see the module docstring): resume from the newest valid
+        checkpoint, or raise."""
+        found = latest_valid_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
+        if found is None:
+            raise StateLostError([], f"{exc} (no valid checkpoint in {self.checkpoint_dir})")
+        log.error("%s: resuming from the checkpoint of step %d", exc, found.snapshot.step)
+        self._load_checkpoint(found.snapshot)
+        self.fallbacks += 1
 
     # ------------------------------------------------------------------ the step
 
@@ -217,6 +282,10 @@ class ElasticTrainer:
                     self._sync(view)
                     synced = True
                 report = self._attempt(view, loss_fn, attempts, synced)
+            except StateLostError as exc:
+                self._fall_back(exc)
+                self._synced_epoch = ""
+                continue
             except RECOVERABLE as exc:
                 self.recoveries += 1
                 self._synced_epoch = ""  # whatever happened, agree on state again first
@@ -249,7 +318,9 @@ class ElasticTrainer:
         while time.monotonic() < deadline:
             view = self.mesh.wait_view(timeout=max(deadline - time.monotonic(), 0.1))
             try:
-                self._sync(view)
+                # The optimizer state is of no further use: agree on the model only (members
+                # that finished first have taken their shards with them).
+                self._sync(view, shards=False)
                 self.mesh.set_role("done")  # spares waiting for a slot stop waiting
                 return
             except RECOVERABLE as exc:
@@ -257,7 +328,7 @@ class ElasticTrainer:
                 self.mesh.wait_view_change(view.epoch, timeout=1.0)
         raise DeadlineExceeded(f"final sync did not complete within {timeout}s")
 
-    def _sync(self, view: RingView) -> None:
+    def _sync(self, view: RingView, *, shards: bool = True) -> None:
         started = time.monotonic()
         self.last_sync_bytes = 0
         me = self.mesh.node_id
@@ -286,6 +357,8 @@ class ElasticTrainer:
             self.load_snapshot(self.mesh.fetch_state(holders, plan.target_step, plan.digest))
             self.last_sync_bytes = plan.nbytes
         self.committed = plan.target_step
+        if self._zero is not None and shards:
+            self._sync_shards(view, plan.target_step, max(plan.root, 0))
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started
@@ -294,12 +367,53 @@ class ElasticTrainer:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
 
+    def _sync_shards(self, view: RingView, step: int, reference: int) -> None:
+        """Re-shard the optimizer state for ``view`` (see ``ftmesh.training.shards``)."""
+        zero = self._zero
+        assert zero is not None
+        me = self.mesh.node_id
+        layout = ShardLayout.of(view.node_ids, zero.length, zero.replicas)
+        if step == 0:  # nobody has stepped: there is no optimizer state yet
+            zero.start_fresh(layout, me)
+            return
+        pieces: dict[str, HeldPiece] = {}
+        served: dict[str, Snapshot] = {}
+        versions = []
+        for v_step, v_round, held in zero.versions():
+            described = []
+            for p in held:
+                snap = _piece_snapshot(v_step, p)
+                served[snap.digest], pieces[snap.digest] = snap, p
+                described.append(Piece(p.start, p.stop, snap.digest))
+            versions.append(Version(v_step, v_round, tuple(described)))
+        self._served = served
+        gathered = self.mesh.allgather_on(view, holdings_record(versions, zero.replicas)).output
+        plan = plan_shard_sync(
+            read_holdings(gathered, zero.replicas),
+            step,
+            reference,
+            view.rank_of(me),
+            [layout.shard_range(j) for j in layout.held_by(me)],
+            zero.length,
+        )
+        for piece, sources in plan.fetches().items():
+            holders = [view.members[r].node_id for r in sources]
+            snap = self.mesh.fetch_state(holders, step, piece.digest)
+            got = State(rng=False)
+            got.load_snapshot(snap)
+            pieces[piece.digest] = HeldPiece(piece.start, piece.stop, got.scalars["state"])
+            self.last_sync_bytes += snap.nbytes
+        zero.rebuild(layout, me, plan.segments, pieces, (step, plan.round))
+
     def _wait_for_slot(self) -> None:
-        """With ``max_peers``: wait as a ``spare`` until the ring has room for us: at the
-        start, or when a training member dies (one that leaves gracefully frees no slot: that
-        is how training ends). Candidates (spares and members still joining) take free slots
-        in node-id order, so every member that sees the same membership picks the same ones.
-        Raises ``TrainingFinishedError`` once the training members have finished."""
+        """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots
+        (``max_peers`` less the members training) go to the candidates (spares and members
+        still joining) in node-id order, so every member that sees the same membership picks
+        the same ones; the choice is re-made on every membership change, so a member that
+        looked at a stale membership catches up (too many that step in at once are sorted out
+        by ``_over_max_peers``). Once a training member has finished (role ``done``, or left
+        gracefully) no slot is taken: that is how training ends, and this raises
+        ``TrainingFinishedError`` when none is training any more."""
         me = self.mesh.node_id
         self.mesh.set_role("spare")
         announced = False
@@ -315,19 +429,18 @@ class ElasticTrainer:
                 if roles[m.node] == "done"
                 or (m.state == MemberState.LEFT and roles[m.node] == "train")
             ]
-            died = [
-                m.node for m in members if m.state == MemberState.DEAD and roles[m.node] == "train"
-            ]
-            if ended and not training:
-                raise TrainingFinishedError("the training finished while we waited as a spare")
-            candidates = sorted(
-                m.node
-                for m in members
-                if m.state == MemberState.ALIVE and roles[m.node] in ("spare", "joining")
-            )
-            free = self.max_peers - len(training)
-            if free > 0 and me in candidates[:free] and (not announced or (training and died)):
-                return
+            if ended:
+                if not training:
+                    raise TrainingFinishedError("the training finished while we waited as a spare")
+            else:
+                candidates = sorted(
+                    m.node
+                    for m in members
+                    if m.state == MemberState.ALIVE and roles[m.node] in ("spare", "joining")
+                )
+                free = self.max_peers - len(training)
+                if free > 0 and me in candidates[:free]:
+                    return
             if not announced:
                 log.info(
                     "%d members train (max_peers %d): waiting as a spare",
@@ -415,7 +528,10 @@ class ElasticTrainer:
         if total <= 0:
             raise FtmeshError("a step reduced zero samples")
         buckets.write_grads(1.0 / total)
-        self.optimizer.step()
+        if self._zero is None:
+            self.optimizer.step()
+        else:
+            self._sharded_update(view, step)
         self.committed = step + 1
         return StepReport(
             step=self.committed,
@@ -429,8 +545,43 @@ class ElasticTrainer:
             sync_seconds=self.last_sync_seconds if synced else 0.0,
         )
 
+    def _sharded_update(self, view: RingView, step: int) -> None:
+        """Step the held shards, then allgather every owner's updated parameters (and, on a
+        checkpoint step, its optimizer state)."""
+        zero = self._zero
+        assert zero is not None
+        flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
+        zero.update(flat_grad, (step + 1, round_id(view.epoch)))
+        with_state = self._checkpoint_due(step + 1)
+        gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
+        self._checkpoint_state = zero.apply_gathered(gathered, with_state)
+        zero.commit()
+
+    def _checkpoint_due(self, step: int) -> bool:
+        return bool(
+            self.checkpoint_dir is not None
+            and self.checkpoint_every > 0
+            and step % self.checkpoint_every == 0
+        )
+
     def _maybe_checkpoint(self) -> None:
-        if self.checkpoint_dir is None or self.checkpoint_every <= 0:
+        if self.checkpoint_dir is None or not self._checkpoint_due(self.committed):
             return
-        if self.committed % self.checkpoint_every == 0:
-            save_checkpoint(self.checkpoint_dir, self.snapshot())
+        if self._zero is None:
+            snap = self.snapshot()
+        else:
+            full = State(
+                model=self.model,
+                optimizer=self.optimizer,
+                scalars={"zero": self._checkpoint_state},
+                rng=False,
+            )
+            snap = full.commit(step=self.committed)
+        save_checkpoint(self.checkpoint_dir, snap)
+
+
+def _piece_snapshot(step: int, piece: HeldPiece) -> Snapshot:
+    """A held piece of sharded optimizer state as a snapshot of its own (served to members
+    that fetch it; the range is part of what the digest covers)."""
+    scalars = {"start": piece.start, "stop": piece.stop, "state": piece.state}
+    return State(step=step, scalars=scalars, rng=False).snapshot()

@@ -73,13 +73,13 @@ class SyncPlan:
     """Ranks that hold exactly that state and can serve it (the root first)."""
 
 
-def _digest_slots(digest: str) -> list[int]:
+def digest_slots(digest: str) -> list[int]:
     if len(digest) != DIGEST_HEX:
         raise ValueError(f"a state digest has {DIGEST_HEX} hex characters, got {len(digest)}")
     return [int(digest[a:b], 16) for a, b in itertools.pairwise(_DIGEST_CUTS)]
 
 
-def _digest_of(slots: list[int]) -> str:
+def digest_of(slots: list[int]) -> str:
     return "".join(
         f"{v:0{b - a}x}" for v, (a, b) in zip(slots, itertools.pairwise(_DIGEST_CUTS), strict=True)
     )
@@ -91,7 +91,7 @@ def sync_vector(rank: int, size: int, committed: int, nbytes: int, digest: str) 
     v = np.full(SLOTS * size, FRESH, dtype=np.int64)
     v[rank] = committed
     v[size + rank] = nbytes
-    for k, d in enumerate(_digest_slots(digest)):
+    for k, d in enumerate(digest_slots(digest)):
         v[(2 + k) * size + rank] = d
     return v
 
@@ -110,7 +110,7 @@ def plan_sync(reduced: np.ndarray) -> SyncPlan:
     steps = [int(s) for s in reduced[:size]]
     sizes = [int(b) for b in reduced[size : 2 * size]]
     digests = [
-        _digest_of([int(reduced[(2 + k) * size + r]) for k in range(DIGEST_SLOTS)])
+        digest_of([int(reduced[(2 + k) * size + r]) for k in range(DIGEST_SLOTS)])
         for r in range(size)
     ]
     newest = max(steps)

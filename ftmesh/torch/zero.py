@@ -1,0 +1,251 @@
+"""ZeRO-1 sharded optimizer state with ring replicas, for ``ElasticTrainer(shard_optimizer=True)``.
+
+Theory of operation. The model's parameters, taken in registration order, form one flat
+float32 vector of ``length`` elements. Under the view's ``ShardLayout`` every member holds the
+optimizer state of its own shard and of its ``replicas - 1`` left neighbours' shards, as one
+torch optimizer of the user's class and hyper-parameters over one flat parameter per held
+shard. A step: the gradients are allreduced as in replicated mode; each member copies the
+reduced gradients of its held shards in and steps its optimizer (owner and replicas compute
+bitwise the same update from the same inputs); one allgather of every owner's updated shard
+gives everybody the whole updated model. The user's optimizer object is never stepped: it
+keeps the hyper-parameters (change its learning rate as usual; every step copies them over).
+
+What a member holds is tagged with a version (``ftmesh.training.shards``): the step and the
+round that produced it. The state of the committed step is kept aside while a step's update is
+pending (its allgather not yet complete), so that both can be offered in the next sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import LocalUsageError
+from ..state.sharding import ShardLayout
+from ..training.shards import Segment
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(slots=True)
+class HeldPiece:
+    """Optimizer state of elements ``[start, stop)``: 1-D tensors of that many elements and
+    0-d scalars (such as Adam's step count)."""
+
+    start: int
+    stop: int
+    state: StateDict
+
+
+Held = tuple[int, int, list[HeldPiece]]
+"""A version of what a member holds: ``(step, round, pieces)``."""
+
+
+class ShardedOptimizer:
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], template: torch.optim.Optimizer, replicas: int
+    ) -> None:
+        if len(template.param_groups) != 1:
+            raise LocalUsageError("shard_optimizer supports optimizers with one parameter group")
+        if replicas < 1:
+            raise LocalUsageError(f"replicas must be >= 1, got {replicas}")
+        for p in params:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise LocalUsageError("shard_optimizer needs float32 parameters in CPU memory")
+        self.params = list(params)
+        self.sizes = [p.numel() for p in self.params]
+        self.length = sum(self.sizes)
+        self.template = template
+        self.replicas = replicas
+        self.layout: ShardLayout | None = None
+        self._shards: list[tuple[int, int, torch.nn.Parameter]] = []
+        self._opt: torch.optim.Optimizer | None = None
+        self._loaded: list[HeldPiece] | None = None
+        self._live: tuple[int, int] | None = None  # (step, round) of what we hold
+        self._backup: Held | None = None
+
+    # -- the flat parameter vector ---------------------------------------------------------
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def load_flat_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p, n in zip(self.params, self.sizes, strict=True):
+                p.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+
+    # -- what we hold ----------------------------------------------------------------------
+    def held(self) -> list[HeldPiece]:
+        if self._loaded is not None:
+            return self._loaded
+        opt = self._opt
+        if opt is None:
+            return []
+        return [HeldPiece(a, b, opt.state.get(w, {})) for a, b, w in self._shards]
+
+    def versions(self) -> list[Held]:
+        """What we can offer in a sync: the live version, then the one kept aside."""
+        out: list[Held] = []
+        if self._live is not None:
+            out.append((*self._live, self.held()))
+        if self._backup is not None:
+            out.append(self._backup)
+        return out
+
+    def load_full(self, step: int, rnd: int, state: StateDict) -> None:
+        """Hold the whole buffer's state (read from a checkpoint) as version ``(step, rnd)``."""
+        self._loaded = [HeldPiece(0, self.length, state)]
+        self._shards, self._opt, self._backup = [], None, None
+        self._live = (step, rnd)
+
+    def start_fresh(self, layout: ShardLayout, me: str) -> None:
+        """Nobody has stepped yet: empty optimizer state for our shards of ``layout``."""
+        self._install(layout, me, [{} for _ in layout.held_by(me)], (0, 0))
+
+    def rebuild(
+        self,
+        layout: ShardLayout,
+        me: str,
+        segments: Sequence[Segment],
+        pieces: Mapping[str, HeldPiece],
+        version: tuple[int, int],
+    ) -> None:
+        """Hold our shards of ``layout``, assembled from ``segments`` (see
+        ``plan_shard_sync``) whose pieces ``pieces`` maps by digest."""
+        states = []
+        for j in layout.held_by(me):
+            a, b = layout.shard_range(j)
+            segs = [s for s in segments if a <= s.start and s.stop <= b]
+            states.append(_assemble(segs, pieces, a, b))
+        self._install(layout, me, states, version)
+
+    def _install(
+        self, layout: ShardLayout, me: str, states: list[StateDict], version: tuple[int, int]
+    ) -> None:
+        flat = self.flat_params()
+        shards = []
+        for j in layout.held_by(me):
+            a, b = layout.shard_range(j)
+            shards.append((a, b, torch.nn.Parameter(flat[a:b].clone())))
+        cls: Any = type(self.template)  # the user's optimizer class, with its hyper-parameters
+        opt = cls([{"params": [w for _, _, w in shards], **self._hyper()}])
+        for (_, _, w), state in zip(shards, states, strict=True):
+            if state:
+                opt.state[w] = state
+        self.layout, self._shards, self._opt = layout, shards, opt
+        self._loaded, self._backup, self._live = None, None, version
+
+    # -- a step ------------------------------------------------------------------------------
+    def update(self, flat_grad: torch.Tensor, version: tuple[int, int]) -> None:
+        """Apply one step to every held shard; what we held before is kept aside until
+        ``commit()``."""
+        opt = self._opt
+        if opt is None or self._live is None:
+            raise LocalUsageError("the sharded optimizer holds no shards: sync first")
+        before = [HeldPiece(p.start, p.stop, _cloned(p.state)) for p in self.held()]
+        flat = self.flat_params()
+        with torch.no_grad():
+            for a, b, w in self._shards:
+                w.copy_(flat[a:b])
+                w.grad = flat_grad[a:b]
+        opt.param_groups[0].update(self._hyper())  # e.g. a learning rate changed since
+        opt.step()
+        self._backup = (*self._live, before)
+        self._live = version
+
+    def commit(self) -> None:
+        self._backup = None
+
+    def gather_input(self, with_state: bool) -> np.ndarray:
+        """Our contribution to the allgather that ends a step: our own shard's updated
+        parameters and, with ``with_state`` (a checkpoint step), its optimizer state, one row
+        each, padded to the longest shard."""
+        layout = self.layout
+        if layout is None or not self._shards:
+            raise LocalUsageError("the sharded optimizer holds no shards: sync first")
+        width = max(b - a for a, b in (layout.shard_range(i) for i in range(layout.n)))
+        a, b, w = self._shards[0]
+        rows = [w.detach()]
+        if with_state:
+            rows += [t for _, t in sorted(_elementwise(self._state_of(w)).items())]
+        out = np.zeros((len(rows), width), dtype=np.float32)
+        for i, row in enumerate(rows):
+            out[i, : b - a] = row.numpy()
+        return out
+
+    def apply_gathered(self, gathered: np.ndarray, with_state: bool) -> StateDict:
+        """Write the gathered parameters into the model; with ``with_state``, return the
+        whole buffer's optimizer state (for a checkpoint)."""
+        layout = self.layout
+        assert layout is not None
+        ranges = [layout.shard_range(i) for i in range(layout.n)]
+
+        def row(i: int) -> torch.Tensor:
+            parts = [gathered[r, i, : b - a] for r, (a, b) in enumerate(ranges)]
+            return torch.from_numpy(np.concatenate(parts))
+
+        self.load_flat_params(row(0))
+        if not with_state:
+            return {}
+        own = self._state_of(self._shards[0][2])
+        full = _cloned({k: v for k, v in own.items() if v.dim() == 0})
+        for i, key in enumerate(sorted(_elementwise(own)), start=1):
+            full[key] = row(i)
+        return full
+
+    def _hyper(self) -> dict[str, Any]:
+        """The template's hyper-parameters (its one group, less its parameters)."""
+        return {k: v for k, v in self.template.param_groups[0].items() if k != "params"}
+
+    def _state_of(self, w: torch.nn.Parameter) -> StateDict:
+        assert self._opt is not None
+        state: dict[str, Any] = self._opt.state.get(w, {})
+        for key, value in state.items():
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.dim() > 1
+                or (value.dim() == 1 and value.dtype != torch.float32)
+            ):
+                raise LocalUsageError(
+                    f"shard_optimizer needs element-wise float32 optimizer state; "
+                    f"{type(self.template).__name__} keeps {key!r} as {type(value).__name__}"
+                )
+        return state
+
+
+def _cloned(state: StateDict) -> StateDict:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _elementwise(state: StateDict) -> StateDict:
+    return {k: v for k, v in state.items() if v.dim() == 1}
+
+
+def _assemble(
+    segs: Sequence[Segment], pieces: Mapping[str, HeldPiece], start: int, stop: int
+) -> StateDict:
+    """The state of elements ``[start, stop)`` cut out of the pieces ``segs`` name."""
+    if segs:
+        ref = pieces[segs[0].piece.digest].state
+    else:  # an empty shard: the same keys, no elements
+        ref = next(iter(pieces.values())).state if pieces else {}
+    out: StateDict = {}
+    for key, value in ref.items():
+        if value.dim() == 0:
+            out[key] = value.clone()
+        elif not segs:
+            out[key] = value[:0].clone()
+        else:
+            parts = []
+            for s in segs:
+                piece = pieces[s.piece.digest]
+                parts.append(piece.state[key][s.start - piece.start : s.stop - piece.start])
+            out[key] = torch.cat(parts)
+    if segs and (segs[0].start, segs[-1].stop) != (start, stop):
+        raise LocalUsageError(f"segments do not cover [{start}, {stop})")
+    return out

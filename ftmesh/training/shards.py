@@ -1,0 +1,201 @@
+"""Who holds which part of the sharded (ZeRO-1) optimizer state, agreed in the sync. Pure.
+
+Theory of operation. With a sharded optimizer (``ElasticTrainer(shard_optimizer=True)``) the
+optimizer state is one flat buffer of ``length`` elements cut into ring shards
+(``ftmesh.state.sharding.ShardLayout``): each member holds its own shard and the shards of its
+``replicas - 1`` left neighbours, and updates all of them every step (same inputs, same code:
+the copies stay bitwise identical without moving a byte).
+
+A member's held state is valid for one *version*: the committed step it belongs to and the
+*round* that produced it (a hash of the view epoch whose gradient allreduce it applied; two
+rounds of one step on different views reduce different sums). A member may hold two versions
+at once: the state of its committed step and, when a step's gradients were reduced but the
+parameter allgather that commits it failed, the already-updated state of the next step, which
+is valid if other members did commit that step in the same round.
+
+When the view changes, after the replicated part of the state is agreed
+(``ftmesh.training.protocol``), every member contributes a fixed-size *holdings record* to one
+allgather: per version, its step, round and the ``(start, stop, digest)`` of each piece it
+holds. Every member then computes from the same records:
+
+* the *target* version: the agreed step, and the round of the reference member's version of it
+  (the sync's root, or rank 0 when nobody was behind);
+* whether the valid pieces (those of the target version, from any member) still cover the whole
+  buffer; a gap means every holder of some shard died (more adjacent losses than replicas), and
+  all members raise ``StateLostError`` together (the trainer falls back to its checkpoint);
+* for itself, for every range it must hold under the new layout, which parts it already holds
+  and which pieces to fetch, and from which members (all that hold exactly that piece, so the
+  transfer is striped over them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..state.errors import StateLostError
+from .protocol import DIGEST_SLOTS, FRESH, digest_of, digest_slots
+
+VERSIONS = 2
+"""Versions of its state a member advertises at most: committed and pending."""
+_VERSION_HEAD = 3  # step, round, piece count
+_PIECE_SLOTS = 2 + DIGEST_SLOTS  # start, stop, digest
+
+
+def round_id(epoch: str) -> int:
+    """The round id of the step that ran on view ``epoch`` (56 bits, non-negative)."""
+    return int.from_bytes(hashlib.blake2b(epoch.encode(), digest_size=7).digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A contiguous range ``[start, stop)`` of the flat optimizer state, and its digest."""
+
+    start: int
+    stop: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    step: int
+    round: int
+    pieces: tuple[Piece, ...]
+
+
+def record_size(max_pieces: int) -> int:
+    return VERSIONS * (_VERSION_HEAD + _PIECE_SLOTS * max_pieces)
+
+
+def holdings_record(versions: Sequence[Version], max_pieces: int) -> np.ndarray:
+    """This member's contribution to the holdings allgather."""
+    if len(versions) > VERSIONS:
+        raise ValueError(f"at most {VERSIONS} versions, got {len(versions)}")
+    rec = np.full(record_size(max_pieces), FRESH, dtype=np.int64)
+    width = _VERSION_HEAD + _PIECE_SLOTS * max_pieces
+    for v, version in enumerate(versions):
+        if len(version.pieces) > max_pieces:
+            raise ValueError(f"at most {max_pieces} pieces, got {len(version.pieces)}")
+        base = v * width
+        rec[base : base + _VERSION_HEAD] = (version.step, version.round, len(version.pieces))
+        for k, piece in enumerate(version.pieces):
+            at = base + _VERSION_HEAD + k * _PIECE_SLOTS
+            rec[at : at + _PIECE_SLOTS] = (piece.start, piece.stop, *digest_slots(piece.digest))
+    return rec
+
+
+def read_holdings(gathered: np.ndarray, max_pieces: int) -> list[list[Version]]:
+    """Decode the allgathered records (one row per rank) into each rank's versions. Records
+    that do not parse (negative counts, ranges out of order) count as holding nothing."""
+    width = _VERSION_HEAD + _PIECE_SLOTS * max_pieces
+    out: list[list[Version]] = []
+    for row in np.asarray(gathered, dtype=np.int64).reshape(len(gathered), -1):
+        versions: list[Version] = []
+        for v in range(VERSIONS):
+            base = v * width
+            step, rnd, count = (int(x) for x in row[base : base + _VERSION_HEAD])
+            if step == FRESH or not 0 <= count <= max_pieces:
+                continue
+            pieces = []
+            for k in range(count):
+                at = base + _VERSION_HEAD + k * _PIECE_SLOTS
+                start, stop = int(row[at]), int(row[at + 1])
+                slots = [int(x) for x in row[at + 2 : at + _PIECE_SLOTS]]
+                if 0 <= start <= stop and min(slots) >= 0:
+                    pieces.append(Piece(start, stop, digest_of(slots)))
+            versions.append(Version(step, rnd, tuple(pieces)))
+        out.append(versions)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Elements ``[start, stop)`` of a range this member must hold come from ``piece``:
+    its own copy (``sources`` empty) or fetched from the ranks ``sources``."""
+
+    start: int
+    stop: int
+    piece: Piece
+    sources: tuple[int, ...]
+
+    @property
+    def local(self) -> bool:
+        return not self.sources
+
+
+@dataclass(frozen=True)
+class ShardSyncPlan:
+    step: int
+    round: int
+    segments: tuple[Segment, ...]
+    """Everything this member must hold under the new layout, in order."""
+
+    def fetches(self) -> dict[Piece, tuple[int, ...]]:
+        """The remote pieces to fetch (once each), with the ranks that hold them."""
+        return {s.piece: s.sources for s in self.segments if not s.local}
+
+
+def plan_shard_sync(
+    holdings: Sequence[Sequence[Version]],
+    step: int,
+    reference: int,
+    me: int,
+    needed: Sequence[tuple[int, int]],
+    length: int,
+) -> ShardSyncPlan:
+    """See the module docstring. ``reference`` is the rank whose version of ``step`` is the
+    target; ``needed`` the element ranges ``me`` must hold under the new layout. Raises
+    ``StateLostError`` (on every member alike) when the target version's pieces do not cover
+    ``[0, length)``."""
+    target = next((v for v in holdings[reference] if v.step == step), None)
+    if target is None:
+        raise StateLostError([], f"the reference member holds no optimizer state for step {step}")
+    held: list[tuple[int, Piece]] = [
+        (rank, p)
+        for rank, versions in enumerate(holdings)
+        for v in versions
+        if (v.step, v.round) == (step, target.round)
+        for p in v.pieces
+        if p.stop > p.start
+    ]
+    gaps = _gaps([(p.start, p.stop) for _, p in held], length)
+    if gaps:
+        ranges = ", ".join(f"[{a}:{b})" for a, b in gaps[:8])
+        raise StateLostError(
+            [],
+            f"no surviving member holds elements {ranges} of the sharded optimizer state of "
+            f"step {step} (more adjacent members died than there are replicas)",
+        )
+    segments: list[Segment] = []
+    for start, stop in needed:
+        pos = start
+        while pos < stop:
+            covering = [(r, p) for r, p in held if p.start <= pos < p.stop]
+            own = [p for r, p in covering if r == me]
+            if own:
+                piece = max(own, key=lambda p: p.stop)
+                segments.append(Segment(pos, min(stop, piece.stop), piece, ()))
+            else:
+                # The piece reaching furthest (fewest fetches); ties spread by rank.
+                far = max(p.stop for _, p in covering)
+                options = sorted({p for _, p in covering if p.stop == far}, key=lambda p: p.digest)
+                piece = options[me % len(options)]
+                sources = tuple(sorted({r for r, p in covering if p == piece}))
+                segments.append(Segment(pos, min(stop, piece.stop), piece, sources))
+            pos = segments[-1].stop
+    return ShardSyncPlan(step, target.round, tuple(segments))
+
+
+def _gaps(ranges: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    gaps: list[tuple[int, int]] = []
+    pos = 0
+    for start, stop in sorted(ranges):
+        if start > pos:
+            gaps.append((pos, start))
+        pos = max(pos, stop)
+    if pos < length:
+        gaps.append((pos, length))
+    return gaps

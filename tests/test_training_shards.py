@@ -1,0 +1,230 @@
+"""Sharded (ZeRO-1) optimizer state: the sync planner (pure) and ``ShardedOptimizer`` driven
+in-process for several simulated members, against an unsharded optimizer as the reference."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftmesh.state import StateLostError
+from ftmesh.state.sharding import ShardLayout
+from ftmesh.torch.zero import HeldPiece, ShardedOptimizer
+from ftmesh.training.shards import (
+    Piece,
+    Version,
+    holdings_record,
+    plan_shard_sync,
+    read_holdings,
+    round_id,
+)
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=32).hexdigest()
+
+
+def _holdings(members: list[str], length: int, replicas: int, step: int, rnd: int) -> list[Version]:
+    lay = ShardLayout.of(members, length, replicas)
+    out = []
+    for m in members:
+        pieces = []
+        for j in lay.held_by(m):
+            a, b = lay.shard_range(j)
+            pieces.append(Piece(a, b, _digest(a, b, step)))
+        out.append(Version(step, rnd, tuple(pieces)))
+    return out
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(-1, 2**40),
+            st.integers(0, 2**56 - 1),
+            st.lists(
+                st.tuples(
+                    st.integers(0, 2**40),
+                    st.integers(0, 2**20),
+                    st.binary(min_size=32, max_size=32),
+                ),
+                max_size=3,
+            ),
+        ),
+        max_size=2,
+    )
+)
+def test_holdings_records_round_trip(
+    versions: list[tuple[int, int, list[tuple[int, int, bytes]]]],
+) -> None:
+    vs = [
+        Version(s, r, tuple(Piece(a, a + n, d.hex()) for a, n, d in pieces))
+        for s, r, pieces in versions
+        if s != -1
+    ]
+    rec = holdings_record(vs, 3)
+    assert read_holdings(np.stack([rec, rec]), 3) == [vs, vs]
+
+
+def test_junk_records_count_as_holding_nothing() -> None:
+    rng = np.random.default_rng(0)
+    junk = rng.integers(-(2**62), 2**62, size=(4, len(holdings_record([], 2))), dtype=np.int64)
+    for versions in read_holdings(junk, 2):
+        for v in versions:
+            assert all(0 <= p.start <= p.stop for p in v.pieces)
+
+
+def test_one_loss_is_covered_by_replicas_and_fetched_from_them() -> None:
+    members = ["a", "b", "c", "d"]
+    length, rnd = 1001, round_id("e1")
+    held = _holdings(members, length, 2, 7, rnd)
+    # "b" died: the survivors' records, in the new view's rank order
+    survivors = ["a", "c", "d"]
+    records = [[held[members.index(m)]] for m in survivors]
+    new = ShardLayout.of(survivors, length, 2)
+    for rank, me in enumerate(survivors):
+        needed = [new.shard_range(j) for j in new.held_by(me)]
+        plan = plan_shard_sync(records, 7, 0, rank, needed, length)
+        covered = sorted((s.start, s.stop) for s in plan.segments)
+        assert sum(b - a for a, b in covered) == sum(b - a for a, b in needed)
+        for seg in plan.segments:
+            assert seg.piece.start <= seg.start < seg.stop <= seg.piece.stop
+            for src in seg.sources:  # every source really holds that piece
+                assert seg.piece in records[src][0].pieces
+            if seg.local:
+                assert seg.piece in records[rank][0].pieces
+    # "c" needs b's old shard, which only "c" itself (b's right neighbour) holds now: local
+    plan = plan_shard_sync(
+        records, 7, 0, 1, [ShardLayout.of(members, length, 2).shard_range(1)], length
+    )
+    assert all(s.local for s in plan.segments)
+
+
+def test_two_adjacent_losses_raise_state_lost_on_every_member() -> None:
+    members = ["a", "b", "c", "d"]
+    held = _holdings(members, 100, 2, 3, 1)
+    records = [[held[0]], [held[3]]]  # b and c died: b's shard had holders b, c
+    for rank in range(2):
+        with pytest.raises(StateLostError, match=r"elements \[25:50\)"):
+            plan_shard_sync(records, 3, 0, rank, [(0, 50)], 100)
+
+
+def test_only_the_target_version_counts() -> None:
+    members = ["a", "b"]
+    new = _holdings(members, 10, 1, 5, round_id("v2"))
+    old_round = _holdings(members, 10, 1, 5, round_id("v1"))  # same step, other round
+    # rank 1 holds only a same-step piece of another round: its shard is lost
+    with pytest.raises(StateLostError):
+        plan_shard_sync([[new[0]], [old_round[1]]], 5, 0, 0, [(0, 10)], 10)
+    # a pending version (step 6) and the committed one (step 5): the target picks
+    pending = _holdings(members, 10, 1, 6, round_id("v3"))
+    plan = plan_shard_sync([[pending[0], new[0]], [new[1]]], 5, 0, 0, [(0, 10)], 10)
+    assert [(s.start, s.stop, s.local) for s in plan.segments] == [(0, 5, True), (5, 10, False)]
+    assert plan.round == round_id("v2")
+
+
+# -- ShardedOptimizer in-process: N members, one process -------------------------------------
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+
+
+class _Member:
+    def __init__(self, name: str, replicas: int) -> None:
+        self.name = name
+        self.model = _model()
+        params = list(self.model.parameters())
+        self.template = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+        self.zero = ShardedOptimizer(params, self.template, replicas)
+
+
+def _step(members: list[_Member], grads: list[torch.Tensor], version: tuple[int, int]) -> None:
+    flat_grad = torch.cat([g.reshape(-1) for g in grads])
+    for m in members:
+        m.zero.update(flat_grad, version)
+    gathered = np.stack([m.zero.gather_input(False) for m in members])
+    for m in members:
+        m.zero.apply_gathered(gathered, False)
+        m.zero.commit()
+
+
+def _reshard(members: list[_Member], step: int, rnd: int) -> None:
+    """Re-shard over ``members`` from what each holds (in-process 'fetch')."""
+    names = [m.name for m in members]
+    lay = ShardLayout.of(names, members[0].zero.length, members[0].zero.replicas)
+    store: dict[str, HeldPiece] = {}
+    records = []
+    for m in members:
+        versions = []
+        for v_step, v_round, held in m.zero.versions():
+            pieces = []
+            for p in held:
+                d = _digest(m.name, v_step, p.start, p.stop)
+                store[d] = p
+                pieces.append(Piece(p.start, p.stop, d))
+            versions.append(Version(v_step, v_round, tuple(pieces)))
+        records.append(versions)
+    for rank, m in enumerate(members):
+        needed = [lay.shard_range(j) for j in lay.held_by(m.name)]
+        plan = plan_shard_sync(records, step, 0, rank, needed, m.zero.length)
+        m.zero.rebuild(lay, m.name, plan.segments, store, (step, plan.round))
+
+
+def test_sharded_adamw_matches_the_unsharded_optimizer_bitwise_through_a_loss() -> None:
+    ref = _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    members = [_Member(n, 2) for n in "abcde"]
+    for m in members:
+        m.zero.start_fresh(ShardLayout.of([x.name for x in members], m.zero.length, 2), m.name)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        grads = [torch.randn(p.shape, generator=gen) for p in ref.parameters()]
+        for p, g in zip(ref.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        ref_opt.step()
+        _step(members, grads, (step + 1, 7))
+        if step == 5:  # "c" dies; the others re-shard from the replicas
+            members = [m for m in members if m.name != "c"]
+            _reshard(members, step + 1, 7)
+        for m in members:
+            for p, q in zip(m.model.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p, q), f"step {step + 1}: {m.name} differs from unsharded"
+    # owners and replicas hold identical optimizer state
+    by_range: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
+    for m in members:
+        for p in m.zero.held():
+            by_range.setdefault((p.start, p.stop), []).append(p.state)
+    assert all(len(v) == 2 for v in by_range.values())
+    for states in by_range.values():
+        for key in states[0]:
+            assert torch.equal(states[0][key], states[1][key])
+
+
+def test_a_failed_allgather_keeps_both_versions() -> None:
+    members = [_Member(n, 2) for n in "ab"]
+    for m in members:
+        m.zero.start_fresh(ShardLayout.of(["a", "b"], m.zero.length, 2), m.name)
+    grads = torch.ones(members[0].zero.length)
+    _step(members, [grads], (1, 3))
+    before = members[0].model.state_dict()
+    members[0].zero.update(grads, (2, 4))  # the allgather that would commit step 2 fails
+    steps = [(s, r) for s, r, _ in members[0].zero.versions()]
+    assert steps == [(2, 4), (1, 3)]
+    after = members[0].model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the model is untouched
+
+
+def test_sharding_needs_one_param_group_and_float32() -> None:
+    model = _model()
+    opt = torch.optim.SGD([{"params": [model[0].weight]}, {"params": [model[0].bias]}], lr=0.1)
+    with pytest.raises(Exception, match="one parameter group"):
+        ShardedOptimizer(list(model.parameters()), opt, 2)
+    half = torch.nn.Linear(2, 2).double()
+    with pytest.raises(Exception, match="float32"):
+        ShardedOptimizer(list(half.parameters()), torch.optim.SGD(half.parameters(), lr=0.1), 2)
