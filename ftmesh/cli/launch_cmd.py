@@ -91,6 +91,11 @@ def add_launch_parser(sub: Any) -> None:
     w.add_argument("--port", type=int, default=0, help="gossip port (0: any free port)")
     w.add_argument("--preset", choices=["local", "lan", "wan"], default="lan")
     w.add_argument("--secret-file", default="")
+    w.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt gossip and the data plane (needs a secret; sets $FTMESH_ENCRYPT)",
+    )
     w.add_argument("script")
     w.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -107,6 +112,8 @@ def run_worker(args: argparse.Namespace) -> int:
         FTMESH_PRESET=args.preset,
         FTMESH_SECRET_FILE=args.secret_file,
     )
+    if args.encrypt:
+        env["FTMESH_ENCRYPT"] = "1"
     os.execvpe(sys.executable, [sys.executable, args.script, *args.args], env)
     return 127  # pragma: no cover - exec does not return
 
