@@ -96,7 +96,13 @@ def _worker(
                 mesh=f"{cfg['mesh']}-{kind}", discovery="local", preset="local"
             ) as mesh:
                 trainer = ElasticTrainer(
-                    mesh, model_f, opt_f, sampler, min_peers=nprocs, join_settle=1.0
+                    mesh,
+                    model_f,
+                    opt_f,
+                    sampler,
+                    min_peers=nprocs,
+                    join_settle=1.0,
+                    bucket_mb=cfg["bucket_mb"],
                 )
                 retries = 0
                 # Time the trainer's gradient allreduce (the instance's method: nothing else
@@ -278,6 +284,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=4, help="blocks per implementation")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
     ap.add_argument("--global-batch", type=int, default=0, help="0: per model default")
+    ap.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="ftmesh's gradient bucket size (MB)"
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -289,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": args.rounds,
         "warmup": args.warmup,
         "global_batch": args.global_batch,
+        "bucket_mb": args.bucket_mb,
     }
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):

@@ -2,9 +2,13 @@
 
 Theory of operation: parameters are grouped, in reverse registration order (roughly the order
 in which backward produces their gradients), into buckets of about ``bucket_bytes``. Each
-bucket owns one flat float32 buffer. A post-accumulate-grad hook copies a parameter's gradient
-into its bucket's slice; when a bucket is complete it is handed to the mesh for an allreduce
-without waiting, so communication overlaps with the rest of backward, as in
+bucket owns one flat float32 buffer, and each parameter's ``.grad`` *is* its slice of it (a
+view, like DDP's ``gradient_as_bucket_view``): backward accumulates straight into the bucket,
+and the allreduce, in place, leaves the reduced gradients in ``.grad`` with no copy either way.
+(Should user code replace a ``.grad``, e.g. ``zero_grad(set_to_none=True)``, the hook copies
+it in and ``write_grads`` copies the result out.) A post-accumulate-grad hook counts a
+parameter's gradient as ready; when a bucket is complete it is handed to the mesh for an
+allreduce without waiting, so communication overlaps with the rest of backward, as in
 ``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
 completes early waits for the ones before it), so every member issues the same collectives in
 the same order whatever order its hooks fire in. The last bucket carries three extra slots:
@@ -39,6 +43,7 @@ class GradBuckets:
         self.groups = groups
         self.buffers: list[np.ndarray] = []
         self.slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, start, stop)
+        self._grad_len: list[int] = []  # per bucket: elements before the header slots
         for b, group in enumerate(groups):
             offset = 0
             for p in group:
@@ -46,6 +51,8 @@ class GradBuckets:
                 offset += p.numel()
             extra = HEADER_SLOTS if b == len(groups) - 1 else 0
             self.buffers.append(np.zeros(offset + extra, dtype=np.float32))
+            self._grad_len.append(offset)
+        self._views = {id(p): self._view(p) for p in params}
         self._pending: list[int] = []
         self._launched = 0
         self._futures: list[Future[Any]] = []
@@ -60,10 +67,19 @@ class GradBuckets:
         """The extra slots of the last bucket: [samples, summed loss, round check]."""
         return self.buffers[-1][-HEADER_SLOTS:]
 
+    def _view(self, p: torch.Tensor) -> torch.Tensor:
+        b, start, stop = self.slot[id(p)]
+        return torch.from_numpy(self.buffers[b][start:stop]).view_as(p)
+
     def start(self, launch: Callable[[np.ndarray], Future[Any]]) -> None:
-        """Arm the hooks for one backward pass; ``launch(buffer)`` starts an allreduce."""
+        """Zero the gradients (the buckets) and arm the hooks for one backward pass;
+        ``launch(buffer)`` starts an allreduce."""
         for buf in self.buffers:
             buf.fill(0.0)
+        for p in self.params:
+            view = self._views[id(p)]
+            if p.grad is not view:
+                p.grad = view
         self._pending = [len(g) for g in self.groups]
         self._launched = 0
         self._futures = []
@@ -73,7 +89,8 @@ class GradBuckets:
         if self._launch is None or p.grad is None:
             return
         b, start, stop = self.slot[id(p)]
-        self.buffers[b][start:stop] = p.grad.detach().reshape(-1).numpy()
+        if p.grad is not self._views[id(p)]:  # user code replaced it: copy it in
+            self.buffers[b][start:stop] = p.grad.detach().reshape(-1).numpy()
         self._pending[b] -= 1
         self._launch_ready()
 
@@ -99,15 +116,15 @@ class GradBuckets:
             raise errors[0]
 
     def write_grads(self, scale: float) -> None:
-        """Copy the reduced buckets back into ``.grad``, times ``scale``."""
+        """Scale the reduced buckets by ``scale``: ``.grad`` holds the result."""
+        for buf, n in zip(self.buffers, self._grad_len, strict=True):
+            grads = buf[:n]
+            np.multiply(grads, np.float32(scale), out=grads)
         with torch.no_grad():
             for p in self.params:
-                b, start, stop = self.slot[id(p)]
-                g = torch.from_numpy(self.buffers[b][start:stop]).view_as(p)
-                if p.grad is None:
-                    p.grad = g.mul(scale)
-                else:
-                    p.grad.copy_(g).mul_(scale)
+                view = self._views[id(p)]
+                if p.grad is not view:
+                    p.grad = view
 
     def close(self) -> None:
         for h in self._hooks:

@@ -507,8 +507,7 @@ class ElasticTrainer:
         me = self.mesh.node_id
         step = self.committed  # the step being computed (0-based)
         indices = self.sampler.indices(step, view.node_ids, me)
-        self.optimizer.zero_grad(set_to_none=False)
-        buckets = self._buckets
+        buckets = self._buckets  # start() zeroes the gradients
 
         def launch(buf: np.ndarray) -> Future[Any]:
             return self.mesh.submit(self.mesh.mesh.on_view, view, "allreduce", buf, "sum")
