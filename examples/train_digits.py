@@ -83,7 +83,13 @@ def main() -> int:
         "--max-peers",
         type=int,
         default=0,
-        help="at most this many members train; later ones wait as spares (0: no limit)",
+        help="at most this many members compute gradients; the others are spares (0: no limit)",
+    )
+    p.add_argument(
+        "--spares",
+        choices=["hot", "cold"],
+        default="hot",
+        help="hot: spares stay in the ring, up to date; cold: they wait outside it",
     )
     p.add_argument(
         "--step-delay",
@@ -140,6 +146,7 @@ def main() -> int:
                 sampler,
                 min_peers=args.min_peers,
                 max_peers=args.max_peers,
+                spares=args.spares,
                 checkpoint_dir=args.checkpoint_dir,
                 checkpoint_every=args.checkpoint_every,
                 shard_optimizer=args.shard_optimizer,
@@ -160,6 +167,8 @@ def main() -> int:
                         "loss": round(r.loss, 4),
                         "samples": r.samples,
                         "members": len(r.members),
+                        "share": r.share,
+                        "fetched": r.sync_bytes,
                         "attempts": r.attempts,
                         "synced": r.synced,
                         "node": mesh.node_id,

@@ -196,14 +196,17 @@ class Mesh:
     ) -> CollectiveResult[T]:
         """Run one collective on exactly ``view`` (no retry on another view): the building block
         of protocols that must know which view a round ran on (``ftmesh.training``).
-        ``kind`` is ``allreduce``, ``allgather`` or ``broadcast``. A lost peer is reported to
-        membership."""
+        ``kind`` is ``allreduce``, ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused). A
+        lost peer is reported to membership."""
         self._in_use(view)
         try:
             if kind == "allreduce":
                 return await self.data_plane.allreduce(view, x, op)
             if kind == "allgather":
                 return await self.data_plane.allgather(view, x)
+            if kind == "barrier":
+                done: CollectiveResult[Any] = await self.data_plane.barrier(view)
+                return done
             if kind == "broadcast":
                 return await self.data_plane.broadcast(view, x, root)
         except RingPeerLostError as exc:

@@ -88,7 +88,7 @@ def test_one_loss_is_covered_by_replicas_and_fetched_from_them() -> None:
     new = ShardLayout.of(survivors, length, 2)
     for rank, me in enumerate(survivors):
         needed = [new.shard_range(j) for j in new.held_by(me)]
-        plan = plan_shard_sync(records, 7, 0, rank, needed, length)
+        plan = plan_shard_sync(records, 7, [0, 1, 2], rank, needed, length)
         covered = sorted((s.start, s.stop) for s in plan.segments)
         assert sum(b - a for a, b in covered) == sum(b - a for a, b in needed)
         for seg in plan.segments:
@@ -99,7 +99,7 @@ def test_one_loss_is_covered_by_replicas_and_fetched_from_them() -> None:
                 assert seg.piece in records[rank][0].pieces
     # "c" needs b's old shard, which only "c" itself (b's right neighbour) holds now: local
     plan = plan_shard_sync(
-        records, 7, 0, 1, [ShardLayout.of(members, length, 2).shard_range(1)], length
+        records, 7, [0, 1, 2], 1, [ShardLayout.of(members, length, 2).shard_range(1)], length
     )
     assert all(s.local for s in plan.segments)
 
@@ -110,7 +110,7 @@ def test_two_adjacent_losses_raise_state_lost_on_every_member() -> None:
     records = [[held[0]], [held[3]]]  # b and c died: b's shard had holders b, c
     for rank in range(2):
         with pytest.raises(StateLostError, match=r"elements \[25:50\)"):
-            plan_shard_sync(records, 3, 0, rank, [(0, 50)], 100)
+            plan_shard_sync(records, 3, [0, 1], rank, [(0, 50)], 100)
 
 
 def test_only_the_target_version_counts() -> None:
@@ -119,10 +119,10 @@ def test_only_the_target_version_counts() -> None:
     old_round = _holdings(members, 10, 1, 5, round_id("v1"))  # same step, other round
     # rank 1 holds only a same-step piece of another round: its shard is lost
     with pytest.raises(StateLostError):
-        plan_shard_sync([[new[0]], [old_round[1]]], 5, 0, 0, [(0, 10)], 10)
+        plan_shard_sync([[new[0]], [old_round[1]]], 5, [0, 1], 0, [(0, 10)], 10)
     # a pending version (step 6) and the committed one (step 5): the target picks
     pending = _holdings(members, 10, 1, 6, round_id("v3"))
-    plan = plan_shard_sync([[pending[0], new[0]], [new[1]]], 5, 0, 0, [(0, 10)], 10)
+    plan = plan_shard_sync([[pending[0], new[0]], [new[1]]], 5, [0, 1], 0, [(0, 10)], 10)
     assert [(s.start, s.stop, s.local) for s in plan.segments] == [(0, 5, True), (5, 10, False)]
     assert plan.round == round_id("v2")
 
@@ -172,8 +172,10 @@ def _reshard(members: list[_Member], step: int, rnd: int) -> None:
         records.append(versions)
     for rank, m in enumerate(members):
         needed = [lay.shard_range(j) for j in lay.held_by(m.name)]
-        plan = plan_shard_sync(records, step, 0, rank, needed, m.zero.length)
-        m.zero.rebuild(lay, m.name, plan.segments, store, (step, plan.round))
+        plan = plan_shard_sync(
+            records, step, list(range(len(members))), rank, needed, m.zero.length
+        )
+        m.zero.rebuild(lay, m.name, plan.segments, store, (step, plan.round), [])
 
 
 def test_sharded_adamw_matches_the_unsharded_optimizer_bitwise_through_a_loss() -> None:

@@ -1,6 +1,7 @@
-"""Spares (``ElasticTrainer(max_peers=...)``), real processes on loopback: members beyond
-``max_peers`` wait as spares and one steps in when a training member is killed; with no
-failure the spare exits cleanly at the end without ever training."""
+"""Spares (``ElasticTrainer(max_peers=...)``), real processes on loopback. Hot (default): every
+member is in the ring and up to date, only ``max_peers`` compute, and a kill promotes a spare
+at once. Cold: members beyond ``max_peers`` wait outside the ring and one steps in when a
+training member is killed; with no failure the spare exits cleanly at the end."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _steps(records: dict[str, list[dict[str, object]]]) -> dict[str, list[dict[s
     return {name: [r for r in recs if "done" not in r] for name, recs in records.items()}
 
 
-def test_spare_steps_in_after_a_kill(tmp_path: Path) -> None:
+def test_cold_spare_steps_in_after_a_kill(tmp_path: Path) -> None:
     logs = tmp_path / "mesh"
     res = launch(
         logs,
@@ -33,6 +34,8 @@ def test_spare_steps_in_after_a_kill(tmp_path: Path) -> None:
         "2",
         "--max-peers",
         "2",
+        "--spares",
+        "cold",
         "--epochs",
         "5",
         "--step-delay",
@@ -51,20 +54,21 @@ def test_spare_steps_in_after_a_kill(tmp_path: Path) -> None:
     firsts = {name: int(recs[0]["step"]) for name, recs in steps.items() if recs}  # type: ignore[call-overload]
     assert len(firsts) == 3, firsts  # the spare trained too, after the kill
     starters = [n for n, s in firsts.items() if s <= 2]
-    spares = [n for n, s in firsts.items() if s > 30]
+    spares = [n for n, s in firsts.items() if s >= 30]  # its first step: the one it adopted
     assert len(starters) == 2 and len(spares) == 1, firsts
     assert steps[spares[0]][0]["synced"], steps[spares[0]][0]
     assert accuracy(res.stdout) >= 0.9
 
 
-def test_unneeded_spare_exits_cleanly(tmp_path: Path) -> None:
+def test_unneeded_cold_spare_exits_cleanly(tmp_path: Path) -> None:
     logs = tmp_path / "mesh"
     res = launch(
         logs,
         "-n",
         "3",
         EXAMPLE,
-        *["--min-peers", "2", "--max-peers", "2", "--epochs", "1", "--step-delay", "0.02"],
+        *["--min-peers", "2", "--max-peers", "2", "--spares", "cold"],
+        *["--epochs", "1", "--step-delay", "0.02"],
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     steps = _steps(progress(logs))
@@ -74,3 +78,41 @@ def test_unneeded_spare_exits_cleanly(tmp_path: Path) -> None:
     assert all(int(r["members"]) <= 2 for recs in steps.values() for r in recs)  # type: ignore[call-overload]
     for spare in set(steps) - set(trained):
         assert "the training finished without needing us" in (logs / f"{spare}.log").read_text()
+
+
+def test_hot_spare_is_up_to_date_and_takes_over_at_once(tmp_path: Path) -> None:
+    logs = tmp_path / "mesh"
+    res = launch(
+        logs,
+        "-n",
+        "3",
+        "--seed",
+        "1",
+        "--kill-at",
+        "30",
+        EXAMPLE,
+        *["--min-peers", "2", "--max-peers", "2", "--epochs", "4"],
+        *["--step-delay", "0.05", "--digest-every", "1"],
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("kill -9") == 1, res.stdout[-3000:]
+    records = progress(logs)
+    steps = _steps(records)
+    total = int(next(r for recs in steps.values() for r in recs)["total"])  # type: ignore[call-overload]
+    check_consistency(records, total)  # the spare's digests match at every step too
+    computing: dict[int, list[int]] = {}
+    for recs in steps.values():
+        for r in recs:
+            computing.setdefault(int(r["step"]), []).append(int(r["share"]))  # type: ignore[call-overload]
+    assert all(len([s for s in shares if s]) <= 2 for shares in computing.values())
+    # The spare (no share before the kill) computes right after it, with no state fetch.
+    # The spare (no share before the kill; it may have joined a little after the start) computes
+    # right after the kill, with no state to fetch.
+    spare = next(n for n, recs in steps.items() if recs and int(recs[0]["share"]) == 0)  # type: ignore[call-overload]
+    assert int(steps[spare][0]["step"]) < 30, "the spare joined after the kill"  # type: ignore[call-overload]
+    promoted = [r for r in steps[spare] if int(r["share"])]  # type: ignore[call-overload]
+    assert promoted, "the spare never computed"
+    assert int(promoted[0]["step"]) <= 40, promoted[0]  # type: ignore[call-overload]
+    assert promoted[0]["fetched"] == 0, promoted[0]
+    assert accuracy(res.stdout) >= 0.9

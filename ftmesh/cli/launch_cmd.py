@@ -44,6 +44,8 @@ class Worker:
     loss: float | None = None
     members: int = 0
     done: bool = False
+    spare: bool = False
+    """Its last step computed no samples (a hot spare): not a kill victim."""
     reported: bool = False
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     output: list[str] = field(default_factory=list)
@@ -201,6 +203,8 @@ class Launcher:
             w.loss = float(rec["loss"])
         if isinstance(rec.get("members"), int):
             w.members = rec["members"]
+        if isinstance(rec.get("share"), int):
+            w.spare = rec["share"] == 0
         if rec.get("done"):
             w.done = True
 
@@ -210,10 +214,13 @@ class Launcher:
     def chaos(self) -> None:
         step = self.committed()
         while self.kills and step >= self.kills[0]:
-            # Victims are training members (they reported progress), never the last one: with
-            # no survivor holding the state there would be nothing to recover from.
+            # Victims are training members (they reported progress and computed samples, so
+            # not hot spares), never the last one: with no survivor holding the state there
+            # would be nothing to recover from.
             live = [
-                w for w in self.workers if w.running and not w.killed and not w.done and w.step > 0
+                w
+                for w in self.workers
+                if w.running and not w.killed and not w.done and not w.spare and w.step > 0
             ]
             if len(live) <= 1:
                 if not self._kill_deferred:

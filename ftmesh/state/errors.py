@@ -35,12 +35,14 @@ class StateLostError(StateError):
         self, lost: Sequence[tuple[int, int, int, tuple[str, ...]]], what: str = ""
     ) -> None:
         self.lost = tuple(lost)
+        self.what = what
         if not what:
             desc = ", ".join(
                 f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8]
             )
             more = f" (+{len(self.lost) - 8} more)" if len(self.lost) > 8 else ""
             what = f"{len(self.lost)} shard(s) lost with no surviving replica: {desc}{more}"
+            self.what = what
         super().__init__(f"{what}; fall back to the last disk checkpoint")
 
 

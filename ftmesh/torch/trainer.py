@@ -9,6 +9,13 @@ allreduce and applies the optimizer. A failure during the step (a peer died or s
 ring disagreed about the view or the inputs) retries the step on the next view, with the
 step's batch re-split among the survivors, so the step's samples are all trained exactly once.
 
+Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
+only the first ``N`` of the view (node-id order) compute gradients; the others contribute
+nothing, receive the reduced gradients and apply them like everyone, so their state stays
+bitwise up to date and a death promotes one at the very next step with nothing to fetch (at
+the cost of ring traffic for the spares). With ``spares="cold"`` members beyond ``N`` wait
+outside the ring and fetch the state when they step in.
+
 Gradients are averaged over samples, not members: each member contributes
 ``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
 which equals single-process training on the whole global batch.
@@ -29,7 +36,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +71,7 @@ from ..training.protocol import (
 from ..training.shards import (
     Piece,
     Version,
+    anyone_fetches,
     holdings_record,
     plan_shard_sync,
     read_holdings,
@@ -100,6 +108,11 @@ class StepReport:
     """State bytes this member received in the sync (0: it was not behind)."""
     sync_seconds: float = 0.0
     """Seconds the last sync took (agreement plus state transfer)."""
+    share: int = 0
+    """Samples this member computed (0: a hot spare, or an adopted step)."""
+    adopted: bool = False
+    """Others committed this step and we took their state in a sync (a joiner's first step,
+    or a step whose end we missed); ``loss`` is then unknown (nan)."""
 
 
 class ElasticTrainer:
@@ -114,6 +127,7 @@ class ElasticTrainer:
         *,
         min_peers: int = 1,
         max_peers: int = 0,
+        spares: str = "hot",
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         step_timeout: float = 300.0,
@@ -130,9 +144,13 @@ class ElasticTrainer:
         self.optimizer = optimizer
         self.sampler = sampler
         self.min_peers = min_peers
-        if max_peers and max_peers < min_peers:
+        if spares not in ("hot", "cold"):
+            raise LocalUsageError(f"spares must be 'hot' or 'cold', got {spares!r}")
+        if spares == "cold" and max_peers and max_peers < min_peers:
+            # (hot spares count towards min_peers: they are in the ring)
             raise LocalUsageError(f"max_peers ({max_peers}) is below min_peers ({min_peers})")
         self.max_peers = max_peers
+        self.spares = spares
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
@@ -197,7 +215,7 @@ class ElasticTrainer:
         if self._zero is None:
             return {}
         return {
-            f"{p.start}:{p.stop}": _piece_snapshot(self.committed, p).digest
+            f"{p.start}:{p.stop}": _piece_snapshot(self._zero.live_step, p).digest
             for p in self._zero.held()
         }
 
@@ -225,7 +243,8 @@ class ElasticTrainer:
         checkpoint, or raise."""
         found = latest_valid_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
         if found is None:
-            raise StateLostError([], f"{exc} (no valid checkpoint in {self.checkpoint_dir})")
+            where = f"in {self.checkpoint_dir}" if self.checkpoint_dir else "(no checkpoint_dir)"
+            raise StateLostError(exc.lost, f"{exc.what}; no valid checkpoint {where}") from exc
         log.error("%s: resuming from the checkpoint of step %d", exc, found.snapshot.step)
         self._load_checkpoint(found.snapshot)
         self.fallbacks += 1
@@ -238,6 +257,7 @@ class ElasticTrainer:
         deadline = time.monotonic() + self.step_timeout
         attempts = 0
         synced = False
+        entered_at = max(self.committed, 0)
         while True:
             attempts += 1
             if not self._in_ring:
@@ -246,7 +266,7 @@ class ElasticTrainer:
                 self.mesh.wait_quiet(
                     self.join_settle, timeout=max(deadline - time.monotonic(), 0.1)
                 )
-                if self.max_peers:
+                if self.max_peers and self.spares == "cold":
                     self._wait_for_slot()
                     deadline = time.monotonic() + self.step_timeout
                 self.mesh.set_role("train")
@@ -281,6 +301,10 @@ class ElasticTrainer:
                 if view.epoch != self._synced_epoch:
                     self._sync(view)
                     synced = True
+                    if self.committed > entered_at:
+                        # Others committed the step we were computing (we failed at its
+                        # end, or joined): adopting it was this step.
+                        return self._adopted(view, attempts)
                 report = self._attempt(view, loss_fn, attempts, synced)
             except StateLostError as exc:
                 self._fall_back(exc)
@@ -311,6 +335,20 @@ class ElasticTrainer:
             self._maybe_checkpoint()
             return report
 
+    def _adopted(self, view: RingView, attempts: int) -> StepReport:
+        return StepReport(
+            step=self.committed,
+            loss=float("nan"),
+            samples=self.sampler.global_batch,
+            members=view.node_ids,
+            epoch=view.epoch,
+            attempts=attempts,
+            synced=True,
+            sync_bytes=self.last_sync_bytes,
+            sync_seconds=self.last_sync_seconds,
+            adopted=True,
+        )
+
     def finish(self, timeout: float = 60.0) -> None:
         """A last sync on the current view before leaving, so that a member whose final step
         failed after others committed it catches up instead of redoing it alone."""
@@ -318,9 +356,12 @@ class ElasticTrainer:
         while time.monotonic() < deadline:
             view = self.mesh.wait_view(timeout=max(deadline - time.monotonic(), 0.1))
             try:
-                # The optimizer state is of no further use: agree on the model only (members
-                # that finished first have taken their shards with them).
-                self._sync(view, shards=False)
+                try:
+                    self._sync(view)  # members whose last step failed fetch from us
+                except StateLostError:
+                    # Members that finished first took their shards with them; the optimizer
+                    # state is of no further use: agree on the model only.
+                    self._sync(view, shards=False)
                 self.mesh.set_role("done")  # spares waiting for a slot stop waiting
                 return
             except RECOVERABLE as exc:
@@ -358,7 +399,8 @@ class ElasticTrainer:
             self.last_sync_bytes = plan.nbytes
         self.committed = plan.target_step
         if self._zero is not None and shards:
-            self._sync_shards(view, plan.target_step, max(plan.root, 0))
+            everyone = tuple(range(view.size))
+            self._sync_shards(view, plan.target_step, plan.holders if plan.behind else everyone)
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started
@@ -367,8 +409,9 @@ class ElasticTrainer:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
 
-    def _sync_shards(self, view: RingView, step: int, reference: int) -> None:
-        """Re-shard the optimizer state for ``view`` (see ``ftmesh.training.shards``)."""
+    def _sync_shards(self, view: RingView, step: int, candidates: Sequence[int]) -> None:
+        """Re-shard the optimizer state for ``view`` (see ``ftmesh.training.shards``);
+        ``candidates``: the ranks that hold the agreed model."""
         zero = self._zero
         assert zero is not None
         me = self.mesh.node_id
@@ -386,16 +429,13 @@ class ElasticTrainer:
                 served[snap.digest], pieces[snap.digest] = snap, p
                 described.append(Piece(p.start, p.stop, snap.digest))
             versions.append(Version(v_step, v_round, tuple(described)))
-        self._served = served
-        gathered = self.mesh.allgather_on(view, holdings_record(versions, zero.replicas)).output
-        plan = plan_shard_sync(
-            read_holdings(gathered, zero.replicas),
-            step,
-            reference,
-            view.rank_of(me),
-            [layout.shard_range(j) for j in layout.held_by(me)],
-            zero.length,
-        )
+        self._served = served  # until the next gradient allreduce completes
+        max_pieces = 2 * zero.replicas  # held shards, and those held before a re-shard
+        record = holdings_record(versions, max_pieces)
+        holdings = read_holdings(self.mesh.allgather_on(view, record).output, max_pieces)
+        needed = [[layout.shard_range(j) for j in layout.held_by(m)] for m in view.node_ids]
+        rank = view.rank_of(me)
+        plan = plan_shard_sync(holdings, step, candidates, rank, needed[rank], zero.length)
         for piece, sources in plan.fetches().items():
             holders = [view.members[r].node_id for r in sources]
             snap = self.mesh.fetch_state(holders, step, piece.digest)
@@ -403,7 +443,12 @@ class ElasticTrainer:
             got.load_snapshot(snap)
             pieces[piece.digest] = HeldPiece(piece.start, piece.stop, got.scalars["state"])
             self.last_sync_bytes += snap.nbytes
-        zero.rebuild(layout, me, plan.segments, pieces, (step, plan.round))
+        if anyone_fetches(holdings, step, candidates, needed, zero.length):
+            # Nobody moves on (and, at the end, leaves) while others still pull from it.
+            self.mesh.barrier_on(view)
+        mine = next((v for v in versions if (v.step, v.round) == (step, plan.round)), None)
+        keep = [pieces[p.digest] for p in mine.pieces] if mine else []
+        zero.rebuild(layout, me, plan.segments, pieces, (step, plan.round), keep)
 
     def _wait_for_slot(self) -> None:
         """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots
@@ -452,11 +497,12 @@ class ElasticTrainer:
             self.mesh.wait_view_change(view.epoch if view else "", timeout=1.0)
 
     def _over_max_peers(self, view: RingView) -> bool:
-        """Whether we, not having trained yet, are one too many: members that started
-        together can all see a free slot before their roles have spread. The first
+        """Cold spares: whether we, not having trained yet, are one too many: members that
+        started together can all see a free slot before their roles have spread. The first
         ``max_peers`` of the view (node-id order) stay, as every member computes alike."""
         return bool(
             self.max_peers
+            and self.spares == "cold"
             and self.committed == FRESH
             and view.size > self.max_peers
             and self.mesh.node_id not in view.node_ids[: self.max_peers]
@@ -506,7 +552,11 @@ class ElasticTrainer:
     ) -> StepReport:
         me = self.mesh.node_id
         step = self.committed  # the step being computed (0-based)
-        indices = self.sampler.indices(step, view.node_ids, me)
+        workers = view.node_ids[: self.max_peers] if self.max_peers else view.node_ids
+        if me in workers:
+            indices = self.sampler.indices(step, workers, me)
+        else:  # a hot spare: contributes nothing, applies the reduced gradients
+            indices = np.empty(0, dtype=np.int64)
         buckets = self._buckets  # start() zeroes the gradients
 
         def launch(buf: np.ndarray) -> Future[Any]:
@@ -542,6 +592,7 @@ class ElasticTrainer:
             synced=synced,
             sync_bytes=self.last_sync_bytes if synced else 0,
             sync_seconds=self.last_sync_seconds if synced else 0.0,
+            share=len(indices),
         )
 
     def _sharded_update(self, view: RingView, step: int) -> None:
@@ -551,6 +602,7 @@ class ElasticTrainer:
         assert zero is not None
         flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
         zero.update(flat_grad, (step + 1, round_id(view.epoch)))
+        self._served = {}  # the gradient allreduce completed: nobody fetches pieces any more
         with_state = self._checkpoint_due(step + 1)
         gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
         self._checkpoint_state = zero.apply_gathered(gathered, with_state)
@@ -576,6 +628,7 @@ class ElasticTrainer:
                 rng=False,
             )
             snap = full.commit(step=self.committed)
+            self._checkpoint_state = {}
         save_checkpoint(self.checkpoint_dir, snap)
 
 

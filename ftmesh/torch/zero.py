@@ -12,7 +12,8 @@ keeps the hyper-parameters (change its learning rate as usual; every step copies
 
 What a member holds is tagged with a version (``ftmesh.training.shards``): the step and the
 round that produced it. The state of the committed step is kept aside while a step's update is
-pending (its allgather not yet complete), so that both can be offered in the next sync.
+pending (its allgather not yet complete), so that both can be offered in the next sync; and
+after a re-shard the pieces held before it are kept, and offered, until the next update.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ Held = tuple[int, int, list[HeldPiece]]
 
 
 class ShardedOptimizer:
+    """One member's shards of the optimizer state; see the module docstring."""
+
     def __init__(
         self, params: Sequence[torch.nn.Parameter], template: torch.optim.Optimizer, replicas: int
     ) -> None:
@@ -67,6 +70,7 @@ class ShardedOptimizer:
         self._loaded: list[HeldPiece] | None = None
         self._live: tuple[int, int] | None = None  # (step, round) of what we hold
         self._backup: Held | None = None
+        self._previous: list[HeldPiece] = []  # pieces of the live version before a re-shard
 
     # -- the flat parameter vector ---------------------------------------------------------
     def flat_params(self) -> torch.Tensor:
@@ -92,15 +96,20 @@ class ShardedOptimizer:
         """What we can offer in a sync: the live version, then the one kept aside."""
         out: list[Held] = []
         if self._live is not None:
-            out.append((*self._live, self.held()))
+            out.append((*self._live, self.held() + self._previous))
         if self._backup is not None:
             out.append(self._backup)
         return out
 
+    @property
+    def live_step(self) -> int:
+        """The step of the state we hold (-1: none)."""
+        return self._live[0] if self._live is not None else -1
+
     def load_full(self, step: int, rnd: int, state: StateDict) -> None:
         """Hold the whole buffer's state (read from a checkpoint) as version ``(step, rnd)``."""
         self._loaded = [HeldPiece(0, self.length, state)]
-        self._shards, self._opt, self._backup = [], None, None
+        self._shards, self._opt, self._backup, self._previous = [], None, None, []
         self._live = (step, rnd)
 
     def start_fresh(self, layout: ShardLayout, me: str) -> None:
@@ -114,15 +123,19 @@ class ShardedOptimizer:
         segments: Sequence[Segment],
         pieces: Mapping[str, HeldPiece],
         version: tuple[int, int],
+        keep: list[HeldPiece],
     ) -> None:
         """Hold our shards of ``layout``, assembled from ``segments`` (see
-        ``plan_shard_sync``) whose pieces ``pieces`` maps by digest."""
+        ``plan_shard_sync``) whose pieces ``pieces`` maps by digest; ``keep`` (our pieces of
+        ``version`` before this) stay on offer until the next update."""
+        ref = pieces[segments[0].piece.digest].state if segments else {}
         states = []
         for j in layout.held_by(me):
             a, b = layout.shard_range(j)
             segs = [s for s in segments if a <= s.start and s.stop <= b]
-            states.append(_assemble(segs, pieces, a, b))
+            states.append(_assemble(segs, pieces, a, b, ref))
         self._install(layout, me, states, version)
+        self._previous = keep
 
     def _install(
         self, layout: ShardLayout, me: str, states: list[StateDict], version: tuple[int, int]
@@ -138,7 +151,7 @@ class ShardedOptimizer:
             if state:
                 opt.state[w] = state
         self.layout, self._shards, self._opt = layout, shards, opt
-        self._loaded, self._backup, self._live = None, None, version
+        self._loaded, self._backup, self._live, self._previous = None, None, version, []
 
     # -- a step ------------------------------------------------------------------------------
     def update(self, flat_grad: torch.Tensor, version: tuple[int, int]) -> None:
@@ -157,6 +170,7 @@ class ShardedOptimizer:
         opt.step()
         self._backup = (*self._live, before)
         self._live = version
+        self._previous = []  # the gradient allreduce completed: every member's sync did
 
     def commit(self) -> None:
         self._backup = None
@@ -193,7 +207,9 @@ class ShardedOptimizer:
         if not with_state:
             return {}
         own = self._state_of(self._shards[0][2])
-        full = _cloned({k: v for k, v in own.items() if v.dim() == 0})
+        # 0-d values (step counts) from a shard that has them (our own may be empty)
+        scalars = next((p.state for p in self.held() if p.stop > p.start and p.state), own)
+        full = _cloned({k: v for k, v in scalars.items() if v.dim() == 0})
         for i, key in enumerate(sorted(_elementwise(own)), start=1):
             full[key] = row(i)
         return full
@@ -227,13 +243,15 @@ def _elementwise(state: StateDict) -> StateDict:
 
 
 def _assemble(
-    segs: Sequence[Segment], pieces: Mapping[str, HeldPiece], start: int, stop: int
+    segs: Sequence[Segment],
+    pieces: Mapping[str, HeldPiece],
+    start: int,
+    stop: int,
+    empty: StateDict,
 ) -> StateDict:
-    """The state of elements ``[start, stop)`` cut out of the pieces ``segs`` name."""
-    if segs:
-        ref = pieces[segs[0].piece.digest].state
-    else:  # an empty shard: the same keys, no elements
-        ref = next(iter(pieces.values())).state if pieces else {}
+    """The state of elements ``[start, stop)`` cut out of the pieces ``segs`` name (an empty
+    shard gets the keys and 0-d values of ``empty``, a piece of the same version)."""
+    ref = pieces[segs[0].piece.digest].state if segs else empty
     out: StateDict = {}
     for key, value in ref.items():
         if value.dim() == 0:

@@ -18,14 +18,25 @@ When the view changes, after the replicated part of the state is agreed
 allgather: per version, its step, round and the ``(start, stop, digest)`` of each piece it
 holds. Every member then computes from the same records:
 
-* the *target* version: the agreed step, and the round of the reference member's version of it
-  (the sync's root, or rank 0 when nobody was behind);
+* the *target* version: the agreed step, and the round of the first member that holds a
+  version of that step among those whose model is the agreed one (``candidates``: the sync's
+  holders of the newest state);
 * whether the valid pieces (those of the target version, from any member) still cover the whole
   buffer; a gap means every holder of some shard died (more adjacent losses than replicas), and
   all members raise ``StateLostError`` together (the trainer falls back to its checkpoint);
 * for itself, for every range it must hold under the new layout, which parts it already holds
   and which pieces to fetch, and from which members (all that hold exactly that piece, so the
   transfer is striped over them).
+
+Why (step, round) names one state: a step's round is the view it ran on; every collective
+on a view needs all of its members, and a member only enters a step's gradient allreduce
+after a sync in which it dropped every other pending version. So a step runs again on the same
+view only when nobody committed it the first time, and what is then offered for that step is
+the result of the one run that somebody did commit (or of none).
+
+Pieces of the layout before a re-shard are kept (and offered) until the next step's gradient
+allreduce completes, which proves every member finished its sync: a member whose sync failed
+half-way can still fetch from one whose sync completed.
 """
 
 from __future__ import annotations
@@ -141,18 +152,18 @@ class ShardSyncPlan:
 def plan_shard_sync(
     holdings: Sequence[Sequence[Version]],
     step: int,
-    reference: int,
+    candidates: Sequence[int],
     me: int,
     needed: Sequence[tuple[int, int]],
     length: int,
 ) -> ShardSyncPlan:
-    """See the module docstring. ``reference`` is the rank whose version of ``step`` is the
-    target; ``needed`` the element ranges ``me`` must hold under the new layout. Raises
+    """See the module docstring. ``candidates`` are the ranks holding the agreed model, in
+    order; ``needed`` the element ranges ``me`` must hold under the new layout. Raises
     ``StateLostError`` (on every member alike) when the target version's pieces do not cover
     ``[0, length)``."""
-    target = next((v for v in holdings[reference] if v.step == step), None)
+    target = next((v for r in candidates for v in holdings[r] if v.step == step and v.pieces), None)
     if target is None:
-        raise StateLostError([], f"the reference member holds no optimizer state for step {step}")
+        raise StateLostError([], f"no member holds optimizer state for step {step}")
     held: list[tuple[int, Piece]] = [
         (rank, p)
         for rank, versions in enumerate(holdings)
@@ -187,6 +198,21 @@ def plan_shard_sync(
                 segments.append(Segment(pos, min(stop, piece.stop), piece, sources))
             pos = segments[-1].stop
     return ShardSyncPlan(step, target.round, tuple(segments))
+
+
+def anyone_fetches(
+    holdings: Sequence[Sequence[Version]],
+    step: int,
+    candidates: Sequence[int],
+    needed: Sequence[Sequence[tuple[int, int]]],
+    length: int,
+) -> bool:
+    """Whether any rank's plan (``needed[rank]``) fetches a piece: then every member waits at a
+    barrier after its own fetches, so no member leaves while others still pull from it."""
+    return any(
+        plan_shard_sync(holdings, step, candidates, rank, ranges, length).fetches()
+        for rank, ranges in enumerate(needed)
+    )
 
 
 def _gaps(ranges: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int]]:
