@@ -36,7 +36,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +57,7 @@ from ..errors import (
 from ..membership.messages import MemberState
 from ..mesh import ROLE_KEY
 from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
-from ..state.sharding import DEFAULT_REPLICAS, ShardLayout
+from ..state.sharding import DEFAULT_REPLICAS
 from ..sync import SyncMesh
 from ..training.protocol import (
     FRESH,
@@ -68,18 +68,10 @@ from ..training.protocol import (
     round_tag,
     sync_vector,
 )
-from ..training.shards import (
-    Piece,
-    Version,
-    anyone_fetches,
-    holdings_record,
-    plan_shard_sync,
-    read_holdings,
-    round_id,
-)
+from ..training.shards import round_id
 from .buckets import GradBuckets
 from .sampler import ElasticSampler
-from .zero import HeldPiece, ShardedOptimizer
+from .zero import ShardedOptimizer
 
 log = logging.getLogger("ftmesh.torch")
 
@@ -172,7 +164,6 @@ class ElasticTrainer:
         self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
-        self._served: dict[str, Snapshot] = {}  # optimizer state pieces offered in a sync
         self._checkpoint_state: dict[str, torch.Tensor] = {}
         self.recoveries = 0
         self.fallbacks = 0
@@ -214,15 +205,12 @@ class ElasticTrainer:
         (holders of one shard compare equal). Empty in replicated mode."""
         if self._zero is None:
             return {}
-        return {
-            f"{p.start}:{p.stop}": _piece_snapshot(self._zero.live_step, p).digest
-            for p in self._zero.held()
-        }
+        return self._zero.shard_digests()
 
     def _lookup_state(self, step: int, digest: str) -> Snapshot | None:
         """What our state server serves: a piece of sharded state offered in the current
         sync, else the committed snapshot. Runs in the mesh's thread."""
-        piece = self._served.get(digest)
+        piece = self._zero.served.get(digest) if self._zero is not None else None
         if piece is not None and piece.step == step:
             return piece
         return self.state.committed
@@ -397,10 +385,14 @@ class ElasticTrainer:
             holders = [view.members[r].node_id for r in plan.holders]
             self.load_snapshot(self.mesh.fetch_state(holders, plan.target_step, plan.digest))
             self.last_sync_bytes = plan.nbytes
+        if plan.behind:
+            # Nobody moves on (and, at the end, leaves) while others still fetch from it.
+            self.mesh.barrier_on(view)
         self.committed = plan.target_step
         if self._zero is not None and shards:
             everyone = tuple(range(view.size))
-            self._sync_shards(view, plan.target_step, plan.holders if plan.behind else everyone)
+            candidates = plan.holders if plan.behind else everyone
+            self.last_sync_bytes += self._zero.sync(self.mesh, view, plan.target_step, candidates)
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started
@@ -408,47 +400,6 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, view.size)
             self._world = view.size
-
-    def _sync_shards(self, view: RingView, step: int, candidates: Sequence[int]) -> None:
-        """Re-shard the optimizer state for ``view`` (see ``ftmesh.training.shards``);
-        ``candidates``: the ranks that hold the agreed model."""
-        zero = self._zero
-        assert zero is not None
-        me = self.mesh.node_id
-        layout = ShardLayout.of(view.node_ids, zero.length, zero.replicas)
-        if step == 0:  # nobody has stepped: there is no optimizer state yet
-            zero.start_fresh(layout, me)
-            return
-        pieces: dict[str, HeldPiece] = {}
-        served: dict[str, Snapshot] = {}
-        versions = []
-        for v_step, v_round, held in zero.versions():
-            described = []
-            for p in held:
-                snap = _piece_snapshot(v_step, p)
-                served[snap.digest], pieces[snap.digest] = snap, p
-                described.append(Piece(p.start, p.stop, snap.digest))
-            versions.append(Version(v_step, v_round, tuple(described)))
-        self._served = served  # until the next gradient allreduce completes
-        max_pieces = 2 * zero.replicas  # held shards, and those held before a re-shard
-        record = holdings_record(versions, max_pieces)
-        holdings = read_holdings(self.mesh.allgather_on(view, record).output, max_pieces)
-        needed = [[layout.shard_range(j) for j in layout.held_by(m)] for m in view.node_ids]
-        rank = view.rank_of(me)
-        plan = plan_shard_sync(holdings, step, candidates, rank, needed[rank], zero.length)
-        for piece, sources in plan.fetches().items():
-            holders = [view.members[r].node_id for r in sources]
-            snap = self.mesh.fetch_state(holders, step, piece.digest)
-            got = State(rng=False)
-            got.load_snapshot(snap)
-            pieces[piece.digest] = HeldPiece(piece.start, piece.stop, got.scalars["state"])
-            self.last_sync_bytes += snap.nbytes
-        if anyone_fetches(holdings, step, candidates, needed, zero.length):
-            # Nobody moves on (and, at the end, leaves) while others still pull from it.
-            self.mesh.barrier_on(view)
-        mine = next((v for v in versions if (v.step, v.round) == (step, plan.round)), None)
-        keep = [pieces[p.digest] for p in mine.pieces] if mine else []
-        zero.rebuild(layout, me, plan.segments, pieces, (step, plan.round), keep)
 
     def _wait_for_slot(self) -> None:
         """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots
@@ -602,7 +553,6 @@ class ElasticTrainer:
         assert zero is not None
         flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
         zero.update(flat_grad, (step + 1, round_id(view.epoch)))
-        self._served = {}  # the gradient allreduce completed: nobody fetches pieces any more
         with_state = self._checkpoint_due(step + 1)
         gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
         self._checkpoint_state = zero.apply_gathered(gathered, with_state)
@@ -630,10 +580,3 @@ class ElasticTrainer:
             snap = full.commit(step=self.committed)
             self._checkpoint_state = {}
         save_checkpoint(self.checkpoint_dir, snap)
-
-
-def _piece_snapshot(step: int, piece: HeldPiece) -> Snapshot:
-    """A held piece of sharded optimizer state as a snapshot of its own (served to members
-    that fetch it; the range is part of what the digest covers)."""
-    scalars = {"start": piece.start, "stop": piece.stop, "state": piece.state}
-    return State(step=step, scalars=scalars, rng=False).snapshot()

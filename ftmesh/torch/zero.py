@@ -20,14 +20,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ..collective import RingView
 from ..errors import LocalUsageError
+from ..state import Snapshot, State
 from ..state.sharding import ShardLayout
-from ..training.shards import Segment
+from ..training.shards import (
+    Piece,
+    Segment,
+    Version,
+    anyone_fetches,
+    holdings_record,
+    plan_shard_sync,
+    read_holdings,
+)
+
+if TYPE_CHECKING:
+    from ..sync import SyncMesh
 
 StateDict = dict[str, torch.Tensor]
 
@@ -71,6 +84,9 @@ class ShardedOptimizer:
         self._live: tuple[int, int] | None = None  # (step, round) of what we hold
         self._backup: Held | None = None
         self._previous: list[HeldPiece] = []  # pieces of the live version before a re-shard
+        self.served: dict[str, Snapshot] = {}
+        """Pieces offered in the last sync, by digest (the member's state server serves them
+        until the next update: then every member has finished that sync)."""
 
     # -- the flat parameter vector ---------------------------------------------------------
     def flat_params(self) -> torch.Tensor:
@@ -111,6 +127,56 @@ class ShardedOptimizer:
         self._loaded = [HeldPiece(0, self.length, state)]
         self._shards, self._opt, self._backup, self._previous = [], None, None, []
         self._live = (step, rnd)
+
+    def sync(self, mesh: SyncMesh, view: RingView, step: int, candidates: Sequence[int]) -> int:
+        """Re-shard for ``view`` at the agreed ``step`` (see ``ftmesh.training.shards``):
+        offer what we hold, agree on who holds what, fetch what we lack, hold our shards of
+        the new layout. ``candidates``: the ranks that hold the agreed model. Returns the bytes
+        fetched."""
+        me = mesh.node_id
+        layout = ShardLayout.of(view.node_ids, self.length, self.replicas)
+        if step == 0:  # nobody has stepped: there is no optimizer state yet
+            self.start_fresh(layout, me)
+            return 0
+        pieces: dict[str, HeldPiece] = {}
+        served: dict[str, Snapshot] = {}
+        versions = []
+        for v_step, v_round, held in self.versions():
+            described = []
+            for p in held:
+                snap = piece_snapshot(v_step, p)
+                served[snap.digest], pieces[snap.digest] = snap, p
+                described.append(Piece(p.start, p.stop, snap.digest))
+            versions.append(Version(v_step, v_round, tuple(described)))
+        self.served = served
+        max_pieces = 2 * self.replicas  # held shards, and those held before a re-shard
+        record = holdings_record(versions, max_pieces)
+        holdings = read_holdings(mesh.allgather_on(view, record).output, max_pieces)
+        needed = [[layout.shard_range(j) for j in layout.held_by(m)] for m in view.node_ids]
+        rank = view.rank_of(me)
+        plan = plan_shard_sync(holdings, step, candidates, rank, needed[rank], self.length)
+        fetched = 0
+        for piece, sources in plan.fetches().items():
+            holders = [view.members[r].node_id for r in sources]
+            snap = mesh.fetch_state(holders, step, piece.digest)
+            got = State(rng=False)
+            got.load_snapshot(snap)
+            pieces[piece.digest] = HeldPiece(piece.start, piece.stop, got.scalars["state"])
+            fetched += snap.nbytes
+        if anyone_fetches(holdings, step, candidates, needed, self.length):
+            # Nobody moves on (and, at the end, leaves) while others still pull from it.
+            mesh.barrier_on(view)
+        mine = next((v for v in versions if (v.step, v.round) == (step, plan.round)), None)
+        keep = [pieces[p.digest] for p in mine.pieces] if mine else []
+        self.rebuild(layout, me, plan.segments, pieces, (step, plan.round), keep)
+        return fetched
+
+    def shard_digests(self) -> dict[str, str]:
+        """``{"start:stop": digest}`` of the state of each held shard (holders of one shard
+        compare equal)."""
+        return {
+            f"{p.start}:{p.stop}": piece_snapshot(self.live_step, p).digest for p in self.held()
+        }
 
     def start_fresh(self, layout: ShardLayout, me: str) -> None:
         """Nobody has stepped yet: empty optimizer state for our shards of ``layout``."""
@@ -170,7 +236,8 @@ class ShardedOptimizer:
         opt.step()
         self._backup = (*self._live, before)
         self._live = version
-        self._previous = []  # the gradient allreduce completed: every member's sync did
+        self._previous, self.served = [], {}  # the gradient allreduce completed: every
+        # member's sync did
 
     def commit(self) -> None:
         self._backup = None
@@ -232,6 +299,13 @@ class ShardedOptimizer:
                     f"{type(self.template).__name__} keeps {key!r} as {type(value).__name__}"
                 )
         return state
+
+
+def piece_snapshot(step: int, piece: HeldPiece) -> Snapshot:
+    """A held piece of optimizer state as a snapshot of its own (served to members that fetch
+    it; the range is part of what the digest covers)."""
+    scalars = {"start": piece.start, "stop": piece.stop, "state": piece.state}
+    return State(step=step, scalars=scalars, rng=False).snapshot()
 
 
 def _cloned(state: StateDict) -> StateDict:
