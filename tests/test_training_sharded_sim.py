@@ -171,23 +171,7 @@ def test_joiner_piece_fetch_fails_once(make_hub: Callable[..., Hub]) -> None:
     _check_reference(members, "a", "adam", total)
 
 
-@pytest.mark.parametrize(
-    "shard",
-    [
-        True,
-        pytest.param(
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="replicated mode: finish() has no barrier after the sync, so a and b "
-                "leave while c and d still fetch the model of the last step from them; the "
-                "fetch fails, and c and d train the last step again, alone on a view of two "
-                "(a model bitwise different from a and b's)",
-            ),
-        ),
-    ],
-    ids=["sharded", "replicated"],
-)
+@pytest.mark.parametrize("shard", [True, False], ids=["sharded", "replicated"])
 def test_members_that_miss_the_last_step_adopt_it(
     make_hub: Callable[..., Hub], shard: bool
 ) -> None:
