@@ -119,7 +119,14 @@ async def _print_events(node: Node, out: Out) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     p.add_argument("--mesh", default="chaos")
-    p.add_argument("--interface", required=True, help="the host's LAN address (mDNS, binding)")
+    p.add_argument(
+        "--discovery",
+        choices=["mdns", "local"],
+        default="mdns",
+        help="mdns (lab hosts, the default) or local (same-host tests, with --registry-dir)",
+    )
+    p.add_argument("--interface", default="127.0.0.1", help="address to bind and announce")
+    p.add_argument("--registry-dir", default="", help="local discovery's registry directory")
     p.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
     p.add_argument("--name", default="")
     p.add_argument("--seed", type=int, default=0)
@@ -158,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         mesh=args.mesh,
         name=args.name,
         bind=args.interface,
-        discovery="mdns",
-        interface=args.interface,
+        discovery=args.discovery,
+        interface=args.interface if args.discovery == "mdns" else "",
+        registry_dir=args.registry_dir,
         membership=MembershipConfig.preset(args.preset),
     )
     # Not in the ring until the trainer's first step (the trainer says "joining" too).
