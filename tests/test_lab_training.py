@@ -166,7 +166,7 @@ def test_worker_trains_with_identical_digests_and_leaves_on_sigterm() -> None:
         ]
         try:
             log = CommitLog()
-            inv = [DigestAgreement(log), StepSequence(log)]
+            digests, steps = DigestAgreement(log), StepSequence(log)
             ids = {p.node_id for p in procs}
 
             def together(after: int) -> Any:
@@ -184,8 +184,8 @@ def test_worker_trains_with_identical_digests_and_leaves_on_sigterm() -> None:
                 for s in list(p.records):
                     if s.record.get("event") == "commit":
                         log.add(f"w{i}", i, s.record, s.mono)
-            assert [m for x in inv for m in x.check(None, "final")] == []
-            assert inv[0].checks >= 5  # both committed the same steps on one view
+            assert [*digests.check(None, "final"), *steps.check(None, "final")] == []
+            assert digests.checks >= 5  # both committed the same steps on one view
             first, last = log.commits[0], log.commits[-1]
             assert log.descends((last.step, last.digest), (first.step, first.digest))
         finally:
