@@ -289,7 +289,12 @@ def _chaos(args: argparse.Namespace) -> int:
     progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     workload = None
     if args.workload == "train":
+        import importlib.util
+
         from ..lab.training import RECOVERY_BOUND, TrainingWorkload
+
+        if importlib.util.find_spec("torch") is None:
+            raise LabError("--workload train needs torch (pip install 'ftmesh[torch]')")
 
         workload = TrainingWorkload(
             seed=args.seed,

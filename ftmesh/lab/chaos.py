@@ -25,11 +25,14 @@ Violations (the run fails with any):
 
 * ``recovery``: no single view within :func:`recovery_bound` seconds of the repair, or a killed
   member not dropped by everyone within :func:`detection_bound`;
-* ``false_death``: a member declared dead while no fault was active (a fault's window runs
-  from its start to one second after it settled). Deaths of members the active fault did not
+* ``false_death``: a running member declared dead while no fault was active (a fault's window
+  runs from its start to one second after it settled; a member the runner killed is really
+  dead whenever it is declared so). Deaths of members the active fault did not
   touch are counted as ``collateral_deaths`` instead: events do not name the accuser, and a
   member cut off by the fault legitimately accuses everyone it cannot reach, which spreads once
   it reconnects;
+* ``resurrect``: a killed member seen joined or alive again after being declared dead (it
+  cannot refute: a stale rumour beat its death);
 * ``leak``: a process in a host namespace that is neither that host's member nor a fault
   helper, a member socket count above its first-settle baseline plus ``SOCKET_SLACK``, a member
   that does not exit cleanly on SIGTERM at the end, processes left in a namespace after the
@@ -37,7 +40,9 @@ Violations (the run fails with any):
 * ``crash``: a member process that exited without being killed by the runner;
 * ``status``: ``ftmesh status`` (asked inside every host at the end) disagrees with the view
   read from the event streams;
-* anything a plugged-in :class:`Invariant` reports.
+* anything a plugged-in :class:`Invariant` reports;
+* with a :class:`Workload`: the kind it names (``progress``, ``converge`` for training) when it
+  has not recovered within its bound of a single view.
 
 Plugging in a workload: a :class:`Workload` (``workload=``) runs its own per-host process
 instead of ``ftmesh node`` (it must print the same JSON membership events on stdout, plus
@@ -54,6 +59,7 @@ one (``ftmesh lab chaos --workload train``). The lower-level ``argv_factory`` an
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import re
@@ -179,6 +185,9 @@ class ChaosSummary:
     """Deaths of untouched members seen by untouched members while a fault was active: a
     member cut off by the fault accused them, and its accusation spread once it reconnected."""
     junk_dropped: int = 0
+    resurrections: int = 0
+    """Killed members seen joined or alive again after a member had declared them dead (no
+    killed process can refute its death: a stale rumour won)."""
     workload: str = "membership"
     worst_resume_s: float = 0.0
     """With a workload: the longest time from a single view to the workload's recovery."""
@@ -213,8 +222,8 @@ class ChaosSummary:
             f"worst kill detection: {self.worst_detection_s:.2f} s "
             f"(bound {self.detection_bound_s:.1f} s)",
             f"suspicions {self.suspicions}, deaths {self.deaths} (collateral "
-            f"{self.collateral_deaths}, false {self.false_deaths}), junk datagrams dropped "
-            f"{self.junk_dropped}",
+            f"{self.collateral_deaths}, false {self.false_deaths}), killed members "
+            f"resurrected {self.resurrections}, junk datagrams dropped {self.junk_dropped}",
         ]
         if self.workload != "membership":
             lines.append(
@@ -241,6 +250,8 @@ class ChaosContext:
     current: FaultPlan | None = None
     helper_pids: set[int] = field(default_factory=set)
     killed_pids: set[int] = field(default_factory=set)
+    killed_at: dict[str, float] = field(default_factory=dict)
+    """Node id -> monotonic time the runner killed its process (``kill`` faults)."""
     socket_baseline: dict[int, int] = field(default_factory=dict)
     """Socket count of each member process (by pid) at its first settle."""
 
@@ -506,6 +517,7 @@ class ChaosRunner:
         if plan.kind == "kill":
             victim = mesh.node(h)
             ctx.killed_pids.add(victim.pid)
+            ctx.killed_at[victim.node_id] = time.monotonic()
             mesh.kill(h)
             found = self._settle(ctx, self.summary.detection_bound_s)
             if found is None:
@@ -705,36 +717,71 @@ class ChaosRunner:
             s.mean_resume_s = round(statistics.fmean(r.resume_s or 0.0 for r in resumes), 3)
         if self.workload is not None:
             s.workload_stats = self.workload.summary()
+        if self.log_dir is not None:
+            self._dump_events(ctx, self.log_dir)
+
+    def _dump_events(self, ctx: ChaosContext, log_dir: Path) -> None:
+        """Every record each member printed, next to its stderr log (``-h<host>.<k>
+        .events.jsonl``), with ``t``: seconds since the first fault's start, as in the
+        violation messages (negative: during startup)."""
+        for h, slot in enumerate(ctx.mesh.slots):
+            for k, node in enumerate(slot.history):
+                with node._cond:
+                    seen = list(node.records)
+                path = log_dir / f"{MESH}-h{h}.{k}.events.jsonl"
+                with open(path, "w") as f:
+                    for rec in seen:
+                        line = {"t": round(rec.mono - self._t0, 3), **rec.record}
+                        f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _count_deaths(self, ctx: ChaosContext) -> None:
-        """Tally suspicions and deaths from every member's events; flag false deaths."""
+        """Tally suspicions and deaths from every member's events; flag false deaths (of
+        members that ran) and resurrections (of members that had been killed)."""
         s = self.summary
         host_of: dict[str, int] = {}
+        proc_of: dict[str, str] = {}
         for h, slot in enumerate(ctx.mesh.slots):
-            for node in slot.history:
+            for k, node in enumerate(slot.history):
                 host_of[node.node_id] = h
+                proc_of[node.node_id] = f"h{h}.{k}"
         windows = [(r.started_s - 0.5, r.settled_at + 1.0, set(r.touched)) for r in s.records]
         for h, slot in enumerate(ctx.mesh.slots):
             for node in slot.history:
                 with node._cond:
                     seen = list(node.records)
+                dead_seen: set[str] = set()
                 for rec in seen:
                     kind = rec.record.get("event")
+                    victim_id = str(rec.record.get("node"))
+                    killed = ctx.killed_at.get(victim_id)
                     if kind == "suspect":
                         s.suspicions += 1
+                    if kind in ("joined", "alive", "updated") and victim_id in dead_seen:
+                        if killed is not None and rec.mono > killed:
+                            s.resurrections += 1
+                            self._violate(
+                                "resurrect",
+                                f"{proc_of.get(victim_id, '?')} ({victim_id[:8]}), killed at "
+                                f"{killed - self._t0:.1f}s and declared dead, was {kind} again "
+                                f"for h{h} at {rec.mono - self._t0:.1f}s",
+                            )
+                        dead_seen.discard(victim_id)
                     if kind != "dead":
                         continue
+                    dead_seen.add(victim_id)
                     s.deaths += 1
-                    victim = host_of.get(str(rec.record.get("node")), -1)
+                    victim = host_of.get(victim_id, -1)
                     at = rec.mono - self._t0
-                    if at < 0:
-                        continue
+                    if at < 0 or (killed is not None and rec.mono > killed):
+                        continue  # startup, or a member that was really dead
                     active = [t for a, b, t in windows if a <= at <= b]
                     if not active:
                         s.false_deaths += 1
                         self._violate(
                             "false_death",
-                            f"h{h} declared h{victim} dead at {at:.1f}s with no fault active",
+                            f"h{h} ({node.name} {node.node_id[:8]}) declared "
+                            f"{proc_of.get(victim_id, '?')} ({victim_id[:8]}) dead at {at:.1f}s "
+                            "with no fault active",
                         )
                     elif not any(h in t or victim in t for t in active):
                         s.collateral_deaths += 1

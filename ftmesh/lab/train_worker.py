@@ -93,6 +93,17 @@ def make_model(seed: int, hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
 
 
+def warm_up(x: torch.Tensor, y: torch.Tensor, hidden: int, lr: float) -> None:
+    """One step on a throwaway model: pays torch's one-time costs (the first optimizer
+    imports ``torch._dynamo``, over a second of CPU holding the GIL on a busy machine) before
+    the worker joins the mesh, where such a stall makes its membership miss probes."""
+    model = make_model(0, hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    F.cross_entropy(model(x[:8]), y[:8]).backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 class RecordingMesh(SyncMesh):
     """A :class:`SyncMesh` that remembers the states the trainer fetched, so that each commit
     can name the state it was computed from (its parent)."""
@@ -161,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    # Everything slow happens before we join: a member that holds the GIL for a second right
+    # after joining (torch's first optimizer imports torch._dynamo) misses its probes.
+    x, y = make_task(args.seed)
+    warm_up(x, y, args.hidden, args.lr)
+    model = make_model(args.seed, args.hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = ElasticSampler(len(x), args.global_batch, seed=args.seed)
+
     node_cfg = NodeConfig(
         mesh=args.mesh,
         name=args.name,
@@ -206,10 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     finished = threading.Event()
     threading.Thread(target=watchdog, daemon=True).start()
 
-    x, y = make_task(args.seed)
-    model = make_model(args.seed, args.hidden)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ElasticSampler(len(x), args.global_batch, seed=args.seed)
     trainer = ElasticTrainer(mesh, model, optimizer, sampler)
 
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
