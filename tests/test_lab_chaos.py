@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from ftmesh.lab.chaos import KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
 from ftmesh.lab.netns import LabError
+from ftmesh.lab.procs import SeenRecord
 from ftmesh.lab.training import TrainingWorkload
 
 needs_root = pytest.mark.skipif(
@@ -122,3 +126,40 @@ def test_training_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> Non
     # Each kill started a fresh worker, which trained (joined and caught up).
     assert stats["processes"] == 4 + summary.faults.get("kill", 0), stats
     assert stats["mean_loss_last"] < stats["mean_loss_first"], stats
+
+
+def test_deaths_are_judged_against_faults_and_kills() -> None:
+    """A running member declared dead with no fault active is a false death; a killed one is
+    really dead (not false, however late), but seen alive again after that: a resurrection."""
+
+    def node(name: str, node_id: str, events: list[tuple[float, str, str]]) -> SimpleNamespace:
+        records = [SeenRecord(t, {"event": kind, "node": about}) for t, kind, about in events]
+        return SimpleNamespace(
+            name=name, node_id=node_id, records=records, _cond=threading.Condition()
+        )
+
+    killed, live = "k" * 32, "l" * 32
+    observer = node(
+        "h0",
+        "o" * 32,
+        [
+            (10.0, "dead", killed),  # killed at 9.0: true, even with no fault active
+            (12.0, "dead", live),  # running, no fault active: false
+            (13.0, "alive", live),  # it refuted: fine
+            (14.0, "joined", killed),  # the killed one back: a stale rumour won
+        ],
+    )
+    slots = [
+        SimpleNamespace(history=[observer]),
+        SimpleNamespace(history=[node("h1", killed, []), node("h1", live, [])]),
+    ]
+    ctx = ChaosContext(
+        lan=cast(Any, None), mesh=cast(Any, SimpleNamespace(slots=slots)), killed_at={killed: 9.0}
+    )
+    runner = ChaosRunner(hosts=2, seed=1)
+    runner._t0 = 0.0
+    runner._count_deaths(ctx)
+    s = runner.summary
+    assert (s.deaths, s.false_deaths, s.resurrections) == (2, 1, 1), s.violations
+    assert s.violations_by_kind == {"false_death": 1, "resurrect": 1}
+    assert "h1.1" in s.violations[0] and "h1.0" in s.violations[1]
