@@ -1,17 +1,25 @@
 """Chaos soak: three minutes of random faults on a 5-host mesh with a fixed seed, zero
-violations (root only). Plus the runner's planning and plug-in interface without a lab."""
+violations (root only); two minutes of them on 4 hosts that train a model with
+``ElasticTrainer`` (``--workload train``), zero violations with digests compared at every
+step. Plus the runner's planning and plug-in interface without a lab. (The training
+invariants themselves are tested on fabricated records in ``test_lab_training.py``.)"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from ftmesh.lab.chaos import KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
 from ftmesh.lab.netns import LabError
+from ftmesh.lab.procs import SeenRecord
+from ftmesh.lab.training import TrainingWorkload
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,
@@ -20,6 +28,10 @@ needs_root = pytest.mark.skipif(
 
 SOAK_SECONDS = float(os.environ.get("FTMESH_SOAK_SECONDS", "180"))
 SOAK_SEED = 20240611
+TRAIN_SOAK_SECONDS = float(os.environ.get("FTMESH_TRAIN_SOAK_SECONDS", "120"))
+TRAIN_SOAK_SEED = 5
+"""Its schedule has every fault kind within two minutes, a kill (a fresh worker joins and
+catches up) and a 2+2 partition (no side has a majority) among them."""
 
 
 def test_plan_is_a_function_of_the_seed() -> None:
@@ -83,3 +95,71 @@ def test_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> None:
     assert len(summary.faults) >= 5, summary.faults  # most kinds were exercised
     assert plugin.calls.get("settled", 0) == summary.faults_total + 1
     assert plugin.calls.get("final") == 1 and plugin.calls.get("tick", 0) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@needs_root
+@pytest.mark.timeout(TRAIN_SOAK_SECONDS + 240)
+def test_training_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    workload = TrainingWorkload(seed=TRAIN_SOAK_SEED)
+    runner = ChaosRunner(
+        hosts=4,
+        duration=TRAIN_SOAK_SECONDS,
+        seed=TRAIN_SOAK_SEED,
+        log_dir=tmp_path,
+        workload=workload,
+        progress=print,
+    )
+    summary = runner.run()
+    print(summary.text())
+    assert summary.violations == [], summary.violations_by_kind
+    assert summary.faults_total >= 8
+    assert summary.recoveries == summary.faults_total
+    stats = summary.workload_stats
+    resumed = [r for r in summary.records if r.resume_s is not None]
+    assert len(resumed) == summary.faults_total  # training came back after every fault
+    # Every agreed state (startup, then after each fault) was checked against the last one.
+    assert stats["lineage_checks"] == summary.faults_total
+    assert stats["commits"] > 100 and stats["digest_checks"] > 100, stats
+    # Each kill started a fresh worker, which trained (joined and caught up).
+    assert stats["processes"] == 4 + summary.faults.get("kill", 0), stats
+    assert stats["mean_loss_last"] < stats["mean_loss_first"], stats
+
+
+def test_deaths_are_judged_against_faults_and_kills() -> None:
+    """A running member declared dead with no fault active is a false death; a killed one is
+    really dead (not false, however late), but seen alive again after that: a resurrection."""
+
+    def node(name: str, node_id: str, events: list[tuple[float, str, str]]) -> SimpleNamespace:
+        records = [SeenRecord(t, {"event": kind, "node": about}) for t, kind, about in events]
+        return SimpleNamespace(
+            name=name, node_id=node_id, records=records, _cond=threading.Condition()
+        )
+
+    killed, live = "k" * 32, "l" * 32
+    observer = node(
+        "h0",
+        "o" * 32,
+        [
+            (10.0, "dead", killed),  # killed at 9.0: true, even with no fault active
+            (12.0, "dead", live),  # running, no fault active: false
+            (13.0, "alive", live),  # it refuted: fine
+            (14.0, "joined", killed),  # the killed one back: a stale rumour won
+        ],
+    )
+    slots = [
+        SimpleNamespace(history=[observer]),
+        SimpleNamespace(history=[node("h1", killed, []), node("h1", live, [])]),
+    ]
+    ctx = ChaosContext(
+        lan=cast(Any, None), mesh=cast(Any, SimpleNamespace(slots=slots)), killed_at={killed: 9.0}
+    )
+    runner = ChaosRunner(hosts=2, seed=1)
+    runner._t0 = 0.0
+    runner._count_deaths(ctx)
+    s = runner.summary
+    assert (s.deaths, s.false_deaths, s.resurrections) == (2, 1, 1), s.violations
+    assert s.violations_by_kind == {"false_death": 1, "resurrect": 1}
+    assert "h1.1" in s.violations[0] and "h1.0" in s.violations[1]

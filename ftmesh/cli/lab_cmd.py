@@ -5,7 +5,10 @@ invocations drive: ``run`` a command inside a host, ``kill``/``freeze``/``thaw``
 processes, take its ``link`` down, add ``loss``, limit its ``rate``, ``partition`` the LAN and
 ``heal`` it, ``status``; ``down`` deletes it and any leftovers of crashed labs and test runs.
 ``chaos`` builds its own throw-away lab, runs a mesh in it under random faults and prints a
-summary (exit status 1 on any violated invariant). Everything needs root.
+summary (exit status 1 on any violated invariant): ``--workload membership`` (the default:
+``ftmesh node`` members, no torch needed) or ``--workload train`` (every host trains a small
+model with ``ElasticTrainer``; digests, step sequences, the line of agreed states and the
+recovery of training are checked too, see :mod:`ftmesh.lab.training`). Everything needs root.
 """
 
 from __future__ import annotations
@@ -112,6 +115,29 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     chaos.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
     chaos.add_argument(
         "--kinds", default=",".join(KINDS), help="fault kinds (default: %(default)s)"
+    )
+    chaos.add_argument(
+        "--workload",
+        choices=["membership", "train"],
+        default="membership",
+        help="what every host runs: 'membership' (default) runs 'ftmesh node' and checks "
+        "views; 'train' runs fault-tolerant training (needs torch) and also checks that "
+        "members of a view commit identical state at every step, steps never repeat or skip, "
+        "the mesh never loses a state it agreed on, and training resumes in one ring after "
+        "every fault",
+    )
+    chaos.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.05,
+        help="train: seconds each member sleeps after a step (default: %(default)s)",
+    )
+    chaos.add_argument(
+        "--resume-bound",
+        type=float,
+        default=None,
+        help="train: seconds from a single view until every member trains again in one "
+        "ring (default: ftmesh.lab.training.RECOVERY_BOUND)",
     )
     chaos.add_argument("--log-dir", default=None, help="keep member logs here")
     chaos.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -261,6 +287,20 @@ def _fault(args: argparse.Namespace, lan: VirtualLan) -> None:
 
 def _chaos(args: argparse.Namespace) -> int:
     progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    workload = None
+    if args.workload == "train":
+        import importlib.util
+
+        from ..lab.training import RECOVERY_BOUND, TrainingWorkload
+
+        if importlib.util.find_spec("torch") is None:
+            raise LabError("--workload train needs torch (pip install 'ftmesh[torch]')")
+
+        workload = TrainingWorkload(
+            seed=args.seed,
+            step_delay=args.step_delay,
+            recovery_bound=args.resume_bound or RECOVERY_BOUND,
+        )
     runner = ChaosRunner(
         hosts=args.hosts,
         duration=args.duration,
@@ -268,6 +308,7 @@ def _chaos(args: argparse.Namespace) -> int:
         preset=args.preset,
         kinds=parse_kinds(args.kinds),
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        workload=workload,
         progress=progress,
     )
     summary = runner.run()

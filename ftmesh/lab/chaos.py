@@ -25,11 +25,14 @@ Violations (the run fails with any):
 
 * ``recovery``: no single view within :func:`recovery_bound` seconds of the repair, or a killed
   member not dropped by everyone within :func:`detection_bound`;
-* ``false_death``: a member declared dead while no fault was active (a fault's window runs
-  from its start to one second after it settled). Deaths of members the active fault did not
+* ``false_death``: a running member declared dead while no fault was active (a fault's window
+  runs from its start to one second after it settled; a member the runner killed is really
+  dead whenever it is declared so). Deaths of members the active fault did not
   touch are counted as ``collateral_deaths`` instead: events do not name the accuser, and a
   member cut off by the fault legitimately accuses everyone it cannot reach, which spreads once
   it reconnects;
+* ``resurrect``: a killed member seen joined or alive again after being declared dead (it
+  cannot refute: a stale rumour beat its death);
 * ``leak``: a process in a host namespace that is neither that host's member nor a fault
   helper, a member socket count above its first-settle baseline plus ``SOCKET_SLACK``, a member
   that does not exit cleanly on SIGTERM at the end, processes left in a namespace after the
@@ -37,18 +40,26 @@ Violations (the run fails with any):
 * ``crash``: a member process that exited without being killed by the runner;
 * ``status``: ``ftmesh status`` (asked inside every host at the end) disagrees with the view
   read from the event streams;
-* anything a plugged-in :class:`Invariant` reports.
+* anything a plugged-in :class:`Invariant` reports;
+* with a :class:`Workload`: the kind it names (``progress``, ``converge`` for training) when it
+  has not recovered within its bound of a single view.
 
-Plugging in a workload (fault-tolerant training, once it lands): pass ``argv_factory`` to run
-the workload's own per-host process instead of ``ftmesh node`` (it must print the same JSON
-membership events on stdout, plus whatever it needs, e.g. ``{"event": "commit", "step": s,
-"digest": ...}``), and pass :class:`Invariant` objects that read those records from
-``ctx.mesh`` (e.g. "members that committed step s hold identical digests", "no step committed
-twice or skipped") at ``tick``, ``settled`` and ``final``. Their messages become violations.
+Plugging in a workload: a :class:`Workload` (``workload=``) runs its own per-host process
+instead of ``ftmesh node`` (it must print the same JSON membership events on stdout, plus
+whatever it needs, e.g. ``{"event": "commit", "step": s, "digest": ...}``), brings
+:class:`Invariant` objects that read those records from ``ctx.mesh`` at ``tick``, ``settled``
+and ``final``, and says when it has recovered: after every single view (at startup and after
+each fault) the runner waits until :meth:`Workload.recovered` holds, up to the workload's
+bound, before the ``settled`` checks and the next fault, and records that time as the fault's
+``resume_s``. :class:`ftmesh.lab.training.TrainingWorkload` is the fault-tolerant training
+one (``ftmesh lab chaos --workload train``). The lower-level ``argv_factory`` and
+``invariants`` arguments do the first two parts alone.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import random
 import re
@@ -85,6 +96,9 @@ runs N Python members, their event readers and this runner."""
 
 SOCKET_SLACK = 16
 """Sockets a member may hold above its count at the first settle (transient TCP syncs)."""
+
+MESH = "chaos"
+"""Mesh name of the members of a chaos run."""
 
 MAX_FAULTS = 10_000
 """Upper bound on faults in one run, whatever the duration."""
@@ -141,6 +155,9 @@ class FaultRecord:
     """Seconds from the repair to one view (None: never within the bound)."""
     detection_s: float | None = None
     """``kill`` only: seconds from the kill until every survivor dropped the member."""
+    resume_s: float | None = None
+    """With a workload: seconds from the single view until it recovered (None: never within
+    its bound)."""
     settled_at: float = 0.0
     touched: list[int] = field(default_factory=list)
 
@@ -168,7 +185,20 @@ class ChaosSummary:
     """Deaths of untouched members seen by untouched members while a fault was active: a
     member cut off by the fault accused them, and its accusation spread once it reconnected."""
     junk_dropped: int = 0
+    resurrections: int = 0
+    """Killed members seen joined or alive again after a member had declared them dead (no
+    killed process can refute its death: a stale rumour won)."""
+    workload: str = "membership"
+    worst_resume_s: float = 0.0
+    """With a workload: the longest time from a single view to the workload's recovery."""
+    worst_resume_kind: str = ""
+    mean_resume_s: float = 0.0
+    resume_bound_s: float = 0.0
+    startup_resume_s: float = 0.0
+    workload_stats: dict[str, Any] = field(default_factory=dict)
+    """What the workload reports of itself (``Workload.summary``)."""
     violations: list[str] = field(default_factory=list)
+    violations_by_kind: dict[str, int] = field(default_factory=dict)
     records: list[FaultRecord] = field(default_factory=list)
 
     @property
@@ -192,9 +222,20 @@ class ChaosSummary:
             f"worst kill detection: {self.worst_detection_s:.2f} s "
             f"(bound {self.detection_bound_s:.1f} s)",
             f"suspicions {self.suspicions}, deaths {self.deaths} (collateral "
-            f"{self.collateral_deaths}, false {self.false_deaths}), junk datagrams dropped "
-            f"{self.junk_dropped}",
-            f"violations: {len(self.violations)}",
+            f"{self.collateral_deaths}, false {self.false_deaths}), killed members "
+            f"resurrected {self.resurrections}, junk datagrams dropped {self.junk_dropped}",
+        ]
+        if self.workload != "membership":
+            lines.append(
+                f"workload {self.workload}: resumed after worst {self.worst_resume_s:.2f} s "
+                f"({self.worst_resume_kind}), mean {self.mean_resume_s:.2f} s, bound "
+                f"{self.resume_bound_s:.1f} s; startup {self.startup_resume_s:.1f} s"
+            )
+            stats = self.workload_stats
+            lines += [f"  {k}: {stats[k]}" for k in stats]
+        by_kind = ", ".join(f"{k} {v}" for k, v in sorted(self.violations_by_kind.items()))
+        lines += [
+            f"violations: {len(self.violations)}" + (f" ({by_kind})" if by_kind else ""),
             *(f"  - {v}" for v in self.violations),
         ]
         return "\n".join(lines)
@@ -209,6 +250,8 @@ class ChaosContext:
     current: FaultPlan | None = None
     helper_pids: set[int] = field(default_factory=set)
     killed_pids: set[int] = field(default_factory=set)
+    killed_at: dict[str, float] = field(default_factory=dict)
+    """Node id -> monotonic time the runner killed its process (``kill`` faults)."""
     socket_baseline: dict[int, int] = field(default_factory=dict)
     """Socket count of each member process (by pid) at its first settle."""
 
@@ -225,6 +268,34 @@ class Invariant(Protocol):
     def check(self, ctx: ChaosContext, phase: Phase) -> Sequence[str]: ...
 
 
+class Workload(Protocol):
+    """What runs on every host of a chaos run instead of ``ftmesh node``, and what must hold
+    of it (see the module docstring)."""
+
+    name: str
+    recovery_bound: float
+    """Seconds from a single view after a fault until :meth:`recovered` must hold."""
+    startup_bound: float
+    """The same from the first single view of the run."""
+
+    def argv(self, lan: VirtualLan, host: int, *, mesh: str, preset: str) -> list[str]:
+        """The member process of ``host``: it must print ``ftmesh node``'s JSON events."""
+        ...
+
+    def invariants(self) -> Sequence[Invariant]: ...
+
+    def mark(self, ctx: ChaosContext) -> None:
+        """A single view was just reached; :meth:`recovered` judges from now on."""
+        ...
+
+    def recovered(self, ctx: ChaosContext) -> tuple[str, str] | None:
+        """None once the workload has recovered since :meth:`mark`; else the violation kind
+        and why not (reported if the bound passes)."""
+        ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
 class NoCrashes:
     """Every member process the runner did not kill is still running."""
 
@@ -236,9 +307,26 @@ class NoCrashes:
             node = slot.node
             dead = node is not None and node.proc.poll() is not None
             if node is not None and dead and node.pid not in ctx.killed_pids:
-                out.append(f"member {node.name} on h{h} exited with {node.proc.returncode}")
+                out.append(
+                    f"member {node.name} on h{h} exited with {node.proc.returncode}"
+                    + _last_words(node.stderr_path)
+                )
                 ctx.killed_pids.add(node.pid)  # report once
         return out
+
+
+def _last_words(path: Path | None) -> str:
+    """The last line of a member's stderr log (why it exited), or nothing."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 2000))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return f": {lines[-1][-300:]}" if lines else ""
 
 
 def _socket_count(pid: int) -> int | None:
@@ -284,8 +372,9 @@ class NoLeaks:
 
 
 class ChaosRunner:
-    """See the module docstring. ``invariants`` are checked in addition to the built-in ones;
-    ``argv_factory(lan, host)`` replaces the per-host member command line."""
+    """See the module docstring. ``invariants`` are checked in addition to the built-in ones
+    (and the workload's); ``argv_factory(lan, host)`` replaces the per-host member command
+    line (``workload`` does both and more)."""
 
     def __init__(
         self,
@@ -298,6 +387,7 @@ class ChaosRunner:
         log_dir: Path | None = None,
         invariants: Sequence[Invariant] = (),
         argv_factory: Callable[[VirtualLan, int], list[str]] | None = None,
+        workload: Workload | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         if not 2 <= hosts <= 64:
@@ -316,12 +406,19 @@ class ChaosRunner:
         self.cfg = MembershipConfig.preset(preset)
         self.log_dir = log_dir
         self.invariants: list[Invariant] = [NoCrashes(), NoLeaks(), *invariants]
+        self.workload = workload
+        if workload is not None:
+            self.invariants += workload.invariants()
+            argv_factory = functools.partial(_workload_argv, workload, preset)
         self.argv_factory = argv_factory
         self.progress = progress or (lambda _msg: None)
         self.rng = random.Random(seed)
         self.summary = ChaosSummary(seed=seed, hosts=hosts, preset=preset, duration_s=duration)
         self.summary.recovery_bound_s = recovery_bound(self.cfg, hosts)
         self.summary.detection_bound_s = detection_bound(self.cfg, hosts)
+        if workload is not None:
+            self.summary.workload = workload.name
+            self.summary.resume_bound_s = workload.recovery_bound
         self._t0 = 0.0
 
     # --- planning (all randomness is here) ----------------------------------------------------
@@ -363,6 +460,8 @@ class ChaosRunner:
     def _violate(self, kind: str, msg: str) -> None:
         text = f"[{self._now():7.1f}s] {kind}: {msg}"
         self.summary.violations.append(text)
+        by_kind = self.summary.violations_by_kind
+        by_kind[kind] = by_kind.get(kind, 0) + 1
         self.progress("VIOLATION " + text)
 
     def _check(self, ctx: ChaosContext, phase: Phase) -> None:
@@ -393,6 +492,24 @@ class ChaosRunner:
             time.sleep(TICK / 2)
             self._check(ctx, "tick")
 
+    def _resume(self, ctx: ChaosContext, bound: float, what: str) -> float | None:
+        """With a workload: seconds from now (a single view was just reached) until it has
+        recovered, checking ticks meanwhile; a violation and None after ``bound`` seconds."""
+        wl = self.workload
+        if wl is None:
+            return 0.0
+        wl.mark(ctx)
+        start = time.monotonic()
+        while True:
+            why = wl.recovered(ctx)
+            if why is None:
+                return time.monotonic() - start
+            if time.monotonic() - start >= bound:
+                self._violate(why[0], f"{what}: not recovered within {bound:.1f}s: {why[1]}")
+                return None
+            time.sleep(TICK / 2)
+            self._check(ctx, "tick")
+
     def _inject(self, ctx: ChaosContext, plan: FaultPlan, rec: FaultRecord) -> float:
         """Run the fault to its repair; returns the monotonic time of the repair."""
         lan, mesh = ctx.lan, ctx.mesh
@@ -400,6 +517,7 @@ class ChaosRunner:
         if plan.kind == "kill":
             victim = mesh.node(h)
             ctx.killed_pids.add(victim.pid)
+            ctx.killed_at[victim.node_id] = time.monotonic()
             mesh.kill(h)
             found = self._settle(ctx, self.summary.detection_bound_s)
             if found is None:
@@ -492,7 +610,7 @@ class ChaosRunner:
     def _run_in(self, lan: VirtualLan, log_dir: Path) -> None:
         s = self.summary
         with LabMesh(
-            lan, log_dir, mesh="chaos", preset=self.preset, argv_factory=self.argv_factory
+            lan, log_dir, mesh=MESH, preset=self.preset, argv_factory=self.argv_factory
         ) as mesh:
             ctx = ChaosContext(lan=lan, mesh=mesh)
             mesh.start_all()
@@ -502,6 +620,13 @@ class ChaosRunner:
                 self._violate("recovery", f"the mesh never formed: {exc}")
                 return
             self._t0 = time.monotonic()
+            if self.workload is not None:
+                took = self._resume(ctx, self.workload.startup_bound, "startup")
+                if took is None:
+                    self._violate("recovery", "the workload never started; run aborted")
+                    return
+                s.startup_resume_s = round(took, 3)
+                self._t0 = time.monotonic()
             self._check(ctx, "settled")
             records: list[FaultRecord] = []
             while self._now() < self.duration and len(records) < MAX_FAULTS:
@@ -534,6 +659,16 @@ class ChaosRunner:
                         self._violate("recovery", "mesh did not recover; run aborted")
                         break
                 rec.settled_at = self._now()
+                if self.workload is not None:
+                    what = f"fault {rec.index} ({plan.kind})"
+                    resumed = self._resume(ctx, s.resume_bound_s, what)
+                    if resumed is None:
+                        resumed = self._resume(ctx, s.resume_bound_s, what + ", again")
+                        if resumed is None:
+                            self._violate("recovery", "the workload did not recover; run aborted")
+                            break
+                    else:
+                        rec.resume_s = round(resumed, 3)
                 ctx.current = None
                 self._check(ctx, "settled")
                 self._hold(ctx, self.rng.uniform(0.5, 2.0))
@@ -574,39 +709,86 @@ class ChaosRunner:
             s.mean_recovery_s = round(statistics.fmean(rec_times), 3)
         det = [r.detection_s for r in s.records if r.detection_s is not None]
         s.worst_detection_s = round(max(det), 3) if det else 0.0
+        resumes = [r for r in s.records if r.resume_s is not None]
+        if resumes:
+            worst_r = max(resumes, key=lambda r: r.resume_s or 0.0)
+            s.worst_resume_s = worst_r.resume_s or 0.0
+            s.worst_resume_kind = worst_r.kind
+            s.mean_resume_s = round(statistics.fmean(r.resume_s or 0.0 for r in resumes), 3)
+        if self.workload is not None:
+            s.workload_stats = self.workload.summary()
+        if self.log_dir is not None:
+            self._dump_events(ctx, self.log_dir)
+
+    def _dump_events(self, ctx: ChaosContext, log_dir: Path) -> None:
+        """Every record each member printed, next to its stderr log (``-h<host>.<k>
+        .events.jsonl``), with ``t``: seconds since the first fault's start, as in the
+        violation messages (negative: during startup)."""
+        for h, slot in enumerate(ctx.mesh.slots):
+            for k, node in enumerate(slot.history):
+                with node._cond:
+                    seen = list(node.records)
+                path = log_dir / f"{MESH}-h{h}.{k}.events.jsonl"
+                with open(path, "w") as f:
+                    for rec in seen:
+                        line = {"t": round(rec.mono - self._t0, 3), **rec.record}
+                        f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def _count_deaths(self, ctx: ChaosContext) -> None:
-        """Tally suspicions and deaths from every member's events; flag false deaths."""
+        """Tally suspicions and deaths from every member's events; flag false deaths (of
+        members that ran) and resurrections (of members that had been killed)."""
         s = self.summary
         host_of: dict[str, int] = {}
+        proc_of: dict[str, str] = {}
         for h, slot in enumerate(ctx.mesh.slots):
-            for node in slot.history:
+            for k, node in enumerate(slot.history):
                 host_of[node.node_id] = h
+                proc_of[node.node_id] = f"h{h}.{k}"
         windows = [(r.started_s - 0.5, r.settled_at + 1.0, set(r.touched)) for r in s.records]
         for h, slot in enumerate(ctx.mesh.slots):
             for node in slot.history:
                 with node._cond:
                     seen = list(node.records)
+                dead_seen: set[str] = set()
                 for rec in seen:
                     kind = rec.record.get("event")
+                    victim_id = str(rec.record.get("node"))
+                    killed = ctx.killed_at.get(victim_id)
                     if kind == "suspect":
                         s.suspicions += 1
+                    if kind in ("joined", "alive", "updated") and victim_id in dead_seen:
+                        if killed is not None and rec.mono > killed:
+                            s.resurrections += 1
+                            self._violate(
+                                "resurrect",
+                                f"{proc_of.get(victim_id, '?')} ({victim_id[:8]}), killed at "
+                                f"{killed - self._t0:.1f}s and declared dead, was {kind} again "
+                                f"for h{h} at {rec.mono - self._t0:.1f}s",
+                            )
+                        dead_seen.discard(victim_id)
                     if kind != "dead":
                         continue
+                    dead_seen.add(victim_id)
                     s.deaths += 1
-                    victim = host_of.get(str(rec.record.get("node")), -1)
+                    victim = host_of.get(victim_id, -1)
                     at = rec.mono - self._t0
-                    if at < 0:
-                        continue
+                    if at < 0 or (killed is not None and rec.mono > killed):
+                        continue  # startup, or a member that was really dead
                     active = [t for a, b, t in windows if a <= at <= b]
                     if not active:
                         s.false_deaths += 1
                         self._violate(
                             "false_death",
-                            f"h{h} declared h{victim} dead at {at:.1f}s with no fault active",
+                            f"h{h} ({node.name} {node.node_id[:8]}) declared "
+                            f"{proc_of.get(victim_id, '?')} ({victim_id[:8]}) dead at {at:.1f}s "
+                            "with no fault active",
                         )
                     elif not any(h in t or victim in t for t in active):
                         s.collateral_deaths += 1
+
+
+def _workload_argv(workload: Workload, preset: str, lan: VirtualLan, host: int) -> list[str]:
+    return workload.argv(lan, host, mesh=MESH, preset=preset)
 
 
 def parse_kinds(text: str) -> list[str]:

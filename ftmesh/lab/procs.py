@@ -42,6 +42,7 @@ class NodeProcess:
         env: dict[str, str] | None = None,
         stderr_path: Path | None = None,
     ) -> None:
+        self.stderr_path = stderr_path
         self._stderr = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             list(argv),
@@ -54,6 +55,10 @@ class NodeProcess:
         self._cond = threading.Condition()
         self.records: list[SeenRecord] = []
         self.bad_lines = 0
+        self._states: dict[str, str] = {}
+        """:func:`member_states` of the records before ``_states_upto`` (kept incrementally:
+        a training member prints a record per step, and the lab asks for views often)."""
+        self._states_upto = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         first = self.wait_for(lambda r: r["event"] == "self", timeout=20.0)
@@ -140,17 +145,18 @@ def member_states(node: NodeProcess) -> dict[str, str]:
     """``node``'s view of the others as read from its event stream: node id -> the kind of
     the last event about it (``joined``, ``alive``, ``updated``, ``suspect``, ``dead``,
     ``left``). Events about ``node`` itself are left out."""
-    states: dict[str, str] = {}
     with node._cond:
-        records = list(node.records)
-    for s in records:
-        r = s.record
-        kind = r.get("event")
-        other = r.get("node")
-        if kind in ("self", "stats") or other == node.node_id or not isinstance(other, str):
-            continue
-        states[other] = str(kind)
-    return states
+        records = node.records[node._states_upto :]
+        states = node._states
+        for s in records:
+            r = s.record
+            kind = r.get("event")
+            other = r.get("node")
+            if kind in ("self", "stats") or other == node.node_id or not isinstance(other, str):
+                continue
+            states[other] = str(kind)
+        node._states_upto += len(records)
+        return dict(states)
 
 
 def view(node: NodeProcess) -> frozenset[str]:
