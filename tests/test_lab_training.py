@@ -88,6 +88,19 @@ def test_step_sequence_catches_repeats_skips_and_unsynced_starts() -> None:
     assert "computed from a state of step 2" in found[3]
 
 
+def test_adopted_steps_must_be_the_state_fetched() -> None:
+    log = CommitLog()
+    inv = StepSequence(log)
+    log.add("h0.0", 0, rec(5, "d5", "d4", synced=True), 1.0)
+    adopted = rec(6, "d6", "d6", synced=True, parent_step=6)  # failed at its end: took it
+    log.add("h0.0", 0, {**adopted, "adopted": True, "loss": None}, 1.0)
+    assert inv.check(None, "tick") == []
+    wrong = rec(7, "d7", "dX", synced=True, parent_step=7)
+    log.add("h0.0", 0, {**wrong, "adopted": True}, 1.0)
+    found = inv.check(None, "tick")
+    assert len(found) == 1 and "adopted step 7 is not the state it fetched" in found[0], found
+
+
 def test_lost_commit_fires_when_an_agreed_state_is_abandoned() -> None:
     log = CommitLog()
     inv = NoLostCommits(log)

@@ -9,7 +9,7 @@ ever, and after every committed step prints one record::
 
     {"event": "commit", "node": ID, "step": S, "digest": D, "parent_step": S - 1,
      "parent": P, "epoch": E, "members": [...], "synced": bool, "fetched": BYTES,
-     "attempts": N, "loss": L, "time": T}
+     "attempts": N, "loss": L, "adopted": bool, "time": T}
 
 ``step`` is the committed step count after the step, ``digest`` the model and optimizer state
 hash at that point (``ElasticTrainer.digest()``: tens of microseconds for this model),
@@ -17,7 +17,10 @@ hash at that point (``ElasticTrainer.digest()``: tens of microseconds for this m
 step was computed from: the last state the trainer fetched during the step (recorded by
 wrapping ``SyncMesh.fetch_state``), or else the state the worker held after its previous
 commit (at start: its own initial weights, step 0). Parents let the runner follow the line
-of states the mesh keeps. ``node`` is the worker's own id, which the runner's
+of states the mesh keeps. An *adopted* step (``ElasticTrainer`` took a step the others
+committed, in a sync: this member failed at its end, or just joined) was not computed here:
+its parent is the fetched state itself (``parent_step == step``, ``parent == digest``) and its
+loss is null. ``node`` is the worker's own id, which the runner's
 view reader skips as an event about itself.
 
 The task is deterministic from ``--seed`` (every member builds the same data and model), so
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                     "synced": r.synced,
                     "fetched": r.sync_bytes,
                     "attempts": r.attempts,
-                    "loss": round(r.loss, 5),
+                    "loss": None if r.adopted else round(r.loss, 5),
+                    "adopted": r.adopted,
                     "time": round(time.time(), 6),
                 }
             )

@@ -20,7 +20,8 @@ What must hold (each a :class:`~ftmesh.lab.chaos.Invariant`; violations fail the
 * ``step`` (:class:`StepSequence`): per process the committed step goes up by exactly one per
   record; it may jump forward only on a step that began with a sync (the process adopted newer
   state from the others), a fresh process's first record must be such a step, and every step
-  is computed from a state of the step before (the record's ``parent_step``).
+  is computed from a state of the step before (the record's ``parent_step``), except an
+  *adopted* step (taken from the others in a sync), whose parent is the very state it holds.
 * ``lost_commit`` (:class:`NoLostCommits`): each state that all running members committed
   together in one ring (after each fault, and at startup) descends, step by step through the
   records' ``parent`` digests, from the previous such state. Forks die out; what the whole
@@ -88,6 +89,8 @@ class Commit:
     """``time.monotonic()`` in the runner when the record was read."""
     first: bool = False
     """The process's first commit."""
+    adopted: bool = False
+    """Taken from the others in a sync, not computed here (parent: that state itself)."""
 
 
 def commit_of(proc: str, host: int, rec: dict[str, Any], mono: float, first: bool) -> Commit:
@@ -107,6 +110,7 @@ def commit_of(proc: str, host: int, rec: dict[str, Any], mono: float, first: boo
         loss=float(rec.get("loss") or 0.0),
         mono=mono,
         first=first,
+        adopted=bool(rec.get("adopted")),
     )
 
 
@@ -249,7 +253,9 @@ class StepSequence(_LogReader):
         for c in self._new(ctx):
             prev = self.last.get(c.proc)
             self.last[c.proc] = max(c.step, prev or 0)
-            if c.parent_step != c.step - 1:
+            if c.adopted and (c.parent_step, c.parent) != (c.step, c.digest):
+                out.append(f"{c.proc}: adopted step {c.step} is not the state it fetched")
+            elif not c.adopted and c.parent_step != c.step - 1:
                 out.append(f"{c.proc}: step {c.step} was computed from a state of step "
                            f"{c.parent_step}")  # fmt: skip
             if prev is None:
@@ -380,8 +386,9 @@ class TrainingWorkload:
         forks = sorted(self.digests.forks)
         final = self.lost.agreed[-1] if self.lost.agreed else None
         line = self.log.line(final) if final else set()
-        head = [c.loss for c in commits[:LOSS_WINDOW]]
-        tail = [c.loss for c in commits[-LOSS_WINDOW:]]
+        computed = [c for c in commits if not c.adopted]
+        head = [c.loss for c in computed[:LOSS_WINDOW]]
+        tail = [c.loss for c in computed[-LOSS_WINDOW:]]
         upto = final[0] if final else -1
         off = [c for c in commits if c.step <= upto and (c.step, c.digest) not in line]
         return {
