@@ -396,10 +396,11 @@ class ElasticTrainer:
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started
-        if self._world != view.size:
+        world = min(view.size, self.max_peers) if self.max_peers else view.size  # computing
+        if self._world != world:
             if self._world and self.on_world_change is not None:
-                self.on_world_change(self._world, view.size)
-            self._world = view.size
+                self.on_world_change(self._world, world)
+            self._world = world
 
     def _wait_for_slot(self) -> None:
         """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots
