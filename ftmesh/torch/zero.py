@@ -236,8 +236,9 @@ class ShardedOptimizer:
         opt.step()
         self._backup = (*self._live, before)
         self._live = version
-        self._previous, self.served = [], {}  # the gradient allreduce completed: every
-        # member's sync did
+        # The gradient allreduce completed, so every member finished its sync: nobody needs
+        # the pieces from before it any more.
+        self._previous, self.served = [], {}
 
     def commit(self) -> None:
         self._backup = None
