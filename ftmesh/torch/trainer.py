@@ -297,6 +297,10 @@ class ElasticTrainer:
             except StateLostError as exc:
                 self._fall_back(exc)
                 self._synced_epoch = ""
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"step {self.committed + 1} did not commit within {self.step_timeout}s"
+                    ) from exc
                 continue
             except RECOVERABLE as exc:
                 self.recoveries += 1
