@@ -97,6 +97,7 @@ def open_or_refuse(codec: PacketCodec, data: bytes, cap: int = wire.MAX_DATAGRAM
             "unauthenticated",
             "replayed",
             "stale",
+            "encryption_mismatch",  # a flipped flag bit claims the other encryption mode
         }
 
 
