@@ -6,6 +6,7 @@ the middle that flips one byte to play the attacker on the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -13,16 +14,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_collective_inproc import on_all
+from test_collective_inproc import ring_of as inproc_ring_of
 
 from ftmesh.collective import (
     CollectiveConfig,
@@ -30,7 +32,6 @@ from ftmesh.collective import (
     InputMismatchError,
     Peer,
     RingView,
-    open_data_plane,
     wire,
 )
 from ftmesh.collective.secure import TAG, FrameOpener, FrameSealer
@@ -341,32 +342,11 @@ def test_fuzz_frame_opener_random_bytes(data: bytes, step: int) -> None:
 FAST = CollectiveConfig(chunk_bytes=4096, io_timeout=5.0, connect_timeout=2.0, view_timeout=1.0)
 
 
-@asynccontextmanager
-async def ring_of(
+def ring_of(
     auths: list[MeshAuth], config: CollectiveConfig = FAST
-) -> AsyncIterator[tuple[list[DataPlane], RingView]]:
-    async with AsyncExitStack() as stack:
-        dps = [
-            await stack.enter_async_context(open_data_plane(f"m{i}", config=config, auth=a))
-            for i, a in enumerate(auths)
-        ]
-        yield dps, RingView.of(Peer(d.node_id, *d.address) for d in dps)
-
-
-async def on_all(dps: list[DataPlane], fn: Callable[[int, DataPlane], Awaitable[Any]]) -> list[Any]:
-    out: list[Any] = [None] * len(dps)
-
-    async def one(i: int) -> None:
-        try:
-            out[i] = await fn(i, dps[i])
-        except Exception as exc:
-            out[i] = exc
-
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            for i in range(len(dps)):
-                nursery.start_soon(one, i)
-    return out
+) -> contextlib.AbstractAsyncContextManager[tuple[list[DataPlane], RingView]]:
+    """In-process data planes, one per mesh secret (see ``test_collective_inproc``)."""
+    return inproc_ring_of(len(auths), config, auths)
 
 
 def digest(a: np.ndarray) -> str:
