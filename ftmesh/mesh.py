@@ -32,6 +32,7 @@ from .collective import (
     RingPeerLostError,
     RingView,
     ViewMismatchError,
+    ViewSupersededError,
     open_data_plane,
 )
 from .errors import ConfigError, DeadlineExceeded
@@ -287,11 +288,15 @@ class Mesh:
         )
 
     def _in_use(self, view: RingView) -> None:
-        """Remember ``view`` as one collectives run on, so a member lost from it aborts them.
-        A view that is the current one again (a suspect refuted) loses any earlier abort."""
+        """Remember ``view`` as one collectives run on, so a member lost from it, or our moving
+        on to a newer view, aborts them. A view that is the current one again (a suspect
+        refuted) loses any earlier abort; one that is not current fails at once."""
         current = self.view()
-        if current is not None and current.epoch == view.epoch:
-            self.data_plane.clear_abort(view.epoch)
+        if current is None or current.epoch != view.epoch:
+            raise ViewSupersededError(
+                f"{self.node_id}: view {view.epoch} is no longer current", epoch=view.epoch
+            )
+        self.data_plane.clear_abort(view.epoch)
         self._views[view.epoch] = view
         while len(self._views) > MAX_VIEWS_WATCHED:
             del self._views[next(iter(self._views))]
@@ -306,8 +311,18 @@ class Mesh:
                         self.data_plane.abort_view(
                             epoch, ev.member.node, f"membership: {ev.member.name} is {ev.kind}"
                         )
+            self._supersede_old_views(f"{ev.member.name} is {ev.kind}")
             event, self._view_changed = self._view_changed, trio.Event()
             event.set()
+
+    def _supersede_old_views(self, why: str) -> None:
+        """We moved off every watched view but the current one: we will not run collectives on
+        them, so the members still running or opening one must not wait ``io_timeout`` for us
+        (a joiner's arrival would otherwise stall the ring that far)."""
+        current = self.view()
+        for epoch in [e for e in self._views if current is None or e != current.epoch]:
+            del self._views[epoch]
+            self.data_plane.supersede_view(epoch, why)
 
 
 @asynccontextmanager

@@ -23,6 +23,7 @@ from ftmesh.collective import (
     RingPeerLostError,
     RingView,
     SyncDataPlane,
+    ViewSupersededError,
     open_data_plane,
 )
 from ftmesh.collective.dataplane import DataPlane
@@ -176,3 +177,41 @@ def test_abort_view_unblocks_the_sync_api() -> None:
     finally:
         for d in dps:
             d.close()
+
+
+@pytest.mark.parametrize("mode", list(AUTHS))
+async def test_supersede_view_fails_the_others_without_naming_a_loss(mode: str) -> None:
+    """The member that moved on to a newer view never runs the round its neighbours wait in;
+    ``supersede_view`` on it alone ends their round at once, as ``ViewSupersededError``."""
+    async with ring_of(4, SLOW, AUTHS[mode]) as (dps, view):
+        others = [0, 1, 3]
+        out: dict[int, Any] = {}
+
+        async def member(i: int) -> None:
+            try:
+                out[i] = await dps[i].allreduce(view, np.ones(1 << 18, np.float32))
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dps[2].open_ring, view)  # agrees, then sees a newer view
+                for i in others:
+                    nursery.start_soon(member, i)
+                await trio.sleep(0.5)
+                assert not out, out
+                dps[2].supersede_view(view.epoch, "a member joined")
+        for i in others:
+            assert isinstance(out[i], ViewSupersededError), (i, out[i])
+            assert out[i].epoch == view.epoch
+        with trio.fail_after(NO_HANG), pytest.raises(ViewSupersededError):
+            await dps[2].allreduce(view, np.ones(4, np.float32))
+
+
+async def test_supersede_keeps_an_earlier_loss() -> None:
+    async with ring_of(3, SLOW) as (dps, view):
+        dps[0].abort_view(view.epoch, "m1", "gone")
+        dps[0].supersede_view(view.epoch, "a member joined")
+        with trio.fail_after(NO_HANG), pytest.raises(RingPeerLostError) as info:
+            await dps[0].allreduce(view, np.ones(4))
+        assert info.value.peer == "m1"

@@ -242,7 +242,6 @@ class FtmeshMesh:
             str(a.step_delay),
             "--seed",
             str(a.seed),
-            *(["--abort-on-view-change"] if a.abort_on_view_change else []),
         ]
         self.count += 1
         return self.procs.start(argv, f"ftmesh-w{self.count - 1}")
@@ -760,12 +759,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpoint-every", type=int, default=10, help="torchrun checkpoints")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait-timeout", type=float, default=90.0, help="seconds per wait")
-    ap.add_argument(
-        "--abort-on-view-change",
-        action="store_true",
-        help="experiment: workers abort collectives on a view that lost a member at once "
-        "(what the mesh should do; see the report)",
-    )
     ap.add_argument("--keep-logs", default="", metavar="DIR", help="keep worker logs in DIR")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -2,7 +2,13 @@
 
 from .config import CollectiveConfig
 from .dataplane import CollectiveResult, DataPlane, open_data_plane
-from .errors import InputMismatchError, PeerStalledError, RingPeerLostError, ViewMismatchError
+from .errors import (
+    InputMismatchError,
+    PeerStalledError,
+    RingPeerLostError,
+    ViewMismatchError,
+    ViewSupersededError,
+)
 from .sync import SyncDataPlane
 from .view import Peer, RingView, view_epoch
 
@@ -17,6 +23,7 @@ __all__ = [
     "RingView",
     "SyncDataPlane",
     "ViewMismatchError",
+    "ViewSupersededError",
     "open_data_plane",
     "view_epoch",
 ]

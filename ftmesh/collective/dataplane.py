@@ -26,7 +26,7 @@ from ..security import MeshAuth
 from . import schedule
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline
-from .errors import RingPeerLostError
+from .errors import RingPeerLostError, ViewSupersededError
 from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
 from .transport import Ring, Transport, tune_socket
 from .view import RingView
@@ -70,19 +70,29 @@ class DataPlane:
         call it from the trio thread (``SyncDataPlane.abort_view`` from any other thread). Meant
         for the membership layer, when it declares a member of a running view dead (a crash is
         noticed by the sockets already; a stalled peer, e.g. SIGSTOPped, is not)."""
-        reason_msg = {
-            "kind": "lost",
-            "peer": peer,
-            "origin": self.node_id,
-            "msg": f"{peer} was declared dead: {reason}"[:1000],
-        }
-        self._aborted[epoch] = reason_msg
+        msg = f"{peer} was declared dead: {reason}"
+        self._abort(epoch, {"kind": "lost", "peer": peer, "origin": self.node_id, "msg": msg})
+
+    def supersede_view(self, epoch: str, reason: str) -> None:
+        """This member moved on from view ``epoch`` (a member joined or came back): like
+        ``abort_view``, but collectives on it fail with ``ViewSupersededError``, which names no
+        lost member. The members still on ``epoch`` would otherwise wait ``io_timeout`` for
+        this one. Does nothing to an epoch already aborted (a loss says more)."""
+        if epoch not in self._aborted:
+            msg = f"{self.node_id} moved on from view {epoch}: {reason}"
+            self._abort(
+                epoch, {"kind": "superseded", "peer": "", "origin": self.node_id, "msg": msg}
+            )
+
+    def _abort(self, epoch: str, reason: dict[str, Any]) -> None:
+        reason["msg"] = reason["msg"][:1000]
+        self._aborted[epoch] = reason
         self._aborted.move_to_end(epoch)
         while len(self._aborted) > MAX_ABORTED_VIEWS:
             self._aborted.popitem(last=False)
         for scope in self._opening.get(epoch, ()):
             scope.cancel()
-        self._transport.kill_ring(epoch, reason_msg)
+        self._transport.kill_ring(epoch, reason)
 
     def clear_abort(self, epoch: str) -> None:
         """Forget an abort of ``epoch``: the same set of members is a live view again (a
@@ -99,8 +109,11 @@ class DataPlane:
 
     def _check_aborted(self, epoch: str) -> None:
         reason = self._aborted.get(epoch)
-        if reason is not None:
-            raise RingPeerLostError(str(reason["msg"]), peer=str(reason["peer"]), epoch=epoch)
+        if reason is None:
+            return
+        if reason["kind"] == "superseded":
+            raise ViewSupersededError(str(reason["msg"]), epoch=epoch)
+        raise RingPeerLostError(str(reason["msg"]), peer=str(reason["peer"]), epoch=epoch)
 
     async def _open_ring(self, view: RingView) -> Ring:
         """``transport.open_ring``, cancelled by ``abort_view`` of the view's epoch."""

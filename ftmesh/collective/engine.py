@@ -47,14 +47,15 @@ plaintext frame stream and decrypts each payload straight into the place this lo
 into. A frame that fails authentication is a protocol error: the round aborts and the ring is
 dropped, as for any stream out of sync. Without encryption none of this runs.
 
-*Fatal* aborts (a neighbour lost or stalled, or ``DataPlane.abort_view`` saying a member of the
-view is dead) end the ring instead of keeping it in sync: the forward ``ABORT`` frame cannot get
-past a dead member, so the member that learns of it also writes the abort as a *notice* on the
-reverse direction of its connection from the left (besides ``READY`` frames, nothing else
-flows that way; the loop polls that direction too), and the socket towards the dead member is
-shut down. The loop wakes at least every ``poll_interval`` to see an abort set from another
-thread. So an abort travels both ways round the ring until it reaches the dead member from both
-sides, every survivor raises it promptly, and the ring is dropped.
+*Fatal* aborts (a neighbour lost or stalled, ``DataPlane.abort_view`` saying a member of the
+view is dead, or ``DataPlane.supersede_view`` saying a member moved on to a newer view) end the
+ring instead of keeping it in sync: the forward ``ABORT`` frame cannot get past a dead member,
+so the member that learns of it also writes the abort as a *notice* on the reverse direction of
+its connection from the left (besides ``READY`` frames, nothing else flows that way; the loop
+polls that direction too), and the socket towards the dead member is shut down. The loop wakes
+at least every ``poll_interval`` to see an abort set from another thread. So an abort travels
+both ways round the ring until it reaches the dead member from both sides, every survivor
+raises it promptly, and the ring is dropped.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ import numpy as np
 
 from ..errors import CollectiveError, RemoteProtocolError
 from . import wire
-from .errors import InputMismatchError, PeerStalledError, RingPeerLostError
+from .errors import InputMismatchError, PeerStalledError, RingPeerLostError, ViewSupersededError
 from .ops import Array, Reducer
 from .schedule import Schedule
 from .secure import FrameOpener
@@ -81,7 +82,8 @@ from .transport import Ring
 _ABORT_MSG_CAP = 2000
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
-_FATAL = ("lost", "stalled")
+_FATAL = ("lost", "stalled", "superseded")
+"""Aborts that end the ring for everyone: sent both ways round it, the ring is dropped."""
 _KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
 _DONE_FRAME = wire.FRAME.pack(wire.DONE, 0)
 _JUNK = 1 << 16
@@ -618,6 +620,8 @@ class Pipeline:
             raise RingPeerLostError(msg, peer=peer, epoch=epoch)
         if kind == "mismatch":
             raise InputMismatchError(msg)
+        if kind == "superseded":
+            raise ViewSupersededError(msg, epoch=epoch)
         raise CollectiveError(f"collective aborted: {msg}")
 
     def _forward_abort(self) -> None:

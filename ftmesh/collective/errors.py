@@ -14,6 +14,17 @@ class ViewMismatchError(CollectiveError):
         self.peer = peer
 
 
+class ViewSupersededError(CollectiveError):
+    """A member of the ring moved on to a newer view (a member joined or came back) while this
+    collective ran or waited on ``epoch``: the members that moved on will not run it, so it is
+    abandoned. Nobody was lost; retry on the current view (with the original inputs: an
+    in-place collective may have partly overwritten its buffer)."""
+
+    def __init__(self, msg: str, *, epoch: str) -> None:
+        super().__init__(msg)
+        self.epoch = epoch
+
+
 class InputMismatchError(CollectiveError):
     """Members called different collectives, or with different dtype, shape, op or root.
 

@@ -81,17 +81,6 @@ class Timeline:
         return timed
 
 
-def abort_round(dp: Any, old_epoch: str, new_epoch: str, gone: list[str]) -> None:
-    """The ``--abort-on-view-change`` experiment (runs in the mesh's trio thread): fail the
-    rounds on ``old_epoch`` now, as if membership had called ``abort_view`` for each member
-    that left. ``abort_view`` also fails every *future* round on that epoch id, and epoch ids
-    recur (the same members again after a refuted suspicion or a joiner's flap), which would
-    wedge that view for good; so the mark of the epoch that becomes current is dropped."""
-    dp._aborted.pop(new_epoch, None)
-    for peer in gone:
-        dp.abort_view(old_epoch, peer, "left the view")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state-mb", type=float, default=16.0)
@@ -100,12 +89,6 @@ def main() -> int:
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=900.0)
-    p.add_argument(
-        "--abort-on-view-change",
-        action="store_true",
-        help="experiment: when this member's view drops a member, abort collectives on the "
-        "old view at once (DataPlane.abort_view) instead of waiting for io_timeout",
-    )
     args = p.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     logging.basicConfig(
@@ -172,18 +155,13 @@ def main() -> int:
 
         def monitor() -> None:
             epoch = ""
-            ids: tuple[str, ...] = ()
             while time.monotonic() < deadline:
                 try:
                     view = monitor_wait(epoch, 1.0)
-                    if view is not None and view.epoch != epoch and args.abort_on_view_change:
-                        gone = sorted(set(ids) - set(view.node_ids))
-                        dp = mesh.mesh.data_plane
-                        mesh.call_sync(abort_round, dp, epoch, view.epoch, gone)
                 except BaseException:  # the mesh is closing (trio.Cancelled included)
                     return
                 if view is not None and view.epoch != epoch:
-                    epoch, ids = view.epoch, view.node_ids
+                    epoch = view.epoch
                     now = time.monotonic()
                     tl.add({"k": "view", "a": now, "b": now, "ids": list(view.node_ids)})
 

@@ -1,0 +1,108 @@
+"""Collectives on a view the mesh has moved off (``Mesh._watch``, ``ViewSupersededError``).
+
+Real meshes in one process: SWIM over loopback UDP with the ``local`` preset, same-host
+discovery in a per-test registry, real data-plane sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from ftmesh.collective import CollectiveConfig, ViewSupersededError
+from ftmesh.membership.config import MembershipConfig
+from ftmesh.mesh import Mesh, MeshConfig, open_mesh
+from ftmesh.net.node import NodeConfig
+
+NO_HANG = 20.0
+"""Far below the data plane's io_timeout here (60 s): a round that ends within it was ended by
+the view change, not by the stall timeout."""
+
+
+def config(registry: Path) -> MeshConfig:
+    return MeshConfig(
+        node=NodeConfig(
+            mesh="views",
+            discovery="local",
+            registry_dir=str(registry),
+            membership=MembershipConfig.preset("local"),
+        ),
+        collective=CollectiveConfig(io_timeout=60.0, view_timeout=5.0, max_cached_views=1),
+    )
+
+
+@asynccontextmanager
+async def meshes(n: int, registry: Path) -> AsyncIterator[tuple[AsyncExitStack, list[Mesh]]]:
+    async with AsyncExitStack() as stack:
+        ms = [await stack.enter_async_context(open_mesh(config(registry))) for _ in range(n)]
+        yield stack, ms
+
+
+async def views_of(ms: list[Mesh], size: int) -> None:
+    with trio.fail_after(NO_HANG):
+        for m in ms:
+            await m.wait_view(min_members=size, timeout=NO_HANG)
+        while len({(v.epoch if (v := m.view()) else "") for m in ms}) != 1:
+            await trio.sleep(0.05)
+
+
+async def test_a_joiner_ends_rounds_waiting_on_the_old_view(tmp_path: Path) -> None:
+    """Two members wait in a round on the view of three that the third never joins (it
+    started its step on a newer view). When a fourth member arrives, the round fails at once
+    with ``ViewSupersededError``, nobody is reported lost, and the four train together."""
+    async with meshes(3, tmp_path) as (stack, ms):
+        await views_of(ms, 3)
+        old = ms[0].view()
+        assert old is not None
+        async with trio.open_nursery() as nursery:  # everyone has used the old view
+            for m in ms:
+                nursery.start_soon(m.on_view, old, "allreduce", np.ones(8))
+        out: dict[int, Any] = {}
+
+        async def waiter(i: int) -> None:
+            try:
+                out[i] = await ms[i].on_view(old, "allreduce", np.ones(1 << 16, np.float32))
+            except Exception as exc:
+                out[i] = exc
+
+        waiting = await stack.enter_async_context(trio.open_nursery())
+        for i in (1, 2):
+            waiting.start_soon(waiter, i)
+        await trio.sleep(0.5)
+        assert not out, out
+        ms.append(await stack.enter_async_context(open_mesh(config(tmp_path))))
+        with trio.fail_after(NO_HANG):
+            while len(out) < 2:
+                await trio.sleep(0.05)
+        for i in (1, 2):
+            assert isinstance(out[i], ViewSupersededError), (i, out[i])
+            assert out[i].epoch == old.epoch
+        await views_of(ms, 4)
+        new = ms[0].view()
+        assert new is not None and new.size == 4
+        sums: list[Any] = []
+
+        async def reduce(m: Mesh) -> None:
+            sums.append((await m.allreduce(np.ones(1000))).output)
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                for m in ms:
+                    nursery.start_soon(reduce, m)
+        assert all(np.array_equal(s, np.full(1000, 4.0)) for s in sums), sums
+
+
+async def test_a_view_that_is_no_longer_current_fails_at_once(tmp_path: Path) -> None:
+    async with meshes(2, tmp_path) as (stack, ms):
+        await views_of(ms, 2)
+        old = ms[0].view()
+        assert old is not None
+        await stack.enter_async_context(open_mesh(config(tmp_path)))
+        await views_of(ms, 3)
+        with trio.fail_after(1.0), pytest.raises(ViewSupersededError):
+            await ms[0].on_view(old, "barrier", None)
