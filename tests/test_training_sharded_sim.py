@@ -10,17 +10,21 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import torch
 from trainer_sim import (
+    FakeMesh,
     Hub,
     Inject,
     Member,
     Round,
     make_model,
     make_optimizer,
+    make_sampler,
     max_diff,
     reference,
     run_members,
@@ -28,8 +32,9 @@ from trainer_sim import (
     wait_all,
 )
 
-from ftmesh.errors import PeerLostError
+from ftmesh.errors import LocalUsageError, PeerLostError
 from ftmesh.state import State, StateLostError, latest_valid_checkpoint
+from ftmesh.sync import SyncMesh
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
 
 pytestmark = pytest.mark.timeout(60)
@@ -349,3 +354,21 @@ def test_two_adjacent_deaths_fall_back_to_checkpoints(
     _check_converged(members, survivors, total, fallbacks=1)
     _check_replicas(members, survivors, replicas=2)
     _check_reference(members, "a", "adam", total)
+
+
+def test_the_trainer_refuses_a_factored_optimizer_when_sharded(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """torch's Adafactor keeps factored (row and column) moments per matrix: refused when
+    the trainer is built with shard_optimizer=True, accepted without."""
+    hub = make_hub()
+    model = make_model()
+    for shard in (False, True):
+        mesh = cast(SyncMesh, FakeMesh(hub, f"m{shard}"))
+        optimizer = torch.optim.Adafactor(model.parameters())
+        make = partial(ElasticTrainer, mesh, model, optimizer, make_sampler())
+        if shard:
+            with pytest.raises(LocalUsageError, match=r"torch\.optim\.Adafactor"):
+                make(shard_optimizer=True)
+        else:
+            make(shard_optimizer=False)

@@ -28,6 +28,8 @@ When more adjacent members died than there are replicas, every survivor reports 
 (``StateLostError``, logged) and falls back to the newest valid checkpoint in
 ``checkpoint_dir``, which in this mode holds the whole optimizer state (gathered with the
 parameters on checkpoint steps); without one, ``step`` raises the ``StateLostError``.
+The optimizer's update must be element-wise (``ftmesh.torch.zero``): others are refused
+with ``LocalUsageError`` when the trainer is built.
 """
 
 from __future__ import annotations
