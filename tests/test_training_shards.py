@@ -13,17 +13,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftmesh.errors import LocalUsageError
+from ftmesh.errors import ConfigError, LocalUsageError
 from ftmesh.state import StateLostError
 from ftmesh.state.sharding import ShardLayout
 from ftmesh.torch.zero import ELEMENTWISE_OPTIMIZERS, HeldPiece, ShardedOptimizer
 from ftmesh.training.shards import (
     Piece,
+    ShardSettings,
     Version,
+    check_settings,
     holdings_record,
     plan_shard_sync,
     read_holdings,
+    read_settings,
     round_id,
+    settings_slots,
 )
 
 
@@ -128,6 +132,31 @@ def test_only_the_target_version_counts() -> None:
     plan = plan_shard_sync([[pending[0], new[0]], [new[1]]], 5, [0, 1], 0, [(0, 10)], 10)
     assert [(s.start, s.stop, s.local) for s in plan.segments] == [(0, 5, True), (5, 10, False)]
     assert plan.round == round_id("v2")
+
+
+def _reduced_settings(settings: list[ShardSettings]) -> list[ShardSettings]:
+    n = len(settings)
+    reduced = np.maximum.reduce([settings_slots(s, r, n) for r, s in enumerate(settings)])
+    return read_settings(reduced, n)
+
+
+def test_settings_travel_in_slots_and_differences_are_named() -> None:
+    members = [f"m{i}" for i in range(6)]
+    same = [ShardSettings.of(True, 2, 10)] * 6
+    assert _reduced_settings(same) == same
+    check_settings(same, members)
+    # replicated training uses neither replicas nor the checkpoint period
+    replicated = [ShardSettings.of(False, r, r) for r in range(6)]
+    check_settings(_reduced_settings(replicated), members)
+    odd = [*same[:5], ShardSettings.of(True, 3, 0)]
+    with pytest.raises(ConfigError) as err:
+        check_settings(_reduced_settings(odd), members)
+    text = str(err.value)
+    assert "replicas: 2 on m0, m1, m2, m3 and 1 more; 3 on m5" in text, text
+    assert "checkpoint_every: 10 on m0, m1, m2, m3 and 1 more; 0 on m5" in text, text
+    mixed = [*same[:5], ShardSettings.of(False, 2, 10)]
+    with pytest.raises(ConfigError, match=r"shard_optimizer: True on .*; False on m5\. Start"):
+        check_settings(_reduced_settings(mixed), members)
 
 
 # -- ShardedOptimizer in-process: N members, one process -------------------------------------
