@@ -8,19 +8,24 @@ replicas=2), and, where it applies, that the result is single-process training's
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import torch
 from trainer_sim import (
+    FakeMesh,
     Hub,
     Inject,
     Member,
     Round,
     make_model,
     make_optimizer,
+    make_sampler,
     max_diff,
     reference,
     run_members,
@@ -28,8 +33,9 @@ from trainer_sim import (
     wait_all,
 )
 
-from ftmesh.errors import PeerLostError
+from ftmesh.errors import ConfigError, LocalUsageError, PeerLostError
 from ftmesh.state import State, StateLostError, latest_valid_checkpoint
+from ftmesh.sync import SyncMesh
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
 
 pytestmark = pytest.mark.timeout(60)
@@ -349,3 +355,107 @@ def test_two_adjacent_deaths_fall_back_to_checkpoints(
     _check_converged(members, survivors, total, fallbacks=1)
     _check_replicas(members, survivors, replicas=2)
     _check_reference(members, "a", "adam", total)
+
+
+# ------------------------------------------------------------------------- mismatched settings
+
+SETTINGS: dict[str, tuple[dict[str, Any], dict[str, Any], list[str]]] = {
+    "replicas": ({"replicas": 2}, {"replicas": 3}, ["replicas: 2 on a; 3 on b"]),
+    "shard_optimizer": ({"shard": True}, {"shard": False}, ["shard_optimizer: True on a"]),
+    "checkpoint_every": (
+        {"checkpoint_every": 2},
+        {"checkpoint_every": 3},
+        ["checkpoint_every: 2 on a; 3 on b"],
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_members_with_different_settings_all_get_a_config_error(
+    make_hub: Callable[..., Hub], tmp_path: Path, setting: str
+) -> None:
+    """a and b differ in one setting: at their first sync both raise ``ConfigError`` naming
+    it and its values, at once (not after retrying until the step deadline), having
+    trained nothing."""
+    a, b, expected = SETTINGS[setting]
+    hub = make_hub(start_with=2)
+    members = {n: Member(n) for n in "ab"}
+    started = time.monotonic()
+    for name, kwargs in (("a", a), ("b", b)):
+        start_member(
+            hub, members[name], opt="adam", total=6, checkpoint_dir=tmp_path / name, **kwargs
+        )
+    wait_all(hub, 25)
+    elapsed = time.monotonic() - started
+    for m in members.values():
+        assert isinstance(m.error, ConfigError), f"{m.name}: {m.status} {m.error!r}"
+        for text in [setting, *expected]:
+            assert text in str(m.error), str(m.error)
+        assert m.reports == [], f"{m.name} trained {len(m.reports)} steps"
+    assert elapsed < 10, f"the members took {elapsed:.1f}s to give up"
+    collectives = [r.kind for r in hub.history]
+    assert collectives == ["allreduce"], f"more than the sync allreduce ran: {collectives}"
+
+
+def test_a_joiner_with_other_replicas_stops_the_mesh_with_a_config_error(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """a and b train with replicas=2; c joins after step 2 with replicas=3. The sync on the
+    new view tells all three (nobody can tell whose setting is the intended one)."""
+    hub = make_hub(start_with=2)
+    joined = threading.Event()
+
+    def on_step(m: Member, r: StepReport) -> None:
+        if r.step >= 2:
+            joined.set()
+
+    members = {n: Member(n) for n in "abc"}
+    for n in "ab":
+        start_member(hub, members[n], opt="adam", total=20, on_step=on_step)
+    start_member(hub, members["c"], opt="adam", total=20, replicas=3, start_after=joined)
+    wait_all(hub, 25)
+    for m in members.values():
+        assert isinstance(m.error, ConfigError), f"{m.name}: {m.status} {m.error!r}"
+        assert "replicas: 2 on a, b; 3 on c" in str(m.error), str(m.error)
+    assert len(members["a"].reports) >= 2 and members["c"].reports == []
+
+
+def test_replicated_members_may_checkpoint_at_different_periods(
+    make_hub: Callable[..., Hub], tmp_path: Path
+) -> None:
+    """Without sharding each member writes its own checkpoints: the periods (and replicas,
+    unused) need not agree."""
+    total = 4
+    hub = make_hub(start_with=2)
+    members = {n: Member(n) for n in "ab"}
+    for n, every, replicas in (("a", 2, 2), ("b", 3, 3)):
+        start_member(
+            hub,
+            members[n],
+            opt="adam",
+            total=total,
+            shard=False,
+            replicas=replicas,
+            checkpoint_dir=tmp_path / n,
+            checkpoint_every=every,
+        )
+    wait_all(hub, 25)
+    _check_converged(members, ["a", "b"], total)
+
+
+def test_the_trainer_refuses_a_factored_optimizer_when_sharded(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """torch's Adafactor keeps factored (row and column) moments per matrix: refused when
+    the trainer is built with shard_optimizer=True, accepted without."""
+    hub = make_hub()
+    model = make_model()
+    for shard in (False, True):
+        mesh = cast(SyncMesh, FakeMesh(hub, f"m{shard}"))
+        optimizer = torch.optim.Adafactor(model.parameters())
+        make = partial(ElasticTrainer, mesh, model, optimizer, make_sampler())
+        if shard:
+            with pytest.raises(LocalUsageError, match=r"torch\.optim\.Adafactor"):
+                make(shard_optimizer=True)
+        else:
+            make(shard_optimizer=False)

@@ -4,6 +4,8 @@ in-process for several simulated members, against an unsharded optimizer as the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,16 +13,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ftmesh.errors import ConfigError, LocalUsageError
 from ftmesh.state import StateLostError
 from ftmesh.state.sharding import ShardLayout
-from ftmesh.torch.zero import HeldPiece, ShardedOptimizer
+from ftmesh.torch.zero import ELEMENTWISE_OPTIMIZERS, HeldPiece, ShardedOptimizer
 from ftmesh.training.shards import (
     Piece,
+    ShardSettings,
     Version,
+    check_settings,
     holdings_record,
     plan_shard_sync,
     read_holdings,
+    read_settings,
     round_id,
+    settings_slots,
 )
 
 
@@ -127,6 +134,31 @@ def test_only_the_target_version_counts() -> None:
     assert plan.round == round_id("v2")
 
 
+def _reduced_settings(settings: list[ShardSettings]) -> list[ShardSettings]:
+    n = len(settings)
+    reduced = np.maximum.reduce([settings_slots(s, r, n) for r, s in enumerate(settings)])
+    return read_settings(reduced, n)
+
+
+def test_settings_travel_in_slots_and_differences_are_named() -> None:
+    members = [f"m{i}" for i in range(6)]
+    same = [ShardSettings.of(True, 2, 10)] * 6
+    assert _reduced_settings(same) == same
+    check_settings(same, members)
+    # replicated training uses neither replicas nor the checkpoint period
+    replicated = [ShardSettings.of(False, r, r) for r in range(6)]
+    check_settings(_reduced_settings(replicated), members)
+    odd = [*same[:5], ShardSettings.of(True, 3, 0)]
+    with pytest.raises(ConfigError) as err:
+        check_settings(_reduced_settings(odd), members)
+    text = str(err.value)
+    assert "replicas: 2 on m0, m1, m2, m3 and 1 more; 3 on m5" in text, text
+    assert "checkpoint_every: 10 on m0, m1, m2, m3 and 1 more; 0 on m5" in text, text
+    mixed = [*same[:5], ShardSettings.of(False, 2, 10)]
+    with pytest.raises(ConfigError, match=r"shard_optimizer: True on .*; False on m5\. Start"):
+        check_settings(_reduced_settings(mixed), members)
+
+
 # -- ShardedOptimizer in-process: N members, one process -------------------------------------
 
 
@@ -135,23 +167,45 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
 
 
+MakeOpt = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
 class _Member:
-    def __init__(self, name: str, replicas: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        replicas: int,
+        make_opt: MakeOpt = _adamw,
+        model: Callable[[], torch.nn.Module] = _model,
+    ) -> None:
         self.name = name
-        self.model = _model()
+        self.model = model()
         params = list(self.model.parameters())
-        self.template = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+        self.template = make_opt(params)
         self.zero = ShardedOptimizer(params, self.template, replicas)
 
 
-def _step(members: list[_Member], grads: list[torch.Tensor], version: tuple[int, int]) -> None:
+def _step(
+    members: list[_Member],
+    grads: list[torch.Tensor],
+    version: tuple[int, int],
+    with_state: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """One sharded step; with ``with_state`` (a checkpoint step), each member's gathered
+    whole optimizer state."""
     flat_grad = torch.cat([g.reshape(-1) for g in grads])
     for m in members:
         m.zero.update(flat_grad, version)
-    gathered = np.stack([m.zero.gather_input(False) for m in members])
+    gathered = np.stack([m.zero.gather_input(with_state) for m in members])
+    out = []
     for m in members:
-        m.zero.apply_gathered(gathered, False)
+        out.append(m.zero.apply_gathered(gathered, with_state))
         m.zero.commit()
+    return out
 
 
 def _reshard(members: list[_Member], step: int, rnd: int) -> None:
@@ -230,3 +284,183 @@ def test_sharding_needs_one_param_group_and_float32() -> None:
     half = torch.nn.Linear(2, 2).double()
     with pytest.raises(Exception, match="float32"):
         ShardedOptimizer(list(half.parameters()), torch.optim.SGD(half.parameters(), lr=0.1), 2)
+
+
+# -- which optimizers may be sharded ------------------------------------------------------------
+
+
+def _mixed_model() -> torch.nn.Module:
+    """Parameters of shapes (3, 2, 3, 3), (3,), (5, 12), (5,), (3, 5), (3,): 140 elements,
+    cut by 5 members into shards that straddle tensors."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3),
+        torch.nn.Flatten(),
+        torch.nn.Linear(12, 5),
+        torch.nn.Tanh(),
+        torch.nn.Linear(5, 3),
+    )
+
+
+def _check_against_unsharded(make_opt: MakeOpt, *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Five members (replicas 2) step a sharded ``make_opt`` and one process steps it
+    unsharded, on the same random gradients for 8 steps; "c" dies after step 4 and the others
+    re-shard from the replicas. Every member's parameters must equal the unsharded ones within
+    ``rtol``/``atol`` (0: bitwise) after every step, the last step's gathered optimizer state
+    (a checkpoint's) the unsharded optimizer's flattened, and the holders of each shard must
+    hold bitwise the same state."""
+    ref = _mixed_model()
+    ref_params = list(ref.parameters())
+    ref_opt = make_opt(ref_params)
+    members = [_Member(n, 2, make_opt, _mixed_model) for n in "abcde"]
+    for m in members:
+        m.zero.start_fresh(ShardLayout.of([x.name for x in members], m.zero.length, 2), m.name)
+    gen = torch.Generator().manual_seed(1)
+    steps = 8
+    for step in range(steps):
+        grads = [torch.randn(p.shape, generator=gen) for p in ref_params]
+        for p, g in zip(ref_params, grads, strict=True):
+            p.grad = g.clone()
+        ref_opt.step()
+        fulls = _step(members, grads, (step + 1, 7), with_state=step == steps - 1)
+        if step == 3:
+            members = [m for m in members if m.name != "c"]
+            _reshard(members, step + 1, 7)
+        for m in members:
+            for p, q in zip(m.model.parameters(), ref_params, strict=True):
+                torch.testing.assert_close(
+                    p.detach(), q.detach(), rtol=rtol, atol=atol, msg=f"step {step + 1}, {m.name}"
+                )
+    ref_state: dict[str, Any] = ref_opt.state[ref_params[0]]
+    for full in fulls:
+        assert set(full) == set(ref_state)
+        for key, value in full.items():
+            if value.dim() == 0:
+                expected = ref_state[key]
+            else:
+                expected = torch.cat([ref_opt.state[p][key].reshape(-1) for p in ref_params])
+            torch.testing.assert_close(value, expected, rtol=rtol, atol=atol, msg=key)
+    by_range: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
+    for m in members:
+        for piece in m.zero.held():
+            by_range.setdefault((piece.start, piece.stop), []).append(piece.state)
+    assert all(len(states) == 2 for states in by_range.values()), by_range.keys()
+    for a, b in by_range.values():
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), "holders of a shard differ"
+
+
+ALLOWED = sorted(ELEMENTWISE_OPTIMIZERS, key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", ALLOWED, ids=[c.__name__ for c in ALLOWED])
+def test_every_allowed_optimizer_matches_unsharded_bitwise(
+    cls: Callable[..., torch.optim.Optimizer],
+) -> None:
+    """Default hyper-parameters. Bitwise: each element goes through the same float32
+    operations sharded or not (the single-tensor path, torch's default on CPU)."""
+    _check_against_unsharded(lambda params: cls(params))
+
+
+OPTIONS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.SGD, {"momentum": 0.9, "dampening": 0.1, "foreach": True}),
+    (torch.optim.Adam, {"amsgrad": True, "maximize": True, "weight_decay": 0.1, "foreach": True}),
+    (torch.optim.Adam, {"decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"amsgrad": True, "lr": torch.tensor(0.01)}),
+    (torch.optim.Adamax, {"weight_decay": 0.1, "maximize": True, "foreach": True}),
+    (torch.optim.NAdam, {"decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.RAdam, {"decoupled_weight_decay": True, "weight_decay": 0.1, "foreach": True}),
+    (torch.optim.RMSprop, {"centered": True, "momentum": 0.9, "weight_decay": 0.1}),
+    # initial_accumulator_value is used by Adagrad's constructor, not by its step
+    (torch.optim.Adagrad, {"initial_accumulator_value": 0.5, "lr_decay": 0.1}),
+    (torch.optim.Adadelta, {"weight_decay": 0.1, "foreach": True}),
+    (torch.optim.ASGD, {"t0": 2, "weight_decay": 0.1}),
+    (torch.optim.Rprop, {"maximize": True, "foreach": True}),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, options", OPTIONS, ids=[f"{c.__name__}-{'-'.join(o)}" for c, o in OPTIONS]
+)
+def test_allowed_optimizers_with_options_match_unsharded_bitwise(
+    cls: Callable[..., torch.optim.Optimizer], options: dict[str, Any]
+) -> None:
+    _check_against_unsharded(lambda params: cls(params, **options))
+
+
+FUSED: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.SGD, {"fused": True, "momentum": 0.9}),
+    (torch.optim.Adam, {"fused": True}),
+    (torch.optim.AdamW, {"fused": True, "amsgrad": True}),
+    (torch.optim.Adagrad, {"fused": True}),
+]
+
+
+@pytest.mark.parametrize("cls, options", FUSED, ids=[c.__name__ for c, _ in FUSED])
+def test_fused_optimizers_match_unsharded_to_float32_rounding(
+    cls: Callable[..., torch.optim.Optimizer], options: dict[str, Any]
+) -> None:
+    """``fused=True``: the vectorised kernel rounds an element differently in the vector body
+    and in the tail of a tensor, so shards (other tensors) differ from unsharded by a few
+    float32 ulps; the holders of a shard (same tensor) still agree bitwise."""
+    _check_against_unsharded(lambda params: cls(params, **options), rtol=1e-6, atol=1e-7)
+
+
+class _NormSGD(torch.optim.Optimizer):
+    """Steps each tensor along its gradient scaled to unit norm: a per-tensor norm, as in
+    LARS and LAMB, so not element-wise."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
+
+
+class _DeclaredAdam(torch.optim.Adam):
+    ftmesh_elementwise = True
+
+
+class _NormAdam(_DeclaredAdam):
+    """Inherits the declaration, which does not count: a subclass may change the update
+    (add a per-tensor clip, say), so it must declare for itself."""
+
+
+REFUSED: list[type[torch.optim.Optimizer]] = [
+    _NormSGD,
+    _NormAdam,
+    torch.optim.Adafactor,
+    torch.optim.Muon,
+    torch.optim.LBFGS,
+    torch.optim.SparseAdam,
+]
+
+
+@pytest.mark.parametrize("cls", REFUSED, ids=[c.__name__ for c in REFUSED])
+def test_optimizers_not_known_to_be_elementwise_are_refused(
+    cls: type[torch.optim.Optimizer],
+) -> None:
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    make: Callable[..., torch.optim.Optimizer] = cls
+    with pytest.raises(
+        LocalUsageError, match=rf"cannot use .*\.{cls.__name__}: .*ftmesh_elementwise = True"
+    ):
+        ShardedOptimizer([param], make([param]), 2)
+
+
+def test_a_declared_optimizer_is_accepted_and_the_declaration_matters() -> None:
+    """A class that declares itself element-wise is taken at its word: a subclass of Adam that
+    does is sharded bitwise like Adam; _NormSGD, wrongly declared, gives another model, which
+    is why an undeclared class is refused."""
+    _check_against_unsharded(lambda params: _DeclaredAdam(params, lr=0.01))
+
+    class _WronglyDeclared(_NormSGD):
+        ftmesh_elementwise = True
+
+    with pytest.raises(AssertionError, match="step 1"):
+        _check_against_unsharded(lambda params: _WronglyDeclared(params), rtol=1e-4, atol=1e-4)

@@ -28,6 +28,11 @@ When more adjacent members died than there are replicas, every survivor reports 
 (``StateLostError``, logged) and falls back to the newest valid checkpoint in
 ``checkpoint_dir``, which in this mode holds the whole optimizer state (gathered with the
 parameters on checkpoint steps); without one, ``step`` raises the ``StateLostError``.
+The optimizer's update must be element-wise (``ftmesh.torch.zero``): others are refused
+with ``LocalUsageError`` when the trainer is built. Every member must be started with the
+same ``shard_optimizer``, ``replicas`` and (when sharded) ``checkpoint_every``: the sync
+compares them, and on a difference every member's ``step`` raises ``ConfigError`` naming
+the setting and who has which value.
 """
 
 from __future__ import annotations
@@ -68,7 +73,14 @@ from ..training.protocol import (
     round_tag,
     sync_vector,
 )
-from ..training.shards import round_id
+from ..training.shards import (
+    SETTINGS_SLOTS,
+    ShardSettings,
+    check_settings,
+    read_settings,
+    round_id,
+    settings_slots,
+)
 from .buckets import GradBuckets
 from .sampler import ElasticSampler
 from .zero import ShardedOptimizer
@@ -367,13 +379,25 @@ class ElasticTrainer:
         me = self.mesh.node_id
         rank = view.rank_of(me)
         mine = self.snapshot()
-        vec = sync_vector(rank, view.size, self.committed, mine.nbytes, mine.digest)
+        settings = self._shard_settings()
+        # The settings ride in the same allreduce (``ftmesh.training.shards``).
+        vec = np.concatenate(
+            [
+                sync_vector(rank, view.size, self.committed, mine.nbytes, mine.digest),
+                settings_slots(settings, rank, view.size),
+            ]
+        )
         own = vec.copy()
         self.mesh.allreduce_on(view, vec, "max")
-        if not own_slots_intact(vec, own, rank, view.size):
+        cut = len(vec) - SETTINGS_SLOTS * view.size
+        theirs = read_settings(vec[cut:], view.size)
+        if not own_slots_intact(vec[:cut], own[:cut], rank, view.size) or (
+            theirs[rank] != settings
+        ):
             # Every other member writes FRESH into our slots, so max() must give ours back.
             self._desync(view, f"sync vector {vec.tolist()} lost our slots {own.tolist()}")
-        plan = plan_sync(vec)
+        check_settings(theirs, view.node_ids)
+        plan = plan_sync(vec[:cut])
         log.info(
             "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
             view.epoch,
@@ -405,6 +429,12 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, world)
             self._world = world
+
+    def _shard_settings(self) -> ShardSettings:
+        """What every member must agree on (read at each sync: the attributes may change)."""
+        every = self.checkpoint_every if self.checkpoint_dir is not None else 0
+        replicas = self._zero.replicas if self._zero is not None else 0
+        return ShardSettings.of(self._zero is not None, replicas, every)
 
     def _wait_for_slot(self) -> None:
         """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots

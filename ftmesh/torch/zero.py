@@ -10,6 +10,18 @@ bitwise the same update from the same inputs); one allgather of every owner's up
 gives everybody the whole updated model. The user's optimizer object is never stepped: it
 keeps the hyper-parameters (change its learning rate as usual; every step copies them over).
 
+This gives the unsharded optimizer's result only for an optimizer whose update is
+*element-wise*: an element's new value and state depend on that element's parameter, gradient
+and state alone, and on scalars (hyper-parameters, the step count). Per-tensor norms (LAMB,
+LARS), factored moments (Adafactor) or anything that looks at a tensor's shape would silently
+compute another model on flat pieces, so the class must be one of
+``ELEMENTWISE_OPTIMIZERS`` or declare itself element-wise (``ELEMENTWISE_FLAG``); anything else
+is refused when the trainer is built. With their other settings these classes give the
+unsharded result bitwise (tested). ``fused=True`` (SGD, Adam, AdamW, Adagrad) is accepted, but
+its vectorised kernels may round an element differently depending on where it falls in its
+tensor, so the model can differ from unsharded training by float32 rounding (the owner and
+replicas of a shard step the same tensor and still agree bitwise).
+
 What a member holds is tagged with a version (``ftmesh.training.shards``): the step and the
 round that produced it. The state of the committed step is kept aside while a step's update is
 pending (its allgather not yet complete), so that both can be offered in the next sync; and
@@ -18,6 +30,7 @@ after a re-shard the pieces held before it are kept, and offered, until the next
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +57,33 @@ if TYPE_CHECKING:
 
 StateDict = dict[str, torch.Tensor]
 
+ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.RMSprop,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.ASGD,
+        torch.optim.Rprop,
+    }
+)
+"""The torch optimizers whose update is element-wise (see the module docstring) with every
+option (momentum, Nesterov, weight decay, AMSGrad, centred, maximize, foreach, fused...), as
+read in torch 2.13's source (``capturable=True`` and ``differentiable=True`` fail inside
+torch's own step on CPU parameters, sharded or not). Not these: Adafactor (factored moments),
+Muon (orthogonalises matrices), LBFGS (dot products over all parameters), SparseAdam (sparse
+gradients). Exact classes: a subclass may change the update, so it must declare itself."""
+
+ELEMENTWISE_FLAG = "ftmesh_elementwise"
+"""An optimizer class of one's own (or a subclass of an allowed one) declares that its update
+is element-wise with the class attribute ``ftmesh_elementwise = True``, set on the class
+itself: it is not inherited, since a subclass may add a per-tensor norm."""
+
 
 @dataclass(slots=True)
 class HeldPiece:
@@ -65,6 +105,7 @@ class ShardedOptimizer:
     def __init__(
         self, params: Sequence[torch.nn.Parameter], template: torch.optim.Optimizer, replicas: int
     ) -> None:
+        check_elementwise(type(template))
         if len(template.param_groups) != 1:
             raise LocalUsageError("shard_optimizer supports optimizers with one parameter group")
         if replicas < 1:
@@ -211,8 +252,13 @@ class ShardedOptimizer:
         for j in layout.held_by(me):
             a, b = layout.shard_range(j)
             shards.append((a, b, torch.nn.Parameter(flat[a:b].clone())))
-        cls: Any = type(self.template)  # the user's optimizer class, with its hyper-parameters
-        opt = cls([{"params": [w for _, _, w in shards], **self._hyper()}])
+        # The user's optimizer class with its hyper-parameters, also passed to the constructor
+        # where it takes them: some use them at once (Adagrad's initial_accumulator_value).
+        cls: Any = type(self.template)
+        hyper = self._hyper()
+        takes = inspect.signature(cls).parameters
+        kwargs = {k: v for k, v in hyper.items() if k in takes}
+        opt = cls([{"params": [w for _, _, w in shards], **hyper}], **kwargs)
         for (_, _, w), state in zip(shards, states, strict=True):
             if state:
                 opt.state[w] = state
@@ -300,6 +346,23 @@ class ShardedOptimizer:
                     f"{type(self.template).__name__} keeps {key!r} as {type(value).__name__}"
                 )
         return state
+
+
+def check_elementwise(cls: type[torch.optim.Optimizer]) -> None:
+    """Raise ``LocalUsageError`` unless ``cls``'s update is known to be element-wise (see
+    ``ELEMENTWISE_OPTIMIZERS`` and ``ELEMENTWISE_FLAG``)."""
+    if cls in ELEMENTWISE_OPTIMIZERS or vars(cls).get(ELEMENTWISE_FLAG) is True:
+        return
+    known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
+    raise LocalUsageError(
+        f"shard_optimizer=True cannot use {cls.__module__}.{cls.__qualname__}: sharding cuts "
+        f"the parameters into flat pieces, which changes the result of any update that is not "
+        f"element-wise (per-tensor norms or trust ratios as in LAMB and LARS, factored moments "
+        f"as in Adafactor, shape-dependent state). Element-wise torch optimizers: {known}. If "
+        f"this class updates each element from that element's parameter, gradient and state "
+        f"alone (and scalars such as the step count), set the class attribute "
+        f"{ELEMENTWISE_FLAG} = True on it; otherwise use shard_optimizer=False."
+    )
 
 
 def piece_snapshot(step: int, piece: HeldPiece) -> Snapshot:

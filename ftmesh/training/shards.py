@@ -37,6 +37,15 @@ the result of the one run that somebody did commit (or of none).
 Pieces of the layout before a re-shard are kept (and offered) until the next step's gradient
 allreduce completes, which proves every member finished its sync: a member whose sync failed
 half-way can still fetch from one whose sync completed.
+
+All of this needs every member to run with the same *settings* (``ShardSettings``): whether
+the optimizer is sharded, ``replicas`` (the layout, the size of the holdings record) and the
+checkpoint period (which steps' parameter allgather carries the optimizer state). Members
+that differ would fail these collectives on every retry, or compute different layouts. So
+each member writes its settings into slots of its own next to the sync vector
+(``settings_slots``), in the allreduce every sync already runs, before any collective whose
+shape depends on them; every member reads all of them from the same result and, on a
+difference, raises the same ``ConfigError`` (``check_settings``).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..state.errors import StateLostError
 from .protocol import DIGEST_SLOTS, FRESH, digest_of, digest_slots
 
@@ -54,6 +64,72 @@ VERSIONS = 2
 """Versions of its state a member advertises at most: committed and pending."""
 _VERSION_HEAD = 3  # step, round, piece count
 _PIECE_SLOTS = 2 + DIGEST_SLOTS  # start, stop, digest
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSettings:
+    """The settings that every member must share (see the module docstring). Replicated
+    training (``shard_optimizer`` false) depends on none of the others: they are 0 then."""
+
+    shard_optimizer: bool
+    replicas: int
+    checkpoint_every: int
+    """Steps between checkpoints; 0: none (no ``checkpoint_dir``, or a period <= 0)."""
+
+    @classmethod
+    def of(cls, shard_optimizer: bool, replicas: int, checkpoint_every: int) -> ShardSettings:
+        if not shard_optimizer:
+            return cls(False, 0, 0)
+        return cls(True, replicas, max(checkpoint_every, 0))
+
+
+SETTINGS_SLOTS = 3
+"""Slots per member for its ``ShardSettings`` after the sync vector."""
+
+
+def settings_slots(settings: ShardSettings, rank: int, size: int) -> np.ndarray:
+    """This member's settings for the sync allreduce(max): its own slots hold them (all
+    >= 0), every other slot ``FRESH`` (below any real value)."""
+    v = np.full(SETTINGS_SLOTS * size, FRESH, dtype=np.int64)
+    fields = (int(settings.shard_optimizer), settings.replicas, settings.checkpoint_every)
+    for k, value in enumerate(fields):
+        v[k * size + rank] = value
+    return v
+
+
+def read_settings(reduced: np.ndarray, size: int) -> list[ShardSettings]:
+    """Every rank's settings from the reduced slots."""
+    return [
+        ShardSettings(bool(reduced[r]), int(reduced[size + r]), int(reduced[2 * size + r]))
+        for r in range(size)
+    ]
+
+
+def check_settings(settings: Sequence[ShardSettings], members: Sequence[str]) -> None:
+    """Raise ``ConfigError`` naming each setting the members (in rank order) differ in, with
+    who has which value; every member computes the same from the same reduced slots."""
+    fields = ["shard_optimizer"]
+    if all(s.shard_optimizer for s in settings):  # (the others are 0 when it is off)
+        fields += ["replicas", "checkpoint_every"]
+    problems = []
+    for name in fields:
+        by_value: dict[object, list[str]] = {}
+        for s, member in zip(settings, members, strict=True):
+            by_value.setdefault(getattr(s, name), []).append(member)
+        if len(by_value) > 1:
+            who = "; ".join(f"{v} on {_names(ms)}" for v, ms in by_value.items())
+            problems.append(f"{name}: {who}")
+    if problems:
+        raise ConfigError(
+            f"members of the mesh were started with different settings: {' | '.join(problems)}. "
+            "Start every member with the same shard_optimizer, replicas and checkpoint_every "
+            "(checkpoint_every counts as 0 without a checkpoint_dir)"
+        )
+
+
+def _names(members: Sequence[str], at_most: int = 4) -> str:
+    more = f" and {len(members) - at_most} more" if len(members) > at_most else ""
+    return ", ".join(members[:at_most]) + more
 
 
 def round_id(epoch: str) -> int:
