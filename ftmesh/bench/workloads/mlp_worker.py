@@ -5,7 +5,7 @@ Started with the ``FTMESH_*`` environment of ``ftmesh launch`` (``ftmesh.connect
 a ``hello`` record (pid, node id, state size), then one record per committed step with the
 step's members and a timeline ``ev`` of what the step call spent its time on: every mesh call
 the trainer made (``ar`` allreduce, blocking or submitted, ``bc`` broadcast, ``ft`` state
-fetch, ``wv`` wait for a view, ``wvc`` wait for a view change, ``wq`` wait for quiet), state
+fetch, ``bar`` barrier, ``wv`` wait for a view, ``wvc`` wait for a view change, ``wq`` wait for quiet), state
 snapshot / load (``sb``, ``ld``), digests (``dg``) and the forward pass (``fwd``), each
 ``{"k", "a" (start), "b" (end), "err"?}`` on the monotonic clock. A monitor thread adds
 ``view`` events (``a``: when this member saw a new view, ``ids``: its members). The
@@ -119,6 +119,7 @@ def main() -> int:
             ("allreduce_on", "ar"),
             ("broadcast_on", "bc"),
             ("fetch_state", "ft"),
+            ("barrier_on", "bar"),
             ("wait_view", "wv"),
             ("wait_view_change", "wvc"),
             ("wait_quiet", "wq"),
