@@ -193,12 +193,18 @@ class Mesh:
         return await self._run(self.data_plane.barrier)
 
     async def on_view(
-        self, view: RingView, kind: str, x: T, op: str = "sum", root: str = ""
+        self,
+        view: RingView,
+        kind: str,
+        x: T,
+        op: str = "sum",
+        root: str = "",
+        io_timeout: float | None = None,
     ) -> CollectiveResult[T]:
         """Run one collective on exactly ``view`` (no retry on another view): the building block
         of protocols that must know which view a round ran on (``ftmesh.training``).
-        ``kind`` is ``allreduce``, ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused). A
-        lost peer is reported to membership."""
+        ``kind`` is ``allreduce``, ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused;
+        ``io_timeout``: see ``DataPlane.barrier``). A lost peer is reported to membership."""
         self._in_use(view)
         try:
             if kind == "allreduce":
@@ -206,7 +212,7 @@ class Mesh:
             if kind == "allgather":
                 return await self.data_plane.allgather(view, x)
             if kind == "barrier":
-                done: CollectiveResult[Any] = await self.data_plane.barrier(view)
+                done: CollectiveResult[Any] = await self.data_plane.barrier(view, io_timeout)
                 return done
             if kind == "broadcast":
                 return await self.data_plane.broadcast(view, x, root)

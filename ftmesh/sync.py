@@ -164,9 +164,9 @@ class SyncMesh:
         """``allgather`` on exactly ``view``; see :meth:`Mesh.on_view`."""
         return self.call(self.mesh.on_view, view, "allgather", x)
 
-    def barrier_on(self, view: RingView) -> None:
+    def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
         """``barrier`` on exactly ``view``; see :meth:`Mesh.on_view`."""
-        self.call(self.mesh.on_view, view, "barrier", None)
+        self.call(self.mesh.on_view, view, "barrier", None, "sum", "", io_timeout)
 
     def serve_state(self, source: Lookup) -> tuple[str, int]:
         """See :meth:`Mesh.serve_state`; ``source`` is called from the mesh's thread."""

@@ -215,3 +215,34 @@ async def test_supersede_keeps_an_earlier_loss() -> None:
         with trio.fail_after(NO_HANG), pytest.raises(RingPeerLostError) as info:
             await dps[0].allreduce(view, np.ones(4))
         assert info.value.peer == "m1"
+
+
+async def test_a_barrier_waits_past_io_timeout_when_told() -> None:
+    """After a long state fetch the fetcher enters the post-sync barrier late: with a longer
+    ``io_timeout`` for that barrier the others wait for it instead of calling it stalled."""
+    cfg = CollectiveConfig(
+        chunk_bytes=1 << 16, io_timeout=0.5, connect_timeout=5.0, view_timeout=5.0
+    )
+    async with ring_of(3, cfg) as (dps, view):
+        out: dict[int, Any] = {}
+
+        async def member(i: int, delay: float, io_timeout: float | None) -> None:
+            await trio.sleep(delay)
+            try:
+                out[i] = await dps[i].barrier(view, io_timeout)
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(NO_HANG):
+            for late in (0.0, 2.0):  # connect the ring; then one member four io_timeouts late
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(member, 0, 0.0, 30.0)
+                    nursery.start_soon(member, 1, 0.0, 30.0)
+                    nursery.start_soon(member, 2, late, 30.0)
+                assert all(not isinstance(r, Exception) for r in out.values()), out
+        with trio.fail_after(NO_HANG):  # the default still calls a late member stalled
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member, 0, 0.0, None)
+                nursery.start_soon(member, 1, 0.0, None)
+                nursery.start_soon(member, 2, 2.0, None)
+        assert any(isinstance(r, PeerStalledError) for r in out.values()), out

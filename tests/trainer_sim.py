@@ -303,7 +303,7 @@ class FakeMesh:
     def allgather_on(self, view: RingView, x: np.ndarray) -> Any:
         return SimpleNamespace(output=self.hub.collective(self.node_id, view, "allgather", x, ""))
 
-    def barrier_on(self, view: RingView) -> None:
+    def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
         self.hub.collective(self.node_id, view, "allgather", np.zeros(1), "")
 
     def submit(self, fn: Any, view: RingView, kind: str, buf: np.ndarray, op: str) -> Future[Any]:

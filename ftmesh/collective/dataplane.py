@@ -157,9 +157,16 @@ class DataPlane:
         """Overwrite ``x`` on every member with the root member's ``x`` (in place)."""
         return await self._run(self.plan_broadcast(view, x, root))
 
-    async def barrier(self, view: RingView) -> CollectiveResult[None]:
-        """Return once every member of the view has entered the barrier."""
-        return await self._run(self.plan_barrier(view))
+    async def barrier(
+        self, view: RingView, io_timeout: float | None = None
+    ) -> CollectiveResult[None]:
+        """Return once every member of the view has entered the barrier. ``io_timeout``
+        (default: the config's) bounds the wait for a neighbour to enter: raise it where
+        members legitimately arrive far apart, e.g. after one fetched a large state. A member
+        that dies meanwhile is still noticed at once (closed sockets, or ``abort_view``)."""
+        plan = self.plan_barrier(view)
+        plan.io_timeout = io_timeout
+        return await self._run(plan)
 
     # -- plans: everything but the I/O (shared by the async and the sync API) -------------------
     def plan_allreduce(self, view: RingView, x: T, op: str) -> Plan[T]:
@@ -368,7 +375,7 @@ class DataPlane:
             header,
             plan.sched,
             plan.bufs,
-            io_timeout=self.config.io_timeout,
+            io_timeout=plan.io_timeout or self.config.io_timeout,
             chunk_bytes=self.config.chunk_bytes,
             poll_interval=self.config.poll_interval,
         )
@@ -395,6 +402,8 @@ class Plan(Generic[T]):
     sched: schedule.Schedule
     bufs: Buffers
     finish: Callable[[], T]
+    io_timeout: float | None = None
+    """Overrides the config's ``io_timeout`` for this collective."""
 
 
 @asynccontextmanager

@@ -414,13 +414,17 @@ class ElasticTrainer:
             self.load_snapshot(self.mesh.fetch_state(holders, plan.target_step, plan.digest))
             self.last_sync_bytes = plan.nbytes
         if plan.behind:
-            # Nobody moves on (and, at the end, leaves) while others still fetch from it.
-            self.mesh.barrier_on(view)
+            # Nobody moves on (and, at the end, leaves) while others still fetch from it. A
+            # large state takes longer than io_timeout to fetch: the fetchers' liveness is
+            # membership's to judge meanwhile (a dead or frozen one aborts the barrier).
+            self.mesh.barrier_on(view, io_timeout=self.step_timeout)
         self.committed = plan.target_step
         if self._zero is not None and shards:
             everyone = tuple(range(view.size))
             candidates = plan.holders if plan.behind else everyone
-            self.last_sync_bytes += self._zero.sync(self.mesh, view, plan.target_step, candidates)
+            self.last_sync_bytes += self._zero.sync(
+                self.mesh, view, plan.target_step, candidates, wait=self.step_timeout
+            )
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started

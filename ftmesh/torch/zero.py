@@ -169,11 +169,19 @@ class ShardedOptimizer:
         self._shards, self._opt, self._backup, self._previous = [], None, None, []
         self._live = (step, rnd)
 
-    def sync(self, mesh: SyncMesh, view: RingView, step: int, candidates: Sequence[int]) -> int:
+    def sync(
+        self,
+        mesh: SyncMesh,
+        view: RingView,
+        step: int,
+        candidates: Sequence[int],
+        wait: float | None = None,
+    ) -> int:
         """Re-shard for ``view`` at the agreed ``step`` (see ``ftmesh.training.shards``):
         offer what we hold, agree on who holds what, fetch what we lack, hold our shards of
-        the new layout. ``candidates``: the ranks that hold the agreed model. Returns the bytes
-        fetched."""
+        the new layout. ``candidates``: the ranks that hold the agreed model; ``wait``: how
+        long members wait for the others' fetches (default: the mesh's io_timeout). Returns
+        the bytes fetched."""
         me = mesh.node_id
         layout = ShardLayout.of(view.node_ids, self.length, self.replicas)
         if step == 0:  # nobody has stepped: there is no optimizer state yet
@@ -206,7 +214,7 @@ class ShardedOptimizer:
             fetched += snap.nbytes
         if anyone_fetches(holdings, step, candidates, needed, self.length):
             # Nobody moves on (and, at the end, leaves) while others still pull from it.
-            mesh.barrier_on(view)
+            mesh.barrier_on(view, io_timeout=wait)
         mine = next((v for v in versions if (v.step, v.round) == (step, plan.round)), None)
         keep = [pieces[p.digest] for p in mine.pieces] if mine else []
         self.rebuild(layout, me, plan.segments, pieces, (step, plan.round), keep)

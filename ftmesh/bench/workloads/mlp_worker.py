@@ -5,12 +5,12 @@ Started with the ``FTMESH_*`` environment of ``ftmesh launch`` (``ftmesh.connect
 a ``hello`` record (pid, node id, state size), then one record per committed step with the
 step's members and a timeline ``ev`` of what the step call spent its time on: every mesh call
 the trainer made (``ar`` allreduce, blocking or submitted, ``bc`` broadcast, ``ft`` state
-fetch, ``bar`` barrier, ``wv`` wait for a view, ``wvc`` wait for a view change, ``wq`` wait for quiet), state
-snapshot / load (``sb``, ``ld``), digests (``dg``) and the forward pass (``fwd``), each
-``{"k", "a" (start), "b" (end), "err"?}`` on the monotonic clock. A monitor thread adds
-``view`` events (``a``: when this member saw a new view, ``ids``: its members). The
-instrumentation wraps the mesh and trainer *instances*; it changes nothing in ftmesh. Runs
-until killed or ``--max-seconds``.
+fetch, ``bar`` barrier, ``wv`` wait for a view, ``wvc`` wait for a view change, ``wq`` wait
+for quiet), state snapshot / load (``sb``, ``ld``), digests (``dg``) and the forward pass
+(``fwd``), each ``{"k", "a" (start), "b" (end), "err"?}`` on the monotonic clock. A
+monitor thread adds ``view`` events (``a``: when this member saw a new view, ``ids``: its
+members). The instrumentation wraps the mesh and trainer *instances*; it changes nothing in
+ftmesh. Runs until killed or ``--max-seconds``.
 """
 
 from __future__ import annotations
