@@ -19,6 +19,7 @@ from ftmesh.state.sharding import ShardLayout
 from ftmesh.torch.zero import ELEMENTWISE_OPTIMIZERS, HeldPiece, ShardedOptimizer
 from ftmesh.training.shards import (
     Piece,
+    SettingsMismatchError,
     ShardSettings,
     Version,
     check_settings,
@@ -144,19 +145,28 @@ def test_settings_travel_in_slots_and_differences_are_named() -> None:
     members = [f"m{i}" for i in range(6)]
     same = [ShardSettings.of(True, 2, 10)] * 6
     assert _reduced_settings(same) == same
-    check_settings(same, members)
+    check_settings(same, members, 0)
     # replicated training uses neither replicas nor the checkpoint period
     replicated = [ShardSettings.of(False, r, r) for r in range(6)]
-    check_settings(_reduced_settings(replicated), members)
-    odd = [*same[:5], ShardSettings.of(True, 3, 0)]
-    with pytest.raises(ConfigError) as err:
-        check_settings(_reduced_settings(odd), members)
-    text = str(err.value)
-    assert "replicas: 2 on m0, m1, m2, m3 and 1 more; 3 on m5" in text, text
-    assert "checkpoint_every: 10 on m0, m1, m2, m3 and 1 more; 0 on m5" in text, text
-    mixed = [*same[:5], ShardSettings.of(False, 2, 10)]
+    check_settings(_reduced_settings(replicated), members, 0)
+    odd = _reduced_settings([*same[:5], ShardSettings.of(True, 3, 0)])
+    for rank in (0, 5):  # nobody trained yet: nobody's settings are the mesh's
+        with pytest.raises(ConfigError) as err:
+            check_settings(odd, members, rank)
+        text = str(err.value)
+        assert "replicas: 2 on m0, m1, m2, m3 and 1 more; 3 on m5" in text, text
+        assert "checkpoint_every: 10 on m0, m1, m2, m3 and 1 more; 0 on m5" in text, text
+    mixed = _reduced_settings([*same[:5], ShardSettings.of(False, 2, 10)])
     with pytest.raises(ConfigError, match=r"shard_optimizer: True on .*; False on m5\. Start"):
-        check_settings(_reduced_settings(mixed), members)
+        check_settings(mixed, members, 0)
+    # m0..m4 hold the mesh's newest state: m5 is the odd one; the others wait for it to leave
+    with pytest.raises(SettingsMismatchError) as waiting:
+        check_settings(odd, members, 2, established=[0, 1, 2, 3, 4])
+    assert waiting.value.odd == ("m5",)
+    with pytest.raises(ConfigError, match="restart it with theirs"):
+        check_settings(odd, members, 5, established=[0, 1, 2, 3, 4])
+    with pytest.raises(ConfigError, match="Start every member"):  # the holders disagree
+        check_settings(odd, members, 0, established=[0, 5])
 
 
 # -- ShardedOptimizer in-process: N members, one process -------------------------------------

@@ -31,8 +31,10 @@ parameters on checkpoint steps); without one, ``step`` raises the ``StateLostErr
 The optimizer's update must be element-wise (``ftmesh.torch.zero``): others are refused
 with ``LocalUsageError`` when the trainer is built. Every member must be started with the
 same ``shard_optimizer``, ``replicas`` and (when sharded) ``checkpoint_every``: the sync
-compares them, and on a difference every member's ``step`` raises ``ConfigError`` naming
-the setting and who has which value.
+compares them, and on a difference ``step`` raises ``ConfigError`` naming the setting and
+who has which value: on the members that differ from those holding the mesh's newest state
+(the others retry once those have left), or on everyone before anybody trained or when
+those members disagree.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from ..training.protocol import (
 )
 from ..training.shards import (
     SETTINGS_SLOTS,
+    SettingsMismatchError,
     ShardSettings,
     check_settings,
     read_settings,
@@ -335,6 +338,8 @@ class ElasticTrainer:
                     continue
                 if isinstance(exc, PeerLostError):
                     self._pause_after_loss(view, getattr(exc, "peer", ""))
+                elif isinstance(exc, SettingsMismatchError):  # until the odd ones have left
+                    self.mesh.wait_view_change(view.epoch, timeout=1.0)
                 continue
             self._maybe_checkpoint()
             return report
@@ -396,8 +401,10 @@ class ElasticTrainer:
         ):
             # Every other member writes FRESH into our slots, so max() must give ours back.
             self._desync(view, f"sync vector {vec.tolist()} lost our slots {own.tolist()}")
-        check_settings(theirs, view.node_ids)
         plan = plan_sync(vec[:cut])
+        trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
+        established = plan.holders if trained else ()
+        check_settings(theirs, view.node_ids, rank, established)
         log.info(
             "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
             view.epoch,

@@ -44,8 +44,11 @@ checkpoint period (which steps' parameter allgather carries the optimizer state)
 that differ would fail these collectives on every retry, or compute different layouts. So
 each member writes its settings into slots of its own next to the sync vector
 (``settings_slots``), in the allreduce every sync already runs, before any collective whose
-shape depends on them; every member reads all of them from the same result and, on a
-difference, raises the same ``ConfigError`` (``check_settings``).
+shape depends on them; every member reads all of them from the same result (``check_settings``).
+On a difference, the settings of the members holding the mesh's newest state, when they agree,
+are the mesh's: members that differ from them raise ``ConfigError`` and the others wait for
+them to leave; before anybody trained, or when those disagree, every member raises
+``ConfigError``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import CollectiveError, ConfigError
 from ..state.errors import StateLostError
 from .protocol import DIGEST_SLOTS, FRESH, digest_of, digest_slots
 
@@ -105,9 +108,28 @@ def read_settings(reduced: np.ndarray, size: int) -> list[ShardSettings]:
     ]
 
 
-def check_settings(settings: Sequence[ShardSettings], members: Sequence[str]) -> None:
-    """Raise ``ConfigError`` naming each setting the members (in rank order) differ in, with
-    who has which value; every member computes the same from the same reduced slots."""
+class SettingsMismatchError(CollectiveError):
+    """Some members of the view were started with other settings than the members holding the
+    mesh's newest state (``odd``: their ids). Raised on the members that match: they retry
+    once the odd ones, which raise ``ConfigError``, have left the view."""
+
+    def __init__(self, msg: str, odd: Sequence[str]) -> None:
+        super().__init__(msg)
+        self.odd = tuple(odd)
+
+
+def check_settings(
+    settings: Sequence[ShardSettings],
+    members: Sequence[str],
+    rank: int,
+    established: Sequence[int] = (),
+) -> None:
+    """Compare the members' settings (in rank order; ``rank`` is ours). ``established``: the
+    ranks holding the mesh's newest committed state (none before anybody trained). When they
+    agree, theirs are the mesh's settings: a member that differs raises ``ConfigError``, one
+    that matches raises ``SettingsMismatchError`` (a misconfigured joiner must not stop a
+    running mesh). Otherwise every member raises ``ConfigError``. Every member computes the
+    same from the same reduced slots."""
     fields = ["shard_optimizer"]
     if all(s.shard_optimizer for s in settings):  # (the others are 0 when it is off)
         fields += ["replicas", "checkpoint_every"]
@@ -119,12 +141,23 @@ def check_settings(settings: Sequence[ShardSettings], members: Sequence[str]) ->
         if len(by_value) > 1:
             who = "; ".join(f"{v} on {_names(ms)}" for v, ms in by_value.items())
             problems.append(f"{name}: {who}")
-    if problems:
+    if not problems:
+        return
+    what = f"members of the mesh were started with different settings: {' | '.join(problems)}"
+    reference = {settings[r] for r in established}
+    if len(reference) == 1:
+        (ours,) = reference
+        if settings[rank] == ours:
+            odd = [m for s, m in zip(settings, members, strict=True) if s != ours]
+            raise SettingsMismatchError(f"{what}; waiting for {_names(odd)} to leave", odd)
         raise ConfigError(
-            f"members of the mesh were started with different settings: {' | '.join(problems)}. "
-            "Start every member with the same shard_optimizer, replicas and checkpoint_every "
-            "(checkpoint_every counts as 0 without a checkpoint_dir)"
+            f"{what}. This member's settings differ from those of the members holding the "
+            f"mesh's newest state ({ours}): restart it with theirs"
         )
+    raise ConfigError(
+        f"{what}. Start every member with the same shard_optimizer, replicas and "
+        "checkpoint_every (checkpoint_every counts as 0 without a checkpoint_dir)"
+    )
 
 
 def _names(members: Sequence[str], at_most: int = 4) -> str:
