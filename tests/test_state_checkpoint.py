@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ftmesh.state import (
+    CheckpointFormatError,
     State,
     latest_valid_checkpoint,
     load_checkpoint,
@@ -95,3 +96,22 @@ def test_garbage_manifest_and_empty_dir(tmp_path: Path) -> None:
 def test_no_temporary_files_left_behind(tmp_path: Path) -> None:
     _two_checkpoints(tmp_path)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_checkpoint_of_another_format_is_refused_and_never_pruned(tmp_path: Path) -> None:
+    """A checkpoint written by another ftmesh version (manifest format 1: SHA-256 leaves) is
+    neither taken for a corrupt one (which would silently resume from an older step or from
+    scratch) nor deleted to make room: scanning raises, pruning leaves it alone."""
+    import json
+
+    old = save_checkpoint(tmp_path, make_state().commit(900))
+    manifest = old.with_name(old.name + ".json")
+    fields = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**fields, "format": 1}))
+    with pytest.raises(CheckpointFormatError, match="has format 1"):
+        latest_valid_checkpoint(tmp_path)
+    state = make_state()
+    for step in (1, 2):
+        new = save_checkpoint(tmp_path, state.commit(step), keep=1)
+    assert old.exists() and manifest.exists() and new.exists()
+    assert not any(p.name.startswith("step-000000000001") for p in tmp_path.iterdir())

@@ -161,7 +161,7 @@ class DataPlane:
         self, view: RingView, io_timeout: float | None = None
     ) -> CollectiveResult[None]:
         """Return once every member of the view has entered the barrier. ``io_timeout``
-        (default: the config's) bounds the wait for a neighbour to enter: raise it where
+        (never below the config's) bounds the wait for a neighbour to enter: raise it where
         members legitimately arrive far apart, e.g. after one fetched a large state. A member
         that dies meanwhile is still noticed at once (closed sockets, or ``abort_view``)."""
         plan = self.plan_barrier(view)
@@ -375,7 +375,7 @@ class DataPlane:
             header,
             plan.sched,
             plan.bufs,
-            io_timeout=plan.io_timeout or self.config.io_timeout,
+            io_timeout=max(plan.io_timeout or 0.0, self.config.io_timeout),
             chunk_bytes=self.config.chunk_bytes,
             poll_interval=self.config.poll_interval,
         )
@@ -403,7 +403,7 @@ class Plan(Generic[T]):
     bufs: Buffers
     finish: Callable[[], T]
     io_timeout: float | None = None
-    """Overrides the config's ``io_timeout`` for this collective."""
+    """Raises the config's ``io_timeout`` for this collective (never lowers it)."""
 
 
 @asynccontextmanager

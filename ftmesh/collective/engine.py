@@ -169,7 +169,11 @@ class Pipeline:
     ) -> None:
         fatal = reason.get("kind") in _FATAL
         with self.lock:
-            if self.abort is None or override:
+            held = self.abort
+            # A loss says who to report; a later "superseded" must not hide it.
+            keep_loss = held is not None and held.get("kind") in ("lost", "stalled")
+            hides_loss = keep_loss and reason.get("kind") == "superseded"
+            if held is None or (override and not hides_loss):
                 self.abort = reason
             if fatal:
                 self.fatal = self.broken = True

@@ -18,6 +18,7 @@ from .checkpoint import (
     scan_checkpoints,
 )
 from .errors import (
+    CheckpointFormatError,
     NoCommittedStateError,
     StaleSnapshotError,
     StateError,
@@ -48,6 +49,7 @@ from .transfer import (
 
 __all__ = [
     "Checkpoint",
+    "CheckpointFormatError",
     "CheckpointScan",
     "Lookup",
     "NoCommittedStateError",

@@ -30,13 +30,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import LocalUsageError, RemoteProtocolError
+from .errors import CheckpointFormatError
 from .snapshot import Snapshot, chunk_count, hash_chunks, root_digest
 
 log = logging.getLogger(__name__)
 
 DATA_SUFFIX = ".ftmckpt"
 MANIFEST_SUFFIX = ".ftmckpt.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+"""2: snapshots of format 2 (BLAKE3 leaves). Format 1 checkpoints raise
+``CheckpointFormatError`` when scanned, and pruning never deletes them."""
 MAX_MANIFEST_BYTES = 64 << 10
 """A manifest is ~200 bytes; anything bigger is not ours and is not read into memory."""
 STALE_TMP_S = 600.0
@@ -119,7 +122,11 @@ def save_checkpoint(directory: str | Path, snapshot: Snapshot, *, keep: int = 3)
 
 def _prune(d: Path, keep: int) -> None:
     manifests = sorted(
-        (m for m in d.glob("step-*" + MANIFEST_SUFFIX) if _NAME.match(m.name[:-5])),
+        (
+            m
+            for m in d.glob("step-*" + MANIFEST_SUFFIX)
+            if _NAME.match(m.name[:-5]) and not _other_format(m)
+        ),
         key=lambda m: m.name,
         reverse=True,
     )
@@ -135,12 +142,29 @@ def _prune(d: Path, keep: int) -> None:
                 tmp.unlink()
 
 
+def _other_format(manifest: Path) -> bool:
+    """Whether ``manifest`` is a well-formed manifest of another format (not ours to prune)."""
+    try:
+        _read_manifest(manifest)
+    except CheckpointFormatError:
+        return True
+    except (OSError, ValueError, RecursionError):
+        pass
+    return False
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
         raw = f.read(MAX_MANIFEST_BYTES + 1)
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ValueError("manifest too large")
     m = json.loads(raw)
+    if isinstance(m, dict) and isinstance(m.get("format"), int) and m["format"] != MANIFEST_FORMAT:
+        raise CheckpointFormatError(
+            f"checkpoint {path.name[:-5]} in {path.parent} has format {m['format']}; this "
+            f"version of ftmesh reads format {MANIFEST_FORMAT} only. Resume with the ftmesh "
+            "that wrote it, or move it away to start without it"
+        )
     if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
         raise ValueError("unknown manifest format")
     for key, typ in (("step", int), ("digest", str), ("nbytes", int), ("file", str)):
@@ -201,6 +225,8 @@ def scan_checkpoints(directory: str | Path) -> CheckpointScan:
         try:
             scan.latest = load_checkpoint(path)
             break
+        except CheckpointFormatError:
+            raise
         except (OSError, ValueError, RecursionError) as exc:
             scan.skipped.append(SkippedCheckpoint(path, str(exc)))
     for s in scan.skipped:
@@ -210,5 +236,6 @@ def scan_checkpoints(directory: str | Path) -> CheckpointScan:
 
 def latest_valid_checkpoint(directory: str | Path) -> Checkpoint | None:
     """The newest checkpoint in ``directory`` whose content verifies, or None. Skipped ones
-    are logged; use ``scan_checkpoints`` to get them as a list."""
+    are logged; use ``scan_checkpoints`` to get them as a list. A checkpoint newer than the
+    one found but of another format raises ``CheckpointFormatError``."""
     return scan_checkpoints(directory).latest

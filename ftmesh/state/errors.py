@@ -19,6 +19,12 @@ class StateMismatchError(LocalUsageError):
     """A snapshot does not fit the objects registered in this ``State`` (names or shapes)."""
 
 
+class CheckpointFormatError(LocalUsageError):
+    """A checkpoint in the directory was written in another format (by another version of
+    ftmesh). Raised, not skipped: silently starting from an older checkpoint, or from scratch,
+    would lose the user's training."""
+
+
 class StaleSnapshotError(LocalUsageError):
     """The snapshot's buffers were reused by a later commit. Hold a ``lease()`` to prevent it."""
 

@@ -66,7 +66,9 @@ from .snapshot import (
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: snapshot format 2 (BLAKE3 leaves); a peer of another version is refused as
+``bad_version``."""
 NONCE_BYTES = 16
 MAX_CONTROL_BYTES = 4096
 """Cap on one control message. The largest legitimate one (hello) is ~200 bytes."""

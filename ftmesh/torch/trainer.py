@@ -55,6 +55,7 @@ import torch
 from ..collective import InputMismatchError, RingView, ViewMismatchError
 from ..errors import (
     CollectiveError,
+    ConfigError,
     DeadlineExceeded,
     FtmeshError,
     LocalUsageError,
@@ -404,7 +405,14 @@ class ElasticTrainer:
         plan = plan_sync(vec[:cut])
         trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
         established = plan.holders if trained else ()
-        check_settings(theirs, view.node_ids, rank, established)
+        try:
+            check_settings(theirs, view.node_ids, rank, established)
+        except ConfigError:
+            # Step out of the ring first: the members that go on see a view without us at
+            # once, even if the script catches the error and stays alive.
+            self.mesh.set_role("joining")
+            self._in_ring = False
+            raise
         log.info(
             "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
             view.epoch,
