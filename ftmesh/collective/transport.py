@@ -247,17 +247,22 @@ class Transport:
         self._parked: OrderedDict[tuple[str, str], Link] = OrderedDict()
         self._parked_changed = trio.Event()
         self._rings: OrderedDict[str, Ring] = OrderedDict()
+        self._killed: list[Ring] = []
+        """Rings killed while idle, closed at the next ``open_ring`` (see ``kill_ring``)."""
         self.dropped: dict[str, int] = {}
         self._handshakes = trio.CapacityLimiter(32)
         self._poll = min(config.poll_interval, config.io_timeout)
 
     def kill_ring(self, epoch: str, reason: dict[str, Any]) -> None:
-        """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it."""
-        ring = self._rings.get(epoch)
+        """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it. An idle ring's
+        sockets are closed only at the next ``open_ring``: ``kill`` has just written the abort
+        notices, and closing a socket with the left neighbour's unread data queued resets the
+        connection, which can overtake the notice (the neighbour would see a loss)."""
+        ring = self._rings.pop(epoch, None)
         if ring is not None:
             ring.kill(reason)
             if ring.active is None:
-                self.drop_ring(ring)
+                self._killed.append(ring)
 
     # -- inbound ------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -359,9 +364,10 @@ class Transport:
             del self._rings[ring.view.epoch]
 
     def close(self) -> None:
-        for ring in list(self._rings.values()):
+        for ring in [*self._rings.values(), *self._killed]:
             ring.close()
         self._rings.clear()
+        self._killed.clear()
         for s, _keys in self._parked.values():
             s.close()
         self._parked.clear()
@@ -369,6 +375,9 @@ class Transport:
 
     async def open_ring(self, view: RingView) -> Ring:
         """Return the ring for ``view``, connecting and agreeing with the neighbours if needed."""
+        for dead in self._killed:
+            dead.close()
+        self._killed.clear()
         ring = self.cached_ring(view)
         if ring is not None:
             return ring
