@@ -25,8 +25,8 @@ from ..errors import LocalUsageError
 from ..security import MeshAuth
 from . import schedule
 from .config import CollectiveConfig
-from .engine import Buffers, Pipeline
-from .errors import RingPeerLostError, ViewSupersededError
+from .engine import Buffers, Pipeline, abort_error
+from .errors import RingPeerLostError
 from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
 from .transport import Ring, Transport, tune_socket
 from .view import RingView
@@ -109,11 +109,8 @@ class DataPlane:
 
     def _check_aborted(self, epoch: str) -> None:
         reason = self._aborted.get(epoch)
-        if reason is None:
-            return
-        if reason["kind"] == "superseded":
-            raise ViewSupersededError(str(reason["msg"]), epoch=epoch)
-        raise RingPeerLostError(str(reason["msg"]), peer=str(reason["peer"]), epoch=epoch)
+        if reason is not None:
+            raise abort_error(reason, epoch, self.node_id)
 
     async def _open_ring(self, view: RingView) -> Ring:
         """``transport.open_ring``, cancelled by ``abort_view`` of the view's epoch."""

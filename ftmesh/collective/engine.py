@@ -82,7 +82,9 @@ from .transport import Ring
 _ABORT_MSG_CAP = 2000
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
-_FATAL = ("lost", "stalled", "superseded")
+_LOSSES = ("lost", "stalled")
+"""Aborts that name a member to report to membership."""
+_FATAL = (*_LOSSES, "superseded")
 """Aborts that end the ring for everyone: sent both ways round it, the ring is dropped."""
 _KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
 _DONE_FRAME = wire.FRAME.pack(wire.DONE, 0)
@@ -171,8 +173,11 @@ class Pipeline:
         with self.lock:
             held = self.abort
             # A loss says who to report; a later "superseded" must not hide it.
-            keep_loss = held is not None and held.get("kind") in ("lost", "stalled")
-            hides_loss = keep_loss and reason.get("kind") == "superseded"
+            hides_loss = (
+                held is not None
+                and held.get("kind") in _LOSSES
+                and reason.get("kind") == "superseded"
+            )
             if held is None or (override and not hides_loss):
                 self.abort = reason
             if fatal:
@@ -613,20 +618,7 @@ class Pipeline:
         reason = self.abort
         if reason is None:
             return
-        epoch = ring.view.epoch
-        kind, msg = str(reason.get("kind")), str(reason.get("msg"))[:_ABORT_MSG_CAP]
-        origin, peer = str(reason.get("origin")), str(reason.get("peer"))
-        if origin != self.node_id:
-            msg = f"{msg} (reported by {origin})"
-        if kind == "stalled":
-            raise PeerStalledError(msg, peer=peer, epoch=epoch)
-        if kind == "lost":
-            raise RingPeerLostError(msg, peer=peer, epoch=epoch)
-        if kind == "mismatch":
-            raise InputMismatchError(msg)
-        if kind == "superseded":
-            raise ViewSupersededError(msg, epoch=epoch)
-        raise CollectiveError(f"collective aborted: {msg}")
+        raise abort_error(reason, ring.view.epoch, self.node_id)
 
     def _forward_abort(self) -> None:
         """After a fatal abort: pass it to the right neighbour if we are at a frame boundary
@@ -649,6 +641,24 @@ class Pipeline:
                 crypto.fwd_tx.send_nowait(sock, wire.ABORT, body)
             else:
                 sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
+
+
+def abort_error(reason: dict[str, Any], epoch: str, node_id: str) -> Exception:
+    """The exception a collective on ``epoch`` raises for abort ``reason`` (``node_id``: this
+    member, so that an abort another member reported says who)."""
+    kind, msg = str(reason.get("kind")), str(reason.get("msg"))[:_ABORT_MSG_CAP]
+    origin, peer = str(reason.get("origin")), str(reason.get("peer"))
+    if origin != node_id:
+        msg = f"{msg} (reported by {origin})"
+    if kind == "stalled":
+        return PeerStalledError(msg, peer=peer, epoch=epoch)
+    if kind == "lost":
+        return RingPeerLostError(msg, peer=peer, epoch=epoch)
+    if kind == "mismatch":
+        return InputMismatchError(msg)
+    if kind == "superseded":
+        return ViewSupersededError(msg, epoch=epoch)
+    return CollectiveError(f"collective aborted: {msg}")
 
 
 def _describe(h: dict[str, Any]) -> str:

@@ -334,8 +334,7 @@ class ElasticTrainer:
                 if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
                     # A joiner that cannot get in: step out of the ring and back in, which
                     # every member sees as a view change (and a fresh sync).
-                    self.mesh.set_role("joining")
-                    self._in_ring = False
+                    self._step_out_of_ring()
                     continue
                 if isinstance(exc, PeerLostError):
                     self._pause_after_loss(view, getattr(exc, "peer", ""))
@@ -410,8 +409,7 @@ class ElasticTrainer:
         except ConfigError:
             # Step out of the ring first: the members that go on see a view without us at
             # once, even if the script catches the error and stays alive.
-            self.mesh.set_role("joining")
-            self._in_ring = False
+            self._step_out_of_ring()
             raise
         log.info(
             "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
@@ -448,6 +446,11 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, world)
             self._world = world
+
+    def _step_out_of_ring(self) -> None:
+        """Leave the ring (role ``joining``) until the next step enters it again."""
+        self.mesh.set_role("joining")
+        self._in_ring = False
 
     def _shard_settings(self) -> ShardSettings:
         """What every member must agree on (read at each sync: the attributes may change)."""
