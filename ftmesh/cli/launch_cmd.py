@@ -4,7 +4,8 @@ The workers find each other through a private registry directory (same-host disc
 multicast, no configuration), see ``ftmesh.connect``. A training script reports progress by
 printing lines ``FTMESH {json}`` with at least ``step`` (committed steps); everything else it
 prints goes to its log file. ``--kill-at STEP`` kills a random training worker with SIGKILL
-once any worker has committed STEP steps (deferred while only one worker trains);
+once any worker has committed STEP steps; kills given the same STEP happen together, and
+are deferred until more workers than that train, so at least one survives;
 ``--join-at STEP`` starts a new worker then. The launcher shows a live view, keeps every
 worker's log, and exits non-zero, naming the worker and showing its traceback, when a worker
 it did not kill fails.
@@ -65,7 +66,8 @@ def add_launch_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="STEP",
-        help="kill -9 a random worker once STEP steps are committed; repeatable",
+        help="kill -9 a random worker once STEP steps are committed; repeatable"
+        " (the same STEP twice kills two at once)",
     )
     p.add_argument(
         "--join-at",
@@ -214,25 +216,32 @@ class Launcher:
     def chaos(self) -> None:
         step = self.committed()
         while self.kills and step >= self.kills[0]:
-            # Victims are training members (they reported progress and computed samples, so
-            # not hot spares), never the last one: with no survivor holding the state there
-            # would be nothing to recover from.
+            # Kills given the same STEP happen together (that is how a test loses every
+            # replica of a shard at once). Victims are training members (they reported
+            # progress and computed samples, so not hot spares), never all of them: with no
+            # survivor holding the state there would be nothing to recover from.
+            batch = self.kills.count(self.kills[0])
             live = [
                 w
                 for w in self.workers
                 if w.running and not w.killed and not w.done and not w.spare and w.step > 0
             ]
-            if len(live) <= 1:
+            if len(live) <= batch:
                 if not self._kill_deferred:
-                    self.event(f"step {step}: kill deferred until another worker trains")
+                    self.event(
+                        f"step {step}: kill deferred until {batch + 1} workers train"
+                        f" ({len(live)} do)"
+                    )
                     self._kill_deferred = True
                 break
             self._kill_deferred = False
-            self.kills.pop(0)
-            victim = self.rng.choice(live)
-            victim.killed = True
-            os.killpg(victim.proc.pid, signal.SIGKILL)
-            self.event(f"step {step}: kill -9 {victim.name}")
+            for _ in range(batch):
+                self.kills.pop(0)
+                victim = self.rng.choice(live)
+                live.remove(victim)
+                victim.killed = True
+                os.killpg(victim.proc.pid, signal.SIGKILL)
+                self.event(f"step {step}: kill -9 {victim.name}")
         while self.joins and step >= self.joins[0]:
             self.joins.pop(0)
             w = self.start_worker()
