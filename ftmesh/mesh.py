@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import numpy as np
 import trio
 
 from .collective import (
@@ -56,6 +57,9 @@ DATA_KEY = "data"
 STATE_KEY = "state"
 """Member metadata key holding the ``host:port`` of the member's state server, if it runs one
 (``Mesh.serve_state``): where members that are behind fetch committed state from."""
+STATE_BYTES_KEY = "state_bytes"
+"""Member metadata key: the size of the member's committed state (``Mesh.advertise_state``),
+so that a member about to fetch it can prepare its receive buffer while it waits to join."""
 ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others not (``joining``: about to
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
@@ -269,11 +273,37 @@ class Mesh:
         self.node.update_meta({**me.meta, STATE_KEY: f"{host}:{port}"})
         return host, port
 
+    def advertise_state(self, nbytes: int) -> None:
+        """Publish the size of our committed state (``advertised_state_bytes``)."""
+        me = self.node.me()
+        if me.meta.get(STATE_BYTES_KEY) != nbytes:
+            self.node.update_meta({**me.meta, STATE_BYTES_KEY: nbytes})
+
+    def advertised_state_bytes(self) -> int:
+        """The largest committed-state size that training members advertise, 0 if none; never
+        more than ``TransferConfig.max_state_bytes`` or half the free physical memory (it is
+        a hint from the network, used to prepare a receive buffer)."""
+        sizes = [
+            m.meta.get(STATE_BYTES_KEY)
+            for m in self.node.members()
+            if m.node != self.node_id
+            and m.state == MemberState.ALIVE
+            and m.meta.get(ROLE_KEY) == "train"
+        ]
+        hint = max((n for n in sizes if isinstance(n, int) and n > 0), default=0)
+        return 0 if hint > min(self.config.transfer.max_state_bytes, _free_memory() // 2) else hint
+
     async def fetch_state(
-        self, holders: Sequence[str], step: int, digest: str, stats: TransferStats | None = None
+        self,
+        holders: Sequence[str],
+        step: int,
+        digest: str,
+        stats: TransferStats | None = None,
+        buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
     ) -> Snapshot:
         """Fetch the committed state ``(step, digest)`` from the state servers of the members
-        ``holders``, striped over all of them and verified chunk by chunk."""
+        ``holders``, striped over all of them and verified chunk by chunk (into ``buffer``
+        when it fits, see ``ftmesh.state.fetch_state``)."""
         by_id = {m.node: m for m in self.node.members()}
         peers = []
         for node in holders:
@@ -291,6 +321,7 @@ class Mesh:
             mesh=nc.mesh,
             config=self.config.transfer,
             stats=stats,
+            buffer=buffer,
         )
 
     def _in_use(self, view: RingView) -> None:
@@ -357,3 +388,11 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
                 yield mesh
             finally:
                 nursery.cancel_scope.cancel()
+
+
+def _free_memory() -> int:
+    """Free physical memory in bytes (where the OS tells; else unbounded)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62

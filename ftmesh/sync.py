@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import numpy as np
 import trio
 
 from .collective import CollectiveResult, RingView
@@ -173,10 +174,23 @@ class SyncMesh:
         return self.call(self.mesh.serve_state, source)
 
     def fetch_state(
-        self, holders: Sequence[str], step: int, digest: str, stats: TransferStats | None = None
+        self,
+        holders: Sequence[str],
+        step: int,
+        digest: str,
+        stats: TransferStats | None = None,
+        buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
     ) -> Snapshot:
         """See :meth:`Mesh.fetch_state`."""
-        return self.call(self.mesh.fetch_state, holders, step, digest, stats)
+        return self.call(self.mesh.fetch_state, holders, step, digest, stats, buffer)
+
+    def advertise_state(self, nbytes: int) -> None:
+        """See :meth:`Mesh.advertise_state`."""
+        self.call_sync(self.mesh.advertise_state, nbytes)
+
+    def advertised_state_bytes(self) -> int:
+        """See :meth:`Mesh.advertised_state_bytes`."""
+        return self.call_sync(self.mesh.advertised_state_bytes)
 
     def drop_view(self, view: RingView) -> None:
         """Reconnect ``view``'s ring before its next collective; see ``DataPlane.drop_view``."""

@@ -16,7 +16,7 @@ import trio
 
 from ftmesh.collective import CollectiveConfig, ViewSupersededError
 from ftmesh.membership.config import MembershipConfig
-from ftmesh.mesh import Mesh, MeshConfig, open_mesh
+from ftmesh.mesh import STATE_BYTES_KEY, Mesh, MeshConfig, open_mesh
 from ftmesh.net.node import NodeConfig
 
 NO_HANG = 20.0
@@ -106,3 +106,28 @@ async def test_a_view_that_is_no_longer_current_fails_at_once(tmp_path: Path) ->
         await views_of(ms, 3)
         with trio.fail_after(1.0), pytest.raises(ViewSupersededError):
             await ms[0].on_view(old, "barrier", None)
+
+
+async def test_state_sizes_are_advertised_by_gossip_and_bounded(tmp_path: Path) -> None:
+    """What a joiner sizes its receive buffer by: the largest committed-state size the
+    training members publish, never a size beyond the transfer's limit."""
+    async with meshes(3, tmp_path) as (_, ms):
+        await views_of(ms, 3)
+        ms[0].advertise_state(5_000_000)
+        ms[1].advertise_state(7_000_000)
+        with trio.fail_after(NO_HANG):
+            while ms[2].advertised_state_bytes() != 7_000_000:
+                await trio.sleep(0.05)
+        assert ms[1].advertised_state_bytes() == 5_000_000  # not its own
+        ms[0].set_role("observer")  # only training members count
+        with trio.fail_after(NO_HANG):
+            while ms[1].advertised_state_bytes() != 0:
+                await trio.sleep(0.05)
+        huge = ms[2].config.transfer.max_state_bytes + 1
+        ms[1].advertise_state(huge)
+        with trio.fail_after(NO_HANG):
+            while {m.node: m.meta for m in ms[2].node.members()}[ms[1].node_id].get(
+                STATE_BYTES_KEY
+            ) != huge:
+                await trio.sleep(0.05)
+        assert ms[2].advertised_state_bytes() == 0  # a hint too large to trust

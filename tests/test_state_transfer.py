@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import trio
 
+from ftmesh.errors import LocalUsageError
 from ftmesh.security import MeshAuth
 from ftmesh.state import (
     Snapshot,
@@ -309,3 +310,25 @@ async def test_garbage_from_the_network_is_dropped() -> None:
 def test_measure_transfer_reports_ratio() -> None:
     r = measure_transfer(4, 2, repeats=1)
     assert r.transfer_mb_per_s > 0 and r.raw_tcp_mb_per_s > 0 and r.ratio > 0
+
+
+async def test_fetch_into_a_callers_buffer() -> None:
+    state = make_state(6)
+    snap = state.commit(step=4)
+    fetch = functools.partial(
+        fetch_state, step=4, digest=snap.digest, auth=SECRET, mesh=MESH, config=FAST
+    )
+    async with servers(state, [SlowServer] * 2) as srvs:
+        peers = [s.address for s in srvs]
+        roomy = np.full(snap.nbytes + 4096, 0xEE, dtype=np.uint8)
+        got = await fetch(peers, buffer=roomy)
+        assert got.digest == snap.digest
+        assert np.shares_memory(got.numpy("a/w"), roomy)  # received in place
+        assert (roomy[snap.nbytes :] == 0xEE).all()  # nothing written past the state
+        small = np.zeros(snap.nbytes - 1, dtype=np.uint8)
+        got = await fetch(peers, buffer=small)  # too small: new memory, buffer untouched
+        assert got.digest == snap.digest and not np.shares_memory(got.numpy("a/w"), small)
+        assert not small.any()
+        for bad in (np.zeros(snap.nbytes, np.float32), np.zeros((2, snap.nbytes), np.uint8)):
+            with pytest.raises(LocalUsageError, match="buffer"):
+                await fetch(peers, buffer=bad)

@@ -138,6 +138,7 @@ def test_baseline_with_a_joiner(make_hub: Callable[..., Hub], opt: str) -> None:
     _check_converged(members, everyone, total)
     first = members["0j"].reports[0]
     assert first.step >= 3 and first.synced and first.sync_bytes > 0, first  # it fetched state
+    assert hub.fetched_into_buffer == ["0j"]  # into the buffer it prepared while joining
     _check_replicas(members, everyone, replicas=2)
     _check_reference(members, "a", opt, total)
 

@@ -100,6 +100,9 @@ class Hub:
         self.alive: set[str] = set()
         self.roles: dict[str, str] = {}
         self.servers: dict[str, Callable[[int, str], Snapshot | None]] = {}
+        self.state_bytes: dict[str, int] = {}
+        self.fetched_into_buffer: list[str] = []
+        """Members whose fetch landed in the buffer they prepared while joining."""
         self.rounds: dict[str, Round] = {}
         self.history: list[RoundRecord] = []
         self.inject: Inject | None = None
@@ -318,8 +321,20 @@ class FakeMesh:
     def drop_view(self, view: RingView) -> None:
         pass
 
+    def advertise_state(self, nbytes: int) -> None:
+        self.hub.state_bytes[self.node_id] = nbytes
+
+    def advertised_state_bytes(self) -> int:
+        others = [n for m, n in self.hub.state_bytes.items() if m != self.node_id]
+        return max(others, default=0)
+
     def fetch_state(
-        self, holders: Sequence[str], step: int, digest: str, stats: Any = None
+        self,
+        holders: Sequence[str],
+        step: int,
+        digest: str,
+        stats: Any = None,
+        buffer: np.ndarray | None = None,
     ) -> Snapshot:
         self._check()
         if self.hub.fetch_delay:
@@ -336,6 +351,10 @@ class FakeMesh:
             fail = self.hub.fetch_fail
             if fail is not None and fail(self.node_id, is_piece):
                 raise StateTransferError(f"injected failure fetching {digest[:8]}", {})
+            if buffer is not None and buffer.nbytes >= snap.nbytes:  # as the real one does
+                self.hub.fetched_into_buffer.append(self.node_id)
+                buffer[: snap.nbytes] = np.frombuffer(snap.to_bytes(), dtype=np.uint8)
+                return Snapshot.from_buffer(buffer[: snap.nbytes])
             return snap
         raise StateTransferError(f"nobody serves step {step} {digest[:8]}", {})
 

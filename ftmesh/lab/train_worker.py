@@ -117,9 +117,14 @@ class RecordingMesh(SyncMesh):
         """(step, digest) of every state fetched, in order."""
 
     def fetch_state(
-        self, holders: Sequence[str], step: int, digest: str, stats: TransferStats | None = None
+        self,
+        holders: Sequence[str],
+        step: int,
+        digest: str,
+        stats: TransferStats | None = None,
+        buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
     ) -> Snapshot:
-        snap = super().fetch_state(holders, step, digest, stats)
+        snap = super().fetch_state(holders, step, digest, stats, buffer)
         self.fetched.append((step, digest))
         return snap
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..errors import LocalUsageError
 from .errors import NoCommittedStateError, StateMismatchError
+from .memory import populated_zeros
 from .snapshot import (
     _TORCH_DTYPES,
     EXT_NUMPY_REF,
@@ -291,7 +292,7 @@ class State:
             spare._mark_stale()
             arena, self._spare = spare._arena, None
         if arena is None:
-            arena = np.zeros(offset, dtype=np.uint8)
+            arena = populated_zeros(offset)
 
         for e in entries:
             src = enc.leaves[e.name]

@@ -54,6 +54,7 @@ import trio
 from ..errors import ConfigError, LocalUsageError, RemoteProtocolError
 from ..security import MeshAuth
 from .errors import StaleSnapshotError, StateTransferError
+from .memory import prepared_zeros
 from .snapshot import (
     DIGEST_CHUNK_BYTES,
     LEAF_BYTES,
@@ -410,14 +411,21 @@ class TransferStats:
 
 
 class _Job:
-    def __init__(self, step: int, digest: str, config: TransferConfig, n_peers: int) -> None:
+    def __init__(
+        self,
+        step: int,
+        digest: str,
+        config: TransferConfig,
+        n_peers: int,
+        buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
+    ) -> None:
         self.n_peers = n_peers
         self.step = step
         self.digest = digest
         self.config = config
         self.size = -1
         self.leaves = b""
-        self.buf: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self.buf = buffer
         self.mv = memoryview(b"")
         self.n = 0
         self.pending: deque[tuple[int, int]] = deque()
@@ -428,11 +436,16 @@ class _Job:
     def adopt(self, size: int, leaves: bytes) -> None:
         if root_digest(size, leaves) != self.digest:
             raise RemoteProtocolError("bad_manifest", "manifest does not hash to the digest")
-        if self.buf is not None:
+        if self.size >= 0:
             return
         self.size, self.leaves = size, leaves
         self.n = chunk_count(size)
-        self.buf = np.empty(size, dtype=np.uint8)
+        buf = self.buf
+        if buf is None or buf.nbytes < size:
+            # A thread maps the pages ahead of the receives: page faults inside recv_into
+            # cost several times more (see ``memory``).
+            buf = prepared_zeros(size)
+        self.buf = buf[:size]
         self.mv = self.buf.data
         # About four requests per peer, but none under MIN_CHUNKS_PER_REQUEST: a request costs
         # a round trip and a thread hand-off, which would dominate 1 MiB requests.
@@ -644,6 +657,7 @@ async def fetch_state(
     mesh: str,
     config: TransferConfig | None = None,
     stats: TransferStats | None = None,
+    buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
 ) -> Snapshot:
     """Fetch the committed state ``(step, digest)`` from ``peers`` (``(host, port)`` pairs or
     objects with ``.host``/``.port``), striped over all of them, every chunk verified.
@@ -651,13 +665,24 @@ async def fetch_state(
     Returns a ``Snapshot`` whose digest is ``digest`` (feed it to ``State.load_snapshot``).
     Raises ``StateTransferError`` (a ``PeerLostError``) with each peer's failure reason when
     the peers together cannot supply it. Fill ``stats`` to see who sent what.
+
+    ``buffer`` (1-D writable ``uint8``, e.g. from ``memory.prepared_zeros`` made while waiting
+    to join): receive into it when the state fits, instead of into new memory. The snapshot
+    returned then lives in it; after a failed fetch its contents are undefined.
     """
     if not peers:
         raise LocalUsageError("fetch_state needs at least one peer")
+    if buffer is not None and not (
+        buffer.dtype == np.uint8
+        and buffer.ndim == 1
+        and buffer.flags.c_contiguous
+        and buffer.flags.writeable
+    ):
+        raise LocalUsageError("fetch_state's buffer must be a writable 1-D uint8 array")
     config = config or TransferConfig()
     stats = stats if stats is not None else TransferStats()
     addrs = list(dict.fromkeys(_addr(p) for p in peers))
-    job = _Job(step, digest, config, len(addrs))
+    job = _Job(step, digest, config, len(addrs), buffer)
     t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
 
@@ -673,7 +698,7 @@ async def fetch_state(
                 )
         nursery.cancel_scope.cancel()
     stats.seconds = time.perf_counter() - t0
-    if job.buf is None or job.done != job.n:
+    if job.size < 0 or job.buf is None or job.done != job.n:
         raise StateTransferError(
             f"could not fetch state step={step} digest={digest[:16]}", stats.failures
         )

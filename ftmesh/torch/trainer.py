@@ -65,6 +65,7 @@ from ..errors import (
 from ..membership.messages import MemberState
 from ..mesh import ROLE_KEY
 from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
+from ..state.memory import prepared_zeros
 from ..state.sharding import DEFAULT_REPLICAS
 from ..sync import SyncMesh
 from ..training.protocol import (
@@ -187,6 +188,7 @@ class ElasticTrainer:
         self._rng = random.Random()
         self.last_sync_bytes = 0
         self.last_sync_seconds = 0.0
+        self._receive_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         # Stay out of the ring until our first step: members in the ring would otherwise wait
         # for us while we are still starting up.
         mesh.set_role("joining")
@@ -273,6 +275,7 @@ class ElasticTrainer:
                 if self.max_peers and self.spares == "cold":
                     self._wait_for_slot()
                     deadline = time.monotonic() + self.step_timeout
+                self._prepare_receive_buffer()
                 self.mesh.set_role("train")
                 self._in_ring = True
                 # Members that started together flip to "train" within moments of each other:
@@ -424,7 +427,11 @@ class ElasticTrainer:
         )
         if rank in plan.behind:
             holders = [view.members[r].node_id for r in plan.holders]
-            self.load_snapshot(self.mesh.fetch_state(holders, plan.target_step, plan.digest))
+            snap = self.mesh.fetch_state(
+                holders, plan.target_step, plan.digest, None, self._receive_buffer
+            )
+            self._receive_buffer = None  # the fetched snapshot lives in it now
+            self.load_snapshot(snap)
             self.last_sync_bytes = plan.nbytes
         if plan.behind:
             # Nobody moves on (and, at the end, leaves) while others still fetch from it. A
@@ -439,6 +446,7 @@ class ElasticTrainer:
                 self.mesh, view, plan.target_step, candidates, wait=self.step_timeout
             )
         self._synced_epoch = view.epoch
+        self.mesh.advertise_state(self.state.committed.nbytes if self.state.committed else 0)
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started
         world = min(view.size, self.max_peers) if self.max_peers else view.size  # computing
@@ -446,6 +454,16 @@ class ElasticTrainer:
             if self._world and self.on_world_change is not None:
                 self.on_world_change(self._world, world)
             self._world = world
+
+    def _prepare_receive_buffer(self) -> None:
+        """Before a member that has not trained enters the ring: start mapping the memory its
+        state will be fetched into, while the ring forms, off the fetch's critical path
+        (``ftmesh.state.memory``); sized by what the members advertise."""
+        if self.committed != FRESH or self._receive_buffer is not None:
+            return
+        nbytes = self.mesh.advertised_state_bytes()
+        if nbytes:
+            self._receive_buffer = prepared_zeros(nbytes)
 
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""
