@@ -15,6 +15,7 @@ raised: whether to retry, and with what inputs, is the caller's decision (see
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -274,14 +275,14 @@ class Mesh:
         return host, port
 
     def advertise_state(self, nbytes: int) -> None:
-        """Publish the size of our committed state (``advertised_state_bytes``)."""
+        """Publish the size of the state we would serve (``advertised_state_bytes``)."""
         me = self.node.me()
         if me.meta.get(STATE_BYTES_KEY) != nbytes:
             self.node.update_meta({**me.meta, STATE_BYTES_KEY: nbytes})
 
     def advertised_state_bytes(self) -> int:
         """The largest committed-state size that training members advertise, 0 if none; never
-        more than ``TransferConfig.max_state_bytes`` or half the free physical memory (it is
+        more than ``TransferConfig.max_state_bytes`` or half the available memory (it is
         a hint from the network, used to prepare a receive buffer)."""
         sizes = [
             m.meta.get(STATE_BYTES_KEY)
@@ -290,7 +291,7 @@ class Mesh:
             and m.state == MemberState.ALIVE
             and m.meta.get(ROLE_KEY) == "train"
         ]
-        hint = max((n for n in sizes if isinstance(n, int) and n > 0), default=0)
+        hint = max((n for n in sizes if type(n) is int and n > 0), default=0)
         return 0 if hint > min(self.config.transfer.max_state_bytes, _free_memory() // 2) else hint
 
     async def fetch_state(
@@ -391,7 +392,12 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
 
 
 def _free_memory() -> int:
-    """Free physical memory in bytes (where the OS tells; else unbounded)."""
+    """Memory available to a new allocation, in bytes (MemAvailable: free memory and page
+    cache that can be reclaimed); free pages where that is not known; else unbounded."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

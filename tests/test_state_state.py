@@ -229,3 +229,28 @@ def test_malformed_blobs_are_refused(cut: int) -> None:
         bad[20] ^= 0xFF  # inside the header
     with pytest.raises(RemoteProtocolError):
         Snapshot.from_buffer(bytes(bad))
+
+
+def test_nbytes_is_the_size_of_the_next_commit_without_copying() -> None:
+    model = torch.nn.Linear(300, 200)
+    opt = torch.optim.Adam(model.parameters())
+    state = State(model=model, optimizer=opt, arrays={"big": np.ones(300_000)})
+    assert state.nbytes() == state.commit(step=1).nbytes
+    model(torch.randn(2, 300)).sum().backward()
+    opt.step()  # creates the moments
+    grown = state.nbytes()
+    assert grown > state.committed.nbytes  # type: ignore[union-attr]
+    assert grown == state.commit(step=2).nbytes
+
+
+def test_commits_work_where_pages_cannot_be_mapped_up_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ftmesh.state import memory
+
+    monkeypatch.setattr(memory, "_madvise", None)  # another OS, or a kernel before 5.14
+    state = State(arrays={"w": np.arange(1 << 20, dtype=np.float64)}, rng=False)
+    snap = state.commit(step=1)
+    assert (snap.numpy("a/w") == state.arrays["w"]).all()
+    assert not memory.populate(memory.mapped_zeros(4 << 20))
+    assert not memory.prepared_zeros(4 << 20).any()

@@ -329,6 +329,24 @@ async def test_fetch_into_a_callers_buffer() -> None:
         got = await fetch(peers, buffer=small)  # too small: new memory, buffer untouched
         assert got.digest == snap.digest and not np.shares_memory(got.numpy("a/w"), small)
         assert not small.any()
+        bad: Any
         for bad in (np.zeros(snap.nbytes, np.float32), np.zeros((2, snap.nbytes), np.uint8)):
             with pytest.raises(LocalUsageError, match="buffer"):
                 await fetch(peers, buffer=bad)
+
+
+@pytest.mark.parametrize(("mib", "peers"), [(1, 3), (16, 3), (17, 3), (100, 2), (300, 4)])
+async def test_ranges_are_even_and_cover_the_state_once(mib: int, peers: int) -> None:
+    from ftmesh.state.snapshot import chunk_count
+    from ftmesh.state.transfer import _Job
+
+    snap = make_state(mib).commit(step=1)
+    job = _Job(1, snap.digest, TransferConfig(), peers)
+    job.adopt(snap.nbytes, snap.leaves)
+    ranges = list(job.pending)
+    lengths = {n for _, n in ranges}
+    assert max(lengths) - min(lengths) <= 1
+    assert max(lengths) <= TransferConfig().chunks_per_request
+    ends = [first + n for first, n in ranges]
+    assert [first for first, _ in ranges] == [0, *ends[:-1]]  # back to back, in order
+    assert ends[-1] == chunk_count(snap.nbytes)

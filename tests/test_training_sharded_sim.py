@@ -143,6 +143,31 @@ def test_baseline_with_a_joiner(make_hub: Callable[..., Hub], opt: str) -> None:
     _check_reference(members, "a", opt, total)
 
 
+def test_a_replicated_joiner_fetches_into_the_buffer_it_prepared(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """Unsharded, with SGD momentum (state that the first step creates): the members
+    advertise the size of the state after it, and the joiner receives into its buffer."""
+    total = 8
+    hub = make_hub(start_with=3)
+    joined = threading.Event()
+
+    def on_step(m: Member, r: StepReport) -> None:
+        if r.step >= 3:
+            joined.set()
+
+    members = {n: Member(n) for n in ["a", "b", "c", "0j"]}
+    for n in "abc":
+        start_member(hub, members[n], opt="sgd", total=total, shard=False, on_step=on_step)
+    start_member(hub, members["0j"], opt="sgd", total=total, shard=False, start_after=joined)
+    wait_all(hub, 45)
+    _check_converged(members, list(members), total)
+    assert members["0j"].reports[0].sync_bytes > 0
+    assert hub.fetched_into_buffer == ["0j"]
+    state = _trainer(members["a"]).state
+    assert set(hub.state_bytes.values()) == {state.nbytes()}  # momentum included
+
+
 def test_joiner_piece_fetch_fails_once(make_hub: Callable[..., Hub]) -> None:
     """The joiner's first fetch of a piece of optimizer state fails (transient): it retries;
     nobody reports the state lost."""

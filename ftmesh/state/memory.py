@@ -19,8 +19,10 @@ the GIL, in slices, so the mesh's own thread keeps running meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import sys
 import threading
@@ -46,17 +48,23 @@ if sys.platform.startswith("linux"):
         _madvise = None
 
 
+def _mappable(nbytes: int) -> bool:
+    return _madvise is not None and nbytes >= MAP_MIN_BYTES
+
+
 def populate(buf: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
     """Map every page of ``buf`` (from ``mapped_zeros``) now, front to back, keeping its
     contents: safe while other threads write into it. False where the kernel cannot."""
     global _madvise
+    madvise = _madvise  # another thread may clear it
+    if madvise is None:
+        return False
     addr, nbytes = int(buf.ctypes.data), buf.nbytes
     if addr % mmap.PAGESIZE:
         raise ValueError("populate needs a page-aligned buffer (from mapped_zeros)")
     for at in range(addr, addr + nbytes, POPULATE_SLICE_BYTES):
-        size = min(POPULATE_SLICE_BYTES, addr + nbytes - at)
-        if _madvise is None or _madvise(at, size, MADV_POPULATE_WRITE) != 0:
-            if ctypes.get_errno() == 22:  # EINVAL: a kernel older than 5.14; don't ask again
+        if madvise(at, min(POPULATE_SLICE_BYTES, addr + nbytes - at), MADV_POPULATE_WRITE):
+            if ctypes.get_errno() == errno.EINVAL:  # a kernel older than 5.14: don't ask again
                 _madvise = None
             return False
     return True
@@ -66,17 +74,18 @@ def mapped_zeros(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """A zeroed, writable ``uint8`` array of ``nbytes``, in small pages that are not mapped
     yet (``populate`` maps them); ``np.zeros`` where that cannot help. Freed when the last
     view of it goes."""
-    if _madvise is None or nbytes < MAP_MIN_BYTES:
+    if not _mappable(nbytes):
         return np.zeros(nbytes, dtype=np.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_NOHUGEPAGE)
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+        region.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(region, dtype=np.uint8)
 
 
 def populated_zeros(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """``mapped_zeros`` with every page already mapped where the kernel can."""
     buf = mapped_zeros(nbytes)
-    if buf.nbytes >= MAP_MIN_BYTES:
+    if _mappable(nbytes):
         populate(buf)
     return buf
 
@@ -85,6 +94,6 @@ def prepared_zeros(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """``mapped_zeros`` whose pages a background thread starts mapping now; returns at once.
     Use it straight away (writes race the thread harmlessly) or later, when it is warm."""
     buf = mapped_zeros(nbytes)
-    if _madvise is not None and buf.nbytes >= MAP_MIN_BYTES:
+    if _mappable(nbytes):
         threading.Thread(target=populate, args=(buf,), name="ftmesh-populate", daemon=True).start()
     return buf

@@ -260,7 +260,14 @@ class State:
             raise NoCommittedStateError("nothing committed yet: call commit() first")
         return self._committed
 
-    def _capture(self, *, reuse: bool) -> Snapshot:
+    def nbytes(self) -> int:
+        """The size of the snapshot ``commit()`` would make now, copying nothing."""
+        _, _, arena_bytes, prefix = self._layout()
+        return len(prefix) + arena_bytes
+
+    def _layout(self) -> tuple[_Encoder, list[Entry], int, bytes]:
+        """Walk the live state (no copy): its leaves, where each goes in the arena, the
+        arena's size, and the snapshot's prefix."""
         enc = _Encoder()
         objects: dict[str, Any] = {}
         for name in sorted(self._objects):
@@ -284,6 +291,10 @@ class State:
                 nbytes = src.numel() * src.element_size()
             entries.append(Entry(name, kind, dtype, shape, offset, nbytes))
             offset = align(offset + nbytes)
+        return enc, entries, offset, build_prefix(encode_header(self.step, entries, trees))
+
+    def _capture(self, *, reuse: bool) -> Snapshot:
+        enc, entries, arena_bytes, prefix = self._layout()
         layout = tuple((e.name, e.kind, e.dtype, e.shape) for e in entries)
 
         arena: np.ndarray[Any, np.dtype[np.uint8]] | None = None
@@ -292,7 +303,7 @@ class State:
             spare._mark_stale()
             arena, self._spare = spare._arena, None
         if arena is None:
-            arena = populated_zeros(offset)
+            arena = populated_zeros(arena_bytes)
 
         for e in entries:
             src = enc.leaves[e.name]
@@ -305,8 +316,7 @@ class State:
                     view = torch.from_numpy(dst).view(getattr(torch, e.dtype)).view(e.shape)
                     view.copy_(src.detach())
 
-        header = encode_header(self.step, entries, trees)
-        snap = Snapshot.from_buffer_parts(build_prefix(header), arena)
+        snap = Snapshot.from_buffer_parts(prefix, arena)
         snap._layout = layout
         if reuse:
             snap._owner = self

@@ -442,16 +442,22 @@ class _Job:
         self.n = chunk_count(size)
         buf = self.buf
         if buf is None or buf.nbytes < size:
-            # A thread maps the pages ahead of the receives: page faults inside recv_into
-            # cost several times more (see ``memory``).
+            # A thread maps the pages while the first receives run: page faults inside
+            # recv_into cost several times more (see ``memory``).
             buf = prepared_zeros(size)
         self.buf = buf[:size]
         self.mv = self.buf.data
-        # About four requests per peer, but none under MIN_CHUNKS_PER_REQUEST: a request costs
-        # a round trip and a thread hand-off, which would dominate 1 MiB requests.
+        # About four requests per peer, but none much under MIN_CHUNKS_PER_REQUEST: a request
+        # costs a round trip and a thread hand-off, which would dominate 1 MiB requests.
+        # Ranges of equal size (within one chunk): no short tail costing a round trip.
         even = max(MIN_CHUNKS_PER_REQUEST, self.n // (4 * self.n_peers))
-        step = min(self.config.chunks_per_request, even)
-        self.pending.extend((i, min(step, self.n - i)) for i in range(0, self.n, step))
+        count = -(-self.n // min(self.config.chunks_per_request, even))
+        base, extra = divmod(self.n, count)
+        first = 0
+        for i in range(count):
+            length = base + (i < extra)
+            self.pending.append((first, length))
+            first += length
         self._poke()
 
     def _poke(self) -> None:

@@ -94,6 +94,9 @@ log = logging.getLogger("ftmesh.torch")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
+RECEIVE_BUFFER_SLACK = 1 << 20
+"""Bytes a joiner's receive buffer has beyond the advertised state size: room for a
+snapshot prefix that grew since (the step, a scheduler's state)."""
 
 RECOVERABLE = (PeerLostError, ViewMismatchError, InputMismatchError, CollectiveError)
 
@@ -189,6 +192,7 @@ class ElasticTrainer:
         self.last_sync_bytes = 0
         self.last_sync_seconds = 0.0
         self._receive_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._advertised = -1
         # Stay out of the ring until our first step: members in the ring would otherwise wait
         # for us while we are still starting up.
         mesh.set_role("joining")
@@ -313,6 +317,8 @@ class ElasticTrainer:
                         # end, or joined): adopting it was this step.
                         return self._adopted(view, attempts)
                 report = self._attempt(view, loss_fn, attempts, synced)
+                if synced:  # the first step on a view made whatever state it makes
+                    self._advertise_state()
             except StateLostError as exc:
                 self._fall_back(exc)
                 self._synced_epoch = ""
@@ -425,12 +431,13 @@ class ElasticTrainer:
             plan.root,
             plan.behind,
         )
+        buffer, self._receive_buffer = self._receive_buffer, None  # used once, if at all
         if rank in plan.behind:
             holders = [view.members[r].node_id for r in plan.holders]
+            fits = buffer is not None and buffer.nbytes >= plan.nbytes
             snap = self.mesh.fetch_state(
-                holders, plan.target_step, plan.digest, None, self._receive_buffer
+                holders, plan.target_step, plan.digest, None, buffer if fits else None
             )
-            self._receive_buffer = None  # the fetched snapshot lives in it now
             self.load_snapshot(snap)
             self.last_sync_bytes = plan.nbytes
         if plan.behind:
@@ -446,7 +453,6 @@ class ElasticTrainer:
                 self.mesh, view, plan.target_step, candidates, wait=self.step_timeout
             )
         self._synced_epoch = view.epoch
-        self.mesh.advertise_state(self.state.committed.nbytes if self.state.committed else 0)
         self._last_view = view.node_ids
         self.last_sync_seconds = time.monotonic() - started
         world = min(view.size, self.max_peers) if self.max_peers else view.size  # computing
@@ -455,15 +461,23 @@ class ElasticTrainer:
                 self.on_world_change(self._world, world)
             self._world = world
 
+    def _advertise_state(self) -> None:
+        """Tell joiners the size of the state they will fetch (``_prepare_receive_buffer``)."""
+        nbytes = self.state.nbytes()
+        if nbytes != self._advertised:
+            self.mesh.advertise_state(nbytes)
+            self._advertised = nbytes
+
     def _prepare_receive_buffer(self) -> None:
         """Before a member that has not trained enters the ring: start mapping the memory its
         state will be fetched into, while the ring forms, off the fetch's critical path
-        (``ftmesh.state.memory``); sized by what the members advertise."""
+        (``ftmesh.state.memory``); sized by what the members advertise. A spare keeps it
+        while it waits for a slot."""
         if self.committed != FRESH or self._receive_buffer is not None:
             return
         nbytes = self.mesh.advertised_state_bytes()
         if nbytes:
-            self._receive_buffer = prepared_zeros(nbytes)
+            self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""
