@@ -331,7 +331,9 @@ class StateServer:
                 await self._unavailable(sock, snap)
                 return
             with snap.lease():
-                if await trio.to_thread.run_sync(lambda: snap.digest) != digest:
+                # (hashing a fresh snapshot takes a while: not in the event loop's thread)
+                known = snap._digest or await trio.to_thread.run_sync(lambda: snap.digest)
+                if known != digest:
                     await self._unavailable(sock, snap)
                     return
                 await _send_msg(
@@ -447,11 +449,13 @@ class _Job:
             buf = prepared_zeros(size)
         self.buf = buf[:size]
         self.mv = self.buf.data
-        # About four requests per peer, but none much under MIN_CHUNKS_PER_REQUEST: a request
-        # costs a round trip and a thread hand-off, which would dominate 1 MiB requests.
-        # Ranges of equal size (within one chunk): no short tail costing a round trip.
-        even = max(MIN_CHUNKS_PER_REQUEST, self.n // (4 * self.n_peers))
-        count = -(-self.n // min(self.config.chunks_per_request, even))
+        # Up to four requests per peer, the same number for each, none under
+        # MIN_CHUNKS_PER_REQUEST (a request costs a round trip and a thread hand-off, which
+        # would dominate 1 MiB requests) or over chunks_per_request; of equal size within one
+        # chunk, so no short tail costs a round trip of its own.
+        rounds = min(4, max(1, self.n // (MIN_CHUNKS_PER_REQUEST * self.n_peers)))
+        fewest = -(-self.n // self.config.chunks_per_request)
+        count = min(self.n, max(rounds * self.n_peers, fewest))
         base, extra = divmod(self.n, count)
         first = 0
         for i in range(count):
