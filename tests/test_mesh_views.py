@@ -118,7 +118,9 @@ async def test_state_sizes_are_advertised_by_gossip_and_bounded(tmp_path: Path) 
         with trio.fail_after(NO_HANG):
             while ms[2].advertised_state_bytes() != 7_000_000:
                 await trio.sleep(0.05)
-        assert ms[1].advertised_state_bytes() == 5_000_000  # not its own
+            while ms[1].advertised_state_bytes() != 5_000_000:  # not its own 7 MB
+                await trio.sleep(0.05)
+        assert ms[2].advertised_state_bytes() == 7_000_000
         ms[0].set_role("observer")  # only training members count
         with trio.fail_after(NO_HANG):
             while ms[1].advertised_state_bytes() != 0:
