@@ -28,9 +28,9 @@ record that shows X (so it includes the record's trip through the pipe, well und
    MB = 1e6 bytes; ``join_transfer_mb_per_s`` counts only the fetch. The ceiling: the same
    number of bytes sent over one fresh loopback TCP connection between two processes with
    blocking ``sendall`` / ``recv_into`` (median of 5), measured in the same run, into one reused
-   buffer (``raw_tcp_mb_per_s``, the goal's ceiling) and, as a joiner receives, into freshly
-   allocated memory each time (``raw_tcp_fresh_mb_per_s``): on a VM whose host backs guest
-   memory lazily the first touch of memory costs far more than the copy.
+   buffer (``raw_tcp_mb_per_s``, the goal's ceiling) and into freshly allocated NumPy memory
+   each time (``raw_tcp_fresh_mb_per_s``): on a VM whose host backs guest memory lazily the
+   first touch of memory can cost more than the copy (joiners avoid it: ``state.memory``).
 4. **torchrun.** N ``torchrun --nnodes=1:N --nproc-per-node=1`` agents with c10d rendezvous on
    127.0.0.1 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), each running a DDP/gloo worker that
    resumes from rank 0's checkpoint. A random *worker* (not agent) is SIGKILLed the same way;
