@@ -426,11 +426,21 @@ def _ftmesh_phases(
                 ids = ev[2].get("ids")
                 return ev[1] is joiner and isinstance(ids, list) and len(ids) == args.procs
 
-            jev = mesh.wait(joined, f"replacement {joiner.name} to join")
-            received = [s for s in jev[2].get("ev", []) if s["k"] == "ft" and not s.get("err")]
-            if jev[2].get("sync_bytes") or received:
+            mesh.wait(joined, f"replacement {joiner.name} to join")
+            # Its first step that fetched state: usually the one on the full view, but it may
+            # have trained a step on a smaller view first (a member briefly out).
+            fetched = next(
+                (
+                    (float(r["recv"]), joiner, r)
+                    for r in mesh.steps.get(joiner.node, [])
+                    if r.get("sync_bytes")
+                    or any(s["k"] == "ft" and not s.get("err") for s in r.get("ev", []))
+                ),
+                None,
+            )
+            if fetched is not None:
                 mesh.wait_full()  # the others' first records on the new epoch
-                joins.append(mesh.join_numbers(joiner, jev))
+                joins.append(mesh.join_numbers(joiner, fetched))
                 mesh.state_bytes = max(mesh.state_bytes, int(joins[-1]["bytes"]))
         for k in range(args.stops):
             mesh.wait_full()
