@@ -46,6 +46,10 @@ def test_recovery_bench_smoke() -> None:
         "1",
         "--state-mb",
         "1",
+        "--join-sizes",
+        "2",
+        "--join-rounds",
+        "1",
         timeout=240,
     )
     assert r["failures"] == []
@@ -69,8 +73,13 @@ def test_recovery_bench_smoke() -> None:
         "kill_median_under_0.5s",
         "vs_torchrun_at_least_4x",
         "sigstop_within_bound_plus_1s",
-        "join_at_least_half_ceiling",
+        "join_transfer_at_least_half_ceiling",
     }
+    sizes = [row["state_mb"] for row in r["join_by_size"]]
+    assert sizes == [1, 2], r["join_by_size"]
+    for row in r["join_by_size"]:
+        assert row["joins"] == 1 and _positive(row["join_transfer_vs_ceiling"]), row
+    assert r["join_by_size"][1]["state_bytes"] > r["state_bytes"]
 
 
 def test_train_bench_smoke() -> None:
