@@ -88,8 +88,10 @@ def test_hot_spare_is_up_to_date_and_takes_over_at_once(tmp_path: Path) -> None:
         "3",
         "--seed",
         "1",
+        # Late enough that a worker slow to start (seconds, on a loaded CI host) is in the
+        # ring as the spare before the kill.
         "--kill-at",
-        "30",
+        "60",
         EXAMPLE,
         *["--min-peers", "2", "--max-peers", "2", "--epochs", "4"],
         *["--step-delay", "0.05", "--digest-every", "1"],
@@ -106,13 +108,12 @@ def test_hot_spare_is_up_to_date_and_takes_over_at_once(tmp_path: Path) -> None:
         for r in recs:
             computing.setdefault(int(r["step"]), []).append(int(r["share"]))  # type: ignore[call-overload]
     assert all(len([s for s in shares if s]) <= 2 for shares in computing.values())
-    # The spare (no share before the kill) computes right after it, with no state fetch.
     # The spare (no share before the kill; it may have joined a little after the start) computes
     # right after the kill, with no state to fetch.
     spare = next(n for n, recs in steps.items() if recs and int(recs[0]["share"]) == 0)  # type: ignore[call-overload]
-    assert int(steps[spare][0]["step"]) < 30, "the spare joined after the kill"  # type: ignore[call-overload]
+    assert int(steps[spare][0]["step"]) < 60, "the spare joined after the kill"  # type: ignore[call-overload]
     promoted = [r for r in steps[spare] if int(r["share"])]  # type: ignore[call-overload]
     assert promoted, "the spare never computed"
-    assert int(promoted[0]["step"]) <= 40, promoted[0]  # type: ignore[call-overload]
+    assert int(promoted[0]["step"]) <= 70, promoted[0]  # type: ignore[call-overload]
     assert promoted[0]["fetched"] == 0, promoted[0]
     assert accuracy(res.stdout) >= 0.9
