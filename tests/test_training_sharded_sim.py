@@ -115,6 +115,17 @@ def _nth(kind: str, n: int, act: Inject) -> Inject:
     return inject
 
 
+def _after_step(n: int) -> tuple[threading.Event, Callable[[Member, StepReport], None]]:
+    """An event set once any member has committed step ``n``, and the ``on_step`` setting it."""
+    reached = threading.Event()
+
+    def on_step(m: Member, r: StepReport) -> None:
+        if r.step >= n:
+            reached.set()
+
+    return reached, on_step
+
+
 # ------------------------------------------------------------------------------ scenarios
 
 
@@ -123,11 +134,7 @@ def test_baseline_with_a_joiner(make_hub: Callable[..., Hub], opt: str) -> None:
     """4 members train; a fifth joins after step 3 and fetches the model and its shards."""
     total = 10
     hub = make_hub(start_with=4)
-    joined = threading.Event()
-
-    def on_step(m: Member, r: StepReport) -> None:
-        if r.step >= 3:
-            joined.set()
+    joined, on_step = _after_step(3)
 
     members = {n: Member(n) for n in ["a", "b", "c", "d", "0j"]}
     for n in "abcd":
@@ -150,11 +157,7 @@ def test_a_replicated_joiner_fetches_into_the_buffer_it_prepared(
     advertise the size of the state after it, and the joiner receives into its buffer."""
     total = 8
     hub = make_hub(start_with=3)
-    joined = threading.Event()
-
-    def on_step(m: Member, r: StepReport) -> None:
-        if r.step >= 3:
-            joined.set()
+    joined, on_step = _after_step(3)
 
     members = {n: Member(n) for n in ["a", "b", "c", "0j"]}
     for n in "abc":
@@ -173,7 +176,7 @@ def test_joiner_piece_fetch_fails_once(make_hub: Callable[..., Hub]) -> None:
     nobody reports the state lost."""
     total = 10
     hub = make_hub(start_with=3)
-    joined = threading.Event()
+    joined, on_step = _after_step(3)
     failed: list[str] = []
 
     def fetch_fail(me: str, is_piece: bool) -> bool:
@@ -183,10 +186,6 @@ def test_joiner_piece_fetch_fails_once(make_hub: Callable[..., Hub]) -> None:
         return False
 
     hub.fetch_fail = fetch_fail
-
-    def on_step(m: Member, r: StepReport) -> None:
-        if r.step >= 3:
-            joined.set()
 
     # "0j" sorts first: rank 0 of the views it is in.
     members = {n: Member(n) for n in ["a", "b", "c", "0j"]}
@@ -430,11 +429,7 @@ def test_a_joiner_with_other_replicas_gets_a_config_error_and_the_mesh_goes_on(
     mesh's newest state, so theirs are the mesh's settings: c raises ``ConfigError`` (and
     leaves), a and b wait for it to leave and finish training."""
     hub = make_hub(start_with=2)
-    joined = threading.Event()
-
-    def on_step(m: Member, r: StepReport) -> None:
-        if r.step >= 2:
-            joined.set()
+    joined, on_step = _after_step(2)
 
     members = {n: Member(n) for n in "abc"}
     for n in "ab":
