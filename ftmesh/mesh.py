@@ -37,6 +37,7 @@ from .collective import (
     ViewSupersededError,
     open_data_plane,
 )
+from .collective.transport import Ring
 from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
 from .net.node import Node, NodeConfig, open_node, parse_hostport
@@ -129,6 +130,7 @@ class Mesh:
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._views: dict[str, RingView] = {}
+        self._latest_view: RingView | None = None  # as of the last event _watch handled
 
     @property
     def node_id(self) -> str:
@@ -211,20 +213,33 @@ class Mesh:
         ``kind`` is ``allreduce``, ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused;
         ``io_timeout``: see ``DataPlane.barrier``). A lost peer is reported to membership."""
         self._in_use(view)
+        plan = self.data_plane.plan_on(view, kind, x, op, root, io_timeout)
         try:
-            if kind == "allreduce":
-                return await self.data_plane.allreduce(view, x, op)
-            if kind == "allgather":
-                return await self.data_plane.allgather(view, x)
-            if kind == "barrier":
-                done: CollectiveResult[Any] = await self.data_plane.barrier(view, io_timeout)
-                return done
-            if kind == "broadcast":
-                return await self.data_plane.broadcast(view, x, root)
+            done: CollectiveResult[T] = await self.data_plane.run_plan(plan)
         except RingPeerLostError as exc:
             self.node.report_unreachable(exc.peer)
             raise
-        raise ConfigError(f"unknown collective {kind!r}")
+        return done
+
+    def view_in_use(self) -> RingView | None:
+        """The view as of the last membership event handled, if collectives already run on it
+        over an open ring (``ring_in_use``), else None. Safe from any thread: the steady state
+        of a training loop (same view, step after step) needs no trip to the trio thread. It
+        may lag ``view()`` by events not handled yet; a collective on it then fails or is
+        superseded as on any view that changes under it."""
+        view = self._latest_view
+        if view is None or self.ring_in_use(view) is None:
+            return None
+        return view
+
+    def ring_in_use(self, view: RingView) -> Ring | None:
+        """The open ring of ``view`` if collectives already ran on it and we have not moved
+        on from it since (``_in_use``), else None. Safe from any thread: a collective may then
+        run on it straight away with ``DataPlane.run_plan_blocking``; a loss or a newer view
+        kills the ring, and the collective raises that."""
+        if view.epoch not in self._views:
+            return None
+        return self.data_plane.whole_ring(view.epoch)
 
     async def run_on_view(
         self, fn: Callable[[RingView], Awaitable[CollectiveResult[T]]]
@@ -357,7 +372,7 @@ class Mesh:
         """We moved off every watched view but the current one: we will not run collectives on
         them, so the members still running or opening one must not wait ``io_timeout`` for us
         (a joiner's arrival would otherwise stall the ring that far)."""
-        current = self.view()
+        current = self._latest_view = self.view()
         for epoch in [e for e in self._views if current is None or e != current.epoch]:
             del self._views[epoch]
             self.data_plane.supersede_view(epoch, why)

@@ -3,14 +3,16 @@
 Theory of operation: :meth:`SyncMesh.start` runs ``open_mesh`` inside ``trio.run`` on a private
 daemon thread and waits until the member has joined. Each blocking call is handed to that
 thread with ``trio.from_thread.run`` and waits for its result; exceptions travel back
-unchanged. ``close()`` (or leaving the ``with`` block) leaves the mesh gracefully and joins the
-thread, bounded by a timeout.
+unchanged. Collectives on a given view (``*_on``, ``submit_on_view``) skip trio once their
+ring is open (``Mesh.ring_in_use``): they drive the ring's sockets straight from the caller's
+thread, or, when submitted, from one job thread that runs them in submission order.
+``close()`` (or leaving the ``with`` block) leaves the mesh gracefully and joins the thread,
+bounded by a timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
@@ -19,14 +21,14 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from .collective import CollectiveResult, RingView
+from .collective import CollectiveResult, RingPeerLostError, RingView
 from .errors import MeshClosedError
+from .job_thread import JobThread
 from .membership.messages import MemberSnapshot
 from .mesh import Mesh, MeshConfig, open_mesh
 from .state import Lookup, Snapshot, TransferStats
 
 T = TypeVar("T")
-_Job = tuple[Future[Any], Callable[..., Awaitable[Any]], tuple[Any, ...]]
 
 
 class SyncMesh:
@@ -39,7 +41,7 @@ class SyncMesh:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._jobs_in, self._jobs_out = trio.open_memory_channel[_Job](math.inf)
+        self._jobs = JobThread("ftmesh-collectives")
 
     @classmethod
     def start(cls, config: MeshConfig | None = None, start_timeout: float = 30.0) -> SyncMesh:
@@ -47,14 +49,12 @@ class SyncMesh:
 
         async def main() -> None:
             try:
-                async with open_mesh(config) as mesh, trio.open_nursery() as nursery:
+                async with open_mesh(config) as mesh:
                     self._mesh = mesh
-                    nursery.start_soon(self._run_jobs)
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     self._ready.set()
                     await self._stop.wait()
-                    nursery.cancel_scope.cancel()
             except BaseException as exc:
                 self._error = exc
                 raise
@@ -90,22 +90,33 @@ class SyncMesh:
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
-        future completes with its result or exception. Submitted calls run one at a time, in
-        submission order (trio schedules new tasks in no fixed order, and members must issue
-        their collectives in the same order)."""
-        fut: Future[T] = Future()
-        self.call_sync(self._jobs_in.send_nowait, (fut, fn, args))
-        return fut
+        future completes with its result or exception. Submitted calls (these and
+        ``submit_on_view``) run one at a time, in submission order: members must issue their
+        collectives in the same order."""
+        self.mesh  # noqa: B018 - raises if closed
+        return self._jobs.submit(self.call, fn, *args)
 
-    async def _run_jobs(self) -> None:
-        async for fut, fn, args in self._jobs_out:
-            try:
-                fut.set_result(await fn(*args))
-            except Exception as exc:
-                fut.set_exception(exc)
-            except BaseException as exc:  # cancelled: the mesh is closing
-                fut.set_exception(MeshClosedError(f"mesh closed: {exc!r}"))
-                raise
+    def submit_on_view(
+        self, view: RingView, kind: str, x: T, op: str = "sum"
+    ) -> Future[CollectiveResult[T]]:
+        """``Mesh.on_view`` without waiting (in order with ``submit``): e.g. a gradient
+        bucket's allreduce launched during backward."""
+        self.mesh  # noqa: B018 - raises if closed
+        return self._jobs.submit(self._on_view, view, kind, x, op, "", None)
+
+    def _on_view(
+        self, view: RingView, kind: str, x: T, op: str, root: str, io_timeout: float | None
+    ) -> CollectiveResult[T]:
+        mesh = self.mesh
+        ring = mesh.ring_in_use(view)
+        if ring is None:  # a new view (or a broken ring): trio opens it
+            return self.call(mesh.on_view, view, kind, x, op, root, io_timeout)
+        plan = mesh.data_plane.plan_on(view, kind, x, op, root, io_timeout)
+        try:
+            return mesh.data_plane.run_plan_blocking(ring, plan)
+        except RingPeerLostError as exc:
+            self.call_sync(mesh.node.report_unreachable, exc.peer)
+            raise
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""
@@ -121,6 +132,12 @@ class SyncMesh:
     def wait_view(
         self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
     ) -> RingView:
+        """See :meth:`Mesh.wait_view`. Without ``settle``, a view that collectives already run
+        on (``Mesh.view_in_use``) is returned straight away, from this thread."""
+        view = self.mesh.view_in_use() if settle == 0 else None
+        if view is not None and view.size >= min_members and self.node_id in view:
+            return view
+
         async def wait() -> RingView:
             return await self.mesh.wait_view(
                 min_members=min_members, settle=settle, timeout=timeout
@@ -154,20 +171,21 @@ class SyncMesh:
         return self.call(self.mesh.barrier)
 
     def allreduce_on(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`."""
-        return self.call(self.mesh.on_view, view, "allreduce", x, op)
+        """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`. Runs in this thread, after
+        the collectives submitted before it."""
+        return self._jobs.run(self._on_view, view, "allreduce", x, op, "", None)
 
     def broadcast_on(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
-        """Broadcast from ``root`` on exactly ``view``; see :meth:`Mesh.on_view`."""
-        return self.call(self.mesh.on_view, view, "broadcast", x, "sum", root)
+        """Broadcast from ``root`` on exactly ``view``; see :meth:`allreduce_on`."""
+        return self._jobs.run(self._on_view, view, "broadcast", x, "sum", root, None)
 
     def allgather_on(self, view: RingView, x: T) -> CollectiveResult[T]:
-        """``allgather`` on exactly ``view``; see :meth:`Mesh.on_view`."""
-        return self.call(self.mesh.on_view, view, "allgather", x)
+        """``allgather`` on exactly ``view``; see :meth:`allreduce_on`."""
+        return self._jobs.run(self._on_view, view, "allgather", x, "sum", "", None)
 
     def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
-        """``barrier`` on exactly ``view``; see :meth:`Mesh.on_view`."""
-        self.call(self.mesh.on_view, view, "barrier", None, "sum", "", io_timeout)
+        """``barrier`` on exactly ``view``; see :meth:`allreduce_on`."""
+        self._jobs.run(self._on_view, view, "barrier", None, "sum", "", io_timeout)
 
     def serve_state(self, source: Lookup) -> tuple[str, int]:
         """See :meth:`Mesh.serve_state`; ``source`` is called from the mesh's thread."""
@@ -214,6 +232,7 @@ class SyncMesh:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         if self._thread is not None:
             self._thread.join(join_timeout)
+        self._jobs.close(join_timeout)
 
     def __enter__(self) -> SyncMesh:
         return self

@@ -1,5 +1,6 @@
 """``GradBuckets``: gradients land in the buckets during backward (no copy), every bucket is
-launched once and in index order, and ``write_grads`` leaves the scaled reduced gradients in
+launched once and in index order (all but the last during backward, the last run by
+``finish`` in the calling thread), and ``write_grads`` leaves the scaled reduced gradients in
 ``.grad`` — also when user code replaced a ``.grad`` in between."""
 
 from __future__ import annotations
@@ -27,17 +28,24 @@ def _reference(x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
-def _doubling_allreduce(launched: list[int], buffers: list[np.ndarray]) -> Any:
-    """A stand-in for a 2-member allreduce of identical inputs: doubles in place."""
+def _doubling_allreduce(
+    launched: list[tuple[str, int]], buffers: list[np.ndarray]
+) -> tuple[Any, Any]:
+    """A stand-in for a 2-member allreduce of identical inputs: doubles in place. Records
+    ``("launch", bucket)`` or ``("run", bucket)``."""
+
+    def run(buf: np.ndarray) -> None:
+        launched.append(("run", next(i for i, b in enumerate(buffers) if b is buf)))
+        buf *= 2
 
     def launch(buf: np.ndarray) -> Future[Any]:
-        launched.append(next(i for i, b in enumerate(buffers) if b is buf))
-        buf *= 2
+        run(buf)
+        launched[-1] = ("launch", launched[-1][1])
         fut: Future[Any] = Future()
         fut.set_result(None)
         return fut
 
-    return launch
+    return launch, run
 
 
 @pytest.mark.parametrize("replace_grads", [False, True])
@@ -49,15 +57,17 @@ def test_reduced_gradients_end_up_in_grad(replace_grads: bool) -> None:
     buckets = GradBuckets(params, bucket_bytes=64 * 64 * 4)  # several buckets
     assert len(buckets.buffers) > 1
     for _ in range(2):  # a second step reuses the buckets
-        launched: list[int] = []
-        buckets.start(_doubling_allreduce(launched, buckets.buffers))
+        launched: list[tuple[str, int]] = []
+        buckets.start(*_doubling_allreduce(launched, buckets.buffers))
         if replace_grads:
             for p in params:
                 p.grad = None
         model(x).square().sum().backward()  # type: ignore[no-untyped-call]
+        last = len(buckets.buffers) - 1
+        assert launched == [("launch", i) for i in range(last)]  # during backward
         buckets.finish(timeout=5)
         buckets.write_grads(0.25)
-        assert launched == list(range(len(buckets.buffers)))
+        assert launched == [*(("launch", i) for i in range(last)), ("run", last)]
         for p, g in zip(params, want, strict=True):
             assert p.grad is not None
             assert torch.allclose(p.grad, g * 0.5, rtol=1e-6, atol=1e-7)
@@ -68,7 +78,7 @@ def test_grads_are_views_of_the_buckets() -> None:
     model = _model()
     params = list(model.parameters())
     buckets = GradBuckets(params, bucket_bytes=1 << 20)
-    buckets.start(_doubling_allreduce([], buckets.buffers))
+    buckets.start(*_doubling_allreduce([], buckets.buffers))
     for p in params:
         assert p.grad is not None
         assert any(

@@ -309,7 +309,7 @@ class FakeMesh:
     def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
         self.hub.collective(self.node_id, view, "allgather", np.zeros(1), "")
 
-    def submit(self, fn: Any, view: RingView, kind: str, buf: np.ndarray, op: str) -> Future[Any]:
+    def submit_on_view(self, view: RingView, kind: str, buf: np.ndarray, op: str) -> Future[Any]:
         fut: Future[Any] = Future()
         try:
             buf[...] = self.hub.collective(self.node_id, view, kind, buf, op)

@@ -105,37 +105,32 @@ def _worker(
                     bucket_mb=cfg["bucket_mb"],
                 )
                 retries = 0
-                # Time the trainer's gradient allreduce (the instance's method: nothing else
-                # changes), to split ftmesh's step into communication and the rest.
-                in_ar = [0.0]
-                allreduce_on = mesh.allreduce_on
-
-                def timed_allreduce(
-                    *a: Any, _orig: Any = allreduce_on, _acc: list[float] = in_ar, **kw: Any
-                ) -> Any:
-                    t = time.perf_counter()
-                    try:
-                        return _orig(*a, **kw)
-                    finally:
-                        _acc[0] += time.perf_counter() - t
-
-                setattr(mesh, "allreduce_on", timed_allreduce)  # noqa: B010
-                # Bucketed trainers submit their allreduces: count, per step, from the first
-                # submission to the last completion.
+                # Time the trainer's gradient allreduces (the instance's methods: nothing else
+                # changes), to split ftmesh's step into communication and the rest: per step,
+                # from the first bucket submitted to the last one done.
                 spans: list[tuple[float, float]] = []
-                if hasattr(mesh, "submit"):
-                    submit = mesh.submit
 
-                    def timed_submit(
-                        fn: Any, *a: Any, _orig: Any = submit, _spans: Any = spans
-                    ) -> Any:
+                def timed(orig: Any, spans: list[tuple[float, float]] = spans) -> Any:
+                    def call(*args: Any, **kw: Any) -> Any:
                         t = time.perf_counter()
-                        fut = _orig(fn, *a)
-                        fut.add_done_callback(lambda _f: _spans.append((t, time.perf_counter())))
-                        return fut
+                        try:
+                            out = orig(*args, **kw)
+                        except BaseException:
+                            spans.append((t, time.perf_counter()))
+                            raise
+                        if hasattr(out, "add_done_callback"):  # submitted: done later
+                            out.add_done_callback(lambda _f: spans.append((t, time.perf_counter())))
+                        else:
+                            spans.append((t, time.perf_counter()))
+                        return out
 
-                    setattr(mesh, "submit", timed_submit)  # noqa: B010
+                    return call
+
+                for name in ("allreduce_on", "submit_on_view"):
+                    setattr(mesh, name, timed(getattr(mesh, name)))
                 grads = torch.zeros(param_count(model_f) + 2)
+
+                in_ar = [0.0]
 
                 def step_ftmesh(
                     trainer: Any = trainer,

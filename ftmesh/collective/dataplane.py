@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket as _stdsocket
+import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -56,6 +57,8 @@ class DataPlane:
         self.config = config
         self.node_id = transport.node_id
         self._lock = trio.Lock()
+        self._engine_lock = threading.Lock()
+        """Held while a collective drives the ring's sockets, from whichever thread."""
         host, port = transport.listener.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
         self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -138,21 +141,21 @@ class DataPlane:
     # -- public collectives -----------------------------------------------------------------
     async def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size."""
-        return await self._run(self.plan_allreduce(view, x, op))
+        return await self.run_plan(self.plan_allreduce(view, x, op))
 
     async def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         """Reduce ``x`` over all members and return this member's block of the flattened
         result: blocks are ``np.array_split(x.ravel(), N)`` in ring order. ``x`` is untouched."""
-        return await self._run(self.plan_reduce_scatter(view, x, op))
+        return await self.run_plan(self.plan_reduce_scatter(view, x, op))
 
     async def allgather(self, view: RingView, x: T) -> CollectiveResult[T]:
         """Gather every member's ``x`` (same dtype and shape everywhere) into a new array of
         shape ``(N, *x.shape)``, in ring (sorted node id) order."""
-        return await self._run(self.plan_allgather(view, x))
+        return await self.run_plan(self.plan_allgather(view, x))
 
     async def broadcast(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
         """Overwrite ``x`` on every member with the root member's ``x`` (in place)."""
-        return await self._run(self.plan_broadcast(view, x, root))
+        return await self.run_plan(self.plan_broadcast(view, x, root))
 
     async def barrier(
         self, view: RingView, io_timeout: float | None = None
@@ -161,11 +164,33 @@ class DataPlane:
         (never below the config's) bounds the wait for a neighbour to enter: raise it where
         members legitimately arrive far apart, e.g. after one fetched a large state. A member
         that dies meanwhile is still noticed at once (closed sockets, or ``abort_view``)."""
-        plan = self.plan_barrier(view)
-        plan.io_timeout = io_timeout
-        return await self._run(plan)
+        return await self.run_plan(self.plan_on(view, "barrier", None, io_timeout=io_timeout))
 
     # -- plans: everything but the I/O (shared by the async and the sync API) -------------------
+    def plan_on(
+        self,
+        view: RingView,
+        kind: str,
+        x: Any,
+        op: str = "sum",
+        root: str = "",
+        io_timeout: float | None = None,
+    ) -> Plan[Any]:
+        """The plan of collective ``kind``: ``allreduce`` (``op``), ``allgather``,
+        ``broadcast`` (from ``root``) or ``barrier`` (``x`` unused; ``io_timeout``: see
+        ``barrier``)."""
+        if kind == "allreduce":
+            return self.plan_allreduce(view, x, op)
+        if kind == "allgather":
+            return self.plan_allgather(view, x)
+        if kind == "broadcast":
+            return self.plan_broadcast(view, x, root)
+        if kind == "barrier":
+            plan = self.plan_barrier(view)
+            plan.io_timeout = io_timeout
+            return plan
+        raise LocalUsageError(f"unknown collective {kind!r}")
+
     def plan_allreduce(self, view: RingView, x: T, op: str) -> Plan[T]:
         st = stage(x, writable=True)
         red, scale = self._reducers(op, st.dtype, view.size)
@@ -319,14 +344,23 @@ class DataPlane:
     def cached_ring(self, view: RingView) -> Ring | None:
         return self._transport.cached_ring(view)
 
-    async def _run(self, plan: Plan[T]) -> CollectiveResult[T]:
+    def whole_ring(self, epoch: str) -> Ring | None:
+        """The open ring of ``epoch`` if it is neither broken nor killed, else None. Safe from
+        any thread (it only reads); the ring may still be killed right after, which the
+        collective then raises."""
+        ring = self._transport.cached_ring_of(epoch)
+        if ring is None or ring.broken or ring.killed is not None:
+            return None
+        return ring
+
+    async def run_plan(self, plan: Plan[T]) -> CollectiveResult[T]:
+        """Run ``plan``: open its view's ring if needed, drive it in a worker thread."""
         async with self._lock:
             ring = await self._open_ring(plan.view)
             if plan.view.size > 1:
-                pipe = self._pipeline(ring, plan)
                 try:
                     await trio.to_thread.run_sync(
-                        self._run_pipeline, ring, pipe, abandon_on_cancel=True
+                        self._run_pipeline, ring, plan, abandon_on_cancel=True
                     )
                 except trio.Cancelled:
                     # The engine threads may still run: fail their sockets so they exit promptly.
@@ -339,10 +373,11 @@ class DataPlane:
         return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
 
     def run_plan_blocking(self, ring: Ring, plan: Plan[T]) -> CollectiveResult[T]:
-        """Run ``plan`` on an already open ``ring`` in the calling (non-trio) thread. Used by
-        the sync facade to skip two thread hand-offs per call; one caller at a time."""
+        """Run ``plan`` on an already open ``ring`` (``whole_ring``) in the calling (non-trio)
+        thread: no thread hand-off at all. Collectives from several threads take turns (one
+        drives the sockets at a time) but their order is the callers' business."""
         if plan.view.size > 1:
-            self._run_pipeline(ring, self._pipeline(ring, plan))
+            self._run_pipeline(ring, plan)
         return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
 
     def _pipeline(self, ring: Ring, plan: Plan[Any]) -> Pipeline:
@@ -377,13 +412,14 @@ class DataPlane:
             poll_interval=self.config.poll_interval,
         )
 
-    def _run_pipeline(self, ring: Ring, pipe: Pipeline) -> None:
-        try:
-            self._check_aborted(ring.view.epoch)
-            pipe.run_blocking()
-        finally:
-            if ring.broken:
-                self._transport.drop_ring(ring)
+    def _run_pipeline(self, ring: Ring, plan: Plan[Any]) -> None:
+        with self._engine_lock:
+            try:
+                self._check_aborted(ring.view.epoch)
+                self._pipeline(ring, plan).run_blocking()
+            finally:
+                if ring.broken:
+                    self._transport.drop_ring(ring)
 
 
 @dataclass

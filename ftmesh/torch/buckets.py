@@ -11,7 +11,9 @@ parameter's gradient as ready; when a bucket is complete it is handed to the mes
 allreduce without waiting, so communication overlaps with the rest of backward, as in
 ``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
 completes early waits for the ones before it), so every member issues the same collectives in
-the same order whatever order its hooks fire in. The last bucket carries three extra slots:
+the same order whatever order its hooks fire in. The last bucket (the only one, for a small
+model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
+allreduce in the calling thread, after the others. The last bucket carries three extra slots:
 the member's sample count, its summed loss and a round check (see ``ElasticTrainer``).
 """
 
@@ -57,6 +59,7 @@ class GradBuckets:
         self._launched = 0
         self._futures: list[Future[Any]] = []
         self._launch: Callable[[np.ndarray], Future[Any]] | None = None
+        self._run: Callable[[np.ndarray], object] | None = None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -71,9 +74,12 @@ class GradBuckets:
         b, start, stop = self.slot[id(p)]
         return torch.from_numpy(self.buffers[b][start:stop]).view_as(p)
 
-    def start(self, launch: Callable[[np.ndarray], Future[Any]]) -> None:
+    def start(
+        self, launch: Callable[[np.ndarray], Future[Any]], run: Callable[[np.ndarray], object]
+    ) -> None:
         """Zero the gradients (the buckets) and arm the hooks for one backward pass;
-        ``launch(buffer)`` starts an allreduce."""
+        ``launch(buffer)`` starts an allreduce, ``run(buffer)`` runs one (after those
+        launched before it)."""
         for buf in self.buffers:
             buf.fill(0.0)
         for p in self.params:
@@ -84,6 +90,7 @@ class GradBuckets:
         self._launched = 0
         self._futures = []
         self._launch = launch
+        self._run = run
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._launch is None or p.grad is None:
@@ -96,24 +103,27 @@ class GradBuckets:
 
     def _launch_ready(self) -> None:
         assert self._launch is not None
-        while self._launched < len(self.buffers) and self._pending[self._launched] <= 0:
+        last = len(self.buffers) - 1  # run by finish()
+        while self._launched < last and self._pending[self._launched] <= 0:
             self._futures.append(self._launch(self.buffers[self._launched]))
             self._launched += 1
 
     def finish(self, timeout: float) -> None:
-        """Launch what is left (gradients that never came are zero) and wait for every
-        bucket; raises the first collective error."""
-        assert self._launch is not None
+        """Launch what is left (gradients that never came are zero), run the last bucket and
+        wait for every bucket; raises the first collective error."""
+        assert self._launch is not None and self._run is not None
         self._pending = [0] * len(self.buffers)
         self._launch_ready()
-        self._launch = None
-        errors = []
-        for fut in self._futures:
-            exc = fut.exception(timeout)
-            if exc is not None:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        run, self._launch, self._run = self._run, None, None
+        last_error: BaseException | None = None
+        try:
+            run(self.buffers[-1])
+        except Exception as exc:  # reported after those of the earlier buckets
+            last_error = exc
+        errors = [fut.exception(timeout) for fut in self._futures]
+        first = next((e for e in [*errors, last_error] if e is not None), None)
+        if first is not None:
+            raise first
 
     def write_grads(self, scale: float) -> None:
         """Scale the reduced buckets by ``scale``: ``.grad`` holds the result."""

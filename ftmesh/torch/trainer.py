@@ -570,6 +570,9 @@ class ElasticTrainer:
     def _quorate(self, view: RingView) -> bool:
         if self.quorum == "any" or not self._last_view:
             return True
+        if set(self._last_view) <= set(view.node_ids):  # all that last trained are here
+            self._dead_since.clear()
+            return True
         now = time.monotonic()
         states = {m.node: m.state for m in self.mesh.members()}
         gone = (MemberState.DEAD, MemberState.LEFT)
@@ -600,9 +603,12 @@ class ElasticTrainer:
         buckets = self._buckets  # start() zeroes the gradients
 
         def launch(buf: np.ndarray) -> Future[Any]:
-            return self.mesh.submit(self.mesh.mesh.on_view, view, "allreduce", buf, "sum")
+            return self.mesh.submit_on_view(view, "allreduce", buf, "sum")
 
-        buckets.start(launch)
+        def run(buf: np.ndarray) -> object:
+            return self.mesh.allreduce_on(view, buf, "sum")
+
+        buckets.start(launch, run)
         tag = round_tag(step)
         buckets.header[2] = tag
         if len(indices):

@@ -125,12 +125,12 @@ def main() -> int:
             ("wait_quiet", "wq"),
         ):
             setattr(mesh, name, tl.wrap(kind, getattr(mesh, name)))
-        if hasattr(mesh, "submit"):  # asynchronous (bucketed) collectives
-            mesh_submit = mesh.submit
+        if hasattr(mesh, "submit_on_view"):  # asynchronous (bucketed) collectives
+            mesh_submit = mesh.submit_on_view
 
-            def submit(fn: Callable[..., Any], *a: Any) -> Any:
+            def submit(*a: Any) -> Any:
                 t0 = time.monotonic()
-                fut = mesh_submit(fn, *a)
+                fut = mesh_submit(*a)
                 n = next((int(x.nbytes) for x in a if hasattr(x, "nbytes")), 0)
 
                 def done(f: Any) -> None:
@@ -143,7 +143,7 @@ def main() -> int:
                 fut.add_done_callback(done)
                 return fut
 
-            setattr(mesh, "submit", submit)  # noqa: B010
+            setattr(mesh, "submit_on_view", submit)  # noqa: B010
         for name, kind in (
             ("snapshot", "sb"),
             ("load_snapshot", "ld"),
