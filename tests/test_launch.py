@@ -42,6 +42,9 @@ def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
     done = {name: r[-1] for name, r in records.items() if r and r[-1].get("done")}
     assert len(done) == 4, "the killed worker should be the only one not finishing"
     assert len({str(r["digest"]) for r in done.values()}) == 1, "final weights differ"
+    for name in ("w0", "w1", "w2", "w3"):  # the first four took their first step together
+        first = records[name][0]
+        assert (first["step"], first["members"]) == (1, 4), (name, first)
     total = int(records["w0"][0]["total"])  # type: ignore[call-overload]
     check_consistency(records, total)
     # The joiner entered mid-run, with the others' state.

@@ -6,9 +6,10 @@ printing lines ``FTMESH {json}`` with at least ``step`` (committed steps); every
 prints goes to its log file. ``--kill-at STEP`` kills a random training worker with SIGKILL
 once any worker has committed STEP steps; kills given the same STEP happen together, and
 are deferred until more workers than that train, so at least one survives;
-``--join-at STEP`` starts a new worker then. The launcher shows a live view, keeps every
-worker's log, and exits non-zero, naming the worker and showing its traceback, when a worker
-it did not kill fails.
+``--join-at STEP`` starts a new worker then. The first N workers get ``FTMESH_START_PEERS=N``
+(``ElasticTrainer`` takes its first step once N train; joiners don't wait). The launcher
+shows a live view, keeps every worker's log, and exits non-zero, naming the worker and
+showing its traceback, when a worker it did not kill fails.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def add_launch_parser(sub: Any) -> None:
     w.add_argument("--preset", choices=["local", "lan", "wan"], default="lan")
     w.add_argument("--secret-file", default="")
     w.add_argument(
+        "--start-peers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a fresh mesh takes its first step once N members train (sets $FTMESH_START_PEERS)",
+    )
+    w.add_argument(
         "--encrypt",
         action="store_true",
         help="encrypt gossip and the data plane (needs a secret; sets $FTMESH_ENCRYPT)",
@@ -118,6 +126,8 @@ def run_worker(args: argparse.Namespace) -> int:
     )
     if args.encrypt:
         env["FTMESH_ENCRYPT"] = "1"
+    if args.start_peers:
+        env["FTMESH_START_PEERS"] = str(args.start_peers)
     os.execvpe(sys.executable, [sys.executable, args.script, *args.args], env)
     return 127  # pragma: no cover - exec does not return
 
@@ -142,6 +152,7 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._registry = tempfile.mkdtemp(prefix="ftmesh-launch-")
         self.env = dict(os.environ)
+        self.env.pop("FTMESH_START_PEERS", None)  # only the first N get it (start_worker)
         threads = max(1, (os.cpu_count() or 1) // args.nprocs)
         self.env.update(
             FTMESH_MESH=f"launch-{os.getpid()}-{self.rng.getrandbits(32):08x}",
@@ -158,10 +169,12 @@ class Launcher:
         if self.args.no_live or not self.out.isatty():
             print(line, file=self.out, flush=True)
 
-    def start_worker(self) -> Worker:
+    def start_worker(self, start_peers: int = 0) -> Worker:
         name = f"w{len(self.workers)}"
         log_path = self.log_dir / f"{name}.log"
         env = {**self.env, "FTMESH_WORKER_NAME": name}
+        if start_peers:
+            env["FTMESH_START_PEERS"] = str(start_peers)
         proc = subprocess.Popen(
             [sys.executable, self.args.script, *self.args.args],
             stdout=subprocess.PIPE,
@@ -281,7 +294,7 @@ class Launcher:
     def run(self) -> int:
         try:
             for _ in range(self.args.nprocs):
-                self.start_worker()
+                self.start_worker(start_peers=self.args.nprocs)
             live_view = not self.args.no_live and self.out.isatty()
             if live_view:
                 from rich.live import Live

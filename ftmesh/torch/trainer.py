@@ -9,6 +9,14 @@ allreduce and applies the optimizer. A failure during the step (a peer died or s
 ring disagreed about the view or the inputs) retries the step on the next view, with the
 step's batch re-split among the survivors, so the step's samples are all trained exactly once.
 
+Starting together: a mesh that has not trained yet (no member advertises a committed state)
+takes its first step once ``start_peers`` members are in the ring, or after
+``start_timeout`` with those that are. Without it, the member that starts first (workers
+importing torch on a busy host are seconds apart) would train alone until the others catch
+up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N workers, which is
+the default when ``start_peers`` is not given; members that join a mesh that trains never
+wait for it.
+
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute
 nothing, receive the reduced gradients and apply them like everyone, so their state stays
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -63,7 +72,7 @@ from ..errors import (
     TrainingFinishedError,
 )
 from ..membership.messages import MemberState
-from ..mesh import ROLE_KEY
+from ..mesh import ROLE_KEY, STATE_BYTES_KEY
 from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
 from ..state.memory import prepared_zeros
 from ..state.sharding import DEFAULT_REPLICAS
@@ -144,6 +153,8 @@ class ElasticTrainer:
         checkpoint_every: int = 0,
         step_timeout: float = 300.0,
         join_settle: float = 2.0,
+        start_peers: int | None = None,
+        start_timeout: float = 60.0,
         quorum: str = "majority",
         quorum_grace: float = 5.0,
         bucket_mb: float = 25.0,
@@ -167,6 +178,10 @@ class ElasticTrainer:
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
         self.join_settle = join_settle
+        if start_peers is None:
+            start_peers = _env_int("FTMESH_START_PEERS", min_peers)
+        self.start_peers = min(start_peers, max_peers) if max_peers else start_peers
+        self.start_timeout = start_timeout
         if quorum not in QUORUM_POLICIES:
             raise LocalUsageError(f"quorum must be one of {QUORUM_POLICIES}, got {quorum!r}")
         self.quorum = quorum
@@ -282,6 +297,7 @@ class ElasticTrainer:
                 self._prepare_receive_buffer()
                 self.mesh.set_role("train")
                 self._in_ring = True
+                self._wait_for_start_peers(deadline)
                 # Members that started together flip to "train" within moments of each other:
                 # let the view settle so the first step does not run on a partial ring.
                 settle = self.join_settle / 4
@@ -479,6 +495,30 @@ class ElasticTrainer:
         if nbytes:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
+    def _wait_for_start_peers(self, deadline: float) -> None:
+        """Before the first step of a mesh that has not trained: wait until ``start_peers``
+        members are in the ring (at most ``start_timeout``); see the module doc."""
+        end = min(time.monotonic() + self.start_timeout, deadline)
+        while self.start_peers > 1:
+            if any(
+                m.state == MemberState.ALIVE and STATE_BYTES_KEY in m.meta
+                for m in self.mesh.members()
+            ):
+                return  # the mesh trains already
+            view = self.mesh.view()
+            if view is not None and view.size >= self.start_peers:
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "%d of %d members after %.0fs: starting without the others",
+                    view.size if view else 0,
+                    self.start_peers,
+                    self.start_timeout,
+                )
+                return
+            self.mesh.wait_view_change(view.epoch if view else "", timeout=min(left, 1.0))
+
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""
         self.mesh.set_role("joining")
@@ -675,3 +715,11 @@ class ElasticTrainer:
             snap = full.commit(step=self.committed)
             self._checkpoint_state = {}
         save_checkpoint(self.checkpoint_dir, snap)
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else default
+    except ValueError:
+        raise LocalUsageError(f"${name} must be an integer, got {text!r}") from None
