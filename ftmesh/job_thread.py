@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 from .errors import MeshClosedError
@@ -28,7 +28,7 @@ class JobThread:
     def __init__(self, name: str) -> None:
         self._name = name
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._running = threading.Lock()
+        self._running = threading.RLock()
         self._guard = threading.Lock()  # guards _last, _thread, _closed
         self._last: Future[Any] | None = None
         self._thread: threading.Thread | None = None
@@ -48,13 +48,14 @@ class JobThread:
         return fut
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` in this thread after the jobs submitted before it."""
+        """Run ``fn(*args)`` in this thread after the jobs submitted before it; called from
+        the job thread itself (a job, or a future's done-callback), it runs at once."""
         with self._guard:
             if self._closed:
                 raise MeshClosedError(f"{self._name} is closed")
             last = self._last
-        if last is not None:
-            last.exception()  # wait; its error belongs to whoever holds its future
+        if last is not None and threading.current_thread() is not self._thread:
+            wait([last])  # its result or error belongs to whoever holds its future
         with self._running:
             return fn(*args)
 
@@ -65,17 +66,22 @@ class JobThread:
                 continue
             with self._running:
                 try:
-                    result = fn(*args)
+                    result, error = fn(*args), None
                 except BaseException as exc:  # the future carries it to the caller
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(result)
+                    result, error = None, exc
+            # Outside the lock: done-callbacks may run jobs of their own.
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, let the queued ones finish (bounded by ``timeout``)."""
+        """Refuse new jobs, let the queued ones finish (waiting at most ``timeout``: 0 just
+        refuses). May be called again."""
         with self._guard:
+            if not self._closed:
+                self._queue.put(None)
             self._closed = True
             thread = self._thread
-            self._queue.put(None)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)

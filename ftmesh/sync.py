@@ -86,7 +86,10 @@ class SyncMesh:
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await fn(*args)`` in the mesh's trio thread and return its result."""
         self.mesh  # noqa: B018 - raises if closed
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except (trio.RunFinishedError, trio.Cancelled) as exc:  # closed meanwhile
+            raise MeshClosedError(f"mesh closed: {exc!r}") from None
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
@@ -156,19 +159,19 @@ class SyncMesh:
         self.call(self.mesh.wait_quiet, settle, timeout)
 
     def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self.call(self.mesh.allreduce, x, op)
+        return self._jobs.run(self.call, self.mesh.allreduce, x, op)
 
     def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self.call(self.mesh.reduce_scatter, x, op)
+        return self._jobs.run(self.call, self.mesh.reduce_scatter, x, op)
 
     def allgather(self, x: T) -> CollectiveResult[T]:
-        return self.call(self.mesh.allgather, x)
+        return self._jobs.run(self.call, self.mesh.allgather, x)
 
     def broadcast(self, x: T, root: str) -> CollectiveResult[T]:
-        return self.call(self.mesh.broadcast, x, root)
+        return self._jobs.run(self.call, self.mesh.broadcast, x, root)
 
     def barrier(self) -> CollectiveResult[None]:
-        return self.call(self.mesh.barrier)
+        return self._jobs.run(self.call, self.mesh.barrier)
 
     def allreduce_on(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`. Runs in this thread, after
@@ -227,6 +230,7 @@ class SyncMesh:
         return self.call(wait)
 
     def close(self, join_timeout: float = 10.0) -> None:
+        self._jobs.close(0)  # refuse new collectives; closing the mesh ends running ones
         if self._stop is not None and self._token is not None and not self._stop.is_set():
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)

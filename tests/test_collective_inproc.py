@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -321,3 +322,36 @@ async def test_nothing_is_written_before_the_receiver_starts_the_collective() ->
         for i in range(3):
             assert not isinstance(out[i], Exception), out[i]
             np.testing.assert_array_equal(x[i], np.full(1000, 6, dtype=np.int64))
+
+
+def test_a_round_interrupted_in_the_callers_thread_breaks_the_ring() -> None:
+    """A collective run in the caller's thread (``SyncDataPlane``) that is interrupted
+    mid-round by an exception (here from a signal handler, as KeyboardInterrupt would be)
+    leaves its streams out of sync: the ring must be marked broken, not reused."""
+    import signal
+    import threading
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(_sig: int, _frame: Any) -> None:
+        raise Interrupted
+
+    dps = [SyncDataPlane.start(f"i{i}", config=FAST) for i in range(2)]
+    old = signal.signal(signal.SIGUSR1, interrupt)  # (pytest-timeout owns SIGALRM)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        view = RingView.of(Peer(d.node_id, *d.address) for d in dps)
+        opener = threading.Thread(target=dps[1].open_ring, args=(view,))
+        opener.start()
+        dps[0].open_ring(view)  # both ends connected; only we start a round
+        opener.join(10)
+        timer.start()
+        with pytest.raises(Interrupted):
+            dps[0].allreduce(view, np.ones(1 << 16, np.float32))
+        assert dps[0].dp.whole_ring(view.epoch) is None
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+        for d in dps:
+            d.close()

@@ -62,3 +62,18 @@ def test_a_closed_job_thread_refuses_jobs_after_finishing_the_queued_ones() -> N
         jobs.submit(lambda: None)
     with pytest.raises(MeshClosedError):
         jobs.run(lambda: None)
+
+
+def test_a_done_callback_may_run_a_job_and_a_cancelled_job_is_skipped() -> None:
+    jobs = JobThread("test-jobs")
+    gate = threading.Event()
+    blocker = jobs.submit(gate.wait, 5)
+    cancelled = jobs.submit(lambda: "never")
+    assert cancelled.cancel()
+    inner: list[int] = []
+    blocker.add_done_callback(lambda _f: inner.append(jobs.run(lambda: 7)))
+    gate.set()
+    assert jobs.run(lambda: 1) == 1  # does not raise for the cancelled job before it
+    assert blocker.result(5) is True
+    assert inner == [7]
+    jobs.close()

@@ -154,6 +154,7 @@ class Procs:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                self.dump_stacks()
                 raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
             try:
                 ev = self.events.get(timeout=min(left, 1.0))
@@ -166,6 +167,14 @@ class Procs:
             ingest(ev)
             if pred(ev):
                 return ev
+
+    def dump_stacks(self) -> None:
+        """Have every live worker write its threads' stacks into its log (the workers
+        register SIGUSR2 with ``faulthandler``): what a stall was waiting on."""
+        for p in self.procs:
+            if p.popen.poll() is None and not p.killed:
+                self.signal(p, signal.SIGUSR2)
+        time.sleep(1.0)  # for the reader threads to copy the dumps into the logs
 
     def signal(self, proc: Proc, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -608,6 +608,12 @@ class Pipeline:
             except _Stop as stop:
                 self._set_abort(stop.args[0])
                 self.broken = True
+            except BaseException:
+                # Interrupted mid-round (e.g. KeyboardInterrupt in a caller's thread): the
+                # streams are out of sync, so the ring must never be used again.
+                self.broken = ring.broken = True
+                ring.shutdown()
+                raise
             finally:
                 if self.fatal:
                     self._forward_abort()

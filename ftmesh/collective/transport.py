@@ -360,8 +360,8 @@ class Transport:
         if ring.send_sock is not None or ring.recv_sock is not None:
             log.debug("dropped ring %s at seq %d", ring.view.epoch, ring.seq)
         ring.close()
-        if self._rings.get(ring.view.epoch) is ring:
-            del self._rings[ring.view.epoch]
+        if self._rings.get(ring.view.epoch) is ring:  # (may be called from an engine thread)
+            self._rings.pop(ring.view.epoch, None)
 
     def close(self) -> None:
         for ring in [*self._rings.values(), *self._killed]:

@@ -9,13 +9,14 @@ allreduce and applies the optimizer. A failure during the step (a peer died or s
 ring disagreed about the view or the inputs) retries the step on the next view, with the
 step's batch re-split among the survivors, so the step's samples are all trained exactly once.
 
-Starting together: a mesh that has not trained yet (no member advertises a committed state)
-takes its first step once ``start_peers`` members are in the ring, or after
-``start_timeout`` with those that are. Without it, the member that starts first (workers
+Starting together: before it enters the ring, a member of a mesh that has not started (no
+member advertises a committed state, which members do from their first step) waits until
+``start_peers`` members are there, at most ``start_timeout``; once one goes ahead, the
+others follow after its first step. Without it, the member that starts first (workers
 importing torch on a busy host are seconds apart) would train alone until the others catch
-up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N workers, which is
-the default when ``start_peers`` is not given; members that join a mesh that trains never
-wait for it.
+up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N workers, the default when
+``start_peers`` is not given (else 1: no wait); members that join a mesh that has started
+never wait.
 
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute
@@ -103,6 +104,8 @@ log = logging.getLogger("ftmesh.torch")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
+START_POLL_S = 0.1
+"""How often a member waiting for ``start_peers`` looks at the membership."""
 RECEIVE_BUFFER_SLACK = 1 << 20
 """Bytes a joiner's receive buffer has beyond the advertised state size: room for a
 snapshot prefix that grew since (the step, a scheduler's state)."""
@@ -178,9 +181,7 @@ class ElasticTrainer:
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
         self.join_settle = join_settle
-        if start_peers is None:
-            start_peers = _env_int("FTMESH_START_PEERS", min_peers)
-        self.start_peers = min(start_peers, max_peers) if max_peers else start_peers
+        self.start_peers = _env_int("FTMESH_START_PEERS", 1) if start_peers is None else start_peers
         self.start_timeout = start_timeout
         if quorum not in QUORUM_POLICIES:
             raise LocalUsageError(f"quorum must be one of {QUORUM_POLICIES}, got {quorum!r}")
@@ -291,13 +292,13 @@ class ElasticTrainer:
                 self.mesh.wait_quiet(
                     self.join_settle, timeout=max(deadline - time.monotonic(), 0.1)
                 )
+                self._wait_for_start_peers(deadline)
                 if self.max_peers and self.spares == "cold":
                     self._wait_for_slot()
                     deadline = time.monotonic() + self.step_timeout
                 self._prepare_receive_buffer()
                 self.mesh.set_role("train")
                 self._in_ring = True
-                self._wait_for_start_peers(deadline)
                 # Members that started together flip to "train" within moments of each other:
                 # let the view settle so the first step does not run on a partial ring.
                 settle = self.join_settle / 4
@@ -496,28 +497,29 @@ class ElasticTrainer:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
     def _wait_for_start_peers(self, deadline: float) -> None:
-        """Before the first step of a mesh that has not trained: wait until ``start_peers``
-        members are in the ring (at most ``start_timeout``); see the module doc."""
+        """Before entering the ring of a mesh that has not started: wait until
+        ``start_peers`` members are there (role ``joining``, or ``train``: ``connect``'s
+        default until the trainer is built), or one has taken a step (it advertises its
+        state), at most ``start_timeout``; see the module doc. Waiting outside the ring, no
+        member waits for us meanwhile; once one goes ahead (say its timeout ran out) the
+        others follow after its first step."""
         end = min(time.monotonic() + self.start_timeout, deadline)
         while self.start_peers > 1:
-            if any(
-                m.state == MemberState.ALIVE and STATE_BYTES_KEY in m.meta
-                for m in self.mesh.members()
-            ):
-                return  # the mesh trains already
-            view = self.mesh.view()
-            if view is not None and view.size >= self.start_peers:
+            alive = [m for m in self.mesh.members() if m.state == MemberState.ALIVE]
+            if any(STATE_BYTES_KEY in m.meta for m in alive):
+                return  # the mesh has started: a member took a step
+            ready = sum(m.meta.get(ROLE_KEY) in ("joining", "train") for m in alive)
+            if ready >= self.start_peers:
                 return
-            left = end - time.monotonic()
-            if left <= 0:
+            if time.monotonic() >= end:
                 log.warning(
                     "%d of %d members after %.0fs: starting without the others",
-                    view.size if view else 0,
+                    ready,
                     self.start_peers,
                     self.start_timeout,
                 )
                 return
-            self.mesh.wait_view_change(view.epoch if view else "", timeout=min(left, 1.0))
+            time.sleep(START_POLL_S)
 
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""

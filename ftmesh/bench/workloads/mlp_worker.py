@@ -20,9 +20,11 @@ import time
 T_START = time.monotonic()
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import functools  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -90,6 +92,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=900.0)
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the bench's stall report
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     logging.basicConfig(
         level=os.environ.get("FTMESH_LOG", "WARNING"),
