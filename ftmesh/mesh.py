@@ -66,7 +66,7 @@ ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others not (``joining``: about to
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
 ``done``: finished training, about to leave)."""
-ROLES = ("train", "joining", "spare", "observer", "done")
+ROLES = ("train", "joining", "starting", "spare", "observer", "done")
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
 

@@ -10,13 +10,14 @@ ring disagreed about the view or the inputs) retries the step on the next view, 
 step's batch re-split among the survivors, so the step's samples are all trained exactly once.
 
 Starting together: before it enters the ring, a member of a mesh that has not started (no
-member advertises a committed state, which members do from their first step) waits until
-``start_peers`` members are there, at most ``start_timeout``; once one goes ahead, the
-others follow after its first step. Without it, the member that starts first (workers
-importing torch on a busy host are seconds apart) would train alone until the others catch
-up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N workers, the default when
-``start_peers`` is not given (else 1: no wait); members that join a mesh that has started
-never wait.
+member advertises a committed state, which members do from their first step) says so (role
+``starting``) and waits until ``start_peers`` members say it, at most ``start_timeout``;
+then they all enter the ring within moments of each other. Once one goes ahead (its timeout
+ran out), the others follow after its first step. Without it, the member that starts first
+(workers importing torch on a busy host are seconds apart) would train alone until the
+others catch up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N
+workers, the default when ``start_peers`` is not given (else 1: no wait); members that join
+a mesh that has started never wait.
 
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute
@@ -497,20 +498,23 @@ class ElasticTrainer:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
     def _wait_for_start_peers(self, deadline: float) -> None:
-        """Before entering the ring of a mesh that has not started: wait until
-        ``start_peers`` members are there (role ``joining``, or ``train``: ``connect``'s
-        default until the trainer is built), or one has taken a step (it advertises its
-        state), at most ``start_timeout``; see the module doc. Waiting outside the ring, no
-        member waits for us meanwhile; once one goes ahead (say its timeout ran out) the
-        others follow after its first step."""
+        """Before entering the ring of a mesh that has not started: say so (role
+        ``starting``) and wait until ``start_peers`` members say it, or until one has taken
+        a step (it advertises its state), at most ``start_timeout``; see the module doc.
+        Then enter the ring and wait (as long) for the view that holds them all."""
+        if self.start_peers <= 1:
+            return
         end = min(time.monotonic() + self.start_timeout, deadline)
-        while self.start_peers > 1:
-            alive = [m for m in self.mesh.members() if m.state == MemberState.ALIVE]
-            if any(STATE_BYTES_KEY in m.meta for m in alive):
+        self.mesh.set_role("starting")
+        while True:
+            members = self.mesh.members()
+            if any(STATE_BYTES_KEY in m.meta for m in members):
                 return  # the mesh has started: a member took a step
-            ready = sum(m.meta.get(ROLE_KEY) in ("joining", "train") for m in alive)
+            ready = sum(
+                m.state == MemberState.ALIVE and m.meta.get(ROLE_KEY) == "starting" for m in members
+            )
             if ready >= self.start_peers:
-                return
+                break
             if time.monotonic() >= end:
                 log.warning(
                     "%d of %d members after %.0fs: starting without the others",
@@ -520,6 +524,13 @@ class ElasticTrainer:
                 )
                 return
             time.sleep(START_POLL_S)
+        # All of them are about to enter: wait for the view that holds them (those still
+        # "starting" may not have seen the count reached yet).
+        self.mesh.set_role("train")
+        while (view := self.mesh.view()) is None or view.size < self.start_peers:
+            if time.monotonic() >= end:
+                return
+            self.mesh.wait_view_change(view.epoch if view else "", timeout=START_POLL_S)
 
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""
