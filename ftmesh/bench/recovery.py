@@ -171,10 +171,22 @@ class Procs:
     def dump_stacks(self) -> None:
         """Have every live worker write its threads' stacks into its log (the workers
         register SIGUSR2 with ``faulthandler``): what a stall was waiting on."""
-        for p in self.procs:
-            if p.popen.poll() is None and not p.killed:
-                self.signal(p, signal.SIGUSR2)
+        live = [p for p in self.procs if p.popen.poll() is None and not p.killed]
+        for p in live:
+            self.signal(p, signal.SIGUSR2)
         time.sleep(1.0)  # for the reader threads to copy the dumps into the logs
+        spy = shutil.which("py-spy") or ""
+        for p in live if spy else []:  # native frames too, where py-spy is installed
+            with (
+                open(p.log_path.with_suffix(".stacks"), "w") as out,
+                contextlib.suppress(OSError, subprocess.SubprocessError),
+            ):
+                subprocess.run(
+                    [spy, "dump", "--native", "--pid", str(p.pid)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=30,
+                )
 
     def signal(self, proc: Proc, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
