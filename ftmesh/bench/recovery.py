@@ -181,12 +181,16 @@ class Procs:
                 open(p.log_path.with_suffix(".stacks"), "w") as out,
                 contextlib.suppress(OSError, subprocess.SubprocessError),
             ):
-                subprocess.run(
-                    [spy, "dump", "--native", "--pid", str(p.pid)],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    timeout=30,
-                )
+                for _ in range(3):  # a few samples: stuck, or busy?
+                    out.write(f"--- cpu ticks {_cpu_ticks(p.pid)}\n")
+                    out.flush()
+                    subprocess.run(
+                        [spy, "dump", "--native", "--pid", str(p.pid)],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        timeout=30,
+                    )
+                    time.sleep(0.5)
 
     def signal(self, proc: Proc, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -201,6 +205,16 @@ class Procs:
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(10)
+
+
+def _cpu_ticks(pid: int) -> str:
+    """User and system CPU time of ``pid`` so far, in clock ticks (``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return f"user {fields[11]} sys {fields[12]}"
+    except (OSError, IndexError):
+        return "unknown"
 
 
 def _env(nprocs: int) -> dict[str, str]:
