@@ -135,6 +135,8 @@ class Procs:
                         rec = None
                     if isinstance(rec, dict):
                         self.events.put((t, proc, rec))
+                        brief = {k: v for k, v in rec.items() if k != "ev"}  # (spans: long)
+                        log.write(f"{t:.3f} {PROGRESS_PREFIX}{json.dumps(brief)}\n")
                         continue
                 log.write(line + "\n")
                 log.flush()
