@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,6 @@ class Proc:
     node: str = ""
     killed: bool = False
     stopped: bool = False
-    tail: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -108,15 +107,22 @@ class Procs:
         self.events: queue.Queue[Event] = queue.Queue()
 
     def start(self, argv: list[str], name: str) -> Proc:
+        """Start a worker: its stdout (progress records only, one writer: the main thread)
+        comes to a reader thread, its stderr (logs, stack dumps) goes to its log file. Merged
+        into one pipe, a log line written by another thread between a record and its newline
+        glued the two together and the record was lost (the bench then waited for a member
+        it never heard of)."""
         log_path = self.log_dir / f"{name}.log"
-        popen = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,
-        )
+        log_path.write_text("")
+        with open(log_path, "a") as stderr:  # O_APPEND: the reader appends here too
+            popen = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
         proc = Proc(name, popen, log_path, time.monotonic())
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         self.procs.append(proc)
@@ -124,23 +130,21 @@ class Procs:
 
     def _read(self, proc: Proc) -> None:
         assert proc.popen.stdout is not None
-        with open(proc.log_path, "w") as log:
+        decoder = json.JSONDecoder()
+        with open(proc.log_path, "a") as log:
             for raw in proc.popen.stdout:
                 t = time.monotonic()
                 line = raw.decode(errors="replace").rstrip("\n")
+                rec: Any = None
                 if line.startswith(PROGRESS_PREFIX):
-                    try:
-                        rec = json.loads(line[len(PROGRESS_PREFIX) :])
-                    except ValueError:
-                        rec = None
-                    if isinstance(rec, dict):
-                        self.events.put((t, proc, rec))
-                        brief = {k: v for k, v in rec.items() if k != "ev"}  # (spans: long)
-                        log.write(f"{t:.3f} {PROGRESS_PREFIX}{json.dumps(brief)}\n")
-                        continue
+                    with contextlib.suppress(ValueError):
+                        rec, _ = decoder.raw_decode(line[len(PROGRESS_PREFIX) :])
+                if isinstance(rec, dict):
+                    self.events.put((t, proc, rec))
+                    brief = {k: v for k, v in rec.items() if k != "ev"}  # (spans: long)
+                    line = f"{t:.3f} {PROGRESS_PREFIX}{json.dumps(brief)}"
                 log.write(line + "\n")
                 log.flush()
-                proc.tail = [*proc.tail[-30:], line]
         self.events.put((time.monotonic(), proc, {"eof": True}))
 
     def wait(
@@ -164,7 +168,7 @@ class Procs:
                 continue
             _, proc, rec = ev
             if rec.get("eof") and not proc.killed:
-                tail = "\n  | ".join(proc.tail[-15:])
+                tail = "\n  | ".join(_tail(proc.log_path, 15))
                 raise BenchError(f"{proc.name} (pid {proc.pid}) ended on its own:\n  | {tail}")
             ingest(ev)
             if pred(ev):
@@ -207,6 +211,12 @@ class Procs:
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(10)
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace").splitlines()[-n:]
+    return []
 
 
 def _cpu_ticks(pid: int) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -35,7 +36,9 @@ MOMENTUM = 0.9
 
 def progress(record: dict[str, Any]) -> None:
     """Print one progress record, stamped with this process's monotonic clock."""
-    print(PROGRESS_PREFIX + json.dumps({"t": time.monotonic(), **record}), flush=True)
+    line = PROGRESS_PREFIX + json.dumps({"t": time.monotonic(), **record}) + "\n"
+    sys.stdout.write(line)  # one write: print() writes the newline separately
+    sys.stdout.flush()
 
 
 def mlp_hidden_for(state_mb: float) -> int:
