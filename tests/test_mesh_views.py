@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from tests_support import local_mesh_config
 
-from ftmesh.collective import CollectiveConfig, ViewSupersededError
-from ftmesh.membership.config import MembershipConfig
+from ftmesh.collective import ViewSupersededError
 from ftmesh.mesh import STATE_BYTES_KEY, Mesh, MeshConfig, open_mesh
-from ftmesh.net.node import NodeConfig
 
 NO_HANG = 20.0
 """Far below the data plane's io_timeout here (60 s): a round that ends within it was ended by
@@ -25,15 +24,7 @@ the view change, not by the stall timeout."""
 
 
 def config(registry: Path) -> MeshConfig:
-    return MeshConfig(
-        node=NodeConfig(
-            mesh="views",
-            discovery="local",
-            registry_dir=str(registry),
-            membership=MembershipConfig.preset("local"),
-        ),
-        collective=CollectiveConfig(io_timeout=60.0, view_timeout=5.0, max_cached_views=1),
-    )
+    return local_mesh_config(registry, "views", max_cached_views=1)
 
 
 @asynccontextmanager

@@ -16,11 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests_support import local_mesh_config
 
-from ftmesh.collective import CollectiveConfig, RingView, ViewSupersededError
-from ftmesh.membership.config import MembershipConfig
+from ftmesh.collective import RingView, ViewSupersededError
 from ftmesh.mesh import MeshConfig
-from ftmesh.net.node import NodeConfig
 from ftmesh.sync import SyncMesh
 
 NO_HANG = 20.0
@@ -28,15 +27,7 @@ NO_HANG = 20.0
 
 
 def config(registry: Path) -> MeshConfig:
-    return MeshConfig(
-        node=NodeConfig(
-            mesh="sync",
-            discovery="local",
-            registry_dir=str(registry),
-            membership=MembershipConfig.preset("local"),
-        ),
-        collective=CollectiveConfig(io_timeout=60.0, view_timeout=5.0),
-    )
+    return local_mesh_config(registry, "sync")
 
 
 @contextmanager

@@ -9,6 +9,12 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
+
+from ftmesh.collective import CollectiveConfig
+from ftmesh.membership.config import MembershipConfig
+from ftmesh.mesh import MeshConfig
+from ftmesh.net.node import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_digits.py")
@@ -69,3 +75,17 @@ def check_consistency_from(
     assert committed == set(range(first, total + 1)), "some step was never committed"
     split = {s: d for s, d in digests.items() if len(d) > 1}
     assert not split, f"members disagree at steps {sorted(split)[:5]}"
+
+
+def local_mesh_config(registry: Path, mesh: str, **collective: Any) -> MeshConfig:
+    """A mesh of members in this process or on this host: same-host discovery in
+    ``registry``, the ``local`` preset, a 60 s ``io_timeout`` (far above any test's wait)."""
+    return MeshConfig(
+        node=NodeConfig(
+            mesh=mesh,
+            discovery="local",
+            registry_dir=str(registry),
+            membership=MembershipConfig.preset("local"),
+        ),
+        collective=CollectiveConfig(**{"io_timeout": 60.0, "view_timeout": 5.0, **collective}),
+    )

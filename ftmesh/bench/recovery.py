@@ -784,10 +784,8 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
     stop = _stats(ft["stops"])
     trs = _stats(tr["times"])
     joins = ft["joins"]
-    join_rate = _median([j["bytes"] / j["sync_seconds"] / 1e6 for j in joins if j["sync_seconds"]])
-    transfer = _median(
-        [j["bytes"] / j["transfer_seconds"] / 1e6 for j in joins if j.get("transfer_seconds")]
-    )
+    main_size = by_size[0]  # the joins of the kill phase, at --state-mb
+    join_rate, transfer = main_size["join_mb_per_s"], main_size["join_transfer_mb_per_s"]
     vs = trs["median"] / kill["median"] if trs["median"] and kill["median"] else None
     largest = max(by_size, key=lambda row: float(row["state_bytes"]))
     result: dict[str, Any] = {
@@ -819,8 +817,8 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "joins": len(joins),
         "joins_detail": joins,
         "raw_tcp_mb_per_s": ceiling,
-        "join_vs_ceiling": join_rate / ceiling if join_rate else None,
-        "join_transfer_vs_ceiling": transfer / ceiling if transfer else None,
+        "join_vs_ceiling": main_size["join_vs_ceiling"],
+        "join_transfer_vs_ceiling": main_size["join_transfer_vs_ceiling"],
         "raw_tcp_fresh_mb_per_s": ceiling_fresh,
         "join_transfer_vs_fresh_ceiling": transfer / ceiling_fresh if transfer else None,
         "join_by_size": by_size,
