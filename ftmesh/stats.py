@@ -1,0 +1,81 @@
+"""Numbers a component keeps about itself, cheap enough for hot paths, read by the metrics
+exporter (``ftmesh.metrics``) and by ``statistics()`` snapshots.
+
+Theory of operation: a component owns plain counters (ints in a dict or attributes) and, for
+durations and sizes, a :class:`Histogram` with fixed bucket bounds. ``observe`` is a bisect
+and two additions, with no lock: the GIL makes each list item increment atomic enough for
+monitoring (a scrape racing an observation may see the count and the sum one observation
+apart, which Prometheus tolerates). Readers take a :class:`HistogramSnapshot`, a frozen
+copy. Nothing here formats or serves anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import LocalUsageError
+
+SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+"""Upper bounds (seconds) for latencies from a sub-millisecond allreduce to a minute-long
+recovery; an implicit ``+Inf`` bucket follows."""
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    bounds: tuple[float, ...]
+    """Upper bounds of the buckets, ascending; the ``+Inf`` bucket is implicit."""
+    counts: tuple[int, ...]
+    """Observations per bucket (not cumulative), ``len(bounds) + 1`` entries."""
+    total: float
+    """Sum of all observed values."""
+    count: int
+    """Number of observations."""
+
+    def cumulative(self) -> list[int]:
+        """Counts of observations ``<= bound`` for each bound, then the total (``+Inf``)."""
+        out, running = [], 0
+        for c in self.counts:
+            running += c
+            out.append(running)
+        return out
+
+
+class Histogram:
+    """Fixed-bucket histogram; see the module docstring."""
+
+    __slots__ = ("_bounds", "_counts", "_total")
+
+    def __init__(self, bounds: Sequence[float] = SECONDS_BUCKETS) -> None:
+        b = tuple(float(x) for x in bounds)
+        if list(b) != sorted(set(b)):
+            raise LocalUsageError("histogram bounds must be strictly ascending")
+        self._bounds = b
+        self._counts = [0] * (len(b) + 1)
+        self._total = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        counts = tuple(self._counts)
+        return HistogramSnapshot(self._bounds, counts, self._total, sum(counts))
