@@ -182,6 +182,7 @@ class Launcher:
     def _settings(self, given: Settings) -> Settings:
         """Every worker's settings but port, name and start: a private registry for local
         discovery, consecutive ports and the first N workers as seeds for seeds discovery."""
+        given.node_config()  # every setting checked before anything is created
         kind = given.discovery_kind("local")
         self._registry: str | None = None
         mesh = given.mesh
@@ -204,7 +205,6 @@ class Launcher:
                 self.base_port = _free_port(node.bind)
             first = [f"{host}:{self.base_port + i}" for i in range(self.args.nprocs)]
             settings = settings.replace(join=(*settings.seeds(), *first))
-        settings.node_config()  # every setting checked before a worker starts
         return settings
 
     def event(self, text: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from ..errors import FtmeshError
 from ..membership.config import PRESETS
 from ..settings import DISCOVERY_KINDS, Settings, parse_meta
+from ..sync import root_cause
 
 
 class Parser(argparse.ArgumentParser):
@@ -201,10 +202,13 @@ def run(argv: list[str] | None = None) -> int:
             from .bench_cmd import run_bench
 
             return run_bench(args)
-    except FtmeshError as exc:
+    except (FtmeshError, BaseExceptionGroup) as exc:
+        cause = root_cause(exc)  # trio groups the errors of a nursery's tasks
+        if not isinstance(cause, FtmeshError):
+            raise
         if args.verbose:
             traceback.print_exc()
-        print(f"ftmesh: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"ftmesh: error: {' '.join(str(cause).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
