@@ -3,14 +3,13 @@ processes while workers are killed with SIGKILL and new ones join."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tests_support import (
     EXAMPLE,
     ROOT,
+    SingleRun,
     accuracy,
     check_consistency,
     check_consistency_from,
@@ -21,7 +20,7 @@ from tests_support import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
+def test_launch_kill_and_join_trains_digits(tmp_path: Path, single_run: SingleRun) -> None:
     res = launch(
         tmp_path / "mesh",
         "-n",
@@ -50,15 +49,7 @@ def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
     # The joiner entered mid-run, with the others' state.
     joiner = records["w4"]
     assert 40 < int(joiner[0]["step"]) < total and joiner[0]["synced"]  # type: ignore[call-overload]
-    single = subprocess.run(
-        [sys.executable, EXAMPLE, "--single"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        check=True,
-    )
-    assert abs(accuracy(single.stdout) - acc) <= 0.01
+    assert abs(single_run.accuracy() - acc) <= 0.01
 
 
 def test_script_error_is_reported_with_worker_and_traceback(tmp_path: Path) -> None:
