@@ -15,11 +15,16 @@ from typing import Any
 import pytest
 
 import ftmesh
+from ftmesh.cli.devices import free_slot, visible_gpus, worker_env
+from ftmesh.cli.launch_cmd import live_view_available
+from ftmesh.cli.main import build_parser
+from ftmesh.cli.worker_cmd import worker_settings
 from ftmesh.discovery import interfaces
 from ftmesh.discovery.interfaces import Interface
 from ftmesh.errors import ConfigError, FtmeshError, MeshClosedError
 from ftmesh.settings import ENV, Settings
 
+ROOT = Path(__file__).resolve().parent.parent
 SECRET = "a mesh secret of some length"
 
 
@@ -204,3 +209,55 @@ def test_an_error_that_ends_the_mesh_reaches_the_caller(tmp_path: Path) -> None:
             time.sleep(0.01)
     assert isinstance(err.value.__cause__, FtmeshError)
     m.close()
+
+
+# ------------------------------------------------------------------ what commands pass on
+
+
+def test_the_k8s_worker_command_passes_every_flag_on() -> None:
+    """The manifest's worker command: every flag reaches the script's ``connect()``
+    (``--port 7946`` was once parsed and dropped, and every pod trained alone)."""
+    import shlex
+
+    import yaml
+
+    docs = yaml.safe_load_all((ROOT / "examples" / "k8s" / "ftmesh-train.yaml").read_text())
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    script = (
+        container["command"][-1].replace("$(POD_NAMESPACE)", "ml").replace('"$POD_IP"', "10.4.0.7")
+    )
+    argv = shlex.split(script.replace("exec ", "", 1))[1:]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    given = worker_settings(build_parser().parse_args(argv), env)
+    handed = Settings.from_env(given.to_env())
+    assert handed == given
+    assert (handed.port, handed.bind, handed.discovery, handed.mesh) == (
+        7946,
+        "10.4.0.7",
+        "seeds",
+        "digits",
+    )
+    assert handed.join == ("ftmesh.ml.svc.cluster.local:7946",)
+    assert handed.secret_file == "/etc/ftmesh/secret" and handed.start_peers == 4
+
+
+def test_gpus_and_slots(tmp_path: Path) -> None:
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvme0"):
+        (tmp_path / name).touch()
+    assert visible_gpus({}, dev=tmp_path) == ["0", "1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}, dev=tmp_path) == ["3", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,-1,4"}, dev=tmp_path) == ["2"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, dev=tmp_path) == []
+    assert visible_gpus({}, dev=tmp_path / "absent") == []
+    assert free_slot({0, 1, 3}) == 2
+    assert worker_env(3, ["3", "5"]) == {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "5"}
+    assert worker_env(0, []) == {"LOCAL_RANK": "0"}  # no GPU: CUDA_VISIBLE_DEVICES untouched
+
+
+def test_the_live_view_is_a_runtime_dependency() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("rich") for d in project["dependencies"])
+    assert live_view_available()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import ftmesh
+from ftmesh.cli.main import run
 from ftmesh.errors import MeshNotFormedError, TrainingFinishedError
 from ftmesh.starting import wait_to_start
 from ftmesh.sync import SyncMesh
@@ -132,3 +133,16 @@ def test_a_late_joiner_finds_the_training_over(tmp_path: Path) -> None:
         done.set_role("done")  # what ElasticTrainer.finish() says before it leaves
         with pytest.raises(TrainingFinishedError):
             wait_to_start(late, StartConfig(join_running=True, timeout=20.0))
+
+
+def test_status_shows_a_member_waiting_for_its_start_peers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with ftmesh.connect(
+        mesh="lonely", registry_dir=str(tmp_path), preset="local", start_peers=3, role="starting"
+    ):
+        rc = run(["status", "--mesh", "lonely", "--registry-dir", str(tmp_path), "--timeout", "2"])
+    out = capsys.readouterr()
+    assert rc == 0 and "role=starting" in out.out, out
+    assert "was told to expect 3 members (start_peers) but this mesh has 1" in out.err, out.err
+    assert "waiting to start" in out.err

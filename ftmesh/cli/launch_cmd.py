@@ -170,6 +170,8 @@ class Launcher:
         self._fruitless: dict[int, int] = {}  # slot -> replacements in a row without a step
         self.events: deque[str] = deque(maxlen=8)
         self.t0 = time.monotonic()
+        self.deadline = float("inf") if args.timeout is None else self.t0 + args.timeout
+        """When the launcher stops every worker (``--timeout``; by default never)."""
         self.gpus = visible_gpus(os.environ)
         self.settings = self._settings(settings_from_args(args, os.environ, preset="local"))
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -184,17 +186,13 @@ class Launcher:
         discovery, consecutive ports and the first N workers as seeds for seeds discovery."""
         given.node_config()  # every setting checked before anything is created
         kind = given.discovery_kind("local")
-        self._registry: str | None = None
+        self._private_registry = kind == "local" and given.registry_dir is None
         mesh = given.mesh
-        if kind == "local":
-            if mesh is None:
-                mesh = f"launch-{os.getpid()}-{self.rng.getrandbits(32):08x}"
-            if given.registry_dir is None:
-                self._registry = tempfile.mkdtemp(prefix="ftmesh-launch-")
+        if kind == "local" and mesh is None:
+            mesh = f"launch-{os.getpid()}-{self.rng.getrandbits(32):08x}"
         settings = given.replace(
             discovery=kind,
             mesh=mesh or DEFAULT_MESH,
-            registry_dir=self._registry,
             start_peers=self.args.nprocs if given.start_peers is None else None,
         )
         self.base_port = given.port
@@ -242,7 +240,9 @@ class Launcher:
         w.reader = threading.Thread(target=self._read, args=(w,), daemon=True)
         w.reader.start()
         self.workers.append(w)
-        self.event(f"started {name} (pid {proc.pid}, LOCAL_RANK {slot})")
+        devices = env.get("CUDA_VISIBLE_DEVICES")
+        gpu = "" if devices is None or not self.gpus else f", CUDA_VISIBLE_DEVICES {devices}"
+        self.event(f"started {name} (pid {proc.pid}, LOCAL_RANK {slot}{gpu})")
         return w
 
     def _read(self, w: Worker) -> None:
@@ -385,6 +385,8 @@ class Launcher:
         return Group(head, table, Text("\n".join(self.events)))
 
     def run(self) -> int:
+        registry = tempfile.mkdtemp(prefix="ftmesh-launch-") if self._private_registry else None
+        self.settings = self.settings.replace(registry_dir=registry)
         try:
             for _ in range(self.args.nprocs):
                 self.start_worker(joiner=False)
@@ -401,16 +403,14 @@ class Launcher:
                 if w.running:
                     os.killpg(w.proc.pid, signal.SIGKILL)
                     w.proc.wait()
-            if self._registry is not None:
-                shutil.rmtree(self._registry, ignore_errors=True)
+            if registry is not None:
+                shutil.rmtree(registry, ignore_errors=True)
 
     def _loop(self, refresh: Any) -> int:
         last_line = 0.0
-        timeout = self.args.timeout
-        deadline = float("inf") if timeout is None else self.t0 + timeout
         while any(w.running for w in self.workers):
-            if time.monotonic() > deadline:
-                self.event(f"timeout after {timeout:.0f}s: stopping every worker")
+            if time.monotonic() > self.deadline:
+                self.event(f"timeout after {self.args.timeout:.0f}s: stopping every worker")
                 return 124
             self.chaos()
             if self.args.respawn:
