@@ -5,7 +5,8 @@ create (each a "machine" with a default route, on one bridge; multicast never le
   forms with no other flag, survives a ``kill -9`` and the survivors reach the accuracy of
   a single process.
 * Seeds where multicast is blocked: the first machine starts alone and waits to be joined;
-  ``ftmesh launch --discovery seeds --join`` adds two workers from another machine.
+  a worker on a second machine and ``ftmesh launch --discovery seeds --join`` on a third
+  join through it.
 * The interface choice on a machine without a default route.
 """
 
@@ -116,62 +117,66 @@ def test_readme_multi_machine_command(tmp_path: Path, single_run: SingleRun) -> 
         assert abs(accuracy(out) - single) <= 0.02, (accuracy(out), single)
 
 
-def test_seed_mesh_first_member_alone_then_launch_joins(tmp_path: Path) -> None:
-    script = [EXAMPLE, "--epochs", "2", "--step-delay", "0"]
-    with VirtualLan(hosts=2) as lan:
-        first_ip = lan.host_ip(0)
-        # The README's seed commands: the first machine has nobody to join and waits.
+def test_seed_mesh_first_member_alone_then_others_join(tmp_path: Path) -> None:
+    script = [EXAMPLE, "--epochs", "2", "--step-delay", "0"]  # the user's train.py
+    seeds = ["--discovery", "seeds"]
+    with VirtualLan(hosts=3) as lan:
+        seed = f"{lan.host_ip(0)}:7946"
+        # The README's seed commands. The first machine has nobody to join: it waits.
         first = Machine(
-            lan,
-            0,
-            [FTMESH, "worker", "--discovery", "seeds", "--port", "7946", "--start-peers", "3",
-             *script],
+            lan, 0, [FTMESH, "worker", *seeds, "--port", "7946", "--start-peers", "4", *script],
             tmp_path / "first.log",
         )  # fmt: skip
-        time.sleep(3)  # it is up alone (no seed, nobody there) before anyone joins
+        time.sleep(3)  # up alone (no seed, nobody there) before anyone joins
         assert first.proc.poll() is None, "".join(first.lines)
+        other = Machine(
+            lan, 1, [FTMESH, "worker", *seeds, "--join", seed, "--start-peers", "4", *script],
+            tmp_path / "other.log",
+        )  # fmt: skip
         launch = Machine(
             lan,
-            1,
+            2,
             [FTMESH, "launch", "-n", "2", "--no-live", "--log-dir", str(tmp_path / "launch"),
-             "--discovery", "seeds", "--join", f"{first_ip}:7946", "--start-peers", "3",
-             *script],
+             *seeds, "--join", seed, "--start-peers", "4", *script],
             tmp_path / "launch.log",
         )  # fmt: skip
+        machines = [first, other, launch]
         try:
-            out_first = first.finish(timeout=300)
-            out_launch = launch.finish(timeout=120)
+            outs = [m.finish(timeout=300) for m in machines]
         finally:
-            for m in (first, launch):
+            for m in machines:
                 if m.proc.poll() is None:
                     m.proc.kill()
-    assert first.proc.returncode == 0, out_first[-3000:]
-    assert launch.proc.returncode == 0, out_launch[-3000:]
-    assert first.records[0]["members"] == 3, first.records[0]  # all three started together
-    digests = {first.records[-1]["digest"]}
+    for m, out in zip(machines, outs, strict=True):
+        assert m.proc.returncode == 0, out[-3000:]
+    runs = [first.records, other.records]
     for log in sorted((tmp_path / "launch").glob("w*.log")):
-        recs = [
-            json.JSONDecoder().raw_decode(line[7:])[0]
-            for line in log.read_text().splitlines()
-            if line.startswith("FTMESH ")
-        ]
-        assert recs[0]["members"] == 3, (log.name, recs[0])
-        digests.add(recs[-1]["digest"])
-    assert len(digests) == 1, digests
+        runs.append(
+            [
+                json.JSONDecoder().raw_decode(line[7:])[0]
+                for line in log.read_text().splitlines()
+                if line.startswith("FTMESH ")
+            ]
+        )
+    assert len(runs) == 4
+    for recs in runs:  # one mesh of four from the first step
+        assert recs[0]["step"] == 1 and recs[0]["members"] == 4, recs[0]
+    assert len({recs[-1]["digest"] for recs in runs}) == 1
 
 
 def test_interface_choice_without_a_default_route(tmp_path: Path) -> None:
     with VirtualLan(hosts=1) as lan:
         ip = lan.host_ip(0)
-        node = [FTMESH, "node", "--discovery", "mdns", "--events", "json"]
+        node = [FTMESH, "node", "--mesh", "lab", "--discovery", "mdns"]  # the README's
 
         def self_addr(argv: list[str]) -> str:
-            p = lan.popen(0, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            """The address the node announces: its first line, ``self NAME ADDR inc=0``."""
+            p = lan.popen(0, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             try:
-                assert p.stdout is not None
-                line = p.stdout.readline()
-                assert line, p.stderr.read() if p.stderr else ""
-                return str(json.loads(line)["addr"]).rpartition(":")[0]
+                assert p.stderr is not None
+                line = p.stderr.readline().split()
+                assert line[:1] == ["self"], line
+                return line[2].rpartition(":")[0]
             finally:
                 p.kill()
                 p.wait(10)
