@@ -112,9 +112,12 @@ class SyncMesh:
 
     @property
     def mesh(self) -> Mesh:
-        if self._error is not None or self._mesh is None or self._stop is None:
-            raise self._closed()
-        if self._stop.is_set():
+        if (
+            self._error is not None
+            or self._mesh is None
+            or self._stop is None
+            or self._stop.is_set()
+        ):
             raise self._closed()
         return self._mesh
 
@@ -128,7 +131,8 @@ class SyncMesh:
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except (trio.RunFinishedError, trio.Cancelled):  # closed meanwhile, maybe by an error
-            raise self._closed() from None
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
@@ -166,7 +170,8 @@ class SyncMesh:
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
-            raise self._closed() from None
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def view(self) -> RingView | None:
         return self.call_sync(self.mesh.view)

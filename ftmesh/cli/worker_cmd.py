@@ -38,7 +38,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         dest="module",
         nargs=argparse.REMAINDER,
         metavar=("MODULE", "ARGS"),
-        help="run a module as a script, like python -m",
+        help="-m MODULE [ARGS]: run a module as the script, like python -m",
     )
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS]")
 
