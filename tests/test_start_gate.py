@@ -9,6 +9,7 @@ Reproduced here deterministically, on the machine and on real meshes (SWIM over 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -146,3 +147,26 @@ def test_status_shows_a_member_waiting_for_its_start_peers(
     assert rc == 0 and "role=starting" in out.out, out
     assert "was told to expect 3 members (start_peers) but this mesh has 1" in out.err, out.err
     assert "waiting to start" in out.err
+
+
+def test_a_member_whose_seeds_never_answer_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ftmesh.net import node
+
+    monkeypatch.setattr(node, "ALONE_WARN_AFTER", 0.5)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
+        closed.bind(("127.0.0.1", 0))  # a port nobody listens on
+        seed = f"127.0.0.1:{closed.getsockname()[1]}"
+        with (
+            caplog.at_level(logging.WARNING, "ftmesh.node"),
+            ftmesh.connect(join=[seed], preset="local", environ={}),
+        ):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                "still alone" in r.getMessage() for r in caplog.records
+            ):
+                time.sleep(0.1)
+    alone = [r.getMessage() for r in caplog.records if "still alone" in r.getMessage()]
+    assert alone and f"no answer from {seed} (connection refused)" in alone[0], caplog.records
+    assert "seeds discovery" in alone[0] and "--join" in alone[0]

@@ -445,8 +445,15 @@ def _why(exc: BaseException) -> str:
     """A short reason for a failed join: ``connection refused``, ``timed out``..."""
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
+    seen: BaseException | None = exc
+    for _ in range(4):  # trio's connect: an OSError caused by a group of per-address errors
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror.rpartition(": ")[2].lower()  # trio: "Error connecting to ...: X"
+        if seen is None:
+            break
+        seen = seen.__cause__
+        if isinstance(seen, BaseExceptionGroup):
+            seen = seen.exceptions[0]
     return type(exc).__name__
 
 
