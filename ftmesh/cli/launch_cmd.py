@@ -5,9 +5,10 @@ discovery, no multicast, no configuration), see ``ftmesh.connect``; ``--discover
 (with ``--join`` to join a mesh elsewhere) and ``--discovery mdns`` take the settings flags of
 ``ftmesh worker``, with the same meaning. Each worker runs as ``ftmesh worker`` with those
 settings in its environment (``ftmesh.settings``), ``LOCAL_RANK`` (its slot) and, on a host
-with GPUs, ``CUDA_VISIBLE_DEVICES`` (the slot's GPU, see ``ftmesh.cli.devices``). With seeds,
-worker ``k`` binds gossip port ``--port`` + ``k`` (default: a free one) and the first N
-workers' addresses are every worker's seeds, so other hosts can join through the first one.
+with GPUs, ``CUDA_VISIBLE_DEVICES`` (the slot's GPU, see ``ftmesh.cli.devices``). Worker
+``k`` binds gossip port ``--port`` + ``k`` when a port is given (with seeds always, from a
+free one), and with seeds the first N workers' addresses are every worker's seeds, so other
+hosts can join through the first one.
 
 A training script reports progress by printing lines ``FTMESH {json}`` with at least ``step``
 (committed steps); everything else it prints goes to its log file. ``--kill-at STEP`` kills a
