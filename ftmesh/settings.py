@@ -282,9 +282,10 @@ class Settings:
             raise ConfigError(f"{label('port')} must be within 0..65535, got {port}")
         kind = self.discovery_kind(default_discovery)
         join = self.seeds()
-        interface, bind, advertise = self._addresses(kind, join)
-        meta = dict(self.meta or {})
+        auth = self.auth()
         start = self.start_config()
+        interface, bind, advertise = self._addresses(kind, join)  # what depends on the host last
+        meta = dict(self.meta or {})
         if start.start_peers > 1:
             meta[EXPECT_KEY] = start.start_peers
         return NodeConfig(
@@ -297,7 +298,7 @@ class Settings:
             join=join,
             interface=interface,
             membership=MembershipConfig.preset(preset),
-            auth=self.auth(),
+            auth=auth,
             meta=meta,
             registry_dir=self.registry_dir or "",
         )
