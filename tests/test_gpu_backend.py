@@ -37,34 +37,32 @@ from ftmesh.collective.nccl import (
 
 
 def test_parse_devices_accepts_only_well_formed_entries() -> None:
-    assert parse_devices({DEVICES_KEY: {"cuda": 2, "nccl": 23203}}) == DeviceInfo(2, 23203)
+    assert parse_devices({DEVICES_KEY: "cuda=2,nccl=23203"}) == DeviceInfo(2, 23203)
+    assert parse_devices({DEVICES_KEY: DeviceInfo(1, 0).to_meta()}) == DeviceInfo(1, 0)
     for bad in (
-        {},
-        {DEVICES_KEY: None},
-        {DEVICES_KEY: [1, 2]},
-        {DEVICES_KEY: {"cuda": 1}},
-        {DEVICES_KEY: {"cuda": 1, "nccl": 1, "x": 0}},
-        {DEVICES_KEY: {"cuda": True, "nccl": 23203}},
-        {DEVICES_KEY: {"cuda": 1.0, "nccl": 23203}},
-        {DEVICES_KEY: {"cuda": -1, "nccl": 23203}},
-        {DEVICES_KEY: {"cuda": 1, "nccl": 10**9}},
-        {DEVICES_KEY: {"cuda": "1", "nccl": 23203}},
+        None,
+        3,
+        1.5,
+        True,
+        "",
+        "cuda=1",
+        "cuda=1,nccl=1,x=0",
+        "cuda=-1,nccl=2",
+        "cuda=1,nccl=99999999",
+        "cuda=99999,nccl=1",
+        "cuda=1, nccl=2",
+        "nccl=1,cuda=1",
+        "cuda=\u0661,nccl=1",  # a digit, but not an ASCII one
     ):
-        assert parse_devices(bad) is None, bad
+        assert parse_devices({DEVICES_KEY: bad}) is None, bad
+    assert parse_devices({}) is None
 
 
-junk = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
-    max_leaves=8,
-)
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.dictionaries(st.sampled_from(["cuda", "nccl", "other"]), junk) | junk)
+@settings(max_examples=150, deadline=None)
+@given(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40))
 def test_parse_devices_never_raises_on_network_junk(raw: Any) -> None:
     info = parse_devices({DEVICES_KEY: raw})
-    assert info is None or (isinstance(info.cuda, int) and isinstance(info.nccl, int))
+    assert info is None or (0 <= info.cuda <= 1024 and 0 <= info.nccl <= 10**7)
 
 
 def test_view_backend_needs_every_member_on_one_nccl_version() -> None:

@@ -19,12 +19,15 @@ and treats as "no GPU" -- never an exception in a loop.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 DEVICES_KEY = "devices"
-"""Member metadata key: ``{"cuda": <devices>, "nccl": <version code>}``."""
+"""Member metadata key: ``"cuda=<devices>,nccl=<version code>"`` (metadata values are flat
+scalars; this one is also what ``ftmesh status`` can print as it is)."""
+_DEVICES_RE = re.compile(r"cuda=([0-9]{1,4}),nccl=([0-9]{1,7})")  # ASCII digits only
 MAX_DEVICES = 1024
 """Largest device count accepted from the network (a bound, not a hardware limit)."""
 MAX_NCCL_VERSION = 10**7
@@ -44,8 +47,8 @@ class DeviceInfo:
     nccl: int = 0
     """NCCL version code it can load (``ncclGetVersion``), 0 for none."""
 
-    def to_meta(self) -> dict[str, int]:
-        return {"cuda": self.cuda, "nccl": self.nccl}
+    def to_meta(self) -> str:
+        return f"cuda={self.cuda},nccl={self.nccl}"
 
     @property
     def can_nccl(self) -> bool:
@@ -55,12 +58,11 @@ class DeviceInfo:
 def parse_devices(meta: Mapping[str, Any]) -> DeviceInfo | None:
     """The ``DEVICES_KEY`` entry of a member's metadata, or None if absent or malformed."""
     raw = meta.get(DEVICES_KEY)
-    if not isinstance(raw, Mapping) or set(raw) != {"cuda", "nccl"}:
+    match = _DEVICES_RE.fullmatch(raw) if isinstance(raw, str) else None
+    if match is None:
         return None
-    cuda, nccl = raw["cuda"], raw["nccl"]
-    if type(cuda) is not int or type(nccl) is not int:  # bool is not a count
-        return None
-    if not (0 <= cuda <= MAX_DEVICES and 0 <= nccl <= MAX_NCCL_VERSION):
+    cuda, nccl = int(match[1]), int(match[2])
+    if not (cuda <= MAX_DEVICES and nccl <= MAX_NCCL_VERSION):
         return None
     return DeviceInfo(cuda, nccl)
 
