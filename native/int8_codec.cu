@@ -15,17 +15,21 @@
 //   residual <- v - x'
 //
 // A block whose scale is 0 encodes q = 0 (and keeps v in the residual). A block holding a
-// NaN or an infinity is "poisoned": its scale is written as NaN (0x7fc00000), every q is 0,
-// so the block decodes to NaN, loudly (a GradScaler sees the overflow), and its residual
-// is reset to 0 so that the poison is not carried into later steps.
+// NaN or an infinity is "poisoned": its scale is what max|v| / 127 gives there (+inf, or NaN
+// if the block holds a NaN, written as 0x7fc00000), every q is 0, so the block decodes to
+// NaN (0 * inf), loudly (a GradScaler sees the overflow), and its residual is reset to 0 so
+// that the poison is not carried into later steps. This is ftmesh.compression.int8's rule;
+// the bits of a NaN are not part of it (NumPy keeps an input NaN's payload, CUDA does not).
 //
 // Sizes are `long long`: a run may hold more than 2^31 elements.
 
 #define FTMESH_THREADS 256
 #define FTMESH_CANONICAL_NAN 0x7fc00000u
 
-__device__ __forceinline__ bool ftmesh_nonfinite(float v) {
-    return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+// 0 for a finite value, 1 for an infinity, 2 for a NaN.
+__device__ __forceinline__ int ftmesh_nonfinite(float v) {
+    const unsigned int bits = __float_as_uint(v) & 0x7fffffffu;
+    return bits < 0x7f800000u ? 0 : (bits == 0x7f800000u ? 1 : 2);
 }
 
 extern "C" __global__ void ftmesh_int8_quantize(
@@ -49,7 +53,8 @@ extern "C" __global__ void ftmesh_int8_quantize(
     for (long long i = start + t; i < stop; i += blockDim.x) {
         float v = x[i];
         if (residual != 0) v = __fadd_rn(v, residual[i]);
-        if (ftmesh_nonfinite(v)) bad = 1;
+        const int kind = ftmesh_nonfinite(v);
+        if (kind) bad |= kind;
         else m = fmaxf(m, fabsf(v));
     }
     s_max[t] = m;
@@ -63,8 +68,9 @@ extern "C" __global__ void ftmesh_int8_quantize(
         __syncthreads();
     }
     const bool poisoned = s_bad[0] != 0;
-    const float scale = poisoned ? __uint_as_float(FTMESH_CANONICAL_NAN)
-                                 : __fdiv_rn(s_max[0], 127.0f);
+    const float scale = (s_bad[0] & 2) ? __uint_as_float(FTMESH_CANONICAL_NAN)
+                      : (s_bad[0] & 1) ? __uint_as_float(0x7f800000u)
+                                       : __fdiv_rn(s_max[0], 127.0f);
     if (t == 0) scales[b] = scale;
 
     for (long long i = start + t; i < stop; i += blockDim.x) {

@@ -9,8 +9,12 @@ bfloat16: ``0x7fc0``), so the kernels never depend on how the hardware carries a
 payload.
 
 The int8 block codec follows the int8 bullet of ``docs/DESIGN-NOTES.md`` ("Interfaces
-agreed"); ``ftmesh.compression.int8`` (the codec's owner) is the same definition, and the
-device check compares the kernels against both.
+agreed") and ``ftmesh.compression.int8`` (the codec's owner, on the ``compress`` branch): a
+non-finite block's scale is ``max|v| / 127`` there (+inf, or NaN), its values 0, its
+residual 0. The one liberty: NaN bits are not part of the contract (NumPy keeps an input
+NaN's payload, CUDA writes its own), so comparisons treat two NaNs as equal; this reference
+writes NaN scales as ``0x7fc00000``, as the kernel does. The device check compares the
+kernels against both references.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def int8_quantize(
     with np.errstate(invalid="ignore"):
         amax = np.abs(np.where(np.isfinite(blocks), blocks, np.float32(0))).max(axis=1)
     scales = (amax / np.float32(127.0)).astype(np.float32)
-    scales[bad] = CANONICAL_NAN_F32.view(np.float32)
+    scales[bad & np.isinf(blocks).any(axis=1)] = np.float32(np.inf)
+    scales[np.isnan(blocks).any(axis=1)] = CANONICAL_NAN_F32.view(np.float32)
     ok = ~bad & (scales != 0)
     q = np.zeros_like(blocks, dtype=np.int8)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -96,7 +101,8 @@ def int8_dequantize_accumulate(
     if acc.shape != q.shape or scales.size != n_blocks(q.size, block_size):
         raise LocalUsageError("acc and q must have one shape and scales one value per block")
     per_elem = np.repeat(scales, block_size)[: q.size]
-    acc += q.astype(np.float32) * per_elem
+    with np.errstate(invalid="ignore"):  # 0 * inf: a poisoned block decodes to NaN
+        acc += q.astype(np.float32) * per_elem
     return acc
 
 
