@@ -69,7 +69,7 @@ async def follow_membership(
         await trio.to_thread.run_sync(manager.view_changed, current_view())
 
 
-class _MeshRing:
+class MeshRing:
     """``tcp_backend.RingOps`` on a ``SyncMesh``: collectives on exactly the view given."""
 
     def __init__(self, mesh: SyncMesh) -> None:
@@ -98,7 +98,7 @@ class GpuCollectives:
         self.manager = EpochManager(
             mesh.node_id,
             factory,
-            TcpControl(_MeshRing(mesh)),
+            TcpControl(MeshRing(mesh)),
             choose=self._choose,
             fallback=self._staging,
             config=config,
@@ -150,6 +150,12 @@ class GpuCollectives:
 
     def _run(self, view: RingView, op: CollectiveOp) -> CollectiveResult[Any]:
         if self.backend_for(view, op.buffer) is Backend.NCCL:
+            if self.manager.aborted(view.epoch) is not None:
+                current = self.mesh.view()
+                if current is not None and current.epoch == view.epoch:
+                    # the view is current again (a suspect refuted): as ``Mesh._in_use``
+                    # does for the data plane, it loses its abort
+                    self.manager.clear_abort(view.epoch)
             return self.manager.run(view, op)
         self._staging(view, op)  # host buffers (TCP) and dtypes NCCL lacks (int16)
         return CollectiveResult(view.epoch, view.node_ids, op.buffer)

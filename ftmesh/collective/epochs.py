@@ -231,6 +231,16 @@ class ControlChannel(Protocol):
         (``TOKEN_BYTES`` bytes)."""
 
 
+class SoloControl:
+    """The control channel of a one-member view (nothing to exchange)."""
+
+    def broadcast_bytes(self, view: RingView, payload: bytes, root: str) -> bytes:
+        return payload
+
+    def agree(self, view: RingView, ok: bool, token: bytes) -> bool:
+        return ok
+
+
 # -- the set-up record ----------------------------------------------------------------------------
 
 SETUP_MAGIC = b"FTGP"
@@ -448,6 +458,11 @@ class EpochManager:
             self._remember(ep.view.epoch, reason)
             comms = ep.take(reason)
         self._abort(comms, reason)
+
+    def aborted(self, epoch: str) -> AbortReason | None:
+        """Why collectives on ``epoch`` fail at once (see ``clear_abort``), if they do."""
+        with self._lock:
+            return self._aborted.get(epoch)
 
     def clear_abort(self, epoch: str) -> None:
         """The view ``epoch`` is current again (a suspect refuted): it may be set up anew."""
