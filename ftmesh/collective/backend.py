@@ -19,10 +19,13 @@ and treats as "no GPU" -- never an exception in a loop.
 from __future__ import annotations
 
 import enum
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DEVICES_KEY = "devices"
 """Member metadata key: ``"cuda=<devices>,nccl=<version code>"`` (metadata values are flat
@@ -107,7 +110,8 @@ def local_devices() -> DeviceInfo:
     from .nccl import NcclUnavailableError, load_driver
 
     try:
-        version = load_driver().version()
-    except (NcclUnavailableError, Exception):  # a broken binding is "no NCCL", not a crash
+        version = int(load_driver().version())
+    except (NcclUnavailableError, Exception) as exc:  # a broken binding: "no NCCL", loudly
+        log.warning("%d CUDA device(s) but no usable NCCL (%s): GPU views will stage", cuda, exc)
         version = 0
-    return DeviceInfo(cuda, max(0, min(int(version), MAX_NCCL_VERSION)))
+    return DeviceInfo(cuda, max(0, min(version, MAX_NCCL_VERSION)))

@@ -145,7 +145,10 @@ class Nccl4pyDriver:
         self._nc = nc
 
     def version(self) -> int:
-        return int(self._nc.get_version()) if hasattr(self._nc, "get_version") else 0
+        """The loaded libnccl's version code (``ncclGetVersion``, e.g. 23203)."""
+        from nccl.bindings import nccl as raw  # nc.get_version() is a VersionInfo, not this
+
+        return int(raw.get_version())
 
     def unique_id(self) -> bytes:
         return bytes(self._nc.get_unique_id())

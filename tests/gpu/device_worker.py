@@ -19,6 +19,7 @@ Every line it prints for the parent starts with ``DEVCHECK `` and is one JSON ob
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -206,6 +207,7 @@ def run_collectives(args: argparse.Namespace) -> None:
             init_method=f"file://{args.registry}/torch-dist",
             rank=rank,
             world_size=view.size,
+            timeout=datetime.timedelta(seconds=60),
         )
         for mib in [int(s) for s in args.sizes.split(",")]:
             n = mib * MIB // 4
