@@ -6,8 +6,9 @@
 // with no CUDA toolkit. Widening to float32 is exact (float16 through the PTX cvt
 // instruction, bfloat16 by a shift). Narrowing rounds to nearest, ties to even:
 // float16 through `cvt.rn.f16.f32` (IEEE, subnormals kept, overflow to inf), bfloat16 with
-// the integer form of the same rounding. NaN results are canonical: float16 keeps the sign
-// and writes 0x7e00, bfloat16 writes 0x7fc0. Each float operation is an
+// the integer form of the same rounding. NaN results are canonical: float16 writes 0x7e00,
+// bfloat16 0x7fc0, whatever the NaN's sign and payload (a NaN made by an operation has
+// another sign on x86 than on a GPU). Each float operation is an
 // explicit round-to-nearest intrinsic, so results equal NumPy's float32 arithmetic bit for
 // bit. Sums of two halves computed in float32 and rounded once are the correctly rounded
 // half sums (float32 has more than 2p+2 bits for both formats, so the double rounding is
@@ -21,9 +22,7 @@ __device__ __forceinline__ float ftmesh_f16_to_f32(unsigned short h) {
 
 __device__ __forceinline__ unsigned short ftmesh_f32_to_f16(float f) {
     const unsigned int bits = __float_as_uint(f);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        return (unsigned short)(((bits >> 16) & 0x8000u) | 0x7e00u);
-    }
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7e00u;
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;

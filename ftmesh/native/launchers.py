@@ -65,7 +65,12 @@ class NativeKernels:
         return cls(functions)
 
     def _launch(self, name: str, grid: int, args: tuple[Any, ...], stream: Any) -> None:
-        self.functions[name]((max(grid, 1),), (THREADS,), args, stream=stream)
+        fn = self.functions[name]  # a RawKernel: it launches on CuPy's current stream
+        if stream is None:
+            fn((max(grid, 1),), (THREADS,), args)
+        else:
+            with stream:
+                fn((max(grid, 1),), (THREADS,), args)
 
     @staticmethod
     def _grid(n: int) -> int:

@@ -4,9 +4,9 @@ oracle, bit for bit (see each ``.cu`` file's header for the shared definition).
 Theory of operation: every operation is float32 arithmetic with one rounding to nearest per
 operation, exactly as the kernels' ``__f*_rn`` intrinsics. Half-precision values are their
 16-bit patterns in ``uint16`` arrays (NumPy has no bfloat16). Rounding to half precision is
-round to nearest, ties to even; NaN results are canonical (float16: sign kept, ``0x7e00``;
-bfloat16: ``0x7fc0``), so the kernels never depend on how the hardware carries a NaN's
-payload.
+round to nearest, ties to even; NaN results are canonical (float16 ``0x7e00``, bfloat16
+``0x7fc0``, whatever the sign and payload), so the kernels never depend on how the hardware
+carries a NaN's sign or payload (``inf - inf`` is negative on x86, positive on a GPU).
 
 The int8 block codec follows the int8 bullet of ``docs/DESIGN-NOTES.md`` ("Interfaces
 agreed") and ``ftmesh.compression.int8`` (the codec's owner, on the ``compress`` branch): a
@@ -123,9 +123,7 @@ def f32_to_f16(f: npt.ArrayLike) -> U16:
     a = _f32(f, "f")
     with np.errstate(over="ignore"):
         out = a.astype(np.float16).view(np.uint16)
-    nan = np.isnan(a)
-    sign = (a.view(np.uint32)[nan] >> np.uint32(16)).astype(np.uint16) & np.uint16(0x8000)
-    out[nan] = sign | F16_NAN
+    out[np.isnan(a)] = F16_NAN
     return out
 
 
