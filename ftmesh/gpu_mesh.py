@@ -60,13 +60,12 @@ def _dtype_of(x: Any) -> str:
 async def follow_membership(
     node: Node, manager: EpochManager, current_view: Callable[[], RingView | None]
 ) -> None:
-    """Forward membership events to ``manager`` until cancelled (see the module doc). The
-    manager's aborts may take a while in NCCL: they run in a worker thread, never in trio's."""
+    """Forward membership events to ``manager`` until cancelled (see the module doc). Both
+    calls only mark epochs aborted; the manager's own thread runs NCCL's aborts."""
     async for ev in node.events():
         if ev.kind in ("suspect", "dead", "left") and ev.member.node != node.node_id:
-            why = f"membership: {ev.member.name} is {ev.kind}"
-            await trio.to_thread.run_sync(manager.peer_suspected, ev.member.node, why)
-        await trio.to_thread.run_sync(manager.view_changed, current_view())
+            manager.peer_suspected(ev.member.node, f"membership: {ev.member.name} is {ev.kind}")
+        manager.view_changed(current_view())
 
 
 class MeshRing:

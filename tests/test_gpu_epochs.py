@@ -86,6 +86,7 @@ def test_init_that_never_finishes_falls_back_to_staging_at_the_deadline() -> Non
     v = view_of("a", "b")
     m.allreduce(v, np.ones(2, np.float32))
     assert 5.0 <= clock.now < 5.1  # waited exactly the init deadline
+    assert m.wait_aborts(10)
     assert staged == [Kind.ALLREDUCE] and m.backend_of(v) is Backend.STAGING
     assert f.groups == [[v.epoch]]  # the hung init was aborted
     stats = m.statistics()
@@ -101,6 +102,7 @@ def test_a_member_that_cannot_init_makes_everyone_fall_back() -> None:
     v = view_of("a", "b")
     m.allreduce(v, np.ones(2, np.float32))
     assert control.ok_votes == [True] and m.backend_of(v) is Backend.STAGING
+    assert m.wait_aborts(10)
     assert f.groups == [[v.epoch]]  # our ready communicator was aborted, not left behind
     f2, control2 = FakeFactory(), FakeControl()
     f2.init_error = 5
@@ -120,6 +122,7 @@ def test_collective_deadline_aborts_and_the_next_call_rebuilds() -> None:
         m.allreduce(v, np.ones(2, np.float32))
     assert info.value.reason == DeadlineExpired("allreduce", 7.0)
     assert isinstance(info.value, RingPeerLostError)  # the trainer retries it like a loss
+    assert m.wait_aborts(10)
     assert f.groups == [[v.epoch]]
     f.op_hangs = False
     m.allreduce(v, np.ones(2, np.float32))
@@ -134,6 +137,7 @@ def test_library_errors_are_typed(code: int, error: type[Exception]) -> None:
     f.op_error = code
     with pytest.raises(error):
         m.broadcast(v, np.ones(2, np.float32), root="b")
+    assert m.wait_aborts(10)
     assert f.groups == [[v.epoch]]
 
 
@@ -155,7 +159,7 @@ def test_suspicion_aborts_a_hung_collective_and_poisons_the_view() -> None:
     assert info.value.peer == "c" and info.value.reason == PeerSuspected(
         "c", "membership: c is suspect"
     )
-    assert m.statistics().aborts == {"PeerSuspected": 1}
+    assert m.wait_aborts(10) and m.statistics().aborts == {"PeerSuspected": 1}
     creates = f.events.count(f"create {v.epoch}")
     with pytest.raises(GpuPeerLostError):  # at once, no new set-up
         m.allreduce(v, np.ones(2, np.float32))
@@ -172,7 +176,7 @@ def test_view_change_aborts_the_old_communicator_before_the_new_one_exists() -> 
     v1, v2, v3 = view_of("a", "b", "c"), view_of("a", "b"), view_of("a", "d")
     m.allreduce(v1, np.ones(2, np.float32))
     m.view_changed(v2)
-    assert f.events[-1] == f"abort {[v1.epoch]}"
+    assert m.wait_aborts(10) and f.events[-1] == f"abort {[v1.epoch]}"
     with pytest.raises(GpuViewSupersededError):
         m.allreduce(v1, np.ones(2, np.float32))  # collectives on the view left fail...
     m.allreduce(v2, np.ones(2, np.float32))  # ...and the new one is set up
@@ -329,3 +333,36 @@ def test_tcp_agreement_needs_every_vote_and_one_token() -> None:
             [lambda i=i: ctl[i].agree(view, True, other if i == 2 else same) for i in range(3)]
         )
         assert votes == [False] * 3
+
+
+def test_an_abort_that_never_returns_blocks_nobody() -> None:
+    """NCCL's abort has hung in the wild (NVIDIA/nccl#863): callers and membership must not
+    wait for it, and no new communicator may be built beside it."""
+    f = FakeFactory()
+    release = threading.Event()
+    plain_abort = f.abort_group
+
+    def stuck_abort(comms: Sequence[Any]) -> None:
+        release.wait(30)
+        plain_abort(comms)
+
+    f.abort_group = stuck_abort  # type: ignore[method-assign]
+    m = EpochManager("a", f, FakeControl(), config=EpochConfig(op_timeout=120, abort_timeout=0.3))
+    v = view_of("a", "b")
+    m.allreduce(v, np.ones(1, np.float32))
+    f.op_hangs, f.started = True, threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(m.allreduce, v, np.ones(1, np.float32))
+        assert f.started.wait(10)
+        m.peer_suspected("b", "membership")  # returns although the abort hangs
+        with pytest.raises(GpuPeerLostError):
+            fut.result(timeout=10)
+    creates = sum(e.startswith("create") for e in f.events)
+    with pytest.raises(GpuStalledError, match="abort"):
+        m.allreduce(view_of("a", "c"), np.ones(1, np.float32))  # not beside a stuck abort
+    assert sum(e.startswith("create") for e in f.events) == creates
+    release.set()
+    assert m.wait_aborts(10)
+    f.op_hangs = False
+    m.allreduce(view_of("a", "c"), np.ones(1, np.float32))
+    assert m.statistics().aborts["PeerSuspected"] == 1

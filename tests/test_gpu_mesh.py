@@ -81,6 +81,6 @@ def test_backend_choice_setup_over_the_mesh_and_membership_aborts(tmp_path: Path
             with pytest.raises(GpuPeerLostError) as info:
                 fut.result(timeout=30)
         assert info.value.peer == pair.members[1 - pair.rank_of(ms[0].node_id)].node_id
-        assert factories[0].groups[-1] == [pair.epoch]
+        assert gpus[0].manager.wait_aborts(10) and factories[0].groups[-1] == [pair.epoch]
         for g in gpus:
             g.close()

@@ -49,6 +49,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import queue
 import struct
 import threading
 import time
@@ -314,11 +315,16 @@ class EpochConfig:
     """Bounds of the pause between two polls of a pending init or collective (seconds; the
     pause doubles from ``poll_min``). The maximum bounds the latency an abort or a completed
     collective waits for; the minimum keeps a short collective from paying a full pause."""
+    abort_timeout: float = 30.0
+    """Seconds a new communicator waits for the aborts of the old ones (never build one on a
+    GPU where another is still being torn down, pytorch#119797). Aborts run in their own
+    thread, so a caller never waits for one otherwise; one that does not finish in time (an
+    NCCL bug seen in the wild, NVIDIA/nccl#863) makes the set-up raise ``GpuStalledError``."""
     max_aborted_views: int = 64
     """Views whose abort is remembered (a collective on one fails at once); caps memory."""
 
     def __post_init__(self) -> None:
-        for name in ("init_timeout", "op_timeout", "poll_min", "poll_max"):
+        for name in ("init_timeout", "op_timeout", "poll_min", "poll_max", "abort_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds")
         if self.poll_min > self.poll_max or self.max_aborted_views < 1:
@@ -336,7 +342,7 @@ class EpochStats:
     aborts: dict[str, int] = field(default_factory=dict)
     last_setup_seconds: float = 0.0
     last_abort_seconds: float = 0.0
-    """How long the last abort of communicators took (grouped)."""
+    """How long the last abort of communicators took (grouped), in the aborting thread."""
 
 
 @dataclass
@@ -356,6 +362,57 @@ class _Epoch:
             return []
         self.aborted = True
         return [self.comm]
+
+
+class _Reaper:
+    """The one thread that aborts a manager's communicators, so that neither a collective's
+    caller nor membership's thread ever waits for an abort NCCL may take long to finish, or
+    never finish (NVIDIA/nccl#863, #1777). Started on demand; it ends after ``IDLE_EXIT``
+    seconds without work."""
+
+    IDLE_EXIT = 5.0
+
+    def __init__(self, factory: CommFactory, done: Callable[[str, float], None]) -> None:
+        self._factory = factory
+        self._done = done
+        self._queue: queue.SimpleQueue[tuple[Sequence[Communicator], str]] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, comms: Sequence[Communicator], key: str) -> None:
+        with self._cond:
+            self._pending += 1
+            self._queue.put((comms, key))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ftmesh-gpu-abort", daemon=True
+                )
+                self._thread.start()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                comms, key = self._queue.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                with self._cond:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            t0 = time.monotonic()
+            try:
+                self._factory.abort_group(comms)
+            except Exception:  # an abort that fails still counts as done: log it, go on
+                log.exception("aborting %d GPU communicator(s) failed", len(comms))
+            self._done(key, time.monotonic() - t0)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
 
 
 Chooser = Callable[[RingView], Backend]
@@ -396,6 +453,7 @@ class EpochManager:
         self._serial = 0
         self._closed = False
         self._stats = EpochStats()
+        self._reaper = _Reaper(factory, self._aborted_one)
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, view: RingView, x: Any, op: str = "sum") -> CollectiveResult[Any]:
@@ -476,6 +534,7 @@ class EpochManager:
             ep = self._epoch
             comms = ep.take(ManagerClosed()) if ep is not None else []
         self._abort(comms, ManagerClosed())
+        self.wait_aborts(self.config.abort_timeout)
 
     def statistics(self) -> EpochStats:
         with self._lock:
@@ -498,7 +557,10 @@ class EpochManager:
             if ep is not None:
                 old = ep.take(ViewChanged(view.epoch))
             self._epoch = None
-        self._abort(old, ViewChanged(view.epoch))  # before anything of the new view is built
+        self._abort(old, ViewChanged(view.epoch))
+        if not self.wait_aborts(self.config.abort_timeout):  # before the new view is built
+            reason = DeadlineExpired("abort", self.config.abort_timeout)
+            raise error_for(reason, view.epoch)
         return self._setup(view)
 
     def _setup(self, view: RingView) -> _Epoch:
@@ -579,19 +641,20 @@ class EpochManager:
         raise error_for(ep.reason or reason, ep.view.epoch)
 
     def _abort(self, comms: list[Communicator], reason: AbortReason | None) -> None:
-        if not comms:
-            return
-        t0 = self._clock()
-        try:
-            self._factory.abort_group(comms)
-        finally:
-            with self._lock:
-                key = type(reason).__name__ if reason is not None else "fallback"
-                aborts = dict(self._stats.aborts)
-                aborts[key] = aborts.get(key, 0) + 1
-                self._stats = replace(
-                    self._stats, aborts=aborts, last_abort_seconds=self._clock() - t0
-                )
+        """Hand ``comms`` to the aborting thread; returns at once."""
+        if comms:
+            key = type(reason).__name__ if reason is not None else "fallback"
+            self._reaper.submit(comms, key)
+
+    def _aborted_one(self, key: str, seconds: float) -> None:
+        with self._lock:
+            aborts = dict(self._stats.aborts)
+            aborts[key] = aborts.get(key, 0) + 1
+            self._stats = replace(self._stats, aborts=aborts, last_abort_seconds=seconds)
+
+    def wait_aborts(self, timeout: float) -> bool:
+        """Wait until every abort handed over so far has finished; False after ``timeout``."""
+        return self._reaper.wait_idle(timeout)
 
     def _remember(self, epoch: str, reason: AbortReason) -> None:
         self._aborted[epoch] = reason
