@@ -33,7 +33,10 @@ tested without a GPU.
    (and collectives on a view left fail at once, as a superseded view's on the data plane).
    Aborts of several communicators go to the factory as one group (NCCL requires that: an
    abort may synchronise the device, which a collective hung on another communicator
-   blocks, pytorch#119797).
+   blocks, pytorch#119797). NCCL's abort itself runs in the manager's own aborting thread:
+   the reason is set at once and the waiting collective raises, whatever the abort takes
+   (it has hung in the wild, NVIDIA/nccl#863); a new communicator is only built once the
+   old ones are gone (``abort_timeout``).
 
 Every abort has a typed reason (the frozen dataclasses below); the error raised for it is a
 subclass of the data plane's (``RingPeerLostError``, ``PeerStalledError``,
