@@ -534,43 +534,51 @@ def check_processes(t: Table, args: argparse.Namespace, logs: Path) -> None:
             seen,
         )
         (reg / "done").touch()
-        check_training(t, gpu, [e for i, e in of(seen, "trained") if i in survivors])
-        errs: dict[int, dict[str, Any]] = {}
-        for i, e in of(seen, "loop-error"):  # each survivor's first failure after the kill
-            if i in survivors and e["t"] >= t_kill and i not in errs:
-                errs[i] = e
-        false_alarms = len([1 for _, e in of(seen, "loop-error") if e["t"] < t_kill])
-        recs = {i: e for i, e in of(seen, "kill-recovered") if i in survivors}
-        if len(errs) < len(survivors):
-            t.add("kill -9 -> survivors abort", "FAIL", "", f"errors seen: {list(errs.values())}")
-            return
-        t_err = max(e["t"] for e in errs.values()) - t_kill
-        kinds = sorted({e["error"] for e in errs.values()})
-        t.add(
-            "kill -9 -> survivors' collective aborted",
-            ok(t_err < 1.0),
-            f"{t_err:.3f} s",
-            f"{'/'.join(kinds)}; goal < 1 s (torch's NCCL watchdog: 10 min); "
-            f"{false_alarms} false suspicions before the kill",
-        )
-        if len(recs) < len(survivors) or any("t" not in e for e in recs.values()):
-            t.add(
-                "kill -9 -> next collective on the new view",
-                "FAIL",
-                "",
-                f"{[e.get('error') for e in recs.values()]}",
-            )
-            return
-        t_next = max(e["t"] for e in recs.values()) - t_kill
-        t.add(
-            "kill -9 -> next collective on the new view",
-            ok(t_next < 1.0 or not gpu),
-            f"{t_next:.3f} s",
-            f"backend {sorted({e['backend'] for e in recs.values()})}, "
-            f"new communicator included; goal < 1 s",
-        )
+        try:
+            kill_rows(t, gpu, seen, survivors, t_kill)
+        finally:
+            check_training(t, gpu, [e for i, e in of(seen, "trained") if i in survivors])
     finally:
         w.close()
+
+
+def kill_rows(
+    t: Table, gpu: bool, seen: list[tuple[int, dict[str, Any]]], survivors: list[int], t_kill: float
+) -> None:
+    errs: dict[int, dict[str, Any]] = {}
+    for i, e in of(seen, "loop-error"):  # each survivor's first failure after the kill
+        if i in survivors and e["t"] >= t_kill and i not in errs:
+            errs[i] = e
+    false_alarms = len([1 for _, e in of(seen, "loop-error") if e["t"] < t_kill])
+    recs = {i: e for i, e in of(seen, "kill-recovered") if i in survivors}
+    if len(errs) < len(survivors):
+        t.add("kill -9 -> survivors abort", "FAIL", "", f"errors seen: {list(errs.values())}")
+        return
+    t_err = max(e["t"] for e in errs.values()) - t_kill
+    kinds = sorted({e["error"] for e in errs.values()})
+    t.add(
+        "kill -9 -> survivors' collective aborted",
+        ok(t_err < 1.0),
+        f"{t_err:.3f} s",
+        f"{'/'.join(kinds)}; goal < 1 s (torch's NCCL watchdog: 10 min); "
+        f"{false_alarms} false suspicions before the kill",
+    )
+    if len(recs) < len(survivors) or any("t" not in e for e in recs.values()):
+        t.add(
+            "kill -9 -> next collective on the new view",
+            "FAIL",
+            "",
+            f"{[e.get('error') for e in recs.values()]}",
+        )
+        return
+    t_next = max(e["t"] for e in recs.values()) - t_kill
+    t.add(
+        "kill -9 -> next collective on the new view",
+        ok(t_next < 1.0 or not gpu),
+        f"{t_next:.3f} s",
+        f"backend {sorted({e['backend'] for e in recs.values()})}, "
+        f"new communicator included; goal < 1 s",
+    )
 
 
 def check_training(t: Table, gpu: bool, done: list[dict[str, Any]]) -> None:
@@ -601,6 +609,9 @@ def main() -> int:
     p.add_argument("--kill-mib", type=int, default=16)
     p.add_argument("--train-steps", type=int, default=30)
     p.add_argument("--phase-timeout", type=float, default=150.0)
+    p.add_argument(
+        "--budget", type=float, default=440.0, help="seconds for the whole check (of 8 min)"
+    )
     p.add_argument("--logs", default="")
     p.add_argument("--json", default="")
     args = p.parse_args()
@@ -610,26 +621,37 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     t = Table()
-    t.guard("NVRTC compile of native/*.cu", lambda: check_compile(t))
-    if args.dry_run:
-        t.add("kernels vs references", "n/a", "", "--dry-run: no GPU")
-        t.guard("lifecycle N=1 (TCP)", lambda: check_tcp_solo(t))
-    else:
-        t.guard("kernels vs references", lambda: check_kernels(t))
-        t.guard("NCCL at N=1", lambda: check_nccl_solo(t))
-    t.guard("multi-process phases", lambda: check_processes(t, args, logs))
-    t.add(
-        "not covered by one GPU",
-        "n/a",
-        "",
-        "busbw across GPUs/NVLink/network; NCCL on "
-        "GPUs of several hosts; a GPU failing (Xid) or a hung driver; ncclCommShrink vs init "
-        "(not measured)",
-    )
-    t.add("wall time", "ok", f"{time.monotonic() - started:.0f} s", f"logs in {logs}")
-    print(t.render())
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in t.rows], indent=1))
+
+    def stop(_sig: int, _frame: Any) -> None:  # `timeout` ends us: still print the table
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        t.guard("NVRTC compile of native/*.cu", lambda: check_compile(t))
+        if args.dry_run:
+            t.add("kernels vs references", "n/a", "", "--dry-run: no GPU")
+            t.guard("lifecycle N=1 (TCP)", lambda: check_tcp_solo(t))
+        else:
+            t.guard("kernels vs references", lambda: check_kernels(t))
+            t.guard("NCCL at N=1", lambda: check_nccl_solo(t))
+        args.phase_timeout = min(
+            args.phase_timeout, max(30.0, args.budget - (time.monotonic() - started)) / 2
+        )
+        t.guard("multi-process phases", lambda: check_processes(t, args, logs))
+    except SystemExit:
+        t.add("interrupted", "FAIL", "", "stopped by SIGTERM (the wrapper's time limit)")
+    finally:
+        t.add(
+            "not covered by one GPU",
+            "n/a",
+            "",
+            "busbw across GPUs/NVLink/network; NCCL on GPUs of several hosts; a GPU failing "
+            "(Xid) or a hung driver; ncclCommShrink vs init (not measured)",
+        )
+        t.add("wall time", "ok", f"{time.monotonic() - started:.0f} s", f"logs in {logs}")
+        print(t.render(), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps([asdict(r) for r in t.rows], indent=1))
     return 1 if any(r.status == "FAIL" for r in t.rows) else 0
 
 
