@@ -151,7 +151,8 @@ def accumulate_half(acc: F32, x: U16, dtype: str) -> F32:
     widen, _ = _half(dtype)
     if acc.dtype != np.float32 or acc.shape != np.shape(x):
         raise LocalUsageError("acc must be float32 with x's shape")
-    acc += widen(x).reshape(acc.shape)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, overflow: IEEE results
+        acc += widen(x).reshape(acc.shape)
     return acc
 
 
@@ -164,4 +165,6 @@ def round_half(acc: F32, dtype: str) -> U16:
 def sum_half(a: U16, b: U16, dtype: str) -> U16:
     """``round(float32(a) + float32(b))``: the ring's reduction of two half-precision chunks."""
     widen, narrow = _half(dtype)
-    return narrow(widen(a) + widen(b)).reshape(np.shape(a))  # type: ignore[no-any-return]
+    with np.errstate(invalid="ignore", over="ignore"):
+        wide = widen(a) + widen(b)
+    return narrow(wide).reshape(np.shape(a))  # type: ignore[no-any-return]
