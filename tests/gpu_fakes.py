@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ftmesh.collective import RingView
+from ftmesh.collective.aborts import CommFailure
 from ftmesh.collective.backend import Backend
-from ftmesh.collective.epochs import SETUP_BYTES, CollectiveOp, CommFailure, SetupRecord
+from ftmesh.collective.epochs import SETUP_BYTES, CollectiveOp, SetupRecord
 
 
 class FakeClock:

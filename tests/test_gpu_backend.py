@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ftmesh.collective.aborts import CommFailure
 from ftmesh.collective.backend import (
     DEVICES_KEY,
     Backend,
@@ -23,7 +24,6 @@ from ftmesh.collective.backend import (
     parse_devices,
     view_backend,
 )
-from ftmesh.collective.epochs import CommFailure
 from ftmesh.collective.nccl import (
     ABORTED,
     IN_PROGRESS,

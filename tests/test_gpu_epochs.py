@@ -23,20 +23,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftmesh.collective import CollectiveConfig, Peer, RingPeerLostError, RingView, SyncDataPlane
-from ftmesh.collective.backend import Backend
-from ftmesh.collective.epochs import (
-    SETUP_BYTES,
-    CollectiveOp,
+from ftmesh.collective.aborts import (
     CommFailure,
     DeadlineExpired,
-    EpochConfig,
-    EpochManager,
     GpuCommError,
     GpuPeerLostError,
     GpuStalledError,
     GpuViewSupersededError,
-    Kind,
     PeerSuspected,
+)
+from ftmesh.collective.backend import Backend
+from ftmesh.collective.epochs import (
+    SETUP_BYTES,
+    CollectiveOp,
+    EpochConfig,
+    EpochManager,
+    Kind,
     SetupRecord,
 )
 from ftmesh.collective.tcp_backend import TcpControl, TcpFactory

@@ -17,8 +17,9 @@ from gpu_fakes import FakeFactory
 from test_sync_mesh import common_view, in_threads
 from tests_support import local_mesh_config
 
+from ftmesh.collective.aborts import GpuPeerLostError
 from ftmesh.collective.backend import Backend, DeviceInfo
-from ftmesh.collective.epochs import EpochConfig, GpuPeerLostError
+from ftmesh.collective.epochs import EpochConfig
 from ftmesh.gpu_mesh import GpuCollectives
 from ftmesh.sync import SyncMesh
 

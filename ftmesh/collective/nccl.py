@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import FtmeshError, LocalUsageError
-from .epochs import CollectiveOp, CommFailure, Kind
+from .aborts import CommFailure
+from .epochs import CollectiveOp, Kind
 from .view import RingView
 
 NCCL_DTYPES = {

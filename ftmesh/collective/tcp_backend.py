@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import FtmeshError
-from .epochs import NCCL_REMOTE_ERROR, CollectiveOp, CommFailure, Kind
+from .aborts import NCCL_REMOTE_ERROR, CommFailure
+from .epochs import CollectiveOp, Kind
 from .errors import RingPeerLostError
 from .view import RingView
 
