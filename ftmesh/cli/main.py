@@ -4,8 +4,9 @@ Every command that finds or joins a mesh adds its flags with :func:`add_settings
 reads them with :func:`settings_from_args`, so ``--port`` (say) means the same everywhere and
 the environment (``FTMESH_PORT``) fills what the flags leave out (``ftmesh.settings``).
 Errors reach the user as one line on stderr with exit status 2: a bad flag (argparse, see
-:class:`Parser`) and any ``FtmeshError`` raised while starting, which names the setting and
-the fix (``-v`` adds the traceback).
+:class:`Parser`) and any ``FtmeshError``; a ``ConfigError`` names the setting and the fix,
+any other error is prefixed with its class (``StateLostError: ...``); ``-v`` adds the
+traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from ..errors import FtmeshError
+from ..errors import FtmeshError, LocalUsageError
 from ..membership.config import PRESETS
 from ..settings import DISCOVERY_KINDS, Settings, parse_meta
 from ..sync import root_cause
@@ -208,7 +209,9 @@ def run(argv: list[str] | None = None) -> int:
             raise
         if args.verbose:
             traceback.print_exc()
-        print(f"ftmesh: error: {' '.join(str(cause).split())}", file=sys.stderr)
+        # A setting at fault speaks for itself; any other error says what it is.
+        kind = "" if isinstance(cause, LocalUsageError) else f"{type(cause).__name__}: "
+        print(f"ftmesh: error: {kind}{' '.join(str(cause).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
