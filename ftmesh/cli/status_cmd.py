@@ -13,6 +13,7 @@ from ..discovery import make_discovery
 from ..errors import FtmeshError, RemoteProtocolError
 from ..membership.messages import Address, MemberSnapshot, MemberState, PushPull
 from ..membership.wire import PacketCodec
+from ..mesh_meta import BadMetadataError, read_member
 from ..net.frames import exchange_push_pull
 from ..net.node import parse_hostport
 from ..security import MeshAuth, load_secrets
@@ -55,11 +56,21 @@ async def _find(args: argparse.Namespace) -> list[Address]:
     return addrs
 
 
+def problem(m: MemberSnapshot) -> str:
+    """Why the mesh leaves ``m`` out (its metadata does not parse), or ``""``."""
+    try:
+        read_member(m)
+    except BadMetadataError as exc:
+        return f"UNUSABLE ({exc})"
+    return ""
+
+
 def _table(members: list[MemberSnapshot]) -> str:
     rows = [("NAME", "ID", "ADDRESS", "STATE", "INC", "META")]
     order = sorted(members, key=lambda m: (m.state, m.name))
     for m in order:
         meta = ",".join(f"{k}={v}" for k, v in sorted(m.meta.items()))
+        meta = f"{meta}  {problem(m)}" if problem(m) else meta
         rows.append(
             (
                 m.name,
@@ -94,6 +105,7 @@ async def _amain(args: argparse.Namespace) -> int:
                         "state": MemberState(m.state).name.lower(),
                         "incarnation": m.incarnation,
                         "meta": m.meta,
+                        **({"problem": p} if (p := problem(m)) else {}),
                     }
                     for m in members
                 ],
