@@ -8,7 +8,12 @@ Four long-lived tasks run in the node's nursery:
 * the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
   call makes an earlier deadline) and then ticks it;
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
-* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins.
+  connections that have not sent a valid push-pull yet are pending, under the caps and the
+  deadline of ``ftmesh.net.admission``, so idle connections cannot block joins;
+* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins; the
+  ``join`` addresses are offered again every ``JOIN_POLL`` seconds whatever the discovery. A
+  join that fails is retried with exponential backoff (``JOIN_RETRY``) until the address is a
+  live member.
 
 Effects come back from every machine call and are applied at once: datagrams are sent without
 blocking (a full socket buffer drops the datagram, as the network might, and counts it);
@@ -36,15 +41,28 @@ from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
 from ..security import MeshAuth
+from .admission import Admission, accept_loop
 from .frames import exchange_push_pull, read_push_pull, write_push_pull
 from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
 
 MAX_CONCURRENT_PUSH_PULLS = 16
-"""Outgoing and incoming TCP exchanges at once; more are refused, bounding sockets and tasks."""
-JOIN_RETRY_INTERVAL = 2.0
-"""Seconds before a discovered address that is not yet a live member is contacted again."""
+"""Outgoing TCP exchanges at once; more are refused (and retried later), bounding our sockets
+and tasks. Incoming ones are bounded by ``ftmesh.net.admission``."""
+JOIN_RETRY = (1.0, 5.0)
+"""Seconds before an address that is not yet a live member is contacted again: the first
+retry, and the longest wait, doubling in between (with ``JOIN_JITTER`` so members started
+together do not retry in step). Reset once the address is a live member. The longest wait
+bounds how long a healed partition can wait for a join; one exchange per address per 5 s is
+a negligible load."""
+JOIN_JITTER = 0.2
+JOIN_RETRY_BOUND = JOIN_RETRY[1] * (1 + JOIN_JITTER)
+"""Longest wait between two join attempts at one address."""
+JOIN_POLL = 0.5
+"""Seconds between offers of the ``join`` addresses to the retry logic."""
+MAX_JOIN_ADDRESSES = 4096
+"""Addresses whose join backoff is remembered: bounds what discovery floods can grow."""
 RATE_PER_SOURCE = 200.0
 """Datagrams per second accepted from one source (burst: twice that). A member sends a peer
 a few probes, acks and gossip rounds per second; this leaves a wide margin for that and stops
@@ -111,7 +129,9 @@ class Node:
         self._timer_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._push_pull_slots = trio.Semaphore(MAX_CONCURRENT_PUSH_PULLS)
-        self._join_attempts: dict[Address, float] = {}
+        self._admission = Admission(self._drop_tcp, handshake_timeout=config.membership.tcp_timeout)
+        self._join_backoff: dict[Address, tuple[float, float]] = {}  # addr -> (next try, wait)
+        self._jitter = random.Random(os.urandom(8))
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
         self._last_incarnation = swim.incarnation
@@ -292,21 +312,27 @@ class Node:
                 return
             self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
 
+    def _drop_tcp(self, reason: str, detail: str) -> None:
+        self._count(f"tcp_{reason}")
+        self._log_limited(f"tcp_{reason}", "gossip TCP: %s (%s)", reason, detail)
+
     async def _serve_tcp(self, listener: trio.SocketListener) -> None:
         async with listener, trio.open_nursery() as nursery:
-            while True:
-                stream = await listener.accept()
-                if self._push_pull_slots.value == 0:
-                    self._count("tcp_refused_busy")
-                    await stream.aclose()
-                    continue
-                nursery.start_soon(self._handle_tcp, stream)
+            await accept_loop(
+                listener.accept,
+                lambda stream: nursery.start_soon(self._handle_tcp, stream),
+                self._admission,
+            )
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        async with self._push_pull_slots, stream:
+        async with stream:
+            theirs = None
             try:
-                with trio.fail_after(self.config.membership.tcp_timeout):
+                with self._admission.admit(_peer_host(stream)):
                     theirs = await read_push_pull(stream, self._codec)
+                if theirs is None:
+                    return  # shed or timed out (counted by the admission)
+                with trio.fail_after(self.config.membership.tcp_timeout):
                     await write_push_pull(stream, self._codec, self._swim.push_pull_state())
             except RemoteProtocolError as exc:
                 self._drop(exc, "tcp")
@@ -317,18 +343,35 @@ class Node:
             self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
 
     def _on_found(self, advert: Advert) -> None:
-        addr = (advert.host, advert.port)
-        if addr == self.address or (advert.node_id and advert.node_id == self.node_id):
+        self._offer_join((advert.host, advert.port), advert.node_id)
+
+    def _offer_join(self, addr: Address, node_id: str = "") -> None:
+        """Join through ``addr`` unless it is us, a live member already, or still in its
+        backoff (``JOIN_RETRY``)."""
+        if addr == self.address or (node_id and node_id == self.node_id):
             return
         if any(m.addr == addr and m.state == 0 for m in self._swim.members()):
+            self._join_backoff.pop(addr, None)
             return
         now = trio.current_time()
-        if now - self._join_attempts.get(addr, -1e9) < JOIN_RETRY_INTERVAL:
+        due, wait = self._join_backoff.get(addr, (now, JOIN_RETRY[0] / 2))
+        if now < due:
             return
-        if len(self._join_attempts) > 4096:
-            self._join_attempts.clear()
-        self._join_attempts[addr] = now
+        if len(self._join_backoff) >= MAX_JOIN_ADDRESSES:
+            self._join_backoff.clear()
+        wait = min(2 * wait, JOIN_RETRY[1])
+        self._join_backoff[addr] = (
+            now + wait * self._jitter.uniform(1 - JOIN_JITTER, 1 + JOIN_JITTER),
+            wait,
+        )
         self.join([addr])
+
+    async def _retry_joins(self) -> None:
+        addrs = [parse_hostport(j) for j in self.config.join]
+        while addrs:
+            for addr in addrs:
+                self._offer_join(addr)
+            await trio.sleep(JOIN_POLL)
 
     async def _run_discovery(self, *, task_status: trio.TaskStatus[None]) -> None:
         cfg = self.config
@@ -376,6 +419,13 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
     raise ConfigError(f"cannot bind gossip port {port} on {host}: {last}")
 
 
+def _peer_host(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:
+        return "?"
+
+
 def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -413,8 +463,7 @@ async def open_node(
             nursery.start_soon(node._udp_loop)
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
-            if config.join:
-                node.join([parse_hostport(j) for j in config.join])
+            nursery.start_soon(node._retry_joins)
             await nursery.start(node._run_discovery)
             try:
                 yield node
