@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import random
+import sys
+import time
 
 import trio
 
@@ -18,6 +20,8 @@ from ..net.frames import exchange_push_pull
 from ..net.node import parse_hostport
 from ..security import MeshAuth, load_secrets
 
+CLOCK_NOTE = 1.0
+"""Seconds of clock difference with the member read that ``status`` mentions."""
 MAX_CONTACTS = 8
 """Members tried before giving up: a few may have just died, more means no mesh is there."""
 
@@ -31,11 +35,19 @@ async def fetch_members(
     errors = []
     for addr in addrs[:MAX_CONTACTS]:
         try:
-            reply = await exchange_push_pull(addr, codec, me, timeout)
+            reply = await exchange_push_pull(addr, codec, me, timeout, time.time)
         except (OSError, trio.TooSlowError, RemoteProtocolError, trio.BrokenResourceError) as exc:
             errors.append(f"{addr[0]}:{addr[1]}: {exc!r}")
             continue
-        return list(reply.members)
+        off = reply.clock_offset
+        if off is not None and abs(off) > CLOCK_NOTE:
+            side = "ahead of" if off > 0 else "behind"
+            print(
+                f"note: the clock of {addr[0]}:{addr[1]} is {abs(off):.1f} s {side} this "
+                "machine's (the mesh copes; logs are easier to compare with synced clocks)",
+                file=sys.stderr,
+            )
+        return list(reply.push_pull.members)
     raise FtmeshError(
         f"no member of mesh {mesh!r} answered" + (f" ({'; '.join(errors)})" if errors else "")
     )

@@ -39,10 +39,19 @@ from ..errors import ConfigError, RemoteProtocolError
 from ..membership.config import MembershipConfig
 from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
-from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
+from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec, StaleError
 from ..security import MeshAuth
 from .admission import Admission, accept_loop
-from .frames import exchange_push_pull, read_push_pull, write_push_pull
+from .clocks import PeerClocks
+from .frames import (
+    Exchanged,
+    Wall,
+    exchange_push_pull,
+    read_challenge,
+    read_push_pull,
+    send_challenge,
+    write_push_pull,
+)
 from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
@@ -119,8 +128,14 @@ class NodeConfig:
 class Node:
     """A running member. Get one from :func:`open_node`."""
 
-    def __init__(self, config: NodeConfig, swim: Swim, sock: socket.socket) -> None:
+    def __init__(
+        self, config: NodeConfig, swim: Swim, sock: socket.socket, wall: Wall = time.time
+    ) -> None:
         self.config = config
+        self._wall = wall
+        """The wall clock replay protection reads (tests shift it)."""
+        self.clocks = PeerClocks()
+        """Peers' clock offsets, learned over push-pull (``ftmesh.net.clocks``)."""
         self._swim = swim
         self._sock = sock
         self._codec = PacketCodec(config.mesh, config.auth, config.membership.replay_window)
@@ -225,7 +240,7 @@ class Node:
             effects = [*effects, MemberEvent("alive", self.me(), trio.current_time())]
         for eff in effects:
             if isinstance(eff, Send):
-                data = self._codec.seal(eff.msgs, time.time(), self._nonce_rng.randbytes(8))
+                data = self._codec.seal(eff.msgs, self._wall(), self._nonce_rng.randbytes(8))
                 try:
                     self._sock.sendto(data, eff.dest)
                 except (BlockingIOError, InterruptedError):
@@ -276,12 +291,21 @@ class Node:
             if not self._limiter.allow(key, trio.current_time()):
                 self._count("rx_dropped_rate_limited")
                 continue
+            addr = (src[0], src[1])
             try:
-                msgs = self._codec.open(data, time.time())
+                msgs = self._codec.open(data, self._wall(), clock_offset=self.clocks.offset(addr))
+            except StaleError as exc:
+                # A replay, or a sender whose clock we have not measured or that moved: measure
+                # it (rate-limited); a real member is accepted again after that round trip.
+                self._drop(exc, src)
+                if self._nursery is not None and self.clocks.should_sync(addr, time.monotonic()):
+                    self._count("clock_syncs")
+                    self._nursery.start_soon(self._push_pull, addr, False)
+                continue
             except RemoteProtocolError as exc:
                 self._drop(exc, src)
                 continue
-            self._apply(self._swim.receive(trio.current_time(), (src[0], src[1]), msgs))
+            self._apply(self._swim.receive(trio.current_time(), addr, msgs))
 
     async def _timer_loop(self) -> None:
         while True:
@@ -298,8 +322,8 @@ class Node:
         async with self._push_pull_slots:
             ours = self._swim.push_pull_state(join=join)
             try:
-                theirs = await exchange_push_pull(
-                    dest, self._codec, ours, self.config.membership.tcp_timeout
+                exchanged = await exchange_push_pull(
+                    dest, self._codec, ours, self.config.membership.tcp_timeout, self._wall
                 )
             except RemoteProtocolError as exc:
                 self._drop(exc, dest)
@@ -310,7 +334,18 @@ class Node:
                 self._log_limited("pp_fail", "push-pull with %s failed: %r", dest, exc)
                 self._apply(self._swim.join_failed(trio.current_time(), dest))
                 return
-            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+            self._learn_clock(exchanged, dest)
+            self._apply(self._swim.merge_push_pull(trio.current_time(), exchanged.push_pull))
+
+    def _learn_clock(self, exchanged: Exchanged, fallback: Address | None) -> None:
+        """Remember the clock offset an exchange measured, under the peer's gossip address."""
+        pp = exchanged.push_pull
+        if exchanged.clock_offset is None or pp.observer:
+            return
+        own = next((m for m in pp.members if m.node == pp.source), None)
+        addr = own.addr if own is not None else fallback
+        if addr is not None and addr != self.address:
+            self.clocks.learn(addr, exchanged.clock_offset, own.name if own else "a peer")
 
     def _drop_tcp(self, reason: str, detail: str) -> None:
         self._count(f"tcp_{reason}")
@@ -329,18 +364,23 @@ class Node:
             theirs = None
             try:
                 with self._admission.admit(_peer_host(stream)):
-                    theirs = await read_push_pull(stream, self._codec)
+                    mine = await send_challenge(stream)
+                    challenged = self._wall()
+                    their_challenge = await read_challenge(stream)
+                    theirs = await read_push_pull(stream, self._codec, mine, challenged, self._wall)
                 if theirs is None:
                     return  # shed or timed out (counted by the admission)
                 with trio.fail_after(self.config.membership.tcp_timeout):
-                    await write_push_pull(stream, self._codec, self._swim.push_pull_state())
+                    state = self._swim.push_pull_state()
+                    await write_push_pull(stream, self._codec, state, their_challenge, self._wall)
             except RemoteProtocolError as exc:
                 self._drop(exc, "tcp")
                 return
             except (OSError, trio.TooSlowError, trio.BrokenResourceError):
                 self._count("tcp_failed")
                 return
-            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+            self._learn_clock(theirs, None)
+            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs.push_pull))
 
     def _on_found(self, advert: Advert) -> None:
         self._offer_join((advert.host, advert.port), advert.node_id)
@@ -432,7 +472,7 @@ def default_name() -> str:
 
 @asynccontextmanager
 async def open_node(
-    config: NodeConfig | None = None, *, node_id: str | None = None
+    config: NodeConfig | None = None, *, node_id: str | None = None, wall_clock: Wall = time.time
 ) -> AsyncIterator[Node]:
     """Run a mesh member for the duration of the ``async with`` block; leave gracefully on
     exit. ``node_id`` (32 hex digits) defaults to a fresh random one: a restarted process is
@@ -455,7 +495,7 @@ async def open_node(
         now=trio.current_time(),
         meta=config.meta,
     )
-    node = Node(config, swim, udp)
+    node = Node(config, swim, udp, wall_clock)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
     try:
         async with trio.open_nursery() as nursery:

@@ -514,7 +514,12 @@ class ElasticTrainer:
             members = self.mesh.members()
             if any(advertises_state(m) for m in members):
                 return  # the mesh has started: a member took a step
-            ready = sum(m.state == MemberState.ALIVE and role_of(m) == "starting" for m in members)
+            # (a member already "train" counted enough of us: missing its "starting" in a poll
+            # must not leave us waiting out start_timeout)
+            ready = sum(
+                m.state == MemberState.ALIVE and role_of(m) in ("starting", "train")
+                for m in members
+            )
             if ready >= self.start_peers:
                 break
             if time.monotonic() >= end:
