@@ -8,9 +8,9 @@ the flood lasts, not only until its first timeout. A member must keep admitting 
 meanwhile (``ftmesh.net.admission``).
 
 Bounded: at most ``MAX_CONNECTIONS`` connections, each connect bounded by ``CONNECT_TIMEOUT``,
-replacements checked every ``TICK`` seconds; traffic goes only to the address given, from the
-loopback or lab addresses the caller chooses (``sources``, used in turn, so a flood can come
-from several hosts).
+replacements checked every ``TICK`` seconds and made at ``reopen_rate`` at most; traffic goes
+only to the address given, from the loopback or lab addresses the caller chooses (``sources``,
+used in turn, so a flood can come from several hosts).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ CONNECT_TIMEOUT = 2.0
 """Seconds one connect may take (a full accept backlog makes connects wait)."""
 TICK = 0.2
 """Seconds between two checks for connections the member closed."""
+REOPEN_RATE = 200.0
+"""Default replacements per second: enough to keep a member's pending connections full of
+idle ones (it sheds the oldest, the flood puts new ones in), without turning the flood into a
+connection-rate attack that measures how fast the host can accept."""
 _GONE = select.POLLHUP | select.POLLERR | select.POLLIN | getattr(select, "POLLRDHUP", 0x2000)
 
 
@@ -38,13 +42,20 @@ class IdleFlood:
     Raises this process's descriptor limit towards its hard limit if needed."""
 
     def __init__(
-        self, host: str, port: int, n: int, *, sources: Sequence[str] = ("127.0.0.1",)
+        self,
+        host: str,
+        port: int,
+        n: int,
+        *,
+        sources: Sequence[str] = ("127.0.0.1",),
+        reopen_rate: float = REOPEN_RATE,
     ) -> None:
         if not 0 < n <= MAX_CONNECTIONS:
             raise ValueError(f"n must be in 1..{MAX_CONNECTIONS}")
         self.target = (host, port)
         self.n = n
         self.sources = tuple(sources)
+        self.reopen_per_tick = max(1, int(reopen_rate * TICK))
         self.opened = 0
         self.failed = 0
         self.closed_by_peer = 0
@@ -97,7 +108,7 @@ class IdleFlood:
             for fd, _ev in poller.poll(0):
                 self._socks.pop(fd).close()
                 self.closed_by_peer += 1
-            for _ in range(self.n - len(self._socks)):  # one try each per tick
+            for _ in range(min(self.n - len(self._socks), self.reopen_per_tick)):
                 if self._stop.is_set():
                     break
                 self._open_one()

@@ -31,8 +31,10 @@ what spoofed stale datagrams can make us store."""
 SYNC_INTERVAL = 2.0
 """Seconds between two clock syncs (push-pulls) triggered by stale datagrams from one address:
 bounds the TCP connections that replayed or spoofed datagrams can make us open."""
-LOG_CHANGE = 1.0
-"""Seconds: an offset this far from the last one logged for a peer (or from 0) is logged."""
+LOG_CHANGE = 5.0
+"""Seconds: an offset this far from the last one logged for a peer (or from 0) is logged.
+Smaller ones are ordinary drift or measurement noise (a measurement on a busy host can be off
+by up to ``ftmesh.net.frames.MAX_OFFSET_UNCERTAINTY``)."""
 
 
 class PeerClocks:
