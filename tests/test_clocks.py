@@ -3,17 +3,21 @@
 Real nodes in one process (SWIM over loopback UDP and TCP, same-host discovery); each node's
 wall clock, the one replay protection reads, is shifted through ``open_node(wall_clock=)``.
 Before clocks were measured over push-pull, a member 90 s ahead was refused forever (its
-datagrams "stale"), and a member whose clock jumped 60 s was cut off and declared dead."""
+datagrams "stale"), and a member whose clock jumped 60 s was cut off and declared dead. The
+last test runs real workers under ``faketime``."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 import trio
+from tests_support import Worker
 
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.membership.messages import MemberState
@@ -86,3 +90,41 @@ async def test_skewed_and_stepped_clocks_keep_the_mesh_whole(
                 except trio.WouldBlock:
                     break
             assert "dead" not in seen, seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (scripts/setup.sh)")
+def test_two_workers_90_s_apart_start_and_train_together(tmp_path: Path) -> None:
+    """The probe as a user meets it: two ``ftmesh worker --start-peers 2`` with a secret, one
+    of them on a host whose clock is 90 s ahead. Before, each trained alone after 60 s, both
+    exiting 0 into the same checkpoint directory; now they start together, say how far apart
+    their clocks are, and end with the same state."""
+    secret = tmp_path / "secret"
+    secret.write_text("a mesh secret of enough bytes\n")
+    env = {**os.environ, "FTMESH_REGISTRY_DIR": str(tmp_path / "registry"), "FTMESH_LOG": "WARNING"}
+    args = (
+        *("--mesh", "skew", "--discovery", "local", "--preset", "local"),
+        *("--secret-file", str(secret), "--start-peers", "2"),
+    )
+    script = ("--epochs", "1", "--step-delay", "0", "--digest-every", "0")
+    workers = [
+        Worker(tmp_path / "w0.log", env, *args, script_args=script),
+        Worker(
+            tmp_path / "w1.log", env, *args, prefix=("faketime", "-f", "+90s"), script_args=script
+        ),
+    ]
+    try:
+        for w in workers:
+            w.wait(lambda w: w.proc.poll() is not None, 240, "the end of training")
+    finally:
+        for w in workers:
+            w.stop()
+    for w in workers:
+        assert w.proc.returncode == 0, w.text()[-3000:]
+        steps = w.steps()
+        assert steps[0]["step"] == 1 and steps[0]["members"] == 2, steps[0]
+        assert all(r["members"] == 2 for r in steps if "done" not in r)
+        assert "starting without the others" not in w.text()
+    assert "s ahead of ours" in workers[0].text() and "s behind ours" in workers[1].text()
+    assert len({w.steps()[-1]["digest"] for w in workers}) == 1
