@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,12 +65,11 @@ class Mesh:
         assert res.returncode == 0, res.stderr
         return {m["node"]: m for m in json.loads(res.stdout)}
 
-    def progress(self, seconds: float = 5.0) -> list[int]:
-        """Steps each worker commits in ``seconds`` (the machine may be busy with other work:
-        "training goes on" is asserted as "every worker commits", not as a rate)."""
-        before = [w.last_step() for w in self.workers]
-        time.sleep(seconds)
-        return [w.last_step() - b for w, b in zip(self.workers, before, strict=True)]
+    def keeps_training(self, steps: int = 5, within: float = 60.0) -> None:
+        """Every worker commits ``steps`` more steps within ``within`` seconds (a machine busy
+        with other work slows them down: this asserts that training goes on, not a rate)."""
+        for w, start in [(w, w.last_step()) for w in self.workers]:
+            w.wait(lambda w, s=start: w.last_step() >= s + steps, within, "training going on")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +100,7 @@ def test_a_member_with_garbage_metadata_is_left_out_counted_and_reported(mesh: M
     for w in mesh.workers:
         w.wait(lambda w: "is left out of the mesh" in w.text(), 30, "the bad member reported")
         assert "data: expected HOST:PORT, got 'garbage'" in w.text()
-    assert all(n > 0 for n in mesh.progress()), "training stopped"
+    mesh.keeps_training()
     assert all(w.steps()[-1]["members"] == 2 for w in mesh.workers)
     flagged = mesh.status()[bad.node_id]
     assert "UNUSABLE" in str(flagged.get("problem")) and "garbage" in str(flagged["problem"])
@@ -130,9 +128,9 @@ def test_idle_connection_floods_neither_crash_nor_block_the_mesh(mesh: Mesh) -> 
         joined = joiner.wait_seen(lambda r: r["event"] == "joined" and r["node"] == me["node"], 10)
         assert joined.mono - seen.mono < 5.0
         w2.wait(lambda w: bool(w.steps()), 120, "the new worker's first step")
-        assert all(n > 0 for n in mesh.progress()), "training stopped during the flood"
+        mesh.keeps_training()
         assert mesh.workers[0].steps()[-1]["members"] == 3
         assert data_flood.closed_by_peer > 100 and gossip_flood.closed_by_peer > 0
     assert w0.proc.poll() is None and "Traceback" not in w0.text()
     assert "closed unauthenticated" in w0.text()  # the shed flood, reported
-    assert all(n > 0 for n in mesh.progress()), "training stopped after the flood"
+    mesh.keeps_training()

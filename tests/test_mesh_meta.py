@@ -5,11 +5,15 @@ outcome is a usable member or one counted as unusable: never an exception."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ftmesh.discovery.base import advert_problem
+from ftmesh.discovery.local import _parse_entry
+from ftmesh.discovery.mdns import parse_txt
 from ftmesh.errors import RemoteProtocolError
 from ftmesh.membership.messages import Alive, MemberSnapshot, MemberState
 from ftmesh.membership.wire import PacketCodec
@@ -29,7 +33,8 @@ from ftmesh.mesh_meta import (
 )
 from ftmesh.security import MeshAuth
 
-FAST = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+ID = "ab" * 16
+FAST = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 
 _scalars = st.one_of(
     st.none(),
@@ -146,3 +151,55 @@ def test_host_port_accepts_addresses_and_names_only() -> None:
             assert exc.reason == "bad_meta"
         else:
             raise AssertionError(f"{text!r} accepted")
+
+
+# -- the other door: discovery adverts (mDNS TXT records, same-host registry files) ----------
+
+_txt_keys = st.sampled_from([b"mesh", b"id", b"name", b"port", b"v", b"x"])
+_txt_values = st.one_of(
+    st.none(),
+    st.binary(max_size=80),
+    st.sampled_from([b"m", b"ab" * 16, b"1", b"65535", b"65536", b"0", b"-1", "\u00e9".encode()]),
+)
+
+
+@FAST
+@given(st.dictionaries(_txt_keys, _txt_values), st.sampled_from(["10.0.0.7", "x", "::1"]))
+def test_mdns_txt_records_parse_or_are_refused(props: dict[bytes, bytes | None], host: str) -> None:
+    try:
+        advert = parse_txt(props, host)
+    except RemoteProtocolError as exc:
+        assert exc.reason == "malformed"
+        return
+    assert advert_problem(advert) is None
+
+
+_json_values = st.recursive(
+    _scalars | st.just(ID), lambda inner: st.lists(inner, max_size=3), max_leaves=8
+)
+
+
+@FAST
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "format": st.sampled_from([1, 2, "1"]),
+            "pid": st.one_of(st.integers(-2, 2**32), _scalars),
+            "pid_start": _json_values,
+            "mesh": st.one_of(st.just("m"), _json_values),
+            "node_id": st.one_of(st.just(ID), _json_values),
+            "name": st.one_of(st.just("n"), _json_values),
+            "host": st.one_of(st.just("127.0.0.1"), _json_values),
+            "port": st.one_of(st.integers(-1, 70000), _json_values),
+            "version": st.one_of(st.just(1), _json_values),
+            "extra": _json_values,
+        },
+    )
+)
+def test_registry_entries_parse_or_are_refused(entry: dict[str, Any]) -> None:
+    try:
+        parsed = _parse_entry(json.dumps(entry).encode(), ID + ".json")
+    except (ValueError, TypeError, RecursionError):
+        return
+    assert advert_problem(parsed.advert) is None and 1 <= parsed.pid < 2**31
