@@ -16,7 +16,9 @@ agrees, and nobody runs a collective on a view its neighbours don't share. A mis
 
 With a mesh secret, both sides prove knowledge of it by MACing the transcript, which includes a
 fresh nonce from each side, so a node without the secret cannot join and recorded handshakes
-cannot be replayed.
+cannot be replayed. Inbound connections are admitted by ``ftmesh.net.admission`` until their
+handshake completes (caps per port and per source, oldest shed first, ``connect_timeout``
+from accept), so idle or hostile connections cannot hold up a ring neighbour's.
 
 When the mesh encrypts, the hello says so (``enc``) and the transcript binds it, so neither
 side can be talked into the other mode; a server whose mode differs answers with an error

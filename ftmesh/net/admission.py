@@ -50,6 +50,14 @@ Drop = Callable[[str, str], None]
 """``drop(reason, detail)``: the owner's counter (and rate-limited log) of refused input."""
 
 
+def peer_host(sock: trio.socket.SocketType) -> str:
+    """The source address an accepted connection is admitted under."""
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
+
+
 class Ticket:
     """One pending connection: a cancel scope with the handshake deadline, cancelled early
     when the connection is shed. ``with ticket:`` around the unauthenticated part of the

@@ -11,7 +11,8 @@ Four long-lived tasks run in the node's nursery:
   connections that have not sent a valid push-pull yet are pending, under the caps and the
   deadline of ``ftmesh.net.admission``, so idle connections cannot block joins;
 * discovery (``ftmesh.discovery``) announces us and reports peers, which become joins; the
-  ``join`` addresses are offered again every ``JOIN_POLL`` seconds whatever the discovery. A
+  ``join`` addresses are offered again every ``JOIN_POLL`` seconds with every discovery (``seeds``
+  does it itself). A
   join that fails is retried with exponential backoff (``JOIN_RETRY``) until the address is a
   live member.
 
@@ -41,7 +42,7 @@ from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec, StaleError
 from ..security import MeshAuth
-from .admission import Admission, accept_loop
+from .admission import Admission, accept_loop, peer_host
 from .clocks import PeerClocks
 from .frames import (
     Exchanged,
@@ -363,7 +364,7 @@ class Node:
         async with stream:
             theirs = None
             try:
-                with self._admission.admit(_peer_host(stream)):
+                with self._admission.admit(peer_host(stream.socket)):
                     mine = await send_challenge(stream)
                     challenged = self._wall()
                     their_challenge = await read_challenge(stream)
@@ -407,7 +408,10 @@ class Node:
         self.join([addr])
 
     async def _retry_joins(self) -> None:
-        addrs = [parse_hostport(j) for j in self.config.join]
+        """Offer the ``join`` addresses again and again (``seeds`` discovery re-reports them
+        itself, resolved)."""
+        seeds = self.config.discovery == "seeds"
+        addrs = [] if seeds else [parse_hostport(j) for j in self.config.join]
         while addrs:
             for addr in addrs:
                 self._offer_join(addr)
@@ -457,13 +461,6 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
             udp.close()
             last = exc
     raise ConfigError(f"cannot bind gossip port {port} on {host}: {last}")
-
-
-def _peer_host(stream: trio.SocketStream) -> str:
-    try:
-        return str(stream.socket.getpeername()[0])
-    except OSError:
-        return "?"
 
 
 def default_name() -> str:

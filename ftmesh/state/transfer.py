@@ -24,6 +24,10 @@ for, and every chunk against its leaf as it arrives, so a lying or broken peer i
 (its chunks are re-fetched from another peer and it is dropped), and a corrupt state is
 never returned.
 
+Until a client has passed the challenge its connection is admitted by
+``ftmesh.net.admission`` (caps per port and per source, oldest shed first, ``connect_timeout``
+from accept); authenticated sessions are then capped by ``max_sessions``.
+
 Striping: the blob is split into ranges of ``chunks_per_request`` chunks in a shared queue;
 each peer's worker takes the next range, so peers pull disjoint stripes in parallel and fast
 peers naturally take more. A range whose peer dies, lies or misses its ``request_timeout`` goes
@@ -52,7 +56,7 @@ import numpy as np
 import trio
 
 from ..errors import ConfigError, LocalUsageError, RemoteProtocolError
-from ..net.admission import Admission, accept_loop
+from ..net.admission import Admission, accept_loop, peer_host
 from ..security import MeshAuth
 from .errors import StaleSnapshotError, StateTransferError
 from .memory import prepared_zeros
@@ -207,13 +211,6 @@ def _addr(peer: Any) -> tuple[str, int]:
 # -- server --------------------------------------------------------------------------------
 
 
-def _peer_host(sock: Socket) -> str:
-    try:
-        return str(sock.getpeername()[0])
-    except OSError:
-        return "?"
-
-
 class StateServer:
     """Serves snapshots: ``source`` is a ``State`` (its latest committed snapshot is served)
     or a lookup ``source(step, digest)`` returning the snapshot a client asks for (or any other
@@ -290,7 +287,7 @@ class StateServer:
         sock = stream.socket
         try:
             request = None
-            with self._admission.admit(_peer_host(sock)):
+            with self._admission.admit(peer_host(sock)):
                 _tune(sock, self.config)
                 request = await self._handshake(sock)
             if request is None:
