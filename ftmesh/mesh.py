@@ -40,7 +40,16 @@ from .collective import (
 from .collective.transport import Ring
 from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
-from .net.node import Node, NodeConfig, open_node, parse_hostport
+from .mesh_meta import (
+    DATA_KEY,
+    ROLE_KEY,
+    ROLES,
+    STATE_BYTES_KEY,
+    STATE_KEY,
+    MemberInfo,
+    MetadataGate,
+)
+from .net.node import Node, NodeConfig, open_node
 from .state import (
     Lookup,
     Snapshot,
@@ -54,19 +63,6 @@ from .state import (
 
 T = TypeVar("T")
 
-DATA_KEY = "data"
-"""Member metadata key holding the data-plane ``host:port``."""
-STATE_KEY = "state"
-"""Member metadata key holding the ``host:port`` of the member's state server, if it runs one
-(``Mesh.serve_state``): where members that are behind fetch committed state from."""
-STATE_BYTES_KEY = "state_bytes"
-"""Member metadata key: the size of the member's committed state (``Mesh.advertise_state``),
-so that a member about to fetch it can prepare its receive buffer while it waits to join."""
-ROLE_KEY = "role"
-"""Member metadata key: ``train`` members form the ring; others not (``joining``: about to
-train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
-``done``: finished training, about to leave)."""
-ROLES = ("train", "joining", "starting", "spare", "observer", "done")
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
 
@@ -102,18 +98,21 @@ class MeshConfig:
             raise ConfigError("agree_timeout must be positive")
 
 
-def view_of(members: list[MemberSnapshot], suspects: bool = False) -> RingView | None:
-    """The ring view membership implies: ``train`` members with a data address that are
-    ALIVE (or SUSPECT, with ``suspects``)."""
+def view_of(
+    members: list[MemberSnapshot], suspects: bool = False, gate: MetadataGate | None = None
+) -> RingView | None:
+    """The ring view membership implies: ``train`` members that are ALIVE (or SUSPECT, with
+    ``suspects``) and whose metadata parses (``gate`` counts and logs the others)."""
+    return _view((gate or MetadataGate()).usable(members), suspects)
+
+
+def _view(members: list[MemberInfo], suspects: bool) -> RingView | None:
     live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
-    peers = []
-    for m in members:
-        if m.state not in live:
-            continue
-        if m.meta.get(ROLE_KEY) != "train" or not isinstance(m.meta.get(DATA_KEY), str):
-            continue
-        host, port = parse_hostport(str(m.meta[DATA_KEY]))
-        peers.append(Peer(m.node, host, port))
+    peers = [
+        Peer(m.node, *m.data)
+        for m in members
+        if m.state in live and m.role == "train" and m.data is not None
+    ]
     return RingView.of(peers) if peers else None
 
 
@@ -131,6 +130,8 @@ class Mesh:
         self._view_changed = trio.Event()
         self._views: dict[str, RingView] = {}
         self._latest_view: RingView | None = None  # as of the last event _watch handled
+        self.metadata = MetadataGate()
+        """Counts (``bad_meta``) and logs members whose metadata does not parse."""
 
     @property
     def node_id(self) -> str:
@@ -138,7 +139,11 @@ class Mesh:
 
     def view(self) -> RingView | None:
         """The current view (``None`` while we are not a training member)."""
-        return view_of(self.node.members(), self.config.suspects_in_view)
+        return view_of(self.node.members(), self.config.suspects_in_view, self.metadata)
+
+    def usable_members(self) -> list[MemberInfo]:
+        """Every known member whose metadata parses (see ``ftmesh.mesh_meta``)."""
+        return self.metadata.usable(self.node.members())
 
     async def wait_view(
         self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
@@ -300,13 +305,11 @@ class Mesh:
         more than ``TransferConfig.max_state_bytes`` or half the available memory (it is
         a hint from the network, used to prepare a receive buffer)."""
         sizes = [
-            m.meta.get(STATE_BYTES_KEY)
-            for m in self.node.members()
-            if m.node != self.node_id
-            and m.state == MemberState.ALIVE
-            and m.meta.get(ROLE_KEY) == "train"
+            m.state_bytes
+            for m in self.usable_members()
+            if m.node != self.node_id and m.state == MemberState.ALIVE and m.role == "train"
         ]
-        hint = max((n for n in sizes if type(n) is int and n > 0), default=0)
+        hint = max((n for n in sizes if n), default=0)
         return 0 if hint > min(self.config.transfer.max_state_bytes, _free_memory() // 2) else hint
 
     async def fetch_state(
@@ -320,12 +323,8 @@ class Mesh:
         """Fetch the committed state ``(step, digest)`` from the state servers of the members
         ``holders``, striped over all of them and verified chunk by chunk (into ``buffer``
         when it fits, see ``ftmesh.state.fetch_state``)."""
-        by_id = {m.node: m for m in self.node.members()}
-        peers = []
-        for node in holders:
-            addr = by_id[node].meta.get(STATE_KEY) if node in by_id else None
-            if isinstance(addr, str):
-                peers.append(parse_hostport(addr))
+        by_id = {m.node: m for m in self.usable_members()}
+        peers = [a for node in holders if node in by_id and (a := by_id[node].state_addr)]
         if not peers:
             raise StateTransferError(f"none of {len(holders)} holders serves its state", {})
         nc = self.config.node

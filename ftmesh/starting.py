@@ -18,7 +18,7 @@ import time
 
 from .errors import MeshNotFormedError, TrainingFinishedError
 from .membership.messages import MemberSnapshot, MemberState
-from .mesh import ROLE_KEY, STATE_BYTES_KEY
+from .mesh_meta import advertises_state, role_of
 from .sync import SyncMesh
 from .training.start import Decision, Peer, StartConfig, StartGate, StartStatus
 
@@ -36,8 +36,8 @@ def peers_of(members: list[MemberSnapshot]) -> list[Peer]:
             name=m.name,
             alive=m.state == MemberState.ALIVE,
             left=m.state == MemberState.LEFT,
-            role=str(m.meta.get(ROLE_KEY, "")),
-            started=STATE_BYTES_KEY in m.meta,
+            role=role_of(m),
+            started=advertises_state(m),
         )
         for m in members
     ]

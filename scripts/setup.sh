@@ -7,13 +7,15 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v nft >/dev/null 2>&1 || need_apt+=(nftables)
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
+command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing ${need_apt[*]} (network-namespace lab tests)"
+    echo "setup: installing ${need_apt[*]} (lab tests, clock-skew and descriptor-limit tests)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
   else
-    echo "setup: ${need_apt[*]} missing and not root: namespace tests will be skipped" >&2
+    echo "setup: ${need_apt[*]} missing and not root: the tests needing them will be skipped" >&2
   fi
 fi
 

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import trio
 
@@ -20,12 +21,14 @@ from ..discovery import make_discovery
 from ..errors import ConfigError, FtmeshError, RemoteProtocolError
 from ..membership.messages import Address, MemberSnapshot, MemberState, PushPull
 from ..membership.wire import PacketCodec
-from ..mesh import ROLE_KEY
+from ..mesh_meta import BadMetadataError, read_member, role_of
 from ..net.frames import exchange_push_pull
 from ..security import MeshAuth
 from ..settings import DEFAULT_MESH, EXPECT_KEY, Settings
 from .main import settings_from_args
 
+CLOCK_NOTE = 1.0
+"""Seconds of clock difference with the member read that ``status`` mentions."""
 MAX_CONTACTS = 8
 """Members tried before giving up: a few may have just died, more means no mesh is there."""
 
@@ -39,11 +42,19 @@ async def fetch_members(
     errors = []
     for addr in addrs[:MAX_CONTACTS]:
         try:
-            reply = await exchange_push_pull(addr, codec, me, timeout)
+            reply = await exchange_push_pull(addr, codec, me, timeout, time.time)
         except (OSError, trio.TooSlowError, RemoteProtocolError, trio.BrokenResourceError) as exc:
             errors.append(f"{addr[0]}:{addr[1]}: {exc!r}")
             continue
-        return list(reply.members)
+        off = reply.clock_offset
+        if off is not None and abs(off) > CLOCK_NOTE:
+            side = "ahead of" if off > 0 else "behind"
+            print(
+                f"note: the clock of {addr[0]}:{addr[1]} is {abs(off):.1f} s {side} this "
+                "machine's (the mesh copes; logs are easier to compare with synced clocks)",
+                file=sys.stderr,
+            )
+        return list(reply.push_pull.members)
     raise FtmeshError(
         f"no member of mesh {mesh!r} answered" + (f" ({'; '.join(errors)})" if errors else "")
     )
@@ -79,10 +90,19 @@ def formation_warnings(members: list[MemberSnapshot]) -> list[str]:
                 f"{len(alive)}: the others are not running, cannot reach it or formed a mesh "
                 "of their own; check their logs and discovery settings"
             )
-    starting = sorted(m.name for m in alive if m.meta.get(ROLE_KEY) == "starting")
+    starting = sorted(m.name for m in alive if role_of(m) == "starting")
     if starting:
         out.append(f"waiting to start (start_peers not reached yet): {', '.join(starting)}")
     return out
+
+
+def problem(m: MemberSnapshot) -> str:
+    """Why the mesh leaves ``m`` out (its metadata does not parse), or ``""``."""
+    try:
+        read_member(m)
+    except BadMetadataError as exc:
+        return f"UNUSABLE ({exc})"
+    return ""
 
 
 def _table(members: list[MemberSnapshot]) -> str:
@@ -90,6 +110,7 @@ def _table(members: list[MemberSnapshot]) -> str:
     order = sorted(members, key=lambda m: (m.state, m.name))
     for m in order:
         meta = ",".join(f"{k}={v}" for k, v in sorted(m.meta.items()))
+        meta = f"{meta}  {problem(m)}" if problem(m) else meta
         rows.append(
             (
                 m.name,
@@ -127,6 +148,7 @@ async def _amain(args: argparse.Namespace) -> int:
                         "state": MemberState(m.state).name.lower(),
                         "incarnation": m.incarnation,
                         "meta": m.meta,
+                        **({"problem": p} if (p := problem(m)) else {}),
                     }
                     for m in members
                 ],

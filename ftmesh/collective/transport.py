@@ -16,7 +16,9 @@ agrees, and nobody runs a collective on a view its neighbours don't share. A mis
 
 With a mesh secret, both sides prove knowledge of it by MACing the transcript, which includes a
 fresh nonce from each side, so a node without the secret cannot join and recorded handshakes
-cannot be replayed.
+cannot be replayed. Inbound connections are admitted by ``ftmesh.net.admission`` until their
+handshake completes (caps per port and per source, oldest shed first, ``connect_timeout``
+from accept), so idle or hostile connections cannot hold up a ring neighbour's.
 
 When the mesh encrypts, the hello says so (``enc``) and the transcript binds it, so neither
 side can be talked into the other mode; a server whose mode differs answers with an error
@@ -43,6 +45,7 @@ from typing import Any
 import trio
 
 from ..errors import CollectiveError, FtmeshError, RemoteProtocolError
+from ..net.admission import Admission, accept_loop
 from ..security import MeshAuth
 from . import wire
 from .config import CollectiveConfig
@@ -250,7 +253,8 @@ class Transport:
         self._killed: list[Ring] = []
         """Rings killed while idle, closed at the next ``open_ring`` (see ``kill_ring``)."""
         self.dropped: dict[str, int] = {}
-        self._handshakes = trio.CapacityLimiter(32)
+        self._admission = Admission(self._drop, handshake_timeout=config.connect_timeout)
+        """Inbound connections still in their handshake (see ``ftmesh.net.admission``)."""
         self._poll = min(config.poll_interval, config.io_timeout)
 
     def kill_ring(self, epoch: str, reason: dict[str, Any]) -> None:
@@ -267,9 +271,11 @@ class Transport:
     # -- inbound ------------------------------------------------------------------------
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
-            while True:
-                sock, _addr = await self.listener.accept()
-                nursery.start_soon(self._inbound_handshake, sock)
+            await accept_loop(
+                self.listener.accept,
+                lambda conn: nursery.start_soon(self._inbound, *conn),
+                self._admission,
+            )
 
     def _drop(self, reason: str, detail: str) -> None:
         n = self.dropped.get(reason, 0) + 1
@@ -277,51 +283,52 @@ class Transport:
         if n & (n - 1) == 0:  # log the 1st, 2nd, 4th, 8th... occurrence
             log.warning("data plane dropped inbound connection (%s, #%d): %s", reason, n, detail)
 
-    async def _inbound_handshake(self, sock: Socket) -> None:
-        parked = False
+    async def _inbound(self, sock: Socket, addr: tuple[str, int]) -> None:
+        """Handshake an inbound connection within the admission's deadline, then park it."""
+        found: tuple[tuple[str, str], Link] | None = None
         try:
-            async with self._handshakes:
-                with trio.fail_after(self.config.connect_timeout):
-                    tune_socket(sock, self.config)
-                    hello = await recv_control(sock)
-                    if hello.get("v") != wire.PROTOCOL_VERSION:
-                        raise RemoteProtocolError("bad_version", repr(hello.get("v")))
-                    if _field(hello, "mesh", str) != self.mesh:
-                        raise RemoteProtocolError("wrong_mesh", repr(hello.get("mesh")))
-                    if _field(hello, "to", str) != self.node_id:
-                        raise RemoteProtocolError("malformed", "hello addressed to another node")
-                    src = _field(hello, "from", str)
-                    epoch = _field(hello, "epoch", str)
-                    nc = _field(hello, "nonce", bytes)
-                    if len(nc) != wire.NONCE_BYTES or len(src) > 256 or len(epoch) > 64:
-                        raise RemoteProtocolError("malformed", "bad hello field sizes")
-                    enc = self.auth.encrypt
-                    if (hello.get("enc") is True) != enc:
-                        mine = "encrypts" if enc else "does not encrypt"
-                        await send_control(
-                            sock, {"v": wire.PROTOCOL_VERSION, "error": f"this member {mine}"}
-                        )
-                        raise RemoteProtocolError(
-                            "encryption_mismatch", f"{src!r}: this member {mine}, it does not"
-                        )
-                    na = os.urandom(wire.NONCE_BYTES)
-                    t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na, encrypt=enc)
-                    tag = self.auth.tag(b"A" + t) if self.auth.enabled else b""
-                    await send_control(sock, {"v": wire.PROTOCOL_VERSION, "nonce": na, "tag": tag})
-                    resp = await recv_control(sock)
-                    if self.auth.enabled and not self.auth.verify(
-                        b"C" + t, _field(resp, "tag", bytes)
-                    ):
-                        raise RemoteProtocolError("bad_mac", f"from {src!r}")
-                    keys = session_keys(self.auth, 0, t) if enc else None
-            self._park((src, epoch), (sock, keys))
-            parked = True
-        except (RemoteProtocolError, EOFError, OSError, trio.TooSlowError) as exc:
+            with self._admission.admit(str(addr[0])):
+                found = await self._inbound_handshake(sock)
+        except (RemoteProtocolError, EOFError, OSError) as exc:
             reason = exc.reason if isinstance(exc, RemoteProtocolError) else "handshake_failed"
             self._drop(reason, str(exc))
         finally:
-            if not parked:
+            if found is None:
                 sock.close()
+        if found is not None:
+            self._park(*found)
+
+    async def _inbound_handshake(self, sock: Socket) -> tuple[tuple[str, str], Link]:
+        """The server side of the handshake (see the module doc): where to park it, and it."""
+        tune_socket(sock, self.config)
+        hello = await recv_control(sock)
+        if hello.get("v") != wire.PROTOCOL_VERSION:
+            raise RemoteProtocolError("bad_version", repr(hello.get("v")))
+        if _field(hello, "mesh", str) != self.mesh:
+            raise RemoteProtocolError("wrong_mesh", repr(hello.get("mesh")))
+        if _field(hello, "to", str) != self.node_id:
+            raise RemoteProtocolError("malformed", "hello addressed to another node")
+        src = _field(hello, "from", str)
+        epoch = _field(hello, "epoch", str)
+        nc = _field(hello, "nonce", bytes)
+        if len(nc) != wire.NONCE_BYTES or len(src) > 256 or len(epoch) > 64:
+            raise RemoteProtocolError("malformed", "bad hello field sizes")
+        enc = self.auth.encrypt
+        if (hello.get("enc") is True) != enc:
+            mine = "encrypts" if enc else "does not encrypt"
+            await send_control(sock, {"v": wire.PROTOCOL_VERSION, "error": f"this member {mine}"})
+            raise RemoteProtocolError(
+                "encryption_mismatch", f"{src!r}: this member {mine}, it does not"
+            )
+        na = os.urandom(wire.NONCE_BYTES)
+        t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na, encrypt=enc)
+        tag = self.auth.tag(b"A" + t) if self.auth.enabled else b""
+        await send_control(sock, {"v": wire.PROTOCOL_VERSION, "nonce": na, "tag": tag})
+        resp = await recv_control(sock)
+        if self.auth.enabled and not self.auth.verify(b"C" + t, _field(resp, "tag", bytes)):
+            raise RemoteProtocolError("bad_mac", f"from {src!r}")
+        keys = session_keys(self.auth, 0, t) if enc else None
+        return (src, epoch), (sock, keys)
 
     def _park(self, key: tuple[str, str], link: Link) -> None:
         old = self._parked.pop(key, None)

@@ -75,7 +75,7 @@ from typing import Any, Literal, Protocol
 from ..discovery.mdns import DEFAULT_REFRESH_INTERVAL
 from ..errors import DeadlineExceeded
 from ..membership.config import MembershipConfig
-from ..net.node import JOIN_RETRY_INTERVAL
+from ..net.node import JOIN_RETRY_BOUND
 from .mesh import LabMesh
 from .netns import LabError, VirtualLan, _list_netns
 
@@ -116,12 +116,12 @@ def detection_bound(cfg: MembershipConfig, n: int) -> float:
 def recovery_bound(cfg: MembershipConfig, n: int) -> float:
     """Seconds from a repair to one view. The slowest path: detect a death the fault caused
     (crash detection bound), then find the member again through discovery (one mDNS refresh
-    interval, one join retry interval) and sync with it over TCP (``tcp_timeout``), plus
+    interval, the longest join retry wait) and sync with it over TCP (``tcp_timeout``), plus
     ``CPU_SLACK``. Refutation through gossip-to-the-dead is usually much faster."""
     return (
         cfg.crash_detection_bound(n)
         + DEFAULT_REFRESH_INTERVAL
-        + JOIN_RETRY_INTERVAL
+        + JOIN_RETRY_BOUND
         + cfg.tcp_timeout
         + CPU_SLACK
     )

@@ -8,7 +8,13 @@ Four long-lived tasks run in the node's nursery:
 * the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
   call makes an earlier deadline) and then ticks it;
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
-* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins.
+  connections that have not sent a valid push-pull yet are pending, under the caps and the
+  deadline of ``ftmesh.net.admission``, so idle connections cannot block joins;
+* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins; the
+  ``join`` addresses are offered again every ``JOIN_POLL`` seconds with every discovery (``seeds``
+  does it itself). A
+  join that fails is retried with exponential backoff (``JOIN_RETRY``) until the address is a
+  live member.
 
 Effects come back from every machine call and are applied at once: datagrams are sent without
 blocking (a full socket buffer drops the datagram, as the network might, and counts it);
@@ -34,17 +40,39 @@ from ..errors import ConfigError, RemoteProtocolError
 from ..membership.config import MembershipConfig
 from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
-from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
+from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec, StaleError
 from ..security import MeshAuth
-from .frames import exchange_push_pull, read_push_pull, write_push_pull
+from .admission import Admission, accept_loop, peer_host
+from .clocks import PeerClocks
+from .frames import (
+    Exchanged,
+    Wall,
+    exchange_push_pull,
+    read_challenge,
+    read_push_pull,
+    send_challenge,
+    write_push_pull,
+)
 from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
 
 MAX_CONCURRENT_PUSH_PULLS = 16
-"""Outgoing and incoming TCP exchanges at once; more are refused, bounding sockets and tasks."""
-JOIN_RETRY_INTERVAL = 2.0
-"""Seconds before a discovered address that is not yet a live member is contacted again."""
+"""Outgoing TCP exchanges at once; more are refused (and retried later), bounding our sockets
+and tasks. Incoming ones are bounded by ``ftmesh.net.admission``."""
+JOIN_RETRY = (1.0, 5.0)
+"""Seconds before an address that is not yet a live member is contacted again: the first
+retry, and the longest wait, doubling in between (with ``JOIN_JITTER`` so members started
+together do not retry in step). Reset once the address is a live member. The longest wait
+bounds how long a healed partition can wait for a join; one exchange per address per 5 s is
+a negligible load."""
+JOIN_JITTER = 0.2
+JOIN_RETRY_BOUND = JOIN_RETRY[1] * (1 + JOIN_JITTER)
+"""Longest wait between two join attempts at one address."""
+JOIN_POLL = 0.5
+"""Seconds between offers of the ``join`` addresses to the retry logic."""
+MAX_JOIN_ADDRESSES = 4096
+"""Addresses whose join backoff is remembered: bounds what discovery floods can grow."""
 RATE_PER_SOURCE = 200.0
 """Datagrams per second accepted from one source (burst: twice that). A member sends a peer
 a few probes, acks and gossip rounds per second; this leaves a wide margin for that and stops
@@ -145,8 +173,14 @@ class NodeConfig:
 class Node:
     """A running member. Get one from :func:`open_node`."""
 
-    def __init__(self, config: NodeConfig, swim: Swim, sock: socket.socket) -> None:
+    def __init__(
+        self, config: NodeConfig, swim: Swim, sock: socket.socket, wall: Wall = time.time
+    ) -> None:
         self.config = config
+        self._wall = wall
+        """The wall clock replay protection reads (tests shift it)."""
+        self.clocks = PeerClocks()
+        """Peers' clock offsets, learned over push-pull (``ftmesh.net.clocks``)."""
         self._swim = swim
         self._sock = sock
         self._codec = PacketCodec(config.mesh, config.auth, config.membership.replay_window)
@@ -155,8 +189,10 @@ class Node:
         self._timer_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._push_pull_slots = trio.Semaphore(MAX_CONCURRENT_PUSH_PULLS)
-        self._join_attempts: dict[Address, float] = {}
         self._join_outcome: dict[Address, str] = {}  # "" answered, else why not
+        self._admission = Admission(self._drop_tcp, handshake_timeout=config.membership.tcp_timeout)
+        self._join_backoff: dict[Address, tuple[float, float]] = {}  # addr -> (next try, wait)
+        self._jitter = random.Random(os.urandom(8))
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
         self._last_incarnation = swim.incarnation
@@ -269,7 +305,7 @@ class Node:
             effects = [*effects, MemberEvent("alive", self.me(), trio.current_time())]
         for eff in effects:
             if isinstance(eff, Send):
-                data = self._codec.seal(eff.msgs, time.time(), self._nonce_rng.randbytes(8))
+                data = self._codec.seal(eff.msgs, self._wall(), self._nonce_rng.randbytes(8))
                 try:
                     self._sock.sendto(data, eff.dest)
                 except (BlockingIOError, InterruptedError):
@@ -320,12 +356,21 @@ class Node:
             if not self._limiter.allow(key, trio.current_time()):
                 self._count("rx_dropped_rate_limited")
                 continue
+            addr = (src[0], src[1])
             try:
-                msgs = self._codec.open(data, time.time())
+                msgs = self._codec.open(data, self._wall(), clock_offset=self.clocks.offset(addr))
+            except StaleError as exc:
+                # A replay, or a sender whose clock we have not measured or that moved: measure
+                # it (rate-limited); a real member is accepted again after that round trip.
+                self._drop(exc, src)
+                if self._nursery is not None and self.clocks.should_sync(addr, time.monotonic()):
+                    self._count("clock_syncs")
+                    self._nursery.start_soon(self._push_pull, addr, False)
+                continue
             except RemoteProtocolError as exc:
                 self._drop(exc, src)
                 continue
-            self._apply(self._swim.receive(trio.current_time(), (src[0], src[1]), msgs))
+            self._apply(self._swim.receive(trio.current_time(), addr, msgs))
 
     async def _timer_loop(self) -> None:
         while True:
@@ -342,8 +387,8 @@ class Node:
         async with self._push_pull_slots:
             ours = self._swim.push_pull_state(join=join)
             try:
-                theirs = await exchange_push_pull(
-                    dest, self._codec, ours, self.config.membership.tcp_timeout
+                exchanged = await exchange_push_pull(
+                    dest, self._codec, ours, self.config.membership.tcp_timeout, self._wall
                 )
             except RemoteProtocolError as exc:
                 self._drop(exc, dest)
@@ -360,45 +405,87 @@ class Node:
                 return
             if join:
                 self._record_join(dest, "")
-            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+            self._learn_clock(exchanged, dest)
+            self._apply(self._swim.merge_push_pull(trio.current_time(), exchanged.push_pull))
+
+    def _learn_clock(self, exchanged: Exchanged, fallback: Address | None) -> None:
+        """Remember the clock offset an exchange measured, under the peer's gossip address."""
+        pp = exchanged.push_pull
+        if exchanged.clock_offset is None or pp.observer:
+            return
+        own = next((m for m in pp.members if m.node == pp.source), None)
+        addr = own.addr if own is not None else fallback
+        if addr is not None and addr != self.address:
+            self.clocks.learn(addr, exchanged.clock_offset, own.name if own else "a peer")
+
+    def _drop_tcp(self, reason: str, detail: str) -> None:
+        self._count(f"tcp_{reason}")
+        self._log_limited(f"tcp_{reason}", "gossip TCP: %s (%s)", reason, detail)
 
     async def _serve_tcp(self, listener: trio.SocketListener) -> None:
         async with listener, trio.open_nursery() as nursery:
-            while True:
-                stream = await listener.accept()
-                if self._push_pull_slots.value == 0:
-                    self._count("tcp_refused_busy")
-                    await stream.aclose()
-                    continue
-                nursery.start_soon(self._handle_tcp, stream)
+            await accept_loop(
+                listener.accept,
+                lambda stream: nursery.start_soon(self._handle_tcp, stream),
+                self._admission,
+            )
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        async with self._push_pull_slots, stream:
+        async with stream:
+            theirs = None
             try:
+                with self._admission.admit(peer_host(stream.socket)):
+                    mine = await send_challenge(stream)
+                    challenged = self._wall()
+                    their_challenge = await read_challenge(stream)
+                    theirs = await read_push_pull(stream, self._codec, mine, challenged, self._wall)
+                if theirs is None:
+                    return  # shed or timed out (counted by the admission)
                 with trio.fail_after(self.config.membership.tcp_timeout):
-                    theirs = await read_push_pull(stream, self._codec)
-                    await write_push_pull(stream, self._codec, self._swim.push_pull_state())
+                    state = self._swim.push_pull_state()
+                    await write_push_pull(stream, self._codec, state, their_challenge, self._wall)
             except RemoteProtocolError as exc:
                 self._drop(exc, "tcp")
                 return
             except (OSError, trio.TooSlowError, trio.BrokenResourceError):
                 self._count("tcp_failed")
                 return
-            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+            self._learn_clock(theirs, None)
+            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs.push_pull))
 
     def _on_found(self, advert: Advert) -> None:
-        addr = (advert.host, advert.port)
-        if addr == self.address or (advert.node_id and advert.node_id == self.node_id):
+        self._offer_join((advert.host, advert.port), advert.node_id)
+
+    def _offer_join(self, addr: Address, node_id: str = "") -> None:
+        """Join through ``addr`` unless it is us, a live member already, or still in its
+        backoff (``JOIN_RETRY``)."""
+        if addr == self.address or (node_id and node_id == self.node_id):
             return
         if any(m.addr == addr and m.state == 0 for m in self._swim.members()):
+            self._join_backoff.pop(addr, None)
             return
         now = trio.current_time()
-        if now - self._join_attempts.get(addr, -1e9) < JOIN_RETRY_INTERVAL:
+        due, wait = self._join_backoff.get(addr, (now, JOIN_RETRY[0] / 2))
+        if now < due:
             return
-        if len(self._join_attempts) > 4096:
-            self._join_attempts.clear()
-        self._join_attempts[addr] = now
+        if len(self._join_backoff) >= MAX_JOIN_ADDRESSES:
+            self._join_backoff.clear()
+        wait = min(2 * wait, JOIN_RETRY[1])
+        self._join_backoff[addr] = (
+            now + wait * self._jitter.uniform(1 - JOIN_JITTER, 1 + JOIN_JITTER),
+            wait,
+        )
         self.join([addr])
+
+    async def _retry_joins(self) -> None:
+        """Offer the ``join`` addresses again and again (``seeds`` discovery re-reports them
+        itself, resolved)."""
+        seeds = self.config.discovery == "seeds"
+        addrs = [] if seeds else [parse_hostport(j) for j in self.config.join]
+        while addrs:
+            for addr in addrs:
+                self._offer_join(addr)
+            await trio.sleep(JOIN_POLL)
 
     async def _run_discovery(self, *, task_status: trio.TaskStatus[None]) -> None:
         cfg = self.config
@@ -491,7 +578,7 @@ def default_name() -> str:
 
 @asynccontextmanager
 async def open_node(
-    config: NodeConfig | None = None, *, node_id: str | None = None
+    config: NodeConfig | None = None, *, node_id: str | None = None, wall_clock: Wall = time.time
 ) -> AsyncIterator[Node]:
     """Run a mesh member for the duration of the ``async with`` block; leave gracefully on
     exit. ``node_id`` (32 hex digits) defaults to a fresh random one: a restarted process is
@@ -514,7 +601,7 @@ async def open_node(
         now=trio.current_time(),
         meta=config.meta,
     )
-    node = Node(config, swim, udp)
+    node = Node(config, swim, udp, wall_clock)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
     try:
         async with trio.open_nursery() as nursery:
@@ -525,7 +612,7 @@ async def open_node(
             node._started = trio.current_time()
             if config.join:
                 nursery.start_soon(node._warn_if_alone)
-                node.join([parse_hostport(j) for j in config.join])
+            nursery.start_soon(node._retry_joins)
             await nursery.start(node._run_discovery)
             try:
                 yield node

@@ -72,9 +72,9 @@ from ..errors import (
     TrainingFinishedError,
 )
 from ..membership.messages import MemberState
-from ..mesh import ROLE_KEY
+from ..mesh_meta import role_of
 from ..starting import wait_to_start
-from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
+from ..state import CheckpointWriter, Snapshot, State, StateLostError, latest_valid_checkpoint
 from ..state.memory import prepared_zeros
 from ..state.sharding import DEFAULT_REPLICAS
 from ..sync import SyncMesh
@@ -220,11 +220,15 @@ class ElasticTrainer:
         self._in_ring = False
         # Members behind fetch committed state from those that hold it (see ``_sync``).
         mesh.serve_state(self._lookup_state)
+        self.checkpoints = CheckpointWriter(self.checkpoint_dir) if self.checkpoint_dir else None
+        """Writes the checkpoints; a failed save is logged and counted, training goes on."""
         if self.checkpoint_dir is not None:
             found = latest_valid_checkpoint(self.checkpoint_dir)
             if found is not None:
                 self._load_checkpoint(found.snapshot)
                 log.info("resumed from checkpoint at step %d", self.committed)
+        if self.checkpoints is not None and self.checkpoint_every > 0:
+            self.checkpoints.check(self.state.nbytes())
 
     # ------------------------------------------------------------------ state
 
@@ -530,7 +534,7 @@ class ElasticTrainer:
         announced = False
         for _ in itertools.count():  # waits on membership events; ends on a slot or the end
             members = self.mesh.members()
-            roles = {m.node: m.meta.get(ROLE_KEY) for m in members}
+            roles = {m.node: role_of(m) for m in members}
             training = [
                 m.node for m in members if m.state == MemberState.ALIVE and roles[m.node] == "train"
             ]
@@ -687,7 +691,7 @@ class ElasticTrainer:
         )
 
     def _maybe_checkpoint(self) -> None:
-        if self.checkpoint_dir is None or not self._checkpoint_due(self.committed):
+        if self.checkpoints is None or not self._checkpoint_due(self.committed):
             return
         if self._zero is None:
             snap = self.snapshot()
@@ -700,4 +704,4 @@ class ElasticTrainer:
             )
             snap = full.commit(step=self.committed)
             self._checkpoint_state = {}
-        save_checkpoint(self.checkpoint_dir, snap)
+        self.checkpoints.save(snap)
