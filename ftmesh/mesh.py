@@ -4,10 +4,13 @@ current view.
 Theory of operation: a member runs a SWIM node (``ftmesh.net``) and a data plane
 (``ftmesh.collective``). It publishes its data-plane address and role in its member metadata.
 The *view* is the sorted list of members whose role is ``train`` and that membership holds
-ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off). Every member derives the same ring
-from the same view; before a collective runs on a view the data plane checks with both ring
-neighbours that they hold the same view epoch, so if gossip has not converged yet the call
-waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
+ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out
+because their neighbours cannot reach them or their bytes fail verification
+(``ftmesh.collective.reach``: each member publishes its accusations under ``reach`` in its
+metadata, and every member computes the same exclusions from them). Every member derives the
+same ring from the same view; before a collective runs on a view the data plane checks with
+both ring neighbours that they hold the same view epoch, so if gossip has not converged yet the
+call waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
 collective is reported to membership as hard evidence (an immediate probe), and the error is
 raised: whether to retry, and with what inputs, is the caller's decision (see
 ``ftmesh.training``), because an in-place collective may have partly overwritten its input.
@@ -17,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -36,7 +42,9 @@ from .collective import (
     ViewMismatchError,
     ViewSupersededError,
     open_data_plane,
+    reach,
 )
+from .collective.reach import Exclusion, ReachConfig, ReachEvent, ReachTracker
 from .collective.transport import Ring
 from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
@@ -53,6 +61,7 @@ from .state import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("ftmesh.mesh")
 
 DATA_KEY = "data"
 """Member metadata key holding the data-plane ``host:port``."""
@@ -67,8 +76,19 @@ ROLE_KEY = "role"
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
 ``done``: finished training, about to leave)."""
 ROLES = ("train", "joining", "starting", "spare", "observer", "done")
+REACH_KEY = "reach"
+"""Member metadata key: the members this one accuses of being unreachable or of sending bytes
+that fail verification (``reach.format_reports``); the ring leaves them out."""
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
+REACH_TICK = 0.25
+"""Seconds between reachability decisions (``reach.ReachTracker.tick``): adds at most this to
+the time until an unreachable member is accused or re-admitted."""
+MAX_REACH_EVENTS = 4096
+"""Connection outcomes queued between two ticks; older ones are dropped (bounds the memory a
+storm of failing connections can take)."""
+PROBE_TIMEOUT = 2.0
+"""Seconds a re-admission probe of an accused member's data address may take."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +114,9 @@ class MeshConfig:
     """Seconds a collective keeps retrying while ring neighbours do not hold the same view
     (gossip still converging, or a neighbour still computing its previous step). Each try
     waits ``collective.view_timeout``."""
+    reach: ReachConfig = field(default_factory=ReachConfig)
+    """When a member that membership holds alive is left out of the ring, and re-admitted
+    (``ftmesh.collective.reach``)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -117,16 +140,59 @@ def view_of(members: list[MemberSnapshot], suspects: bool = False) -> RingView |
     return RingView.of(peers) if peers else None
 
 
+def ring_exclusions(
+    members: Sequence[MemberSnapshot], suspects: bool = False
+) -> dict[str, Exclusion]:
+    """The training members the ring leaves out (``reach.exclusions``), computed from the
+    accusations they publish under ``REACH_KEY``: the same for every member that holds the same
+    membership. A member whose accusations do not parse is left out (reason ``bad_meta``)."""
+    live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
+    candidates: list[str] = []
+    reports: dict[str, dict[str, str]] = {}
+    bad: dict[str, Exclusion] = {}
+    for m in members:
+        if m.state not in live or m.meta.get(ROLE_KEY) != "train":
+            continue
+        try:
+            found = reach.parse_reports(m.meta.get(REACH_KEY))
+        except ValueError:
+            bad[m.node] = Exclusion(m.node, "bad_meta", ())
+            continue
+        candidates.append(m.node)
+        if found:
+            reports[m.node] = found
+    out = reach.exclusions(reports, candidates) if reports else {}
+    return {**out, **bad}
+
+
+def ring_members(members: list[MemberSnapshot], suspects: bool = False) -> list[MemberSnapshot]:
+    """``members`` less those the ring leaves out (``ring_exclusions``): what ``view_of`` is
+    computed from."""
+    out = ring_exclusions(members, suspects)
+    return [m for m in members if m.node not in out] if out else members
+
+
 class Mesh:
     """One member of a training mesh. Get one from :func:`open_mesh`."""
 
     def __init__(
-        self, config: MeshConfig, node: Node, dp: DataPlane, nursery: trio.Nursery
+        self,
+        config: MeshConfig,
+        node: Node,
+        dp: DataPlane,
+        nursery: trio.Nursery,
+        reach_events: deque[ReachEvent] | None = None,
     ) -> None:
         self.config = config
         self.node = node
         self.data_plane = dp
         self._nursery = nursery
+        self._reach = ReachTracker(node.node_id, config.reach)
+        self._reach_events: deque[ReachEvent] = reach_events or deque(maxlen=MAX_REACH_EVENTS)
+        self._excluded: dict[str, Exclusion] = {}
+        """The exclusions as of the last reachability tick (for the log)."""
+        self.reach_counters: dict[str, int] = {}
+        """Accusations made and withdrawn by reason, members left out, malformed accusations."""
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._views: dict[str, RingView] = {}
@@ -138,7 +204,12 @@ class Mesh:
 
     def view(self) -> RingView | None:
         """The current view (``None`` while we are not a training member)."""
-        return view_of(self.node.members(), self.config.suspects_in_view)
+        suspects = self.config.suspects_in_view
+        return view_of(ring_members(self.node.members(), suspects), suspects)
+
+    def exclusions(self) -> dict[str, Exclusion]:
+        """The training members the ring leaves out now, and why (``ring_exclusions``)."""
+        return ring_exclusions(self.node.members(), self.config.suspects_in_view)
 
     async def wait_view(
         self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
@@ -155,7 +226,11 @@ class Mesh:
                         return view
                 else:
                     await self.view_changed()
-        raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s")
+        why = ""
+        out = self.exclusions().get(self.node_id)
+        if out is not None:
+            why = f": the ring leaves this member out ({_describe_exclusion(out, self.node)})"
+        raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s{why}")
 
     def set_role(self, role: str) -> None:
         """Change our role (``train`` members form the ring); spreads by gossip."""
@@ -296,17 +371,24 @@ class Mesh:
             self.node.update_meta({**me.meta, STATE_BYTES_KEY: nbytes})
 
     def advertised_state_bytes(self) -> int:
-        """The largest committed-state size that training members advertise, 0 if none; never
-        more than ``TransferConfig.max_state_bytes`` or half the available memory (it is
-        a hint from the network, used to prepare a receive buffer)."""
-        sizes = [
-            m.meta.get(STATE_BYTES_KEY)
-            for m in self.node.members()
-            if m.node != self.node_id
-            and m.state == MemberState.ALIVE
-            and m.meta.get(ROLE_KEY) == "train"
-        ]
-        hint = max((n for n in sizes if type(n) is int and n > 0), default=0)
+        """The committed-state size the training members agree on, 0 if none: the largest
+        size that more than half of those advertising one advertise at least (so one member's
+        claim cannot raise it above what the others hold), never more than
+        ``TransferConfig.max_state_bytes`` or half the available memory. A hint from the
+        network, used to prepare a receive buffer: too small only costs an allocation."""
+        sizes = sorted(
+            (
+                n
+                for m in ring_members(self.node.members())
+                if m.node != self.node_id
+                and m.state == MemberState.ALIVE
+                and m.meta.get(ROLE_KEY) == "train"
+                and type(n := m.meta.get(STATE_BYTES_KEY)) is int
+                and n > 0
+            ),
+            reverse=True,
+        )
+        hint = sizes[len(sizes) // 2] if sizes else 0
         return 0 if hint > min(self.config.transfer.max_state_bytes, _free_memory() // 2) else hint
 
     async def fetch_state(
@@ -322,23 +404,36 @@ class Mesh:
         when it fits, see ``ftmesh.state.fetch_state``)."""
         by_id = {m.node: m for m in self.node.members()}
         peers = []
+        node_at: dict[str, str] = {}
         for node in holders:
             addr = by_id[node].meta.get(STATE_KEY) if node in by_id else None
             if isinstance(addr, str):
-                peers.append(parse_hostport(addr))
+                with contextlib.suppress(ConfigError):
+                    peers.append(parse_hostport(addr))
+                    node_at[f"{peers[-1][0]}:{peers[-1][1]}"] = node
         if not peers:
             raise StateTransferError(f"none of {len(holders)} holders serves its state", {})
         nc = self.config.node
-        return await fetch_state(
-            peers,
-            step,
-            digest,
-            auth=nc.auth,
-            mesh=nc.mesh,
-            config=self.config.transfer,
-            stats=stats,
-            buffer=buffer,
-        )
+        stats = stats if stats is not None else TransferStats()
+        try:
+            return await fetch_state(
+                peers,
+                step,
+                digest,
+                auth=nc.auth,
+                mesh=nc.mesh,
+                config=self.config.transfer,
+                stats=stats,
+                buffer=buffer,
+            )
+        finally:
+            # A holder whose chunks or manifest failed their hash lied or is broken: counted
+            # towards leaving it out (``reach``), whether or not others made up for it.
+            now = time.monotonic()
+            for key, why in stats.failures.items():
+                if why in BAD_STATE_REASONS and key in node_at:
+                    detail = f"state {digest[:12]} of step {step}: {why}"
+                    self._reach_events.append(reach.BadBytes(now, node_at[key], "state", detail))
 
     def _in_use(self, view: RingView) -> None:
         """Remember ``view`` as one collectives run on, so a member lost from it, or our moving
@@ -353,6 +448,93 @@ class Mesh:
         self._views[view.epoch] = view
         while len(self._views) > MAX_VIEWS_WATCHED:
             del self._views[next(iter(self._views))]
+
+    async def _reach_loop(self) -> None:
+        """Every ``REACH_TICK``: feed the data plane's connection outcomes to the tracker,
+        publish our accusations, run re-admission probes and log what the ring leaves out."""
+        while True:
+            await trio.sleep(REACH_TICK)
+            self._reach_step(time.monotonic())
+
+    def _reach_step(self, now: float) -> None:
+        events, tracker = self._reach_events, self._reach
+        while events:
+            tracker.receive(events.popleft())
+        members = self.node.members()
+        me = self.node_id
+        alive = {
+            m.node: str(m.meta.get(DATA_KEY, ""))
+            for m in members
+            if m.state == MemberState.ALIVE and m.node != me
+        }
+        names = {m.node: m.name for m in members}
+        for eff in tracker.tick(now, alive):
+            if isinstance(eff, reach.Probe):
+                self._nursery.start_soon(self._probe, eff)
+            elif isinstance(eff, reach.Accuse):
+                self._count(f"accused_{eff.reason}")
+                log.warning(
+                    "ring neighbour %s (%s) at data address %s: %s (%s); the ring goes on "
+                    "without it until it is reachable again",
+                    names.get(eff.peer, "?"),
+                    eff.peer[:8],
+                    eff.addr or "?",
+                    _ACCUSED.get(eff.reason, eff.reason),
+                    eff.detail,
+                )
+            else:
+                self._count(f"withdrawn_{eff.reason}")
+                log.info(
+                    "no longer accusing %s (%s) of %s: %s",
+                    names.get(eff.peer, "?"),
+                    eff.peer[:8],
+                    eff.reason,
+                    eff.why,
+                )
+        published = reach.format_reports(tracker.published())
+        meta = self.node.me().meta
+        if published != meta.get(REACH_KEY, ""):
+            new = {k: v for k, v in meta.items() if k != REACH_KEY}
+            if published:
+                new[REACH_KEY] = published
+            self.node.update_meta(new)
+            members = self.node.members()
+        self._log_exclusions(members)
+
+    def _log_exclusions(self, members: list[MemberSnapshot]) -> None:
+        found = ring_exclusions(members, self.config.suspects_in_view)
+        by_id = {m.node: m for m in members}
+        for node, ex in found.items():
+            if self._excluded.get(node) == ex:
+                continue
+            self._count(f"left_out_{ex.reason}")
+            m = by_id.get(node)
+            name = m.name if m is not None else "?"
+            addr = m.meta.get(DATA_KEY, "?") if m is not None else "?"
+            who = "this member" if node == self.node_id else f"{name} ({node[:8]})"
+            log.warning(
+                "the ring leaves out %s, data address %s: %s",
+                who,
+                addr,
+                _describe_exclusion(ex, self.node),
+            )
+        for node in self._excluded.keys() - found.keys():
+            m = by_id.get(node)
+            if m is not None and m.state == MemberState.ALIVE:
+                log.warning("the ring takes %s (%s) back", m.name, node[:8])
+        self._excluded = found
+
+    def _count(self, key: str) -> None:
+        self.reach_counters[key] = self.reach_counters.get(key, 0) + 1
+
+    async def _probe(self, eff: reach.Probe) -> None:
+        try:
+            host, port = parse_hostport(eff.addr)
+        except ConfigError:
+            ok = False
+        else:
+            ok = await self.data_plane.probe(Peer(eff.peer, host, port), PROBE_TIMEOUT)
+        self._reach_events.append(reach.ProbeDone(time.monotonic(), eff.peer, ok))
 
     async def _watch(self) -> None:
         async for ev in self.node.events():
@@ -384,6 +566,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
     config = config or MeshConfig()
     node_id = os.urandom(16).hex()
     nc = config.node
+    events: deque[ReachEvent] = deque(maxlen=MAX_REACH_EVENTS)
     async with open_data_plane(
         node_id,
         host=nc.advertise or nc.bind,
@@ -391,6 +574,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
         auth=nc.auth,
         mesh=nc.mesh,
         config=config.collective,
+        observe=events.append,
     ) as dp:
         host, port = dp.address
         meta: dict[str, Any] = {**nc.meta, DATA_KEY: f"{host}:{port}", ROLE_KEY: config.role}
@@ -398,8 +582,9 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             open_node(replace(nc, meta=meta), node_id=node_id) as node,
             trio.open_nursery() as nursery,
         ):
-            mesh = Mesh(config, node, dp, nursery)
+            mesh = Mesh(config, node, dp, nursery, events)
             nursery.start_soon(mesh._watch)
+            nursery.start_soon(mesh._reach_loop)
             try:
                 yield mesh
             finally:
@@ -417,3 +602,27 @@ def _free_memory() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
+
+
+BAD_STATE_REASONS = ("bad_chunk", "bad_manifest")
+"""State transfer failures (``TransferStats.failures``) that mean bytes failed verification."""
+
+_ACCUSED = {
+    reach.UNREACHABLE: "cannot be reached",
+    reach.STALLED: "connections to it open but carry no data",
+    reach.BAD_FRAMES: "it sends frames that fail verification",
+    reach.BAD_STATE: "it serves state that fails verification",
+}
+
+
+def _describe_exclusion(ex: Exclusion, node: Node) -> str:
+    """Why a member is left out, with the names of those who said so."""
+    names = {m.node: m.name for m in node.members()}
+    by = ", ".join(f"{names.get(r, '?')} ({r[:8]})" for r in ex.by)
+    if ex.reason == reach.ACCUSES_MANY:
+        return "it accuses two or more members (it is likelier the one that cannot connect)"
+    if ex.reason == reach.CYCLE:
+        return f"it and {by} accuse each other"
+    if ex.reason == "bad_meta":
+        return f"its {REACH_KEY!r} metadata does not parse"
+    return f"{_ACCUSED.get(ex.reason, ex.reason)}, says {by}"
