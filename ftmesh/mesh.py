@@ -188,7 +188,9 @@ class Mesh:
         self.data_plane = dp
         self._nursery = nursery
         self._reach = ReachTracker(node.node_id, config.reach)
-        self._reach_events: deque[ReachEvent] = reach_events or deque(maxlen=MAX_REACH_EVENTS)
+        if reach_events is None:
+            reach_events = deque(maxlen=MAX_REACH_EVENTS)
+        self._reach_events = reach_events
         self._excluded: dict[str, Exclusion] = {}
         """The exclusions as of the last reachability tick (for the log)."""
         self.reach_counters: dict[str, int] = {}
