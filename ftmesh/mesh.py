@@ -140,18 +140,17 @@ def view_of(members: list[MemberSnapshot], suspects: bool = False) -> RingView |
     return RingView.of(peers) if peers else None
 
 
-def ring_exclusions(
-    members: Sequence[MemberSnapshot], suspects: bool = False
-) -> dict[str, Exclusion]:
+def ring_exclusions(members: Sequence[MemberSnapshot]) -> dict[str, Exclusion]:
     """The training members the ring leaves out (``reach.exclusions``), computed from the
     accusations they publish under ``REACH_KEY``: the same for every member that holds the same
-    membership. A member whose accusations do not parse is left out (reason ``bad_meta``)."""
-    live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
+    membership. Accusations count while their reporter is alive or suspect (a suspicion, as
+    a one-way link causes now and then, must not take an accused member back for a moment).
+    A member whose accusations do not parse is left out (reason ``bad_meta``)."""
     candidates: list[str] = []
     reports: dict[str, dict[str, str]] = {}
     bad: dict[str, Exclusion] = {}
     for m in members:
-        if m.state not in live or m.meta.get(ROLE_KEY) != "train":
+        if m.state not in _COUNTED or m.meta.get(ROLE_KEY) != "train":
             continue
         try:
             found = reach.parse_reports(m.meta.get(REACH_KEY))
@@ -165,10 +164,13 @@ def ring_exclusions(
     return {**out, **bad}
 
 
-def ring_members(members: list[MemberSnapshot], suspects: bool = False) -> list[MemberSnapshot]:
+_COUNTED = (MemberState.ALIVE, MemberState.SUSPECT)
+
+
+def ring_members(members: list[MemberSnapshot]) -> list[MemberSnapshot]:
     """``members`` less those the ring leaves out (``ring_exclusions``): what ``view_of`` is
     computed from."""
-    out = ring_exclusions(members, suspects)
+    out = ring_exclusions(members)
     return [m for m in members if m.node not in out] if out else members
 
 
@@ -206,12 +208,11 @@ class Mesh:
 
     def view(self) -> RingView | None:
         """The current view (``None`` while we are not a training member)."""
-        suspects = self.config.suspects_in_view
-        return view_of(ring_members(self.node.members(), suspects), suspects)
+        return view_of(ring_members(self.node.members()), self.config.suspects_in_view)
 
     def exclusions(self) -> dict[str, Exclusion]:
         """The training members the ring leaves out now, and why (``ring_exclusions``)."""
-        return ring_exclusions(self.node.members(), self.config.suspects_in_view)
+        return ring_exclusions(self.node.members())
 
     async def wait_view(
         self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
@@ -504,7 +505,7 @@ class Mesh:
         self._log_exclusions(members)
 
     def _log_exclusions(self, members: list[MemberSnapshot]) -> None:
-        found = ring_exclusions(members, self.config.suspects_in_view)
+        found = ring_exclusions(members)
         by_id = {m.node: m for m in members}
         for node, ex in found.items():
             if self._excluded.get(node) == ex:

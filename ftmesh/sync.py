@@ -22,6 +22,7 @@ import numpy as np
 import trio
 
 from .collective import CollectiveResult, RingPeerLostError, RingView
+from .collective.reach import Exclusion
 from .errors import MeshClosedError
 from .job_thread import JobThread
 from .membership.messages import MemberSnapshot
@@ -128,6 +129,10 @@ class SyncMesh:
 
     def view(self) -> RingView | None:
         return self.call_sync(self.mesh.view)
+
+    def exclusions(self) -> dict[str, Exclusion]:
+        """The training members the ring leaves out now (``Mesh.exclusions``)."""
+        return self.call_sync(self.mesh.exclusions)
 
     def members(self) -> list[MemberSnapshot]:
         return self.call_sync(self.mesh.node.members)

@@ -10,6 +10,8 @@ without them."""
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 from reach_support import commits, log_lines, on_view, rate, stop_all, wait_commit, worker_argv
 
 from ftmesh.collective.reach import ReachConfig
+from ftmesh.lab.netns import VirtualLan
 from ftmesh.lab.procs import NodeProcess
 from ftmesh.mesh import REACH_TICK
 
@@ -30,6 +33,8 @@ tick, gossip of the accusation (~1 s on loopback), plus 5 s of slack for a loade
 host (the ring attempt in flight is superseded as soon as the view changes)."""
 WINDOW = 8.0
 """Seconds over which step rates are compared."""
+START = 90.0
+"""Seconds a worker may take to import torch and join (several start at once on 2 cores)."""
 
 
 def test_unreachable_data_address_is_left_out_and_taken_back(tmp_path: Path) -> None:
@@ -41,14 +46,16 @@ def test_unreachable_data_address_is_left_out_and_taken_back(tmp_path: Path) -> 
     try:
         for name in ("h0", "h1"):
             argv = worker_argv(name, registry=reg)
-            procs.append(NodeProcess(argv, stderr_path=tmp_path / f"{name}.stderr"))
+            procs.append(
+                NodeProcess(argv, stderr_path=tmp_path / f"{name}.stderr", start_timeout=START)
+            )
         good = list(procs)
         rest = {p.node_id for p in good}
         t = wait_commit(good, on_view(rest), timeout=120.0)
         time.sleep(max(0.0, t + WINDOW - time.monotonic()))
         base = [rate(p, t, t + WINDOW) for p in good]
         argv = worker_argv("h2", "--fault", "bad-data-addr", "--fault-on-start", registry=reg)
-        bad = NodeProcess(argv, stderr_path=tmp_path / "h2.stderr")
+        bad = NodeProcess(argv, stderr_path=tmp_path / "h2.stderr", start_timeout=START)
         procs.append(bad)
         fault = bad.wait_seen(lambda r: r.get("event") == "fault" and r["on"], 60.0)
         addr = str(fault.record["detail"]).rpartition(" ")[2]
@@ -71,7 +78,8 @@ def test_unreachable_data_address_is_left_out_and_taken_back(tmp_path: Path) -> 
         bad.signal(signal.SIGUSR2)
         healed = bad.wait_seen(lambda r: r.get("event") == "fault" and not r["on"], 10.0)
         ids = {p.node_id for p in procs}
-        back_at = wait_commit(procs, on_view(ids), timeout=60.0)
+        high = max(int(c["step"]) for c in commits(good[0]))
+        back_at = wait_commit(procs, on_view(ids, high), timeout=60.0)
         bound = CFG.min_hold + CFG.probe_interval + 2 * REACH_TICK + 1.0 + 10.0
         assert back_at - healed.mono <= bound, f"taken back after {back_at - healed.mono:.1f}s"
         print(
@@ -100,3 +108,66 @@ def longest_pause(p: NodeProcess, since: float, until: float) -> float:
         times = [s.mono for s in p.records if s.record.get("event") == "commit"]
     marks = [since, *(x for x in times if since < x < until), until]
     return max(b - a for a, b in itertools.pairwise(marks))
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,
+    reason="needs root to create network namespaces (and iproute2, nftables); CI runs as root",
+)
+
+LINK_BREAK_BOUND = 10.0 + CFG.unreachable_after + REACH_TICK + 1.0 + 5.0
+"""Seconds a link that breaks under an open ring may stall the others: the ring's connections
+stall (the mesh's ``io_timeout``, 10 s), the reconnect fails for ``unreachable_after``, then
+the tick, the accusation's gossip and CI slack as above."""
+
+
+@pytest.mark.netns
+@needs_root
+def test_one_way_link_between_two_of_three_lab_hosts(tmp_path: Path) -> None:
+    """Three lab hosts train (mDNS, the ``lan`` membership preset); the IPv4 packets from h0
+    to h1 are dropped (gossip still reaches both through h2, so SWIM holds everyone alive).
+    The member whose connection fails accuses the other; that one is left out, named in a
+    WARNING, and the two others commit at >= 80 % of their rate before the fault. Healed, the
+    three train together again."""
+    with VirtualLan(hosts=3, prefix="ftmreach") as lan:
+        procs: list[NodeProcess] = []
+        try:
+            for h in range(3):
+                argv = ["ip", "netns", "exec", lan.ns_name(h)]
+                argv += worker_argv(f"h{h}", "--interface", lan.host_ip(h), "--preset", "lan")
+                procs.append(
+                    NodeProcess(argv, stderr_path=tmp_path / f"h{h}.stderr", start_timeout=START)
+                )
+            ids = {p.node_id for p in procs}
+            t = wait_commit(procs, on_view(ids), timeout=120.0)
+            time.sleep(max(0.0, t + WINDOW - time.monotonic()))
+            base = {p.name: rate(p, t, t + WINDOW) for p in procs}
+            broke = time.monotonic()
+            lan.one_way(0, 1)
+            warned = wait_warning(procs, "the ring leaves out h", timeout=60.0)
+            out_at = time.monotonic()
+            left_out = [p for p in procs[:2] if any(f"leaves out {p.name} " in w for w in warned)]
+            assert len(left_out) == 1, warned
+            rest = [p for p in procs if p is not left_out[0]]
+            time.sleep(WINDOW + 1.0)
+            after = {p.name: rate(p, out_at + 1.0, out_at + 1.0 + WINDOW) for p in rest}
+            for p in rest:
+                assert after[p.name] >= 0.8 * base[p.name], (after, base)
+            assert all(
+                set(c["members"]) == {p.node_id for p in rest}
+                for c in commits(rest[0], out_at + 1.0)
+            )
+            stall = longest_pause(rest[0], broke, out_at + WINDOW)
+            assert stall <= LINK_BREAK_BOUND, f"{rest[0].name} committed nothing for {stall:.1f}s"
+            accused = [w for w in warned if "cannot be reached" in w]
+            assert accused and all(left_out[0].name in w for w in accused), warned
+            high = max(int(c["step"]) for c in commits(rest[0]))
+            lan.one_way(0, 1, broken=False)
+            healed = time.monotonic()
+            back_at = wait_commit(procs, on_view(ids, high), timeout=60.0)
+            print(
+                f"\nleft out {left_out[0].name}; longest pause {stall:.2f}s; step rates "
+                f"before {base} after {after}; taken back after {back_at - healed:.2f}s"
+            )
+        finally:
+            stop_all(procs)

@@ -628,10 +628,13 @@ class ElasticTrainer:
             return True
         now = time.monotonic()
         states = {m.node: m.state for m in self.mesh.members()}
+        excluded = self.mesh.exclusions()
         gone = (MemberState.DEAD, MemberState.LEFT)
         for node in self._last_view:
-            # Forgotten members (dead for long) count as dead.
-            if states.get(node, MemberState.DEAD) in gone:
+            # Forgotten members (dead for long) count as dead, and so do members the ring
+            # leaves out (unreachable, or sending bytes that fail verification): they will
+            # not train with anybody until they are taken back.
+            if states.get(node, MemberState.DEAD) in gone or node in excluded:
                 self._dead_since.setdefault(node, now)
             else:
                 self._dead_since.pop(node, None)
