@@ -476,14 +476,20 @@ class Mesh:
                 self._nursery.start_soon(self._probe, eff)
             elif isinstance(eff, reach.Accuse):
                 self._count(f"accused_{eff.reason}")
+                until = (
+                    f"for {eff.hold:.0f}s"
+                    if eff.reason in (reach.BAD_FRAMES, reach.BAD_STATE)
+                    else "until it is reachable again"
+                )
                 log.warning(
                     "ring neighbour %s (%s) at data address %s: %s (%s); the ring goes on "
-                    "without it until it is reachable again",
+                    "without it %s",
                     names.get(eff.peer, "?"),
                     eff.peer[:8],
                     eff.addr or "?",
                     _ACCUSED.get(eff.reason, eff.reason),
                     eff.detail,
+                    until,
                 )
             else:
                 self._count(f"withdrawn_{eff.reason}")

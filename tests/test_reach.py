@@ -261,7 +261,7 @@ def test_exclusions_are_deterministic_resolve_every_accusation_and_bound_insider
     """Honest members accuse at most one member (their right neighbour); insiders publish
     whatever they like. Whatever the input order, every member computes the same exclusions;
     no member left in the ring is accused by one left in it; and honest members that only
-    insiders accuse are left out at most once per insider."""
+    insiders accuse are left out at most once for a lone insider, 3k times for k."""
     members = [f"n{i}" for i in range(8)]
     honest = {r: a for r, a in honest.items() if r not in insiders}
     reports: dict[str, dict[str, str]] = {r: {a: UNREACHABLE} for r, a in honest.items()}
@@ -285,5 +285,13 @@ def test_exclusions_are_deterministic_resolve_every_accusation_and_bound_insider
         for n in out
         if n not in insiders and n not in accused_by_honest and out[n].reason != ACCUSES_MANY
     ]
-    assert len(victims) <= len(insiders), (victims, reports, out)
-    assert all(len(reports.get(n, {})) >= 2 for n, ex in out.items() if ex.reason == ACCUSES_MANY)
+    bound = 1 if len(insiders) == 1 else len(insiders) * (1 + MAX_ACCUSATIONS // 2)
+    assert len(victims) <= bound, (victims, reports, out)
+    for n, ex in out.items():
+        if ex.reason == ACCUSES_MANY:  # it alone accuses two members
+            alone = [
+                a
+                for a in reports[n]
+                if a != n and sum(a in acc for r, acc in reports.items() if r != a) == 1
+            ]
+            assert len(alone) >= 2, (n, reports)

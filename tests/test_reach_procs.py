@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import time
@@ -171,3 +172,62 @@ def test_one_way_link_between_two_of_three_lab_hosts(tmp_path: Path) -> None:
             )
         finally:
             stop_all(procs)
+
+
+def test_insiders_are_left_out_after_the_threshold_and_training_resumes(tmp_path: Path) -> None:
+    """Two insiders (they hold the secret, if there is one, and run the real code with a fault
+    injected, ``ftmesh.lab.insider``). h0 trains alone, then h1 and h2 join while h0 serves
+    them flipped state bytes as the only holder: each counts the failed verifications, accuses
+    h0 at the threshold, and the two train on from their own state without it. Then h3 joins
+    and, once it trains with them, sends malformed frames: its right neighbour accuses it at
+    the threshold and the two train on without it."""
+    reg = tmp_path / "reg"
+    strikes = CFG.bad_bytes_strikes
+
+    def start(name: str, *extra: str) -> NodeProcess:
+        argv = worker_argv(name, *extra, registry=reg)
+        return NodeProcess(argv, stderr_path=tmp_path / f"{name}.stderr", start_timeout=START)
+
+    procs: list[NodeProcess] = []
+    try:
+        liar = start("h0", "--fault", "flip-state", "--fault-on-start")
+        procs.append(liar)
+        wait_commit([liar], on_view({liar.node_id}, 10), timeout=120.0)
+        honest = [start("h1"), start("h2")]
+        procs += honest
+        pair = {p.node_id for p in honest}
+        joined = time.monotonic()
+        resumed = wait_commit(honest, on_view(pair), timeout=90.0)
+        warned = wait_warning(honest, "serves state that fails verification", timeout=10.0)
+        accusations = [w for w in warned if "h0" in w and "cannot be reached" not in w]
+        assert any(counted(w) in range(strikes, strikes + 4) for w in accusations), warned
+        for p in honest:  # no more than the threshold (and the ticks until it took effect)
+            failed = log_lines(Path(str(p.stderr_path)), r"attempt \d+ failed .*fetch state")
+            assert len(failed) <= strikes + 3, failed
+        print(f"\nflip-state: the joiners trained without h0 {resumed - joined:.1f}s after start")
+        # The second insider: malformed frames once it trains in the ring.
+        framer = start("h3", "--fault", "bad-frames")
+        procs.append(framer)
+        trio_ids = pair | {framer.node_id}
+        wait_commit([*honest, framer], on_view(trio_ids), timeout=90.0)
+        high = max(int(c["step"]) for c in commits(honest[0]))
+        framer.signal(signal.SIGUSR1)
+        on = framer.wait_seen(lambda r: r.get("event") == "fault" and r["on"], 10.0)
+        back = wait_commit(honest, on_view(pair, high), timeout=60.0)
+        assert back - on.mono <= EXCLUSION_BOUND, f"took {back - on.mono:.1f}s"
+        warned = wait_warning(honest, "sends frames that fail verification", timeout=10.0)
+        accusation = [w for w in warned if "h3" in w and "frames that fail" in w]
+        assert any("4294967040" in w for w in accusation), warned
+        assert any(counted(w) in range(strikes, strikes + 4) for w in accusation), warned
+        time.sleep(2.0)
+        assert all(set(c["members"]) == pair for c in commits(honest[0], back))
+        print(f"bad-frames: trained without h3 {back - on.mono:.1f}s after the fault")
+    finally:
+        stop_all(procs)
+
+
+def counted(warning: str) -> int:
+    """The verification failures an accusation's WARNING counts (the threshold, or a few
+    more that arrived within the same tick)."""
+    found = re.search(r"(\d+) verification failures", warning)
+    return int(found.group(1)) if found else -1

@@ -31,23 +31,30 @@ When a member is accused (thresholds are :class:`ReachConfig`'s fields):
 * ``frames`` / ``state``: ``bad_bytes_strikes`` frames or state transfers from it failed
   verification within ``bad_bytes_window`` seconds.
 
-Who is left out (:func:`exclusions`); every accusation names one *reporter* and one *accused*:
+Who is left out (:func:`exclusions`); every accusation names one *reporter* and one *accused*,
+and an accusation is *corroborated* when another reporter accuses the same member:
 
-1. A reporter that accuses two or more members is left out itself, and its accusations do not
-   count: a member that cannot reach two others is the likelier culprit (its own outbound path
-   or firewall), and it bounds an insider: accusing many only removes the accuser.
+1. A reporter with two or more uncorroborated accusations is left out itself, and none of its
+   accusations count: a member that alone cannot reach two others is the likelier culprit
+   (its own outbound path or firewall), and it bounds an insider: accusing many only removes
+   the accuser. (An honest member that caught two liars in a row keeps both accusations as
+   soon as someone else caught the second one.)
 2. Each remaining accusation leaves its accused out, unless the reporter is itself left out
    (an accused member's accusations do not count). Resolved from the members nobody accuses:
    they stay, their accused go, the accusations of those are void, and so on. Members left
-   undecided accuse each other in a cycle (two that cannot reach each other; an insider
+   undecided accuse each other round a cycle (two that cannot reach each other; an insider
    answering an accusation with one): all of them are left out.
 
-So each reporter removes at most one member besides itself: ``k`` members that hold the secret
-and lie in their metadata exclude at most ``k`` honest members (and in a cycle, themselves too).
-In a one-way link (A cannot connect to B, B can connect to A), only the member whose
-connection fails accuses, and it accuses the one it could not reach: the accused goes. That is
-the right choice for the common causes (a wrong advertised address, a closed port, NAT), and
-the reporter has shown that its other connection works.
+The bound on insiders (members that hold the secret and lie in their metadata): an honest member
+that no honest member accuses can only be left out through insiders' accusations. An insider
+that is not left out itself has at most one accusation that nobody else makes, and an
+accusation that two insiders make uses two of their at most ``MAX_ACCUSATIONS`` each. So a lone
+insider removes at most one honest member (or, accusing two, only itself), and ``k`` colluding
+insiders at most ``k + k * MAX_ACCUSATIONS / 2`` (``3k``) honest members.
+In a one-way link (A cannot connect to B, B can
+connect to A), only the member whose connection fails accuses, and it accuses the one it could
+not reach: the accused goes. That is the right choice for the common causes (a wrong advertised
+address, a closed port, NAT), and the reporter has shown that its other connection works.
 
 Re-admission. An ``unreachable`` or ``stalled`` accusation is re-checked by its reporter with
 probes (a connect and the handshake to the accused's data address, every ``probe_interval``);
@@ -82,7 +89,7 @@ CYCLE = "cycle"
 
 MAX_ACCUSATIONS = 4
 """Accusations one member publishes (and that are read from one member) at most: bounds the
-metadata they take (about 45 bytes each); more than one already leaves the reporter out."""
+metadata they take (about 45 bytes each) and what colluding insiders can do (module doc)."""
 MAX_NODE_ID = 64
 """Longest node id accepted in an accusation (ours are 32 hex characters)."""
 _ID_RE = re.compile(r"[0-9a-zA-Z_-]{1,64}")
@@ -237,12 +244,15 @@ ReachEvent = (
 
 @dataclass(frozen=True, slots=True)
 class Accuse:
-    """Publish that we accuse ``peer`` (``reason``; ``addr``: the data address tried)."""
+    """Publish that we accuse ``peer`` (``reason``; ``addr``: the data address tried);
+    ``hold``: seconds of successful probes before we take it back (``unreachable``,
+    ``stalled``), or seconds the accusation stands (``frames``, ``state``)."""
 
     peer: str
     reason: str
     addr: str
     detail: str
+    hold: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,7 +431,7 @@ class ReachTracker:
         st.accusation = _Accusation(reason, now, hold, st.addr, next_probe=now)
         st.failing_since, st.stalls = None, 0
         st.bad.clear()
-        return Accuse(peer, reason, st.addr, detail)
+        return Accuse(peer, reason, st.addr, detail, hold)
 
     def _recheck(self, now: float, peer: str, st: _PeerState) -> list[ReachEffect]:
         acc = st.accusation
@@ -491,25 +501,30 @@ def exclusions(
     candidates count (at most ``MAX_ACCUSATIONS`` each, in id order). Deterministic: a
     function of its arguments only. See the module doc for the rule and its bound."""
     cands = set(candidates)
-    accused: dict[str, list[tuple[str, str]]] = {}
+    accused: dict[str, dict[str, str]] = {}
     for r in sorted(reports):
         if r not in cands:
             continue
-        acc = sorted((a, why) for a, why in reports[r].items() if a in cands and a != r)
-        if acc:
-            accused[r] = acc[:MAX_ACCUSATIONS]
+        mine = sorted((a, why) for a, why in reports[r].items() if a in cands and a != r)
+        if mine:
+            accused[r] = dict(mine[:MAX_ACCUSATIONS])
+    times: dict[str, int] = {}
+    for acc in accused.values():
+        for a in acc:
+            times[a] = times.get(a, 0) + 1
     out: dict[str, Exclusion] = {}
-    target: dict[str, tuple[str, str]] = {}
+    targets: dict[str, dict[str, str]] = {}
     for r, acc in accused.items():
-        if len(acc) >= 2:
+        if sum(times[a] == 1 for a in acc) >= 2:
             out[r] = Exclusion(r, ACCUSES_MANY, (r,))
         else:
-            target[r] = acc[0]
+            targets[r] = acc
     # Accusers of each node, among reporters whose accusations still count.
     accusers: dict[str, set[str]] = {}
-    for r, (a, _) in target.items():
-        accusers.setdefault(a, set()).add(r)
-    nodes = sorted(set(target) | {a for a, _ in target.values()})
+    for r, acc in targets.items():
+        for a in acc:
+            accusers.setdefault(a, set()).add(r)
+    nodes = sorted(set(targets) | set(accusers))
     stays: set[str] = set()
     queue = [n for n in nodes if not accusers.get(n)]
     while queue:
@@ -517,18 +532,17 @@ def exclusions(
         if n in stays or n in out:
             continue
         stays.add(n)
-        if n not in target or target[n][0] in out:
-            continue
-        a, why = target[n]
-        out[a] = Exclusion(a, why, tuple(sorted(r for r in accusers[a] if r in stays)))
-        if a in target:  # the accusation of a member left out no longer counts
-            t = target[a][0]
-            accusers[t].discard(a)
-            if not accusers[t] and t not in out:
-                queue.append(t)
-    # Every node left is accused by another one left, and each accuses at most one: they form
-    # cycles (two members that cannot reach each other, or an insider answering an accusation
-    # with one). All of them are left out.
+        for a, why in sorted(targets.get(n, {}).items()):
+            if a in out:
+                continue
+            out[a] = Exclusion(a, why, tuple(sorted(r for r in accusers[a] if r in stays)))
+            for t in targets.get(a, {}):  # the accusations of a member left out do not count
+                accusers[t].discard(a)
+                if not accusers[t] and t not in out:
+                    queue.append(t)
+    # Every node left is accused by another one left: they accuse each other round cycles
+    # (two members that cannot reach each other, or an insider answering an accusation with
+    # one). All of them are left out.
     for n in nodes:
         if n not in stays and n not in out:
             out[n] = Exclusion(n, CYCLE, tuple(sorted(accusers.get(n, ()))))
