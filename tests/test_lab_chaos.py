@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 
-from ftmesh.lab.chaos import KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
+from ftmesh.lab.chaos import KINDS, WORKLOAD_KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
 from ftmesh.lab.netns import LabError
 from ftmesh.lab.procs import SeenRecord
 from ftmesh.lab.training import TrainingWorkload
@@ -39,13 +39,22 @@ def test_plan_is_a_function_of_the_seed() -> None:
     b = ChaosRunner(hosts=5, seed=7)
     plans_a = [a.plan() for _ in range(200)]
     assert plans_a == [b.plan() for _ in range(200)]
-    assert {p.kind for p in plans_a} == set(KINDS)
+    # Without a workload, the kinds that need a data plane are left out by default.
+    assert {p.kind for p in plans_a} == set(KINDS) - set(WORKLOAD_KINDS)
+    with_train = ChaosRunner(hosts=5, seed=7, workload=TrainingWorkload())
+    assert {with_train.plan().kind for _ in range(300)} == set(KINDS)
+    with pytest.raises(LabError):
+        ChaosRunner(hosts=5, kinds=["unreachable"])
     for p in plans_a:
         assert all(0 <= h < 5 for h in p.hosts)
         if p.kind == "partition":
             a_side, b_side = p.groups
             assert a_side and b_side and not set(a_side) & set(b_side)
             assert sorted(a_side + b_side) == list(range(5))
+        if p.kind in ("one_way", "conn_flood"):
+            assert len(p.hosts) == 2 and p.hosts[0] != p.hosts[1]
+        if p.kind == "bad_meta":
+            assert p.meta and all("=" in m for m in p.meta)
     only = ChaosRunner(hosts=3, seed=1, kinds=["kill", "partition"])
     assert {only.plan().kind for _ in range(50)} == {"kill", "partition"}
 

@@ -15,6 +15,9 @@ mesh before, during and after the fault:
                    verification; ignored on an encrypted ring (where frames are sealed)
 ``flip-state``     our state server flips one byte in every chunk it serves (the manifest and its
                    leaf hashes stay honest): a fetcher's hash check fails on every range from us
+``clock-step``     our wall clock jumps ``CLOCK_STEP`` seconds ahead (``time.time`` of the whole
+                   process: what the replay check of a mesh with a secret reads, log stamps too);
+                   cleared, it jumps back (a host whose clock was stepped, then corrected)
 =================  ===============================================================================
 
 Nothing here runs unless a worker asks for it; the library has no such switch.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +38,11 @@ from ..state import transfer
 from ..state.transfer import StateServer
 from ..sync import SyncMesh
 
-FAULTS = ("bad-data-addr", "bad-frames", "flip-state")
+FAULTS = ("bad-data-addr", "bad-frames", "flip-state", "clock-step")
+
+CLOCK_STEP = 90.0
+"""Seconds the ``clock-step`` fault moves the wall clock: three times the default
+``replay_window``."""
 
 BOGUS_LENGTH = 0xFFFFFF00
 """What a corrupt ``DATA`` frame announces (4,294,967,040 bytes)."""
@@ -58,6 +66,9 @@ def install(kind: str, mesh: SyncMesh, active: threading.Event) -> Callable[[], 
         return lambda: ""
     if kind == "bad-data-addr":
         return _bad_data_addr(mesh, active)
+    if kind == "clock-step":
+        _step_clock(active)
+        return lambda: f"wall clock {CLOCK_STEP if active.is_set() else 0.0:+.0f}s"
     raise ValueError(f"unknown fault {kind!r}; choose from {FAULTS}")
 
 
@@ -112,3 +123,17 @@ def _bad_data_addr(mesh: SyncMesh, active: threading.Event) -> Callable[[], str]
         return f"data address {addr}"
 
     return apply
+
+
+def _step_clock(active: threading.Event) -> None:
+    real, real_ns = time.time, time.time_ns
+    step_ns = int(CLOCK_STEP * 1e9)
+
+    def stepped() -> float:
+        return real() + CLOCK_STEP if active.is_set() else real()
+
+    def stepped_ns() -> int:
+        return real_ns() + step_ns if active.is_set() else real_ns()
+
+    time.time = stepped
+    time.time_ns = stepped_ns

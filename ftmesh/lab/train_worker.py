@@ -58,6 +58,7 @@ from ..cli.node_cmd import event_record
 from ..membership.config import MembershipConfig
 from ..mesh import MeshConfig
 from ..net.node import Node, NodeConfig
+from ..security import MeshAuth, load_secrets
 from ..state import Snapshot, TransferStats
 from ..sync import SyncMesh
 from ..torch import ElasticSampler, ElasticTrainer
@@ -164,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds to sleep after each step: keeps N members within a small machine's CPUs",
     )
     p.add_argument("--log-level", default="INFO", help="level of the ftmesh.torch log (stderr)")
+    p.add_argument("--secret-file", default=None, help="mesh secret(s), one per line")
     p.add_argument("--fault", choices=insider.FAULTS, help="be a faulty member (tests)")
     p.add_argument("--fault-on-start", action="store_true", help="the fault is on from the start")
     return p.parse_args(argv)
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         interface=args.interface if args.discovery == "mdns" else "",
         registry_dir=args.registry_dir,
         membership=MembershipConfig.preset(args.preset),
+        auth=load_secrets(args.secret_file, False) if args.secret_file else MeshAuth.none(),
     )
     # Not in the ring until the trainer's first step (the trainer says "joining" too).
     mesh = cast(RecordingMesh, RecordingMesh.start(MeshConfig(node=node_cfg, role="joining")))
