@@ -22,7 +22,6 @@ import contextlib
 import functools
 import logging
 import os
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -44,10 +43,11 @@ from .collective import (
     open_data_plane,
     reach,
 )
-from .collective.reach import Exclusion, ReachConfig, ReachEvent, ReachTracker
+from .collective.reach import Exclusion, ReachConfig, ReachEvent
 from .collective.transport import Ring
 from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
+from .mesh_reach import BAD_STATE_REASONS, REACH_KEY, ReachDriver, describe_exclusion, new_queue
 from .net.node import Node, NodeConfig, open_node, parse_hostport
 from .state import (
     Lookup,
@@ -76,19 +76,8 @@ ROLE_KEY = "role"
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
 ``done``: finished training, about to leave)."""
 ROLES = ("train", "joining", "starting", "spare", "observer", "done")
-REACH_KEY = "reach"
-"""Member metadata key: the members this one accuses of being unreachable or of sending bytes
-that fail verification (``reach.format_reports``); the ring leaves them out."""
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
-REACH_TICK = 0.25
-"""Seconds between reachability decisions (``reach.ReachTracker.tick``): adds at most this to
-the time until an unreachable member is accused or re-admitted."""
-MAX_REACH_EVENTS = 4096
-"""Connection outcomes queued between two ticks; older ones are dropped (bounds the memory a
-storm of failing connections can take)."""
-PROBE_TIMEOUT = 2.0
-"""Seconds a re-admission probe of an accused member's data address may take."""
 
 
 @dataclass(frozen=True)
@@ -189,14 +178,8 @@ class Mesh:
         self.node = node
         self.data_plane = dp
         self._nursery = nursery
-        self._reach = ReachTracker(node.node_id, config.reach)
-        if reach_events is None:
-            reach_events = deque(maxlen=MAX_REACH_EVENTS)
-        self._reach_events = reach_events
-        self._excluded: dict[str, Exclusion] = {}
-        """The exclusions as of the last reachability tick (for the log)."""
-        self.reach_counters: dict[str, int] = {}
-        """Accusations made and withdrawn by reason, members left out, malformed accusations."""
+        self.reach = ReachDriver(node, dp, config.reach, ring_exclusions, DATA_KEY, reach_events)
+        """Our reachability judgements and their log (``ftmesh.mesh_reach``)."""
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._views: dict[str, RingView] = {}
@@ -232,7 +215,8 @@ class Mesh:
         why = ""
         out = self.exclusions().get(self.node_id)
         if out is not None:
-            why = f": the ring leaves this member out ({_describe_exclusion(out, self.node)})"
+            names = {m.node: m.name for m in self.node.members()}
+            why = f": the ring leaves this member out ({describe_exclusion(out, names)})"
         raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s{why}")
 
     def set_role(self, role: str) -> None:
@@ -432,11 +416,9 @@ class Mesh:
         finally:
             # A holder whose chunks or manifest failed their hash lied or is broken: counted
             # towards leaving it out (``reach``), whether or not others made up for it.
-            now = time.monotonic()
             for key, why in stats.failures.items():
                 if why in BAD_STATE_REASONS and key in node_at:
-                    detail = f"state {digest[:12]} of step {step}: {why}"
-                    self._reach_events.append(reach.BadBytes(now, node_at[key], "state", detail))
+                    self.reach.bad_state(node_at[key], f"state {digest[:12]} of step {step}: {why}")
 
     def _in_use(self, view: RingView) -> None:
         """Remember ``view`` as one collectives run on, so a member lost from it, or our moving
@@ -451,99 +433,6 @@ class Mesh:
         self._views[view.epoch] = view
         while len(self._views) > MAX_VIEWS_WATCHED:
             del self._views[next(iter(self._views))]
-
-    async def _reach_loop(self) -> None:
-        """Every ``REACH_TICK``: feed the data plane's connection outcomes to the tracker,
-        publish our accusations, run re-admission probes and log what the ring leaves out."""
-        while True:
-            await trio.sleep(REACH_TICK)
-            self._reach_step(time.monotonic())
-
-    def _reach_step(self, now: float) -> None:
-        events, tracker = self._reach_events, self._reach
-        while events:
-            tracker.receive(events.popleft())
-        members = self.node.members()
-        me = self.node_id
-        alive = {
-            m.node: str(m.meta.get(DATA_KEY, ""))
-            for m in members
-            if m.state == MemberState.ALIVE and m.node != me
-        }
-        names = {m.node: m.name for m in members}
-        for eff in tracker.tick(now, alive):
-            if isinstance(eff, reach.Probe):
-                self._nursery.start_soon(self._probe, eff)
-            elif isinstance(eff, reach.Accuse):
-                self._count(f"accused_{eff.reason}")
-                until = (
-                    f"for {eff.hold:.0f}s"
-                    if eff.reason in (reach.BAD_FRAMES, reach.BAD_STATE)
-                    else "until it is reachable again"
-                )
-                log.warning(
-                    "ring neighbour %s (%s) at data address %s: %s (%s); the ring goes on "
-                    "without it %s",
-                    names.get(eff.peer, "?"),
-                    eff.peer[:8],
-                    eff.addr or "?",
-                    _ACCUSED.get(eff.reason, eff.reason),
-                    eff.detail,
-                    until,
-                )
-            else:
-                self._count(f"withdrawn_{eff.reason}")
-                log.info(
-                    "no longer accusing %s (%s) of %s: %s",
-                    names.get(eff.peer, "?"),
-                    eff.peer[:8],
-                    eff.reason,
-                    eff.why,
-                )
-        published = reach.format_reports(tracker.published())
-        meta = self.node.me().meta
-        if published != meta.get(REACH_KEY, ""):
-            new = {k: v for k, v in meta.items() if k != REACH_KEY}
-            if published:
-                new[REACH_KEY] = published
-            self.node.update_meta(new)
-            members = self.node.members()
-        self._log_exclusions(members)
-
-    def _log_exclusions(self, members: list[MemberSnapshot]) -> None:
-        found = ring_exclusions(members)
-        by_id = {m.node: m for m in members}
-        for node, ex in found.items():
-            if self._excluded.get(node) == ex:
-                continue
-            self._count(f"left_out_{ex.reason}")
-            m = by_id.get(node)
-            name = m.name if m is not None else "?"
-            addr = m.meta.get(DATA_KEY, "?") if m is not None else "?"
-            who = "this member" if node == self.node_id else f"{name} ({node[:8]})"
-            log.warning(
-                "the ring leaves out %s, data address %s: %s",
-                who,
-                addr,
-                _describe_exclusion(ex, self.node),
-            )
-        for node in self._excluded.keys() - found.keys():
-            m = by_id.get(node)
-            if m is not None and m.state == MemberState.ALIVE:
-                log.warning("the ring takes %s (%s) back", m.name, node[:8])
-        self._excluded = found
-
-    def _count(self, key: str) -> None:
-        self.reach_counters[key] = self.reach_counters.get(key, 0) + 1
-
-    async def _probe(self, eff: reach.Probe) -> None:
-        try:
-            host, port = parse_hostport(eff.addr)
-        except ConfigError:
-            ok = False
-        else:
-            ok = await self.data_plane.probe(Peer(eff.peer, host, port), PROBE_TIMEOUT)
-        self._reach_events.append(reach.ProbeDone(time.monotonic(), eff.peer, ok))
 
     async def _watch(self) -> None:
         async for ev in self.node.events():
@@ -575,7 +464,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
     config = config or MeshConfig()
     node_id = os.urandom(16).hex()
     nc = config.node
-    events: deque[ReachEvent] = deque(maxlen=MAX_REACH_EVENTS)
+    events = new_queue()
     async with open_data_plane(
         node_id,
         host=nc.advertise or nc.bind,
@@ -593,7 +482,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
         ):
             mesh = Mesh(config, node, dp, nursery, events)
             nursery.start_soon(mesh._watch)
-            nursery.start_soon(mesh._reach_loop)
+            nursery.start_soon(mesh.reach.run, nursery)
             try:
                 yield mesh
             finally:
@@ -611,27 +500,3 @@ def _free_memory() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62
-
-
-BAD_STATE_REASONS = ("bad_chunk", "bad_manifest")
-"""State transfer failures (``TransferStats.failures``) that mean bytes failed verification."""
-
-_ACCUSED = {
-    reach.UNREACHABLE: "cannot be reached",
-    reach.STALLED: "connections to it open but carry no data",
-    reach.BAD_FRAMES: "it sends frames that fail verification",
-    reach.BAD_STATE: "it serves state that fails verification",
-}
-
-
-def _describe_exclusion(ex: Exclusion, node: Node) -> str:
-    """Why a member is left out, with the names of those who said so."""
-    names = {m.node: m.name for m in node.members()}
-    by = ", ".join(f"{names.get(r, '?')} ({r[:8]})" for r in ex.by)
-    if ex.reason == reach.ACCUSES_MANY:
-        return "it accuses two or more members (it is likelier the one that cannot connect)"
-    if ex.reason == reach.CYCLE:
-        return f"it and {by} accuse each other"
-    if ex.reason == "bad_meta":
-        return f"its {REACH_KEY!r} metadata does not parse"
-    return f"{_ACCUSED.get(ex.reason, ex.reason)}, says {by}"

@@ -36,6 +36,8 @@ from ftmesh.collective.reach import (
     parse_reports,
 )
 from ftmesh.errors import ConfigError
+from ftmesh.membership.messages import MemberSnapshot, MemberState
+from ftmesh.mesh import ring_exclusions, ring_members, view_of
 
 B = "b" * 32
 ADDR = "10.0.0.2:4000"
@@ -295,3 +297,33 @@ def test_exclusions_are_deterministic_resolve_every_accusation_and_bound_insider
                 if a != n and sum(a in acc for r, acc in reports.items() if r != a) == 1
             ]
             assert len(alone) >= 2, (n, reports)
+
+
+# -- the view: membership less the exclusions --------------------------------------------
+
+
+def member(node: str, state: MemberState = MemberState.ALIVE, **meta: object) -> MemberSnapshot:
+    full = {"role": "train", "data": f"10.0.0.{len(node)}:4000", **meta}
+    return MemberSnapshot(
+        node=node, name=node, addr=("10.0.0.1", 1), incarnation=1, state=state, meta=full
+    )  # type: ignore[arg-type]
+
+
+def test_the_view_leaves_out_accused_members_and_garbage_accusations() -> None:
+    a, b, c, d, e = (ch * 32 for ch in "abcde")
+    members = [
+        member(a, reach=format_reports({b: UNREACHABLE})),
+        member(b),
+        member(c, MemberState.SUSPECT, reach=format_reports({a: UNREACHABLE, d: UNREACHABLE})),
+        member(d),
+        member(e, reach="garbage"),
+    ]
+    out = ring_exclusions(members)
+    # b accused by a; c (suspect: its accusations still count) alone accuses two: c goes and
+    # its accusations do not count; e's accusations do not parse.
+    assert {k: v.reason for k, v in out.items()} == {b: UNREACHABLE, c: ACCUSES_MANY, e: "bad_meta"}
+    view = view_of(ring_members(members))
+    assert view is not None and view.node_ids == (a, d)
+    # A dead reporter's accusation no longer counts.
+    members[0] = member(a, MemberState.DEAD, reach=format_reports({b: UNREACHABLE}))
+    assert b not in ring_exclusions(members)

@@ -142,6 +142,9 @@ runs N Python members, their event readers and this runner."""
 SOCKET_SLACK = 16
 """Sockets a member may hold above its count at the first settle (transient TCP syncs)."""
 
+WORKER_START = 90.0
+"""Seconds a workload's member may take to print its first event (it imports torch first)."""
+
 MESH = "chaos"
 """Mesh name of the members of a chaos run."""
 
@@ -601,7 +604,10 @@ class ChaosRunner:
                 )
             rec.detection_s = found
             self._hold(ctx, plan.hold)
-            mesh.start(h)
+            try:
+                mesh.start(h)
+            except DeadlineExceeded as exc:
+                self._violate("recovery", f"fault {rec.index}: h{h} did not restart: {exc}")
         elif plan.kind == "freeze":
             mesh.freeze(h)
             self._hold(ctx, plan.hold)
@@ -760,10 +766,11 @@ class ChaosRunner:
             preset=self.preset,
             secret_file=self.secret_file,
             argv_factory=self.argv_factory,
+            start_timeout=WORKER_START if self.workload is not None else 20.0,
         ) as mesh:
             ctx = ChaosContext(lan=lan, mesh=mesh)
-            mesh.start_all()
             try:
+                mesh.start_all()
                 mesh.wait_one_view(60.0)
             except DeadlineExceeded as exc:
                 self._violate("recovery", f"the mesh never formed: {exc}")
