@@ -4,27 +4,27 @@ Theory of operation: :class:`ChaosRunner` builds a :class:`~ftmesh.lab.netns.Vir
 hosts, starts one member per host (:class:`~ftmesh.lab.mesh.LabMesh`), waits for one view, then
 until ``duration`` has passed injects one fault at a time, drawn from a seeded RNG:
 
-=============  ================================================================================
-``kill``       kill -9 a host's processes; wait for the survivors to drop it (detection); start
-               a fresh member there (a new node id, as after a reboot)
-``freeze``     SIGSTOP a host for 0.3-4 s (often past the detection bound), then SIGCONT: a hung
-               machine that comes back and must refute its death
-``link_flap``  take a host's cable out 1-4 times, 0.2-2.5 s each
-``partition``  split the LAN into two random groups for 1-6 s, then heal
-``loss``       10-30 % loss on one host's link, or 10-20 % across the LAN, for 2-6 s
-``rate``       limit one host's link to 256 kbit/s or 1 Mbit/s for 2-5 s
-``junk``       one host floods the others' gossip ports with junk datagrams for 2-5 s
-``one_way``    drop the IPv4 packets from one host to another for 3-10 s (a one-way link: gossip
-               reaches both through a third host, no TCP connection opens between them)
+===============  ==============================================================================
+``kill``         kill -9 a host's processes; wait for the survivors to drop it (detection); start
+                 a fresh member there (a new node id, as after a reboot)
+``freeze``       SIGSTOP a host for 0.3-4 s (often past the detection bound), then SIGCONT: a hung
+                 machine that comes back and must refute its death
+``link_flap``    take a host's cable out 1-4 times, 0.2-2.5 s each
+``partition``    split the LAN into two random groups for 1-6 s, then heal
+``loss``         10-30 % loss on one host's link, or 10-20 % across the LAN, for 2-6 s
+``rate``         limit one host's link to 256 kbit/s or 1 Mbit/s for 2-5 s
+``junk``         one host floods the others' gossip ports with junk datagrams for 2-5 s
+``one_way``      drop the IPv4 packets from one host to another for 3-10 s (a one-way link: gossip
+                 reaches both through a third host, no TCP connection opens between them)
 ``unreachable``  block the TCP port of one member's data plane for 4-10 s (a firewall in front of
-               the port; gossip passes): its ring neighbours must leave it out and take it back
+                 the port; gossip passes): its ring neighbours must leave it out and take it back
 ``clock_step``   step one member's wall clock ``insider.CLOCK_STEP`` (90 s) ahead for 4-10 s, then
-               back (the mesh has a secret in runs with this kind, so the replay check matters)
+                 back (the mesh has a secret in runs with this kind, so the replay check matters)
 ``conn_flood``   one host holds ``FLOOD_CONNECTIONS`` idle TCP connections to another member's
-               gossip and data-plane ports for 3-8 s (no secret, no handshake)
+                 gossip and data-plane ports for 3-8 s (no secret, no handshake)
 ``bad_meta``     a rogue member (``ftmesh node``, with the secret if the mesh has one) joins from
-               one host with garbage metadata for 3-8 s, then leaves
-=============  ================================================================================
+                 one host with garbage metadata for 3-8 s, then leaves
+===============  ==============================================================================
 
 ``unreachable`` and ``clock_step`` need a workload whose members have a data plane and the
 fault hook (``TrainingWorkload``); they are left out of the default kinds without one.
