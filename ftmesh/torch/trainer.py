@@ -601,17 +601,18 @@ class ElasticTrainer:
             return True
         now = time.monotonic()
         states = {m.node: m.state for m in self.mesh.members()}
-        excluded = self.mesh.exclusions()
         gone = (MemberState.DEAD, MemberState.LEFT)
         for node in self._last_view:
-            # Forgotten members (dead for long) count as dead, and so do members the ring
-            # leaves out (unreachable, or sending bytes that fail verification): they will
-            # not train with anybody until they are taken back.
-            if states.get(node, MemberState.DEAD) in gone or node in excluded:
+            # Forgotten members (dead for long) count as dead.
+            if states.get(node, MemberState.DEAD) in gone:
                 self._dead_since.setdefault(node, now)
             else:
                 self._dead_since.pop(node, None)
-        left = [n for n in self._last_view if states.get(n) == MemberState.LEFT]
+        # Members that left, and members the ring leaves out (unreachable, or sending bytes
+        # that fail verification: every member, they included, computes them out of its view
+        # from the same gossip, as it sees a departure), do not count, at once.
+        excluded = self.mesh.exclusions()
+        left = [n for n in self._last_view if states.get(n) == MemberState.LEFT or n in excluded]
         dead = [n for n, t in self._dead_since.items() if now - t >= self.quorum_grace]
         return has_quorum(self.quorum, view.node_ids, self._last_view, [*left, *dead])
 
