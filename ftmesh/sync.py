@@ -29,6 +29,7 @@ import numpy as np
 import trio
 
 from .collective import CollectiveResult, RingPeerLostError, RingView
+from .collective.reach import Exclusion
 from .errors import FtmeshError, MeshClosedError
 from .job_thread import JobThread
 from .membership.messages import MemberSnapshot, Meta
@@ -175,6 +176,10 @@ class SyncMesh:
 
     def view(self) -> RingView | None:
         return self.call_sync(self.mesh.view)
+
+    def exclusions(self) -> dict[str, Exclusion]:
+        """The training members the ring leaves out now (``Mesh.exclusions``)."""
+        return self.call_sync(self.mesh.exclusions)
 
     def members(self) -> list[MemberSnapshot]:
         return self.call_sync(self.mesh.node.members)

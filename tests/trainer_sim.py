@@ -291,6 +291,9 @@ class FakeMesh:
         time.sleep(min(self.hub.view_change_delay, timeout))
         return self.hub.view()
 
+    def exclusions(self) -> dict[str, Any]:
+        return {}
+
     def members(self) -> list[Any]:
         with self.hub.cv:
             return [

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..lab import state as lab_state
-from ..lab.chaos import KINDS, ChaosRunner, parse_kinds
+from ..lab.chaos import KINDS, WORKLOAD_KINDS, ChaosRunner, parse_kinds
 from ..lab.netns import LabError, VirtualLan, cleanup_named, cleanup_stale, is_root
 
 DEFAULT_NAME = "ftmlab"
@@ -114,7 +114,10 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     chaos.add_argument("--seed", type=int, default=1)
     chaos.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
     chaos.add_argument(
-        "--kinds", default=",".join(KINDS), help="fault kinds (default: %(default)s)"
+        "--kinds",
+        default="",
+        help=f"fault kinds, comma-separated, from {','.join(KINDS)} (default: all; "
+        f"{', '.join(WORKLOAD_KINDS)} only with --workload train)",
     )
     chaos.add_argument(
         "--workload",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket as _stdsocket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,8 +30,9 @@ from .config import CollectiveConfig
 from .engine import Buffers, Pipeline, abort_error
 from .errors import RingPeerLostError
 from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
-from .transport import Ring, Transport, tune_socket
-from .view import RingView
+from .reach import RingFailed, RingWorked
+from .transport import Observer, Ring, Transport, tune_socket
+from .view import Peer, RingView
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -416,10 +418,41 @@ class DataPlane:
         with self._engine_lock:
             try:
                 self._check_aborted(ring.view.epoch)
-                self._pipeline(ring, plan).run_blocking()
+                pipe = self._pipeline(ring, plan)
+                try:
+                    pipe.run_blocking()
+                except BaseException:
+                    self._observe_failure(ring, pipe.abort)
+                    raise
+                if not ring.worked:
+                    ring.worked = True
+                    peers = (ring.left.node_id, ring.right.node_id)
+                    self._transport.observe(RingWorked(time.monotonic(), peers))
             finally:
                 if ring.broken:
                     self._transport.drop_ring(ring)
+
+    def _observe_failure(self, ring: Ring, reason: dict[str, Any] | None) -> None:
+        """Report a round that this member aborted because of one of its neighbours (stalled,
+        closed, sent bytes that failed verification) to ``reach``. Aborts that other members
+        started, or that name no neighbour, say nothing about our connections."""
+        if reason is None or reason.get("origin") != self.node_id:
+            return
+        peer = reason.get("peer")
+        if peer in (ring.left.node_id, ring.right.node_id) and peer != self.node_id:
+            ev = RingFailed(
+                time.monotonic(),
+                str(peer),
+                str(reason.get("kind")),
+                ring.worked,
+                str(reason.get("msg"))[:300],
+            )
+            self._transport.observe(ev)
+
+    async def probe(self, peer: Peer, timeout: float) -> bool:
+        """Whether ``peer``'s data address answers (connect and authenticated handshake)
+        within ``timeout`` seconds; see ``Transport.probe``."""
+        return await self._transport.probe(peer, timeout)
 
 
 @dataclass
@@ -448,9 +481,11 @@ async def open_data_plane(
     auth: MeshAuth | None = None,
     mesh: str = "default",
     config: CollectiveConfig | None = None,
+    observe: Observer | None = None,
 ) -> AsyncIterator[DataPlane]:
     """Bind the data-plane listener on ``host:port`` (0: any free port) and serve it until the
-    block exits. ``dp.address`` is what to publish in member metadata."""
+    block exits. ``dp.address`` is what to publish in member metadata. ``observe`` receives
+    the outcomes of connections and rounds (``reach`` events), from any thread."""
     config = config or CollectiveConfig()
     listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
     try:
@@ -461,7 +496,9 @@ async def open_data_plane(
     except BaseException:
         listener.close()
         raise
-    transport = Transport(node_id, listener, auth=auth or MeshAuth.none(), mesh=mesh, config=config)
+    transport = Transport(
+        node_id, listener, auth=auth or MeshAuth.none(), mesh=mesh, config=config, observe=observe
+    )
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport.serve)

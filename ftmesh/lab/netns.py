@@ -15,9 +15,13 @@ ends of the veth pair, so each direction passes through exactly one of them; ``s
 frames to and from host ``i``'s port at random with nftables in the bridge's forward hook
 (invisible to senders, like loss on a real LAN), because not every kernel has ``sch_netem``.
 ``set_lan_loss`` does the same for every frame the bridge forwards (end-to-end loss between any
-two hosts), and ``partition`` drops every frame between hosts of different groups (unicast,
-multicast and ARP alike) in the same nftables table, so one atomic ``nft -f`` script always
-describes the whole fault state.
+two hosts), ``partition`` drops every frame between hosts of different groups (unicast,
+multicast and ARP alike), ``one_way`` drops the IPv4 packets from one host to another (not
+ARP, not the other direction: a one-way link, where UDP still flows the other way and gossip
+reaches both through a third host, but no TCP connection can open either way) and
+``block_port`` drops the TCP segments to one port of one host (a firewall in front of a port),
+all in the same nftables table, so one atomic ``nft -f`` script always describes the whole
+fault state.
 
 Persistent labs (``ftmesh lab up``): ``VirtualLan(name=...)`` uses a fixed prefix instead of
 the pid-bound one, :meth:`VirtualLan.detach` keeps it alive after this process exits, and
@@ -261,6 +265,8 @@ class VirtualLan:
         self._loss: dict[int, int] = {}  # host -> drop threshold out of 10000
         self._lan_loss = 0  # drop threshold out of 10000 for every forwarded frame
         self._groups: list[list[int]] = []  # partition: frames between groups are dropped
+        self._one_way: set[tuple[int, int]] = set()  # (src, dst): IPv4 from src to dst dropped
+        self._blocked: set[tuple[int, int]] = set()  # (host, port): TCP to it dropped
         self._rates: dict[int, str] = {}
         self._links_down: set[int] = set()
         self._closed = False
@@ -278,6 +284,8 @@ class VirtualLan:
             "loss": {str(k): v for k, v in self._loss.items()},
             "lan_loss": self._lan_loss,
             "groups": [list(g) for g in self._groups],
+            "one_way": sorted(list(p) for p in self._one_way),
+            "blocked": sorted(list(p) for p in self._blocked),
             "rates": {str(k): v for k, v in self._rates.items()},
             "links_down": sorted(self._links_down),
         }
@@ -299,6 +307,8 @@ class VirtualLan:
             self._loss = {int(k): int(v) for k, v in state.get("loss", {}).items()}
             self._lan_loss = int(state.get("lan_loss", 0))
             self._groups = [[int(h) for h in g] for g in state.get("groups", [])]
+            self._one_way = {(int(a), int(b)) for a, b in state.get("one_way", [])}
+            self._blocked = {(int(h), int(p)) for h, p in state.get("blocked", [])}
             self._rates = {int(k): str(v) for k, v in state.get("rates", {}).items()}
             self._links_down = {int(h) for h in state.get("links_down", [])}
         except (KeyError, TypeError, ValueError) as e:
@@ -474,12 +484,37 @@ class VirtualLan:
         self._groups = []
         self._apply_nft()
 
+    def one_way(self, src: int, dst: int, broken: bool = True) -> None:
+        """Drop (``broken``) or pass again the IPv4 packets from host ``src`` to host ``dst``.
+        ARP and the other direction pass: a one-way link. UDP from ``dst`` still reaches
+        ``src``, but no TCP connection can open between them either way (each needs packets
+        both ways)."""
+        self._check(src)
+        self._check(dst)
+        if src == dst:
+            raise LabError("a one-way link needs two different hosts")
+        (self._one_way.add if broken else self._one_way.discard)((src, dst))
+        self._apply_nft()
+
+    def block_port(self, host: int, port: int, blocked: bool = True) -> None:
+        """Drop (``blocked``) or pass again every TCP segment to ``port`` of ``host``, from
+        any other host: a firewall in front of one port (connections already open stall too,
+        as behind a stateless filter)."""
+        self._check(host)
+        if not 0 < port < 65536:
+            raise LabError(f"port {port} out of range")
+        (self._blocked.add if blocked else self._blocked.discard)((host, port))
+        self._apply_nft()
+
     def faults(self) -> dict[str, Any]:
-        """The fault state this object knows of: loss, partition, rates, links down."""
+        """The fault state this object knows of: loss, partition, one-way links, blocked ports,
+        rates, links down."""
         return {
             "loss_percent": {h: t / 100 for h, t in sorted(self._loss.items())},
             "lan_loss_percent": self._lan_loss / 100,
             "partition": [list(g) for g in self._groups],
+            "one_way": sorted(self._one_way),
+            "blocked_ports": sorted(self._blocked),
             "rates": dict(sorted(self._rates.items())),
             "links_down": sorted(self._links_down),
         }
@@ -495,6 +530,12 @@ class VirtualLan:
                     src = ", ".join(f'"{self._port(h)}"' for h in ga)
                     dst = ", ".join(f'"{self._port(h)}"' for h in gb)
                     rules.append(f"    iifname {{ {src} }} oifname {{ {dst} }} drop")
+        for a, b in sorted(self._one_way):
+            rules.append(
+                f'    iifname "{self._port(a)}" oifname "{self._port(b)}" ether type ip drop'
+            )
+        for h, tcp_port in sorted(self._blocked):
+            rules.append(f'    oifname "{self._port(h)}" ether type ip tcp dport {tcp_port} drop')
         if self._lan_loss:
             t = self._lan_loss
             rules.append("    drop" if t >= 10000 else f"    numgen random mod 10000 < {t} drop")

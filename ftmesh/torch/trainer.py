@@ -612,7 +612,11 @@ class ElasticTrainer:
                 self._dead_since.setdefault(node, now)
             else:
                 self._dead_since.pop(node, None)
-        left = [n for n in self._last_view if states.get(n) == MemberState.LEFT]
+        # Members that left, and members the ring leaves out (unreachable, or sending bytes
+        # that fail verification: every member, they included, computes them out of its view
+        # from the same gossip, as it sees a departure), do not count, at once.
+        excluded = self.mesh.exclusions()
+        left = [n for n in self._last_view if states.get(n) == MemberState.LEFT or n in excluded]
         dead = [n for n, t in self._dead_since.items() if now - t >= self.quorum_grace]
         return has_quorum(self.quorum, view.node_ids, self._last_view, [*left, *dead])
 
