@@ -270,7 +270,7 @@ class FakeMesh:
     def leave_requested(self) -> bool:
         return self._leave
 
-    def close(self) -> None:
+    def close(self, join_timeout: float = 10.0) -> None:
         self.hub.leave(self.node_id)
 
     def _check(self) -> None:

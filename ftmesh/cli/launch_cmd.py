@@ -121,6 +121,7 @@ def run_worker(args: argparse.Namespace) -> int:
         FTMESH_JOIN=",".join(args.join),
         FTMESH_INTERFACE=args.interface,
         FTMESH_BIND=args.bind,
+        FTMESH_PORT=str(args.port or ""),
         FTMESH_PRESET=args.preset,
         FTMESH_SECRET_FILE=args.secret_file,
     )

@@ -131,6 +131,10 @@ DEPARTURE_WAIT_S = 2.0
 that announced their departure (their graceful leave reaches everyone in milliseconds; after
 this the next step runs on whatever view there is, with a sync)."""
 
+DEPARTURE_CLOSE_S = 5.0
+"""Most seconds a departing member spends leaving the mesh after its last step (its graceful
+leave lingers two gossip intervals, at most 1 s, so the news spreads)."""
+
 RECOVERABLE = (PeerLostError, ViewMismatchError, InputMismatchError, CollectiveError)
 
 
@@ -437,7 +441,7 @@ class ElasticTrainer:
         """Leave the mesh gracefully (membership sees ``left``) and end the training call."""
         step = max(self.committed, 0)
         log.warning("planned departure: leaving the mesh after step %d", step)
-        self.mesh.close()
+        self.mesh.close(join_timeout=DEPARTURE_CLOSE_S)
         raise Departed(step)
 
     def _adopted(self, view: RingView, attempts: int) -> StepReport:
