@@ -292,13 +292,13 @@ LEAVE_POLL_S = 0.25
 """How often ``wait_leave_requested`` looks at the flag when the trio thread cannot wake it."""
 
 
-def handle_leave_signals(mesh: SyncMesh) -> Callable[[], None] | None:
+def handle_leave_signals(mesh: SyncMesh) -> bool:
     """Make SIGTERM and SIGINT ask ``mesh`` to leave (``request_leave``); a second one exits
-    the process at once with status 128 + the signal number. Returns the function that puts
-    the previous handlers back (``SyncMesh.close`` calls it), or None when not called from
-    the main thread (Python delivers signals to the main thread only)."""
+    the process at once with status 128 + the signal number. ``mesh.close()`` puts the
+    previous handlers back. Only from the main thread (Python delivers signals there):
+    returns whether the handlers were installed."""
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return False
     previous = {sig: signal.getsignal(sig) for sig in LEAVE_SIGNALS}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -321,7 +321,8 @@ def handle_leave_signals(mesh: SyncMesh) -> Callable[[], None] | None:
                 if signal.getsignal(sig) is on_signal:
                     signal.signal(sig, handler)
 
-    return restore
+    mesh._restore_signals = restore
+    return True
 
 
 ENV_PREFIX = "FTMESH_"
@@ -374,5 +375,5 @@ def connect(
         auth=load_secrets(env.get("FTMESH_SECRET_FILE") or None),
     )
     synced = SyncMesh.start(MeshConfig(node=node, role=role), start_timeout=start_timeout)
-    synced._restore_signals = handle_leave_signals(synced)
+    handle_leave_signals(synced)
     return synced

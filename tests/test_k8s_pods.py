@@ -88,7 +88,11 @@ def test_the_statefulset_as_written(tmp_path: Path) -> None:
         # One mesh of four, from the first step (never a pod training alone).
         for i in range(replicas):
             assert {r["members"] for r in _steps(lab, i)} == {replicas}, _steps(lab, i)[:3]
-        _wait("step 20", lambda: all(_steps(lab, i)[-1]["step"] >= 20 for i in range(4)), lab)
+        # Scale-out starts now: a fifth pod, which takes seconds to import torch, so it joins
+        # well after the departure below (and the run must outlast that).
+        lab.start(4)
+        _wait("step 5", lambda: all(_steps(lab, i)[-1]["step"] >= 5 for i in range(4)), lab)
+        assert not _records(lab, 4), "the fifth pod joined before the departure"
 
         # Scale-in: pod 1 is deleted, SIGTERM to its PID 1 (SIGKILL after the grace period).
         leaver = 1
@@ -99,7 +103,6 @@ def test_the_statefulset_as_written(tmp_path: Path) -> None:
         assert took < lab.grace_s
         log = lab.logs(leaver)
         assert "leaving the mesh after step" in log and "Traceback" not in log, log[-2000:]
-        lab.start(4)  # scale-out: a fifth pod, which imports torch meanwhile
         survivors = [0, 2, 3]
 
         def without_leaver(i: int) -> list[dict[str, Any]]:
