@@ -12,7 +12,8 @@ after its current step and exit 0 (``ftmesh.Departed``); the others train on.
 
 ``--idle-when-done`` is for a StatefulSet (``examples/k8s/``), which restarts a container
 that exits: the worker stays up after training until SIGTERM, and a worker whose
-``--checkpoint-dir`` already holds the last step does not train again but idles the same way.
+``--checkpoint-dir`` already holds the last step (make ``--checkpoint-every`` divide the
+run's steps) does not train again but idles the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 import ftmesh
-from ftmesh.state import State, save_checkpoint
+from ftmesh.state import State
 from ftmesh.torch import ElasticSampler, ElasticTrainer
 
 
@@ -210,9 +211,6 @@ def main() -> int:
                     "digest": trainer.digest(),
                 }
             )
-            if args.checkpoint_dir and not args.shard_optimizer:
-                # The last step, whatever --checkpoint-every: a restart finds training done.
-                save_checkpoint(args.checkpoint_dir, trainer.snapshot())
             report_result(args, model, optimizer, x_test, y_test, total, started)
             if args.idle_when_done:
                 mesh.wait_leave_requested()

@@ -261,11 +261,11 @@ class SyncMesh:
         a process that has nothing left to do but must stay up until it is told to go."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._leave_flag:
-            left = LEAVE_POLL_S if deadline is None else deadline - time.monotonic()
+            left = FLAG_POLL_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
             # (The flag alone, once the trio thread that sets the event has ended.)
-            self._leave_event.wait(min(left, LEAVE_POLL_S))
+            self._leave_event.wait(min(left, FLAG_POLL_S))
         return True
 
     def close(self, join_timeout: float = 10.0) -> None:
@@ -288,7 +288,7 @@ class SyncMesh:
 
 
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-LEAVE_POLL_S = 0.25
+FLAG_POLL_S = 0.25
 """How often ``wait_leave_requested`` looks at the flag when the trio thread cannot wake it."""
 
 

@@ -128,7 +128,11 @@ def test_the_script_arguments_parse_and_checkpoint_to_the_claim(train: dict[str,
     (claim_path,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] in claims]
     for path in (opts.checkpoint_dir, opts.save_model):  # on the pod's own volume
         assert Path(path).is_relative_to(claim_path), path
-    assert opts.checkpoint_every > 0 and opts.idle_when_done  # the finite run (see header)
+    # The finite run (see the header): the last step is a checkpoint step, so a restarted
+    # finished pod finds it, and finished pods idle instead of exiting.
+    total = opts.epochs * (len(module.load_data(opts.seed)[0]) // opts.global_batch)
+    assert opts.checkpoint_every > 0 and total % opts.checkpoint_every == 0, total
+    assert opts.idle_when_done
 
 
 def test_the_grace_period_covers_a_planned_departure(train: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ftmesh.collective.view import Peer, RingView
-from ftmesh.errors import CollectiveError, Departed, PeerLostError
+from ftmesh.errors import CollectiveError, DeadlineExceeded, Departed, PeerLostError
 from ftmesh.membership.messages import MemberState
 from ftmesh.state import Snapshot
 from ftmesh.state.errors import StateTransferError
@@ -303,7 +303,7 @@ class FakeMesh:
             if v is not None and v.size >= min_members and self.node_id in v.node_ids:
                 return v
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.node_id}: no view of {min_members} members")
+                raise DeadlineExceeded(f"{self.node_id}: no view of {min_members} members")
             time.sleep(0.005)
 
     def wait_view_change(self, epoch: str, timeout: float) -> RingView | None:

@@ -348,9 +348,14 @@ class FtmeshMesh:
         ]
         return statistics.median(per_node) if per_node and times else 0.1
 
-    def pick(self) -> Proc:
+    def next_victim(self) -> tuple[Proc, float]:
+        """Once all N train together: wait a random fraction of a step period (so a fault
+        lands anywhere in a step) and pick a random member; also the step period."""
+        self.wait_full()
+        period = self.period()
+        time.sleep(self.rng.uniform(0, period))
         live = sorted(self.expected())
-        return self.by_node[self.rng.choice(live)]
+        return self.by_node[self.rng.choice(live)], period
 
     def first_step_without(self, victim: Proc, what: str) -> Event:
         n = self.args.procs
@@ -512,10 +517,7 @@ def _ftmesh_phases(
         mesh.wait_full()
         say(f"ftmesh: {args.procs} members training, step period {mesh.period() * 1e3:.0f} ms")
         for k in range(args.kills):
-            mesh.wait_full()
-            time.sleep(rng.uniform(0, mesh.period()))
-            victim = mesh.pick()
-            period = mesh.period()
+            victim, period = mesh.next_victim()
             t0 = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
             victim.killed = True
@@ -529,10 +531,7 @@ def _ftmesh_phases(
             say(f"ftmesh kill {k + 1}/{args.kills}: {victim.name} -> step in {took:.3f}s")
             _replace(mesh, out["joins"])
         for k in range(args.leaves):
-            mesh.wait_full()
-            time.sleep(rng.uniform(0, mesh.period()))
-            victim = mesh.pick()
-            period = mesh.period()
+            victim, period = mesh.next_victim()
             t0 = time.monotonic()
             victim.killed = True  # it ends by itself: not a failure
             mesh.procs.signal(victim, signal.SIGTERM)
@@ -555,9 +554,7 @@ def _ftmesh_phases(
             )
             _replace(mesh, out["joins"])
         for k in range(args.stops):
-            mesh.wait_full()
-            time.sleep(rng.uniform(0, mesh.period()))
-            victim = mesh.pick()
+            victim, _ = mesh.next_victim()
             t0 = time.monotonic()
             mesh.procs.signal(victim, signal.SIGSTOP)
             victim.stopped = True
