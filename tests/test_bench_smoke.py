@@ -40,6 +40,8 @@ def test_recovery_bench_smoke() -> None:
         "3",
         "--kills",
         "1",
+        "--leaves",
+        "1",
         "--stops",
         "1",
         "--torchrun-kills",
@@ -62,7 +64,13 @@ def test_recovery_bench_smoke() -> None:
     )
     assert _positive(r["join_mb_per_s"]), r
     assert _positive(r["raw_tcp_mb_per_s"]), r
-    assert r["joins"] == 1
+    assert r["joins"] == 2  # the replacements of the killed and of the departed member
+    leave = r["leave_to_step_s"]
+    assert leave["n"] == 1 and 0 < leave["median"] < 60, leave
+    assert r["leave_steps_redone"] == [0], r["leave_steps_redone"]  # a departure costs no retry
+    assert r["leave_synced"] == [0], r["leave_synced"]
+    assert r["leave_lost_s"]["n"] == 1 and r["kill_lost_s"]["n"] == 1
+    assert 0 < r["leave_exit_s"]["median"] < 60
     stop = r["sigstop_to_step_s"]
     assert 0 < stop["median"] < r["suspicion_bound_s"] + 5, r["sigstop_to_step_s"]
     assert r["sigcont_to_rejoin_s"]["n"] == 1, r["sigcont_to_rejoin_s"]
@@ -71,14 +79,18 @@ def test_recovery_bench_smoke() -> None:
     assert bd["commit"] is not None and bd["commit"] <= bd["received"]
     assert set(r["goals"]) == {
         "kill_median_under_0.5s",
+        "leave_lost_p99_under_50ms",
+        "leave_redoes_no_step",
         "vs_torchrun_at_least_4x",
         "sigstop_within_bound_plus_1s",
         "join_transfer_at_least_half_ceiling",
     }
     sizes = [row["state_mb"] for row in r["join_by_size"]]
     assert sizes == [1, 2], r["join_by_size"]
+    # The main size's joins are the kill's and the departure's replacements; one at 2 MiB.
+    assert [row["joins"] for row in r["join_by_size"]] == [2, 1], r["join_by_size"]
     for row in r["join_by_size"]:
-        assert row["joins"] == 1 and _positive(row["join_transfer_vs_ceiling"]), row
+        assert _positive(row["join_transfer_vs_ceiling"]), row
     assert r["join_by_size"][1]["state_bytes"] > r["state_bytes"]
 
 
