@@ -399,6 +399,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             trio.open_nursery() as nursery,
         ):
             mesh = Mesh(config, node, dp, nursery)
+            node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
             try:
                 yield mesh

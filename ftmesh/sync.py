@@ -213,6 +213,11 @@ class SyncMesh:
         """See :meth:`Mesh.advertised_state_bytes`."""
         return self.call_sync(self.mesh.advertised_state_bytes)
 
+    def register_statistics(self, name: str, source: Callable[[], object]) -> None:
+        """Have the metrics exporter read ``source()`` (a snapshot such as
+        ``ftmesh.stats.TrainerStatistics``) at scrape time, in the mesh's thread."""
+        self.call_sync(self.mesh.node.statistics_sources.__setitem__, name, source)
+
     def drop_view(self, view: RingView) -> None:
         """Reconnect ``view``'s ring before its next collective; see ``DataPlane.drop_view``."""
         self.call_sync(self.mesh.data_plane.drop_view, view.epoch)

@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="member metadata entry; repeatable",
     )
     node.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port; "
+        "needs ftmesh[metrics]); default: off",
+    )
+    node.add_argument(
         "--events",
         choices=["json", "text"],
         default="text",

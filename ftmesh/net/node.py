@@ -23,9 +23,10 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
@@ -86,6 +87,9 @@ class NodeConfig:
     meta: Meta = field(default_factory=dict)
     registry_dir: str = ""
     """For ``local``: where same-host members register; default per ``ftmesh.discovery``."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (``/metrics``, ``ftmesh.metrics``) on ``bind`` at this TCP
+    port (0: any free one); ``None``: off, at no cost."""
 
     def __post_init__(self) -> None:
         if not self.mesh or len(self.mesh) > MAX_MESH_NAME:
@@ -94,6 +98,8 @@ class NodeConfig:
             raise ConfigError(f"unknown discovery {self.discovery!r}: local, seeds, mdns, none")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics port out of range: {self.metrics_port}")
         for j in self.join:
             parse_hostport(j)
 
@@ -114,6 +120,12 @@ class Node:
         self._join_attempts: dict[Address, float] = {}
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
+        self._traffic = [0, 0, 0, 0]  # gossip datagrams and bytes sent, then received
+        self.metrics_address: tuple[str, int] | None = None
+        """Where ``/metrics`` is served (``NodeConfig.metrics_port``), once it is."""
+        self.statistics_sources: dict[str, Callable[[], object]] = {}
+        """Snapshots of the components running beside this node (``"collectives"``,
+        ``"trainer"``), read by the metrics exporter (``ftmesh.metrics``) at scrape time."""
         self._last_incarnation = swim.incarnation
         per_source = max(RATE_PER_SOURCE, 20 / config.membership.gossip_interval)
         self._limiter = RateLimiter(per_source, 2 * per_source, GLOBAL_RATE)
@@ -192,8 +204,12 @@ class Node:
         self._apply(self._swim.report_unreachable(trio.current_time(), node_id))
 
     def statistics(self) -> dict[str, int]:
-        """Drop counters of this driver and the protocol machine's counters."""
-        return {**self._swim.counters, **self.counters}
+        """Drop counters of this driver and the protocol machine's counters, and gossip
+        traffic (``tx_packets``, ``tx_bytes``, ``rx_packets``, ``rx_bytes``: UDP datagrams
+        sent, and received before any check)."""
+        names = ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes")
+        traffic = dict(zip(names, self._traffic, strict=True))
+        return {**self._swim.counters, **self.counters, **traffic}
 
     # ------------------------------------------------------------------ effects
 
@@ -208,6 +224,8 @@ class Node:
                 data = self._codec.seal(eff.msgs, time.time(), self._nonce_rng.randbytes(8))
                 try:
                     self._sock.sendto(data, eff.dest)
+                    self._traffic[0] += 1
+                    self._traffic[1] += len(data)
                 except (BlockingIOError, InterruptedError):
                     self._count("tx_dropped_full")
                 except OSError as exc:
@@ -251,6 +269,8 @@ class Node:
                 self._count("rx_errors")
                 self._log_limited("rx_err", "recvfrom failed: %s", exc)
                 continue
+            self._traffic[2] += 1
+            self._traffic[3] += len(data)
             # Same-host members share 127.0.0.1: tell them apart by port there.
             key = src if src[0].startswith("127.") else src[0]
             if not self._limiter.allow(key, trio.current_time()):
@@ -407,12 +427,34 @@ async def open_node(
     )
     node = Node(config, swim, udp)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
+    render = None
+    if config.metrics_port is not None:
+        from ..metrics import renderer
+
+        try:
+            render = renderer(node)  # raises ConfigError without prometheus_client
+        except BaseException:
+            udp.close()
+            tcp.close()
+            raise
     try:
         async with trio.open_nursery() as nursery:
             node._nursery = nursery
             nursery.start_soon(node._udp_loop)
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
+            if render is not None:
+                from ..metrics.server import serve_metrics
+
+                node.metrics_address = await nursery.start(
+                    partial(
+                        serve_metrics,
+                        render,
+                        config.bind,
+                        config.metrics_port,
+                        counters=node.counters,
+                    )
+                )
             if config.join:
                 node.join([parse_hostport(j) for j in config.join])
             await nursery.start(node._run_discovery)
