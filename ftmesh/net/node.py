@@ -443,7 +443,7 @@ async def open_node(
             nursery.start_soon(node._udp_loop)
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
-            if render is not None:
+            if render is not None and config.metrics_port is not None:
                 from ..metrics.server import serve_metrics
 
                 node.metrics_address = await nursery.start(
