@@ -7,6 +7,8 @@ import logging
 import sys
 
 from ..errors import FtmeshError
+from ..logs import LOG_FORMATS, LOG_LEVELS
+from ..logs import configure as configure_logging
 from ..membership.config import PRESETS
 
 
@@ -53,7 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ftmesh", description="Peer-to-peer fault-tolerant training mesh."
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=None,
+        help="level of ftmesh's log on stderr (default: warning, or what -v says)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text for people, json (one object per line) for log collectors",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     node = sub.add_parser("node", help="run a mesh member until SIGINT/SIGTERM")
@@ -145,10 +161,8 @@ def run(argv: list[str] | None = None) -> int:
 
         return int(importlib.import_module(f"ftmesh.bench.{argv[1]}").main(argv[2:]))
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose, 2),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
+    configure_logging(
+        args.log_level or logging.WARNING - 10 * min(args.verbose, 2), args.log_format
     )
     try:
         if args.command == "node":
