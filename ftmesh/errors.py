@@ -53,3 +53,8 @@ class CollectiveError(FtmeshError):
 
 class DeadlineExceeded(FtmeshError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+class MeshNotFormedError(DeadlineExceeded):
+    """The mesh did not form as asked: a member found fewer of its ``start_peers`` than
+    would let it start without splitting the mesh, or no running mesh to join."""

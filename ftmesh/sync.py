@@ -8,13 +8,20 @@ ring is open (``Mesh.ring_in_use``): they drive the ring's sockets straight from
 thread, or, when submitted, from one job thread that runs them in submission order.
 ``close()`` (or leaving the ``with`` block) leaves the mesh gracefully and joins the thread,
 bounded by a timeout.
+
+Errors: an error that keeps the mesh from starting is raised by :meth:`SyncMesh.start` (and
+``connect()``) itself when it is an ``FtmeshError`` (say a ``ConfigError`` naming the port
+that is taken), not wrapped in the exception group trio collected it in. An error that ends a
+running mesh is kept, and every later call raises ``MeshClosedError`` saying it, with it as
+the ``__cause__``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -22,17 +29,35 @@ import numpy as np
 import trio
 
 from .collective import CollectiveResult, RingPeerLostError, RingView
-from .errors import MeshClosedError
+from .errors import FtmeshError, MeshClosedError
 from .job_thread import JobThread
-from .membership.messages import MemberSnapshot
+from .membership.messages import MemberSnapshot, Meta
 from .mesh import Mesh, MeshConfig, open_mesh
+from .settings import Settings
 from .state import Lookup, Snapshot, TransferStats
+from .training.start import StartConfig
 
 T = TypeVar("T")
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The error an exception group stands for: its first ``FtmeshError``, else its first
+    leaf that is not a cancellation (trio groups the errors of a nursery's tasks)."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves = [root_cause(e) for e in exc.exceptions]
+    for leaf in leaves:
+        if isinstance(leaf, FtmeshError):
+            return leaf
+    return next((e for e in leaves if not isinstance(e, trio.Cancelled)), leaves[0])
+
+
 class SyncMesh:
     """Blocking twin of :class:`Mesh`. Create with :meth:`start` or :func:`ftmesh.connect`."""
+
+    start_config: StartConfig = StartConfig()
+    """How a trainer on this mesh starts (``start_peers`` ...) when it is not told; set by
+    ``connect()`` from its arguments and the environment."""
 
     def __init__(self) -> None:
         self._mesh: Mesh | None = None
@@ -70,13 +95,30 @@ class SyncMesh:
         if not self._ready.wait(start_timeout):
             raise MeshClosedError(f"mesh did not start within {start_timeout}s")
         if self._error is not None or self._mesh is None:
-            raise MeshClosedError(f"mesh failed to start: {self._error!r}") from self._error
+            cause = None if self._error is None else root_cause(self._error)
+            if isinstance(cause, FtmeshError):
+                raise cause
+            raise MeshClosedError(f"mesh failed to start: {cause!r}") from cause
         return self
+
+    def _closed(self) -> MeshClosedError:
+        """The error for a call on a mesh that is not running, with what ended it."""
+        if self._error is None:
+            return MeshClosedError("the mesh is closed")
+        cause = root_cause(self._error)
+        err = MeshClosedError(f"the mesh stopped: {type(cause).__name__}: {cause}")
+        err.__cause__ = cause
+        return err
 
     @property
     def mesh(self) -> Mesh:
-        if self._mesh is None or self._stop is None or self._stop.is_set():
-            raise MeshClosedError("the mesh is closed")
+        if (
+            self._error is not None
+            or self._mesh is None
+            or self._stop is None
+            or self._stop.is_set()
+        ):
+            raise self._closed()
         return self._mesh
 
     @property
@@ -88,8 +130,9 @@ class SyncMesh:
         self.mesh  # noqa: B018 - raises if closed
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except (trio.RunFinishedError, trio.Cancelled) as exc:  # closed meanwhile
-            raise MeshClosedError(f"mesh closed: {exc!r}") from None
+        except (trio.RunFinishedError, trio.Cancelled):  # closed meanwhile, maybe by an error
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
@@ -124,7 +167,11 @@ class SyncMesh:
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""
         self.mesh  # noqa: B018 - raises if closed
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def view(self) -> RingView | None:
         return self.call_sync(self.mesh.view)
@@ -250,50 +297,71 @@ class SyncMesh:
         self.close()
 
 
-ENV_PREFIX = "FTMESH_"
-
-
 def connect(
     *,
     mesh: str | None = None,
     discovery: str | None = None,
-    join: tuple[str, ...] | None = None,
+    join: Sequence[str] | None = None,
+    interface: str | None = None,
+    bind: str | None = None,
+    advertise: str | None = None,
+    port: int | None = None,
     preset: str | None = None,
+    secret_file: str | None = None,
+    encrypt: bool | None = None,
+    registry_dir: str | None = None,
+    name: str | None = None,
+    meta: Meta | None = None,
+    start_peers: int | None = None,
+    start_timeout: float | None = None,
+    metrics_port: int | None = None,
+    log_level: str | None = None,
+    log_format: str | None = None,
     role: str = "train",
-    start_timeout: float = 30.0,
+    open_timeout: float = 30.0,
+    environ: Mapping[str, str] | None = None,
 ) -> SyncMesh:
     """Join a training mesh from a plain (non-trio) program; the usual entry point of a
     training script started by ``ftmesh launch`` or ``ftmesh worker``.
 
-    Every argument left as ``None`` falls back to the environment those commands set
-    (``FTMESH_MESH``, ``FTMESH_DISCOVERY``, ``FTMESH_JOIN`` (comma-separated),
-    ``FTMESH_PRESET``, ``FTMESH_INTERFACE``, ``FTMESH_BIND``, ``FTMESH_PORT``,
-    ``FTMESH_REGISTRY_DIR``,
-    ``FTMESH_SECRET_FILE``), then to the defaults: mesh ``default``, ``local`` discovery, the
-    ``lan`` preset. Explicit arguments always win over the environment.
+    The arguments are the settings of ``ftmesh.settings.Settings`` (the same names as the
+    flags of ``ftmesh worker``). Each one left as ``None`` comes from the environment those
+    commands set (``FTMESH_MESH``, ``FTMESH_PORT``, ...; ``environ``, default
+    ``os.environ``), then from the defaults: mesh ``default``, ``local`` discovery (``seeds``
+    when seeds are given), the ``lan`` preset. Explicit arguments always win, and an empty
+    string is a value, not "unset". ``start_peers`` and ``start_timeout`` are kept on the
+    returned mesh (``SyncMesh.start_config``) for the ``ElasticTrainer`` made on it.
+    ``metrics_port`` serves Prometheus metrics (``ftmesh.metrics``); ``log_level`` and
+    ``log_format``, when given (or set in the environment by ``ftmesh worker``/``launch``),
+    set up ftmesh's log (``ftmesh.logs``). ``open_timeout``: seconds to wait for the mesh to
+    start.
+
+    Raises the ``FtmeshError`` that keeps the mesh from starting (a ``ConfigError`` naming
+    the setting at fault and the fix).
     """
-    import os
-
-    from .membership.config import MembershipConfig
-    from .net.node import NodeConfig
-    from .security import load_secrets
-
-    env = os.environ
-    joins = (
-        join if join is not None else tuple(j for j in env.get("FTMESH_JOIN", "").split(",") if j)
-    )
-    disc = discovery or env.get("FTMESH_DISCOVERY") or ("seeds" if joins else "local")
-    interface = env.get("FTMESH_INTERFACE", "")
-    bind = env.get("FTMESH_BIND", "") or (interface if disc == "mdns" and interface else "")
-    node = NodeConfig(
-        mesh=mesh or env.get("FTMESH_MESH", "default"),
-        discovery=disc,
-        join=joins,
-        bind=bind or "127.0.0.1",
-        port=int(env.get("FTMESH_PORT") or 0),
+    settings = Settings.from_env(os.environ if environ is None else environ).replace(
+        mesh=mesh,
+        discovery=discovery,
+        join=join,
         interface=interface,
-        registry_dir=env.get("FTMESH_REGISTRY_DIR", ""),
-        membership=MembershipConfig.preset(preset or env.get("FTMESH_PRESET", "lan")),
-        auth=load_secrets(env.get("FTMESH_SECRET_FILE") or None),
+        bind=bind,
+        advertise=advertise,
+        port=port,
+        preset=preset,
+        secret_file=secret_file,
+        encrypt=encrypt,
+        registry_dir=registry_dir,
+        name=name,
+        meta=meta,
+        start_peers=start_peers,
+        start_timeout=start_timeout,
+        metrics_port=metrics_port,
+        log_level=log_level,
+        log_format=log_format,
     )
-    return SyncMesh.start(MeshConfig(node=node, role=role), start_timeout=start_timeout)
+    if settings.log_level is not None or settings.log_format is not None:
+        settings.configure_logging()
+    start = settings.start_config()
+    synced = SyncMesh.start(settings.mesh_config(role), start_timeout=open_timeout)
+    synced.start_config = start
+    return synced

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -89,3 +90,30 @@ def local_mesh_config(registry: Path, mesh: str, **collective: Any) -> MeshConfi
         ),
         collective=CollectiveConfig(**{"io_timeout": 60.0, "view_timeout": 5.0, **collective}),
     )
+
+
+class SingleRun:
+    """``examples/train_digits.py --single`` (the baseline accuracy), started in the
+    background when a test asks for it and shared by every test of the session."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, EXAMPLE, "--single"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self._out: str | None = None
+
+    def accuracy(self) -> float:
+        if self._out is None:
+            self._out, _ = self._proc.communicate(timeout=600)
+            assert self._proc.returncode == 0, self._out[-3000:]
+        return accuracy(self._out)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()

@@ -37,6 +37,7 @@ from ftmesh.state.errors import StateTransferError
 from ftmesh.sync import SyncMesh
 from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
+from ftmesh.training.start import StartConfig
 
 
 class Killed(BaseException):
@@ -243,6 +244,8 @@ class Hub:
 class FakeMesh:
     """One member's handle on the hub: the part of ``SyncMesh`` that ``ElasticTrainer``
     uses."""
+
+    start_config = StartConfig()
 
     def __init__(self, hub: Hub, node_id: str) -> None:
         self.hub = hub

@@ -52,6 +52,50 @@ a few probes, acks and gossip rounds per second; this leaves a wide margin for t
 one host from spending all our CPU on MAC checks."""
 GLOBAL_RATE = 20_000.0
 """Datagrams per second accepted from all sources together."""
+ALONE_WARN_AFTER = 30.0
+"""Seconds a member given seeds (``join``) may be alone before it says so."""
+ALONE_WARN_EVERY = 60.0
+"""Seconds between those warnings while it stays alone."""
+MAX_TRACKED_ADDRESSES = 4096
+"""Discovered addresses remembered with their last join outcome (bounds what a flood of
+adverts can make us hold; beyond it the record starts over)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryStatus:
+    """Where a member looks for the others and what it found: what a member that waits for
+    peers tells the user (``Node.discovery_status``)."""
+
+    kind: str
+    """``local``, ``seeds``, ``mdns`` or ``none``."""
+    where: str
+    """What it searches: the seeds, the mDNS interface, the registry directory."""
+    answered: tuple[str, ...]
+    """``host:port`` of discovered addresses that answered a join."""
+    unanswered: tuple[str, ...]
+    """``host:port (why)`` of discovered addresses whose last join failed."""
+
+    def describe(self) -> str:
+        """One line, e.g. ``seeds discovery (seeds a:7946): no answer from 10.0.0.2:7946 (...)``."""
+        parts = []
+        if self.answered:
+            parts.append(f"answered: {', '.join(self.answered[:8])}")
+        if self.unanswered:
+            parts.append(f"no answer from {', '.join(self.unanswered[:8])}")
+        found = "; ".join(parts) or "found nobody"
+        return f"{self.kind} discovery ({self.where}): {found}"
+
+    def hint(self) -> str:
+        """What to check, for this kind of discovery."""
+        same = "that every member uses the same --mesh and mesh secret"
+        if self.kind == "mdns":
+            return f"check that the members are on this LAN, multicast reaches them and {same}"
+        if self.kind == "local":
+            return f"check that the members run on this host, share the registry dir and {same}"
+        return (
+            "check that the seeds (--join) name members that are running and reachable on "
+            f"their gossip --port, and {same}"
+        )
 
 
 def parse_hostport(text: str) -> Address:
@@ -118,6 +162,7 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self._push_pull_slots = trio.Semaphore(MAX_CONCURRENT_PUSH_PULLS)
         self._join_attempts: dict[Address, float] = {}
+        self._join_outcome: dict[Address, str] = {}  # "" answered, else why not
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
         self._traffic = [0, 0, 0, 0]  # gossip datagrams and bytes sent, then received
@@ -127,6 +172,7 @@ class Node:
         """Snapshots of the components running beside this node (``"collectives"``,
         ``"trainer"``), read by the metrics exporter (``ftmesh.metrics``) at scrape time."""
         self._last_incarnation = swim.incarnation
+        self._started = 0.0
         per_source = max(RATE_PER_SOURCE, 20 / config.membership.gossip_interval)
         self._limiter = RateLimiter(per_source, 2 * per_source, GLOBAL_RATE)
 
@@ -202,6 +248,24 @@ class Node:
     def report_unreachable(self, node_id: str) -> None:
         """Hard evidence from the data plane: probe ``node_id`` now."""
         self._apply(self._swim.report_unreachable(trio.current_time(), node_id))
+
+    def discovery_status(self) -> DiscoveryStatus:
+        """What discovery found and how the joins went (see ``DiscoveryStatus``)."""
+        cfg = self.config
+        if cfg.discovery == "mdns":
+            where = f"mDNS on {cfg.interface or 'the default interface'}"
+        elif cfg.discovery == "local":
+            where = f"registry {cfg.registry_dir or 'default'}"
+        else:
+            where = f"seeds {', '.join(cfg.join) or 'none'}"
+        answered = [f"{h}:{p}" for (h, p), why in self._join_outcome.items() if not why]
+        failed = [f"{h}:{p} ({why})" for (h, p), why in self._join_outcome.items() if why]
+        return DiscoveryStatus(cfg.discovery, where, tuple(answered), tuple(failed))
+
+    def _record_join(self, dest: Address, why: str) -> None:
+        if len(self._join_outcome) >= MAX_TRACKED_ADDRESSES and dest not in self._join_outcome:
+            self._join_outcome.clear()
+        self._join_outcome[dest] = why
 
     def statistics(self) -> dict[str, int]:
         """Drop counters of this driver and the protocol machine's counters, and gossip
@@ -303,13 +367,19 @@ class Node:
                 )
             except RemoteProtocolError as exc:
                 self._drop(exc, dest)
+                if join:
+                    self._record_join(dest, f"refused: {exc}")
                 self._apply(self._swim.join_failed(trio.current_time(), dest))
                 return
             except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 self._count("push_pull_failed")
                 self._log_limited("pp_fail", "push-pull with %s failed: %r", dest, exc)
+                if join:
+                    self._record_join(dest, _why(exc))
                 self._apply(self._swim.join_failed(trio.current_time(), dest))
                 return
+            if join:
+                self._record_join(dest, "")
             self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
 
     async def _serve_tcp(self, listener: trio.SocketListener) -> None:
@@ -366,10 +436,45 @@ class Node:
         advert = Advert(mesh=cfg.mesh, node_id=self.node_id, name=self.name, host=host, port=port)
         await discovery.run(advert, self._on_found, task_status=task_status)
 
+    async def _warn_if_alone(self) -> None:
+        """A member given seeds that is still alone says so now and then (see
+        ``ALONE_WARN_AFTER``): seeds that never answer are a split in the making, unless this
+        member is the first one, which is normal and said as such."""
+        await trio.sleep(ALONE_WARN_AFTER)
+        while True:
+            if not any(m.state == MemberState.ALIVE for m in self._swim.members()[1:]):
+                status = self.discovery_status()
+                if status.unanswered:
+                    log.warning(
+                        "still alone after %.0fs: %s; %s",
+                        trio.current_time() - self._started,
+                        status.describe(),
+                        status.hint(),
+                    )
+                else:
+                    log.info("alone: the seeds resolve to no other member; waiting to be joined")
+            await trio.sleep(ALONE_WARN_EVERY)
+
     async def _leave(self) -> None:
         self._apply(self._swim.leave(trio.current_time()))
         # Keep answering for a moment so the leave spreads before we go silent.
         await trio.sleep(min(2 * self.config.membership.gossip_interval, 1.0))
+
+
+def _why(exc: BaseException) -> str:
+    """A short reason for a failed join: ``connection refused``, ``timed out``..."""
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    seen: BaseException | None = exc
+    for _ in range(4):  # trio's connect: an OSError caused by a group of per-address errors
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror.rpartition(": ")[2].lower()  # trio: "Error connecting to ...: X"
+        if seen is None:
+            break
+        seen = seen.__cause__
+        if isinstance(seen, BaseExceptionGroup):
+            seen = seen.exceptions[0]
+    return type(exc).__name__
 
 
 def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
@@ -393,7 +498,11 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
         except OSError as exc:
             udp.close()
             last = exc
-    raise ConfigError(f"cannot bind gossip port {port} on {host}: {last}")
+    why = last.strerror.lower() if last is not None and last.strerror else str(last)
+    raise ConfigError(
+        f"cannot bind gossip port {port} on {host}: {why}; pick another --port "
+        "($FTMESH_PORT), or 0 for any free one"
+    )
 
 
 def default_name() -> str:
@@ -455,7 +564,9 @@ async def open_node(
                         counters=node.counters,
                     )
                 )
+            node._started = trio.current_time()
             if config.join:
+                nursery.start_soon(node._warn_if_alone)
                 node.join([parse_hostport(j) for j in config.join])
             await nursery.start(node._run_discovery)
             try:

@@ -9,15 +9,14 @@ allreduce and applies the optimizer. A failure during the step (a peer died or s
 ring disagreed about the view or the inputs) retries the step on the next view, with the
 step's batch re-split among the survivors, so the step's samples are all trained exactly once.
 
-Starting together: before it enters the ring, a member of a mesh that has not started (no
-member advertises a committed state, which members do from their first step) says so (role
-``starting``) and waits until ``start_peers`` members say it, at most ``start_timeout``;
-then they all enter the ring within moments of each other. Once one goes ahead (its timeout
-ran out), the others follow after its first step. Without it, the member that starts first
-(workers importing torch on a busy host are seconds apart) would train alone until the
-others catch up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N
-workers, the default when ``start_peers`` is not given (else 1: no wait); members that join
-a mesh that has started never wait.
+Starting together (``ftmesh.training.start``, driven by ``ftmesh.starting``): before it
+enters the ring, a member of a mesh that has not started waits until ``start_peers`` members
+are ready, at most ``start_timeout``; then more than half of them go ahead and fewer give up
+with ``MeshNotFormedError`` (no silent split into separate meshes). Without it, the member
+that starts first (workers importing torch on a busy host are seconds apart) would train
+alone until the others catch up. Not given, ``start_peers`` and ``start_timeout`` come from
+the mesh (``ftmesh.connect(start_peers=...)``, ``ftmesh worker --start-peers``, ``ftmesh
+launch -n N`` for its first N workers); members that join a mesh that has started never wait.
 
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute
@@ -51,7 +50,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
@@ -74,7 +72,8 @@ from ..errors import (
     TrainingFinishedError,
 )
 from ..membership.messages import MemberState
-from ..mesh import ROLE_KEY, STATE_BYTES_KEY
+from ..mesh import ROLE_KEY
+from ..starting import wait_to_start
 from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
 from ..state.memory import prepared_zeros
 from ..state.sharding import DEFAULT_REPLICAS
@@ -97,6 +96,7 @@ from ..training.shards import (
     round_id,
     settings_slots,
 )
+from ..training.start import StartConfig
 from .buckets import GradBuckets
 from .sampler import ElasticSampler
 from .zero import ShardedOptimizer
@@ -105,8 +105,6 @@ log = logging.getLogger("ftmesh.torch")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
-START_POLL_S = 0.1
-"""How often a member waiting for ``start_peers`` looks at the membership."""
 RECEIVE_BUFFER_SLACK = 1 << 20
 """Bytes a joiner's receive buffer has beyond the advertised state size: room for a
 snapshot prefix that grew since (the step, a scheduler's state)."""
@@ -158,7 +156,7 @@ class ElasticTrainer:
         step_timeout: float = 300.0,
         join_settle: float = 2.0,
         start_peers: int | None = None,
-        start_timeout: float = 60.0,
+        start_timeout: float | None = None,
         quorum: str = "majority",
         quorum_grace: float = 5.0,
         bucket_mb: float = 25.0,
@@ -182,8 +180,14 @@ class ElasticTrainer:
         self.checkpoint_every = checkpoint_every
         self.step_timeout = step_timeout
         self.join_settle = join_settle
-        self.start_peers = _env_int("FTMESH_START_PEERS", 1) if start_peers is None else start_peers
-        self.start_timeout = start_timeout
+        given = mesh.start_config
+        self._start = StartConfig(
+            given.start_peers if start_peers is None else start_peers,
+            given.timeout if start_timeout is None else start_timeout,
+            given.join_running,
+        )
+        self.start_peers = self._start.start_peers
+        self.start_timeout = self._start.timeout
         if quorum not in QUORUM_POLICIES:
             raise LocalUsageError(f"quorum must be one of {QUORUM_POLICIES}, got {quorum!r}")
         self.quorum = quorum
@@ -498,39 +502,8 @@ class ElasticTrainer:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
     def _wait_for_start_peers(self, deadline: float) -> None:
-        """Before entering the ring of a mesh that has not started: say so (role
-        ``starting``) and wait until ``start_peers`` members say it, or until one has taken
-        a step (it advertises its state), at most ``start_timeout``; see the module doc.
-        Then enter the ring and wait (as long) for the view that holds them all."""
-        if self.start_peers <= 1:
-            return
-        end = min(time.monotonic() + self.start_timeout, deadline)
-        self.mesh.set_role("starting")
-        while True:
-            members = self.mesh.members()
-            if any(STATE_BYTES_KEY in m.meta for m in members):
-                return  # the mesh has started: a member took a step
-            ready = sum(
-                m.state == MemberState.ALIVE and m.meta.get(ROLE_KEY) == "starting" for m in members
-            )
-            if ready >= self.start_peers:
-                break
-            if time.monotonic() >= end:
-                log.warning(
-                    "%d of %d members after %.0fs: starting without the others",
-                    ready,
-                    self.start_peers,
-                    self.start_timeout,
-                )
-                return
-            time.sleep(START_POLL_S)
-        # All of them are about to enter: wait for the view that holds them (those still
-        # "starting" may not have seen the count reached yet).
-        self.mesh.set_role("train")
-        while (view := self.mesh.view()) is None or view.size < self.start_peers:
-            if time.monotonic() >= end:
-                return
-            self.mesh.wait_view_change(view.epoch if view else "", timeout=START_POLL_S)
+        """Before entering the ring of a mesh that has not started: see ``ftmesh.starting``."""
+        wait_to_start(self.mesh, self._start, deadline)
 
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""
@@ -728,11 +701,3 @@ class ElasticTrainer:
             snap = full.commit(step=self.committed)
             self._checkpoint_state = {}
         save_checkpoint(self.checkpoint_dir, snap)
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "")
-    try:
-        return int(text) if text else default
-    except ValueError:
-        raise LocalUsageError(f"${name} must be an integer, got {text!r}") from None
