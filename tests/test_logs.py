@@ -45,8 +45,8 @@ def test_bad_settings_are_config_errors() -> None:
 
 
 def test_the_cli_logs_json_lines(tmp_path: Path) -> None:
-    """``ftmesh --log-format json node``: a junk datagram's warning arrives as JSON."""
-    argv = ["--log-format", "json", "node", "--mesh", "logs", "--events", "json"]
+    """``ftmesh node --log-format json``: a junk datagram's warning arrives as JSON."""
+    argv = ["node", "--log-format", "json", "--mesh", "logs", "--events", "json"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ftmesh", *argv, "--registry-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
