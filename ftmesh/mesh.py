@@ -485,6 +485,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             trio.open_nursery() as nursery,
         ):
             mesh = Mesh(config, node, dp, nursery, events)
+            node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)
             try:

@@ -278,6 +278,11 @@ class SyncMesh:
         """See :meth:`Mesh.advertised_state_bytes`."""
         return self.call_sync(self.mesh.advertised_state_bytes)
 
+    def register_statistics(self, name: str, source: Callable[[], object]) -> None:
+        """Have the metrics exporter read ``source()`` (a snapshot such as
+        ``ftmesh.stats.TrainerStatistics``) at scrape time, in the mesh's thread."""
+        self.call_sync(self.mesh.node.statistics_sources.__setitem__, name, source)
+
     def drop_view(self, view: RingView) -> None:
         """Reconnect ``view``'s ring before its next collective; see ``DataPlane.drop_view``."""
         self.call_sync(self.mesh.data_plane.drop_view, view.epoch)
@@ -393,6 +398,9 @@ def connect(
     meta: Meta | None = None,
     start_peers: int | None = None,
     start_timeout: float | None = None,
+    metrics_port: int | None = None,
+    log_level: str | None = None,
+    log_format: str | None = None,
     role: str = "train",
     open_timeout: float = 30.0,
     environ: Mapping[str, str] | None = None,
@@ -407,7 +415,10 @@ def connect(
     when seeds are given), the ``lan`` preset. Explicit arguments always win, and an empty
     string is a value, not "unset". ``start_peers`` and ``start_timeout`` are kept on the
     returned mesh (``SyncMesh.start_config``) for the ``ElasticTrainer`` made on it.
-    ``open_timeout``: seconds to wait for the mesh to start.
+    ``metrics_port`` serves Prometheus metrics (``ftmesh.metrics``); ``log_level`` and
+    ``log_format``, when given (or set in the environment by ``ftmesh worker``/``launch``),
+    set up ftmesh's log (``ftmesh.logs``). ``open_timeout``: seconds to wait for the mesh to
+    start.
 
     Raises the ``FtmeshError`` that keeps the mesh from starting (a ``ConfigError`` naming
     the setting at fault and the fix).
@@ -431,7 +442,12 @@ def connect(
         meta=meta,
         start_peers=start_peers,
         start_timeout=start_timeout,
+        metrics_port=metrics_port,
+        log_level=log_level,
+        log_format=log_format,
     )
+    if settings.log_level is not None or settings.log_format is not None:
+        settings.configure_logging()
     start = settings.start_config()
     synced = SyncMesh.start(settings.mesh_config(role), start_timeout=open_timeout)
     synced.start_config = start

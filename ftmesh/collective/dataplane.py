@@ -25,12 +25,14 @@ import trio
 
 from ..errors import LocalUsageError
 from ..security import MeshAuth
+from ..stats import CollectiveStatistics
 from . import schedule
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline, abort_error
 from .errors import RingPeerLostError
 from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
 from .reach import RingFailed, RingWorked
+from .statistics import CollectiveRecorder
 from .transport import Observer, Ring, Transport, tune_socket
 from .view import Peer, RingView
 
@@ -65,6 +67,12 @@ class DataPlane:
         self.address: tuple[str, int] = (str(host), int(port))
         self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._opening: dict[str, set[trio.CancelScope]] = {}
+        self._recorder = CollectiveRecorder()
+
+    def statistics(self) -> CollectiveStatistics:
+        """Completed collectives (seconds, bytes) per ``(op, backend)`` and aborts per kind;
+        safe from any thread."""
+        return self._recorder.snapshot()
 
     def abort_view(self, epoch: str, peer: str, reason: str) -> None:
         """Declare that ``peer`` is dead for view ``epoch``: every collective on that epoch on
@@ -357,6 +365,10 @@ class DataPlane:
 
     async def run_plan(self, plan: Plan[T]) -> CollectiveResult[T]:
         """Run ``plan``: open its view's ring if needed, drive it in a worker thread."""
+        with self._recorder.timed(plan.kind, "tcp", plan.nbytes):
+            return await self._run_plan(plan)
+
+    async def _run_plan(self, plan: Plan[T]) -> CollectiveResult[T]:
         async with self._lock:
             ring = await self._open_ring(plan.view)
             if plan.view.size > 1:
@@ -378,9 +390,10 @@ class DataPlane:
         """Run ``plan`` on an already open ``ring`` (``whole_ring``) in the calling (non-trio)
         thread: no thread hand-off at all. Collectives from several threads take turns (one
         drives the sockets at a time) but their order is the callers' business."""
-        if plan.view.size > 1:
-            self._run_pipeline(ring, plan)
-        return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
+        with self._recorder.timed(plan.kind, "tcp", plan.nbytes):
+            if plan.view.size > 1:
+                self._run_pipeline(ring, plan)
+            return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
 
     def _pipeline(self, ring: Ring, plan: Plan[Any]) -> Pipeline:
         ring.seq += 1
@@ -470,6 +483,14 @@ class Plan(Generic[T]):
     finish: Callable[[], T]
     io_timeout: float | None = None
     """Raises the config's ``io_timeout`` for this collective (never lowers it)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the collective's input in bytes (0 for a barrier)."""
+        if self.kind == "barrier":
+            return 0
+        itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
 
 
 @asynccontextmanager
