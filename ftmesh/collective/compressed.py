@@ -1,0 +1,187 @@
+"""The int8-compressed allreduce (``allreduce(x, op, compression=...)``) on the TCP ring.
+
+Theory of operation (the one-shot pattern of ZeRO++ and torchft, on a ring). Summing int8
+values that carry different scales is meaningless, and re-quantizing a partial sum at every
+hop of a ring reduce-scatter compounds N-1 quantization errors; so no partial sum is ever
+re-quantized:
+
+1. The buffer (as float32, plus this member's error-feedback residual) is cut into N shards
+   on block boundaries; shard ``j`` belongs to the member of rank ``j``.
+2. Reduce-scatter: each member encodes its N-1 shards of the others (int8 + one float32 scale
+   per block, ``ftmesh.compression.int8``) and sends them round the ring as one bundle; each
+   member keeps the first shard of the bundle it receives (its own) and forwards the rest
+   unchanged (``schedule.one_shot``). Every encoded shard crosses the ring once, hop by hop.
+3. The owner decodes the N-1 shards of its own, adds them in float32 to its own
+   (unquantized) contribution, in arrival order, and encodes the sum once.
+4. Allgather: the owners' encoded sums travel the ring unchanged; every member decodes the
+   same bytes, so every member ends with bitwise-identical values (``avg`` then divides by N,
+   the same float32 operation everywhere).
+
+Each element is thus quantized at most twice, whatever N: by the member that sends it and by
+its owner. Both errors go to the member's residual (``ftmesh.compression.feedback``), which is
+updated only in ``finish``, i.e. when the collective completed on this member: a collective
+that aborts leaves the residual as it was, and the retry, on the same or another view, sends
+the same contribution. On a view of one member nothing is quantized (no wire): the result is
+the input plus the residual, which is then zero.
+
+Cost and choice: each link carries ``(N-1)/2`` encoded shards in the reduce-scatter plus
+``(N-1)/N`` of the encoded buffer in the allgather, against ``2(N-1)/N`` float32 buffers for
+the plain ring: ``16/(N+2)`` times less (about 4x at N=2, 2.7x at N=4, 1.6x at N=8, break-even
+near N=14; the scales cost 1.6 % at the default block size). Direct connections from every
+member to every owner would move ``(N-1)/N`` encoded buffers per member in the reduce-scatter
+(4x at any N) but need N-1 connections per member, which the transport does not have yet; see
+``docs/DESIGN-NOTES.md``. Encoding, decoding and the owner's sums run inside the engine's loop
+(``Buffers.on_send``/``on_recv``), a shard at a time, while the kernel's socket buffers keep
+the wire busy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..compression import Int8Compression
+from ..compression.int8 import F32
+from ..errors import LocalUsageError
+from .engine import Buffers
+from .ops import FLOAT32_CONVERTIBLE, Staged, as_float32, store_float32
+from .schedule import OneShot, Schedule, one_shot, segment_bounds
+
+COMPRESSED_OPS = ("sum", "avg")
+"""Reductions a compressed allreduce supports: min and max of quantized values are not what
+the caller asked for."""
+
+
+def check_compressible(op: str, dtype: str) -> None:
+    """Refuse what the compressed allreduce cannot do, naming it."""
+    if op not in COMPRESSED_OPS:
+        raise LocalUsageError(
+            f"compressed allreduce supports op {' or '.join(COMPRESSED_OPS)}, not {op!r}"
+        )
+    if dtype not in FLOAT32_CONVERTIBLE:
+        raise LocalUsageError(
+            f"compressed allreduce takes {', '.join(FLOAT32_CONVERTIBLE)} data, not {dtype}"
+        )
+
+
+def shard_bounds(n: int, members: int, block_size: int) -> list[int]:
+    """Element offsets of the N shards: whole blocks split as ``np.array_split`` does."""
+    blocks = -(-n // block_size)
+    return [min(b * block_size, n) for b in segment_bounds(blocks, members)]
+
+
+def prepare(
+    comp: Int8Compression,
+    st: Staged,
+    op: str,
+    members: int,
+    rank: int,
+    *,
+    chunk_bytes: int,
+) -> tuple[Schedule, Buffers, Callable[[], None]]:
+    """This member's schedule, wire buffers (with the codec hooks) and ``finish`` (residual
+    update, copy-back) of a compressed allreduce of ``st``, in place."""
+    check_compressible(op, st.dtype)
+    n = int(st.flat.size)
+    xf = as_float32(st.flat, st.dtype)
+    residual = comp.residual(n)
+    new_residual = comp.next_residual(n)
+    if members == 1:
+        return Schedule(), Buffers(st.flat, st.flat), _single(comp, st, xf, residual)
+    run = _Run(comp, st, xf, residual, new_residual, op, members, rank, chunk_bytes)
+    bufs = Buffers(run.wire, run.wire, on_send=run.on_send, on_recv=run.on_recv)
+    return run.layout.sched, bufs, run.finish
+
+
+def _single(comp: Int8Compression, st: Staged, xf: F32, residual: F32 | None) -> Callable[[], None]:
+    def finish() -> None:
+        if residual is not None and residual.size:
+            np.add(xf, residual, out=xf)
+            store_float32(xf, st.flat, st.dtype)
+            comp.commit(np.zeros_like(residual))
+        if st.commit is not None:
+            st.commit()
+
+    return finish
+
+
+class _Run:
+    """One compressed allreduce on one member: the wire buffer and the engine hooks."""
+
+    def __init__(
+        self,
+        comp: Int8Compression,
+        st: Staged,
+        xf: F32,
+        residual: F32 | None,
+        new_residual: F32 | None,
+        op: str,
+        members: int,
+        rank: int,
+        chunk_bytes: int,
+    ) -> None:
+        self.comp, self.codec, self.st, self.xf = comp, comp.codec, st, xf
+        self.residual, self.new_residual = residual, new_residual
+        self.avg, self.members, self.rank = op == "avg", members, rank
+        self.bounds = shard_bounds(int(xf.size), members, self.codec.block_size)
+        sizes = [
+            self.codec.encoded_bytes(self.bounds[j + 1] - self.bounds[j]) for j in range(members)
+        ]
+        self.layout: OneShot = one_shot(sizes, rank, chunk_bytes=chunk_bytes)
+        self.wire = np.empty(self.layout.size, np.uint8)
+        self.encoded = 0  # outbox shards encoded so far
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        self.owned = np.empty(hi - lo, np.float32)  # the owner's float32 sum
+
+    def _contribution(self, j: int) -> F32:
+        """This member's float32 contribution to shard ``j``: its values plus its residual."""
+        lo, hi = self.bounds[j], self.bounds[j + 1]
+        if self.residual is None:
+            return self.xf[lo:hi]
+        return np.add(self.xf[lo:hi], self.residual[lo:hi])
+
+    def _residual_of(self, j: int) -> F32 | None:
+        if self.new_residual is None:
+            return None
+        return self.new_residual[self.bounds[j] : self.bounds[j + 1]]
+
+    def on_send(self, i: int) -> None:
+        upto = self.layout.encode_upto[i]
+        for j, start, stop in self.layout.outbox[self.encoded : upto]:
+            self.codec.encode_into(
+                self._contribution(j), self.wire[start:stop], self._residual_of(j)
+            )
+        self.encoded = max(self.encoded, upto)
+
+    def on_recv(self, i: int) -> None:
+        layout = self.layout
+        step = layout.owned_at[i]
+        if step >= 0:
+            if step == 0:
+                self.owned[...] = self._contribution(self.rank)
+            start, stop = layout.inbox[step]
+            self.codec.decode_into(self.wire[start:stop], self.owned, add=True)
+            if step == self.members - 2:  # every shard of ours is in: encode the sum once
+                r = self.rank
+                mine = self.wire[layout.final[r] : layout.final[r + 1]]
+                self.codec.encode_into(self.owned, mine, self._residual_of(r))
+                self._output(r)
+        shard = layout.final_at[i]
+        if shard >= 0:
+            self._output(shard)
+
+    def _output(self, j: int) -> None:
+        """Decode the owner's encoded sum of shard ``j`` into the result."""
+        lo, hi = self.bounds[j], self.bounds[j + 1]
+        out = self.xf[lo:hi]
+        self.codec.decode_into(self.wire[self.layout.final[j] : self.layout.final[j + 1]], out)
+        if self.avg:
+            np.divide(out, np.float32(self.members), out=out)
+        if self.xf is not self.st.flat:
+            store_float32(out, self.st.flat[lo:hi], self.st.dtype)
+
+    def finish(self) -> None:
+        self.comp.commit(self.new_residual)
+        if self.st.commit is not None:
+            self.st.commit()
