@@ -84,7 +84,7 @@ class Int8Codec:
     def encode_into(self, x: F32, out: U8, residual: F32 | None = None) -> None:
         """Encode the flat float32 run ``x`` into ``out`` (``encoded_bytes(x.size)`` bytes).
         With ``residual`` (float32, ``x.size``), also write ``x - decode(out)`` there, 0 for
-        the values of non-finite blocks (an error that could never be paid back)."""
+        the values of non-finite blocks (a NaN residual would poison every later round)."""
         n = int(x.size)
         if x.dtype != np.float32 or x.ndim != 1:
             raise LocalUsageError(f"encode wants a flat float32 array, got {x.dtype} {x.shape}")
@@ -129,8 +129,9 @@ class Int8Codec:
             with np.errstate(invalid="ignore", over="ignore"):
                 np.multiply(t, scale[:, None], out=t)
                 np.subtract(xb, t, out=rb)
-            if not ok.all():
-                rb[~ok] = 0.0
+            bad = ~np.isfinite(scale)
+            if bad.any():
+                rb[bad] = 0.0
 
     def encode(self, x: F32) -> U8:
         """``x`` encoded into a new byte array."""
