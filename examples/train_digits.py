@@ -111,6 +111,12 @@ def main() -> int:
         help="shard the optimizer state over the members (ZeRO-1) with --replicas copies",
     )
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--compression",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: gradients travel as blockwise int8 with error feedback (slow links)",
+    )
     p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -151,6 +157,7 @@ def main() -> int:
                 checkpoint_every=args.checkpoint_every,
                 shard_optimizer=args.shard_optimizer,
                 replicas=args.replicas,
+                compression=args.compression,
             )
             while trainer.committed < total:
                 try:

@@ -66,9 +66,7 @@ def bound(arrs: list[np.ndarray], comps: list[Int8Compression]) -> float:
     """Largest error a compressed sum may have: every member's quantization of its share
     (half a step of the largest value it sends) and the owner's of the sum."""
     n = len(arrs)
-    top = max(float(np.abs(a).max(initial=0)) for a in arrs) + max(
-        c.residual_norm() for c in comps
-    )
+    top = max(float(np.abs(a).max(initial=0)) for a in arrs) + max(c.residual_norm() for c in comps)
     return (n - 1) * top / 254 + n * top * 1.01 / 254 + 1e-6 * n * top
 
 
@@ -88,7 +86,9 @@ def test_every_member_gets_identical_bits_within_the_bound(
     n: int, size: int, block: int, chunk: int, op: str, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
-    arrs = [(rng.standard_normal(size) * rng.uniform(0.01, 100)).astype(np.float32) for _ in range(n)]
+    arrs = [
+        (rng.standard_normal(size) * rng.uniform(0.01, 100)).astype(np.float32) for _ in range(n)
+    ]
     exact = np.sum([a.astype(np.float64) for a in arrs], axis=0)
     comps = [Int8Compression(block) for _ in range(n)]
     limit = bound(arrs, comps)

@@ -5,7 +5,7 @@
 The compressed allreduce itself lives in ``ftmesh.collective.compressed``.
 """
 
-from .feedback import COMPRESSIONS, Int8Compression, as_compression
+from .feedback import COMPRESSIONS, Int8Compression, as_compression, per_stream
 from .int8 import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, Int8Codec
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "Int8Codec",
     "Int8Compression",
     "as_compression",
+    "per_stream",
 ]

@@ -114,3 +114,16 @@ def as_compression(spec: Any) -> Int8Compression | None:
     raise LocalUsageError(
         f"unknown compression {spec!r}; use None, one of {COMPRESSIONS} or an Int8Compression"
     )
+
+
+def per_stream(spec: Any, streams: int) -> list[Int8Compression | None]:
+    """One compression object per stream (e.g. per gradient bucket) for the setting ``spec``
+    (as ``as_compression`` takes it): each keeps its own residual. ``"int8"`` means error
+    feedback here, since the streams live as long as the caller; an ``Int8Compression`` lends
+    its block size and error-feedback setting (its own residual is not used)."""
+    comp = as_compression(spec)
+    if comp is None:
+        return [None] * streams
+    feedback = comp.error_feedback or not isinstance(spec, Int8Compression)
+    block = comp.codec.block_size
+    return [Int8Compression(block, error_feedback=feedback) for _ in range(streams)]

@@ -64,6 +64,7 @@ import numpy as np
 import torch
 
 from ..collective import InputMismatchError, RingView, ViewMismatchError
+from ..compression import per_stream
 from ..errors import (
     CollectiveError,
     ConfigError,
@@ -97,7 +98,7 @@ from ..training.shards import (
     round_id,
     settings_slots,
 )
-from .buckets import GradBuckets
+from .buckets import HEADER_SLOTS, GradBuckets
 from .sampler import ElasticSampler
 from .zero import ShardedOptimizer
 
@@ -165,6 +166,7 @@ class ElasticTrainer:
         on_world_change: Callable[[int, int], None] | None = None,
         shard_optimizer: bool = False,
         replicas: int = DEFAULT_REPLICAS,
+        compression: Any = None,
     ) -> None:
         self.mesh = mesh
         self.model = model
@@ -199,6 +201,9 @@ class ElasticTrainer:
         self.state = State(model=model, optimizer=optimizer, rng=False)
         params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
+        # compression="int8": gradients travel as int8, one error-feedback residual per bucket
+        comps = per_stream(compression, len(self._buckets.buffers))
+        self._compression = {id(b): c for b, c in zip(self._buckets.buffers, comps, strict=True)}
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
         self._checkpoint_state: dict[str, torch.Tensor] = {}
@@ -656,10 +661,17 @@ class ElasticTrainer:
         buckets = self._buckets  # start() zeroes the gradients
 
         def launch(buf: np.ndarray) -> Future[Any]:
-            return self.mesh.submit_on_view(view, "allreduce", buf, "sum")
+            return self.mesh.submit_on_view(
+                view, "allreduce", buf, "sum", self._compression[id(buf)]
+            )
 
         def run(buf: np.ndarray) -> object:
-            return self.mesh.allreduce_on(view, buf, "sum")
+            comp = self._compression[id(buf)]
+            if comp is None:
+                return self.mesh.allreduce_on(view, buf, "sum")
+            # The header slots (samples, loss, round check) must add up exactly: not compressed.
+            self.mesh.allreduce_on(view, buf[:-HEADER_SLOTS], "sum", comp)
+            return self.mesh.allreduce_on(view, buf[-HEADER_SLOTS:], "sum")
 
         buckets.start(launch, run)
         tag = round_tag(step)
