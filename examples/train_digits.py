@@ -112,6 +112,12 @@ def main() -> int:
     )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="add the test accuracy to the progress record every N steps (time-to-accuracy)",
+    )
+    p.add_argument(
         "--compression",
         choices=["none", "int8"],
         default="none",
@@ -182,6 +188,11 @@ def main() -> int:
                         "digest": trainer.digest() if report else None,
                         "shards": trainer.shard_digests() if report else None,
                         "fallbacks": trainer.fallbacks,
+                        **(
+                            {"accuracy": accuracy(model, x_test, y_test)}
+                            if args.eval_every and r.step % args.eval_every == 0
+                            else {}
+                        ),
                     }
                 )
                 if args.step_delay:

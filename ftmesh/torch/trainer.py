@@ -26,6 +26,11 @@ bitwise up to date and a death promotes one at the very next step with nothing t
 the cost of ring traffic for the spares). With ``spares="cold"`` members beyond ``N`` wait
 outside the ring and fetch the state when they step in.
 
+With ``compression="int8"`` the gradient buckets travel as blockwise int8 with error
+feedback (``ftmesh.collective.compressed``; one residual per bucket, kept across steps), and
+the three header slots of the last bucket go in a separate exact allreduce. Every member must
+use the same setting (another one fails the step's allreduce with ``InputMismatchError``).
+
 Gradients are averaged over samples, not members: each member contributes
 ``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
 which equals single-process training on the whole global batch.
