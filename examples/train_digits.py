@@ -149,6 +149,8 @@ def main() -> int:
             optimizer.zero_grad()
             loss_fn(sampler.global_indices(step)).backward()
             optimizer.step()
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                progress({"step": step + 1, "accuracy": accuracy(model, x_test, y_test)})
     else:
         with ftmesh.connect() as mesh:
             trainer = ElasticTrainer(

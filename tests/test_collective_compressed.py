@@ -4,7 +4,9 @@ the real thing on in-process rings of N = 1..5 over loopback sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,17 +23,25 @@ from ftmesh.compression import Int8Compression
 from ftmesh.errors import LocalUsageError
 
 
-def simulate(
-    arrs: list[np.ndarray], comps: list[Int8Compression], op: str = "sum", chunk: int = 64
-) -> None:
+@contextlib.contextmanager
+def pieces_of(elems: int) -> Iterator[None]:
+    """Cut shards into pieces of ``elems`` values (whole blocks) instead of 2**18, so that
+    small buffers travel as many pieces."""
+    saved = comp_mod.PIECE_ELEMS
+    comp_mod.PIECE_ELEMS = elems
+    try:
+        yield
+    finally:
+        comp_mod.PIECE_ELEMS = saved
+
+
+def simulate(arrs: list[np.ndarray], comps: list[Int8Compression], op: str = "sum") -> None:
     """Every member's compressed allreduce in memory, in place: bytes move between the
     members' wire buffers as the engine would move them (in order, honouring send_after)."""
     n = len(arrs)
     runs = []
     for r in range(n):
-        sched, bufs, finish = comp_mod.prepare(
-            comps[r], stage(arrs[r], writable=True), op, n, r, chunk_bytes=chunk
-        )
+        sched, bufs, finish = comp_mod.prepare(comps[r], stage(arrs[r], writable=True), op, n, r)
         runs.append((sched, bufs, finish))
     inflight: list[list[np.ndarray]] = [[] for _ in range(n)]
     sent, recvd = [0] * n, [0] * n
@@ -78,12 +88,12 @@ sizes = st.sampled_from([0, 1, 2, 3, 5, 7, 255, 256, 257, 511, 1000, 1031, 4099]
     n=st.integers(1, 5),
     size=sizes,
     block=st.sampled_from([1, 4, 256]),
-    chunk=st.sampled_from([13, 200, 1 << 20]),
+    piece=st.sampled_from([1, 300, 1 << 18]),
     op=st.sampled_from(["sum", "avg"]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_every_member_gets_identical_bits_within_the_bound(
-    n: int, size: int, block: int, chunk: int, op: str, seed: int
+    n: int, size: int, block: int, piece: int, op: str, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
     arrs = [
@@ -92,7 +102,8 @@ def test_every_member_gets_identical_bits_within_the_bound(
     exact = np.sum([a.astype(np.float64) for a in arrs], axis=0)
     comps = [Int8Compression(block) for _ in range(n)]
     limit = bound(arrs, comps)
-    simulate(arrs, comps, op, chunk)
+    with pieces_of(piece):
+        simulate(arrs, comps, op)
     for a in arrs[1:]:
         assert a.tobytes() == arrs[0].tobytes()
     got = arrs[0].astype(np.float64) * (n if op == "avg" else 1)
@@ -125,7 +136,8 @@ def test_error_feedback_bounds_the_accumulated_error_across_view_changes(
         arrs = [(rng.standard_normal(size) * scale).astype(np.float32) for _ in members]
         for a in arrs:
             total_in += a
-        simulate(arrs, [comps[m] for m in members], "sum", chunk=97)
+        with pieces_of(97):
+            simulate(arrs, [comps[m] for m in members], "sum")
         total_out += arrs[0]
     owed = np.zeros(size)
     for c in comps:
@@ -142,12 +154,10 @@ def test_refused_dtypes_and_ops_name_what_was_refused() -> None:
     comp = Int8Compression()
     for dtype in ("float64", "int32", "uint8"):
         with pytest.raises(LocalUsageError, match=dtype):
-            comp_mod.prepare(comp, stage(np.zeros(4, dtype), writable=True), "sum", 2, 0,
-                             chunk_bytes=4096)  # fmt: skip
+            comp_mod.prepare(comp, stage(np.zeros(4, dtype), writable=True), "sum", 2, 0)
     for op in ("min", "max"):
         with pytest.raises(LocalUsageError, match=op):
-            comp_mod.prepare(comp, stage(np.zeros(4, np.float32), writable=True), op, 2, 0,
-                             chunk_bytes=4096)  # fmt: skip
+            comp_mod.prepare(comp, stage(np.zeros(4, np.float32), writable=True), op, 2, 0)
 
 
 # -- on real sockets --------------------------------------------------------------------------
@@ -158,12 +168,13 @@ def _digest(a: Any) -> str:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
-async def test_compressed_allreduce_on_a_ring(n: int) -> None:
+async def test_compressed_allreduce_on_a_ring(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Awkward sizes and all three float dtypes: identical results on every member, within the
     bound, with the residuals carried from one call to the next."""
     torch = pytest.importorskip("torch")
+    monkeypatch.setattr(comp_mod, "PIECE_ELEMS", 4096)  # several pieces per shard
     async with ring_of(n) as (dps, view):
-        for size in (0, 1, n + 1, 257, 5003, 70_001):  # 70,001: many 4 KiB chunks
+        for size in (0, 1, n + 1, 257, 5003, 70_001):  # 70,001: many pieces
             comps = [Int8Compression() for _ in range(n)]
             rng = np.random.default_rng(size)
             for _ in range(2):  # the second round starts from the first one's residuals

@@ -65,10 +65,27 @@ def check_compressible(op: str, dtype: str) -> None:
         )
 
 
+PIECE_ELEMS = 1 << 18
+"""Elements per piece (rounded down to whole blocks): each shard travels as encoded runs of
+this many values, one frame each, so a member encodes, forwards, sums and decodes piece by
+piece while the rest is on the wire (262,144 values = 266 KB encoded at block size 256).
+Part of the protocol: members compare it in the collective's header."""
+
+
 def shard_bounds(n: int, members: int, block_size: int) -> list[int]:
     """Element offsets of the N shards: whole blocks split as ``np.array_split`` does."""
     blocks = -(-n // block_size)
     return [min(b * block_size, n) for b in segment_bounds(blocks, members)]
+
+
+def piece_elems(block_size: int) -> int:
+    """Elements of a piece (the last piece of a shard may be shorter)."""
+    return max(1, PIECE_ELEMS // block_size) * block_size
+
+
+def codec_header(comp: Int8Compression) -> str:
+    """What members compare before they exchange encoded pieces: codec and piece size."""
+    return f"{comp.name}:{piece_elems(comp.codec.block_size)}"
 
 
 def prepare(
@@ -77,8 +94,6 @@ def prepare(
     op: str,
     members: int,
     rank: int,
-    *,
-    chunk_bytes: int,
 ) -> tuple[Schedule, Buffers, Callable[[], None]]:
     """This member's schedule, wire buffers (with the codec hooks) and ``finish`` (residual
     update, copy-back) of a compressed allreduce of ``st``, in place."""
@@ -89,7 +104,7 @@ def prepare(
     new_residual = comp.next_residual(n)
     if members == 1:
         return Schedule(), Buffers(st.flat, st.flat), _single(comp, st, xf, residual)
-    run = _Run(comp, st, xf, residual, new_residual, op, members, rank, chunk_bytes)
+    run = _Run(comp, st, xf, residual, new_residual, op, members, rank)
     bufs = Buffers(run.wire, run.wire, on_send=run.on_send, on_recv=run.on_recv)
     return run.layout.sched, bufs, run.finish
 
@@ -119,63 +134,66 @@ class _Run:
         op: str,
         members: int,
         rank: int,
-        chunk_bytes: int,
     ) -> None:
         self.comp, self.codec, self.st, self.xf = comp, comp.codec, st, xf
         self.residual, self.new_residual = residual, new_residual
         self.avg, self.members, self.rank = op == "avg", members, rank
-        self.bounds = shard_bounds(int(xf.size), members, self.codec.block_size)
-        sizes = [
-            self.codec.encoded_bytes(self.bounds[j + 1] - self.bounds[j]) for j in range(members)
+        bounds = shard_bounds(int(xf.size), members, self.codec.block_size)
+        step = piece_elems(self.codec.block_size)
+        # pieces[j][p] = (lo, hi): elements of piece p of shard j
+        self.pieces = [
+            [(a, min(a + step, bounds[j + 1])) for a in range(bounds[j], bounds[j + 1], step)]
+            for j in range(members)
         ]
-        self.layout: OneShot = one_shot(sizes, rank, chunk_bytes=chunk_bytes)
+        sizes = [[self.codec.encoded_bytes(hi - lo) for lo, hi in ps] for ps in self.pieces]
+        self.layout: OneShot = one_shot(sizes, rank)
         self.wire = np.empty(self.layout.size, np.uint8)
-        self.encoded = 0  # outbox shards encoded so far
-        lo, hi = self.bounds[rank], self.bounds[rank + 1]
-        self.owned = np.empty(hi - lo, np.float32)  # the owner's float32 sum
+        self.base = bounds[rank]
+        self.owned = np.empty(bounds[rank + 1] - bounds[rank], np.float32)  # the owner's sums
 
-    def _contribution(self, j: int) -> F32:
-        """This member's float32 contribution to shard ``j``: its values plus its residual."""
-        lo, hi = self.bounds[j], self.bounds[j + 1]
+    def _contribution(self, lo: int, hi: int) -> F32:
+        """This member's float32 contribution to elements ``lo:hi``: values plus residual."""
         if self.residual is None:
             return self.xf[lo:hi]
         return np.add(self.xf[lo:hi], self.residual[lo:hi])
 
-    def _residual_of(self, j: int) -> F32 | None:
-        if self.new_residual is None:
-            return None
-        return self.new_residual[self.bounds[j] : self.bounds[j + 1]]
+    def _new_residual(self, lo: int, hi: int) -> F32 | None:
+        return None if self.new_residual is None else self.new_residual[lo:hi]
 
     def on_send(self, i: int) -> None:
-        upto = self.layout.encode_upto[i]
-        for j, start, stop in self.layout.outbox[self.encoded : upto]:
+        piece = self.layout.encode_at[i]
+        if piece is not None:  # a piece of ours for another owner: encode it now
+            lo, hi = self.pieces[piece[0]][piece[1]]
+            s = self.layout.sched.sends[i]
             self.codec.encode_into(
-                self._contribution(j), self.wire[start:stop], self._residual_of(j)
+                self._contribution(lo, hi), self.wire[s.start : s.stop], self._new_residual(lo, hi)
             )
-        self.encoded = max(self.encoded, upto)
 
     def on_recv(self, i: int) -> None:
         layout = self.layout
-        step = layout.owned_at[i]
-        if step >= 0:
+        own = layout.owned_at[i]
+        if own is not None:  # a member's piece of our shard: add it to our sum
+            step, p = own
+            lo, hi = self.pieces[self.rank][p]
+            acc = self.owned[lo - self.base : hi - self.base]
             if step == 0:
-                self.owned[...] = self._contribution(self.rank)
-            start, stop = layout.inbox[step]
-            self.codec.decode_into(self.wire[start:stop], self.owned, add=True)
-            if step == self.members - 2:  # every shard of ours is in: encode the sum once
-                r = self.rank
-                mine = self.wire[layout.final[r] : layout.final[r + 1]]
-                self.codec.encode_into(self.owned, mine, self._residual_of(r))
-                self._output(r)
-        shard = layout.final_at[i]
-        if shard >= 0:
-            self._output(shard)
+                acc[...] = self._contribution(lo, hi)
+            r = layout.sched.recvs[i]
+            self.codec.decode_into(self.wire[r.start : r.stop], acc, add=True)
+            if step == self.members - 2:  # every member's piece is in: encode the sum once
+                a, b = layout.final[self.rank][p]
+                self.codec.encode_into(acc, self.wire[a:b], self._new_residual(lo, hi))
+                self._output(self.rank, p)
+        fin = layout.final_at[i]
+        if fin is not None:
+            self._output(*fin)
 
-    def _output(self, j: int) -> None:
-        """Decode the owner's encoded sum of shard ``j`` into the result."""
-        lo, hi = self.bounds[j], self.bounds[j + 1]
+    def _output(self, j: int, p: int) -> None:
+        """Decode the owner's encoded sum of piece ``p`` of shard ``j`` into the result."""
+        lo, hi = self.pieces[j][p]
+        a, b = self.layout.final[j][p]
         out = self.xf[lo:hi]
-        self.codec.decode_into(self.wire[self.layout.final[j] : self.layout.final[j + 1]], out)
+        self.codec.decode_into(self.wire[a:b], out)
         if self.avg:
             np.divide(out, np.float32(self.members), out=out)
         if self.xf is not self.st.flat:

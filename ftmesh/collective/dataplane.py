@@ -230,21 +230,15 @@ class DataPlane:
         )
 
     def _plan_compressed(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
-        sched, bufs, done = compressed.prepare(
-            comp,
-            st,
-            op,
-            view.size,
-            view.rank_of(self.node_id),
-            chunk_bytes=self.config.chunk_bytes,
-        )
+        rank = view.rank_of(self.node_id)
+        sched, bufs, done = compressed.prepare(comp, st, op, view.size, rank)
 
         def finish() -> T:
             done()
             return x
 
         plan = Plan(view, "allreduce", op, st.dtype, st.shape, None, sched, bufs, finish)
-        plan.codec = comp.name
+        plan.codec = compressed.codec_header(comp)
         return plan
 
     def plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:

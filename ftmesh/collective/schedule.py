@@ -127,121 +127,100 @@ def chain(
     return sched
 
 
+Piece = tuple[int, int]
+"""``(shard, piece)``: a piece of a shard of the one-shot allreduce (see ``one_shot``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class OneShot:
     """A member's schedule of the one-shot compressed allreduce (``one_shot``), in byte offsets
-    of one wire buffer, and where its regions lie."""
+    of one wire buffer, and what each send and receive carries. Every send and receive is one
+    piece (an encoded run), so the codec hooks act piece by piece."""
 
     sched: Schedule
     size: int
     """Bytes of the wire buffer."""
-    outbox: list[tuple[int, int, int]]
-    """``(shard, start, stop)`` of this member's encoded shards, in the order they leave."""
-    encode_upto: list[int]
-    """Per send: how many ``outbox`` shards must be encoded before it goes."""
-    inbox: list[tuple[int, int]]
-    """Per reduce-scatter step: the byte range of this member's own shard in the bundle it
-    receives then (a shard of the member ``step + 1`` places to the left)."""
-    owned_at: list[int]
-    """Per receive: the reduce-scatter step whose own shard it completes, else -1."""
-    final: list[int]
-    """Byte offsets of the owners' encoded sums, shard ``j`` at ``final[j]:final[j + 1]``."""
-    final_at: list[int]
-    """Per receive: the shard whose encoded sum it completes, else -1."""
+    encode_at: list[Piece | None]
+    """Per send: the piece of this member's contribution to encode into its bytes first."""
+    owned_at: list[tuple[int, int] | None]
+    """Per receive: ``(step, piece)`` when it is a piece of this member's own shard, received
+    at reduce-scatter ``step`` (from the member ``step + 1`` places to the left)."""
+    final_at: list[Piece | None]
+    """Per receive: the piece of an owner's encoded sum it brings (allgather)."""
+    final: list[list[tuple[int, int]]]
+    """``final[j][p]``: byte range of piece ``p`` of the encoded sum of shard ``j``."""
 
 
-def one_shot(sizes: list[int], rank: int, *, chunk_bytes: int) -> OneShot:
-    """The one-shot reduce-scatter + allgather over a ring, for shards of ``sizes[j]`` encoded
-    bytes owned by member ``j`` (see ``ftmesh.collective.compressed``).
+def one_shot(pieces: list[list[int]], rank: int) -> OneShot:
+    """The one-shot reduce-scatter + allgather over a ring (``ftmesh.collective.compressed``).
+    ``pieces[j][p]``: encoded bytes of piece ``p`` of shard ``j``, which member ``j`` owns.
 
     Reduce-scatter: at step 0 member ``r`` sends its encoded shards for ``r+1, r+2, ..., r-1``
-    (one bundle, in that order); at step ``t`` it receives the bundle of member ``r-1-t``, whose
-    first shard is its own, and at step ``t+1`` forwards the rest unchanged. After N-1 steps
-    every owner holds every member's shard of its own, each having crossed the ring once.
-    Allgather: the ring steps ``N-1..2N-3`` over the owners' encoded sums, forwarded unchanged.
-    Every region is cut into chunks of at most ``chunk_bytes`` (at least one chunk, possibly
-    empty) by its length only, so a sender and its receiver cut alike."""
-    n = len(sizes)
+    (one bundle, in that order); at step ``t`` it receives the bundle of member ``r-1-t``,
+    whose first shard is its own, and at step ``t+1`` forwards the rest unchanged, each piece
+    as soon as it has arrived. After N-1 steps every owner holds every member's shard of its
+    own, each having crossed the ring once. Allgather: the ring steps over the owners' encoded
+    sums, forwarded unchanged; an owner sends a piece of its sum once the last bundle's piece
+    of it is in. One send or receive per piece, so sender and receiver cut alike."""
+    n = len(pieces)
     sched = Schedule()
-    nothing = OneShot(sched, 0, [], [], [], [], [0] * (n + 1), [])
     if n <= 1:
-        return nothing
+        return OneShot(sched, 0, [], [], [], [[] for _ in range(n)])
     off = 0
 
-    def region(length: int) -> int:
+    def lay(shard: int) -> list[tuple[int, int]]:
+        """Room for one shard's pieces at the end of the buffer."""
         nonlocal off
-        start, off = off, off + length
-        return start
+        out = []
+        for nbytes in pieces[shard]:
+            out.append((off, off + nbytes))
+            off += nbytes
+        return out
 
-    outbox: list[tuple[int, int, int]] = []
-    for k in range(1, n):
-        d = (rank + k) % n
-        s = region(sizes[d])
-        outbox.append((d, s, s + sizes[d]))
-    bundles = []  # per step t: (start, own_stop, stop) of the received bundle
-    for t in range(n - 1):
-        dests = [(rank + k) % n for k in range(n - 1 - t)]
-        length = sum(sizes[d] for d in dests)
-        s = region(length)
-        bundles.append((s, s + sizes[rank], s + length))
-    final = []
-    for j in range(n):
-        final.append(region(sizes[j]))
-    final.append(off)
+    outbox = [(d, lay(d)) for d in ((rank + k) % n for k in range(1, n))]
+    bundles = [
+        [(d, lay(d)) for d in ((rank + k) % n for k in range(n - 1 - t))] for t in range(n - 1)
+    ]
+    final = [lay(j) for j in range(n)]
 
-    def cut(start: int, stop: int) -> list[tuple[int, int]]:
-        length = stop - start
-        k = max(1, -(-length // chunk_bytes))
-        return [(start + length * c // k, start + length * (c + 1) // k) for c in range(k)]
+    owned_at: list[tuple[int, int] | None] = []
+    final_at: list[Piece | None] = []
+    recv_index: dict[tuple[int, int, int], int] = {}  # (step, shard, piece) -> receive
 
-    # receives: the bundles, then the owners' sums in allgather order
-    owned_at: list[int] = []
-    final_at: list[int] = []
+    def receive(key: tuple[int, int, int], a: int, b: int) -> None:
+        step, shard, p = key
+        recv_index[key] = len(sched.recvs)
+        sched.recvs.append(Recv(a, b, reduce=False))
+        owned_at.append((step, p) if step < n - 1 and shard == rank else None)
+        final_at.append((shard, p) if step == n - 1 else None)
 
-    def receive(start: int, stop: int, own_stop: int, step: int, shard: int) -> list[int]:
-        """Receive region ``start:stop`` in chunks; returns their indices."""
-        pieces = cut(start, stop)
-        idx = []
-        for c, (a, b) in enumerate(pieces):
-            idx.append(len(sched.recvs))
-            sched.recvs.append(Recv(a, b, reduce=False))
-            # the first chunk reaching own_stop completes this member's shard of a bundle
-            first_done = b >= own_stop and (c == 0 or pieces[c - 1][1] < own_stop)
-            owned_at.append(step if step >= 0 and first_done else -1)
-            final_at.append(shard if c == len(pieces) - 1 else -1)
-        return idx
-
-    bundle_recvs = [receive(s, e, own, t, -1) for t, (s, own, e) in enumerate(bundles)]
-    rs_recvs = len(sched.recvs)
-    final_recvs: dict[int, list[int]] = {}
-    for k in range(n - 1):
+    for t, bundle in enumerate(bundles):
+        for d, ranges in bundle:
+            for p, (a, b) in enumerate(ranges):
+                receive((t, d, p), a, b)
+    for k in range(n - 1):  # (step n - 1 stands for the whole allgather)
         j = (rank - k - 1) % n
-        final_recvs[j] = receive(final[j], final[j + 1], final[j], -1, j)
+        for p, (a, b) in enumerate(final[j]):
+            receive((n - 1, j, p), a, b)
 
-    def after(idx: list[int], b: int) -> int:
-        """Receives to complete before sending bytes up to ``b`` of the region received in
-        chunks ``idx`` (at least its first chunk)."""
-        need = [i for i in idx if sched.recvs[i].start < b]
-        return (need[-1] if need else idx[0]) + 1
+    encode_at: list[Piece | None] = []
 
-    encode_upto: list[int] = []
-    box_start, box_stop = outbox[0][1], outbox[-1][2]
-    for _a, b in cut(box_start, box_stop):
-        sched.sends.append(Send(_a, b, from_input=False))
-        sched.send_after.append(0)
-        last = b >= box_stop
-        encode_upto.append(len(outbox) if last else sum(1 for _, s0, _ in outbox if s0 < b))
+    def send(a: int, b: int, after: int, enc: Piece | None) -> None:
+        sched.sends.append(Send(a, b, from_input=False))
+        sched.send_after.append(after)
+        encode_at.append(enc)
+
+    for d, ranges in outbox:
+        for p, (a, b) in enumerate(ranges):
+            send(a, b, 0, (d, p))
     for t in range(n - 2):  # forward what is not ours of the bundle received at step t
-        _s, own, e = bundles[t]
-        for a, b in cut(own, e):
-            sched.sends.append(Send(a, b, from_input=False))
-            sched.send_after.append(after(bundle_recvs[t], b))
-            encode_upto.append(len(outbox))
+        for d, ranges in bundles[t][1:]:
+            for p, (a, b) in enumerate(ranges):
+                send(a, b, recv_index[(t, d, p)] + 1, None)
     for k in range(n - 1):  # allgather: our sum first, then what arrived one step before
         j = (rank - k) % n
-        for a, b in cut(final[j], final[j + 1]):
-            sched.sends.append(Send(a, b, from_input=False))
-            sched.send_after.append(rs_recvs if k == 0 else after(final_recvs[j], b))
-            encode_upto.append(len(outbox))
-    inbox = [(s, own) for s, own, _ in bundles]
-    return OneShot(sched, off, outbox, encode_upto, inbox, owned_at, final, final_at)
+        for p, (a, b) in enumerate(final[j]):
+            # our sum's piece p is complete with the last bundle's piece p (received last)
+            need = recv_index[(n - 2, rank, p)] if k == 0 else recv_index[(n - 1, j, p)]
+            send(a, b, need + 1, None)
+    return OneShot(sched, off, encode_at, owned_at, final_at, final)
