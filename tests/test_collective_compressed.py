@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_collective_inproc import on_all, ring_of
 
-from ftmesh.collective import InputMismatchError
+from ftmesh.collective import InputMismatchError, Peer, RingPeerLostError, RingView
 from ftmesh.collective import compressed as comp_mod
 from ftmesh.collective.ops import stage
 from ftmesh.compression import Int8Compression
@@ -221,3 +221,46 @@ async def test_members_must_agree_on_compression_and_a_failed_round_keeps_the_re
         assert all(not isinstance(r, Exception) for r in res), res
         with trio.fail_after(5), pytest.raises(LocalUsageError, match="int64"):
             await dps[0].allreduce(view, np.zeros(3, np.int64), "sum", "int8")
+
+
+async def test_a_round_aborted_by_a_loss_keeps_residuals_and_the_retry_succeeds() -> None:
+    """m2 agrees on the view and then never takes part (a SIGSTOPped peer); the survivors'
+    compressed round is aborted (``abort_view``), raises ``RingPeerLostError`` and leaves their
+    residuals as they were; the retry on the view without m2 gives identical bits."""
+    async with ring_of(4) as (dps, view):
+        comps = [Int8Compression() for _ in range(4)]
+        size = 20_000
+        warm = [np.random.default_rng(i).uniform(-1, 1, size).astype(np.float32) for i in range(4)]
+        res = await on_all(dps, lambda i, dp: dp.allreduce(view, warm[i], "sum", comps[i]))
+        assert all(not isinstance(r, Exception) for r in res), res
+        before = [c.residual(size).copy() for c in comps]  # type: ignore[union-attr]
+        survivors = [0, 1, 3]
+        xs = {i: np.full(size, 0.1 * (i + 1), np.float32) for i in survivors}
+        out: dict[int, Any] = {}
+
+        async def member(i: int) -> None:
+            try:
+                out[i] = await dps[i].allreduce(view, xs[i], "sum", comps[i])
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dps[2].open_ring, view)  # agrees, then never takes part
+                for i in survivors:
+                    nursery.start_soon(member, i)
+                await trio.sleep(0.5)  # let them block on the stalled member
+                for i in survivors:
+                    dps[i].abort_view(view.epoch, "m2", "declared dead by the test")
+        for i in survivors:
+            assert isinstance(out[i], RingPeerLostError), (i, out[i])
+            np.testing.assert_array_equal(comps[i].residual(size), before[i])
+        smaller = RingView.of(Peer(dps[i].node_id, *dps[i].address) for i in survivors)
+        want = sum(float(xs[i][0]) + before[i].astype(np.float64) for i in survivors)
+        res = await on_all(
+            [dps[i] for i in survivors],
+            lambda k, dp: dp.allreduce(smaller, xs[survivors[k]], "sum", comps[survivors[k]]),
+        )
+        assert all(not isinstance(r, Exception) for r in res), res
+        assert len({xs[i].tobytes() for i in survivors}) == 1
+        assert np.abs(xs[0] - want).max() <= 3 * 1.05 / 127
