@@ -6,7 +6,9 @@ hop of a ring reduce-scatter compounds N-1 quantization errors; so no partial su
 re-quantized:
 
 1. The buffer (as float32, plus this member's error-feedback residual) is cut into N shards
-   on block boundaries; shard ``j`` belongs to the member of rank ``j``.
+   on block boundaries; shard ``j`` belongs to the member of rank ``j``. An exact tail
+   (``Int8Compression(exact_tail=k)``: the last k elements, e.g. counters) joins the last
+   shard as float32, added like an uncompressed allreduce does.
 2. Reduce-scatter: each member encodes its N-1 shards of the others (int8 + one float32 scale
    per block, ``ftmesh.compression.int8``) and sends them round the ring as one bundle; each
    member keeps the first shard of the bundle it receives (its own) and forwards the rest
@@ -25,9 +27,10 @@ the same contribution. On a view of one member nothing is quantized (no wire): t
 the input plus the residual, which is then zero.
 
 Cost and choice: each link carries ``N(N-1)/2`` encoded shards (``(N-1)/2`` encoded buffers)
-in the reduce-scatter plus ``(N-1)/N`` of the encoded buffer in the allgather, against ``2(N-1)/N`` float32 buffers for
-the plain ring: ``16/(N+2)`` times less (about 4x at N=2, 2.7x at N=4, 1.6x at N=8, break-even
-near N=14; the scales cost 1.6 % at the default block size). Direct connections from every
+in the reduce-scatter plus ``(N-1)/N`` of the encoded buffer in the allgather, against
+``2(N-1)/N`` float32 buffers for the plain ring: ``16/(N+2)`` times less (about 4x at N=2,
+2.7x at N=4, 1.6x at N=8, break-even near N=14; the scales cost 1.6 % at the default block
+size). Direct connections from every
 member to every owner would move ``(N-1)/N`` encoded buffers per member in the reduce-scatter
 (4x at any N) but need N-1 connections per member, which the transport does not have yet; see
 ``docs/DESIGN-NOTES.md``. Shards travel in pieces (``PIECE_ELEMS`` values, whole blocks, one
@@ -44,7 +47,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..compression import Int8Compression
-from ..compression.int8 import F32
+from ..compression.int8 import F32, U8
 from ..errors import LocalUsageError
 from .engine import Buffers
 from .ops import FLOAT32_CONVERTIBLE, Staged, as_float32, store_float32
@@ -86,8 +89,9 @@ def piece_elems(block_size: int) -> int:
 
 
 def codec_header(comp: Int8Compression) -> str:
-    """What members compare before they exchange encoded pieces: codec and piece size."""
-    return f"{comp.name}:{piece_elems(comp.codec.block_size)}"
+    """What members compare before they exchange encoded pieces: codec, piece size, tail."""
+    pe = piece_elems(comp.codec.block_size)
+    return f"{comp.name} pieces={pe} exact_tail={comp.exact_tail}"
 
 
 def prepare(
@@ -101,6 +105,8 @@ def prepare(
     update, copy-back) of a compressed allreduce of ``st``, in place."""
     check_compressible(op, st.dtype)
     n = int(st.flat.size)
+    if comp.exact_tail > n:
+        raise LocalUsageError(f"exact_tail={comp.exact_tail} is longer than the {n} elements")
     xf = as_float32(st.flat, st.dtype)
     residual = comp.residual(n)
     new_residual = comp.next_residual(n)
@@ -140,18 +146,47 @@ class _Run:
         self.comp, self.codec, self.st, self.xf = comp, comp.codec, st, xf
         self.residual, self.new_residual = residual, new_residual
         self.avg, self.members, self.rank = op == "avg", members, rank
-        bounds = shard_bounds(int(xf.size), members, self.codec.block_size)
+        n = int(xf.size)
+        quantized = n - comp.exact_tail
+        bounds = shard_bounds(quantized, members, self.codec.block_size)
         step = piece_elems(self.codec.block_size)
-        # pieces[j][p] = (lo, hi): elements of piece p of shard j
+        # pieces[j][p] = (lo, hi): elements of piece p of shard j; the exact tail is the
+        # last shard's last piece ("raw": float32 bytes, added without quantization)
         self.pieces = [
             [(a, min(a + step, bounds[j + 1])) for a in range(bounds[j], bounds[j + 1], step)]
             for j in range(members)
         ]
-        sizes = [[self.codec.encoded_bytes(hi - lo) for lo, hi in ps] for ps in self.pieces]
+        if quantized < n:
+            self.pieces[-1].append((quantized, n))
+        self.quantized = quantized
+        sizes = [[self._bytes(lo, hi) for lo, hi in ps] for ps in self.pieces]
         self.layout: OneShot = one_shot(sizes, rank)
         self.wire = np.empty(self.layout.size, np.uint8)
         self.base = bounds[rank]
-        self.owned = np.empty(bounds[rank + 1] - bounds[rank], np.float32)  # the owner's sums
+        end = n if rank == members - 1 else bounds[rank + 1]
+        self.owned = np.empty(end - self.base, np.float32)  # the owner's sums
+
+    def _bytes(self, lo: int, hi: int) -> int:
+        return 4 * (hi - lo) if lo >= self.quantized else self.codec.encoded_bytes(hi - lo)
+
+    def _encode(self, values: F32, lo: int, hi: int, dst: U8) -> None:
+        """Encode ``values`` (elements ``lo:hi``) into ``dst``; the error goes to the new
+        residual (the exact tail has none)."""
+        res = None if self.new_residual is None else self.new_residual[lo:hi]
+        if lo >= self.quantized:
+            dst.view("<f4")[...] = values
+            if res is not None:
+                res[...] = 0.0
+        else:
+            self.codec.encode_into(values, dst, res)
+
+    def _decode(self, src: U8, lo: int, out: F32, *, add: bool = False) -> None:
+        if lo < self.quantized:
+            self.codec.decode_into(src, out, add=add)
+        elif add:
+            out += src.view("<f4")
+        else:
+            out[...] = src.view("<f4")
 
     def _contribution(self, lo: int, hi: int) -> F32:
         """This member's float32 contribution to elements ``lo:hi``: values plus residual."""
@@ -159,17 +194,12 @@ class _Run:
             return self.xf[lo:hi]
         return np.add(self.xf[lo:hi], self.residual[lo:hi])
 
-    def _new_residual(self, lo: int, hi: int) -> F32 | None:
-        return None if self.new_residual is None else self.new_residual[lo:hi]
-
     def on_send(self, i: int) -> None:
         piece = self.layout.encode_at[i]
         if piece is not None:  # a piece of ours for another owner: encode it now
             lo, hi = self.pieces[piece[0]][piece[1]]
             s = self.layout.sched.sends[i]
-            self.codec.encode_into(
-                self._contribution(lo, hi), self.wire[s.start : s.stop], self._new_residual(lo, hi)
-            )
+            self._encode(self._contribution(lo, hi), lo, hi, self.wire[s.start : s.stop])
 
     def on_recv(self, i: int) -> None:
         layout = self.layout
@@ -181,10 +211,10 @@ class _Run:
             if step == 0:
                 acc[...] = self._contribution(lo, hi)
             r = layout.sched.recvs[i]
-            self.codec.decode_into(self.wire[r.start : r.stop], acc, add=True)
+            self._decode(self.wire[r.start : r.stop], lo, acc, add=True)
             if step == self.members - 2:  # every member's piece is in: encode the sum once
                 a, b = layout.final[self.rank][p]
-                self.codec.encode_into(acc, self.wire[a:b], self._new_residual(lo, hi))
+                self._encode(acc, lo, hi, self.wire[a:b])
                 self._output(self.rank, p)
         fin = layout.final_at[i]
         if fin is not None:
@@ -195,7 +225,7 @@ class _Run:
         lo, hi = self.pieces[j][p]
         a, b = self.layout.final[j][p]
         out = self.xf[lo:hi]
-        self.codec.decode_into(self.wire[a:b], out)
+        self._decode(self.wire[a:b], lo, out)
         if self.avg:
             np.divide(out, np.float32(self.members), out=out)
         if self.xf is not self.st.flat:

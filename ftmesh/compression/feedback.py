@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LocalUsageError
+from ..errors import ConfigError, LocalUsageError
 from .int8 import DEFAULT_BLOCK_SIZE, F32, Int8Codec
 
 COMPRESSIONS = ("int8",)
@@ -42,13 +42,23 @@ class Int8Compression:
     ``block_size``: elements per float32 scale (``ftmesh.compression.int8``).
     ``error_feedback``: keep each member's quantization error and add it to its next
     contribution (default); without it every round's error is simply lost.
+    ``exact_tail``: the last this many elements are not quantized but added in float32, like
+    an uncompressed allreduce (counters riding along with gradients: the trainer's sample
+    count, loss and round check).
     """
 
     def __init__(
-        self, block_size: int = DEFAULT_BLOCK_SIZE, *, error_feedback: bool = True
+        self,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        error_feedback: bool = True,
+        exact_tail: int = 0,
     ) -> None:
         self.codec = Int8Codec(block_size)
         self.error_feedback = error_feedback
+        if isinstance(exact_tail, bool) or not isinstance(exact_tail, int) or exact_tail < 0:
+            raise ConfigError(f"exact_tail must be an int >= 0, got {exact_tail!r}")
+        self.exact_tail = exact_tail
         self._residual: F32 | None = None
         self._spare: F32 | None = None
 
@@ -98,7 +108,10 @@ class Int8Compression:
         return float(np.max(np.abs(self._residual)))
 
     def __repr__(self) -> str:
-        return f"Int8Compression(block_size={self.codec.block_size}, ef={self.error_feedback})"
+        return (
+            f"Int8Compression(block_size={self.codec.block_size}, "
+            f"error_feedback={self.error_feedback}, exact_tail={self.exact_tail})"
+        )
 
 
 def as_compression(spec: Any) -> Int8Compression | None:
@@ -116,14 +129,15 @@ def as_compression(spec: Any) -> Int8Compression | None:
     )
 
 
-def per_stream(spec: Any, streams: int) -> list[Int8Compression | None]:
+def per_stream(spec: Any, exact_tails: list[int]) -> list[Int8Compression | None]:
     """One compression object per stream (e.g. per gradient bucket) for the setting ``spec``
-    (as ``as_compression`` takes it): each keeps its own residual. ``"int8"`` means error
-    feedback here, since the streams live as long as the caller; an ``Int8Compression`` lends
-    its block size and error-feedback setting (its own residual is not used)."""
+    (as ``as_compression`` takes it), stream ``i`` with ``exact_tails[i]`` exact elements at
+    its end: each keeps its own residual. ``"int8"`` means error feedback here, since the
+    streams live as long as the caller; an ``Int8Compression`` lends its block size and
+    error-feedback setting (its own residual is not used)."""
     comp = as_compression(spec)
     if comp is None:
-        return [None] * streams
+        return [None] * len(exact_tails)
     feedback = comp.error_feedback or not isinstance(spec, Int8Compression)
     block = comp.codec.block_size
-    return [Int8Compression(block, error_feedback=feedback) for _ in range(streams)]
+    return [Int8Compression(block, error_feedback=feedback, exact_tail=t) for t in exact_tails]

@@ -27,9 +27,10 @@ the cost of ring traffic for the spares). With ``spares="cold"`` members beyond 
 outside the ring and fetch the state when they step in.
 
 With ``compression="int8"`` the gradient buckets travel as blockwise int8 with error
-feedback (``ftmesh.collective.compressed``; one residual per bucket, kept across steps), and
-the three header slots of the last bucket go in a separate exact allreduce. Every member must
-use the same setting (another one fails the step's allreduce with ``InputMismatchError``).
+feedback (``ftmesh.collective.compressed``; one residual per bucket, kept across steps); the
+three header slots of the last bucket are its exact tail (added in float32, unquantized).
+Every member must use the same setting (another one fails the step's allreduce with
+``InputMismatchError``).
 
 Gradients are averaged over samples, not members: each member contributes
 ``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
@@ -207,7 +208,8 @@ class ElasticTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
         # compression="int8": gradients travel as int8, one error-feedback residual per bucket
-        comps = per_stream(compression, len(self._buckets.buffers))
+        tails = [0] * (len(self._buckets.buffers) - 1) + [HEADER_SLOTS]  # counters: exact
+        comps = per_stream(compression, tails)
         self._compression = {id(b): c for b, c in zip(self._buckets.buffers, comps, strict=True)}
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
@@ -671,12 +673,7 @@ class ElasticTrainer:
             )
 
         def run(buf: np.ndarray) -> object:
-            comp = self._compression[id(buf)]
-            if comp is None:
-                return self.mesh.allreduce_on(view, buf, "sum")
-            # The header slots (samples, loss, round check) must add up exactly: not compressed.
-            self.mesh.allreduce_on(view, buf[:-HEADER_SLOTS], "sum", comp)
-            return self.mesh.allreduce_on(view, buf[-HEADER_SLOTS:], "sum")
+            return self.mesh.allreduce_on(view, buf, "sum", self._compression[id(buf)])
 
         buckets.start(launch, run)
         tag = round_tag(step)
