@@ -108,6 +108,7 @@ def prepare(
     if comp.exact_tail > n:
         raise LocalUsageError(f"exact_tail={comp.exact_tail} is longer than the {n} elements")
     xf = as_float32(st.flat, st.dtype)
+    comp.begin()
     residual = comp.residual(n)
     new_residual = comp.next_residual(n)
     if members == 1:
@@ -123,6 +124,8 @@ def _single(comp: Int8Compression, st: Staged, xf: F32, residual: F32 | None) ->
             np.add(xf, residual, out=xf)
             store_float32(xf, st.flat, st.dtype)
             comp.commit(np.zeros_like(residual))
+        else:
+            comp.commit(None)
         if st.commit is not None:
             st.commit()
 
@@ -161,10 +164,11 @@ class _Run:
         self.quantized = quantized
         sizes = [[self._bytes(lo, hi) for lo, hi in ps] for ps in self.pieces]
         self.layout: OneShot = one_shot(sizes, rank)
-        self.wire = np.empty(self.layout.size, np.uint8)
+        self.wire = comp.workspace("wire", self.layout.size, np.uint8)
         self.base = bounds[rank]
         end = n if rank == members - 1 else bounds[rank + 1]
-        self.owned = np.empty(end - self.base, np.float32)  # the owner's sums
+        self.owned = comp.workspace("owned", end - self.base, np.float32)  # the owner's sums
+        self.scratch: F32 = comp.workspace("piece", max(step, comp.exact_tail), np.float32)
 
     def _bytes(self, lo: int, hi: int) -> int:
         return 4 * (hi - lo) if lo >= self.quantized else self.codec.encoded_bytes(hi - lo)
@@ -192,7 +196,7 @@ class _Run:
         """This member's float32 contribution to elements ``lo:hi``: values plus residual."""
         if self.residual is None:
             return self.xf[lo:hi]
-        return np.add(self.xf[lo:hi], self.residual[lo:hi])
+        return np.add(self.xf[lo:hi], self.residual[lo:hi], out=self.scratch[: hi - lo])
 
     def on_send(self, i: int) -> None:
         piece = self.layout.encode_at[i]

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ConfigError, LocalUsageError
 from .int8 import DEFAULT_BLOCK_SIZE, F32, Int8Codec
@@ -61,6 +62,8 @@ class Int8Compression:
         self.exact_tail = exact_tail
         self._residual: F32 | None = None
         self._spare: F32 | None = None
+        self._work: dict[str, npt.NDArray[Any]] = {}
+        self._busy = False
 
     @property
     def name(self) -> str:
@@ -92,14 +95,34 @@ class Int8Compression:
         return self._spare
 
     def commit(self, new: F32 | None) -> None:
-        """The collective completed: ``new`` (from ``next_residual``) is the residual now."""
+        """The collective completed: ``new`` (from ``next_residual``) is the residual now, and
+        the workspaces are free again."""
+        self._busy = False
         if new is None or not self.error_feedback:
             return
         self._spare, self._residual = self._residual, new
 
+    def begin(self) -> None:
+        """A collective starts using this object's workspaces (and the buffer of the next
+        residual). If the last one never finished (aborted: its engine thread may still be
+        winding down), they are dropped rather than shared with it."""
+        if self._busy:
+            self._work.clear()
+            self._spare = None
+        self._busy = True
+
+    def workspace(self, key: str, n: int, dtype: Any) -> npt.NDArray[Any]:
+        """A scratch array of ``n`` elements kept for the next call with the same ``n``: a
+        fresh buffer costs a page fault per page (slow on some VMs), every call."""
+        buf = self._work.get(key)
+        if buf is None or buf.size != n or buf.dtype != dtype:
+            buf = self._work[key] = np.empty(n, dtype)
+        return buf
+
     def reset(self) -> None:
         """Forget the residual (e.g. after loading a checkpoint)."""
         self._residual = self._spare = None
+        self._work.clear()
 
     def residual_norm(self) -> float:
         """Largest absolute residual held (0 without one): what error feedback still owes."""
