@@ -8,11 +8,13 @@ every host runs the example as the README shows for a LAN, ``ftmesh worker --sta
 examples/train_digits.py ...`` with mDNS on the host's address, a mesh name of its own and
 ``--compression MODE --eval-every K --step-delay 0``. The bench reads host 0's progress records
 as they arrive: the clock starts at its first committed step (so process start-up and mesh
-formation don't count) and stops at the first record whose test accuracy reaches
-``--target``. We report, per mode, the median time-to-accuracy, ms per step and the final
-accuracy, and ``speedup`` = uncompressed time-to-accuracy / compressed (> 1: compression
-gets there sooner).
-"""
+formation don't count) and stops at the first record where the mean test accuracy of the
+last ``SMOOTH`` evaluations reaches ``--target``. We report, per mode, the median
+time-to-accuracy, ms per step, the final accuracy and the accuracy curve, and ``speedup`` =
+uncompressed time-to-accuracy / compressed (> 1: compression gets there sooner), and
+``step_speedup``, the same for ms per step. Each worker computes on a core it shares with the
+others (N hosts on this machine's cores), so a loaded machine inflates the compute part of
+a step for both modes and shrinks both ratios."""
 
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("none", "int8")
+SMOOTH = 3
+"""Evaluations averaged before comparing with the target: test accuracy of this small model
+moves by +-0.01 from one evaluation to the next, so the first single evaluation above a
+target near the plateau is mostly luck."""
 RUN_TIMEOUT = 900.0
 """Seconds one training run may take before the bench gives up on it."""
 
@@ -81,9 +87,13 @@ def _run(lan: Any, mode: str, tag: str, args: argparse.Namespace, script: Path) 
     if not steps:
         raise SystemExit(f"the {mode} run reported no step")
     t0, first = steps[0]
-    reached = next(
-        (t - t0 for t, r in steps if float(r.get("accuracy", -1.0)) >= args.target), None
-    )
+    evals = [(t - t0, int(r["step"]), float(r["accuracy"])) for t, r in steps if "accuracy" in r]
+    reached = None
+    for k in range(len(evals)):  # the mean of the last SMOOTH evaluations reaches the target
+        window = [a for _, _, a in evals[max(0, k - SMOOTH + 1) : k + 1]]
+        if len(window) == SMOOTH and sum(window) / SMOOTH >= args.target:
+            reached = evals[k][0]
+            break
     t_end, last = steps[-1]
     per_step = (t_end - t0) / max(int(last["step"]) - int(first["step"]), 1)
     return {
@@ -92,6 +102,7 @@ def _run(lan: Any, mode: str, tag: str, args: argparse.Namespace, script: Path) 
         "steps": int(last["step"]),
         "final_accuracy": float(final[-1]) if final else None,
         "retries": sum(int(r.get("attempts", 1)) - 1 for _, r in steps),
+        "curve": [[step, round(t, 3), acc] for t, step, acc in evals],
     }
 
 
