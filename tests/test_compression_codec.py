@@ -155,3 +155,22 @@ def test_error_feedback_keeps_the_accumulated_error_bounded(
     slack = 1e-6 * steps * (np.abs(total_in).max() + 10)
     np.testing.assert_allclose(err, -last, rtol=0, atol=slack)
     assert comp.residual_norm() == float(np.max(np.abs(last)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=any_f32, block=st.sampled_from([1, 3, 16, 256]))
+def test_the_cuda_kernels_reference_is_this_codec(x: np.ndarray, block: int) -> None:
+    """``ftmesh.native.reference`` (what #14's CUDA kernels are checked against, bit for bit)
+    gives the same scales, values and residuals as this codec (NaN bits aside)."""
+    from ftmesh.native import reference
+
+    codec = Int8Codec(block)
+    buf = np.empty(codec.encoded_bytes(x.size), np.uint8)
+    res = np.empty_like(x)
+    codec.encode_into(x, buf, res)
+    ref_res = np.zeros_like(x)
+    with np.errstate(over="ignore"):  # decoding within 127 ulps of float32's max overflows
+        scales, q = reference.int8_quantize(x, ref_res, block)
+    np.testing.assert_array_equal(codec.block_scales(buf, x.size), scales)
+    np.testing.assert_array_equal(buf[4 * codec.blocks(x.size) :].view(np.int8), q)
+    np.testing.assert_array_equal(res, ref_res)
