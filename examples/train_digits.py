@@ -117,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard the optimizer state over the members (ZeRO-1) with --replicas copies",
     )
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="add the test accuracy to the progress record every N steps (time-to-accuracy)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: gradients travel as blockwise int8 with error feedback (slow links)",
+    )
     p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -153,6 +165,8 @@ def main() -> int:
             optimizer.zero_grad()
             loss_fn(sampler.global_indices(step)).backward()
             optimizer.step()
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                progress({"step": step + 1, "accuracy": accuracy(model, x_test, y_test)})
     else:
         with ftmesh.connect() as mesh:
             trainer = ElasticTrainer(
@@ -167,6 +181,7 @@ def main() -> int:
                 checkpoint_every=args.checkpoint_every,
                 shard_optimizer=args.shard_optimizer,
                 replicas=args.replicas,
+                compression=args.compression,
             )
             if trainer.committed >= total:  # resumed from the checkpoint of the last step
                 print(f"training finished at step {trainer.committed} (checkpoint in "
@@ -198,6 +213,11 @@ def main() -> int:
                         "digest": trainer.digest() if report else None,
                         "shards": trainer.shard_digests() if report else None,
                         "fallbacks": trainer.fallbacks,
+                        **(
+                            {"accuracy": accuracy(model, x_test, y_test)}
+                            if args.eval_every and r.step % args.eval_every == 0
+                            else {}
+                        ),
                     }
                 )
                 if args.step_delay:

@@ -157,21 +157,28 @@ class SyncMesh:
         return self._jobs.submit(self.call, fn, *args)
 
     def submit_on_view(
-        self, view: RingView, kind: str, x: T, op: str = "sum"
+        self, view: RingView, kind: str, x: T, op: str = "sum", compression: Any = None
     ) -> Future[CollectiveResult[T]]:
         """``Mesh.on_view`` without waiting (in order with ``submit``): e.g. a gradient
         bucket's allreduce launched during backward."""
         self.mesh  # noqa: B018 - raises if closed
-        return self._jobs.submit(self._on_view, view, kind, x, op, "", None)
+        return self._jobs.submit(self._on_view, view, kind, x, op, "", None, compression)
 
     def _on_view(
-        self, view: RingView, kind: str, x: T, op: str, root: str, io_timeout: float | None
+        self,
+        view: RingView,
+        kind: str,
+        x: T,
+        op: str,
+        root: str,
+        io_timeout: float | None,
+        compression: Any = None,
     ) -> CollectiveResult[T]:
         mesh = self.mesh
         ring = mesh.ring_in_use(view)
         if ring is None:  # a new view (or a broken ring): trio opens it
-            return self.call(mesh.on_view, view, kind, x, op, root, io_timeout)
-        plan = mesh.data_plane.plan_on(view, kind, x, op, root, io_timeout)
+            return self.call(mesh.on_view, view, kind, x, op, root, io_timeout, compression)
+        plan = mesh.data_plane.plan_on(view, kind, x, op, root, io_timeout, compression)
         try:
             return mesh.data_plane.run_plan_blocking(ring, plan)
         except RingPeerLostError as exc:
@@ -223,8 +230,10 @@ class SyncMesh:
     def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
         self.call(self.mesh.wait_quiet, settle, timeout)
 
-    def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self._jobs.run(self.call, self.mesh.allreduce, x, op)
+    def allreduce(self, x: T, op: str = "sum", compression: Any = None) -> CollectiveResult[T]:
+        """See :meth:`Mesh.allreduce`; ``compression``: ``"int8"`` or an ``Int8Compression``
+        (``DataPlane.allreduce``)."""
+        return self._jobs.run(self.call, self.mesh.allreduce, x, op, compression)
 
     def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
         return self._jobs.run(self.call, self.mesh.reduce_scatter, x, op)
@@ -238,10 +247,12 @@ class SyncMesh:
     def barrier(self) -> CollectiveResult[None]:
         return self._jobs.run(self.call, self.mesh.barrier)
 
-    def allreduce_on(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
+    def allreduce_on(
+        self, view: RingView, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
         """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`. Runs in this thread, after
         the collectives submitted before it."""
-        return self._jobs.run(self._on_view, view, "allreduce", x, op, "", None)
+        return self._jobs.run(self._on_view, view, "allreduce", x, op, "", None, compression)
 
     def broadcast_on(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
         """Broadcast from ``root`` on exactly ``view``; see :meth:`allreduce_on`."""

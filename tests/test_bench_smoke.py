@@ -1,11 +1,14 @@
-"""Smoke runs of ``ftmesh bench recovery``, ``train`` and ``allreduce --encrypt``: tiny
-configurations, real processes on loopback; they check the JSON shape and that the values are
-sane, never speed."""
+"""Smoke runs of ``ftmesh bench recovery``, ``train``, ``allreduce --encrypt`` and
+``--compression int8`` (also in the lab): tiny configurations, real processes on loopback or
+in network namespaces; they check the JSON shape and that the values are sane, never speed.
+(``ftmesh bench convergence`` trains twice in a lab: too slow for CI, run by hand.)"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -142,3 +145,64 @@ def test_allreduce_bench_encrypt_smoke() -> None:
     busbw = {k: v["median"] for k, v in cell["busbw"].items()}
     assert set(busbw) == {"ftmesh", "ftmesh_enc"} and all(map(_positive, busbw.values()))
     assert cell["encrypted_vs_plain"] == pytest.approx(busbw["ftmesh_enc"] / busbw["ftmesh"])
+
+
+def test_allreduce_bench_compression_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.allreduce",
+        "--procs",
+        "3",
+        "--sizes",
+        "256K",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--impls",
+        "ftmesh",
+        "--compression",
+        "int8",
+        "--check",
+        timeout=240,
+    )
+    assert r["compression"] == "int8" and r["lab"] is False
+    (cell,) = r["cells"]
+    assert cell["check"] == {"ftmesh": True, "ftmesh_int8": True}
+    busbw = {k: v["median"] for k, v in cell["busbw"].items()}
+    assert set(busbw) == {"ftmesh", "ftmesh_int8"} and all(map(_positive, busbw.values()))
+    assert cell["vs_uncompressed"] == pytest.approx(busbw["ftmesh_int8"] / busbw["ftmesh"])
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="needs root to create network namespaces (and iproute2's tc); CI runs as root",
+)
+
+
+@pytest.mark.netns
+@needs_root
+def test_allreduce_bench_lab_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.allreduce",
+        "--lab",
+        "--link-rate",
+        "1gbit",
+        "--procs",
+        "2",
+        "--sizes",
+        "256K",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--impls",
+        "ftmesh,ceiling",
+        "--compression",
+        "int8",
+        "--check",
+        timeout=240,
+    )
+    assert r["lab"] is True and r["link_rate"] == "1gbit"
+    (cell,) = r["cells"]
+    assert cell["check"] == {"ftmesh": True, "ftmesh_int8": True, "ceiling": True}
+    assert _positive(cell["vs_uncompressed"]) and _positive(cell["vs_ceiling"])

@@ -334,7 +334,10 @@ class FakeMesh:
                 for m, role in self.hub.roles.items()
             ]
 
-    def allreduce_on(self, view: RingView, x: np.ndarray, op: str = "sum") -> Any:
+    def allreduce_on(
+        self, view: RingView, x: np.ndarray, op: str = "sum", compression: Any = None
+    ) -> Any:
+        assert compression is None, "the fake mesh does not compress"
         x[...] = self.hub.collective(self.node_id, view, "allreduce", x, op)
         return SimpleNamespace(output=x)
 
@@ -344,7 +347,10 @@ class FakeMesh:
     def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
         self.hub.collective(self.node_id, view, "allgather", np.zeros(1), "")
 
-    def submit_on_view(self, view: RingView, kind: str, buf: np.ndarray, op: str) -> Future[Any]:
+    def submit_on_view(
+        self, view: RingView, kind: str, buf: np.ndarray, op: str, compression: Any = None
+    ) -> Future[Any]:
+        assert compression is None, "the fake mesh does not compress"
         fut: Future[Any] = Future()
         try:
             buf[...] = self.hub.collective(self.node_id, view, kind, buf, op)

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--json", action="store_true")
     # Listed for --help only; run() hands these to their own parsers.
     bench_sub.add_parser("allreduce", help="CPU ring allreduce vs gloo and a raw TCP ring")
+    bench_sub.add_parser(
+        "convergence", help="time-to-accuracy on slow lab links, with and without int8"
+    )
     bench_sub.add_parser("recovery", help="kill/SIGSTOP -> next committed step, vs torchrun")
     bench_sub.add_parser("train", help="step time of the gradient sync vs DDP on gloo")
     kill = bench_sub.add_parser("kill", help="real processes: kill -9 to the last dead event")
@@ -178,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DELEGATED_BENCHES = ("allreduce", "recovery", "train")
+DELEGATED_BENCHES = ("allreduce", "convergence", "recovery", "train")
 """Benchmarks with their own argument parsers: ``ftmesh bench NAME ...`` runs
 ``ftmesh.bench.NAME.main(...)`` with the rest of the command line."""
 

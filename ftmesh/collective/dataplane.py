@@ -23,10 +23,11 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import trio
 
+from ..compression import as_compression
 from ..errors import LocalUsageError
 from ..security import MeshAuth
 from ..stats import CollectiveStatistics
-from . import schedule
+from . import compressed, schedule
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline, abort_error
 from .errors import RingPeerLostError
@@ -149,9 +150,16 @@ class DataPlane:
         return dict(self._transport.dropped)
 
     # -- public collectives -----------------------------------------------------------------
-    async def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size."""
-        return await self.run_plan(self.plan_allreduce(view, x, op))
+    async def allreduce(
+        self, view: RingView, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
+        """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size.
+
+        ``compression``: None (default), ``"int8"`` or an ``ftmesh.compression.Int8Compression``
+        (which keeps the error-feedback residual from one call to the next): ``x`` travels as
+        blockwise int8 (``ftmesh.collective.compressed``), for float16, bfloat16 and float32
+        with ``sum`` or ``avg``; every member must pass the same setting."""
+        return await self.run_plan(self.plan_allreduce(view, x, op, compression))
 
     async def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         """Reduce ``x`` over all members and return this member's block of the flattened
@@ -185,12 +193,15 @@ class DataPlane:
         op: str = "sum",
         root: str = "",
         io_timeout: float | None = None,
+        compression: Any = None,
     ) -> Plan[Any]:
-        """The plan of collective ``kind``: ``allreduce`` (``op``), ``allgather``,
-        ``broadcast`` (from ``root``) or ``barrier`` (``x`` unused; ``io_timeout``: see
-        ``barrier``)."""
+        """The plan of collective ``kind``: ``allreduce`` (``op``, ``compression``),
+        ``allgather``, ``broadcast`` (from ``root``) or ``barrier`` (``x`` unused;
+        ``io_timeout``: see ``barrier``)."""
         if kind == "allreduce":
-            return self.plan_allreduce(view, x, op)
+            return self.plan_allreduce(view, x, op, compression)
+        if compression is not None:
+            raise LocalUsageError(f"compression applies to allreduce, not {kind}")
         if kind == "allgather":
             return self.plan_allgather(view, x)
         if kind == "broadcast":
@@ -201,8 +212,11 @@ class DataPlane:
             return plan
         raise LocalUsageError(f"unknown collective {kind!r}")
 
-    def plan_allreduce(self, view: RingView, x: T, op: str) -> Plan[T]:
+    def plan_allreduce(self, view: RingView, x: T, op: str, compression: Any = None) -> Plan[T]:
+        comp = as_compression(compression)
         st = stage(x, writable=True)
+        if comp is not None:
+            return self._plan_compressed(view, x, op, st, comp)
         red, scale = self._reducers(op, st.dtype, view.size)
         sched = self._ring_schedule(view, st, first=0, last=2 * view.size - 3)
 
@@ -224,6 +238,18 @@ class DataPlane:
             Buffers(st.flat, st.flat, red, scale),
             finish,
         )
+
+    def _plan_compressed(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
+        rank = view.rank_of(self.node_id)
+        sched, bufs, done = compressed.prepare(comp, st, op, view.size, rank)
+
+        def finish() -> T:
+            done()
+            return x
+
+        plan = Plan(view, "allreduce", op, st.dtype, st.shape, None, sched, bufs, finish)
+        plan.codec = compressed.codec_header(comp)
+        return plan
 
     def plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:
         st = stage(x, writable=False)
@@ -416,6 +442,8 @@ class DataPlane:
             "root": plan.root,
             "frames": len(plan.sched.sends),
         }
+        if plan.codec is not None:
+            header["codec"] = plan.codec
         return Pipeline(
             self.node_id,
             ring,
@@ -483,6 +511,8 @@ class Plan(Generic[T]):
     finish: Callable[[], T]
     io_timeout: float | None = None
     """Raises the config's ``io_timeout`` for this collective (never lowers it)."""
+    codec: str | None = None
+    """The compression the data travels in (``int8/256``), compared with the neighbours'."""
 
     @property
     def nbytes(self) -> int:

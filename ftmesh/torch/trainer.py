@@ -33,6 +33,12 @@ the others go on with the next step on the view without it, no sync, no retry. A
 that is outside the ring, waiting, or whose announcing step failed leaves at once. A hot
 spare computes the leaver's share from the next step; a cold spare takes its slot.
 
+With ``compression="int8"`` the gradient buckets travel as blockwise int8 with error
+feedback (``ftmesh.collective.compressed``; one residual per bucket, kept across steps); the
+header slots of the last bucket (counters, leave bits) are its exact tail (added in float32,
+unquantized). Every member must use the same setting (another one fails the step's allreduce with
+``InputMismatchError``).
+
 Gradients are averaged over samples, not members: each member contributes
 ``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
 which equals single-process training on the whole global batch.
@@ -71,6 +77,7 @@ import numpy as np
 import torch
 
 from ..collective import InputMismatchError, RingView, ViewMismatchError
+from ..compression import per_stream
 from ..errors import (
     CollectiveError,
     ConfigError,
@@ -109,7 +116,7 @@ from ..training.shards import (
     settings_slots,
 )
 from ..training.start import StartConfig
-from .buckets import GradBuckets
+from .buckets import HEADER_SLOTS, GradBuckets
 from .sampler import ElasticSampler
 from .zero import ShardedOptimizer
 
@@ -189,6 +196,7 @@ class ElasticTrainer:
         on_world_change: Callable[[int, int], None] | None = None,
         shard_optimizer: bool = False,
         replicas: int = DEFAULT_REPLICAS,
+        compression: Any = None,
     ) -> None:
         self.mesh = mesh
         self.model = model
@@ -229,6 +237,10 @@ class ElasticTrainer:
         self.state = State(model=model, optimizer=optimizer, rng=False)
         params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
+        # compression="int8": gradients travel as int8, one error-feedback residual per bucket
+        tails = [0] * (len(self._buckets.buffers) - 1) + [HEADER_SLOTS]  # counters: exact
+        comps = per_stream(compression, tails)
+        self._compression = {id(b): c for b, c in zip(self._buckets.buffers, comps, strict=True)}
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
         self._checkpoint_state: dict[str, torch.Tensor] = {}
@@ -715,10 +727,12 @@ class ElasticTrainer:
         buckets = self._buckets  # start() zeroes the gradients
 
         def launch(buf: np.ndarray) -> Future[Any]:
-            return self.mesh.submit_on_view(view, "allreduce", buf, "sum")
+            return self.mesh.submit_on_view(
+                view, "allreduce", buf, "sum", self._compression[id(buf)]
+            )
 
         def run(buf: np.ndarray) -> object:
-            return self.mesh.allreduce_on(view, buf, "sum")
+            return self.mesh.allreduce_on(view, buf, "sum", self._compression[id(buf)])
 
         buckets.start(launch, run)
         tag = round_tag(step)
