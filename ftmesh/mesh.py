@@ -252,9 +252,12 @@ class Mesh:
         """Return after the next membership event (the view may or may not have changed)."""
         await self._view_changed.wait()
 
-    async def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        """Reduce ``x`` in place over the view; ``avg`` divides by the members that ran."""
-        return await self._run(lambda v: self.data_plane.allreduce(v, x, op))
+    async def allreduce(
+        self, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
+        """Reduce ``x`` in place over the view; ``avg`` divides by the members that ran.
+        ``compression``: see ``DataPlane.allreduce`` (``"int8"``, an ``Int8Compression``)."""
+        return await self._run(lambda v: self.data_plane.allreduce(v, x, op, compression))
 
     async def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
         return await self._run(lambda v: self.data_plane.reduce_scatter(v, x, op))
@@ -276,13 +279,15 @@ class Mesh:
         op: str = "sum",
         root: str = "",
         io_timeout: float | None = None,
+        compression: Any = None,
     ) -> CollectiveResult[T]:
         """Run one collective on exactly ``view`` (no retry on another view): the building block
         of protocols that must know which view a round ran on (``ftmesh.training``).
-        ``kind`` is ``allreduce``, ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused;
-        ``io_timeout``: see ``DataPlane.barrier``). A lost peer is reported to membership."""
+        ``kind`` is ``allreduce`` (``compression``: see ``DataPlane.allreduce``),
+        ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused; ``io_timeout``: see
+        ``DataPlane.barrier``). A lost peer is reported to membership."""
         self._in_use(view)
-        plan = self.data_plane.plan_on(view, kind, x, op, root, io_timeout)
+        plan = self.data_plane.plan_on(view, kind, x, op, root, io_timeout, compression)
         try:
             done: CollectiveResult[T] = await self.data_plane.run_plan(plan)
         except RingPeerLostError as exc:
@@ -485,6 +490,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             trio.open_nursery() as nursery,
         ):
             mesh = Mesh(config, node, dp, nursery, events)
+            node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)
             try:

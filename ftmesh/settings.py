@@ -80,6 +80,9 @@ ENV = {
     "start_peers": "FTMESH_START_PEERS",
     "start_timeout": "FTMESH_START_TIMEOUT",
     "join_running": "FTMESH_JOIN_RUNNING",
+    "metrics_port": "FTMESH_METRICS_PORT",
+    "log_level": "FTMESH_LOG_LEVEL",
+    "log_format": "FTMESH_LOG_FORMAT",
 }
 """The environment variable of every setting. Lists (``join``, ``meta``) are comma-separated;
 booleans are ``1/true/yes/on`` or ``0/false/no/off``."""
@@ -163,6 +166,13 @@ class Settings:
     join_running: bool | None = None
     """Only join a mesh that is training; never start one (``ftmesh launch`` sets it for the
     workers it adds to a running mesh)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at ``http://BIND:PORT/metrics`` (0: any free port); unset:
+    off (``ftmesh.metrics``)."""
+    log_level: str | None = None
+    """Level of ftmesh's own log on stderr: debug, info, warning (default), error."""
+    log_format: str | None = None
+    """``text`` (default) or ``json``, one object per line (``ftmesh.logs``)."""
 
     # ------------------------------------------------------------------ layers
 
@@ -181,7 +191,7 @@ class Settings:
                 values[name] = parse_meta([m for m in raw.split(",") if m], name)
             elif name in ("encrypt", "join_running"):
                 values[name] = _parse_bool(name, raw)
-            elif name in ("port", "start_peers"):
+            elif name in ("port", "start_peers", "metrics_port"):
                 values[name] = _parse_number(name, raw, int)
             elif name == "start_timeout":
                 values[name] = _parse_number(name, raw, float)
@@ -280,6 +290,10 @@ class Settings:
         port = 0 if self.port is None else self.port
         if not 0 <= port < 65536:
             raise ConfigError(f"{label('port')} must be within 0..65535, got {port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(
+                f"{label('metrics_port')} must be within 0..65535, got {self.metrics_port}"
+            )
         kind = self.discovery_kind(default_discovery)
         join = self.seeds()
         auth = self.auth()
@@ -301,7 +315,19 @@ class Settings:
             auth=auth,
             meta=meta,
             registry_dir=self.registry_dir or "",
+            metrics_port=self.metrics_port,
         )
+
+    def configure_logging(self, default_level: str | int = "warning") -> None:
+        """Set up ftmesh's log (``ftmesh.logs``) as these settings say."""
+        from .logs import configure
+
+        level = default_level if self.log_level is None else self.log_level
+        try:
+            configure(level, "text" if self.log_format is None else self.log_format)
+        except ConfigError as exc:
+            name = "log_format" if "format" in str(exc) else "log_level"
+            raise ConfigError(f"{label(name)}: {exc}") from None
 
     def mesh_config(self, role: str = "train", default_discovery: str = "local") -> MeshConfig:
         """The member's mesh config (its node config, and ``role``)."""

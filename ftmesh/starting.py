@@ -8,7 +8,8 @@ to report, raises :class:`~ftmesh.errors.MeshNotFormedError` when the gate gives
 :class:`~ftmesh.errors.TrainingFinishedError` when there is nothing left to join. Once the
 start peers are ready it enters the ring (role ``train``) and waits, at most until the gate's
 deadline, for the view that holds them all (those still ``starting`` may not have seen the
-count reached yet).
+count reached yet). A member asked to leave (``SyncMesh.leave_requested``) stops waiting at
+once; the caller departs.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def wait_to_start(mesh: SyncMesh, config: StartConfig, deadline: float = float("
     end = min(gate.deadline, deadline)
     mesh.set_role("joining" if config.join_running else "starting")
     while True:
+        if mesh.leave_requested():
+            return
         status = gate.observe(time.monotonic(), peers_of(mesh.members()))
         decision = status.decision
         if decision is Decision.GIVE_UP:

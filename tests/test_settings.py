@@ -217,17 +217,15 @@ def test_an_error_that_ends_the_mesh_reaches_the_caller(tmp_path: Path) -> None:
 def test_the_k8s_worker_command_passes_every_flag_on() -> None:
     """The manifest's worker command: every flag reaches the script's ``connect()``
     (``--port 7946`` was once parsed and dropped, and every pod trained alone)."""
-    import shlex
-
     import yaml
+
+    from ftmesh.lab.pods import expand_vars
 
     docs = yaml.safe_load_all((ROOT / "examples" / "k8s" / "ftmesh-train.yaml").read_text())
     sts = next(d for d in docs if d["kind"] == "StatefulSet")
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    script = (
-        container["command"][-1].replace("$(POD_NAMESPACE)", "ml").replace('"$POD_IP"', "10.4.0.7")
-    )
-    argv = shlex.split(script.replace("exec ", "", 1))[1:]
+    pod = {"POD_NAMESPACE": "ml", "POD_IP": "10.4.0.7"}
+    argv = [expand_vars(a, pod) for a in [*container["command"], *container["args"]]][1:]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     given = worker_settings(build_parser().parse_args(argv), env)
     handed = Settings.from_env(given.to_env())
@@ -239,7 +237,7 @@ def test_the_k8s_worker_command_passes_every_flag_on() -> None:
         "digits",
     )
     assert handed.join == ("ftmesh.ml.svc.cluster.local:7946",)
-    assert handed.secret_file == "/etc/ftmesh/secret" and handed.start_peers == 4
+    assert handed.secret_file == "/var/run/secrets/ftmesh/secret" and handed.start_peers == 4
 
 
 def test_gpus_and_slots(tmp_path: Path) -> None:

@@ -212,6 +212,11 @@ class Launcher:
         if self.args.no_live or not self.out.isatty():
             print(line, file=self.out, flush=True)
 
+    def _metrics_port(self, index: int) -> int | None:
+        """Worker ``index`` serves metrics on ``--metrics-port`` + ``index`` (0: any port)."""
+        base = self.settings.metrics_port
+        return base + index if base else base
+
     def start_worker(self, *, joiner: bool) -> Worker:
         index = len(self.workers)
         name = f"w{index}"
@@ -219,6 +224,7 @@ class Launcher:
         settings = self.settings.replace(
             name=name,
             port=None if self.base_port is None else self.base_port + index,
+            metrics_port=self._metrics_port(index),
             join_running=joiner or None,
             start_peers=1 if joiner else None,
         )

@@ -12,13 +12,14 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 import traceback
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from ..errors import FtmeshError, LocalUsageError
+from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..membership.config import PRESETS
 from ..settings import DISCOVERY_KINDS, Settings, parse_meta
 from ..sync import root_cause
@@ -81,13 +82,30 @@ _FLAGS: dict[str, dict[str, Any]] = {
         "metavar": "S",
         "help": "seconds to wait for the start peers (default: 60)",
     },
+    "metrics_port": {
+        "type": int,
+        "metavar": "PORT",
+        "help": "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port; "
+        "needs ftmesh[metrics]; launch: worker k gets PORT+k); default: off",
+    },
+    "log_level": {
+        "choices": LOG_LEVELS,
+        "help": "level of ftmesh's log on stderr (default: warning; -v info, -vv debug)",
+    },
+    "log_format": {
+        "choices": LOG_FORMATS,
+        "help": "log as text (default), or json: one object per line, for log collectors",
+    },
 }
 """The flag of every user setting (``ftmesh.settings.Settings``); ``%s`` in a help text is
 filled with the command's default."""
 
-MESH_FLAGS = ("mesh", "discovery", "join", "interface", "secret_file", "encrypt", "registry_dir")
+MESH_FLAGS = (
+    "mesh", "discovery", "join", "interface", "secret_file", "encrypt", "registry_dir",
+    "log_level", "log_format",
+)  # fmt: skip
 """What every command that talks to a mesh takes."""
-MEMBER_FLAGS = (*MESH_FLAGS, "bind", "advertise", "port", "preset")
+MEMBER_FLAGS = (*MESH_FLAGS, "bind", "advertise", "port", "preset", "metrics_port")
 """What a member of a mesh takes besides."""
 
 
@@ -150,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--json", action="store_true")
     # Listed for --help only; run() hands these to their own parsers.
     bench_sub.add_parser("allreduce", help="CPU ring allreduce vs gloo and a raw TCP ring")
+    bench_sub.add_parser(
+        "convergence", help="time-to-accuracy on slow lab links, with and without int8"
+    )
     bench_sub.add_parser("recovery", help="kill/SIGSTOP -> next committed step, vs torchrun")
     bench_sub.add_parser("train", help="step time of the gradient sync vs DDP on gloo")
     kill = bench_sub.add_parser("kill", help="real processes: kill -9 to the last dead event")
@@ -160,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DELEGATED_BENCHES = ("allreduce", "recovery", "train")
+DELEGATED_BENCHES = ("allreduce", "convergence", "recovery", "train")
 """Benchmarks with their own argument parsers: ``ftmesh bench NAME ...`` runs
 ``ftmesh.bench.NAME.main(...)`` with the rest of the command line."""
 
@@ -172,13 +193,14 @@ def run(argv: list[str] | None = None) -> int:
 
         return int(importlib.import_module(f"ftmesh.bench.{argv[1]}").main(argv[2:]))
     args = build_parser().parse_args(argv)
-    if args.command != "worker":  # a worker's script sets up its own logging
-        logging.basicConfig(
-            level=logging.WARNING - 10 * min(args.verbose, 2),
-            format="%(asctime)s %(name)s %(levelname)s %(message)s",
-            stream=sys.stderr,
-        )
     try:
+        if args.command != "worker":  # a worker's script logs through its connect()
+            verbose = ("info", "debug")[min(args.verbose, 2) - 1] if args.verbose else None
+            logged = Settings.from_env(os.environ).replace(
+                log_level=getattr(args, "log_level", None) or verbose,
+                log_format=getattr(args, "log_format", None),
+            )
+            logged.configure_logging()
         if args.command == "node":
             from .node_cmd import run_node
 

@@ -56,7 +56,10 @@ async def _print_events(node: Node, fmt: str) -> None:
 async def _amain(config: NodeConfig, fmt: str) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_node(config) as node, trio.open_nursery() as nursery:
-            _emit(fmt, event_record("self", node.me()))
+            me = event_record("self", node.me())
+            if node.metrics_address is not None:
+                me["metrics"] = "{}:{}".format(*node.metrics_address)
+            _emit(fmt, me)
             nursery.start_soon(_print_events, node, fmt)
             async for _ in signals:
                 break

@@ -29,9 +29,10 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
@@ -158,6 +159,9 @@ class NodeConfig:
     meta: Meta = field(default_factory=dict)
     registry_dir: str = ""
     """For ``local``: where same-host members register; default per ``ftmesh.discovery``."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (``/metrics``, ``ftmesh.metrics``) on ``bind`` at this TCP
+    port (0: any free one); ``None``: off, at no cost."""
 
     def __post_init__(self) -> None:
         if not self.mesh or len(self.mesh) > MAX_MESH_NAME:
@@ -166,6 +170,8 @@ class NodeConfig:
             raise ConfigError(f"unknown discovery {self.discovery!r}: local, seeds, mdns, none")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics port out of range: {self.metrics_port}")
         for j in self.join:
             parse_hostport(j)
 
@@ -195,6 +201,12 @@ class Node:
         self._jitter = random.Random(os.urandom(8))
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
+        self._traffic = [0, 0, 0, 0]  # gossip datagrams and bytes sent, then received
+        self.metrics_address: tuple[str, int] | None = None
+        """Where ``/metrics`` is served (``NodeConfig.metrics_port``), once it is."""
+        self.statistics_sources: dict[str, Callable[[], object]] = {}
+        """Snapshots of the components running beside this node (``"collectives"``,
+        ``"trainer"``), read by the metrics exporter (``ftmesh.metrics``) at scrape time."""
         self._last_incarnation = swim.incarnation
         self._started = 0.0
         per_source = max(RATE_PER_SOURCE, 20 / config.membership.gossip_interval)
@@ -292,8 +304,12 @@ class Node:
         self._join_outcome[dest] = why
 
     def statistics(self) -> dict[str, int]:
-        """Drop counters of this driver and the protocol machine's counters."""
-        return {**self._swim.counters, **self.counters}
+        """Drop counters of this driver and the protocol machine's counters, and gossip
+        traffic (``tx_packets``, ``tx_bytes``, ``rx_packets``, ``rx_bytes``: UDP datagrams
+        sent, and received before any check)."""
+        names = ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes")
+        traffic = dict(zip(names, self._traffic, strict=True))
+        return {**self._swim.counters, **self.counters, **traffic}
 
     # ------------------------------------------------------------------ effects
 
@@ -308,6 +324,8 @@ class Node:
                 data = self._codec.seal(eff.msgs, self._wall(), self._nonce_rng.randbytes(8))
                 try:
                     self._sock.sendto(data, eff.dest)
+                    self._traffic[0] += 1
+                    self._traffic[1] += len(data)
                 except (BlockingIOError, InterruptedError):
                     self._count("tx_dropped_full")
                 except OSError as exc:
@@ -351,6 +369,8 @@ class Node:
                 self._count("rx_errors")
                 self._log_limited("rx_err", "recvfrom failed: %s", exc)
                 continue
+            self._traffic[2] += 1
+            self._traffic[3] += len(data)
             # Same-host members share 127.0.0.1: tell them apart by port there.
             key = src if src[0].startswith("127.") else src[0]
             if not self._limiter.allow(key, trio.current_time()):
@@ -603,12 +623,34 @@ async def open_node(
     )
     node = Node(config, swim, udp, wall_clock)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
+    render = None
+    if config.metrics_port is not None:
+        from ..metrics import renderer
+
+        try:
+            render = renderer(node)  # raises ConfigError without prometheus_client
+        except BaseException:
+            udp.close()
+            tcp.close()
+            raise
     try:
         async with trio.open_nursery() as nursery:
             node._nursery = nursery
             nursery.start_soon(node._udp_loop)
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
+            if render is not None and config.metrics_port is not None:
+                from ..metrics.server import serve_metrics
+
+                node.metrics_address = await nursery.start(
+                    partial(
+                        serve_metrics,
+                        render,
+                        config.bind,
+                        config.metrics_port,
+                        counters=node.counters,
+                    )
+                )
             node._started = trio.current_time()
             if config.join:
                 nursery.start_soon(node._warn_if_alone)

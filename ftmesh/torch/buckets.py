@@ -13,8 +13,9 @@ allreduce without waiting, so communication overlaps with the rest of backward, 
 completes early waits for the ones before it), so every member issues the same collectives in
 the same order whatever order its hooks fire in. The last bucket (the only one, for a small
 model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
-allreduce in the calling thread, after the others. The last bucket carries three extra slots:
-the member's sample count, its summed loss and a round check (see ``ElasticTrainer``).
+allreduce in the calling thread, after the others. The last bucket carries extra slots:
+the member's sample count, its summed loss, a round check and the leave bits of a planned
+departure (see ``ElasticTrainer`` and ``ftmesh.training.protocol``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-HEADER_SLOTS = 3
+from ..training.protocol import LEAVE_SLOTS
+
+HEADER_SLOTS = 3 + LEAVE_SLOTS
 
 
 class GradBuckets:
@@ -67,7 +70,8 @@ class GradBuckets:
 
     @property
     def header(self) -> np.ndarray:
-        """The extra slots of the last bucket: [samples, summed loss, round check]."""
+        """The extra slots of the last bucket: [samples, summed loss, round check, leave
+        slots...]."""
         return self.buffers[-1][-HEADER_SLOTS:]
 
     def _view(self, p: torch.Tensor) -> torch.Tensor:

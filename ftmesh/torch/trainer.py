@@ -25,6 +25,20 @@ bitwise up to date and a death promotes one at the very next step with nothing t
 the cost of ring traffic for the spares). With ``spares="cold"`` members beyond ``N`` wait
 outside the ring and fetch the state when they step in.
 
+Planned departures (``ftmesh.training.protocol``, 4): once ``mesh.leave_requested()`` (SIGTERM
+or SIGINT to a worker started with ``ftmesh.connect``), the member announces in the gradient
+allreduce of the step it is computing that it leaves after it, everyone passes one barrier,
+it leaves the mesh, and ``step`` raises ``ftmesh.Departed`` (a ``SystemExit`` with code 0);
+the others go on with the next step on the view without it, no sync, no retry. A member
+that is outside the ring, waiting, or whose announcing step failed leaves at once. A hot
+spare computes the leaver's share from the next step; a cold spare takes its slot.
+
+With ``compression="int8"`` the gradient buckets travel as blockwise int8 with error
+feedback (``ftmesh.collective.compressed``; one residual per bucket, kept across steps); the
+header slots of the last bucket (counters, leave bits) are its exact tail (added in float32,
+unquantized). Every member must use the same setting (another one fails the step's allreduce with
+``InputMismatchError``).
+
 Gradients are averaged over samples, not members: each member contributes
 ``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
 which equals single-process training on the whole global batch.
@@ -48,6 +62,7 @@ those members disagree.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -56,16 +71,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 from ..collective import InputMismatchError, RingView, ViewMismatchError
+from ..compression import per_stream
 from ..errors import (
     CollectiveError,
     ConfigError,
     DeadlineExceeded,
+    Departed,
     FtmeshError,
     LocalUsageError,
     PeerLostError,
@@ -82,6 +99,8 @@ from ..training.protocol import (
     FRESH,
     QUORUM_POLICIES,
     has_quorum,
+    leave_slots,
+    leavers,
     own_slots_intact,
     plan_sync,
     round_tag,
@@ -97,7 +116,7 @@ from ..training.shards import (
     settings_slots,
 )
 from ..training.start import StartConfig
-from .buckets import GradBuckets
+from .buckets import HEADER_SLOTS, GradBuckets
 from .sampler import ElasticSampler
 from .zero import ShardedOptimizer
 
@@ -108,6 +127,18 @@ REANNOUNCE_EVERY = 20
 RECEIVE_BUFFER_SLACK = 1 << 20
 """Bytes a joiner's receive buffer has beyond the advertised state size: room for a
 snapshot prefix that grew since (the step, a scheduler's state)."""
+
+LEAVE_POLL_S = 1.0
+"""Longest a member waits for a view, a quorum or a slot before it looks whether it was asked
+to leave."""
+DEPARTURE_WAIT_S = 2.0
+"""How long the members that stay wait for membership to show the view without the members
+that announced their departure (their graceful leave reaches everyone in milliseconds; after
+this the next step runs on whatever view there is, with a sync)."""
+
+DEPARTURE_CLOSE_S = 5.0
+"""Most seconds a departing member spends leaving the mesh after its last step (its graceful
+leave lingers two gossip intervals, at most 1 s, so the news spreads)."""
 
 RECOVERABLE = (PeerLostError, ViewMismatchError, InputMismatchError, CollectiveError)
 
@@ -136,6 +167,8 @@ class StepReport:
     adopted: bool = False
     """Others committed this step and we took their state in a sync (a joiner's first step,
     or a step whose end we missed); ``loss`` is then unknown (nan)."""
+    leaving: tuple[str, ...] = ()
+    """Members that announced in this step that they leave after it (planned departures)."""
 
 
 class ElasticTrainer:
@@ -163,6 +196,7 @@ class ElasticTrainer:
         on_world_change: Callable[[int, int], None] | None = None,
         shard_optimizer: bool = False,
         replicas: int = DEFAULT_REPLICAS,
+        compression: Any = None,
     ) -> None:
         self.mesh = mesh
         self.model = model
@@ -203,6 +237,10 @@ class ElasticTrainer:
         self.state = State(model=model, optimizer=optimizer, rng=False)
         params = [p for p in model.parameters() if p.requires_grad]
         self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
+        # compression="int8": gradients travel as int8, one error-feedback residual per bucket
+        tails = [0] * (len(self._buckets.buffers) - 1) + [HEADER_SLOTS]  # counters: exact
+        comps = per_stream(compression, tails)
+        self._compression = {id(b): c for b, c in zip(self._buckets.buffers, comps, strict=True)}
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
         self._checkpoint_state: dict[str, torch.Tensor] = {}
@@ -295,6 +333,8 @@ class ElasticTrainer:
         entered_at = max(self.committed, 0)
         while True:
             attempts += 1
+            if self.mesh.leave_requested() and (attempts > 1 or not self._in_ring):
+                self._depart()  # nothing to announce, or the announcing attempt failed
             if not self._in_ring:
                 # Join: let discovery and gossip settle (so we join the mesh that is there
                 # instead of starting a lonely one), then enter the ring at a step boundary.
@@ -313,11 +353,7 @@ class ElasticTrainer:
                 settle = self.join_settle / 4
             else:
                 settle = 0.0
-            view = self.mesh.wait_view(
-                min_members=self.min_peers,
-                settle=settle,
-                timeout=max(deadline - time.monotonic(), 0.1),
-            )
+            view = self._wait_view(settle, deadline)
             if self._over_max_peers(view):
                 log.info(
                     "%d members train (max_peers %d): back to spare", view.size, self.max_peers
@@ -330,7 +366,7 @@ class ElasticTrainer:
                     view.size,
                     len(self._last_view),
                 )
-                self.mesh.wait_view_change(view.epoch, timeout=1.0)
+                self.mesh.wait_view_change(view.epoch, timeout=LEAVE_POLL_S)
                 if time.monotonic() > deadline:
                     raise DeadlineExceeded(f"no quorum within {self.step_timeout}s")
                 continue
@@ -377,7 +413,56 @@ class ElasticTrainer:
                     self.mesh.wait_view_change(view.epoch, timeout=1.0)
                 continue
             self._maybe_checkpoint()
+            if report.leaving:
+                self._see_off(view, report.leaving)  # raises Departed if we are one of them
             return report
+
+    def _wait_view(self, settle: float, deadline: float) -> RingView:
+        """``wait_view`` in pieces of about ``LEAVE_POLL_S``, so that a member waiting for
+        ``min_peers`` still leaves when asked."""
+        piece = max(LEAVE_POLL_S, 2 * settle)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.mesh.wait_view(
+                    min_members=self.min_peers, settle=settle, timeout=max(min(left, piece), 0.1)
+                )
+            except DeadlineExceeded:
+                if self.mesh.leave_requested():
+                    self._depart()
+                if left <= piece:
+                    raise DeadlineExceeded(
+                        f"no view of {self.min_peers} members within {self.step_timeout:.0f}s"
+                    ) from None
+
+    def _see_off(self, view: RingView, gone: tuple[str, ...]) -> None:
+        """After a step in which members announced that they leave: one barrier on its view,
+        so that no leaver goes before every member has committed the step (its leaving would
+        abort collectives still running on the view); then the leavers leave, and the others
+        wait for membership to show the view without them and take it without a sync (they
+        hold the same state), or else sync as after any change."""
+        with contextlib.suppress(*RECOVERABLE):  # committed already; a leaver may have gone
+            self.mesh.barrier_on(view)
+        if self.mesh.node_id in gone:
+            self._depart()
+        deadline = time.monotonic() + DEPARTURE_WAIT_S
+        current = self.mesh.view()
+        while current is not None and any(n in current for n in gone):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            current = self.mesh.wait_view_change(current.epoch, timeout=left)
+        rest = tuple(n for n in view.node_ids if n not in gone)
+        if current is not None and current.node_ids == rest and self._zero is None:
+            # (Sharded: the leavers' shards must be re-spread, which the sync does.)
+            self._settle_on(current)
+
+    def _depart(self) -> NoReturn:
+        """Leave the mesh gracefully (membership sees ``left``) and end the training call."""
+        step = max(self.committed, 0)
+        log.warning("planned departure: leaving the mesh after step %d", step)
+        self.mesh.close(join_timeout=DEPARTURE_CLOSE_S)
+        raise Departed(step)
 
     def _adopted(self, view: RingView, attempts: int) -> StepReport:
         return StepReport(
@@ -478,9 +563,13 @@ class ElasticTrainer:
             self.last_sync_bytes += self._zero.sync(
                 self.mesh, view, plan.target_step, candidates, wait=self.step_timeout
             )
+        self._settle_on(view)
+        self.last_sync_seconds = time.monotonic() - started
+
+    def _settle_on(self, view: RingView) -> None:
+        """Every member of ``view`` holds our state: steps run on it without a sync."""
         self._synced_epoch = view.epoch
         self._last_view = view.node_ids
-        self.last_sync_seconds = time.monotonic() - started
         world = min(view.size, self.max_peers) if self.max_peers else view.size  # computing
         if self._world != world:
             if self._world and self.on_world_change is not None:
@@ -506,8 +595,11 @@ class ElasticTrainer:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
     def _wait_for_start_peers(self, deadline: float) -> None:
-        """Before entering the ring of a mesh that has not started: see ``ftmesh.starting``."""
+        """Before entering the ring of a mesh that has not started: see ``ftmesh.starting``
+        (which stops waiting when a departure is requested: the member leaves then)."""
         wait_to_start(self.mesh, self._start, deadline)
+        if self.mesh.leave_requested():
+            self._depart()
 
     def _step_out_of_ring(self) -> None:
         """Leave the ring (role ``joining``) until the next step enters it again."""
@@ -526,28 +618,26 @@ class ElasticTrainer:
         still joining) in node-id order, so every member that sees the same membership picks
         the same ones; the choice is re-made on every membership change, so a member that
         looked at a stale membership catches up (too many that step in at once are sorted out
-        by ``_over_max_peers``). Once a training member has finished (role ``done``, or left
-        gracefully) no slot is taken: that is how training ends, and this raises
-        ``TrainingFinishedError`` when none is training any more."""
+        by ``_over_max_peers``). Once a training member has finished (role ``done``) no slot
+        is taken: that is how training ends, and this raises ``TrainingFinishedError`` when
+        none is training any more (also when the last ones left: nobody holds the state). A
+        member that left while others train (a planned departure) frees its slot."""
         me = self.mesh.node_id
         self.mesh.set_role("spare")
         announced = False
         for _ in itertools.count():  # waits on membership events; ends on a slot or the end
+            if self.mesh.leave_requested():
+                self._depart()
             members = self.mesh.members()
             roles = {m.node: role_of(m) for m in members}
             training = [
                 m.node for m in members if m.state == MemberState.ALIVE and roles[m.node] == "train"
             ]
-            ended = [
-                m.node
-                for m in members
-                if roles[m.node] == "done"
-                or (m.state == MemberState.LEFT and roles[m.node] == "train")
-            ]
-            if ended:
-                if not training:
-                    raise TrainingFinishedError("the training finished while we waited as a spare")
-            else:
+            finished = any(roles[m.node] == "done" for m in members)
+            left = any(m.state == MemberState.LEFT and roles[m.node] == "train" for m in members)
+            if not training and (finished or left):
+                raise TrainingFinishedError("the training finished while we waited as a spare")
+            if not finished:
                 candidates = sorted(
                     m.node
                     for m in members
@@ -564,7 +654,7 @@ class ElasticTrainer:
                 )
                 announced = True
             view = self.mesh.view()
-            self.mesh.wait_view_change(view.epoch if view else "", timeout=1.0)
+            self.mesh.wait_view_change(view.epoch if view else "", timeout=LEAVE_POLL_S)
 
     def _over_max_peers(self, view: RingView) -> bool:
         """Cold spares: whether we, not having trained yet, are one too many: members that
@@ -590,7 +680,7 @@ class ElasticTrainer:
         else:
             self.mesh.wait_view_change(view.epoch, timeout=0.5)
 
-    def _desync(self, view: RingView, what: str) -> None:
+    def _desync(self, view: RingView, what: str) -> NoReturn:
         """A collective returned data of another round: never use it. Reconnect the ring (its
         streams cannot be trusted) and retry the step from a sync."""
         log.warning("collective data from another round on view %s: %s", view.epoch, what)
@@ -637,23 +727,33 @@ class ElasticTrainer:
         buckets = self._buckets  # start() zeroes the gradients
 
         def launch(buf: np.ndarray) -> Future[Any]:
-            return self.mesh.submit_on_view(view, "allreduce", buf, "sum")
+            return self.mesh.submit_on_view(
+                view, "allreduce", buf, "sum", self._compression[id(buf)]
+            )
 
         def run(buf: np.ndarray) -> object:
-            return self.mesh.allreduce_on(view, buf, "sum")
+            return self.mesh.allreduce_on(view, buf, "sum", self._compression[id(buf)])
 
         buckets.start(launch, run)
         tag = round_tag(step)
-        buckets.header[2] = tag
+        header = buckets.header
+        header[2] = tag
         if len(indices):
             loss = loss_fn(indices)
-            buckets.header[:2] = (len(indices), float(loss.detach()) * len(indices))
+            header[:2] = (len(indices), float(loss.detach()) * len(indices))
             # Gradients of the summed (not mean) loss: the allreduce adds every member's.
             (loss * len(indices)).backward()  # type: ignore[no-untyped-call]
+        rank = view.rank_of(me)
+        if self.mesh.leave_requested():  # read last: the last bucket carries it (protocol, 4)
+            header[3:] = leave_slots(rank)
+        announced = bool(header[3:].any())
         buckets.finish(timeout=self.step_timeout)
-        total, loss_sum, tags = (float(v) for v in buckets.header)
+        total, loss_sum, tags = (float(v) for v in header[:3])
         if tags != tag * view.size:
             self._desync(view, f"step {step + 1}: round check {tags}, expected {tag * view.size}")
+        gone = leavers(header[3:], view.size)
+        if gone is None or (rank in gone) != announced:
+            self._desync(view, f"step {step + 1}: leave slots {header[3:].tolist()}")
         if total <= 0:
             raise FtmeshError("a step reduced zero samples")
         buckets.write_grads(1.0 / total)
@@ -673,6 +773,7 @@ class ElasticTrainer:
             sync_bytes=self.last_sync_bytes if synced else 0,
             sync_seconds=self.last_sync_seconds if synced else 0.0,
             share=len(indices),
+            leaving=tuple(view.node_ids[r] for r in gone),
         )
 
     def _sharded_update(self, view: RingView, step: int) -> None:
