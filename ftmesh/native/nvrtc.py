@@ -45,18 +45,15 @@ class Compiled:
         return out
 
 
-def _candidates() -> list[str]:
-    found: list[str] = []
-    env = os.environ.get("FTMESH_NVRTC_LIBRARY")
-    if env:
-        found.append(env)
+def _candidates(path: str | None) -> list[str]:
+    found: list[str] = [path] if path else []
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         for pattern in ("cuda_nvrtc/lib/libnvrtc.so*", "cu*/lib/libnvrtc.so*"):
-            for path in sorted(glob.glob(os.path.join(root, pattern)), reverse=True):
-                name = Path(path).name
+            for lib_path in sorted(glob.glob(os.path.join(root, pattern)), reverse=True):
+                name = Path(lib_path).name
                 if "builtins" not in name and ".alt." not in name:
-                    found.append(path)
+                    found.append(lib_path)
     found.extend(LIBRARY_NAMES)
     system = ctypes.util.find_library("nvrtc")
     if system:
@@ -67,15 +64,16 @@ def _candidates() -> list[str]:
 _lib: ctypes.CDLL | None = None
 
 
-def library() -> ctypes.CDLL:
-    """The NVRTC shared library (the pip package's first, then the system's)."""
+def library(path: str | None = None) -> ctypes.CDLL:
+    """The NVRTC shared library: ``path`` if given, else the pip package's, then the
+    system's. The first one loaded is kept for the process."""
     global _lib
     if _lib is not None:
         return _lib
     errors = []
-    for path in _candidates():
+    for candidate in _candidates(path):
         try:
-            lib = ctypes.CDLL(path)
+            lib = ctypes.CDLL(candidate)
         except OSError as exc:
             errors.append(str(exc))
             continue
@@ -83,8 +81,8 @@ def library() -> ctypes.CDLL:
         _lib = lib
         return lib
     raise NvrtcError(
-        "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc-cu12) or set "
-        "FTMESH_NVRTC_LIBRARY; tried " + "; ".join(errors[-3:])
+        "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc-cu12) or pass "
+        "its path to ftmesh.native.nvrtc.library(); tried " + "; ".join(errors[-3:])
     )
 
 
