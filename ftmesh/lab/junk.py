@@ -12,10 +12,10 @@ which is why they are opt-in.
 Bounded: at most ``pps * duration`` datagrams (``MAX_PPS``, ``MAX_DURATION``), sent from one
 socket, paced in 10 ms slices; the sender never reads. Prints one JSON line with what it sent.
 
-With ``--connect IP:PORT ... --connections N`` it opens ``N`` TCP connections to each address
-(at most ``MAX_CONNECTIONS`` in all), sends nothing on them and closes them after
-``--duration`` seconds: what a port scanner, a stuck client or an attacker without the mesh
-secret does to a member's data-plane and gossip TCP ports.
+With ``--connect IP:PORT ... --connections N`` it holds ``N`` idle TCP connections to each
+address (at most ``MAX_CONNECTIONS`` in all, replacing those the member closes; see
+``ftmesh.lab.flood``) for ``--duration`` seconds: what a port scanner, a stuck client or an
+attacker without the mesh secret does to a member's data-plane and gossip TCP ports.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import random
-import resource
 import socket
 import sys
 import time
@@ -32,6 +31,7 @@ import time
 from ..membership.messages import Alive, Dead, Message
 from ..membership.wire import MAX_DATAGRAM, PacketCodec
 from ..security import MeshAuth
+from .flood import IdleFlood
 
 MAX_PPS = 20_000
 """Highest total send rate (datagrams per second) accepted."""
@@ -44,9 +44,6 @@ SLICE = 0.01
 
 MAX_CONNECTIONS = 4096
 """Idle TCP connections held at once by one flood, all targets together."""
-
-CONNECT_TIMEOUT = 2.0
-"""Seconds one idle connection may take to open before it is given up."""
 
 KINDS = (
     "random",
@@ -141,36 +138,23 @@ def flood(
 def hold_connections(
     targets: list[tuple[str, int]], per_target: int, duration: float
 ) -> dict[str, int]:
-    """Open ``per_target`` idle TCP connections to each target, keep them for ``duration``
-    seconds, close them. Returns how many opened and failed."""
-    with contextlib.suppress(ValueError, OSError):
-        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    """Hold ``per_target`` idle TCP connections to each target for ``duration`` seconds (an
+    :class:`~ftmesh.lab.flood.IdleFlood` each, so connections the member closes are
+    replaced), then close them. Returns how many opened and failed."""
     per_target = max(0, min(per_target, MAX_CONNECTIONS // max(1, len(targets))))
     duration = max(0.0, min(duration, MAX_DURATION))
-    held: list[socket.socket] = []
-    counts = {"connected": 0, "connect_errors": 0}
-    end = time.monotonic() + duration
-    try:
-        for target in targets:
-            for _ in range(per_target):
-                if time.monotonic() >= end:
-                    break
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.settimeout(CONNECT_TIMEOUT)
-                try:
-                    sock.connect(target)
-                except OSError:
-                    sock.close()
-                    counts["connect_errors"] += 1
-                    continue
-                held.append(sock)
-                counts["connected"] += 1
-        time.sleep(max(0.0, end - time.monotonic()))
-    finally:
-        for sock in held:
-            sock.close()
-    return counts
+    with contextlib.ExitStack() as stack:
+        floods = [
+            stack.enter_context(IdleFlood(host, port, per_target))
+            for host, port in targets
+            if per_target
+        ]
+        time.sleep(duration)
+    return {
+        "connected": sum(f.opened for f in floods),
+        "connect_errors": sum(f.failed for f in floods),
+        "closed_by_member": sum(f.closed_by_peer for f in floods),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
