@@ -94,6 +94,7 @@ from ..net.node import JOIN_RETRY_BOUND
 from .mesh import LabMesh, node_argv
 from .netns import LabError, VirtualLan, _list_netns
 from .procs import NodeProcess
+from .timeline import chaos_timeline
 
 Phase = Literal["tick", "settled", "final"]
 
@@ -250,6 +251,8 @@ class ChaosSummary:
     violations: list[str] = field(default_factory=list)
     violations_by_kind: dict[str, int] = field(default_factory=dict)
     records: list[FaultRecord] = field(default_factory=list)
+    timeline: dict[str, Any] = field(default_factory=dict)
+    """Commits per member process and view changes over time (``ftmesh.lab.timeline``)."""
 
     @property
     def ok(self) -> bool:
@@ -873,6 +876,7 @@ class ChaosRunner:
             s.mean_resume_s = round(statistics.fmean(r.resume_s or 0.0 for r in resumes), 3)
         if self.workload is not None:
             s.workload_stats = self.workload.summary()
+        s.timeline = chaos_timeline(ctx.mesh.slots, self._t0)
         if self.log_dir is not None:
             self._dump_events(ctx, self.log_dir)
 
