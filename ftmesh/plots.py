@@ -18,7 +18,8 @@ directory there and writable; otherwise a one-line :class:`ConfigError`.
   the first step committed without the victim (*resume*), per fault kind (kill -9, SIGTERM,
   SIGSTOP) and for torchrun's restart (resume only) (:func:`recovery_series`).
 * ``ftmesh lab chaos``: a timeline (:func:`chaos_series`): the faults as spans in one lane per
-  kind (then, lighter, the time until one view again), the committed step of every host and
+  kind (then, lighter, the time until one view again and, hatched, until a training
+  workload trained again), the committed step of every host and
   its throughput (commits per second in windows), and view changes (a member joined, died
   or left) as vertical lines. Steps come from the ``commit`` records of a training workload
   (``--workload train``); a membership-only run commits nothing, so its plot has the faults
@@ -223,6 +224,8 @@ class ChaosSeries:
     """kind -> (start, repair) of every fault of that kind."""
     recovering: Spans = field(default_factory=dict)
     """kind -> (repair, one view again) of every fault of that kind that settled."""
+    resuming: Spans = field(default_factory=dict)
+    """kind -> (one view again, the workload trains again) (``resume_s``; training only)."""
     steps: Series = field(default_factory=dict)
     """host (``"h0"``) -> (time, committed step), over all processes that ran on it."""
     throughput: Series = field(default_factory=dict)
@@ -250,6 +253,9 @@ def chaos_series(result: Mapping[str, Any], window: float | None = None) -> Chao
         out.faults.setdefault(rec["kind"], []).append((start, end))
         if settled > end:
             out.recovering.setdefault(rec["kind"], []).append((end, settled))
+        if rec.get("resume_s") is not None and settled >= start:
+            resumed = settled + float(rec["resume_s"])
+            out.resuming.setdefault(rec["kind"], []).append((settled, resumed))
     timeline = result.get("timeline") or {}
     commits: Mapping[str, list[list[float]]] = timeline.get("commits", {})
     for proc, points in commits.items():
@@ -266,7 +272,8 @@ def chaos_series(result: Mapping[str, Any], window: float | None = None) -> Chao
         for proc, points in commits.items():
             ts = np.array([p[0] for p in points], dtype=float)
             ns = np.array([p[2] for p in points], dtype=float)
-            done = np.interp(edges, ts, ns, left=0.0, right=ns[-1])
+            # commits strictly before each edge: n - 1 at a point's own time
+            done = np.interp(edges, ts, ns - 1, left=0.0, right=ns[-1])
             host = _host(proc)
             rates[host] = rates.get(host, 0.0) + np.diff(done) / out.window_s
         mids = (edges[:-1] + edges[1:]) / 2
@@ -295,11 +302,14 @@ def plot_chaos(result: Mapping[str, Any], path: str | Path) -> ChaosSeries:
         lane.broken_barh(spans, (i - 0.4, 0.8), color=color)
         after = [(a, b - a) for a, b in series.recovering.get(kind, [])]
         lane.broken_barh(after, (i - 0.4, 0.8), color=color, alpha=0.3)
+        resume = [(a, b - a) for a, b in series.resuming.get(kind, [])]
+        lane.broken_barh(resume, (i - 0.25, 0.5), facecolor="none", edgecolor=color, hatch="//")
     lane.set_yticks(range(len(kinds)), kinds, fontsize="small")
     lane.set_ylim(-0.6, max(len(kinds), 1) - 0.4)
     lane.set_title(
         f"chaos: {result.get('hosts', '?')} hosts, seed {result.get('seed', '?')}, "
-        f"workload {series.workload} (faults; lighter: until one view again)"
+        f"workload {series.workload} (faults; lighter: until one view; hatched: until "
+        "training resumed)"
     )
     for host, pts in series.steps.items():
         steps.plot([p[0] for p in pts], [p[1] for p in pts], label=host, linewidth=1)
