@@ -57,6 +57,9 @@ Violations (the run fails with any):
 * with a :class:`Workload`: the kind it names (``progress``, ``converge`` for training) when it
   has not recovered within its bound of a single view.
 
+The summary also carries a ``timeline`` (:mod:`ftmesh.lab.timeline`: commits per member
+process and view changes, bounded), which ``--plot`` draws with the fault records.
+
 Plugging in a workload: a :class:`Workload` (``workload=``) runs its own per-host process
 instead of ``ftmesh node`` (it must print the same JSON membership events on stdout, plus
 whatever it needs, e.g. ``{"event": "commit", "step": s, "digest": ...}``), brings
