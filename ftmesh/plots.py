@@ -83,6 +83,17 @@ def check_plot_path(path: str | Path) -> Path:
     return p
 
 
+def plot_path_error(path: str | None) -> str | None:
+    """For a benchmark with its own parser: the one-line message of :func:`check_plot_path`,
+    or None when ``--plot`` is unset or usable."""
+    try:
+        if path:
+            check_plot_path(path)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _save(fig: Any, plt: Any, path: str | Path, series: Mapping[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={SERIES_KEY: json.dumps(series)})

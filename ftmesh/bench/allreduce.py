@@ -62,8 +62,7 @@ import numpy as np
 from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ..collective.schedule import chunks_per_segment, segment_bounds
 from ..compression import Int8Compression
-from ..errors import ConfigError
-from ..plots import check_plot_path, plot_allreduce
+from ..plots import plot_allreduce, plot_path_error
 from ..security import MeshAuth
 
 IMPLS = ("ftmesh", "gloo", "ceiling")
@@ -487,12 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.link_rate and not args.lab:
         ap.error("--link-rate needs --lab")
-    if args.plot:
-        try:
-            check_plot_path(args.plot)
-        except ConfigError as exc:
-            print(f"{ap.prog}: error: {exc}", file=sys.stderr)
-            return 2
+    if problem := plot_path_error(args.plot):  # before a run that can take minutes
+        print(f"{ap.prog}: error: {problem}", file=sys.stderr)
+        return 2
     cfg = {
         "sizes": [parse_size(s) for s in args.sizes.split(",") if s.strip()],
         "iters": args.iters or (LAB_ITERS if args.lab else 0),

@@ -82,9 +82,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..membership.config import MembershipConfig
-from ..plots import check_plot_path, plot_recovery
+from ..plots import plot_path_error, plot_recovery
 
 PROGRESS_PREFIX = "FTMESH "
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -1047,12 +1046,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.torchrun_kills < 0:
         args.torchrun_kills = min(args.kills, 4)
-    if args.plot:
-        try:
-            check_plot_path(args.plot)
-        except ConfigError as exc:
-            print(f"ftmesh bench recovery: error: {exc}", file=sys.stderr)
-            return 2
+    if problem := plot_path_error(args.plot):  # before a run that can take minutes
+        print(f"ftmesh bench recovery: error: {problem}", file=sys.stderr)
+        return 2
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
