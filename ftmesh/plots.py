@@ -317,17 +317,18 @@ def plot_chaos(result: Mapping[str, Any], path: str | Path) -> ChaosSeries:
         lane.broken_barh(resume, (i - 0.25, 0.5), facecolor="none", edgecolor=color, hatch="//")
     lane.set_yticks(range(len(kinds)), kinds, fontsize="small")
     lane.set_ylim(-0.6, max(len(kinds), 1) - 0.4)
+    resumed = "; hatched: until training resumed" if series.resuming else ""
     lane.set_title(
         f"chaos: {result.get('hosts', '?')} hosts, seed {result.get('seed', '?')}, "
-        f"workload {series.workload} (faults; lighter: until one view; hatched: until "
-        "training resumed)"
+        f"workload {series.workload} (faults; lighter: until one view{resumed})"
     )
     for host, pts in series.steps.items():
         steps.plot([p[0] for p in pts], [p[1] for p in pts], label=host, linewidth=1)
     for host, pts in series.throughput.items():
         rate.plot([p[0] for p in pts], [p[1] for p in pts], label=host, linewidth=1)
     steps.set_ylabel("committed step")
-    rate.set_ylabel(f"commits/s ({series.window_s:.1f} s windows)")
+    windows = f" ({series.window_s:.1f} s windows)" if series.window_s else ""
+    rate.set_ylabel(f"commits/s{windows}")
     if series.steps:
         steps.legend(fontsize="x-small", ncol=4, loc="upper left")
     else:
