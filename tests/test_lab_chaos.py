@@ -21,6 +21,7 @@ from ftmesh.lab.chaos import KINDS, WORKLOAD_KINDS, ChaosContext, ChaosRunner, P
 from ftmesh.lab.netns import LabError
 from ftmesh.lab.procs import SeenRecord
 from ftmesh.lab.training import TrainingWorkload
+from ftmesh.plots import chaos_series
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,
@@ -108,6 +109,12 @@ def test_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> None:
     assert len(summary.faults) >= 5, summary.faults  # most kinds were exercised
     assert plugin.calls.get("settled", 0) == summary.faults_total + 1
     assert plugin.calls.get("final") == 1 and plugin.calls.get("tick", 0) > 0
+    # The timeline --plot draws: ftmesh node members commit nothing; view changes were seen.
+    series = chaos_series(summary.to_json())
+    assert summary.timeline["commits"] == {} and series.steps == {}
+    assert series.faults.keys() == summary.faults.keys()
+    assert "joined" in series.view_changes
+    assert ("dead" in series.view_changes) == (summary.deaths > 0)
 
 
 @pytest.mark.slow
@@ -140,6 +147,14 @@ def test_training_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> Non
     # Each kill started a fresh worker, which trained (joined and caught up).
     assert stats["processes"] == 4 + summary.faults.get("kill", 0), stats
     assert stats["mean_loss_last"] < stats["mean_loss_first"], stats
+    # The timeline --plot draws: every process that trained, its commits counted (it reads
+    # all records at the end, the workload's log only up to its last poll).
+    commits = summary.timeline["commits"]
+    assert len(commits) >= stats["processes"]
+    assert sum(points[-1][2] for points in commits.values()) >= stats["commits"]
+    series = chaos_series(summary.to_json())
+    assert sorted(series.steps) == [f"h{h}" for h in range(4)]
+    assert series.faults.keys() == summary.faults.keys() and series.throughput
 
 
 def test_deaths_are_judged_against_faults_and_kills() -> None:

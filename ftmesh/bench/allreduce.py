@@ -62,6 +62,7 @@ import numpy as np
 from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ..collective.schedule import chunks_per_segment, segment_bounds
 from ..compression import Int8Compression
+from ..plots import plot_allreduce, plot_path_error
 from ..security import MeshAuth
 
 IMPLS = ("ftmesh", "gloo", "ceiling")
@@ -481,9 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-rate", default=None, help="with --lab: tc rate of every link")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--plot", metavar="FILE.png", help="also draw busbw against size (matplotlib)")
     args = ap.parse_args(argv)
     if args.link_rate and not args.lab:
         ap.error("--link-rate needs --lab")
+    if problem := plot_path_error(args.plot):  # before a run that can take minutes
+        print(f"{ap.prog}: error: {problem}", file=sys.stderr)
+        return 2
     cfg = {
         "sizes": [parse_size(s) for s in args.sizes.split(",") if s.strip()],
         "iters": args.iters or (LAB_ITERS if args.lab else 0),
@@ -528,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**out, "cells": cells}))
     else:
         _print_table(cells)
+    if args.plot:
+        plot_allreduce(cells, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 

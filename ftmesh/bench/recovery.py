@@ -50,6 +50,10 @@ record that shows X (so it includes the record's trip through the pipe, well und
    Its breakdown: when the new workers started, finished importing, formed the process group,
    loaded the checkpoint (slowest rank each).
 
+Per round: ``kill_breakdowns_s``, ``leave_breakdowns_s`` and ``sigstop_breakdowns_s`` hold
+the milestones above for every kill, SIGTERM and SIGSTOP round, and each ``*_to_step_s`` its
+``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.plots``).
+
 Everything runs on 127.0.0.1; OMP_NUM_THREADS is the CPU count divided by N (at least 1).
 """
 
@@ -79,6 +83,7 @@ from typing import Any
 import numpy as np
 
 from ..membership.config import MembershipConfig
+from ..plots import plot_path_error, plot_recovery
 
 PROGRESS_PREFIX = "FTMESH "
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -502,6 +507,7 @@ def _ftmesh_phases(
             "kill_costs",
             "leaves",
             "leave_costs",
+            "leave_breakdowns",
             "leave_exits",
             "joins",
             "stops",
@@ -538,6 +544,7 @@ def _ftmesh_phases(
             mesh.full = {}
             ev = mesh.first_step_without(victim, f"a step without departed {victim.name}")
             out["leaves"].append(ev[0] - t0)
+            out["leave_breakdowns"].append(mesh.breakdown(t0, ev, victim))
             cost = mesh.survivors_cost(t0, victim, period)
             out["leave_costs"].append(cost)
             try:
@@ -888,8 +895,10 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "leave_steps_redone": leave_redone,
         "leave_synced": [c["synced"] for c in ft["leave_costs"]],
         "leave_exit_s": _stats(ft["leave_exits"]),
+        "leave_breakdowns_s": ft["leave_breakdowns"],
         "sigstop_to_step_s": stop,
         "sigstop_breakdown_s": _median_breakdown(ft["stop_breakdowns"]),
+        "sigstop_breakdowns_s": ft["stop_breakdowns"],
         "suspicion_bound_s": bound,
         "sigcont_to_rejoin_s": _stats(ft["rejoins"]),
         "torchrun_kill_to_step_s": trs,
@@ -1019,6 +1028,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--wait-timeout", type=float, default=90.0, help="seconds per wait")
     ap.add_argument("--keep-logs", default="", metavar="DIR", help="keep worker logs in DIR")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument(
+        "--plot", metavar="FILE.png", help="also draw detection and resume per fault round"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1034,12 +1046,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.torchrun_kills < 0:
         args.torchrun_kills = min(args.kills, 4)
+    if problem := plot_path_error(args.plot):  # before a run that can take minutes
+        print(f"ftmesh bench recovery: error: {problem}", file=sys.stderr)
+        return 2
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
     result = run_recovery_bench(args, say)
     print(json.dumps(result) if args.json else format_report(result))
+    if args.plot:
+        plot_recovery(result, args.plot)
+        say(f"plot: {args.plot}")
     return 1 if result["failures"] else 0
 
 

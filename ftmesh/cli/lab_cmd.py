@@ -157,6 +157,12 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     chaos.add_argument("--log-dir", default=None, help="keep member logs here")
     chaos.add_argument("--json", action="store_true", help="print the summary as JSON")
     chaos.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    chaos.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw a timeline: faults, committed steps and throughput per host, view "
+        "changes (matplotlib)",
+    )
 
 
 def _attach(name: str) -> tuple[VirtualLan, dict[str, Any]]:
@@ -320,6 +326,10 @@ def _number(text: str, what: str) -> float:
 
 
 def _chaos(args: argparse.Namespace) -> int:
+    from ..plots import check_plot_path, plot_chaos
+
+    if args.plot:
+        check_plot_path(args.plot)  # before the run, not after it
     progress = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     workload = None
     if args.workload == "train":
@@ -350,6 +360,10 @@ def _chaos(args: argparse.Namespace) -> int:
         print(json.dumps(summary.to_json(), indent=1))
     else:
         print(summary.text())
+    if args.plot:
+        plot_chaos(summary.to_json(), args.plot)
+        if progress is not None:
+            progress(f"plot: {args.plot}")
     return 0 if summary.ok else 1
 
 

@@ -57,6 +57,9 @@ Violations (the run fails with any):
 * with a :class:`Workload`: the kind it names (``progress``, ``converge`` for training) when it
   has not recovered within its bound of a single view.
 
+The summary also carries a ``timeline`` (:mod:`ftmesh.lab.timeline`: commits per member
+process and view changes, bounded), which ``--plot`` draws with the fault records.
+
 Plugging in a workload: a :class:`Workload` (``workload=``) runs its own per-host process
 instead of ``ftmesh node`` (it must print the same JSON membership events on stdout, plus
 whatever it needs, e.g. ``{"event": "commit", "step": s, "digest": ...}``), brings
@@ -94,6 +97,7 @@ from ..net.node import JOIN_RETRY_BOUND
 from .mesh import LabMesh, node_argv
 from .netns import LabError, VirtualLan, _list_netns
 from .procs import NodeProcess
+from .timeline import chaos_timeline
 
 Phase = Literal["tick", "settled", "final"]
 
@@ -250,6 +254,8 @@ class ChaosSummary:
     violations: list[str] = field(default_factory=list)
     violations_by_kind: dict[str, int] = field(default_factory=dict)
     records: list[FaultRecord] = field(default_factory=list)
+    timeline: dict[str, Any] = field(default_factory=dict)
+    """Commits per member process and view changes over time (``ftmesh.lab.timeline``)."""
 
     @property
     def ok(self) -> bool:
@@ -873,6 +879,7 @@ class ChaosRunner:
             s.mean_resume_s = round(statistics.fmean(r.resume_s or 0.0 for r in resumes), 3)
         if self.workload is not None:
             s.workload_stats = self.workload.summary()
+        s.timeline = chaos_timeline(ctx.mesh.slots, self._t0)
         if self.log_dir is not None:
             self._dump_events(ctx, self.log_dir)
 
