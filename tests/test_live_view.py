@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -80,6 +82,29 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
             timeout=60,
             cwd=ROOT,
         )  # fmt: skip
+        # The README's command as written (the mesh from the environment) runs until Ctrl-C.
+        env = {**os.environ, "FTMESH_MESH": "watch", "FTMESH_REGISTRY_DIR": str(registry)}
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "ftmesh", "status", "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        guard = threading.Timer(60, watch.kill)  # (a read that never comes ends the test)
+        guard.start()
+        try:
+            assert watch.stdout is not None
+            first = ""
+            while (line := watch.stdout.readline()) not in ("", "\n"):  # one read's block
+                first += line
+            watch.send_signal(signal.SIGINT)
+            _, err = watch.communicate(timeout=30)
+        finally:
+            guard.cancel()
+    assert watch.returncode == 0 and "Traceback" not in err, (watch.returncode, err)
+    assert first.startswith("mesh watch at ") and "m0  " in first and "m1  " in first, first
     assert res.returncode == 0, res.stdout + res.stderr
     blocks = [b for b in res.stdout.split("\n\n") if b.strip()]
     assert len(blocks) == 2, res.stdout
@@ -135,9 +160,12 @@ def test_launch_view_kill_and_join_of_a_script_that_prints_nothing(tmp_path: Pat
     started = re.search(r"step (\d+): w3 started to join", out)
     joined = re.search(r"step (\d+): w3 joins \(world (\d+)\)", out)
     assert started and joined, out[-3000:]
-    first = min(own["w3"])
-    assert int(started.group(1)) >= 14 and int(joined.group(1)) == first, (started, joined)
-    assert int(joined.group(2)) == own["w3"][first] == 3
+    first, at_join = min(own["w3"]), int(joined.group(1))
+    assert int(started.group(1)) >= 14 and first >= int(started.group(1)), (started, first)
+    # (the first step it published; the launcher reads a few times a second: at most a few
+    # steps later under load)
+    assert first <= at_join <= first + 8, (first, joined.group(0))
+    assert int(joined.group(2)) == own["w3"][at_join] == 3
     # Every world size the view showed is the one that member recorded for that step.
     shown = re.findall(r"(w\d) (\d+)/(\d+)", out)
     assert len(shown) >= 10, out[-3000:]
