@@ -216,6 +216,7 @@ class Launcher:
         self.events: deque[str] = deque(maxlen=8)
         self.view: BackgroundReader | None = None
         """Reads the workers' mesh (started by ``run``)."""
+        self._view_lost = False
         self.t0 = time.monotonic()
         self.deadline = float("inf") if args.timeout is None else self.t0 + args.timeout
         """When the launcher stops every worker (``--timeout``; by default never)."""
@@ -408,6 +409,9 @@ class Launcher:
         """Take the latest read of the mesh: every worker's published progress, and the
         joiners that took their first step (that is when they join)."""
         rows = self.view.latest if self.view is not None else None
+        if self.view is not None and self.view.error is not None and not self._view_lost:
+            self._view_lost = True
+            self.event(f"the view stopped reading the mesh: {self.view.error!r}")
         by_name: dict[str, MemberRow] = {}
         for row in rows or ():
             old = by_name.get(row.name)  # (a name twice: another launch on the same mesh)
@@ -436,8 +440,11 @@ class Launcher:
 
     def state_of(self, w: Worker) -> str:
         """What the view says a worker is doing."""
-        if not w.running:
-            return "done" if w.done and w.proc.returncode == 0 else w.exit_text()
+        rc = w.proc.returncode
+        if rc is not None:  # (short: the summary says it in full)
+            if w.killed or w.stopped:
+                return "killed" if w.killed else "stopped"
+            return "done" if rc == 0 and w.done else w.exit_text()
         if w.stopped:
             return "stopping"
         role = "" if w.mesh is None or w.mesh.info is None else w.mesh.info.role
@@ -559,8 +566,8 @@ class Launcher:
         print("workers:", file=self.out)
         for w in self.workers:
             more = ", replaced" if w.replaced else ""
-            print(f"  {w.name} (pid {w.proc.pid}): {w.exit_text()} at step {w.step}{more}",
-                  file=self.out)  # fmt: skip
+            ended_as = f"{w.exit_text()} at step {w.step}{more}"
+            print(f"  {w.name} (pid {w.proc.pid}): {ended_as}", file=self.out)
         for what, pending in (("--kill-at", self.kills), ("--join-at", self.joins)):
             if pending:
                 hint = (

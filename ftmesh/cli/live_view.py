@@ -138,6 +138,8 @@ class BackgroundReader:
         self.poll_s = poll_s
         self.latest: list[MemberRow] | None = None
         self.failed = 0
+        self.error: BaseException | None = None
+        """What ended the reading thread, if anything but ``close`` did."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="ftmesh-view", daemon=True)
 
@@ -149,7 +151,10 @@ class BackgroundReader:
         self._thread.join(timeout)
 
     def _main(self) -> None:
-        trio.run(self._loop)
+        try:
+            trio.run(self._loop)
+        except BaseException as exc:  # (kept for the owner to report: a thread has no caller)
+            self.error = exc
 
     async def _loop(self) -> None:
         while not self._stop.is_set():

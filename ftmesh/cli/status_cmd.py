@@ -32,8 +32,6 @@ from ..settings import DEFAULT_MESH, EXPECT_KEY
 from .live_view import (
     MemberRow,
     MeshReader,
-    fetch_members,
-    find_members,
     live_view_available,
     member_rows,
     plain_table,
@@ -110,15 +108,10 @@ def _json(members: list[MemberSnapshot]) -> list[dict[str, Any]]:
 async def _amain(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, os.environ)
     mesh = settings.mesh if settings.mesh is not None else DEFAULT_MESH
+    reader = MeshReader(settings, mesh, args.timeout)
     if args.watch:
-        return await _watch(args, MeshReader(settings, mesh, args.timeout), mesh)
-    auth = settings.auth()
-    addrs = await find_members(settings, mesh, args.timeout)
-    if not addrs:
-        raise FtmeshError(
-            f"no member of mesh {mesh!r} found by {settings.discovery_kind('local')} discovery"
-        )
-    members = await fetch_members(addrs, mesh, auth, args.timeout)
+        return await _watch(args, reader, mesh)
+    members = await reader.read()
     if args.json:
         print(json.dumps(_json(members), indent=2))
     else:
