@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -204,6 +205,7 @@ class Mesh:
         """Metadata updates ``report_progress`` made (at most one per interval)."""
         self.progress_refused = 0
         """Progress reports the metadata had no room for (logged once)."""
+        self._meta_changed_at = -math.inf  # trio time of our last metadata change
 
     @property
     def node_id(self) -> str:
@@ -289,8 +291,19 @@ class Mesh:
             meta[PROGRESS_KEY] = self._progress.encode()
         if meta != me.meta:
             self.node.update_meta(meta)
+            self._meta_changed_at = trio.current_time()
             if meta.get(PROGRESS_KEY) != me.meta.get(PROGRESS_KEY):
                 self.progress_published += 1
+
+    async def _let_metadata_spread(self) -> None:
+        """Before we leave: give our last metadata change (the last step's progress, the
+        ``done`` role) two gossip rounds to spread. The leave that follows has the same
+        incarnation, so a member that hears of the leave first keeps the older metadata."""
+        spread = min(2 * self.config.node.membership.gossip_interval, 1.0)
+        left = self._meta_changed_at + spread - trio.current_time()
+        if left > 0:
+            with trio.CancelScope(shield=True):  # (bounded by ``spread``, at most 1 s)
+                await trio.sleep(left)
 
     async def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
         """Wait until membership has had no event for ``settle`` seconds (at most
@@ -550,6 +563,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
                 yield mesh
             finally:
                 mesh.flush_progress()  # the last step, reported while throttled
+                await mesh._let_metadata_spread()
                 nursery.cancel_scope.cancel()
 
 

@@ -68,12 +68,12 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
         # b learns it through gossip, validated like every other key.
         b.report_progress(Progress(7, 0.02, 4, 200.0, 2, "tcp", "peer lost 3f2a"))
 
-        def a_seen_by_b() -> Progress | None:
+        def a_seen_by_b(step: int) -> Progress | None:
             m0 = [read_member(m) for m in b.members() if m.name == "m0"]
             p = m0[0].progress if m0 else None
-            return p if p is not None and p.step == 50 else None
+            return p if p is not None and p.step == step else None
 
-        assert _until(a_seen_by_b, 10, "m1 sees m0's progress").world == 2
+        assert _until(lambda: a_seen_by_b(50), 10, "m1 sees m0's progress").world == 2
         res = subprocess.run(
             [sys.executable, "-m", "ftmesh", "status", "--watch", "--count", "2",
              "--interval", "0.5", "--mesh", "watch", "--registry-dir", str(registry)],
@@ -103,6 +103,13 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
             _, err = watch.communicate(timeout=30)
         finally:
             guard.cancel()
+        # A step reported while throttled, just before leaving, is not lost: it goes out
+        # with the leave.
+        a.report_progress(Progress(51, 0.01, 4, 400.0, 2))
+        a.report_progress(Progress(52, 0.01, 4, 400.0, 2))
+        a.close()
+        last = _until(lambda: (p := a_seen_by_b(52)) and p, 10, "m0's last step, as it left")
+        assert last.step == 52
     assert watch.returncode == 0 and "Traceback" not in err, (watch.returncode, err)
     assert first.startswith("mesh watch at ") and "m0  " in first and "m1  " in first, first
     assert res.returncode == 0, res.stdout + res.stderr
