@@ -82,6 +82,18 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
             timeout=60,
             cwd=ROOT,
         )  # fmt: skip
+        as_json = subprocess.run(
+            [sys.executable, "-m", "ftmesh", "status", "--watch", "--count", "1", "--json",
+             "--mesh", "watch", "--registry-dir", str(registry)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )  # fmt: skip
+        (read,) = [json.loads(line) for line in as_json.stdout.splitlines()]
+        by_name = {m["name"]: m for m in read["members"]}
+        assert by_name["m0"]["progress"]["step"] == 50 and by_name["m0"]["role"] == "train"
+        assert by_name["m1"]["progress"]["fault"] == "peer lost 3f2a"
         # The README's command as written (the mesh from the environment) runs until Ctrl-C.
         env = {**os.environ, "FTMESH_MESH": "watch", "FTMESH_REGISTRY_DIR": str(registry)}
         watch = subprocess.Popen(
@@ -141,10 +153,10 @@ def _records(path: Path) -> dict[str, dict[int, int]]:
 def test_launch_view_kill_and_join_of_a_script_that_prints_nothing(tmp_path: Path) -> None:
     records = tmp_path / "records"
     records.mkdir()
-    env = {**os.environ, "SILENT_RECORDS": str(records), "SILENT_STEPS": "30"}
+    env = {**os.environ, "SILENT_RECORDS": str(records), "SILENT_STEPS": "44"}
     res = subprocess.run(
         [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp_path / "logs"),
-         "-n", "3", "--kill-at", "8", "--join-at", "14", SILENT],
+         "-n", "3", "--kill-at", "8", "--join-at", "12", SILENT],
         capture_output=True,
         text=True,
         timeout=240,
@@ -163,12 +175,12 @@ def test_launch_view_kill_and_join_of_a_script_that_prints_nothing(tmp_path: Pat
     at, victim = int(kill.group(1)), kill.group(2)
     assert 8 <= at <= 20 and victim in ("w0", "w1", "w2"), kill.group(0)
     assert 8 <= max(own[victim]) <= at + 12, (at, max(own[victim]))
-    # The joiner was started at 14 and "joins" at its own first committed step.
+    # The joiner was started at 12 (or a little later) and "joins" at its own first committed step.
     started = re.search(r"step (\d+): w3 started to join", out)
     joined = re.search(r"step (\d+): w3 joins \(world (\d+)\)", out)
     assert started and joined, out[-3000:]
     first, at_join = min(own["w3"]), int(joined.group(1))
-    assert int(started.group(1)) >= 14 and first >= int(started.group(1)), (started, first)
+    assert int(started.group(1)) >= 12 and first >= int(started.group(1)), (started, first)
     # (the first step it published; the launcher reads a few times a second: at most a few
     # steps later under load)
     assert first <= at_join <= first + 8, (first, joined.group(0))
