@@ -8,8 +8,8 @@ one of its parts.
 ``--watch`` reads the member list again every ``--interval`` seconds (``MeshReader``, still as
 an observer) and redraws the table of the members' progress, as they publish it in their
 metadata (``ftmesh.cli.live_view``): a ``rich`` live table on a terminal, a block of plain
-lines per read otherwise (``--json``: one JSON list per line), until Ctrl-C or ``--count``
-reads.
+lines per read otherwise (``--json``: one JSON object per read, a line each), until Ctrl-C
+or ``--count`` reads.
 """
 
 from __future__ import annotations
