@@ -17,6 +17,7 @@ from .errors import (
 )
 from .membership.config import MembershipConfig
 from .mesh import Mesh, MeshConfig, open_mesh
+from .mesh_meta import Progress
 from .net.node import Node, NodeConfig, open_node
 from .state import State
 from .sync import SyncMesh, connect
@@ -38,6 +39,7 @@ __all__ = [
     "Node",
     "NodeConfig",
     "PeerLostError",
+    "Progress",
     "RemoteProtocolError",
     "State",
     "SyncMesh",

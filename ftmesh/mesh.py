@@ -14,6 +14,12 @@ call waits and retries on the newer view, up to ``agree_timeout``. A neighbour t
 collective is reported to membership as hard evidence (an immediate probe), and the error is
 raised: whether to retry, and with what inputs, is the caller's decision (see
 ``ftmesh.training``), because an in-place collective may have partly overwritten its input.
+
+Progress: ``report_progress`` (the trainer, after each committed step) keeps the latest
+``Progress``; a task publishes it in our metadata (key ``progress``) at once if nothing was
+published for ``progress_interval`` seconds, else at the end of that interval: each metadata
+change is an incarnation gossiped to every member, so at most one a second, and the last
+value is never lost (``open_mesh`` publishes a pending one as the member leaves).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -45,16 +52,18 @@ from .collective import (
 )
 from .collective.reach import Exclusion, ReachConfig, ReachEvent
 from .collective.transport import Ring
-from .errors import ConfigError, DeadlineExceeded
+from .errors import ConfigError, DeadlineExceeded, LocalUsageError
 from .membership.messages import MemberSnapshot, MemberState
 from .mesh_meta import (
     DATA_KEY,
+    PROGRESS_KEY,
     ROLE_KEY,
     ROLES,
     STATE_BYTES_KEY,
     STATE_KEY,
     MemberInfo,
     MetadataGate,
+    Progress,
 )
 from .mesh_reach import BAD_STATE_REASONS, REACH_KEY, ReachDriver, describe_exclusion, new_queue
 from .net.node import Node, NodeConfig, open_node
@@ -102,12 +111,17 @@ class MeshConfig:
     reach: ReachConfig = field(default_factory=ReachConfig)
     """When a member that membership holds alive is left out of the ring, and re-admitted
     (``ftmesh.collective.reach``)."""
+    progress_interval: float = 1.0
+    """Least seconds between two publications of our progress (``Mesh.report_progress``):
+    each is a metadata change that every member gossips."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.agree_timeout <= 0:
             raise ConfigError("agree_timeout must be positive")
+        if not self.progress_interval > 0:
+            raise ConfigError("progress_interval must be positive")
 
 
 def view_of(
@@ -185,6 +199,13 @@ class Mesh:
         self._latest_view: RingView | None = None  # as of the last event _watch handled
         self.metadata = MetadataGate()
         """Counts (``bad_meta``) and logs members whose metadata does not parse."""
+        self._progress: Progress | None = None  # the latest reported, maybe not published
+        self._progress_due = trio.Event()  # set: a report waits to be published
+        self.progress_published = 0
+        """Metadata updates ``report_progress`` made (at most one per interval)."""
+        self.progress_refused = 0
+        """Progress reports the metadata had no room for (logged once)."""
+        self._meta_changed_at = -math.inf  # trio time of our last metadata change
 
     @property
     def node_id(self) -> str:
@@ -230,13 +251,59 @@ class Mesh:
         """Change our role (``train`` members form the ring); spreads by gossip."""
         if role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
-        me = self.node.me()
-        if me.meta.get(ROLE_KEY) != role:
-            self.node.update_meta({**me.meta, ROLE_KEY: role})
+        if self.node.me().meta.get(ROLE_KEY) != role:
+            self._update_meta({ROLE_KEY: role})
 
     @property
     def role(self) -> str:
         return str(self.node.me().meta.get(ROLE_KEY, ""))
+
+    def report_progress(self, progress: Progress) -> None:
+        """Publish ``progress`` in our metadata (``PROGRESS_KEY``), now or, if we published
+        less than ``progress_interval`` seconds ago, at the end of that interval: the latest
+        value reported by then is the one published. Never blocks."""
+        self._progress = progress
+        self._progress_due.set()
+
+    async def _publish_progress(self) -> None:
+        while True:
+            await self._progress_due.wait()
+            self.flush_progress()
+            await trio.sleep(self.config.progress_interval)
+
+    def flush_progress(self) -> None:
+        """Publish the latest reported progress now, if it is not published yet."""
+        if self._progress_due.is_set():
+            try:
+                self._update_meta({})
+            except LocalUsageError as exc:  # over the metadata size limit with the other keys
+                self.progress_refused += 1
+                if self.progress_refused == 1:  # (then counted, not logged every second)
+                    log.warning("progress not published: %s", exc)
+
+    def _update_meta(self, changes: dict[str, Any]) -> None:
+        """Publish our metadata with ``changes``, and the pending progress report if there is
+        one (one metadata change, one incarnation, for both)."""
+        me = self.node.me()
+        meta = {**me.meta, **changes}
+        if self._progress_due.is_set() and self._progress is not None:
+            self._progress_due = trio.Event()
+            meta[PROGRESS_KEY] = self._progress.encode()
+        if meta != me.meta:
+            self.node.update_meta(meta)
+            self._meta_changed_at = trio.current_time()
+            if meta.get(PROGRESS_KEY) != me.meta.get(PROGRESS_KEY):
+                self.progress_published += 1
+
+    async def _let_metadata_spread(self) -> None:
+        """Before we leave: give our last metadata change (the last step's progress, the
+        ``done`` role) two gossip rounds to spread. The leave that follows has the same
+        incarnation, so a member that hears of the leave first keeps the older metadata."""
+        spread = min(2 * self.config.node.membership.gossip_interval, 1.0)
+        left = self._meta_changed_at + spread - trio.current_time()
+        if left > 0:
+            with trio.CancelScope(shield=True):  # (bounded by ``spread``, at most 1 s)
+                await trio.sleep(left)
 
     async def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
         """Wait until membership has had no event for ``settle`` seconds (at most
@@ -359,15 +426,13 @@ class Mesh:
         )
         self._state_server = server
         host, port = server.address
-        me = self.node.me()
-        self.node.update_meta({**me.meta, STATE_KEY: f"{host}:{port}"})
+        self._update_meta({STATE_KEY: f"{host}:{port}"})
         return host, port
 
     def advertise_state(self, nbytes: int) -> None:
         """Publish the size of the state we would serve (``advertised_state_bytes``)."""
-        me = self.node.me()
-        if me.meta.get(STATE_BYTES_KEY) != nbytes:
-            self.node.update_meta({**me.meta, STATE_BYTES_KEY: nbytes})
+        if self.node.me().meta.get(STATE_BYTES_KEY) != nbytes:
+            self._update_meta({STATE_BYTES_KEY: nbytes})
 
     def advertised_state_bytes(self) -> int:
         """The committed-state size the training members agree on, 0 if none: the largest
@@ -493,9 +558,12 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)
+            nursery.start_soon(mesh._publish_progress)
             try:
                 yield mesh
             finally:
+                mesh.flush_progress()  # the last step, reported while throttled
+                await mesh._let_metadata_spread()
                 nursery.cancel_scope.cancel()
 
 

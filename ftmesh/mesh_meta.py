@@ -10,18 +10,27 @@ the data plane: it is left out of the view, its state server and size hint are i
 role counts as none (see ``DESIGN-NOTES.md``, "Member metadata"). Callers count and log it
 (``Mesh``: ``bad_meta``); nothing raises out of a loop. Keys the mesh does not interpret
 (``--meta`` entries of the user's own) are left alone.
+
+Progress (``PROGRESS_KEY``): a training member publishes how its training goes
+(:class:`Progress`: committed step, step time, share, samples/s, world size, backend, last
+fault) as one compact string, ``Mesh.report_progress`` at most once per
+``MeshConfig.progress_interval``. That is what ``ftmesh status --watch`` and ``ftmesh
+launch``'s view show, and what drives ``launch --kill-at/--join-at``: nothing depends on what
+the training script prints. Metadata values are scalars (``check_meta``), hence the string.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from numbers import Integral, Real
 
-from .errors import RemoteProtocolError
+from .errors import ConfigError, RemoteProtocolError
 from .membership.messages import Address, MemberSnapshot, MemberState, Meta
 
 log = logging.getLogger("ftmesh.mesh")
@@ -39,6 +48,17 @@ ROLE_KEY = "role"
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
 ``done``: finished training, about to leave)."""
 ROLES = ("train", "joining", "starting", "spare", "observer", "done")
+PROGRESS_KEY = "progress"
+"""Member metadata key: the member's training progress, ``Progress.encode()``."""
+MAX_FAULT = 80
+"""Characters of a fault's text kept in ``Progress.fault``: the whole record must stay well
+inside the metadata limits (``MAX_META_BYTES``) next to the other keys."""
+MAX_STEP = 1 << 53
+"""Largest step (or share, world size) a progress record may hold: exact as a float, far above
+any real run; bounds what a peer can make a reader parse."""
+_BACKEND = re.compile(r"[a-z0-9][a-z0-9_+-]{0,15}")
+_UINT = re.compile(r"[0-9]{1,16}")
+_UFLOAT = re.compile(r"[0-9]{1,16}(\.[0-9]{1,16})?(e[+-]?[0-9]{1,3})?")
 
 MAX_HOSTNAME = 253
 """Longest DNS name (RFC 1035). An advertised host is an IPv4 literal or a DNS name; anything
@@ -60,6 +80,73 @@ class BadMetadataError(RemoteProtocolError):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """How a training member's training goes, as of its last committed step (published by
+    ``Mesh.report_progress``, read back as ``MemberInfo.progress``)."""
+
+    step: int
+    """Committed steps."""
+    step_s: float = 0.0
+    """Seconds the last committed step took."""
+    share: int = 0
+    """Samples this member computed in the last committed step (0: a hot spare)."""
+    sps: float = 0.0
+    """Samples per second this member computes (smoothed)."""
+    world: int = 0
+    """Members of the view the last committed step ran on."""
+    backend: str = "tcp"
+    """Collective backend of that step (``tcp``, ``nccl``, ...)."""
+    fault: str = ""
+    """Short text of the last fault (say ``peer lost 3f2a..``); longer text is cut to
+    ``MAX_FAULT`` characters, line breaks become spaces."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fault", " ".join(str(self.fault).split())[:MAX_FAULT])
+        for name in ("step", "share", "world"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Integral) or not 0 <= int(v) <= MAX_STEP:
+                raise ConfigError(f"Progress.{name} must be an int in [0, 2**53], got {v!r}")
+            object.__setattr__(self, name, int(v))  # (numpy ints become ints)
+        for name in ("step_s", "sps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real) or not 0 <= float(v) < math.inf:
+                raise ConfigError(f"Progress.{name} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if not isinstance(self.backend, str) or not _BACKEND.fullmatch(self.backend):
+            raise ConfigError(f"Progress.backend must be a short name, got {self.backend!r}")
+
+    def encode(self) -> str:
+        """The metadata value: ``step|step_s|share|sps|world|backend|fault``."""
+        return (
+            f"{self.step}|{self.step_s:.4g}|{self.share}|{self.sps:.4g}|{self.world}|"
+            f"{self.backend}|{self.fault}"
+        )
+
+    @classmethod
+    def parse(cls, text: object) -> Progress:
+        """``encode``'s output back, or ``BadMetadataError`` (a value from the network)."""
+        what = f"{PROGRESS_KEY}: expected STEP|STEP_S|SHARE|SPS|WORLD|BACKEND|FAULT"
+        if not isinstance(text, str):
+            raise BadMetadataError(f"{what}, got {type(text).__name__}")
+        parts = text.split("|", 6)
+        if len(parts) != 7:
+            raise BadMetadataError(f"{what}, got {text[:80]!r}")
+        step, step_s, share, sps, world, backend, fault = parts
+        ints = (step, share, world)
+        floats = (step_s, sps)
+        if not all(_UINT.fullmatch(v) for v in ints) or not all(
+            _UFLOAT.fullmatch(v) for v in floats
+        ):
+            raise BadMetadataError(f"{what}, got {text[:80]!r}")
+        if len(fault) > MAX_FAULT or not fault.isprintable():
+            raise BadMetadataError(f"{PROGRESS_KEY}: bad fault text {fault[:MAX_FAULT]!r}")
+        try:
+            return cls(int(step), float(step_s), int(share), float(sps), int(world), backend, fault)
+        except ConfigError as exc:
+            raise BadMetadataError(f"{PROGRESS_KEY}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class MemberInfo:
     """One member as the mesh sees it: membership's snapshot plus its validated metadata."""
 
@@ -75,6 +162,8 @@ class MemberInfo:
     """State server address, if it runs one."""
     state_bytes: int | None
     """Advertised committed-state size, if any."""
+    progress: Progress | None = None
+    """Its training progress, if it publishes any (``Mesh.report_progress``)."""
 
 
 def host_port(text: object, what: str) -> Address:
@@ -106,6 +195,7 @@ def read_member(m: MemberSnapshot) -> MemberInfo:
     nbytes = meta.get(STATE_BYTES_KEY)
     if nbytes is not None and (type(nbytes) is not int or nbytes < 0):
         raise BadMetadataError(f"{STATE_BYTES_KEY}: expected a size, got {str(nbytes)[:40]!r}")
+    progress = Progress.parse(meta[PROGRESS_KEY]) if PROGRESS_KEY in meta else None
     return MemberInfo(
         node=m.node,
         name=m.name,
@@ -114,6 +204,7 @@ def read_member(m: MemberSnapshot) -> MemberInfo:
         data=data,
         state_addr=state_addr,
         state_bytes=nbytes,
+        progress=progress,
     )
 
 

@@ -44,6 +44,7 @@ from .errors import FtmeshError, MeshClosedError
 from .job_thread import JobThread
 from .membership.messages import MemberSnapshot, Meta
 from .mesh import Mesh, MeshConfig, open_mesh
+from .mesh_meta import Progress
 from .settings import Settings
 from .state import Lookup, Snapshot, TransferStats
 from .training.start import StartConfig
@@ -226,6 +227,18 @@ class SyncMesh:
     @property
     def role(self) -> str:
         return self.call_sync(lambda: self.mesh.role)
+
+    def report_progress(self, progress: Progress) -> None:
+        """Publish our training progress (see :meth:`Mesh.report_progress`), e.g. after each
+        committed step. Never blocks: it hands ``progress`` to the mesh's thread, from any
+        thread; publishing is rate limited there (``MeshConfig.progress_interval``)."""
+        mesh = self.mesh
+        assert self._token is not None  # (set with _mesh)
+        try:
+            self._token.run_sync_soon(mesh.report_progress, progress)
+        except trio.RunFinishedError:
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
         self.call(self.mesh.wait_quiet, settle, timeout)

@@ -32,6 +32,8 @@ CASES = [
     (["node", "--preset", "fast"], "--preset"),
     (["status", "--discovery", "seeds"], "--join"),
     (["status", "--secret-file", MISSING], "--secret-file"),
+    (["status", "--watch", "--interval", "0"], "--interval"),
+    (["status", "--watch", "--count", "-1"], "--count"),
     (["worker", "examples/no_such_script.py"], "no such script"),
     (["worker", "-m", "no_such_module_here"], "-m"),
     (["worker"], "SCRIPT"),

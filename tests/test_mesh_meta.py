@@ -8,24 +8,29 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftmesh.discovery.base import advert_problem
 from ftmesh.discovery.local import _parse_entry
 from ftmesh.discovery.mdns import parse_txt
-from ftmesh.errors import RemoteProtocolError
+from ftmesh.errors import ConfigError, RemoteProtocolError
 from ftmesh.membership.messages import Alive, MemberSnapshot, MemberState
 from ftmesh.membership.wire import PacketCodec
 from ftmesh.mesh import view_of
 from ftmesh.mesh_meta import (
     DATA_KEY,
+    MAX_FAULT,
+    MAX_STEP,
+    PROGRESS_KEY,
     ROLE_KEY,
     ROLES,
     STATE_BYTES_KEY,
     STATE_KEY,
     BadMetadataError,
     MetadataGate,
+    Progress,
     advertises_state,
     host_port,
     read_member,
@@ -52,11 +57,32 @@ _addresses = st.one_of(
     st.text(max_size=30),
     st.sampled_from(["garbage", ":", "1.2.3.4:", ":80", "1.2.3.4:0", "1.2.3.4:65536", "a b:1"]),
 )
+_fields_of_progress = st.one_of(
+    st.sampled_from(["0", "12", "1e3", "0.5", "1e-9", "-1", "nan", "inf", "1e999", "tcp", "TCP"]),
+    st.sampled_from(["", " 1", "1_0", "99999999999999999", "1.5e+400", "9007199254740993"]),
+    st.text(max_size=8),
+)
+_progress = st.one_of(
+    st.lists(_fields_of_progress, min_size=5, max_size=8).map("|".join),
+    st.builds(
+        Progress,
+        st.integers(0, MAX_STEP),
+        st.floats(0, 1e9),
+        st.integers(0, MAX_STEP),
+        st.floats(0, 1e12),
+        st.integers(0, MAX_STEP),
+        st.sampled_from(["tcp", "nccl", "host+tcp"]),
+        st.text(max_size=200),
+    ).map(Progress.encode),
+    st.text(max_size=60).map(lambda t: f"1|0.5|2|3.0|2|tcp|{t}"),  # the free-text field
+    _scalars,
+)
 _values = {
     ROLE_KEY: st.one_of(st.sampled_from([*ROLES, "", "Train"]), _scalars),
     DATA_KEY: st.one_of(_addresses, _scalars),
     STATE_KEY: st.one_of(_addresses, _scalars),
     STATE_BYTES_KEY: st.one_of(st.integers(-3, 2**62), _scalars),
+    PROGRESS_KEY: _progress,
     "user": _scalars,
 }
 _meta = st.fixed_dictionaries({}, optional=_values)
@@ -99,6 +125,12 @@ def test_every_metadata_key_parses_or_is_refused(meta: dict[str, Any]) -> None:
     for addr in (info.data, info.state_addr):
         assert addr is None or (isinstance(addr[0], str) and 0 < addr[1] < 65536)
     assert info.state_bytes is None or (type(info.state_bytes) is int and info.state_bytes >= 0)
+    p = info.progress
+    if p is not None:
+        assert all(type(v) is int and 0 <= v <= MAX_STEP for v in (p.step, p.share, p.world))
+        assert all(type(v) is float and 0 <= v < float("inf") for v in (p.step_s, p.sps))
+        assert len(p.fault) <= MAX_FAULT and p.fault.isprintable()
+        assert Progress.parse(p.encode()).step == p.step  # what a reader shows, re-published
     view = view_of([m], gate=gate)
     assert gate.bad_meta == 0
     assert (view is not None) == (info.role == "train")
@@ -203,3 +235,29 @@ def test_registry_entries_parse_or_are_refused(entry: dict[str, Any]) -> None:
     except (ValueError, TypeError, RecursionError):
         return
     assert advert_problem(parsed.advert) is None and 1 <= parsed.pid < 2**31
+
+
+def test_progress_is_checked_where_it_is_made_and_where_it_is_read() -> None:
+    p = Progress(12, 0.031, 16, 512.3, 3, "nccl", "peer lost\n3f2a " + "x" * 200)
+    assert len(p.fault) == MAX_FAULT and "\n" not in p.fault
+    assert Progress.parse(p.encode()) == p
+    for bad in ({"step": -1}, {"step": True}, {"step": 1.5}, {"step_s": float("nan")},
+                {"sps": float("inf")}, {"world": MAX_STEP + 1}, {"backend": "TCP"},
+                {"backend": ""}):  # fmt: skip
+        with pytest.raises(ConfigError):
+            Progress(**{"step": 1, **bad})  # type: ignore[arg-type]
+    long_fault = "1|0|0|0|0|tcp|" + "y" * (MAX_FAULT + 1)
+    for text in ("1|2|3", "x|0|0|0|0|tcp|", "1|nan|0|0|0|tcp|", "1|0|0|0|0|tcp|\x00",
+                 long_fault, 7, None, "1|1e999|0|0|0|tcp|"):  # fmt: skip
+        m = MemberSnapshot(
+            node=ID,
+            name="n",
+            addr=("127.0.0.1", 7000),
+            incarnation=1,
+            state=MemberState.ALIVE,
+            meta={ROLE_KEY: "train", DATA_KEY: "127.0.0.1:9000", PROGRESS_KEY: text},
+        )
+        with pytest.raises(BadMetadataError, match=PROGRESS_KEY):
+            read_member(m)
+        gate = MetadataGate()
+        assert gate.usable([m]) == [] and gate.bad_meta == 1

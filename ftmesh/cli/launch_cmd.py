@@ -10,23 +10,32 @@ with GPUs, ``CUDA_VISIBLE_DEVICES`` (the slot's GPU, see ``ftmesh.cli.devices``)
 free one), and with seeds the first N workers' addresses are every worker's seeds, so other
 hosts can join through the first one.
 
-A training script reports progress by printing lines ``FTMESH {json}`` with at least ``step``
-(committed steps); everything else it prints goes to its log file. ``--kill-at STEP`` kills a
-random training worker with SIGKILL once any worker has committed STEP steps; kills given the
+The launcher follows the training from the mesh itself: it reads the workers' member list
+as an observer (``ftmesh.cli.live_view.BackgroundReader``: an observer push-pull a few times a
+second; it never joins) and takes each worker's committed step, world size, share, step time,
+samples/s, backend and last fault from the progress the worker publishes in its metadata
+(``Mesh.report_progress``, which the trainer calls after each committed step), so a script
+that prints nothing gets the same view. A training script *may* also print lines ``FTMESH
+{json}`` (``PROGRESS_PREFIX``; keys ``step``, ``loss``, ``members``, ``share``, ``done``): an
+extra channel, merged with the mesh's (the larger step wins), and the only source of
+``loss``; everything else it prints goes to its log file. ``--kill-at STEP`` kills a random
+training worker with SIGKILL once any worker has committed STEP steps; kills given the
 same STEP happen together, and are deferred until more workers than that train, so at least
-one survives; ``--join-at STEP`` starts a new worker then, and ``--respawn`` replaces a worker
-that died. The first N workers start together (``start_peers`` = N unless ``--start-peers``
-says otherwise); workers added later only join the running mesh (``join_running``): one that
-arrives after training ended exits cleanly, and no worker is added once it has. The launcher
-shows a live view (``rich``; plain lines without a terminal), keeps every worker's log, runs
-until the workers are done (``--timeout``: a limit, none by default) and exits non-zero,
-naming the worker and showing its traceback, when a worker it did not kill fails.
+one survives; ``--join-at STEP`` starts a new worker then (the view says it *joins* at its
+first committed step), and ``--respawn`` replaces a worker that died. The first N workers
+start together (``start_peers`` = N unless ``--start-peers`` says otherwise); workers added
+later only join the running mesh (``join_running``): one that arrives after training ended
+exits cleanly, and no worker is added once it has. The launcher shows a live view (``rich``;
+plain lines without a terminal), keeps every worker's log, reports every worker's exit (in
+the view when it happens, and in the final summary), warns about a ``--kill-at`` or
+``--join-at`` that never fired, runs until the workers are done (``--timeout``: a limit, none
+by default) and exits non-zero, naming the worker and showing its traceback, when a worker it
+did not kill fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -44,8 +53,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import ConfigError
+from ..membership.messages import MemberState
 from ..settings import DEFAULT_MESH, ENV, Settings
 from .devices import free_slot, visible_gpus, worker_env
+from .live_view import BackgroundReader, MemberRow, MeshReader, live_view_available
 from .main import MEMBER_FLAGS, add_settings_args, settings_from_args
 from .worker_cmd import Target, add_target_args, add_worker_parser
 
@@ -55,6 +66,10 @@ MAX_FRUITLESS_RESPAWNS = 3
 is not respawned again: a script that cannot start would otherwise restart forever."""
 STOP_GRACE_S = 5.0
 """Seconds a worker the launcher stops gets between SIGTERM and SIGKILL."""
+POLL_S = 0.25
+"""Seconds between two reads of the workers' member list (one observer push-pull each)."""
+READ_TIMEOUT_S = 1.0
+"""Seconds one member gets to answer a read before the next one is asked."""
 
 
 @dataclass
@@ -73,12 +88,18 @@ class Worker:
     replaced: bool = False
     """It died and ``--respawn`` started another worker in its slot."""
     step: int = 0
+    """Its committed steps: the larger of what the mesh and its ``FTMESH`` records say."""
     progressed: bool = False
     loss: float | None = None
     members: int = 0
+    """The world size of its last committed step."""
     done: bool = False
     spare: bool = False
     """Its last step computed no samples (a hot spare): not a kill victim."""
+    mesh: MemberRow | None = None
+    """Its member as the last read of the mesh showed it (``None``: not seen yet)."""
+    joined: bool = False
+    """A joiner whose first committed step the view has shown."""
     reported: bool = False
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     output: list[str] = field(default_factory=list)
@@ -96,6 +117,35 @@ class Worker:
     def died(self) -> bool:
         """It ended without finishing: killed, crashed, or exited non-zero."""
         return not self.running and not self.stopped and self.proc.returncode != 0
+
+    def exit_text(self) -> str:
+        """How it ended (``running`` if it has not)."""
+        rc = self.proc.returncode
+        if rc is None:
+            return "running"
+        how = f"exit code {rc}"
+        if rc < 0:
+            try:
+                how = f"signal {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"signal {-rc}"
+        if self.killed:
+            return f"killed by the launcher ({how})"
+        if self.stopped:
+            return f"stopped by the launcher ({how})"
+        return how
+
+    def observe(self, row: MemberRow) -> None:
+        """Take what the mesh says of it: its published progress and role."""
+        self.mesh = row
+        p = None if row.info is None else row.info.progress
+        if p is not None and p.step >= self.step:
+            self.step = p.step
+            self.progressed = self.progressed or p.step > 0
+            self.members = p.world
+            self.spare = p.share == 0
+        if row.info is not None and row.info.role == "done":
+            self.done = True
 
 
 def add_launch_parser(sub: Any) -> None:
@@ -148,12 +198,6 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def live_view_available() -> bool:
-    """Whether ``rich`` is installed (it is a dependency; a stripped install falls back to
-    plain progress lines)."""
-    return importlib.util.find_spec("rich") is not None
-
-
 class Launcher:
     def __init__(self, args: argparse.Namespace, out: TextIO) -> None:
         if args.nprocs < 1:
@@ -170,6 +214,9 @@ class Launcher:
         self._kill_deferred = False
         self._fruitless: dict[int, int] = {}  # slot -> replacements in a row without a step
         self.events: deque[str] = deque(maxlen=8)
+        self.view: BackgroundReader | None = None
+        """Reads the workers' mesh (started by ``run``)."""
+        self._view_lost = False
         self.t0 = time.monotonic()
         self.deadline = float("inf") if args.timeout is None else self.t0 + args.timeout
         """When the launcher stops every worker (``--timeout``; by default never)."""
@@ -274,7 +321,7 @@ class Launcher:
             return
         if not isinstance(rec, dict):
             return
-        if isinstance(rec.get("step"), int):
+        if isinstance(rec.get("step"), int) and rec["step"] >= w.step:
             w.step = rec["step"]
             w.progressed = True
         if isinstance(rec.get("loss"), int | float):
@@ -321,14 +368,14 @@ class Launcher:
                 live.remove(victim)
                 victim.killed = True
                 os.killpg(victim.proc.pid, signal.SIGKILL)
-                self.event(f"step {step}: kill -9 {victim.name}")
+                self.event(f"step {step}: kill -9 {victim.name} (at its step {victim.step})")
         while self.joins and step >= self.joins[0]:
             self.joins.pop(0)
             if self.finished():
                 self.event(f"step {step}: no worker joins: the training has finished")
                 continue
             w = self.start_worker(joiner=True)
-            self.event(f"step {step}: {w.name} joins")
+            self.event(f"step {step}: {w.name} started to join (it joins at its first step)")
 
     def respawn(self) -> None:
         """``--respawn``: a worker that died is replaced by a new member in its slot."""
@@ -358,45 +405,111 @@ class Launcher:
                 os.killpg(w.proc.pid, signal.SIGTERM)
                 self.event(f"{w.name} arrived after the training ended: stopped")
 
+    def observe(self) -> None:
+        """Take the latest read of the mesh: every worker's published progress, and the
+        joiners that took their first step (that is when they join)."""
+        rows = self.view.latest if self.view is not None else None
+        if self.view is not None and self.view.error is not None and not self._view_lost:
+            self._view_lost = True
+            self.event(f"the view stopped reading the mesh: {self.view.error!r}")
+        by_name: dict[str, MemberRow] = {}
+        for row in rows or ():
+            old = by_name.get(row.name)  # (a name twice: another launch on the same mesh)
+            if old is None or row.snapshot.state == MemberState.ALIVE:
+                by_name[row.name] = row
+        for w in self.workers:
+            if w.name in by_name:
+                w.observe(by_name[w.name])
+            if w.joiner and w.progressed and not w.joined:
+                w.joined = True
+                self.event(f"step {w.step}: {w.name} joins (world {w.members})")
+
+    def reap(self) -> None:
+        """Report every worker that ended since the last call, however it ended."""
+        for w in self.workers:
+            since = w.stopped_at
+            if since is not None and w.running and time.monotonic() - since > STOP_GRACE_S:
+                os.killpg(w.proc.pid, signal.SIGKILL)  # SIGTERM was not enough
+            rc = w.proc.poll()
+            if rc is None or w.reported:
+                continue
+            w.reported = True
+            if rc == 0 and w.progressed and not w.stopped:
+                w.done = True  # it trained and ended well: it finished
+            self.event(f"{w.name} ended: {w.exit_text()} at step {w.step}")
+
+    def state_of(self, w: Worker) -> str:
+        """What the view says a worker is doing."""
+        rc = w.proc.returncode
+        if rc is not None:  # (short: the summary says it in full)
+            if w.killed or w.stopped:
+                return "killed" if w.killed else "stopped"
+            return "done" if rc == 0 and w.done else w.exit_text()
+        if w.stopped:
+            return "stopping"
+        role = "" if w.mesh is None or w.mesh.info is None else w.mesh.info.role
+        if w.joiner and not w.joined:
+            return "joining"
+        if w.spare or role == "spare":
+            return "spare"
+        return role or "starting"
+
+    def world(self) -> int:
+        """The world size of the newest committed step a running worker published."""
+        live = [w for w in self.workers if w.running and w.progressed]
+        return max(live, key=lambda w: w.step).members if live else 0
+
     def render(self) -> Any:
         from rich.console import Group
         from rich.table import Table
         from rich.text import Text
 
         table = Table(title=f"ftmesh launch: {' '.join(self.target.argv())}", expand=False)
-        for col in ("worker", "pid", "state", "step", "loss", "members"):
+        columns = ("worker", "pid", "state", "step", "world", "share", "step time")
+        for col in (*columns, "samples/s", "backend", "loss", "last fault"):
             table.add_column(col)
         for w in self.workers:
-            state = (
-                "killed"
-                if w.killed
-                else "stopped"
-                if w.stopped
-                else "done"
-                if w.done and not w.running
-                else "running"
-                if w.running
-                else f"exit {w.proc.returncode}"
-            )
+            p = None if w.mesh is None or w.mesh.info is None else w.mesh.info.progress
             table.add_row(
                 w.name,
                 str(w.proc.pid),
-                state,
+                self.state_of(w),
                 str(w.step),
-                "" if w.loss is None else f"{w.loss:.4f}",
                 str(w.members),
+                "-" if p is None else str(p.share),
+                "-" if p is None else f"{p.step_s * 1000:.0f}ms",
+                "-" if p is None else f"{p.sps:.1f}",
+                "-" if p is None else p.backend,
+                "" if w.loss is None else f"{w.loss:.4f}",
+                "-" if p is None or not p.fault else p.fault,
             )
         elapsed = time.monotonic() - self.t0
         rate = self.committed() / elapsed if elapsed > 0 else 0.0
-        head = Text(f"committed steps {self.committed()}  ({rate:.1f} steps/s)")
+        head = Text(
+            f"committed steps {self.committed()}  ({rate:.1f} steps/s)  world {self.world()}"
+        )
         return Group(head, table, Text("\n".join(self.events)))
+
+    def line(self) -> str:
+        """The plain view: the newest step and its world, each running worker's
+        ``step/world`` as it published them, live workers, the latest loss."""
+        running = [w for w in self.workers if w.running]
+        each = "  ".join(f"{w.name} {w.step}/{w.members}" for w in running if w.progressed)
+        loss = next((w.loss for w in reversed(self.workers) if w.loss is not None), None)
+        return (
+            f"  step {self.committed()}  world {self.world()}  [{each}]  live workers "
+            f"{len(running)}  loss {'-' if loss is None else f'{loss:.4f}'}"
+        )
 
     def run(self) -> int:
         registry = tempfile.mkdtemp(prefix="ftmesh-launch-") if self._private_registry else None
         self.settings = self.settings.replace(registry_dir=registry)
+        mesh = self.settings.mesh or DEFAULT_MESH
+        self.view = BackgroundReader(MeshReader(self.settings, mesh, READ_TIMEOUT_S), POLL_S)
         try:
             for _ in range(self.args.nprocs):
                 self.start_worker(joiner=False)
+            self.view.start()
             if not self.args.no_live and self.out.isatty() and live_view_available():
                 from rich.live import Live
 
@@ -406,6 +519,7 @@ class Launcher:
                 rc = self._loop(None)
             return self._report(rc)
         finally:
+            self.view.close()
             for w in self.workers:
                 if w.running:
                     os.killpg(w.proc.pid, signal.SIGKILL)
@@ -418,33 +532,27 @@ class Launcher:
         while any(w.running for w in self.workers):
             if time.monotonic() > self.deadline:
                 self.event(f"timeout after {self.args.timeout:.0f}s: stopping every worker")
+                for w in self.workers:
+                    if w.running:
+                        w.stopped_at = time.monotonic()
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                        w.proc.wait()
+                self.reap()
                 return 124
+            self.observe()
             self.chaos()
             if self.args.respawn:
                 self.respawn()
             self.stop_latecomers()
-            for w in self.workers:
-                since = w.stopped_at
-                if since is not None and w.running and time.monotonic() - since > STOP_GRACE_S:
-                    os.killpg(w.proc.pid, signal.SIGKILL)  # SIGTERM was not enough
-                rc = w.proc.poll()
-                if rc is not None and not w.reported:
-                    w.reported = True
-                    if not w.killed and not w.stopped:
-                        self.event(f"{w.name} exited with code {rc} at step {w.step}")
+            self.reap()
             if refresh is not None:
                 refresh()
-            elif time.monotonic() - last_line > 2.0:
+            elif time.monotonic() - last_line > 1.0:
                 last_line = time.monotonic()
-                live = sum(w.running for w in self.workers)
-                loss = next((w.loss for w in reversed(self.workers) if w.loss is not None), None)
-                print(
-                    f"  step {self.committed()}  live workers {live}  loss "
-                    f"{'-' if loss is None else f'{loss:.4f}'}",
-                    file=self.out,
-                    flush=True,
-                )
+                print(self.line(), file=self.out, flush=True)
             time.sleep(0.05)
+        self.observe()
+        self.reap()  # the exits of the last tick
         return 0
 
     def _report(self, rc: int) -> int:
@@ -455,6 +563,24 @@ class Launcher:
         failed = [w for w in ended if w.proc.returncode != 0]
         ok = [w for w in ended if w.proc.returncode == 0]
         print(f"logs: {self.log_dir}", file=self.out)
+        print("workers:", file=self.out)
+        for w in self.workers:
+            more = ", replaced" if w.replaced else ""
+            ended_as = f"{w.exit_text()} at step {w.step}{more}"
+            print(f"  {w.name} (pid {w.proc.pid}): {ended_as}", file=self.out)
+        for what, pending in (("--kill-at", self.kills), ("--join-at", self.joins)):
+            if pending:
+                hint = (
+                    ": no worker reported a committed step (the script neither reports"
+                    " progress to the mesh, see Mesh.report_progress, nor prints FTMESH records)"
+                    if not any(w.progressed for w in self.workers)
+                    else ""
+                )
+                print(
+                    f"warning: {what} {', '.join(map(str, pending))} never fired: the workers"
+                    f" committed {self.committed()} steps{hint}",
+                    file=self.out,
+                )
         for w in failed:
             what = "died and was replaced" if w.replaced else "failed"
             print(

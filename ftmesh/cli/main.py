@@ -149,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_args(status, MESH_FLAGS, discovery="local")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to search")
+    status.add_argument(
+        "--watch",
+        action="store_true",
+        help="redraw the members' progress (step, step time, share, samples/s, world, backend,"
+        " last fault) until Ctrl-C",
+    )
+    status.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="seconds between --watch reads"
+    )
+    status.add_argument(
+        "--count", type=int, default=0, metavar="N", help="--watch: stop after N reads (0: never)"
+    )
 
     from .lab_cmd import add_lab_parser
     from .launch_cmd import add_launch_parser

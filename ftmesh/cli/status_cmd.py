@@ -4,77 +4,40 @@ After the members it warns (on stderr) about a mesh that did not form as its mem
 told: a member that expects more members (``--start-peers``, metadata ``expect``) than the
 mesh holds, and members still waiting to start. That is what a split looks like from inside
 one of its parts.
+
+``--watch`` reads the member list again every ``--interval`` seconds (``MeshReader``, still as
+an observer) and redraws the table of the members' progress, as they publish it in their
+metadata (``ftmesh.cli.live_view``): a ``rich`` live table on a terminal, a block of plain
+lines per read otherwise (``--json``: one JSON object per read, a line each), until Ctrl-C
+or ``--count`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
-import random
 import sys
 import time
+from typing import Any
 
 import trio
 
-from ..discovery import make_discovery
-from ..errors import ConfigError, FtmeshError, RemoteProtocolError
-from ..membership.messages import Address, MemberSnapshot, MemberState, PushPull
-from ..membership.wire import PacketCodec
+from ..errors import ConfigError, FtmeshError
+from ..membership.messages import MemberSnapshot, MemberState
 from ..mesh_meta import BadMetadataError, read_member, role_of
-from ..net.frames import exchange_push_pull
-from ..security import MeshAuth
-from ..settings import DEFAULT_MESH, EXPECT_KEY, Settings
+from ..settings import DEFAULT_MESH, EXPECT_KEY
+from .live_view import (
+    MemberRow,
+    MeshReader,
+    live_view_available,
+    member_rows,
+    plain_table,
+    rich_table,
+)
 from .main import settings_from_args
-
-CLOCK_NOTE = 1.0
-"""Seconds of clock difference with the member read that ``status`` mentions."""
-MAX_CONTACTS = 8
-"""Members tried before giving up: a few may have just died, more means no mesh is there."""
-
-
-async def fetch_members(
-    addrs: list[Address], mesh: str, auth: MeshAuth, timeout: float
-) -> list[MemberSnapshot]:
-    """The member list of the first reachable address, read without joining."""
-    codec = PacketCodec(mesh, auth)
-    me = PushPull(source=os.urandom(16).hex(), members=(), observer=True)
-    errors = []
-    for addr in addrs[:MAX_CONTACTS]:
-        try:
-            reply = await exchange_push_pull(addr, codec, me, timeout, time.time)
-        except (OSError, trio.TooSlowError, RemoteProtocolError, trio.BrokenResourceError) as exc:
-            errors.append(f"{addr[0]}:{addr[1]}: {exc!r}")
-            continue
-        off = reply.clock_offset
-        if off is not None and abs(off) > CLOCK_NOTE:
-            side = "ahead of" if off > 0 else "behind"
-            print(
-                f"note: the clock of {addr[0]}:{addr[1]} is {abs(off):.1f} s {side} this "
-                "machine's (the mesh copes; logs are easier to compare with synced clocks)",
-                file=sys.stderr,
-            )
-        return list(reply.push_pull.members)
-    raise FtmeshError(
-        f"no member of mesh {mesh!r} answered" + (f" ({'; '.join(errors)})" if errors else "")
-    )
-
-
-async def _find(settings: Settings, mesh: str, timeout: float) -> list[Address]:
-    kind = settings.discovery_kind("local")
-    if kind in ("seeds", "none") and not settings.seeds():
-        raise ConfigError(
-            f"status with {kind} discovery needs a member to ask: pass --join HOST:PORT"
-        )
-    discovery = make_discovery(
-        "seeds" if kind == "none" else kind,
-        seeds=settings.seeds(),
-        interface_ip=settings.mdns_interface() if kind == "mdns" else None,
-        registry_dir=settings.registry_dir,
-    )
-    found = [(a.host, a.port) for a in await discovery.browse(mesh, timeout)]
-    random.shuffle(found)
-    return found
 
 
 def formation_warnings(members: list[MemberSnapshot]) -> list[str]:
@@ -127,34 +90,30 @@ def _table(members: list[MemberSnapshot]) -> str:
     )
 
 
+def _json(members: list[MemberSnapshot]) -> list[dict[str, Any]]:
+    return [
+        {
+            "node": m.node,
+            "name": m.name,
+            "addr": f"{m.addr[0]}:{m.addr[1]}",
+            "state": MemberState(m.state).name.lower(),
+            "incarnation": m.incarnation,
+            "meta": m.meta,
+            **({"problem": p} if (p := problem(m)) else {}),
+        }
+        for m in members
+    ]
+
+
 async def _amain(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, os.environ)
     mesh = settings.mesh if settings.mesh is not None else DEFAULT_MESH
-    auth = settings.auth()
-    addrs = await _find(settings, mesh, args.timeout)
-    if not addrs:
-        raise FtmeshError(
-            f"no member of mesh {mesh!r} found by {settings.discovery_kind('local')} discovery"
-        )
-    members = await fetch_members(addrs, mesh, auth, args.timeout)
+    reader = MeshReader(settings, mesh, args.timeout)
+    if args.watch:
+        return await _watch(args, reader, mesh)
+    members = await reader.read()
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "node": m.node,
-                        "name": m.name,
-                        "addr": f"{m.addr[0]}:{m.addr[1]}",
-                        "state": MemberState(m.state).name.lower(),
-                        "incarnation": m.incarnation,
-                        "meta": m.meta,
-                        **({"problem": p} if (p := problem(m)) else {}),
-                    }
-                    for m in members
-                ],
-                indent=2,
-            )
-        )
+        print(json.dumps(_json(members), indent=2))
     else:
         print(_table(members))
     for warning in formation_warnings(members):
@@ -162,5 +121,68 @@ async def _amain(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _watch(args: argparse.Namespace, reader: MeshReader, mesh: str) -> int:
+    """Read and show the members every ``--interval`` seconds, ``--count`` times (0: until
+    Ctrl-C). A read no member answers is shown as such; the next one tries again."""
+    if not args.interval > 0:
+        raise ConfigError(f"--interval must be positive, got {args.interval}")
+    if args.count < 0:
+        raise ConfigError(f"--count must be 0 (no limit) or more, got {args.count}")
+    live = None
+    with contextlib.ExitStack() as stack:
+        if not args.json and sys.stdout.isatty() and live_view_available():
+            from rich.live import Live
+
+            live = stack.enter_context(Live(auto_refresh=False))
+        done = 0
+        while args.count == 0 or done < args.count:
+            started = trio.current_time()
+            try:
+                members = await reader.read()
+            except FtmeshError as exc:
+                members, error = [], str(exc)
+            else:
+                error = ""
+            done += 1
+            title = f"mesh {mesh} at {time.strftime('%H:%M:%S')}: {len(members)} members"
+            rows = member_rows(members)
+            if args.json:
+                print(json.dumps({"time": time.time(), "members": _watch_json(rows)}))
+            elif live is not None:
+                from rich.console import Group
+                from rich.text import Text
+
+                live.update(Group(rich_table(rows, title), Text(error)), refresh=True)
+            else:
+                print(f"{title}\n{plain_table(rows)}" + (f"\n{error}" if error else "") + "\n")
+            sys.stdout.flush()
+            if args.count == 0 or done < args.count:
+                await trio.sleep_until(started + args.interval)
+    return 0
+
+
+def _watch_json(rows: list[MemberRow]) -> list[dict[str, Any]]:
+    """``--watch --json``: each member with its validated progress."""
+    out = []
+    for row in rows:
+        p = None if row.info is None else row.info.progress
+        out.append(
+            {
+                "name": row.name,
+                "node": row.snapshot.node,
+                "state": row.state,
+                "role": None if row.info is None else row.info.role,
+                "progress": None if p is None else dataclasses.asdict(p),
+                **({"problem": row.problem} if row.problem else {}),
+            }
+        )
+    return out
+
+
 def run_status(args: argparse.Namespace) -> int:
-    return trio.run(_amain, args)
+    try:
+        return trio.run(_amain, args)
+    except KeyboardInterrupt:  # Ctrl-C ends --watch
+        if not args.watch:
+            raise
+        return 0

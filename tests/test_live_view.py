@@ -1,0 +1,205 @@
+"""The live view from the mesh itself (issue #16): members publish their progress in their
+metadata (``report_progress``, rate limited), ``ftmesh status --watch`` shows it, and
+``ftmesh launch`` drives its view, ``--kill-at`` and ``--join-at`` from it, with a training
+script that prints nothing (``tests/scripts/silent_worker.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from tests_support import ROOT, local_mesh_config
+
+from ftmesh import Progress, SyncMesh
+from ftmesh.mesh_meta import PROGRESS_KEY, read_member
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+SILENT = str(ROOT / "tests" / "scripts" / "silent_worker.py")
+T = TypeVar("T")
+
+
+def _until(what: Callable[[], T | None], timeout: float, why: str) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got is not None:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout}s: {why}")
+
+
+def _published(mesh: SyncMesh) -> str:
+    return str(mesh.call_sync(lambda: mesh.mesh.node.me().meta.get(PROGRESS_KEY, "")))
+
+
+def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    base = local_mesh_config(registry, "watch")
+    interval = base.progress_interval
+    a_cfg, b_cfg = (replace(base, node=replace(base.node, name=n)) for n in ("m0", "m1"))
+    with SyncMesh.start(a_cfg) as a, SyncMesh.start(b_cfg) as b:
+        a.wait_view(min_members=2, timeout=30)
+        a.report_progress(Progress(1, 0.01, 4, 400.0, 2))
+        _until(lambda: _published(a).startswith("1|") or None, 5, "the first report, at once")
+        t_first = time.monotonic()
+        for step in range(2, 51):  # a burst within the interval: only the last one counts
+            a.report_progress(Progress(step, 0.01, 4, 400.0, 2))
+        if time.monotonic() - t_first < interval / 2:
+            time.sleep(0.05)
+            assert _published(a).startswith("1|"), "published again within the interval"
+        _until(
+            lambda: _published(a).startswith("50|") or None,
+            interval + 3,
+            "the latest report, at the end of the interval",
+        )
+        time.sleep(interval * 1.2)
+        assert a.mesh.progress_published == 2, a.mesh.progress_published
+        # b learns it through gossip, validated like every other key.
+        b.report_progress(Progress(7, 0.02, 4, 200.0, 2, "tcp", "peer lost 3f2a"))
+
+        def a_seen_by_b(step: int) -> Progress | None:
+            m0 = [read_member(m) for m in b.members() if m.name == "m0"]
+            p = m0[0].progress if m0 else None
+            return p if p is not None and p.step == step else None
+
+        assert _until(lambda: a_seen_by_b(50), 10, "m1 sees m0's progress").world == 2
+        res = subprocess.run(
+            [sys.executable, "-m", "ftmesh", "status", "--watch", "--count", "2",
+             "--interval", "0.5", "--mesh", "watch", "--registry-dir", str(registry)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )  # fmt: skip
+        as_json = subprocess.run(
+            [sys.executable, "-m", "ftmesh", "status", "--watch", "--count", "1", "--json",
+             "--mesh", "watch", "--registry-dir", str(registry)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )  # fmt: skip
+        (read,) = [json.loads(line) for line in as_json.stdout.splitlines()]
+        by_name = {m["name"]: m for m in read["members"]}
+        assert by_name["m0"]["progress"]["step"] == 50 and by_name["m0"]["role"] == "train"
+        assert by_name["m1"]["progress"]["fault"] == "peer lost 3f2a"
+        # The README's command as written (the mesh from the environment) runs until Ctrl-C.
+        env = {**os.environ, "FTMESH_MESH": "watch", "FTMESH_REGISTRY_DIR": str(registry)}
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "ftmesh", "status", "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        guard = threading.Timer(60, watch.kill)  # (a read that never comes ends the test)
+        guard.start()
+        try:
+            assert watch.stdout is not None
+            first = ""
+            while (line := watch.stdout.readline()) not in ("", "\n"):  # one read's block
+                first += line
+            watch.send_signal(signal.SIGINT)
+            _, err = watch.communicate(timeout=30)
+        finally:
+            guard.cancel()
+        # A step reported while throttled, just before leaving, is not lost: it goes out
+        # with the leave.
+        a.report_progress(Progress(51, 0.01, 4, 400.0, 2))
+        a.report_progress(Progress(52, 0.01, 4, 400.0, 2))
+        a.close()
+        last = _until(lambda: (p := a_seen_by_b(52)) and p, 10, "m0's last step, as it left")
+        assert last.step == 52
+    assert watch.returncode == 0 and "Traceback" not in err, (watch.returncode, err)
+    assert first.startswith("mesh watch at ") and "m0  " in first and "m1  " in first, first
+    assert res.returncode == 0, res.stdout + res.stderr
+    blocks = [b for b in res.stdout.split("\n\n") if b.strip()]
+    assert len(blocks) == 2, res.stdout
+    for block in blocks:
+        assert block.startswith("mesh watch at ") and ": 2 members" in block, block
+        rows = {line.split()[0]: line.split() for line in block.splitlines()[1:]}
+        assert rows["NAME"][:4] == ["NAME", "STATE", "ROLE", "STEP"], block
+        assert rows["m0"][:4] == ["m0", "alive", "train", "50"], block
+        assert rows["m0"][6:9] == ["400.0", "2", "tcp"], block
+        assert rows["m1"][:4] == ["m1", "alive", "train", "7"], block
+        assert " ".join(rows["m1"][9:]) == "peer lost 3f2a", block
+
+
+def _records(path: Path) -> dict[str, dict[int, int]]:
+    """Each worker's own records: step -> world size (a killed worker's last line may be cut
+    short: it is not a record)."""
+    out: dict[str, dict[int, int]] = {}
+    for f in path.glob("w*.jsonl"):
+        out[f.stem] = {}
+        for line in f.read_text().splitlines():
+            if line.endswith("}"):
+                r = json.loads(line)
+                out[f.stem][r["step"]] = r["world"]
+    return out
+
+
+def test_launch_view_kill_and_join_of_a_script_that_prints_nothing(tmp_path: Path) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    env = {**os.environ, "SILENT_RECORDS": str(records), "SILENT_STEPS": "44"}
+    res = subprocess.run(
+        [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp_path / "logs"),
+         "-n", "3", "--kill-at", "8", "--join-at", "12", SILENT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )  # fmt: skip
+    out = res.stdout
+    assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]
+    for log in (tmp_path / "logs").glob("w*.log"):
+        assert "FTMESH " not in log.read_text(), f"{log} printed progress records"
+    own = _records(records)
+    assert sorted(own) == ["w0", "w1", "w2", "w3"], out[-3000:]
+    # The kill fired once the members' published steps reached 8, not before.
+    kill = re.search(r"step (\d+): kill -9 (w\d) \(at its step (\d+)\)", out)
+    assert kill, out[-3000:]
+    at, victim = int(kill.group(1)), kill.group(2)
+    assert 8 <= at <= 20 and victim in ("w0", "w1", "w2"), kill.group(0)
+    assert 8 <= max(own[victim]) <= at + 12, (at, max(own[victim]))
+    # The joiner was started at 12 (or a little later) and "joins" at its own first committed step.
+    started = re.search(r"step (\d+): w3 started to join", out)
+    joined = re.search(r"step (\d+): w3 joins \(world (\d+)\)", out)
+    assert started and joined, out[-3000:]
+    first, at_join = min(own["w3"]), int(joined.group(1))
+    assert int(started.group(1)) >= 12 and first >= int(started.group(1)), (started, first)
+    # (the first step it published; the launcher reads a few times a second: at most a few
+    # steps later under load)
+    assert first <= at_join <= first + 8, (first, joined.group(0))
+    assert int(joined.group(2)) == own["w3"][at_join] == 3
+    # Every world size the view showed is the one that member recorded for that step.
+    shown = re.findall(r"(w\d) (\d+)/(\d+)", out)
+    assert len(shown) >= 10, out[-3000:]
+    for name, step, world in shown:
+        assert own[name][int(step)] == int(world), (name, step, world, own[name])
+    worlds = [int(w) for w in re.findall(r"^  step \d+  world (\d+)", out, re.M)]
+    assert 3 in worlds and 2 in worlds, worlds  # before the kill, after it (and the join)
+    # Every exit is reported, in the view and in the summary.
+    summary = out.split("\nworkers:\n")[1]
+    for name in ("w0", "w1", "w2", "w3"):
+        assert re.search(rf"\] {name} ended: ", out), name
+        line = re.search(rf"^  {name} \(pid \d+\): (.*) at step (\d+)", summary, re.M)
+        assert line, summary
+        if name == victim:
+            assert line.group(1) == "killed by the launcher (signal SIGKILL)", line.group(0)
+        else:
+            assert line.group(1) == "exit code 0", line.group(0)
+    assert "never fired" not in out
