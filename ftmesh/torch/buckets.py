@@ -1,36 +1,53 @@
-"""Gradient buckets that are allreduced while backward is still running.
+"""Gradient buckets that are allreduced while the last micro-batch's backward still runs.
 
 Theory of operation: parameters are grouped, in reverse registration order (roughly the order
 in which backward produces their gradients), into buckets of about ``bucket_bytes``. Each
 bucket owns one flat float32 buffer, and each parameter's ``.grad`` *is* its slice of it (a
 view, like DDP's ``gradient_as_bucket_view``): backward accumulates straight into the bucket,
 and the allreduce, in place, leaves the reduced gradients in ``.grad`` with no copy either way.
-(Should user code replace a ``.grad``, e.g. ``zero_grad(set_to_none=True)``, the hook copies
-it in and ``write_grads`` copies the result out.) A post-accumulate-grad hook counts a
-parameter's gradient as ready; when a bucket is complete it is handed to the mesh for an
-allreduce without waiting, so communication overlaps with the rest of backward, as in
+Should user code replace a ``.grad`` (``zero_grad()`` sets it to ``None``, so backward makes a
+fresh one), the hook adds it into the bucket and puts the view back.
+
+A step's share runs as micro-batches ``k = 1..K`` of ``m_k`` samples out of the step's global
+batch of ``T``; each micro-batch's loss is its mean, so its gradient ``g_k`` must count with
+weight ``w_k = m_k / T`` for the sum over all members to be the gradient of the global batch's
+mean loss. The buckets keep a running sum ``R`` scaled so that no gradient is touched more
+than needed: after micro-batch ``k < K`` it holds ``R_k = R'_{k-1} + g_k`` and is rescaled by
+``w_k / w_{k+1}`` (a no-op for equal micro-batches); after the last one, each bucket is
+multiplied by ``w_K`` just before its allreduce. By induction the allreduce sends
+``sum_k w_k g_k``, and the reduced result is the global mean gradient with no pass after it.
+
+Only during the last micro-batch does a post-accumulate-grad hook count a parameter's
+gradient as ready; when a bucket is complete it is handed to the mesh for an allreduce
+without waiting, so communication overlaps with the rest of backward, as in
 ``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
 completes early waits for the ones before it), so every member issues the same collectives in
 the same order whatever order its hooks fire in. The last bucket (the only one, for a small
 model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
-allreduce in the calling thread, after the others. The last bucket carries three extra slots:
-the member's sample count, its summed loss and a round check (see ``ElasticTrainer``).
+allreduce in the calling thread, after the others. The last bucket carries the header slots
+(``ftmesh.training.protocol``): the member's sample count, its summed loss, a round check and
+the state-check values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
-HEADER_SLOTS = 3
+from ..errors import LocalUsageError
+from ..training.shards import LAYOUT_BITS
 
 
 class GradBuckets:
-    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int) -> None:
+    def __init__(
+        self, params: list[torch.nn.Parameter], bucket_bytes: int, header_slots: int
+    ) -> None:
+        check_bucketable(params)
         self.params = params
         order = list(reversed(params))
         groups: list[list[torch.nn.Parameter]] = [[]]
@@ -43,6 +60,7 @@ class GradBuckets:
             groups[-1].append(p)
             size += nbytes
         self.groups = groups
+        self.header_slots = header_slots
         self.buffers: list[np.ndarray] = []
         self.slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, start, stop)
         self._grad_len: list[int] = []  # per bucket: elements before the header slots
@@ -51,7 +69,7 @@ class GradBuckets:
             for p in group:
                 self.slot[id(p)] = (b, offset, offset + p.numel())
                 offset += p.numel()
-            extra = HEADER_SLOTS if b == len(groups) - 1 else 0
+            extra = header_slots if b == len(groups) - 1 else 0
             self.buffers.append(np.zeros(offset + extra, dtype=np.float32))
             self._grad_len.append(offset)
         self._views = {id(p): self._view(p) for p in params}
@@ -60,6 +78,8 @@ class GradBuckets:
         self._futures: list[Future[Any]] = []
         self._launch: Callable[[np.ndarray], Future[Any]] | None = None
         self._run: Callable[[np.ndarray], object] | None = None
+        self._last = False
+        self._weight = 1.0
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -67,8 +87,20 @@ class GradBuckets:
 
     @property
     def header(self) -> np.ndarray:
-        """The extra slots of the last bucket: [samples, summed loss, round check]."""
-        return self.buffers[-1][-HEADER_SLOTS:]
+        """The header slots at the end of the last bucket (``ftmesh.training.protocol``)."""
+        return self.buffers[-1][len(self.buffers[-1]) - self.header_slots :]
+
+    @property
+    def layout(self) -> int:
+        """A hash of the buckets' sizes (every member must have the same)."""
+        sizes = ",".join(str(len(b)) for b in self.buffers)
+        digest = hashlib.blake2b(f"float32:{sizes}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") >> (64 - LAYOUT_BITS)
+
+    @property
+    def armed(self) -> bool:
+        """Between ``start`` and the end of ``finish``."""
+        return self._launch is not None
 
     def _view(self, p: torch.Tensor) -> torch.Tensor:
         b, start, stop = self.slot[id(p)]
@@ -77,65 +109,127 @@ class GradBuckets:
     def start(
         self, launch: Callable[[np.ndarray], Future[Any]], run: Callable[[np.ndarray], object]
     ) -> None:
-        """Zero the gradients (the buckets) and arm the hooks for one backward pass;
+        """Zero the gradients (the buckets, header included) for one attempt of a step;
         ``launch(buffer)`` starts an allreduce, ``run(buffer)`` runs one (after those
-        launched before it)."""
+        launched before it). Then ``micro_batch`` for each micro-batch, and ``finish``."""
         for buf in self.buffers:
             buf.fill(0.0)
-        for p in self.params:
-            view = self._views[id(p)]
-            if p.grad is not view:
-                p.grad = view
+        self._attach_views()
         self._pending = [len(g) for g in self.groups]
         self._launched = 0
         self._futures = []
         self._launch = launch
         self._run = run
+        self._last = False
+        self._weight = 1.0
+
+    def _attach_views(self) -> None:
+        for p in self.params:
+            view = self._views[id(p)]
+            if p.grad is not view:
+                p.grad = view
+
+    def micro_batch(self, weight: float, last: bool) -> None:
+        """The next micro-batch's backward counts with ``weight`` (its samples over the
+        step's); with ``last``, its gradients are launched as they complete."""
+        self._weight = weight
+        self._last = last
+        self._attach_views()
+
+    def between(self, ratio: float) -> None:
+        """After a micro-batch that was not the last: rescale the running sum by ``ratio``
+        (this micro-batch's weight over the next one's; see the module docstring)."""
+        if ratio != 1.0:
+            for buf, n in zip(self.buffers, self._grad_len, strict=True):
+                np.multiply(buf[:n], np.float32(ratio), out=buf[:n])
+
+    def release(self) -> None:
+        """Inside a step, ``optimizer.zero_grad()``: drop ``.grad`` (the buckets keep the sum
+        of the micro-batches before; the next backward's gradients are added to it)."""
+        for p in self.params:
+            p.grad = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._launch is None or p.grad is None:
             return
-        b, start, stop = self.slot[id(p)]
-        if p.grad is not self._views[id(p)]:  # user code replaced it: copy it in
-            self.buffers[b][start:stop] = p.grad.detach().reshape(-1).numpy()
-        self._pending[b] -= 1
-        self._launch_ready()
+        b = self.slot[id(p)][0]
+        view = self._views[id(p)]
+        if p.grad is not view:  # user code replaced it: add it in
+            with torch.no_grad():
+                view.add_(p.grad.detach())
+            p.grad = view
+        if self._last:
+            self._pending[b] -= 1
+            self._launch_ready()
+
+    def _scaled(self, b: int) -> np.ndarray:
+        buf = self.buffers[b]
+        if self._weight != 1.0:
+            n = self._grad_len[b]
+            np.multiply(buf[:n], np.float32(self._weight), out=buf[:n])
+        return buf
 
     def _launch_ready(self) -> None:
         assert self._launch is not None
         last = len(self.buffers) - 1  # run by finish()
         while self._launched < last and self._pending[self._launched] <= 0:
-            self._futures.append(self._launch(self.buffers[self._launched]))
+            self._futures.append(self._launch(self._scaled(self._launched)))
             self._launched += 1
 
     def finish(self, timeout: float) -> None:
         """Launch what is left (gradients that never came are zero), run the last bucket and
-        wait for every bucket; raises the first collective error."""
+        wait for every bucket; raises the first collective error. ``.grad`` then holds the
+        reduced mean gradient."""
         assert self._launch is not None and self._run is not None
+        self._last = True
         self._pending = [0] * len(self.buffers)
         self._launch_ready()
         run, self._launch, self._run = self._run, None, None
         last_error: BaseException | None = None
         try:
-            run(self.buffers[-1])
+            run(self._scaled(len(self.buffers) - 1))
         except Exception as exc:  # reported after those of the earlier buckets
             last_error = exc
         errors = [fut.exception(timeout) for fut in self._futures]
         first = next((e for e in [*errors, last_error] if e is not None), None)
+        self._attach_views()
         if first is not None:
             raise first
 
-    def write_grads(self, scale: float) -> None:
-        """Scale the reduced buckets by ``scale``: ``.grad`` holds the result."""
-        for buf, n in zip(self.buffers, self._grad_len, strict=True):
-            grads = buf[:n]
-            np.multiply(grads, np.float32(scale), out=grads)
-        with torch.no_grad():
-            for p in self.params:
-                view = self._views[id(p)]
-                if p.grad is not view:
-                    p.grad = view
+    def abandon(self, timeout: float) -> None:
+        """A step's body raised: stop launching, and wait (at most ``timeout``) for the
+        allreduces in flight, whose errors nobody wants."""
+        self._launch = self._run = None
+        for fut in self._futures:
+            fut.exception(timeout)
+        self._futures = []
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def check_bucketable(params: Sequence[torch.nn.Parameter]) -> None:
+    """Refuse, naming the parameter, what the buckets cannot hold."""
+    for p in params:
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise LocalUsageError(
+                f"a parameter of shape {tuple(p.shape)} is {p.dtype} on {p.device}: the "
+                "gradient buckets hold float32 parameters in CPU memory"
+            )
+
+
+def micro_batches(share: np.ndarray, micro_batch: int) -> list[np.ndarray]:
+    """Cut ``share`` into the fewest micro-batches of at most ``micro_batch`` samples (0: one),
+    of sizes that differ by at most one."""
+    if len(share) == 0:
+        return []
+    if micro_batch <= 0 or len(share) <= micro_batch:
+        return [share]
+    count = -(-len(share) // micro_batch)
+    return list(np.array_split(share, count))
+
+
+def weights_of(sizes: Sequence[int], total: int) -> list[float]:
+    """Each micro-batch's weight in the step's mean gradient."""
+    return [m / total for m in sizes]

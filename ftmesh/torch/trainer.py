@@ -1,243 +1,311 @@
 """Elastic, fault-tolerant data-parallel training of a PyTorch model on the mesh.
 
-``ElasticTrainer.step(loss_fn)`` runs one committed training step following
-``ftmesh.training.protocol``: it picks the current view, syncs state when the view changed
-(joiners and members left behind fetch the newest committed state from the members that hold
-it, striped over all of them and hash-verified), computes
-this member's share of the step's global batch, adds all members' gradients with one
-allreduce and applies the optimizer. A failure during the step (a peer died or stalled, the
-ring disagreed about the view or the inputs) retries the step on the next view, with the
-step's batch re-split among the survivors, so the step's samples are all trained exactly once.
+Theory of operation. ``ElasticTrainer`` drives the step machine of ``ftmesh.training.step``
+(which decides) with the mesh's calls and torch (which act): it carries out each action the
+machine returns — wait for a view, run the sync allreduce, fetch the newest committed state
+(striped over the members that hold it, hash-verified), re-shard, compute — and feeds back
+what happened as a typed outcome; exceptions of the mesh become ``Failed`` outcomes in one
+place (:func:`failure_of`). Two ways to write the loop, on the same machine:
+
+* the loop API, ordinary PyTorch (``ftmesh.torch.loop`` says where each hook runs)::
+
+      for step in trainer.steps(total):
+          with step:
+              for x, y in step.batches():          # this member's micro-batches
+                  F.cross_entropy(model(x), y).backward()
+              clip_grad_norm_(model.parameters(), 1.0)   # the reduced gradients
+              optimizer.step()
+              scheduler.step()
+
+* the closure API: ``trainer.step(loss_fn)`` runs one committed step, where
+  ``loss_fn(indices)`` returns the mean loss of a micro-batch of sample indices.
+
+A step is committed by every survivor or by none; a failed attempt is handed to the loop again
+(same step, the batch re-split among the survivors), so every sample of an epoch is trained
+exactly once; a step others committed while this member failed is adopted, never computed
+twice. Gradients are averaged over the step's samples, not over members, which equals
+single-process training on the whole global batch, whatever the split and the micro-batches.
+
+Everything registered (model, optimizer, ``register()``-ed schedulers, scalers and objects,
+``scalars``, the data position) is one committed state (``ftmesh.torch.state``) that joiners,
+spares and checkpoint resumes restore, and that members compare every ``check_every`` steps.
 
 Starting together: before it enters the ring, a member of a mesh that has not started (no
 member advertises a committed state, which members do from their first step) says so (role
-``starting``) and waits until ``start_peers`` members say it, at most ``start_timeout``;
-then they all enter the ring within moments of each other. Once one goes ahead (its timeout
-ran out), the others follow after its first step. Without it, the member that starts first
-(workers importing torch on a busy host are seconds apart) would train alone until the
-others catch up. ``ftmesh launch -n N`` sets ``FTMESH_START_PEERS=N`` for its first N
-workers, the default when ``start_peers`` is not given (else 1: no wait); members that join
-a mesh that has started never wait.
+``starting``) and waits until ``start_peers`` members say it, at most ``start_timeout``; then
+they all enter the ring within moments of each other. Members that join a mesh that has
+started never wait.
 
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute
 nothing, receive the reduced gradients and apply them like everyone, so their state stays
-bitwise up to date and a death promotes one at the very next step with nothing to fetch (at
-the cost of ring traffic for the spares). With ``spares="cold"`` members beyond ``N`` wait
-outside the ring and fetch the state when they step in.
-
-Gradients are averaged over samples, not members: each member contributes
-``sum over its samples of grad(loss)``, and the sum is divided by the step's global batch size,
-which equals single-process training on the whole global batch.
+bitwise up to date and a death promotes one at the very next step with nothing to fetch. With
+``spares="cold"`` members beyond ``N`` wait outside the ring and fetch the state when they step
+in.
 
 With ``shard_optimizer=True`` the optimizer state is sharded over the ring, ZeRO-1 style, each
 shard also held by the next ``replicas - 1`` members (``ftmesh.torch.zero``,
-``ftmesh.training.shards``): a step ends with an allgather of the updated parameters, and the
-sync re-shards after a view change, fetching the shards it lacks from members that hold them.
-When more adjacent members died than there are replicas, every survivor reports the loss
-(``StateLostError``, logged) and falls back to the newest valid checkpoint in
-``checkpoint_dir``, which in this mode holds the whole optimizer state (gathered with the
-parameters on checkpoint steps); without one, ``step`` raises the ``StateLostError``.
-The optimizer's update must be element-wise (``ftmesh.torch.zero``): others are refused
-with ``LocalUsageError`` when the trainer is built. Every member must be started with the
-same ``shard_optimizer``, ``replicas`` and (when sharded) ``checkpoint_every``: the sync
-compares them, and on a difference ``step`` raises ``ConfigError`` naming the setting and
-who has which value: on the members that differ from those holding the mesh's newest state
-(the others retry once those have left), or on everyone before anybody trained or when
-those members disagree.
+``ftmesh.training.shards``): ``optimizer.step()`` runs the sharded update and ends with an
+allgather of the updated parameters, and the sync re-shards after a view change, fetching the
+shards it lacks from members that hold them. When more adjacent members died than there are
+replicas, every survivor reports the loss (``StateLostError``, logged) and falls back to the
+newest valid checkpoint in ``checkpoint_dir``, which in this mode holds the whole optimizer
+state; without one, the step raises the ``StateLostError``. The optimizer's update must be
+element-wise (``ftmesh.torch.zero``). Settings every member must share are compared in the
+sync: a member that differs gets ``ConfigError`` naming the setting (``ftmesh.training.
+shards``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import random
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data as tud
 
-from ..collective import InputMismatchError, RingView, ViewMismatchError
-from ..errors import (
-    CollectiveError,
-    ConfigError,
-    DeadlineExceeded,
-    FtmeshError,
-    LocalUsageError,
-    PeerLostError,
-    TrainingFinishedError,
-)
-from ..membership.messages import MemberState
+from ..collective import InputMismatchError, RingView
+from ..errors import CollectiveError, FtmeshError, LocalUsageError, PeerLostError
+from ..membership.messages import MemberSnapshot
 from ..mesh import ROLE_KEY, STATE_BYTES_KEY
 from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
 from ..state.memory import prepared_zeros
-from ..state.sharding import DEFAULT_REPLICAS
 from ..sync import SyncMesh
-from ..training.protocol import (
-    FRESH,
-    QUORUM_POLICIES,
-    has_quorum,
-    own_slots_intact,
-    plan_sync,
-    round_tag,
-    sync_vector,
+from ..training.config import TrainerConfig
+from ..training.protocol import FRESH, diverged_members, header_size, round_tag
+from ..training.shards import round_id
+from ..training.step import (
+    Action,
+    Advertise,
+    Barrier,
+    Checkpoint,
+    Compute,
+    Computed,
+    Done,
+    DropRing,
+    Failed,
+    Failure,
+    FallBack,
+    Fetch,
+    Fetched,
+    Finished,
+    Loaded,
+    MemberInfo,
+    Members,
+    Outcome,
+    PrepareJoin,
+    Raise,
+    ReadMembers,
+    ReadView,
+    Reduced,
+    Reshard,
+    SetRole,
+    Settle,
+    Sleep,
+    StepMachine,
+    StepReport,
+    Sync,
+    TrainerStatistics,
+    ViewSeen,
+    WaitView,
+    WaitViewChange,
+    WorldChanged,
 )
-from ..training.shards import (
-    SETTINGS_SLOTS,
-    SettingsMismatchError,
-    ShardSettings,
-    check_settings,
-    read_settings,
-    round_id,
-    settings_slots,
-)
-from .buckets import GradBuckets
+from .buckets import GradBuckets, check_bucketable, micro_batches
+from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
+from .loop import StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
+from .state import TrainingState
 from .zero import ShardedOptimizer
+
+__all__ = ["ElasticTrainer", "StepReport", "failure_of"]
 
 log = logging.getLogger("ftmesh.torch")
 
-REANNOUNCE_EVERY = 20
-"""Failed attempts after which a member that never trained re-enters the ring."""
-START_POLL_S = 0.1
-"""How often a member waiting for ``start_peers`` looks at the membership."""
 RECEIVE_BUFFER_SLACK = 1 << 20
 """Bytes a joiner's receive buffer has beyond the advertised state size: room for a
 snapshot prefix that grew since (the step, a scheduler's state)."""
+ABANDON_WAIT_S = 5.0
+"""How long a step whose body raised waits for its allreduces in flight."""
+_DONE = Done()
 
-RECOVERABLE = (PeerLostError, ViewMismatchError, InputMismatchError, CollectiveError)
+
+def failure_of(exc: BaseException) -> Failed | None:
+    """The step failure an exception of the mesh stands for (``None``: not a failure of the
+    step, it propagates)."""
+    if isinstance(exc, StateLostError):
+        return Failed(Failure.STATE_LOST, str(exc), error=exc)
+    if isinstance(exc, PeerLostError):
+        return Failed(Failure.PEER_LOST, str(exc), peer=str(getattr(exc, "peer", "")), error=exc)
+    if isinstance(exc, InputMismatchError):
+        return Failed(Failure.INPUT_MISMATCH, str(exc), error=exc)
+    if isinstance(exc, CollectiveError):  # view mismatch, superseded, aborted
+        return Failed(Failure.VIEW, str(exc), error=exc)
+    return None
 
 
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    step: int
-    """The committed step count after this step (1 after the first step)."""
-    loss: float
-    """Mean loss over the step's global batch, all members together."""
-    samples: int
-    members: tuple[str, ...]
-    """The members that contributed (ring order)."""
-    epoch: str
-    """The view epoch the step ran on."""
-    attempts: int
-    """1 when the step ran without a failure."""
-    synced: bool
-    """Whether this step began with a state sync (view changed)."""
-    sync_bytes: int = 0
-    """State bytes this member received in the sync (0: it was not behind)."""
-    sync_seconds: float = 0.0
-    """Seconds the last sync took (agreement plus state transfer)."""
-    share: int = 0
-    """Samples this member computed (0: a hot spare, or an adopted step)."""
-    adopted: bool = False
-    """Others committed this step and we took their state in a sync (a joiner's first step,
-    or a step whose end we missed); ``loss`` is then unknown (nan)."""
+def _member_info(m: MemberSnapshot) -> MemberInfo:
+    return MemberInfo(m.node, m.state, str(m.meta.get(ROLE_KEY, "")), STATE_BYTES_KEY in m.meta)
 
 
 class ElasticTrainer:
-    """See the module docstring. One per member process; not thread-safe."""
+    """See the module docstring. One per member process; not thread-safe.
+
+    ``data``: an ``ElasticSampler`` (steps hand out sample indices), or the ``DataLoader`` you
+    would train with (``ftmesh.torch.data``: its ``batch_size`` is the global batch).
+    ``config`` and keyword settings: ``TrainerConfig`` (keywords override it).
+    ``state``: objects to ``register`` at once. ``on_world_change(old, new)``: called when the
+    number of members computing changes (e.g. to scale the learning rate)."""
 
     def __init__(
         self,
         mesh: SyncMesh,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        sampler: ElasticSampler,
+        data: ElasticSampler | tud.DataLoader[Any],
+        config: TrainerConfig | None = None,
         *,
-        min_peers: int = 1,
-        max_peers: int = 0,
-        spares: str = "hot",
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = 0,
-        step_timeout: float = 300.0,
-        join_settle: float = 2.0,
-        start_peers: int | None = None,
-        start_timeout: float = 60.0,
-        quorum: str = "majority",
-        quorum_grace: float = 5.0,
-        bucket_mb: float = 25.0,
+        state: Mapping[str, Any] | None = None,
         on_world_change: Callable[[int, int], None] | None = None,
-        shard_optimizer: bool = False,
-        replicas: int = DEFAULT_REPLICAS,
+        **settings: Any,
     ) -> None:
+        self.config = cfg = TrainerConfig.of(config, **settings)
         self.mesh = mesh
         self.model = model
         self.optimizer = optimizer
-        self.sampler = sampler
-        self.min_peers = min_peers
-        if spares not in ("hot", "cold"):
-            raise LocalUsageError(f"spares must be 'hot' or 'cold', got {spares!r}")
-        if spares == "cold" and max_peers and max_peers < min_peers:
-            # (hot spares count towards min_peers: they are in the ring)
-            raise LocalUsageError(f"max_peers ({max_peers}) is below min_peers ({min_peers})")
-        self.max_peers = max_peers
-        self.spares = spares
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.checkpoint_every = checkpoint_every
-        self.step_timeout = step_timeout
-        self.join_settle = join_settle
-        self.start_peers = _env_int("FTMESH_START_PEERS", 1) if start_peers is None else start_peers
-        self.start_timeout = start_timeout
-        if quorum not in QUORUM_POLICIES:
-            raise LocalUsageError(f"quorum must be one of {QUORUM_POLICIES}, got {quorum!r}")
-        self.quorum = quorum
-        self.quorum_grace = quorum_grace
-        self._dead_since: dict[str, float] = {}
-        self._last_view: tuple[str, ...] = ()
         self.on_world_change = on_world_change
-        self.committed = FRESH
-        self._synced_epoch = ""
-        self._world = 0
-        # Members run the same seeded code, but their global RNGs need not agree: leave them
-        # out so that digests compare model and optimizer only.
-        self.state = State(model=model, optimizer=optimizer, rng=False)
+        self._loader: ElasticLoader | None = None
+        if isinstance(data, tud.DataLoader):
+            self.sampler = sampler_for(data, cfg.data_seed)
+            self._loader = ElasticLoader(data, self._plan)
+        elif isinstance(data, ElasticSampler):
+            self.sampler = data
+        else:
+            raise LocalUsageError(
+                f"data must be an ElasticSampler or a DataLoader, got {type(data).__name__}"
+            )
+        self._state = TrainingState(model, optimizer)
+        self.state: State = self._state.state
+        for name, obj in (state or {}).items():
+            self.register(name, obj)
         params = [p for p in model.parameters() if p.requires_grad]
-        self._buckets = GradBuckets(params, int(bucket_mb * 2**20))
+        check_bucketable(params)
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
-        self._zero = ShardedOptimizer(params, optimizer, replicas) if shard_optimizer else None
+        self._zero = (
+            ShardedOptimizer(params, optimizer, cfg.replicas) if cfg.shard_optimizer else None
+        )
+        self._params = params
+        self._buckets: GradBuckets | None = None
+        self._bucket_bytes = int(cfg.bucket_mb * 2**20)
+        start_peers = cfg.start_peers
+        if start_peers is None:
+            start_peers = _env_int("FTMESH_START_PEERS", 1)
+        self._machine = StepMachine(
+            cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start_peers=start_peers
+        )
+        self._current: Step | None = None
         self._checkpoint_state: dict[str, torch.Tensor] = {}
-        self.recoveries = 0
-        self.fallbacks = 0
-        """Times the sharded state was lost and training resumed from a checkpoint."""
-        self._rng = random.Random()
-        self.last_sync_bytes = 0
-        self.last_sync_seconds = 0.0
         self._receive_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._fetch_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._advertised = -1
+        self._opened = False
+        self._epoch: int | None = None
+        self._view: RingView | None = None
+        self.last_report: StepReport | None = None
+        """The report of the last step committed or adopted."""
+        self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step)]
+        self._install_optimizer_methods()
         # Stay out of the ring until our first step: members in the ring would otherwise wait
-        # for us while we are still starting up.
+        # for us while we are still starting up. Members behind fetch committed state from
+        # those that hold it: our state server.
         mesh.set_role("joining")
-        self._in_ring = False
-        # Members behind fetch committed state from those that hold it (see ``_sync``).
         mesh.serve_state(self._lookup_state)
-        if self.checkpoint_dir is not None:
-            found = latest_valid_checkpoint(self.checkpoint_dir)
-            if found is not None:
-                self._load_checkpoint(found.snapshot)
-                log.info("resumed from checkpoint at step %d", self.committed)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ registering state
+
+    def register(self, name: str, obj: Any) -> None:
+        """Make ``obj`` (an LR scheduler, a ``GradScaler``, EMA weights, any object with
+        ``state_dict()``/``load_state_dict()``) part of the committed state under ``name``,
+        before the first step: it is restored on joiners, spares and checkpoint resume, and
+        compared across members. Modules and optimizers are read live; anything else is
+        captured at the end of every step (``ftmesh.torch.state``), so it may be changed
+        between steps (a scheduler stepped once per epoch)."""
+        self._state.register(name, obj)
+
+    @property
+    def scalars(self) -> dict[str, Any]:
+        """Plain values that are part of the committed state (numbers, strings, lists,
+        dicts, tensors); captured at the end of every step like registered objects."""
+        return self._state.scalars
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def committed(self) -> int:
+        """Steps committed (``-1``: never trained in this mesh)."""
+        return self._machine.committed
+
+    @property
+    def recoveries(self) -> int:
+        return self._machine.recoveries
+
+    @property
+    def fallbacks(self) -> int:
+        """Times the sharded state was lost and training resumed from a checkpoint."""
+        return self._machine.fallbacks
+
+    @property
+    def last_sync_bytes(self) -> int:
+        return self._machine.last_sync_bytes
+
+    @property
+    def last_sync_seconds(self) -> float:
+        return self._machine.last_sync_seconds
+
+    @property
+    def rank(self) -> int:
+        """This member's place in the ring of the current (last) step; -1 before any."""
+        return self._view.rank_of(self.mesh.node_id) if self._view is not None else -1
+
+    @property
+    def world_size(self) -> int:
+        """Members in the ring of the current (last) step, hot spares included; 0 before."""
+        return self._view.size if self._view is not None else 0
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this member is first in the ring of the current (last) step."""
+        return self.rank == 0
+
+    def statistics(self) -> TrainerStatistics:
+        """A frozen snapshot of this trainer's counters (for metrics)."""
+        return self._machine.statistics()
 
     def snapshot(self) -> Snapshot:
-        """The live model and optimizer state (and committed step) as a snapshot."""
-        return self.state.commit(step=max(self.committed, 0))
+        """The live state (and committed step) as the committed snapshot."""
+        return self._state.commit(max(self.committed, 0))
 
     def load_snapshot(self, snap: Snapshot) -> None:
-        self.state.load_snapshot(snap)
-        self.committed = snap.step
+        self._state.load(snap)
+        self._machine.committed = snap.step
 
     def digest(self) -> str:
-        """Content hash of the model and optimizer state and the committed step (bitwise
-        comparison across members). Sharded: of the model and the optimizer's
-        hyper-parameters (see ``shard_digests`` for the shards)."""
-        self.state.step = max(self.committed, 0)
-        return self.state.live_digest()
+        """Content hash of the registered state and the committed step (bitwise comparison
+        across members). Sharded: of the model and the optimizer's hyper-parameters (see
+        ``shard_digests`` for the shards)."""
+        return self._state.live_digest(max(self.committed, 0))
+
+    def part_digests(self) -> dict[str, str]:
+        """A digest of each registered part (what the state check compares)."""
+        return self._state.part_digests()
 
     def shard_digests(self) -> dict[str, str]:
         """Sharded mode: ``{"start:stop": digest}`` of the optimizer state of each held shard
@@ -246,6 +314,214 @@ class ElasticTrainer:
             return {}
         return self._zero.shard_digests()
 
+    # ------------------------------------------------------------------ the loops
+
+    def steps(self, total: int | None = None) -> Iterator[Step]:
+        """The loop API: one :class:`Step` per attempt, until ``total`` steps are committed;
+        inside :meth:`epochs`, the rest of the current epoch's steps (``total`` ignored);
+        neither: forever. Run each one's body inside ``with step:``."""
+        while True:
+            if self._epoch is not None:
+                end = (self._epoch + 1) * self.sampler.steps_per_epoch
+            elif total is not None:
+                end = total
+            else:
+                end = None
+            if end is not None and max(self.committed, 0) >= end:
+                return
+            yield from self._attempts()
+            if self._epoch is not None and end is not None and self.committed > end:
+                raise FtmeshError(
+                    f"this member adopted step {self.committed} while its loop was in epoch "
+                    f"{self._epoch} (steps up to {end}): it was away for longer than the rest "
+                    "of an epoch, and the code between epochs cannot be replayed. Restart it "
+                    "to rejoin."
+                )
+
+    def epochs(self, epochs: int | Iterable[Any]) -> Iterator[Any]:
+        """The epochs to train (``n``: 1..n, or any labels), starting at the mesh's: joins
+        first, so a joiner or a resumed mesh starts at the epoch the mesh is in (and one whose
+        last step is committed but whose end-of-epoch code has not run yet starts there,
+        with no steps left). Inside, :meth:`steps` gives that epoch's remaining steps."""
+        labels = list(range(1, epochs + 1)) if isinstance(epochs, int) else list(epochs)
+        self.join()
+        spe = self.sampler.steps_per_epoch
+        done = max(self.committed, 0)
+        first = done // spe if (done % spe or done == 0) else done // spe - 1
+        try:
+            for i in range(first, len(labels)):
+                self._epoch = i
+                yield labels[i]
+        finally:
+            self._epoch = None
+
+    def step(self, loss_fn: Callable[[np.ndarray], torch.Tensor]) -> StepReport:
+        """The closure API: run one committed step. ``loss_fn(indices)`` returns the *mean*
+        loss of a micro-batch of this member's samples (not called when the share is
+        empty)."""
+        for attempt in self._attempts():
+            with attempt:
+                for idx in attempt.indices():
+                    loss = loss_fn(idx)
+                    attempt.record_loss(loss)
+                    loss.backward()  # type: ignore[no-untyped-call]
+                self.optimizer.step()
+        assert self.last_report is not None
+        return self.last_report
+
+    def join(self) -> None:
+        """Enter the ring and sync (adopting the newest state) without computing; a no-op
+        when already synced on the current view."""
+        self._open()
+        action = self._drive(self._machine.begin(time.monotonic(), "join"))
+        assert isinstance(action, Finished)
+
+    def finish(self, timeout: float = 60.0) -> None:
+        """A last sync on the current view before leaving, so that a member whose final step
+        failed after others committed it catches up instead of redoing it alone."""
+        self._open()
+        action = self._drive(self._machine.begin(time.monotonic(), "finish", timeout))
+        assert isinstance(action, Finished)
+
+    def close(self) -> None:
+        """Remove the trainer's hooks from the model's parameters and the optimizer."""
+        if self._buckets is not None:
+            self._buckets.close()
+        for h in self._hooks:
+            h.remove()
+
+    # ------------------------------------------------------------------ driving the machine
+
+    def _open(self) -> None:
+        """First use: the registered state is final; resume from a checkpoint if any."""
+        if self._opened:
+            return
+        self._opened = True
+        state = self._state
+        state.frozen = True
+        state.capture()  # the starting point (a fresh mesh adopts rank 0's)
+        self._buckets = GradBuckets(self._params, self._bucket_bytes, header_size(len(state.names)))
+        self._machine.layout = (state.layout, self._buckets.layout, self.sampler.layout)
+        cfg = self.config
+        if cfg.checkpoint_dir is not None:
+            found = latest_valid_checkpoint(cfg.checkpoint_dir)
+            if found is not None:
+                self._load_checkpoint(found.snapshot)
+                log.info("resumed from checkpoint at step %d", self.committed)
+
+    def _attempts(self) -> Iterator[Step]:
+        """One step: an attempt per yielded ``Step`` until it commits (or is adopted)."""
+        self._open()
+        action = self._drive(self._machine.begin(time.monotonic(), "step"))
+        while isinstance(action, Compute):
+            attempt = self._new_step(action)
+            yield attempt
+            if not attempt.exited:
+                raise LocalUsageError(
+                    "run each step's body inside `with step:` (the trainer retries a failed "
+                    "attempt by handing the step to the loop again)"
+                )
+            assert attempt.next is not None
+            action = attempt.next
+        self.last_report = action.report
+
+    def _drive(self, action: Action) -> Compute | Finished:
+        machine = self._machine
+        while True:
+            if isinstance(action, Compute | Finished):
+                return action
+            if isinstance(action, Raise):
+                raise action.error from action.cause
+            outcome = self._perform(action)
+            action = machine.feed(time.monotonic(), outcome)
+
+    def _collective(self, run: Callable[[], Outcome]) -> Outcome:
+        try:
+            return run()
+        except FtmeshError as exc:
+            failure = failure_of(exc)
+            if failure is None:
+                raise
+            return failure
+
+    def _perform(self, action: Action) -> Outcome:
+        mesh, cfg = self.mesh, self.config
+        match action:
+            case Settle(seconds, timeout):
+                mesh.wait_quiet(seconds, timeout=timeout)
+            case SetRole(role):
+                mesh.set_role(role)
+            case ReadMembers():
+                return Members(tuple(_member_info(m) for m in mesh.members()))
+            case ReadView():
+                return ViewSeen(mesh.view())
+            case Sleep(seconds):
+                time.sleep(seconds)
+            case WaitViewChange(epoch, timeout):
+                if epoch is None:
+                    current = mesh.view()
+                    epoch = current.epoch if current is not None else ""
+                return ViewSeen(mesh.wait_view_change(epoch, timeout=timeout))
+            case WaitView(min_members, settle, timeout):
+                view = mesh.wait_view(min_members=min_members, settle=settle, timeout=timeout)
+                return ViewSeen(view)
+            case PrepareJoin():
+                self._prepare_receive_buffer()
+            case Sync(view):
+                return self._collective(lambda: self._sync_allreduce(view))
+            case Fetch():
+                return self._collective(lambda: self._fetch(action))
+            case Barrier(view):
+                return self._collective(lambda: self._barrier(view))
+            case Reshard(view, step, candidates):
+                zero = self._zero
+                assert zero is not None
+                wait = cfg.step_timeout
+                return self._collective(
+                    lambda: Fetched(zero.sync(mesh, view, step, candidates, wait=wait))
+                )
+            case DropRing(view):
+                mesh.drop_view(view)
+            case FallBack(failure):
+                return self._fall_back(failure)
+            case WorldChanged(old, new):
+                if self.on_world_change is not None:
+                    self.on_world_change(old, new)
+            case Advertise():
+                self._advertise_state()
+            case Checkpoint(step):
+                self._write_checkpoint(step)
+            case _:
+                raise LocalUsageError(f"the trainer cannot carry out {action!r}")
+        return _DONE
+
+    # ------------------------------------------------------------------ the sync's I/O
+
+    def _sync_allreduce(self, view: RingView) -> Reduced:
+        snap = self.snapshot()
+        vec = self._machine.sync_vector(view, snap.nbytes, snap.digest)
+        self.mesh.allreduce_on(view, vec, "max")
+        # The buffer prepared while joining serves the fetch of this sync, if any: used once.
+        self._fetch_buffer, self._receive_buffer = self._receive_buffer, None
+        return Reduced(vec)
+
+    def _fetch(self, action: Fetch) -> Fetched:
+        view, plan = action.view, action.plan
+        holders = [view.members[r].node_id for r in plan.holders]
+        buffer, self._fetch_buffer = self._fetch_buffer, None
+        fits = buffer is not None and buffer.nbytes >= plan.nbytes
+        snap = self.mesh.fetch_state(
+            holders, plan.target_step, plan.digest, None, buffer if fits else None
+        )
+        self._state.load(snap)
+        return Fetched(plan.nbytes)
+
+    def _barrier(self, view: RingView) -> Done:
+        # A large state takes longer than io_timeout to fetch: the fetchers' liveness is
+        # membership's to judge meanwhile (a dead or frozen one aborts the barrier).
+        self.mesh.barrier_on(view, io_timeout=self.config.step_timeout)
+        return _DONE
+
     def _lookup_state(self, step: int, digest: str) -> Snapshot | None:
         """What our state server serves: a piece of sharded state offered in the current
         sync, else the committed snapshot. Runs in the mesh's thread."""
@@ -253,231 +529,6 @@ class ElasticTrainer:
         if piece is not None and piece.step == step:
             return piece
         return self.state.committed
-
-    def _load_checkpoint(self, snap: Snapshot) -> None:
-        self.load_snapshot(snap)
-        zero = self.state.scalars.pop("zero", None)
-        if (zero is None) != (self._zero is None):
-            mode = "without" if zero is None else "with"
-            raise LocalUsageError(
-                f"the checkpoint of step {snap.step} was written {mode} shard_optimizer"
-            )
-        if self._zero is not None and zero is not None:
-            self._zero.load_full(snap.step, round_id(f"checkpoint {snap.digest}"), zero)
-
-    def _fall_back(self, exc: StateLostError) -> None:
-        """The sharded state is lost (see the module docstring): resume from the newest valid
-        checkpoint, or raise."""
-        found = latest_valid_checkpoint(self.checkpoint_dir) if self.checkpoint_dir else None
-        if found is None:
-            where = f"in {self.checkpoint_dir}" if self.checkpoint_dir else "(no checkpoint_dir)"
-            raise StateLostError(exc.lost, f"{exc.what}; no valid checkpoint {where}") from exc
-        log.error("%s: resuming from the checkpoint of step %d", exc, found.snapshot.step)
-        self._load_checkpoint(found.snapshot)
-        self.fallbacks += 1
-
-    # ------------------------------------------------------------------ the step
-
-    def step(self, loss_fn: Callable[[np.ndarray], torch.Tensor]) -> StepReport:
-        """Run one committed step. ``loss_fn(indices)`` returns the *mean* loss of this
-        member's samples ``indices`` (it is not called when the share is empty)."""
-        deadline = time.monotonic() + self.step_timeout
-        attempts = 0
-        synced = False
-        entered_at = max(self.committed, 0)
-        while True:
-            attempts += 1
-            if not self._in_ring:
-                # Join: let discovery and gossip settle (so we join the mesh that is there
-                # instead of starting a lonely one), then enter the ring at a step boundary.
-                self.mesh.wait_quiet(
-                    self.join_settle, timeout=max(deadline - time.monotonic(), 0.1)
-                )
-                self._wait_for_start_peers(deadline)
-                if self.max_peers and self.spares == "cold":
-                    self._wait_for_slot()
-                    deadline = time.monotonic() + self.step_timeout
-                self._prepare_receive_buffer()
-                self.mesh.set_role("train")
-                self._in_ring = True
-                # Members that started together flip to "train" within moments of each other:
-                # let the view settle so the first step does not run on a partial ring.
-                settle = self.join_settle / 4
-            else:
-                settle = 0.0
-            view = self.mesh.wait_view(
-                min_members=self.min_peers,
-                settle=settle,
-                timeout=max(deadline - time.monotonic(), 0.1),
-            )
-            if self._over_max_peers(view):
-                log.info(
-                    "%d members train (max_peers %d): back to spare", view.size, self.max_peers
-                )
-                self._in_ring = False
-                continue
-            if not self._quorate(view):
-                log.info(
-                    "view of %d lacks a quorum of the last view of %d; waiting",
-                    view.size,
-                    len(self._last_view),
-                )
-                self.mesh.wait_view_change(view.epoch, timeout=1.0)
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"no quorum within {self.step_timeout}s")
-                continue
-            try:
-                if view.epoch != self._synced_epoch:
-                    self._sync(view)
-                    synced = True
-                    if self.committed > entered_at:
-                        # Others committed the step we were computing (we failed at its
-                        # end, or joined): adopting it was this step.
-                        return self._adopted(view, attempts)
-                report = self._attempt(view, loss_fn, attempts, synced)
-                if synced:  # the first step on a view made whatever state it makes
-                    self._advertise_state()
-            except StateLostError as exc:
-                self._fall_back(exc)
-                self._synced_epoch = ""
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(
-                        f"step {self.committed + 1} did not commit within {self.step_timeout}s"
-                    ) from exc
-                continue
-            except RECOVERABLE as exc:
-                self.recoveries += 1
-                self._synced_epoch = ""  # whatever happened, agree on state again first
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(
-                        f"step {self.committed + 1} did not commit within {self.step_timeout}s"
-                    ) from exc
-                log.info(
-                    "step %d attempt %d failed (%s); retrying on the next view",
-                    self.committed + 1,
-                    attempts,
-                    exc,
-                )
-                if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
-                    # A joiner that cannot get in: step out of the ring and back in, which
-                    # every member sees as a view change (and a fresh sync).
-                    self._step_out_of_ring()
-                    continue
-                if isinstance(exc, PeerLostError):
-                    self._pause_after_loss(view, getattr(exc, "peer", ""))
-                elif isinstance(exc, SettingsMismatchError):  # until the odd ones have left
-                    self.mesh.wait_view_change(view.epoch, timeout=1.0)
-                continue
-            self._maybe_checkpoint()
-            return report
-
-    def _adopted(self, view: RingView, attempts: int) -> StepReport:
-        return StepReport(
-            step=self.committed,
-            loss=float("nan"),
-            samples=self.sampler.global_batch,
-            members=view.node_ids,
-            epoch=view.epoch,
-            attempts=attempts,
-            synced=True,
-            sync_bytes=self.last_sync_bytes,
-            sync_seconds=self.last_sync_seconds,
-            adopted=True,
-        )
-
-    def finish(self, timeout: float = 60.0) -> None:
-        """A last sync on the current view before leaving, so that a member whose final step
-        failed after others committed it catches up instead of redoing it alone."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            view = self.mesh.wait_view(timeout=max(deadline - time.monotonic(), 0.1))
-            try:
-                try:
-                    self._sync(view)  # members whose last step failed fetch from us
-                except StateLostError:
-                    # Members that finished first took their shards with them; the optimizer
-                    # state is of no further use: agree on the model only.
-                    self._sync(view, shards=False)
-                self.mesh.set_role("done")  # spares waiting for a slot stop waiting
-                return
-            except RECOVERABLE as exc:
-                log.info("final sync failed (%s); retrying", exc)
-                self.mesh.wait_view_change(view.epoch, timeout=1.0)
-        raise DeadlineExceeded(f"final sync did not complete within {timeout}s")
-
-    def _sync(self, view: RingView, *, shards: bool = True) -> None:
-        started = time.monotonic()
-        self.last_sync_bytes = 0
-        me = self.mesh.node_id
-        rank = view.rank_of(me)
-        mine = self.snapshot()
-        settings = self._shard_settings()
-        # The settings ride in the same allreduce (``ftmesh.training.shards``).
-        vec = np.concatenate(
-            [
-                sync_vector(rank, view.size, self.committed, mine.nbytes, mine.digest),
-                settings_slots(settings, rank, view.size),
-            ]
-        )
-        own = vec.copy()
-        self.mesh.allreduce_on(view, vec, "max")
-        cut = len(vec) - SETTINGS_SLOTS * view.size
-        theirs = read_settings(vec[cut:], view.size)
-        if not own_slots_intact(vec[:cut], own[:cut], rank, view.size) or (
-            theirs[rank] != settings
-        ):
-            # Every other member writes FRESH into our slots, so max() must give ours back.
-            self._desync(view, f"sync vector {vec.tolist()} lost our slots {own.tolist()}")
-        plan = plan_sync(vec[:cut])
-        trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
-        established = plan.holders if trained else ()
-        try:
-            check_settings(theirs, view.node_ids, rank, established)
-        except ConfigError:
-            # Step out of the ring first: the members that go on see a view without us at
-            # once, even if the script catches the error and stays alive.
-            self._step_out_of_ring()
-            raise
-        log.info(
-            "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
-            view.epoch,
-            rank,
-            view.size,
-            self.committed,
-            vec[: view.size].tolist(),
-            plan.target_step,
-            plan.root,
-            plan.behind,
-        )
-        buffer, self._receive_buffer = self._receive_buffer, None  # used once, if at all
-        if rank in plan.behind:
-            holders = [view.members[r].node_id for r in plan.holders]
-            fits = buffer is not None and buffer.nbytes >= plan.nbytes
-            snap = self.mesh.fetch_state(
-                holders, plan.target_step, plan.digest, None, buffer if fits else None
-            )
-            self.load_snapshot(snap)
-            self.last_sync_bytes = plan.nbytes
-        if plan.behind:
-            # Nobody moves on (and, at the end, leaves) while others still fetch from it. A
-            # large state takes longer than io_timeout to fetch: the fetchers' liveness is
-            # membership's to judge meanwhile (a dead or frozen one aborts the barrier).
-            self.mesh.barrier_on(view, io_timeout=self.step_timeout)
-        self.committed = plan.target_step
-        if self._zero is not None and shards:
-            everyone = tuple(range(view.size))
-            candidates = plan.holders if plan.behind else everyone
-            self.last_sync_bytes += self._zero.sync(
-                self.mesh, view, plan.target_step, candidates, wait=self.step_timeout
-            )
-        self._synced_epoch = view.epoch
-        self._last_view = view.node_ids
-        self.last_sync_seconds = time.monotonic() - started
-        world = min(view.size, self.max_peers) if self.max_peers else view.size  # computing
-        if self._world != world:
-            if self._world and self.on_world_change is not None:
-                self.on_world_change(self._world, world)
-            self._world = world
 
     def _advertise_state(self) -> None:
         """Tell joiners the size of the state they will fetch (``_prepare_receive_buffer``)."""
@@ -497,163 +548,83 @@ class ElasticTrainer:
         if nbytes:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 
-    def _wait_for_start_peers(self, deadline: float) -> None:
-        """Before entering the ring of a mesh that has not started: say so (role
-        ``starting``) and wait until ``start_peers`` members say it, or until one has taken
-        a step (it advertises its state), at most ``start_timeout``; see the module doc.
-        Then enter the ring and wait (as long) for the view that holds them all."""
-        if self.start_peers <= 1:
-            return
-        end = min(time.monotonic() + self.start_timeout, deadline)
-        self.mesh.set_role("starting")
-        while True:
-            members = self.mesh.members()
-            if any(STATE_BYTES_KEY in m.meta for m in members):
-                return  # the mesh has started: a member took a step
-            ready = sum(
-                m.state == MemberState.ALIVE and m.meta.get(ROLE_KEY) == "starting" for m in members
+    # ------------------------------------------------------------------ checkpoints
+
+    def _load_checkpoint(self, snap: Snapshot) -> None:
+        zero = self._state.load(snap, extra=("zero",)).get("zero")
+        self._machine.committed = snap.step
+        if (zero is None) != (self._zero is None):
+            mode = "without" if zero is None else "with"
+            raise LocalUsageError(
+                f"the checkpoint of step {snap.step} was written {mode} shard_optimizer"
             )
-            if ready >= self.start_peers:
-                break
-            if time.monotonic() >= end:
-                log.warning(
-                    "%d of %d members after %.0fs: starting without the others",
-                    ready,
-                    self.start_peers,
-                    self.start_timeout,
-                )
-                return
-            time.sleep(START_POLL_S)
-        # All of them are about to enter: wait for the view that holds them (those still
-        # "starting" may not have seen the count reached yet).
-        self.mesh.set_role("train")
-        while (view := self.mesh.view()) is None or view.size < self.start_peers:
-            if time.monotonic() >= end:
-                return
-            self.mesh.wait_view_change(view.epoch if view else "", timeout=START_POLL_S)
+        if self._zero is not None and zero is not None:
+            self._zero.load_full(snap.step, round_id(f"checkpoint {snap.digest}"), zero)
 
-    def _step_out_of_ring(self) -> None:
-        """Leave the ring (role ``joining``) until the next step enters it again."""
-        self.mesh.set_role("joining")
-        self._in_ring = False
+    def _fall_back(self, failure: Failed) -> Loaded:
+        """The sharded state is lost: resume from the newest valid checkpoint, or raise."""
+        exc = failure.error
+        assert isinstance(exc, StateLostError)
+        where_dir = self.config.checkpoint_dir
+        found = latest_valid_checkpoint(where_dir) if where_dir else None
+        if found is None:
+            where = f"in {where_dir}" if where_dir else "(no checkpoint_dir)"
+            raise StateLostError(exc.lost, f"{exc.what}; no valid checkpoint {where}") from exc
+        log.error("%s: resuming from the checkpoint of step %d", exc, found.snapshot.step)
+        self._load_checkpoint(found.snapshot)
+        return Loaded(found.snapshot.step)
 
-    def _shard_settings(self) -> ShardSettings:
-        """What every member must agree on (read at each sync: the attributes may change)."""
-        every = self.checkpoint_every if self.checkpoint_dir is not None else 0
-        replicas = self._zero.replicas if self._zero is not None else 0
-        return ShardSettings.of(self._zero is not None, replicas, every)
-
-    def _wait_for_slot(self) -> None:
-        """With ``max_peers``: wait as a ``spare`` until the ring has room for us. Free slots
-        (``max_peers`` less the members training) go to the candidates (spares and members
-        still joining) in node-id order, so every member that sees the same membership picks
-        the same ones; the choice is re-made on every membership change, so a member that
-        looked at a stale membership catches up (too many that step in at once are sorted out
-        by ``_over_max_peers``). Once a training member has finished (role ``done``, or left
-        gracefully) no slot is taken: that is how training ends, and this raises
-        ``TrainingFinishedError`` when none is training any more."""
-        me = self.mesh.node_id
-        self.mesh.set_role("spare")
-        announced = False
-        for _ in itertools.count():  # waits on membership events; ends on a slot or the end
-            members = self.mesh.members()
-            roles = {m.node: m.meta.get(ROLE_KEY) for m in members}
-            training = [
-                m.node for m in members if m.state == MemberState.ALIVE and roles[m.node] == "train"
-            ]
-            ended = [
-                m.node
-                for m in members
-                if roles[m.node] == "done"
-                or (m.state == MemberState.LEFT and roles[m.node] == "train")
-            ]
-            if ended:
-                if not training:
-                    raise TrainingFinishedError("the training finished while we waited as a spare")
-            else:
-                candidates = sorted(
-                    m.node
-                    for m in members
-                    if m.state == MemberState.ALIVE and roles[m.node] in ("spare", "joining")
-                )
-                free = self.max_peers - len(training)
-                if free > 0 and me in candidates[:free]:
-                    return
-            if not announced:
-                log.info(
-                    "%d members train (max_peers %d): waiting as a spare",
-                    len(training),
-                    self.max_peers,
-                )
-                announced = True
-            view = self.mesh.view()
-            self.mesh.wait_view_change(view.epoch if view else "", timeout=1.0)
-
-    def _over_max_peers(self, view: RingView) -> bool:
-        """Cold spares: whether we, not having trained yet, are one too many: members that
-        started together can all see a free slot before their roles have spread. The first
-        ``max_peers`` of the view (node-id order) stay, as every member computes alike."""
-        return bool(
-            self.max_peers
-            and self.spares == "cold"
-            and self.committed == FRESH
-            and view.size > self.max_peers
-            and self.mesh.node_id not in view.node_ids[: self.max_peers]
-        )
-
-    def _pause_after_loss(self, view: RingView, peer: str) -> None:
-        """After a collective lost a peer: if membership still holds it alive (typically a
-        neighbour that gave up a ring and is forming the next one), retry at once, after a
-        random few milliseconds so that members that failed together do not retry in
-        lockstep. Otherwise give membership a moment to drop the peer; short, so that we are
-        back before neighbours that wait for us give up."""
-        states = {m.node: m.state for m in self.mesh.members()}
-        if states.get(peer) == MemberState.ALIVE:
-            time.sleep(self._rng.uniform(0.0, 0.2))
+    def _write_checkpoint(self, step: int) -> None:
+        directory = self.config.checkpoint_dir
+        assert directory is not None
+        if self._zero is None:
+            snap = self._state.commit(step)
         else:
-            self.mesh.wait_view_change(view.epoch, timeout=0.5)
+            snap = self._state.with_extra(step, zero=self._checkpoint_state)
+            self._checkpoint_state = {}
+        save_checkpoint(Path(directory), snap)
 
-    def _desync(self, view: RingView, what: str) -> None:
-        """A collective returned data of another round: never use it. Reconnect the ring (its
-        streams cannot be trusted) and retry the step from a sync."""
-        log.warning("collective data from another round on view %s: %s", view.epoch, what)
-        self.mesh.drop_view(view)
-        raise CollectiveError(f"collective data from another round on view {view.epoch}: {what}")
+    # ------------------------------------------------------------------ an attempt
 
-    def _quorate(self, view: RingView) -> bool:
-        if self.quorum == "any" or not self._last_view:
-            return True
-        if set(self._last_view) <= set(view.node_ids):  # all that last trained are here
-            self._dead_since.clear()
-            return True
-        now = time.monotonic()
-        states = {m.node: m.state for m in self.mesh.members()}
-        gone = (MemberState.DEAD, MemberState.LEFT)
-        for node in self._last_view:
-            # Forgotten members (dead for long) count as dead.
-            if states.get(node, MemberState.DEAD) in gone:
-                self._dead_since.setdefault(node, now)
-            else:
-                self._dead_since.pop(node, None)
-        left = [n for n in self._last_view if states.get(n) == MemberState.LEFT]
-        dead = [n for n, t in self._dead_since.items() if now - t >= self.quorum_grace]
-        return has_quorum(self.quorum, view.node_ids, self._last_view, [*left, *dead])
+    @property
+    def buckets(self) -> GradBuckets:
+        """The gradient buckets (made at the first step, once the registered state is
+        final)."""
+        if self._buckets is None:
+            raise LocalUsageError("the trainer has not started a step yet")
+        return self._buckets
 
-    def _attempt(
-        self,
-        view: RingView,
-        loss_fn: Callable[[np.ndarray], torch.Tensor],
-        attempts: int,
-        synced: bool,
-    ) -> StepReport:
+    def _new_step(self, action: Compute) -> Step:
         me = self.mesh.node_id
-        step = self.committed  # the step being computed (0-based)
-        workers = view.node_ids[: self.max_peers] if self.max_peers else view.node_ids
-        if me in workers:
-            indices = self.sampler.indices(step, workers, me)
+        if me in action.workers:
+            share = self.sampler.indices(action.index, action.workers, me, action.weights)
         else:  # a hot spare: contributes nothing, applies the reduced gradients
-            indices = np.empty(0, dtype=np.int64)
-        buckets = self._buckets  # start() zeroes the gradients
+            share = np.empty(0, dtype=np.int64)
+        self._view = action.view
+        return Step(self, action, share, micro_batches(share, self.config.micro_batch))
+
+    def _plan(self) -> Iterator[tuple[Key, list[int]]]:
+        """The batch sampler's plan (``ftmesh.torch.data``): this member's micro-batches of
+        the current attempt's step and the steps after it, on the same compute set."""
+        step = self._current
+        if step is None:
+            return
+        action, me, mb = step.action, self.mesh.node_id, self.config.micro_batch
+        if me not in action.workers:
+            return
+        for index in range(action.index, action.index + LOOKAHEAD_STEPS):
+            share = self.sampler.indices(index, action.workers, me, action.weights)
+            for k, idx in enumerate(micro_batches(share, mb)):
+                yield (index, action.workers, action.weights, k), idx.tolist()
+
+    def _arm(self, step: Step) -> None:
+        """``with step:`` begins: zero the gradients, fill the header."""
+        buckets = self._buckets
+        assert buckets is not None
+        if self._current is not None and not self._current.exited:
+            raise LocalUsageError("one step at a time")
+        self._current = step
+        view = step.action.view
 
         def launch(buf: np.ndarray) -> Future[Any]:
             return self.mesh.submit_on_view(view, "allreduce", buf, "sum")
@@ -662,72 +633,140 @@ class ElasticTrainer:
             return self.mesh.allreduce_on(view, buf, "sum")
 
         buckets.start(launch, run)
-        tag = round_tag(step)
-        buckets.header[2] = tag
-        if len(indices):
-            loss = loss_fn(indices)
-            buckets.header[:2] = (len(indices), float(loss.detach()) * len(indices))
-            # Gradients of the summed (not mean) loss: the allreduce adds every member's.
-            (loss * len(indices)).backward()  # type: ignore[no-untyped-call]
-        buckets.finish(timeout=self.step_timeout)
-        total, loss_sum, tags = (float(v) for v in buckets.header)
-        if tags != tag * view.size:
-            self._desync(view, f"step {step + 1}: round check {tags}, expected {tag * view.size}")
-        if total <= 0:
-            raise FtmeshError("a step reduced zero samples")
-        buckets.write_grads(1.0 / total)
-        if self._zero is None:
-            self.optimizer.step()
-        else:
-            self._sharded_update(view, step)
-        self.committed = step + 1
-        return StepReport(
-            step=self.committed,
-            loss=loss_sum / total,
-            samples=int(total),
-            members=view.node_ids,
-            epoch=view.epoch,
-            attempts=attempts,
-            synced=synced,
-            sync_bytes=self.last_sync_bytes if synced else 0,
-            sync_seconds=self.last_sync_seconds if synced else 0.0,
-            share=len(indices),
+        header = buckets.header
+        header[0] = step.share
+        header[2] = round_tag(step.index)
+        if step.action.check:
+            step.checks = self._state.check_values()
+            header[3:] = step.checks
+
+    def _reduce(self, step: Step) -> None:
+        """The end of a step's micro-batches: finish the allreduce, check the header."""
+        buckets = self._buckets
+        assert buckets is not None
+        try:
+            buckets.finish(timeout=self.config.step_timeout)
+        except FtmeshError as exc:
+            failure = failure_of(exc)
+            if failure is None:
+                raise
+            step._fail(failure)
+        header = [float(v) for v in buckets.header]
+        verdict = self._machine.check_reduction(step.action, header, step.checks)
+        if isinstance(verdict, Failed):
+            step._fail(verdict)
+        elif verdict:
+            self._diverged(step, verdict)
+        step.loss_sum = header[1]
+        step.reduced = True
+
+    def _diverged(self, step: Step, parts: tuple[int, ...]) -> None:
+        names = self._state.names
+        differ = [names[i] for i in parts]
+        view = step.action.view
+        detail = ""
+        try:
+            rows = self.mesh.allgather_on(view, np.array(step.checks, dtype=np.int64)).output
+            groups = diverged_members(names, view.node_ids, rows.tolist())
+            detail = "; ".join(
+                f"{part}: " + " vs ".join("{" + ", ".join(g) + "}" for g in gs)
+                for part, gs in groups.items()
+            )
+        except FtmeshError as exc:  # a member is gone: say what we know
+            groups = {}
+            detail = f"(could not ask the members which: {exc})"
+        raise StateDivergedError(
+            f"members hold different state at step {step.index} in: {', '.join(differ)}. "
+            f"{detail}. Something changed registered state on some members only (stepping a "
+            "scheduler or changing a module outside the step's body, code that depends on "
+            "the member, or a member running another version of the script)",
+            groups,
         )
 
-    def _sharded_update(self, view: RingView, step: int) -> None:
+    def _before_optimizer_step(self, *_: Any) -> None:
+        step = self._current
+        if step is None or step.exited or not step.reduced:
+            raise LocalUsageError(
+                "optimizer.step() ran outside a trainer step, or before the step's gradients "
+                "were reduced: call it inside `with step:`, after the loop over the step's "
+                "micro-batches"
+            )
+
+    def _install_optimizer_methods(self) -> None:
+        """``optimizer.zero_grad()`` inside a step drops ``.grad`` and keeps the buckets'
+        sum (the micro-batches' gradients add up whatever ``set_to_none``); in sharded mode
+        ``optimizer.step()`` runs the sharded update."""
+        opt = self.optimizer
+        zero_grad = opt.zero_grad
+
+        def zero_grad_in_step(_opt: Any, set_to_none: bool = True) -> None:
+            buckets = self._buckets
+            if buckets is not None and buckets.armed:
+                buckets.release()
+            else:
+                zero_grad(set_to_none)
+
+        opt.zero_grad = types.MethodType(zero_grad_in_step, opt)  # type: ignore[method-assign]
+        if self._zero is not None:
+
+            def sharded_step(_opt: Any, closure: Any = None) -> None:
+                self._sharded_step()
+
+            opt.step = types.MethodType(sharded_step, opt)  # type: ignore[method-assign]
+
+    def _sharded_step(self) -> None:
         """Step the held shards, then allgather every owner's updated parameters (and, on a
         checkpoint step, its optimizer state)."""
-        zero = self._zero
-        assert zero is not None
+        self._before_optimizer_step()
+        step, zero = self._current, self._zero
+        assert step is not None and zero is not None
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
+        view = step.action.view
         flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
-        zero.update(flat_grad, (step + 1, round_id(view.epoch)))
-        with_state = self._checkpoint_due(step + 1)
-        gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
+        zero.update(flat_grad, (step.number, round_id(view.epoch)))
+        with_state = self.config.checkpoint_due(step.number)
+        try:
+            gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
+        except FtmeshError as exc:
+            failure = failure_of(exc)
+            if failure is None:
+                raise
+            step._fail(failure)
         self._checkpoint_state = zero.apply_gathered(gathered, with_state)
         zero.commit()
 
-    def _checkpoint_due(self, step: int) -> bool:
-        return bool(
-            self.checkpoint_dir is not None
-            and self.checkpoint_every > 0
-            and step % self.checkpoint_every == 0
-        )
-
-    def _maybe_checkpoint(self) -> None:
-        if self.checkpoint_dir is None or not self._checkpoint_due(self.committed):
-            return
-        if self._zero is None:
-            snap = self.snapshot()
-        else:
-            full = State(
-                model=self.model,
-                optimizer=self.optimizer,
-                scalars={"zero": self._checkpoint_state},
-                rng=False,
+    def _end(self, step: Step, error: BaseException | None) -> bool:
+        """``with step:`` ends; returns whether to swallow ``error``."""
+        machine, buckets = self._machine, self._buckets
+        assert buckets is not None
+        self._current = None
+        if step.failure is not None and (error is None or isinstance(error, StepAborted)):
+            step.next = self._drive(machine.feed(time.monotonic(), step.failure))
+            return True
+        if error is None and not step.reduced:
+            error = LocalUsageError(
+                "a step's body ended before its gradients were reduced: iterate "
+                "step.batches() (or step.indices()) to the end inside `with step:`"
             )
-            snap = full.commit(step=self.committed)
-            self._checkpoint_state = {}
-        save_checkpoint(self.checkpoint_dir, snap)
+            self._abandon(step)
+            raise error
+        if error is not None:
+            self._abandon(step)
+            return False
+        self._state.capture()
+        computed = machine.feed(time.monotonic(), Computed(step.share, step.loss_sum))
+        step.next = self._drive(computed)
+        if isinstance(step.next, Finished):
+            step.report = step.next.report
+            self.last_report = step.report
+        return False
+
+    def _abandon(self, step: Step) -> None:
+        """A step's body raised (not a step failure): its allreduces are out of order with
+        the others', so the next attempt syncs first."""
+        assert self._buckets is not None
+        self._buckets.abandon(ABANDON_WAIT_S)
+        self._machine.synced_epoch = ""
 
 
 def _env_int(name: str, default: int) -> int:
