@@ -3,9 +3,9 @@
 Theory of operation. The model and the optimizer are always part of it; the user adds LR
 schedulers, a ``GradScaler``, EMA weights, any object with ``state_dict()`` /
 ``load_state_dict()`` (``ElasticTrainer.register``), and plain values in the
-``ElasticTrainer.scalars`` dict (the ``State``'s own scalars); the data position is the committed step itself (the sampler
-turns it into the epoch and the place in it). All of it is one ``ftmesh.state.State``: one
-snapshot for syncs, joiners and checkpoints, one digest.
+``ElasticTrainer.scalars`` dict (kept in the ``State``'s own scalars); the data position is
+the committed step itself (the sampler turns it into the epoch and the place in it). All of
+it is one ``ftmesh.state.State``: one snapshot for syncs, joiners and checkpoints, one digest.
 
 *When* each part is read matters, because the committed state of step ``s`` must be the same
 on every member, and a member that adopts ``s`` goes on from the same point of the user's
