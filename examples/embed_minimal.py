@@ -9,9 +9,8 @@ Run two or more copies on one host (they find each other with no configuration):
 
 from __future__ import annotations
 
-import numpy as np
-
 import ftmesh
+import numpy as np
 
 
 def main() -> None:

@@ -221,6 +221,7 @@ class ElasticTrainer:
         self._view: RingView | None = None
         self.last_report: StepReport | None = None
         """The report of the last step committed or adopted."""
+        self._step_hooks: list[Callable[[ElasticTrainer, StepReport], None]] = []
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step)]
         self._install_optimizer_methods()
         # Stay out of the ring until our first step: members in the ring would otherwise wait
@@ -239,6 +240,17 @@ class ElasticTrainer:
         captured at the end of every step (``ftmesh.torch.state``), so it may be changed
         between steps (a scheduler stepped once per epoch)."""
         self._state.register(name, obj)
+
+    def add_step_hook(self, hook: Callable[[ElasticTrainer, StepReport], None]) -> None:
+        """Call ``hook(trainer, report)`` after every step this member commits or adopts
+        (logging, metrics, tests); it runs in the training thread, after the commit."""
+        self._step_hooks.append(hook)
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset of the ``DataLoader`` the trainer was given (``None`` with an
+        ``ElasticSampler``)."""
+        return self._loader.loader.dataset if self._loader is not None else None
 
     @property
     def scalars(self) -> dict[str, Any]:
@@ -342,7 +354,8 @@ class ElasticTrainer:
         """The epochs to train (``n``: 1..n, or any labels), starting at the mesh's: joins
         first, so a joiner or a resumed mesh starts at the epoch the mesh is in (and one whose
         last step is committed but whose end-of-epoch code has not run yet starts there,
-        with no steps left). Inside, :meth:`steps` gives that epoch's remaining steps."""
+        with no steps left). Inside, :meth:`steps` gives that epoch's remaining steps. When
+        the last epoch's body is done, :meth:`finish` runs."""
         labels = list(range(1, epochs + 1)) if isinstance(epochs, int) else list(epochs)
         self.join()
         spe = self.sampler.steps_per_epoch
@@ -354,6 +367,7 @@ class ElasticTrainer:
                 yield labels[i]
         finally:
             self._epoch = None
+        self.finish()
 
     def step(self, loss_fn: Callable[[np.ndarray], torch.Tensor]) -> StepReport:
         """The closure API: run one committed step. ``loss_fn(indices)`` returns the *mean*
@@ -423,7 +437,8 @@ class ElasticTrainer:
                 )
             assert attempt.next is not None
             action = attempt.next
-        self.last_report = action.report
+        if action.report is not None and action.report is not self.last_report:
+            self._reported(action.report)  # adopted (a committed one was reported by _end)
 
     def _drive(self, action: Action) -> Compute | Finished:
         machine = self._machine
@@ -756,10 +771,15 @@ class ElasticTrainer:
         self._state.capture()
         computed = machine.feed(time.monotonic(), Computed(step.share, step.loss_sum))
         step.next = self._drive(computed)
-        if isinstance(step.next, Finished):
+        if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report
-            self.last_report = step.report
+            self._reported(step.report)
         return False
+
+    def _reported(self, report: StepReport) -> None:
+        self.last_report = report
+        for hook in self._step_hooks:
+            hook(self, report)
 
     def _abandon(self, step: Step) -> None:
         """A step's body raised (not a step failure): its allreduces are out of order with
