@@ -94,6 +94,8 @@ class ElasticSampler:
         """Step ``step``'s samples for each of ``members`` (any order) in sorted order,
         equally or by ``weights`` (given in sorted member order)."""
         samples = self.global_indices(step)
+        if weights is None:
+            return list(np.array_split(samples, len(members)))
         counts = split_share(len(samples), weights, len(members))
         return list(np.split(samples, np.cumsum(counts)[:-1]))
 

@@ -123,9 +123,10 @@ class TrainingState:
         """The end of a step's body: capture the captured parts (see the module docstring)."""
         for wrapper in self._captured.values():
             wrapper.capture()
-        _Encoder().encode(self.scalars, "scalars")  # what cannot be stored fails here
-        self.state.scalars.clear()
-        self.state.scalars.update(copy.deepcopy(self.scalars))
+        if self.scalars or self.state.scalars:
+            _Encoder().encode(self.scalars, "scalars")  # what cannot be stored fails here
+            self.state.scalars.clear()
+            self.state.scalars.update(copy.deepcopy(self.scalars))
 
     def commit(self, step: int) -> Snapshot:
         """The committed state of ``step`` as the snapshot served to members behind."""
