@@ -79,3 +79,43 @@ class Histogram:
     def snapshot(self) -> HistogramSnapshot:
         counts = tuple(self._counts)
         return HistogramSnapshot(self._bounds, counts, self._total, sum(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveStatistics:
+    """What a data plane did since it started (``DataPlane.statistics()``)."""
+
+    seconds: dict[tuple[str, str], HistogramSnapshot]
+    """Duration of completed collectives per ``(op, backend)``: op is ``allreduce``,
+    ``reduce_scatter``, ``allgather``, ``broadcast`` or ``barrier``; backend ``tcp``,
+    ``nccl`` or ``staging``."""
+    bytes_total: dict[tuple[str, str], int]
+    """Payload bytes of completed collectives per ``(op, backend)`` (the input's size)."""
+    aborts_total: dict[str, int]
+    """Collectives that ended with an abort, per abort kind (``lost``, ``superseded``, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStatistics:
+    """What a trainer did since it started (``ElasticTrainer.statistics()``)."""
+
+    committed_step: int
+    """Steps committed (0 before the first)."""
+    world_size: int
+    """Members that computed the last committed step."""
+    share: int
+    """Samples this member computed in the last committed step."""
+    samples_total: int
+    """Samples this member computed over all committed steps."""
+    steps_total: int
+    """Steps this member committed (trained or adopted)."""
+    attempts_total: int
+    """Attempts of those steps: ``steps_total`` plus every retry."""
+    step_seconds: HistogramSnapshot
+    """Wall time of each committed step, retries included."""
+    recovery_seconds: HistogramSnapshot
+    """From a failed attempt (a fault) to the next committed step."""
+    state_transfer_bytes_total: int
+    """State bytes this member fetched from others (joins, syncs)."""
+    checkpoint_step: int
+    """Step of the newest checkpoint this member wrote; -1 if none."""
