@@ -158,7 +158,7 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     r = m.feed(1.6, Done())
     assert isinstance(r, Finished) and r.report is not None and r.report.attempts == 2
     stats = m.statistics()
-    assert stats.recoveries == 1 and stats.recovery_seconds.count == 1
+    assert m.recoveries == 1 and stats.recovery_seconds.count == 1
     assert stats.recovery_seconds.total == pytest.approx(0.6)
 
 

@@ -8,8 +8,9 @@ closure API, ``trainer.step(loss_fn)``); ``TrainerConfig`` holds its settings;
 
 from __future__ import annotations
 
+from ..stats import TrainerStatistics
 from ..training.config import TrainerConfig
-from ..training.step import StepReport, TrainerStatistics
+from ..training.step import StepReport
 from .loop import StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .trainer import ElasticTrainer

@@ -78,6 +78,7 @@ from ..membership.messages import MemberSnapshot
 from ..mesh import ROLE_KEY, STATE_BYTES_KEY
 from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
 from ..state.memory import prepared_zeros
+from ..stats import TrainerStatistics
 from ..sync import SyncMesh
 from ..training.config import TrainerConfig
 from ..training.protocol import FRESH, diverged_members, header_size, round_tag
@@ -113,7 +114,6 @@ from ..training.step import (
     StepMachine,
     StepReport,
     Sync,
-    TrainerStatistics,
     ViewSeen,
     WaitView,
     WaitViewChange,

@@ -56,7 +56,7 @@ from ..errors import (
     TrainingFinishedError,
 )
 from ..membership.messages import MemberState
-from ..stats import Histogram, HistogramSnapshot
+from ..stats import Histogram, TrainerStatistics
 from .config import TrainerConfig
 from .protocol import (
     FRESH,
@@ -414,40 +414,14 @@ class StepReport:
     or a step whose end we missed); ``loss`` is then unknown (nan)."""
 
 
-@dataclass(frozen=True, slots=True)
-class TrainerStatistics:
-    """A frozen snapshot of what a trainer has done (``ElasticTrainer.statistics()``)."""
-
-    committed_step: int
-    """Steps committed (-1: never trained in this mesh)."""
-    step_seconds: HistogramSnapshot
-    """From the start of a step's run to its commit (adopted steps included)."""
-    recovery_seconds: HistogramSnapshot
-    """For steps that failed at least once: from the first failure to the commit."""
-    samples_total: int
-    """Samples of the global batches of the steps committed here (computed or adopted)."""
-    world_size: int
-    """Members computing on the last view."""
-    share: int
-    """Samples this member computed in its last step."""
-    attempts_total: int
-    """Attempts of every run (one per step without failures)."""
-    recoveries: int
-    """Failed attempts."""
-    state_transfer_bytes: int
-    """State bytes fetched from other members (joins, catching up, re-sharding)."""
-    checkpoint_step: int
-    """The step of the last checkpoint written (-1: none)."""
-    fallbacks: int
-    """Times the sharded state was lost and training resumed from a checkpoint."""
-
-
 @dataclass(slots=True)
 class _Counters:
     step_seconds: Histogram = field(default_factory=Histogram)
     recovery_seconds: Histogram = field(default_factory=Histogram)
     samples_total: int = 0
+    steps_total: int = 0
     share: int = 0
+    world_size: int = 0
     attempts_total: int = 0
     state_transfer_bytes: int = 0
     checkpoint_step: int = -1
@@ -604,17 +578,16 @@ class StepMachine:
     def statistics(self) -> TrainerStatistics:
         s = self._stats
         return TrainerStatistics(
-            committed_step=self.committed,
+            committed_step=max(self.committed, 0),
+            world_size=s.world_size,
+            share=s.share,
+            samples_total=s.samples_total,
+            steps_total=s.steps_total,
+            attempts_total=s.attempts_total,
             step_seconds=s.step_seconds.snapshot(),
             recovery_seconds=s.recovery_seconds.snapshot(),
-            samples_total=s.samples_total,
-            world_size=self.world,
-            share=s.share,
-            attempts_total=s.attempts_total,
-            recoveries=self.recoveries,
-            state_transfer_bytes=s.state_transfer_bytes,
+            state_transfer_bytes_total=s.state_transfer_bytes,
             checkpoint_step=s.checkpoint_step,
-            fallbacks=self.fallbacks,
         )
 
     # -- a run -----------------------------------------------------------------------------
@@ -738,11 +711,12 @@ class StepMachine:
         computed: tuple[Computed, bool] | None,
     ) -> StepReport:
         s = self._stats
+        s.steps_total += 1
         s.step_seconds.observe(now - started)
         if failed_at is not None:
             s.recovery_seconds.observe(now - failed_at)
         samples = self.batch_size(self.committed - 1)
-        s.samples_total += samples
+        s.world_size = len(self.compute_set(view))
         if computed is None:  # adopted
             s.share = 0
             return StepReport(
@@ -759,6 +733,7 @@ class StepMachine:
             )
         out, synced = computed
         s.share = out.share
+        s.samples_total += out.share
         return StepReport(
             step=self.committed,
             loss=out.loss_sum / samples,
