@@ -21,13 +21,17 @@ from trainer_sim import (
     DATA_Y,
     FakeMesh,
     Hub,
-    Killed,
     Member,
+    all_ok,
+    loader_body,
     make_model,
     make_optimizer,
     make_sampler,
     max_diff,
     reference,
+    sgd_body,
+    start_loop,
+    trainer_of,
     wait_all,
 )
 
@@ -49,87 +53,8 @@ def hub() -> Iterator[Hub]:
     h.shutdown()
 
 
-Body = Callable[[ElasticTrainer, Step], None]
-
-
-def _sgd_body(t: ElasticTrainer, step: Step) -> None:
-    for idx in step.indices():
-        i = torch.as_tensor(idx)
-        F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
-    t.optimizer.step()
-
-
-def _loader_body(t: ElasticTrainer, step: Step) -> None:
-    for x, y in step.batches():
-        F.cross_entropy(t.model(x), y).backward()  # type: ignore[no-untyped-call]
-    t.optimizer.step()
-
-
-def _run(
-    hub: Hub,
-    member: Member,
-    *,
-    total: int,
-    body: Body = _sgd_body,
-    data: Callable[[], Any] = make_sampler,
-    start_after: threading.Event | None = None,
-    setup: Callable[[ElasticTrainer], None] | None = None,
-    after_step: Callable[[Member, ElasticTrainer, Step], None] | None = None,
-    **settings: Any,
-) -> None:
-    """A member's thread: train ``total`` steps with the loop API, finish, leave."""
-    try:
-        if start_after is not None:
-            while not start_after.wait(0.05):
-                if hub.closed:
-                    raise Killed()
-        mesh = FakeMesh(hub, member.name)
-        model = make_model()
-        config = {"quorum": "any", "join_settle": 0.0, "step_timeout": 30.0, **settings}
-        t = ElasticTrainer(
-            cast(SyncMesh, mesh), model, make_optimizer("sgd", model), data(), **config
-        )
-        member.trainer = t
-        if setup is not None:
-            setup(t)
-        for step in t.steps(total):
-            with step:
-                body(t, step)
-            if step.report is not None:
-                member.reports.append(step.report)
-            if after_step is not None:
-                after_step(member, t, step)
-        t.finish(timeout=20.0)
-        member.status = "ok"
-    except Killed:
-        member.status = "killed"
-    except BaseException as exc:
-        member.status, member.error = "error", exc
-    finally:
-        hub.kill(member.name)
-
-
-def _start(hub: Hub, names: str, **kwargs: Any) -> dict[str, Member]:
-    members = {n: Member(n) for n in names}
-    for m in members.values():
-        t = threading.Thread(target=_run, args=(hub, m), kwargs=kwargs, daemon=True, name=m.name)
-        hub.threads.append(t)
-        t.start()
-    return members
-
-
-def _trainer(m: Member) -> ElasticTrainer:
-    assert m.trainer is not None, f"{m.name}: {m.status} {m.error!r}"
-    return m.trainer
-
-
-def _ok(members: dict[str, Member], names: str) -> None:
-    for n in names:
-        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
-
-
 def _model_of(m: Member) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in _trainer(m).model.state_dict().items()}
+    return {k: v.clone() for k, v in trainer_of(m).model.state_dict().items()}
 
 
 def test_micro_batches_give_the_single_process_model_through_a_kill_and_a_join() -> None:
@@ -146,16 +71,16 @@ def test_micro_batches_give_the_single_process_model_through_a_kill_and_a_join()
             joined.set()
 
     try:
-        members = _start(hub, "abc", total=total, micro_batch=2, after_step=after)
-        members |= _start(hub, "d", total=total, micro_batch=2, start_after=joined)
+        members = start_loop(hub, "abc", total=total, micro_batch=2, after_step=after)
+        members |= start_loop(hub, "d", total=total, micro_batch=2, start_after=joined)
         wait_all(hub, 45)
-        _ok(members, "abd")
+        all_ok(members, "abd")
         assert members["c"].status in ("killed", "ok")
         want = reference("sgd", total)
         for n in "abd":
-            assert _trainer(members[n]).committed == total
+            assert trainer_of(members[n]).committed == total
             assert max_diff(_model_of(members[n]), want) < CLOSE, n
-        assert len({_trainer(members[n]).digest() for n in "abd"}) == 1
+        assert len({trainer_of(members[n]).digest() for n in "abd"}) == 1
         assert members["d"].reports and members["d"].reports[0].step > 6
         # Every step was run on a view (micro-batches or not) and counted its 8 samples.
         assert {r.samples for n in "ab" for r in members[n].reports} == {8}
@@ -181,12 +106,12 @@ def test_a_data_loader_with_workers_gives_the_single_process_model() -> None:
             hub.kill("b")
 
     try:
-        members = _start(
-            hub, "ab", total=total, body=_loader_body, data=loader, data_seed=1, after_step=after
+        members = start_loop(
+            hub, "ab", total=total, body=loader_body, data=loader, data_seed=1, after_step=after
         )
         wait_all(hub, 50)
-        _ok(members, "a")
-        t = _trainer(members["a"])
+        all_ok(members, "a")
+        t = trainer_of(members["a"])
         assert t.committed == total
         assert max_diff(_model_of(members["a"]), reference("sgd", total)) < CLOSE
         assert t._loader is not None and t._loader.restarts >= 2  # the kill started it over
@@ -242,7 +167,7 @@ def test_a_survivors_activation_memory_stays_put_with_micro_batches(micro_batch:
                 hub.kill(n)
 
     try:
-        members = _start(
+        members = start_loop(
             hub,
             "abcd",
             total=total,
@@ -252,7 +177,7 @@ def test_a_survivors_activation_memory_stays_put_with_micro_batches(micro_batch:
             after_step=after,
         )
         wait_all(hub, 45)
-        _ok(members, "a")
+        all_ok(members, "a")
         before, after_kill = peak["before"][0], peak["after"][0]
         assert before > 0 and after_kill > 0
         if micro_batch:
@@ -269,7 +194,7 @@ def _with_scheduler(t: ElasticTrainer) -> None:
 
 
 def _scheduled_body(t: ElasticTrainer, step: Step) -> None:
-    _sgd_body(t, step)
+    sgd_body(t, step)
     t.scalars["seen"] += step.samples  # (the step's, the same on every member)
     sched = t._state.state.objects["scheduler"].obj
     sched.step()
@@ -293,17 +218,17 @@ def test_registered_state_reaches_a_joiner_and_is_checked() -> None:
             "setup": _with_scheduler,
             "check_every": 3,
         }
-        members = _start(hub, "ab", after_step=after, **kwargs)
-        members |= _start(hub, "j", start_after=joined, **kwargs)
+        members = start_loop(hub, "ab", after_step=after, **kwargs)
+        members |= start_loop(hub, "j", start_after=joined, **kwargs)
         wait_all(hub, 45)
-        _ok(members, "abj")
-        lrs = {n: _trainer(members[n]).optimizer.param_groups[0]["lr"] for n in "abj"}
+        all_ok(members, "abj")
+        lrs = {n: trainer_of(members[n]).optimizer.param_groups[0]["lr"] for n in "abj"}
         assert set(lrs.values()) == {0.05 * 0.5 ** (total // 2)}, lrs
-        assert len({_trainer(members[n]).digest() for n in "abj"}) == 1
-        assert {_trainer(members[n]).scalars["seen"] for n in "abj"} == {8 * total}
+        assert len({trainer_of(members[n]).digest() for n in "abj"}) == 1
+        assert {trainer_of(members[n]).scalars["seen"] for n in "abj"} == {8 * total}
         j = members["j"]
         assert j.reports and j.reports[0].step > 5
-        stats = _trainer(members["a"]).statistics()
+        stats = trainer_of(members["a"]).statistics()
         assert stats.committed_step == total and stats.step_seconds.count == total
         assert stats.steps_total == total and stats.world_size in (2, 3)
         assert stats.samples_total == sum(r.share for r in members["a"].reports)
@@ -322,7 +247,7 @@ def test_a_planted_divergence_is_reported_within_the_check_interval() -> None:
             t._state.state.objects["scheduler"].obj.step()
 
     try:
-        members = _start(
+        members = start_loop(
             hub,
             "abc",
             total=20,
@@ -337,7 +262,7 @@ def test_a_planted_divergence_is_reported_within_the_check_interval() -> None:
             assert m.status == "error" and isinstance(m.error, StateDivergedError), (n, m.error)
             assert "scheduler" in m.error.parts, m.error
             assert m.error.parts["scheduler"] == [["a", "c"], ["b"]]
-            assert _trainer(m).committed == 8  # detected at the first check after step 5
+            assert trainer_of(m).committed == 8  # detected at the first check after step 5
     finally:
         hub.shutdown()
 
@@ -347,7 +272,7 @@ def test_sharded_checkpoints_keep_the_registered_state(tmp_path: Path) -> None:
     resumes from it has them."""
     hub = Hub(start_with=2)
     try:
-        members = _start(
+        members = start_loop(
             hub,
             "ab",
             total=6,
@@ -358,10 +283,10 @@ def test_sharded_checkpoints_keep_the_registered_state(tmp_path: Path) -> None:
             checkpoint_every=3,
         )
         wait_all(hub, 45)
-        _ok(members, "ab")
+        all_ok(members, "ab")
         found = latest_valid_checkpoint(tmp_path)
         assert found is not None and found.snapshot.step == 6
-        a = _trainer(members["a"])
+        a = trainer_of(members["a"])
         sched = a._state.state.objects["scheduler"].obj
         hub2 = Hub()
         model = make_model()
@@ -415,5 +340,5 @@ def test_misuse_is_a_clear_error(hub: Hub) -> None:
         pass
     step = next(t.steps(3))  # after all that, a step runs as it should
     with step:
-        _sgd_body(t, step)
+        sgd_body(t, step)
     assert step.report is not None and t.committed == 1

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ftmesh.collective.view import Peer, RingView
 from ftmesh.errors import CollectiveError, PeerLostError
@@ -35,6 +36,7 @@ from ftmesh.membership.messages import MemberState
 from ftmesh.state import Snapshot
 from ftmesh.state.errors import StateTransferError
 from ftmesh.sync import SyncMesh
+from ftmesh.torch import Step
 from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
 
@@ -516,3 +518,86 @@ def wait_all(hub: Hub, timeout: float) -> None:
     if hung:
         hub.shutdown()
         raise AssertionError(f"members {hung} did not end within {timeout}s")
+
+
+# -- the loop API ----------------------------------------------------------------------------
+
+Body = Callable[[ElasticTrainer, Step], None]
+
+
+def sgd_body(t: ElasticTrainer, step: Step) -> None:
+    for idx in step.indices():
+        i = torch.as_tensor(idx)
+        F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
+    t.optimizer.step()
+
+
+def loader_body(t: ElasticTrainer, step: Step) -> None:
+    for x, y in step.batches():
+        F.cross_entropy(t.model(x), y).backward()  # type: ignore[no-untyped-call]
+    t.optimizer.step()
+
+
+def run_loop_member(
+    hub: Hub,
+    member: Member,
+    *,
+    total: int,
+    body: Body = sgd_body,
+    data: Callable[[], Any] = make_sampler,
+    start_after: threading.Event | None = None,
+    setup: Callable[[ElasticTrainer], None] | None = None,
+    after_step: Callable[[Member, ElasticTrainer, Step], None] | None = None,
+    **settings: Any,
+) -> None:
+    """A member's thread (loop API): train ``total`` steps with the loop API, finish, leave."""
+    try:
+        if start_after is not None:
+            while not start_after.wait(0.05):
+                if hub.closed:
+                    raise Killed()
+        mesh = FakeMesh(hub, member.name)
+        model = make_model()
+        config = {"quorum": "any", "join_settle": 0.0, "step_timeout": 30.0, **settings}
+        t = ElasticTrainer(
+            cast(SyncMesh, mesh), model, make_optimizer("sgd", model), data(), **config
+        )
+        member.trainer = t
+        if setup is not None:
+            setup(t)
+        for step in t.steps(total):
+            with step:
+                body(t, step)
+            if step.report is not None:
+                member.reports.append(step.report)
+            if after_step is not None:
+                after_step(member, t, step)
+        t.finish(timeout=20.0)
+        member.status = "ok"
+    except Killed:
+        member.status = "killed"
+    except BaseException as exc:
+        member.status, member.error = "error", exc
+    finally:
+        hub.kill(member.name)
+
+
+def start_loop(hub: Hub, names: str, **kwargs: Any) -> dict[str, Member]:
+    members = {n: Member(n) for n in names}
+    for m in members.values():
+        t = threading.Thread(
+            target=run_loop_member, args=(hub, m), kwargs=kwargs, daemon=True, name=m.name
+        )
+        hub.threads.append(t)
+        t.start()
+    return members
+
+
+def trainer_of(m: Member) -> ElasticTrainer:
+    assert m.trainer is not None, f"{m.name}: {m.status} {m.error!r}"
+    return m.trainer
+
+
+def all_ok(members: dict[str, Member], names: str) -> None:
+    for n in names:
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"

@@ -1,10 +1,16 @@
 """Gradient buckets that are allreduced while the last micro-batch's backward still runs.
 
 Theory of operation: parameters are grouped, in reverse registration order (roughly the order
-in which backward produces their gradients), into buckets of about ``bucket_bytes``. Each
-bucket owns one flat float32 buffer, and each parameter's ``.grad`` *is* its slice of it (a
-view, like DDP's ``gradient_as_bucket_view``): backward accumulates straight into the bucket,
-and the allreduce, in place, leaves the reduced gradients in ``.grad`` with no copy either way.
+in which backward produces their gradients), into buckets of about ``bucket_bytes``, one dtype
+and device per bucket. Each bucket owns one flat gradient buffer in its parameters' dtype and
+on their device, and each parameter's ``.grad`` *is* its slice of it (a view, like DDP's
+``gradient_as_bucket_view``): backward accumulates straight into the bucket. The allreduce
+runs on a float32 buffer in host memory: for float32 CPU parameters that is the gradient
+buffer itself, so the allreduce leaves the reduced gradients in ``.grad`` with no copy either
+way; bfloat16 and float16 parameters, and parameters on a GPU, are staged (one copy to a
+float32 host buffer, pinned where torch can pin memory, and one cast back), so the sum over
+members accumulates in float32 whatever the parameters' precision (at twice the wire bytes
+of bfloat16), and the cast back is deterministic: every member holds the same bits.
 Should user code replace a ``.grad`` (``zero_grad()`` sets it to ``None``, so backward makes a
 fresh one), the hook adds it into the bucket and puts the view back.
 
@@ -24,9 +30,9 @@ without waiting, so communication overlaps with the rest of backward, as in
 completes early waits for the ones before it), so every member issues the same collectives in
 the same order whatever order its hooks fire in. The last bucket (the only one, for a small
 model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
-allreduce in the calling thread, after the others. The last bucket carries the header slots
-(``ftmesh.training.protocol``): the member's sample count, its summed loss, a round check and
-the state-check values.
+allreduce in the calling thread, after the others. The last bucket's float32 buffer carries
+the header slots (``ftmesh.training.protocol``): the member's sample count, its summed loss,
+a round check and the state-check values.
 """
 
 from __future__ import annotations
@@ -43,36 +49,92 @@ from ..errors import LocalUsageError
 from ..training.shards import LAYOUT_BITS
 
 
+class _Bucket:
+    """One bucket: its parameters, the gradient buffer ``.grad`` views point into (the
+    parameters' dtype and device) and the float32 host buffer its allreduce runs on (the
+    same memory for float32 CPU parameters; else a staging copy, pinned where torch can pin)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], extra: int) -> None:
+        first = params[0]
+        self.params = params
+        self.dtype, self.device = first.dtype, first.device
+        self.n = sum(p.numel() for p in params)
+        self.staged = self.dtype != torch.float32 or self.device.type != "cpu"
+        pin = self.device.type == "cuda"
+        wire = torch.zeros(self.n + extra, dtype=torch.float32, pin_memory=pin)
+        self.wire: np.ndarray = wire.numpy()
+        """What the allreduce reduces: float32 in host memory, header slots at its end."""
+        self._wire_t = wire
+        if self.staged:
+            self.grads = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+        else:
+            self.grads = wire[: self.n]
+        self.views: dict[int, torch.Tensor] = {}
+        offset = 0
+        for p in params:
+            self.views[id(p)] = self.grads[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def zero(self) -> None:
+        self.wire.fill(0.0)
+        if self.staged:
+            self.grads.zero_()
+
+    def scale(self, factor: float) -> None:
+        """Multiply the gradients (not the header) by ``factor``."""
+        if factor == 1.0:
+            return
+        if self.staged:
+            self.grads.mul_(factor)
+        else:
+            np.multiply(self.wire[: self.n], np.float32(factor), out=self.wire[: self.n])
+
+    def outgoing(self, weight: float) -> np.ndarray:
+        """The wire buffer holding ``weight`` times the gradients (accumulated in float32)."""
+        if self.staged:
+            wire = self._wire_t[: self.n]
+            with torch.no_grad():
+                wire.copy_(self.grads)  # to host (and float32)
+            if weight != 1.0:
+                wire.mul_(weight)
+        elif weight != 1.0:
+            np.multiply(self.wire[: self.n], np.float32(weight), out=self.wire[: self.n])
+        return self.wire
+
+    def incoming(self) -> None:
+        """The allreduce is done: the reduced float32 sums back into ``.grad`` (one
+        deterministic cast, so every member holds the same bits)."""
+        if self.staged:
+            with torch.no_grad():
+                self.grads.copy_(self._wire_t[: self.n])
+
+
 class GradBuckets:
     def __init__(
         self, params: list[torch.nn.Parameter], bucket_bytes: int, header_slots: int
     ) -> None:
         check_bucketable(params)
         self.params = params
-        order = list(reversed(params))
         groups: list[list[torch.nn.Parameter]] = [[]]
         size = 0
-        for p in order:
-            nbytes = p.numel() * 4
-            if groups[-1] and size + nbytes > bucket_bytes:
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            kind = (p.dtype, p.device)
+            last = groups[-1]
+            if last and (size + nbytes > bucket_bytes or (last[0].dtype, last[0].device) != kind):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
             size += nbytes
         self.groups = groups
         self.header_slots = header_slots
-        self.buffers: list[np.ndarray] = []
-        self.slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, start, stop)
-        self._grad_len: list[int] = []  # per bucket: elements before the header slots
-        for b, group in enumerate(groups):
-            offset = 0
-            for p in group:
-                self.slot[id(p)] = (b, offset, offset + p.numel())
-                offset += p.numel()
-            extra = header_slots if b == len(groups) - 1 else 0
-            self.buffers.append(np.zeros(offset + extra, dtype=np.float32))
-            self._grad_len.append(offset)
-        self._views = {id(p): self._view(p) for p in params}
+        self.buckets = [
+            _Bucket(g, header_slots if b == len(groups) - 1 else 0) for b, g in enumerate(groups)
+        ]
+        self.buffers: list[np.ndarray] = [bk.wire for bk in self.buckets]
+        """The float32 host buffers the allreduces run on, one per bucket."""
+        self.slot = {id(p): b for b, g in enumerate(groups) for p in g}  # id(param) -> bucket
+        self._views = {i: v for bk in self.buckets for i, v in bk.views.items()}
         self._pending: list[int] = []
         self._launched = 0
         self._futures: list[Future[Any]] = []
@@ -88,13 +150,15 @@ class GradBuckets:
     @property
     def header(self) -> np.ndarray:
         """The header slots at the end of the last bucket (``ftmesh.training.protocol``)."""
-        return self.buffers[-1][len(self.buffers[-1]) - self.header_slots :]
+        wire = self.buckets[-1].wire
+        return wire[len(wire) - self.header_slots :]
 
     @property
     def layout(self) -> int:
-        """A hash of the buckets' sizes (every member must have the same)."""
-        sizes = ",".join(str(len(b)) for b in self.buffers)
-        digest = hashlib.blake2b(f"float32:{sizes}".encode(), digest_size=8).digest()
+        """A hash of the buckets' sizes, dtypes and device kinds (every member must have
+        the same)."""
+        text = ",".join(f"{bk.n}:{bk.dtype}:{bk.device.type}" for bk in self.buckets)
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") >> (64 - LAYOUT_BITS)
 
     @property
@@ -102,18 +166,14 @@ class GradBuckets:
         """Between ``start`` and the end of ``finish``."""
         return self._launch is not None
 
-    def _view(self, p: torch.Tensor) -> torch.Tensor:
-        b, start, stop = self.slot[id(p)]
-        return torch.from_numpy(self.buffers[b][start:stop]).view_as(p)
-
     def start(
         self, launch: Callable[[np.ndarray], Future[Any]], run: Callable[[np.ndarray], object]
     ) -> None:
         """Zero the gradients (the buckets, header included) for one attempt of a step;
         ``launch(buffer)`` starts an allreduce, ``run(buffer)`` runs one (after those
         launched before it). Then ``micro_batch`` for each micro-batch, and ``finish``."""
-        for buf in self.buffers:
-            buf.fill(0.0)
+        for bk in self.buckets:
+            bk.zero()
         self._attach_views()
         self._pending = [len(g) for g in self.groups]
         self._launched = 0
@@ -139,9 +199,8 @@ class GradBuckets:
     def between(self, ratio: float) -> None:
         """After a micro-batch that was not the last: rescale the running sum by ``ratio``
         (this micro-batch's weight over the next one's; see the module docstring)."""
-        if ratio != 1.0:
-            for buf, n in zip(self.buffers, self._grad_len, strict=True):
-                np.multiply(buf[:n], np.float32(ratio), out=buf[:n])
+        for bk in self.buckets:
+            bk.scale(ratio)
 
     def release(self) -> None:
         """Inside a step, ``optimizer.zero_grad()``: drop ``.grad`` (the buckets keep the sum
@@ -152,28 +211,21 @@ class GradBuckets:
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._launch is None or p.grad is None:
             return
-        b = self.slot[id(p)][0]
         view = self._views[id(p)]
         if p.grad is not view:  # user code replaced it: add it in
             with torch.no_grad():
                 view.add_(p.grad.detach())
             p.grad = view
         if self._last:
-            self._pending[b] -= 1
+            self._pending[self.slot[id(p)]] -= 1
             self._launch_ready()
-
-    def _scaled(self, b: int) -> np.ndarray:
-        buf = self.buffers[b]
-        if self._weight != 1.0:
-            n = self._grad_len[b]
-            np.multiply(buf[:n], np.float32(self._weight), out=buf[:n])
-        return buf
 
     def _launch_ready(self) -> None:
         assert self._launch is not None
-        last = len(self.buffers) - 1  # run by finish()
+        last = len(self.buckets) - 1  # run by finish()
         while self._launched < last and self._pending[self._launched] <= 0:
-            self._futures.append(self._launch(self._scaled(self._launched)))
+            wire = self.buckets[self._launched].outgoing(self._weight)
+            self._futures.append(self._launch(wire))
             self._launched += 1
 
     def finish(self, timeout: float) -> None:
@@ -182,12 +234,12 @@ class GradBuckets:
         reduced mean gradient."""
         assert self._launch is not None and self._run is not None
         self._last = True
-        self._pending = [0] * len(self.buffers)
+        self._pending = [0] * len(self.buckets)
         self._launch_ready()
         run, self._launch, self._run = self._run, None, None
         last_error: BaseException | None = None
         try:
-            run(self._scaled(len(self.buffers) - 1))
+            run(self.buckets[-1].outgoing(self._weight))
         except Exception as exc:  # reported after those of the earlier buckets
             last_error = exc
         errors = [fut.exception(timeout) for fut in self._futures]
@@ -195,6 +247,8 @@ class GradBuckets:
         self._attach_views()
         if first is not None:
             raise first
+        for bk in self.buckets:
+            bk.incoming()
 
     def abandon(self, timeout: float) -> None:
         """A step's body raised: stop launching, and wait (at most ``timeout``) for the
@@ -210,12 +264,12 @@ class GradBuckets:
 
 
 def check_bucketable(params: Sequence[torch.nn.Parameter]) -> None:
-    """Refuse, naming the parameter, what the buckets cannot hold."""
+    """Refuse, naming the parameter's shape, what the buckets cannot hold."""
     for p in params:
-        if p.dtype != torch.float32 or p.device.type != "cpu":
+        if not p.dtype.is_floating_point or p.dtype == torch.float64:
             raise LocalUsageError(
-                f"a parameter of shape {tuple(p.shape)} is {p.dtype} on {p.device}: the "
-                "gradient buckets hold float32 parameters in CPU memory"
+                f"a parameter of shape {tuple(p.shape)} is {p.dtype}: the gradient buckets "
+                "hold float32, bfloat16 and float16 parameters"
             )
 
 

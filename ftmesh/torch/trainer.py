@@ -196,11 +196,14 @@ class ElasticTrainer:
         self.state: State = self._state.state
         for name, obj in (state or {}).items():
             self.register(name, obj)
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         check_bucketable(params)
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = (
-            ShardedOptimizer(params, optimizer, cfg.replicas) if cfg.shard_optimizer else None
+            ShardedOptimizer(params, optimizer, cfg.replicas, [n for n, _ in named])
+            if cfg.shard_optimizer
+            else None
         )
         self._params = params
         self._buckets: GradBuckets | None = None

@@ -103,16 +103,27 @@ class ShardedOptimizer:
     """One member's shards of the optimizer state; see the module docstring."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], template: torch.optim.Optimizer, replicas: int
+        self,
+        params: Sequence[torch.nn.Parameter],
+        template: torch.optim.Optimizer,
+        replicas: int,
+        names: Sequence[str] = (),
     ) -> None:
         check_elementwise(type(template))
         if len(template.param_groups) != 1:
             raise LocalUsageError("shard_optimizer supports optimizers with one parameter group")
         if replicas < 1:
             raise LocalUsageError(f"replicas must be >= 1, got {replicas}")
-        for p in params:
+        for i, p in enumerate(params):
             if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise LocalUsageError("shard_optimizer needs float32 parameters in CPU memory")
+                name = names[i] if i < len(names) else f"#{i} of shape {tuple(p.shape)}"
+                raise LocalUsageError(
+                    f"shard_optimizer cannot hold parameter {name!r} ({p.dtype} on {p.device}): "
+                    "the sharded optimizer state is one flat float32 buffer in host memory, "
+                    "cut into pieces that members exchange and checkpoint. Keep float32 "
+                    "parameters (and compute in lower precision with torch.autocast), or use "
+                    "shard_optimizer=False"
+                )
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
         self.length = sum(self.sizes)
