@@ -3,7 +3,8 @@ the buckets hold gradients in the parameters' dtype and reduce them in float32 (
 same on every member); bfloat16 and float16 models, float32 under ``autocast`` (bfloat16, and
 float16 with a registered ``GradScaler``) and gradient clipping each train on 3 members with a
 kill, with one state digest per step on every member. CUDA parameters take the same staged
-path with device copies (a GPU run covers it: ``tests/gpu``); here, the dtype logic on CPU."""
+path with device copies (through pinned host memory): the ``cuda`` variants run where a GPU
+is, and are skipped, saying so, where none is."""
 
 from __future__ import annotations
 
@@ -92,21 +93,24 @@ class _Variant:
         autocast: torch.dtype | None = None,
         scaler: bool = False,
         clip: float = 0.0,
+        device: str = "cpu",
     ) -> None:
         self.params, self.autocast, self.scaler, self.clip = params, autocast, scaler, clip
+        self.device = device
 
     def setup(self, t: ElasticTrainer) -> None:
-        t.model.to(self.params)
+        t.model.to(self.device, self.params)
         if self.scaler:
-            t.register("scaler", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+            t.register("scaler", torch.amp.GradScaler(self.device, init_scale=2.0**10))
 
     def body(self, t: ElasticTrainer, step: Step) -> None:
         scaler = t._state.state.objects["scaler"].obj if self.scaler else None
-        cast_to = torch.autocast("cpu", dtype=self.autocast) if self.autocast else None
+        cast_to = torch.autocast(self.device, dtype=self.autocast) if self.autocast else None
         for idx in step.indices():
             i = torch.as_tensor(idx)
+            x, y = DATA_X[i].to(self.device, self.params), DATA_Y[i].to(self.device)
             with cast_to if cast_to is not None else contextlib.nullcontext():
-                loss = F.cross_entropy(t.model(DATA_X[i].to(self.params)).float(), DATA_Y[i])
+                loss = F.cross_entropy(t.model(x).float(), y)
             step.record_loss(loss)
             (scaler.scale(loss) if scaler else loss).backward()  # type: ignore[no-untyped-call]
         if scaler is not None:
@@ -126,12 +130,16 @@ VARIANTS = {
     "autocast-bfloat16": _Variant(autocast=torch.bfloat16),
     "autocast-float16-scaler": _Variant(autocast=torch.float16, scaler=True),
     "clip": _Variant(clip=0.05),
+    "cuda": _Variant(device="cuda"),
+    "cuda-bfloat16": _Variant(params=torch.bfloat16, device="cuda"),
 }
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_each_precision_trains_through_a_kill_with_one_digest_per_step(name: str) -> None:
     variant = VARIANTS[name]
+    if variant.device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the staged CUDA path of the gradient buckets)")
     hub = Hub(start_with=3)
     total = 16
     digests: dict[int, set[str]] = defaultdict(set)
