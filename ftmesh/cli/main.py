@@ -97,11 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to search")
 
+    from .checkpoint_cmd import add_checkpoint_parser
     from .lab_cmd import add_lab_parser
     from .launch_cmd import add_launch_parser
 
     add_launch_parser(sub)
     add_lab_parser(sub)
+    add_checkpoint_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a peer")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -163,6 +165,10 @@ def run(argv: list[str] | None = None) -> int:
             from .bench_cmd import run_bench
 
             return run_bench(args)
+        if args.command == "checkpoint":
+            from .checkpoint_cmd import run_checkpoint
+
+            return run_checkpoint(args)
     except FtmeshError as exc:
         print(f"ftmesh: error: {exc}", file=sys.stderr)
         return 2
