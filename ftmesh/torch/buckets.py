@@ -110,6 +110,8 @@ class _Bucket:
 
 
 class GradBuckets:
+    """A trainer's gradient buckets; see the module docstring."""
+
     def __init__(
         self, params: list[torch.nn.Parameter], bucket_bytes: int, header_slots: int
     ) -> None:
@@ -259,6 +261,7 @@ class GradBuckets:
         self._futures = []
 
     def close(self) -> None:
+        """Remove the hooks from the parameters."""
         for h in self._hooks:
             h.remove()
 

@@ -127,4 +127,5 @@ class ElasticLoader:
         raise FtmeshError(f"the trainer's data plan does not start at the current attempt {key}")
 
     def close(self) -> None:
+        """Drop the iterator (and its worker processes, unless persistent)."""
         self._it = None

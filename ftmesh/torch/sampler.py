@@ -33,6 +33,9 @@ from ..training.shards import LAYOUT_BITS
 
 
 class ElasticSampler:
+    """Which samples each member computes at each step; see the module docstring.
+    ``global_batch`` samples per step, a permutation per epoch seeded by ``(seed, epoch)``."""
+
     def __init__(
         self,
         dataset_len: int,
@@ -56,6 +59,7 @@ class ElasticSampler:
 
     @property
     def steps_per_epoch(self) -> int:
+        """Steps in an epoch (one more, a short one, with ``drop_last=False`` and a tail)."""
         if self.drop_last:
             return self.dataset_len // self.global_batch
         return -(-self.dataset_len // self.global_batch)
@@ -68,6 +72,7 @@ class ElasticSampler:
         return int.from_bytes(digest, "big") >> (64 - LAYOUT_BITS)
 
     def epoch_of(self, step: int) -> int:
+        """The 0-based epoch of 0-based step ``step``."""
         return step // self.steps_per_epoch
 
     def _permutation(self, epoch: int) -> np.ndarray:

@@ -54,13 +54,16 @@ class Captured:
         self._copy: dict[str, Any] | None = None
 
     def capture(self) -> None:
+        """Copy the object's state now (the end of a step)."""
         self._copy = copy.deepcopy(self.obj.state_dict())
 
     def state_dict(self) -> dict[str, Any]:
+        """The captured copy (what the committed state holds)."""
         # Before the first step ends, the live state (the starting point).
         return self._copy if self._copy is not None else dict(self.obj.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply ``state`` to the object and make it the captured copy."""
         self.obj.load_state_dict(copy.deepcopy(state))
         self._copy = copy.deepcopy(state)
 
@@ -142,6 +145,7 @@ class TrainingState:
         return found
 
     def part_digests(self) -> dict[str, str]:
+        """A digest of each part, in ``names`` order."""
         digests = self.state.part_digests()
         digests["scalars"] = self.state.scalars_digest()
         return {name: digests[name] for name in self.names}

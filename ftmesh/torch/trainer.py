@@ -270,6 +270,7 @@ class ElasticTrainer:
 
     @property
     def recoveries(self) -> int:
+        """Failed attempts so far (each cost a retry of its step)."""
         return self._machine.recoveries
 
     @property
@@ -279,10 +280,12 @@ class ElasticTrainer:
 
     @property
     def last_sync_bytes(self) -> int:
+        """State bytes fetched in the last sync (0: it was not behind)."""
         return self._machine.last_sync_bytes
 
     @property
     def last_sync_seconds(self) -> float:
+        """Seconds the last sync took (agreement plus state transfer)."""
         return self._machine.last_sync_seconds
 
     @property
@@ -309,6 +312,7 @@ class ElasticTrainer:
         return self._state.commit(max(self.committed, 0))
 
     def load_snapshot(self, snap: Snapshot) -> None:
+        """Adopt ``snap`` (every registered part) as the committed state of its step."""
         self._state.load(snap)
         self._machine.committed = snap.step
 

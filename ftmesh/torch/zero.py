@@ -142,9 +142,11 @@ class ShardedOptimizer:
 
     # -- the flat parameter vector ---------------------------------------------------------
     def flat_params(self) -> torch.Tensor:
+        """The parameters as one flat vector (a copy)."""
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def load_flat_params(self, flat: torch.Tensor) -> None:
+        """Write a flat vector back into the parameters."""
         with torch.no_grad():
             offset = 0
             for p, n in zip(self.params, self.sizes, strict=True):
@@ -153,6 +155,7 @@ class ShardedOptimizer:
 
     # -- what we hold ----------------------------------------------------------------------
     def held(self) -> list[HeldPiece]:
+        """The pieces of optimizer state we hold now."""
         if self._loaded is not None:
             return self._loaded
         opt = self._opt
@@ -306,6 +309,7 @@ class ShardedOptimizer:
         self._previous, self.served = [], {}
 
     def commit(self) -> None:
+        """The step's allgather completed: drop the state kept aside."""
         self._backup = None
 
     def gather_input(self, with_state: bool) -> np.ndarray:
