@@ -17,9 +17,10 @@ thread outlives its test.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -438,6 +439,25 @@ class Member:
     error: BaseException | None = None
 
 
+@contextlib.contextmanager
+def member_thread(hub: Hub, member: Member, start_after: threading.Event | None) -> Iterator[None]:
+    """The frame of a member's thread: wait for ``start_after``, run the body, record how it
+    ended (``ok``, ``killed``, ``error``) and leave the mesh."""
+    try:
+        if start_after is not None:
+            while not start_after.wait(0.05):
+                if hub.closed:
+                    raise Killed()
+        yield
+        member.status = "ok"
+    except Killed:
+        member.status = "killed"
+    except BaseException as exc:
+        member.status, member.error = "error", exc
+    finally:
+        hub.kill(member.name)
+
+
 def run_member(
     hub: Hub,
     member: Member,
@@ -453,11 +473,7 @@ def run_member(
     on_step: Callable[[Member, StepReport], None] | None = None,
 ) -> None:
     """Train ``total`` steps, ``finish()`` and leave the mesh (the thread's body)."""
-    try:
-        if start_after is not None:
-            while not start_after.wait(0.05):
-                if hub.closed:
-                    raise Killed()
+    with member_thread(hub, member, start_after):
         mesh = FakeMesh(hub, member.name)
         model = make_model(tiny)
         member.trainer = t = ElasticTrainer(
@@ -481,13 +497,6 @@ def run_member(
             if on_step is not None:
                 on_step(member, report)
         t.finish(timeout=20.0)
-        member.status = "ok"
-    except Killed:
-        member.status = "killed"
-    except BaseException as exc:
-        member.status, member.error = "error", exc
-    finally:
-        hub.kill(member.name)  # leave the mesh
 
 
 def start_member(hub: Hub, member: Member, **kwargs: Any) -> None:
@@ -551,11 +560,7 @@ def run_loop_member(
     **settings: Any,
 ) -> None:
     """A member's thread (loop API): train ``total`` steps with the loop API, finish, leave."""
-    try:
-        if start_after is not None:
-            while not start_after.wait(0.05):
-                if hub.closed:
-                    raise Killed()
+    with member_thread(hub, member, start_after):
         mesh = FakeMesh(hub, member.name)
         model = make_model()
         config = {"quorum": "any", "join_settle": 0.0, "step_timeout": 30.0, **settings}
@@ -573,13 +578,6 @@ def run_loop_member(
             if after_step is not None:
                 after_step(member, t, step)
         t.finish(timeout=20.0)
-        member.status = "ok"
-    except Killed:
-        member.status = "killed"
-    except BaseException as exc:
-        member.status, member.error = "error", exc
-    finally:
-        hub.kill(member.name)
 
 
 def start_loop(hub: Hub, names: str, **kwargs: Any) -> dict[str, Member]:

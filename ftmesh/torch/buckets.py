@@ -285,8 +285,3 @@ def micro_batches(share: np.ndarray, micro_batch: int) -> list[np.ndarray]:
         return [share]
     count = -(-len(share) // micro_batch)
     return list(np.array_split(share, count))
-
-
-def weights_of(sizes: Sequence[int], total: int) -> list[float]:
-    """Each micro-batch's weight in the step's mean gradient."""
-    return [m / total for m in sizes]
