@@ -17,9 +17,7 @@ import pytest
 from ftmesh.collective.view import Peer, RingView
 from ftmesh.errors import ConfigError, DeadlineExceeded, TrainingFinishedError
 from ftmesh.membership.messages import MemberState
-from ftmesh.training.config import TrainerConfig
-from ftmesh.training.protocol import FRESH, round_tag
-from ftmesh.training.step import (
+from ftmesh.training.actions import (
     Action,
     Advertise,
     Barrier,
@@ -44,12 +42,16 @@ from ftmesh.training.step import (
     SetRole,
     Settle,
     Sleep,
-    StepMachine,
     Sync,
     ViewSeen,
     WaitView,
     WaitViewChange,
     WorldChanged,
+)
+from ftmesh.training.config import TrainerConfig
+from ftmesh.training.protocol import FRESH, round_tag
+from ftmesh.training.step import (
+    StepMachine,
 )
 
 BATCH = 8

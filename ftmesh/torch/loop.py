@@ -38,7 +38,14 @@ import numpy as np
 import torch
 
 from ..errors import FtmeshError, LocalUsageError
-from ..training.step import Compute, Failed, Finished, StepReport
+from ..training.actions import (
+    Compute,
+    Failed,
+    Finished,
+)
+from ..training.step import (
+    StepReport,
+)
 
 if TYPE_CHECKING:
     from .trainer import ElasticTrainer

@@ -5,7 +5,8 @@ Theory of operation. ``ElasticTrainer`` drives the step machine of ``ftmesh.trai
 machine returns — wait for a view, run the sync allreduce, fetch the newest committed state
 (striped over the members that hold it, hash-verified), re-shard, compute — and feeds back
 what happened as a typed outcome; exceptions of the mesh become ``Failed`` outcomes in one
-place (:func:`failure_of`). Two ways to write the loop, on the same machine:
+place (``ftmesh.torch.driver.failure_of``; ``MeshDriver`` carries out every action but
+``Compute``). Two ways to write the loop, on the same machine:
 
 * the loop API, ordinary PyTorch (``ftmesh.torch.loop`` says where each hook runs)::
 
@@ -65,95 +66,46 @@ import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.data as tud
 
-from ..collective import InputMismatchError, RingView
-from ..errors import CollectiveError, FtmeshError, LocalUsageError, PeerLostError
-from ..membership.messages import MemberSnapshot
-from ..mesh import ROLE_KEY, STATE_BYTES_KEY
-from ..state import Snapshot, State, StateLostError, latest_valid_checkpoint, save_checkpoint
-from ..state.memory import prepared_zeros
+from ..collective import RingView
+from ..errors import FtmeshError, LocalUsageError
+from ..state import Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
 from ..sync import SyncMesh
-from ..training.config import TrainerConfig
-from ..training.protocol import FRESH, diverged_members, header_size, round_tag
-from ..training.shards import round_id
-from ..training.step import (
+from ..training.actions import (
     Action,
-    Advertise,
-    Barrier,
-    Checkpoint,
     Compute,
     Computed,
-    Done,
-    DropRing,
     Failed,
-    Failure,
-    FallBack,
-    Fetch,
-    Fetched,
     Finished,
-    Loaded,
-    MemberInfo,
-    Members,
-    Outcome,
-    PrepareJoin,
     Raise,
-    ReadMembers,
-    ReadView,
-    Reduced,
-    Reshard,
-    SetRole,
-    Settle,
-    Sleep,
+)
+from ..training.config import TrainerConfig
+from ..training.protocol import diverged_members, header_size, round_tag
+from ..training.shards import round_id
+from ..training.step import (
     StepMachine,
     StepReport,
-    Sync,
-    ViewSeen,
-    WaitView,
-    WaitViewChange,
-    WorldChanged,
 )
 from .buckets import GradBuckets, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
+from .driver import MeshDriver, failure_of
 from .loop import StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .state import TrainingState
 from .zero import ShardedOptimizer
 
-__all__ = ["ElasticTrainer", "StepReport", "failure_of"]
+__all__ = ["ElasticTrainer", "StepReport"]
 
 log = logging.getLogger("ftmesh.torch")
 
-RECEIVE_BUFFER_SLACK = 1 << 20
-"""Bytes a joiner's receive buffer has beyond the advertised state size: room for a
-snapshot prefix that grew since (the step, a scheduler's state)."""
 ABANDON_WAIT_S = 5.0
 """How long a step whose body raised waits for its allreduces in flight."""
-_DONE = Done()
-
-
-def failure_of(exc: BaseException) -> Failed | None:
-    """The step failure an exception of the mesh stands for (``None``: not a failure of the
-    step, it propagates)."""
-    if isinstance(exc, StateLostError):
-        return Failed(Failure.STATE_LOST, str(exc), error=exc)
-    if isinstance(exc, PeerLostError):
-        return Failed(Failure.PEER_LOST, str(exc), peer=str(getattr(exc, "peer", "")), error=exc)
-    if isinstance(exc, InputMismatchError):
-        return Failed(Failure.INPUT_MISMATCH, str(exc), error=exc)
-    if isinstance(exc, CollectiveError):  # view mismatch, superseded, aborted
-        return Failed(Failure.VIEW, str(exc), error=exc)
-    return None
-
-
-def _member_info(m: MemberSnapshot) -> MemberInfo:
-    return MemberInfo(m.node, m.state, str(m.meta.get(ROLE_KEY, "")), STATE_BYTES_KEY in m.meta)
 
 
 class ElasticTrainer:
@@ -181,7 +133,6 @@ class ElasticTrainer:
         self.mesh = mesh
         self.model = model
         self.optimizer = optimizer
-        self.on_world_change = on_world_change
         self._loader: ElasticLoader | None = None
         if isinstance(data, tud.DataLoader):
             self.sampler = sampler_for(data, cfg.data_seed)
@@ -215,10 +166,9 @@ class ElasticTrainer:
             cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start_peers=start_peers
         )
         self._current: Step | None = None
-        self._checkpoint_state: dict[str, torch.Tensor] = {}
-        self._receive_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
-        self._fetch_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
-        self._advertised = -1
+        self._driver = MeshDriver(
+            mesh, cfg, self._machine, self._state, self._zero, on_world_change
+        )
         self._opened = False
         self._epoch: int | None = None
         self._view: RingView | None = None
@@ -231,7 +181,7 @@ class ElasticTrainer:
         # for us while we are still starting up. Members behind fetch committed state from
         # those that hold it: our state server.
         mesh.set_role("joining")
-        mesh.serve_state(self._lookup_state)
+        mesh.serve_state(self._driver.lookup_state)
 
     # ------------------------------------------------------------------ registering state
 
@@ -262,6 +212,16 @@ class ElasticTrainer:
         return self._state.scalars
 
     # ------------------------------------------------------------------ reading
+
+    @property
+    def on_world_change(self) -> Callable[[int, int], None] | None:
+        """Called as ``on_world_change(old, new)`` when the number of members computing
+        changes (may be set at any time)."""
+        return self._driver.on_world_change
+
+    @on_world_change.setter
+    def on_world_change(self, callback: Callable[[int, int], None] | None) -> None:
+        self._driver.on_world_change = callback
 
     @property
     def committed(self) -> int:
@@ -427,7 +387,7 @@ class ElasticTrainer:
         if cfg.checkpoint_dir is not None:
             found = latest_valid_checkpoint(cfg.checkpoint_dir)
             if found is not None:
-                self._load_checkpoint(found.snapshot)
+                self._driver.load_checkpoint(found.snapshot)
                 log.info("resumed from checkpoint at step %d", self.committed)
 
     def _attempts(self) -> Iterator[Step]:
@@ -454,157 +414,8 @@ class ElasticTrainer:
                 return action
             if isinstance(action, Raise):
                 raise action.error from action.cause
-            outcome = self._perform(action)
+            outcome = self._driver.perform(action)
             action = machine.feed(time.monotonic(), outcome)
-
-    def _collective(self, run: Callable[[], Outcome]) -> Outcome:
-        try:
-            return run()
-        except FtmeshError as exc:
-            failure = failure_of(exc)
-            if failure is None:
-                raise
-            return failure
-
-    def _perform(self, action: Action) -> Outcome:
-        mesh, cfg = self.mesh, self.config
-        match action:
-            case Settle(seconds, timeout):
-                mesh.wait_quiet(seconds, timeout=timeout)
-            case SetRole(role):
-                mesh.set_role(role)
-            case ReadMembers():
-                return Members(tuple(_member_info(m) for m in mesh.members()))
-            case ReadView():
-                return ViewSeen(mesh.view())
-            case Sleep(seconds):
-                time.sleep(seconds)
-            case WaitViewChange(epoch, timeout):
-                if epoch is None:
-                    current = mesh.view()
-                    epoch = current.epoch if current is not None else ""
-                return ViewSeen(mesh.wait_view_change(epoch, timeout=timeout))
-            case WaitView(min_members, settle, timeout):
-                view = mesh.wait_view(min_members=min_members, settle=settle, timeout=timeout)
-                return ViewSeen(view)
-            case PrepareJoin():
-                self._prepare_receive_buffer()
-            case Sync(view):
-                return self._collective(lambda: self._sync_allreduce(view))
-            case Fetch():
-                return self._collective(lambda: self._fetch(action))
-            case Barrier(view):
-                return self._collective(lambda: self._barrier(view))
-            case Reshard(view, step, candidates):
-                zero = self._zero
-                assert zero is not None
-                wait = cfg.step_timeout
-                return self._collective(
-                    lambda: Fetched(zero.sync(mesh, view, step, candidates, wait=wait))
-                )
-            case DropRing(view):
-                mesh.drop_view(view)
-            case FallBack(failure):
-                return self._fall_back(failure)
-            case WorldChanged(old, new):
-                if self.on_world_change is not None:
-                    self.on_world_change(old, new)
-            case Advertise():
-                self._advertise_state()
-            case Checkpoint(step):
-                self._write_checkpoint(step)
-            case _:
-                raise LocalUsageError(f"the trainer cannot carry out {action!r}")
-        return _DONE
-
-    # ------------------------------------------------------------------ the sync's I/O
-
-    def _sync_allreduce(self, view: RingView) -> Reduced:
-        snap = self.snapshot()
-        vec = self._machine.sync_vector(view, snap.nbytes, snap.digest)
-        self.mesh.allreduce_on(view, vec, "max")
-        # The buffer prepared while joining serves the fetch of this sync, if any: used once.
-        self._fetch_buffer, self._receive_buffer = self._receive_buffer, None
-        return Reduced(vec)
-
-    def _fetch(self, action: Fetch) -> Fetched:
-        view, plan = action.view, action.plan
-        holders = [view.members[r].node_id for r in plan.holders]
-        buffer, self._fetch_buffer = self._fetch_buffer, None
-        fits = buffer is not None and buffer.nbytes >= plan.nbytes
-        snap = self.mesh.fetch_state(
-            holders, plan.target_step, plan.digest, None, buffer if fits else None
-        )
-        self._state.load(snap)
-        return Fetched(plan.nbytes)
-
-    def _barrier(self, view: RingView) -> Done:
-        # A large state takes longer than io_timeout to fetch: the fetchers' liveness is
-        # membership's to judge meanwhile (a dead or frozen one aborts the barrier).
-        self.mesh.barrier_on(view, io_timeout=self.config.step_timeout)
-        return _DONE
-
-    def _lookup_state(self, step: int, digest: str) -> Snapshot | None:
-        """What our state server serves: a piece of sharded state offered in the current
-        sync, else the committed snapshot. Runs in the mesh's thread."""
-        piece = self._zero.served.get(digest) if self._zero is not None else None
-        if piece is not None and piece.step == step:
-            return piece
-        return self.state.committed
-
-    def _advertise_state(self) -> None:
-        """Tell joiners the size of the state they will fetch (``_prepare_receive_buffer``)."""
-        nbytes = self.state.nbytes()
-        if nbytes != self._advertised:
-            self.mesh.advertise_state(nbytes)
-            self._advertised = nbytes
-
-    def _prepare_receive_buffer(self) -> None:
-        """Before a member that has not trained enters the ring: start mapping the memory its
-        state will be fetched into, while the ring forms, off the fetch's critical path
-        (``ftmesh.state.memory``); sized by what the members advertise. A spare keeps it
-        while it waits for a slot."""
-        if self.committed != FRESH or self._receive_buffer is not None:
-            return
-        nbytes = self.mesh.advertised_state_bytes()
-        if nbytes:
-            self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _load_checkpoint(self, snap: Snapshot) -> None:
-        zero = self._state.load(snap, extra=("zero",)).get("zero")
-        self._machine.committed = snap.step
-        if (zero is None) != (self._zero is None):
-            mode = "without" if zero is None else "with"
-            raise LocalUsageError(
-                f"the checkpoint of step {snap.step} was written {mode} shard_optimizer"
-            )
-        if self._zero is not None and zero is not None:
-            self._zero.load_full(snap.step, round_id(f"checkpoint {snap.digest}"), zero)
-
-    def _fall_back(self, failure: Failed) -> Loaded:
-        """The sharded state is lost: resume from the newest valid checkpoint, or raise."""
-        exc = failure.error
-        assert isinstance(exc, StateLostError)
-        where_dir = self.config.checkpoint_dir
-        found = latest_valid_checkpoint(where_dir) if where_dir else None
-        if found is None:
-            where = f"in {where_dir}" if where_dir else "(no checkpoint_dir)"
-            raise StateLostError(exc.lost, f"{exc.what}; no valid checkpoint {where}") from exc
-        log.error("%s: resuming from the checkpoint of step %d", exc, found.snapshot.step)
-        self._load_checkpoint(found.snapshot)
-        return Loaded(found.snapshot.step)
-
-    def _write_checkpoint(self, step: int) -> None:
-        directory = self.config.checkpoint_dir
-        assert directory is not None
-        if self._zero is None:
-            snap = self._state.commit(step)
-        else:
-            snap = self._state.with_extra(step, zero=self._checkpoint_state)
-            self._checkpoint_state = {}
-        save_checkpoint(Path(directory), snap)
 
     # ------------------------------------------------------------------ an attempt
 
@@ -754,7 +565,7 @@ class ElasticTrainer:
             if failure is None:
                 raise
             step._fail(failure)
-        self._checkpoint_state = zero.apply_gathered(gathered, with_state)
+        self._driver.checkpoint_state = zero.apply_gathered(gathered, with_state)
         zero.commit()
 
     def _end(self, step: Step, error: BaseException | None) -> bool:
