@@ -107,6 +107,9 @@ REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
 START_POLL_S = 0.1
 """How often a member waiting for ``start_peers`` looks at the membership."""
+READY_ROLES = ("starting", "train", "spare")
+"""Roles of a member that reached the start of a fresh mesh (``train`` and ``spare`` are where
+it goes next)."""
 SLOT_POLL_S = 1.0
 """The longest a spare waits for a membership change before looking again."""
 QUORUM_POLL_S = 1.0
@@ -537,7 +540,10 @@ class StepMachine:
             members = _members(out)
             if any(m.started for m in members):
                 return now  # the mesh has started: a member took a step
-            ready = sum(m.state == MemberState.ALIVE and m.role == "starting" for m in members)
+            # A member that reached the start may already have moved on (to "train", or
+            # "spare") when it saw the count reached: counting only "starting" could miss it
+            # for good and wait out start_timeout (issue #12's start race).
+            ready = sum(m.state == MemberState.ALIVE and m.role in READY_ROLES for m in members)
             if ready >= self.start_peers:
                 break
             if now >= end:
