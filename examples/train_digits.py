@@ -7,7 +7,13 @@ the test set. Run it on a local mesh with ``ftmesh launch``:
 
 or on several machines with ``ftmesh worker examples/train_digits.py`` on each. With
 ``--single`` it trains in one process without a mesh (the baseline the tests compare with).
-The last line is ``test accuracy: 0.NNN``.
+The last line is ``test accuracy: 0.NNN``. SIGTERM or SIGINT makes a worker leave the mesh
+after its current step and exit 0 (``ftmesh.Departed``); the others train on.
+
+``--idle-when-done`` is for a StatefulSet (``examples/k8s/``), which restarts a container
+that exits: the worker stays up after training until SIGTERM, and a worker whose
+``--checkpoint-dir`` already holds the last step (make ``--checkpoint-every`` divide the
+run's steps) does not train again but idles the same way.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def progress(record: dict[str, object]) -> None:
     sys.stdout.flush()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=32)
@@ -110,10 +116,32 @@ def main() -> int:
         help="shard the optimizer state over the members (ZeRO-1) with --replicas copies",
     )
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="add the test accuracy to the progress record every N steps (time-to-accuracy)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: gradients travel as blockwise int8 with error feedback (slow links)",
+    )
     p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument(
+        "--idle-when-done",
+        action="store_true",
+        help="after training (or if --checkpoint-dir holds the last step already) stay in the "
+        "mesh as 'done' until SIGTERM instead of exiting",
+    )
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     logging.basicConfig(
         level=os.environ.get("FTMESH_LOG", "WARNING"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -136,6 +164,8 @@ def main() -> int:
             optimizer.zero_grad()
             loss_fn(sampler.global_indices(step)).backward()
             optimizer.step()
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                progress({"step": step + 1, "accuracy": accuracy(model, x_test, y_test)})
     else:
         with ftmesh.connect() as mesh:
             trainer = ElasticTrainer(
@@ -150,7 +180,15 @@ def main() -> int:
                 checkpoint_every=args.checkpoint_every,
                 shard_optimizer=args.shard_optimizer,
                 replicas=args.replicas,
+                compression=args.compression,
             )
+            if trainer.committed >= total:  # resumed from the checkpoint of the last step
+                print(f"training finished at step {trainer.committed} (checkpoint in "
+                      f"{args.checkpoint_dir}): not training again", flush=True)  # fmt: skip
+                mesh.set_role("done")
+                if args.idle_when_done:
+                    mesh.wait_leave_requested()
+                return 0
             while trainer.committed < total:
                 try:
                     r = trainer.step(loss_fn)
@@ -174,6 +212,11 @@ def main() -> int:
                         "digest": trainer.digest() if report else None,
                         "shards": trainer.shard_digests() if report else None,
                         "fallbacks": trainer.fallbacks,
+                        **(
+                            {"accuracy": accuracy(model, x_test, y_test)}
+                            if args.eval_every and r.step % args.eval_every == 0
+                            else {}
+                        ),
                     }
                 )
                 if args.step_delay:
@@ -187,6 +230,23 @@ def main() -> int:
                     "digest": trainer.digest(),
                 }
             )
+            report_result(args, model, optimizer, x_test, y_test, total, started)
+            if args.idle_when_done:
+                mesh.wait_leave_requested()
+            return 0
+    report_result(args, model, optimizer, x_test, y_test, total, started)
+    return 0
+
+
+def report_result(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    total: int,
+    started: float,
+) -> None:
     if args.save_model:  # every worker of a mesh writes the same weights: replace atomically
         tmp = f"{args.save_model}.{os.getpid()}.tmp"
         torch.save(model.state_dict(), tmp)
@@ -196,8 +256,7 @@ def main() -> int:
         f"trained {total} steps in {time.monotonic() - started:.1f}s; "
         f"final digest {State(model=model, optimizer=optimizer, rng=False).live_digest()}"
     )
-    print(f"test accuracy: {acc:.3f}")
-    return 0
+    print(f"test accuracy: {acc:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,22 @@ class TrainingFinishedError(FtmeshError):
     """A spare was still waiting for a slot when the training members finished."""
 
 
+class Departed(SystemExit):
+    """This member left the mesh in a planned departure (SIGTERM/SIGINT, or
+    ``SyncMesh.request_leave()``): ``ElasticTrainer.step`` raises it once the member has told
+    the others and left. A ``SystemExit`` with code 0, so a training script that does not
+    catch it ends with exit status 0 and its ``finally`` and ``with`` blocks run; catch it to
+    do something else. ``step`` is the last committed step this member took part in. (Not a
+    ``FtmeshError``: it is not an error, and ``except Exception`` must not swallow it.)"""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(0)
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"left the mesh after step {self.step}"
+
+
 class PeerLostError(FtmeshError):
     """A peer needed by the operation died or became unreachable."""
 
@@ -53,3 +69,8 @@ class CollectiveError(FtmeshError):
 
 class DeadlineExceeded(FtmeshError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+class MeshNotFormedError(DeadlineExceeded):
+    """The mesh did not form as asked: a member found fewer of its ``start_peers`` than
+    would let it start without splitting the mesh, or no running mesh to join."""

@@ -4,10 +4,13 @@ current view.
 Theory of operation: a member runs a SWIM node (``ftmesh.net``) and a data plane
 (``ftmesh.collective``). It publishes its data-plane address and role in its member metadata.
 The *view* is the sorted list of members whose role is ``train`` and that membership holds
-ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off). Every member derives the same ring
-from the same view; before a collective runs on a view the data plane checks with both ring
-neighbours that they hold the same view epoch, so if gossip has not converged yet the call
-waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
+ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out
+because their neighbours cannot reach them or their bytes fail verification
+(``ftmesh.collective.reach``: each member publishes its accusations under ``reach`` in its
+metadata, and every member computes the same exclusions from them). Every member derives the
+same ring from the same view; before a collective runs on a view the data plane checks with
+both ring neighbours that they hold the same view epoch, so if gossip has not converged yet the
+call waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
 collective is reported to membership as hard evidence (an immediate probe), and the error is
 raised: whether to retry, and with what inputs, is the caller's decision (see
 ``ftmesh.training``), because an in-place collective may have partly overwritten its input.
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -36,11 +41,23 @@ from .collective import (
     ViewMismatchError,
     ViewSupersededError,
     open_data_plane,
+    reach,
 )
+from .collective.reach import Exclusion, ReachConfig, ReachEvent
 from .collective.transport import Ring
 from .errors import ConfigError, DeadlineExceeded
 from .membership.messages import MemberSnapshot, MemberState
-from .net.node import Node, NodeConfig, open_node, parse_hostport
+from .mesh_meta import (
+    DATA_KEY,
+    ROLE_KEY,
+    ROLES,
+    STATE_BYTES_KEY,
+    STATE_KEY,
+    MemberInfo,
+    MetadataGate,
+)
+from .mesh_reach import BAD_STATE_REASONS, REACH_KEY, ReachDriver, describe_exclusion, new_queue
+from .net.node import Node, NodeConfig, open_node
 from .state import (
     Lookup,
     Snapshot,
@@ -53,20 +70,8 @@ from .state import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("ftmesh.mesh")
 
-DATA_KEY = "data"
-"""Member metadata key holding the data-plane ``host:port``."""
-STATE_KEY = "state"
-"""Member metadata key holding the ``host:port`` of the member's state server, if it runs one
-(``Mesh.serve_state``): where members that are behind fetch committed state from."""
-STATE_BYTES_KEY = "state_bytes"
-"""Member metadata key: the size of the member's committed state (``Mesh.advertise_state``),
-so that a member about to fetch it can prepare its receive buffer while it waits to join."""
-ROLE_KEY = "role"
-"""Member metadata key: ``train`` members form the ring; others not (``joining``: about to
-train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
-``done``: finished training, about to leave)."""
-ROLES = ("train", "joining", "starting", "spare", "observer", "done")
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
 
@@ -94,6 +99,9 @@ class MeshConfig:
     """Seconds a collective keeps retrying while ring neighbours do not hold the same view
     (gossip still converging, or a neighbour still computing its previous step). Each try
     waits ``collective.view_timeout``."""
+    reach: ReachConfig = field(default_factory=ReachConfig)
+    """When a member that membership holds alive is left out of the ring, and re-admitted
+    (``ftmesh.collective.reach``)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -102,35 +110,81 @@ class MeshConfig:
             raise ConfigError("agree_timeout must be positive")
 
 
-def view_of(members: list[MemberSnapshot], suspects: bool = False) -> RingView | None:
-    """The ring view membership implies: ``train`` members with a data address that are
-    ALIVE (or SUSPECT, with ``suspects``)."""
+def view_of(
+    members: list[MemberSnapshot], suspects: bool = False, gate: MetadataGate | None = None
+) -> RingView | None:
+    """The ring view membership implies: ``train`` members that are ALIVE (or SUSPECT, with
+    ``suspects``) and whose metadata parses (``gate`` counts and logs the others)."""
+    return _view((gate or MetadataGate()).usable(members), suspects)
+
+
+def _view(members: list[MemberInfo], suspects: bool) -> RingView | None:
     live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
-    peers = []
-    for m in members:
-        if m.state not in live:
-            continue
-        if m.meta.get(ROLE_KEY) != "train" or not isinstance(m.meta.get(DATA_KEY), str):
-            continue
-        host, port = parse_hostport(str(m.meta[DATA_KEY]))
-        peers.append(Peer(m.node, host, port))
+    peers = [
+        Peer(m.node, *m.data)
+        for m in members
+        if m.state in live and m.role == "train" and m.data is not None
+    ]
     return RingView.of(peers) if peers else None
+
+
+def ring_exclusions(members: Sequence[MemberSnapshot]) -> dict[str, Exclusion]:
+    """The training members the ring leaves out (``reach.exclusions``), computed from the
+    accusations they publish under ``REACH_KEY``: the same for every member that holds the same
+    membership. Accusations count while their reporter is alive or suspect (a suspicion, as
+    a one-way link causes now and then, must not take an accused member back for a moment).
+    A member whose accusations do not parse is left out (reason ``bad_meta``)."""
+    candidates: list[str] = []
+    reports: dict[str, dict[str, str]] = {}
+    bad: dict[str, Exclusion] = {}
+    for m in members:
+        if m.state not in _COUNTED or m.meta.get(ROLE_KEY) != "train":
+            continue
+        try:
+            found = reach.parse_reports(m.meta.get(REACH_KEY))
+        except ValueError:
+            bad[m.node] = Exclusion(m.node, "bad_meta", ())
+            continue
+        candidates.append(m.node)
+        if found:
+            reports[m.node] = found
+    out = reach.exclusions(reports, candidates) if reports else {}
+    return {**out, **bad}
+
+
+_COUNTED = (MemberState.ALIVE, MemberState.SUSPECT)
+
+
+def ring_members(members: list[MemberSnapshot]) -> list[MemberSnapshot]:
+    """``members`` less those the ring leaves out (``ring_exclusions``): what ``view_of`` is
+    computed from."""
+    out = ring_exclusions(members)
+    return [m for m in members if m.node not in out] if out else members
 
 
 class Mesh:
     """One member of a training mesh. Get one from :func:`open_mesh`."""
 
     def __init__(
-        self, config: MeshConfig, node: Node, dp: DataPlane, nursery: trio.Nursery
+        self,
+        config: MeshConfig,
+        node: Node,
+        dp: DataPlane,
+        nursery: trio.Nursery,
+        reach_events: deque[ReachEvent] | None = None,
     ) -> None:
         self.config = config
         self.node = node
         self.data_plane = dp
         self._nursery = nursery
+        self.reach = ReachDriver(node, dp, config.reach, ring_exclusions, DATA_KEY, reach_events)
+        """Our reachability judgements and their log (``ftmesh.mesh_reach``)."""
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._views: dict[str, RingView] = {}
         self._latest_view: RingView | None = None  # as of the last event _watch handled
+        self.metadata = MetadataGate()
+        """Counts (``bad_meta``) and logs members whose metadata does not parse."""
 
     @property
     def node_id(self) -> str:
@@ -138,7 +192,17 @@ class Mesh:
 
     def view(self) -> RingView | None:
         """The current view (``None`` while we are not a training member)."""
-        return view_of(self.node.members(), self.config.suspects_in_view)
+        return view_of(
+            ring_members(self.node.members()), self.config.suspects_in_view, self.metadata
+        )
+
+    def exclusions(self) -> dict[str, Exclusion]:
+        """The training members the ring leaves out now, and why (``ring_exclusions``)."""
+        return ring_exclusions(self.node.members())
+
+    def usable_members(self) -> list[MemberInfo]:
+        """Every known member whose metadata parses (see ``ftmesh.mesh_meta``)."""
+        return self.metadata.usable(self.node.members())
 
     async def wait_view(
         self, *, min_members: int = 1, settle: float = 0.0, timeout: float = 60.0
@@ -155,7 +219,12 @@ class Mesh:
                         return view
                 else:
                     await self.view_changed()
-        raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s")
+        why = ""
+        out = self.exclusions().get(self.node_id)
+        if out is not None:
+            names = {m.node: m.name for m in self.node.members()}
+            why = f": the ring leaves this member out ({describe_exclusion(out, names)})"
+        raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s{why}")
 
     def set_role(self, role: str) -> None:
         """Change our role (``train`` members form the ring); spreads by gossip."""
@@ -183,9 +252,12 @@ class Mesh:
         """Return after the next membership event (the view may or may not have changed)."""
         await self._view_changed.wait()
 
-    async def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        """Reduce ``x`` in place over the view; ``avg`` divides by the members that ran."""
-        return await self._run(lambda v: self.data_plane.allreduce(v, x, op))
+    async def allreduce(
+        self, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
+        """Reduce ``x`` in place over the view; ``avg`` divides by the members that ran.
+        ``compression``: see ``DataPlane.allreduce`` (``"int8"``, an ``Int8Compression``)."""
+        return await self._run(lambda v: self.data_plane.allreduce(v, x, op, compression))
 
     async def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
         return await self._run(lambda v: self.data_plane.reduce_scatter(v, x, op))
@@ -207,13 +279,15 @@ class Mesh:
         op: str = "sum",
         root: str = "",
         io_timeout: float | None = None,
+        compression: Any = None,
     ) -> CollectiveResult[T]:
         """Run one collective on exactly ``view`` (no retry on another view): the building block
         of protocols that must know which view a round ran on (``ftmesh.training``).
-        ``kind`` is ``allreduce``, ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused;
-        ``io_timeout``: see ``DataPlane.barrier``). A lost peer is reported to membership."""
+        ``kind`` is ``allreduce`` (``compression``: see ``DataPlane.allreduce``),
+        ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused; ``io_timeout``: see
+        ``DataPlane.barrier``). A lost peer is reported to membership."""
         self._in_use(view)
-        plan = self.data_plane.plan_on(view, kind, x, op, root, io_timeout)
+        plan = self.data_plane.plan_on(view, kind, x, op, root, io_timeout, compression)
         try:
             done: CollectiveResult[T] = await self.data_plane.run_plan(plan)
         except RingPeerLostError as exc:
@@ -296,17 +370,25 @@ class Mesh:
             self.node.update_meta({**me.meta, STATE_BYTES_KEY: nbytes})
 
     def advertised_state_bytes(self) -> int:
-        """The largest committed-state size that training members advertise, 0 if none; never
-        more than ``TransferConfig.max_state_bytes`` or half the available memory (it is
-        a hint from the network, used to prepare a receive buffer)."""
-        sizes = [
-            m.meta.get(STATE_BYTES_KEY)
-            for m in self.node.members()
-            if m.node != self.node_id
-            and m.state == MemberState.ALIVE
-            and m.meta.get(ROLE_KEY) == "train"
-        ]
-        hint = max((n for n in sizes if type(n) is int and n > 0), default=0)
+        """The committed-state size the training members agree on, 0 if none: the largest
+        size that more than half of those advertising one advertise at least (so one member's
+        claim cannot raise it above what the others hold), never more than
+        ``TransferConfig.max_state_bytes`` or half the available memory. A hint from the
+        network, used to prepare a receive buffer: too small only costs an allocation."""
+        out = self.exclusions()
+        sizes = sorted(
+            (
+                n
+                for m in self.usable_members()
+                if m.node != self.node_id
+                and m.node not in out
+                and m.state == MemberState.ALIVE
+                and m.role == "train"
+                and (n := m.state_bytes)
+            ),
+            reverse=True,
+        )
+        hint = sizes[len(sizes) // 2] if sizes else 0
         return 0 if hint > min(self.config.transfer.max_state_bytes, _free_memory() // 2) else hint
 
     async def fetch_state(
@@ -320,25 +402,32 @@ class Mesh:
         """Fetch the committed state ``(step, digest)`` from the state servers of the members
         ``holders``, striped over all of them and verified chunk by chunk (into ``buffer``
         when it fits, see ``ftmesh.state.fetch_state``)."""
-        by_id = {m.node: m for m in self.node.members()}
-        peers = []
-        for node in holders:
-            addr = by_id[node].meta.get(STATE_KEY) if node in by_id else None
-            if isinstance(addr, str):
-                peers.append(parse_hostport(addr))
+        by_id = {m.node: m for m in self.usable_members()}
+        peers = [a for node in holders if node in by_id and (a := by_id[node].state_addr)]
+        node_at = {
+            f"{a[0]}:{a[1]}": n for n in holders if n in by_id and (a := by_id[n].state_addr)
+        }
         if not peers:
             raise StateTransferError(f"none of {len(holders)} holders serves its state", {})
         nc = self.config.node
-        return await fetch_state(
-            peers,
-            step,
-            digest,
-            auth=nc.auth,
-            mesh=nc.mesh,
-            config=self.config.transfer,
-            stats=stats,
-            buffer=buffer,
-        )
+        stats = stats if stats is not None else TransferStats()
+        try:
+            return await fetch_state(
+                peers,
+                step,
+                digest,
+                auth=nc.auth,
+                mesh=nc.mesh,
+                config=self.config.transfer,
+                stats=stats,
+                buffer=buffer,
+            )
+        finally:
+            # A holder whose chunks or manifest failed their hash lied or is broken: counted
+            # towards leaving it out (``reach``), whether or not others made up for it.
+            for key, why in stats.failures.items():
+                if why in BAD_STATE_REASONS and key in node_at:
+                    self.reach.bad_state(node_at[key], f"state {digest[:12]} of step {step}: {why}")
 
     def _in_use(self, view: RingView) -> None:
         """Remember ``view`` as one collectives run on, so a member lost from it, or our moving
@@ -384,6 +473,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
     config = config or MeshConfig()
     node_id = os.urandom(16).hex()
     nc = config.node
+    events = new_queue()
     async with open_data_plane(
         node_id,
         host=nc.advertise or nc.bind,
@@ -391,6 +481,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
         auth=nc.auth,
         mesh=nc.mesh,
         config=config.collective,
+        observe=events.append,
     ) as dp:
         host, port = dp.address
         meta: dict[str, Any] = {**nc.meta, DATA_KEY: f"{host}:{port}", ROLE_KEY: config.role}
@@ -398,8 +489,10 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             open_node(replace(nc, meta=meta), node_id=node_id) as node,
             trio.open_nursery() as nursery,
         ):
-            mesh = Mesh(config, node, dp, nursery)
+            mesh = Mesh(config, node, dp, nursery, events)
+            node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
+            nursery.start_soon(mesh.reach.run, nursery)
             try:
                 yield mesh
             finally:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +37,6 @@ TAG_BYTES = 16
 
 MIN_SECRET_BYTES = 16
 """Shortest accepted secret: anything shorter is guessable offline from one captured packet."""
-
-SECRET_ENV = "FTMESH_SECRET"
-ENCRYPT_ENV = "FTMESH_ENCRYPT"
-"""``1``/``true``/``yes``/``on`` switches encryption on where no ``encrypt`` argument is given."""
 
 AEAD_KEY_BYTES = 32
 AEAD_TAG_BYTES = 16
@@ -137,35 +132,29 @@ class MeshAuth:
         ).digest()
 
 
-def encrypt_from_env() -> bool:
-    """``$FTMESH_ENCRYPT`` as a bool (unset or empty: False)."""
-    raw = os.environ.get(ENCRYPT_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ConfigError(f"${ENCRYPT_ENV} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
+def load_secrets(
+    secret_file: str | Path | None = None, encrypt: bool = False, secret: str | None = None
+) -> MeshAuth:
+    """Build a ``MeshAuth`` from ``secret_file`` (one secret per non-empty line; the first line
+    signs, all verify) or, without a file, from the one ``secret`` given as text. Neither: no
+    authentication. ``encrypt`` without a secret is a ``ConfigError``.
 
-
-def load_secrets(secret_file: str | Path | None = None, encrypt: bool | None = None) -> MeshAuth:
-    """Build a ``MeshAuth`` from ``--secret-file`` (one secret per non-empty line; the first
-    line signs) or, if no file is given, from ``$FTMESH_SECRET``. Neither set: no auth.
-
-    ``encrypt`` (``--encrypt``): None reads ``$FTMESH_ENCRYPT``; True without a secret is a
-    ``ConfigError``."""
-    if encrypt is None:
-        encrypt = encrypt_from_env()
+    Where the file and the secret come from (``--secret-file``, ``$FTMESH_SECRET_FILE``,
+    ``$FTMESH_SECRET``) is ``ftmesh.settings``' business: this never reads the environment."""
     lines: list[bytes] = []
     if secret_file is not None:
         try:
             raw = Path(secret_file).read_bytes()
         except OSError as exc:
-            raise ConfigError(f"cannot read secret file {secret_file}: {exc}") from exc
+            raise ConfigError(
+                f"cannot read secret file {str(secret_file)!r}: {exc.strerror}; check "
+                "--secret-file ($FTMESH_SECRET_FILE)"
+            ) from exc
         lines = [ln.strip() for ln in raw.splitlines() if ln.strip()]
         if not lines:
             raise ConfigError(f"secret file {secret_file} is empty")
-    elif os.environ.get(SECRET_ENV):
-        lines = [os.environ[SECRET_ENV].encode()]
+    elif secret is not None:
+        lines = [secret.encode()]
     if not lines:
         if encrypt:
             raise ConfigError("encryption needs a mesh secret (--secret-file or $FTMESH_SECRET)")

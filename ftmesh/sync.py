@@ -8,13 +8,30 @@ ring is open (``Mesh.ring_in_use``): they drive the ring's sockets straight from
 thread, or, when submitted, from one job thread that runs them in submission order.
 ``close()`` (or leaving the ``with`` block) leaves the mesh gracefully and joins the thread,
 bounded by a timeout.
+
+Errors: an error that keeps the mesh from starting is raised by :meth:`SyncMesh.start` (and
+``connect()``) itself when it is an ``FtmeshError`` (say a ``ConfigError`` naming the port
+that is taken), not wrapped in the exception group trio collected it in. An error that ends a
+running mesh is kept, and every later call raises ``MeshClosedError`` saying it, with it as
+the ``__cause__``.
+
+Planned departures: ``request_leave()`` only raises a flag (safe from signal handlers and any
+thread); whoever drives the training loop reads ``leave_requested()`` at its step boundaries
+and leaves (``ElasticTrainer`` does, see ``ftmesh.torch.trainer``). :func:`connect`, called
+from the main thread, installs SIGTERM/SIGINT handlers that request it
+(:func:`handle_leave_signals`): a worker that is PID 1 of a container, where signals without
+a handler are ignored, leaves as well as any other; a second signal exits at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -22,17 +39,36 @@ import numpy as np
 import trio
 
 from .collective import CollectiveResult, RingPeerLostError, RingView
-from .errors import MeshClosedError
+from .collective.reach import Exclusion
+from .errors import FtmeshError, MeshClosedError
 from .job_thread import JobThread
-from .membership.messages import MemberSnapshot
+from .membership.messages import MemberSnapshot, Meta
 from .mesh import Mesh, MeshConfig, open_mesh
+from .settings import Settings
 from .state import Lookup, Snapshot, TransferStats
+from .training.start import StartConfig
 
 T = TypeVar("T")
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The error an exception group stands for: its first ``FtmeshError``, else its first
+    leaf that is not a cancellation (trio groups the errors of a nursery's tasks)."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves = [root_cause(e) for e in exc.exceptions]
+    for leaf in leaves:
+        if isinstance(leaf, FtmeshError):
+            return leaf
+    return next((e for e in leaves if not isinstance(e, trio.Cancelled)), leaves[0])
+
+
 class SyncMesh:
     """Blocking twin of :class:`Mesh`. Create with :meth:`start` or :func:`ftmesh.connect`."""
+
+    start_config: StartConfig = StartConfig()
+    """How a trainer on this mesh starts (``start_peers`` ...) when it is not told; set by
+    ``connect()`` from its arguments and the environment."""
 
     def __init__(self) -> None:
         self._mesh: Mesh | None = None
@@ -42,6 +78,9 @@ class SyncMesh:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._jobs = JobThread("ftmesh-collectives")
+        self._leave_flag = False
+        self._leave_event = threading.Event()  # set from the trio thread (signal safety)
+        self._restore_signals: Callable[[], None] | None = None
 
     @classmethod
     def start(cls, config: MeshConfig | None = None, start_timeout: float = 30.0) -> SyncMesh:
@@ -70,13 +109,30 @@ class SyncMesh:
         if not self._ready.wait(start_timeout):
             raise MeshClosedError(f"mesh did not start within {start_timeout}s")
         if self._error is not None or self._mesh is None:
-            raise MeshClosedError(f"mesh failed to start: {self._error!r}") from self._error
+            cause = None if self._error is None else root_cause(self._error)
+            if isinstance(cause, FtmeshError):
+                raise cause
+            raise MeshClosedError(f"mesh failed to start: {cause!r}") from cause
         return self
+
+    def _closed(self) -> MeshClosedError:
+        """The error for a call on a mesh that is not running, with what ended it."""
+        if self._error is None:
+            return MeshClosedError("the mesh is closed")
+        cause = root_cause(self._error)
+        err = MeshClosedError(f"the mesh stopped: {type(cause).__name__}: {cause}")
+        err.__cause__ = cause
+        return err
 
     @property
     def mesh(self) -> Mesh:
-        if self._mesh is None or self._stop is None or self._stop.is_set():
-            raise MeshClosedError("the mesh is closed")
+        if (
+            self._error is not None
+            or self._mesh is None
+            or self._stop is None
+            or self._stop.is_set()
+        ):
+            raise self._closed()
         return self._mesh
 
     @property
@@ -88,8 +144,9 @@ class SyncMesh:
         self.mesh  # noqa: B018 - raises if closed
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except (trio.RunFinishedError, trio.Cancelled) as exc:  # closed meanwhile
-            raise MeshClosedError(f"mesh closed: {exc!r}") from None
+        except (trio.RunFinishedError, trio.Cancelled):  # closed meanwhile, maybe by an error
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
@@ -100,21 +157,28 @@ class SyncMesh:
         return self._jobs.submit(self.call, fn, *args)
 
     def submit_on_view(
-        self, view: RingView, kind: str, x: T, op: str = "sum"
+        self, view: RingView, kind: str, x: T, op: str = "sum", compression: Any = None
     ) -> Future[CollectiveResult[T]]:
         """``Mesh.on_view`` without waiting (in order with ``submit``): e.g. a gradient
         bucket's allreduce launched during backward."""
         self.mesh  # noqa: B018 - raises if closed
-        return self._jobs.submit(self._on_view, view, kind, x, op, "", None)
+        return self._jobs.submit(self._on_view, view, kind, x, op, "", None, compression)
 
     def _on_view(
-        self, view: RingView, kind: str, x: T, op: str, root: str, io_timeout: float | None
+        self,
+        view: RingView,
+        kind: str,
+        x: T,
+        op: str,
+        root: str,
+        io_timeout: float | None,
+        compression: Any = None,
     ) -> CollectiveResult[T]:
         mesh = self.mesh
         ring = mesh.ring_in_use(view)
         if ring is None:  # a new view (or a broken ring): trio opens it
-            return self.call(mesh.on_view, view, kind, x, op, root, io_timeout)
-        plan = mesh.data_plane.plan_on(view, kind, x, op, root, io_timeout)
+            return self.call(mesh.on_view, view, kind, x, op, root, io_timeout, compression)
+        plan = mesh.data_plane.plan_on(view, kind, x, op, root, io_timeout, compression)
         try:
             return mesh.data_plane.run_plan_blocking(ring, plan)
         except RingPeerLostError as exc:
@@ -124,10 +188,18 @@ class SyncMesh:
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""
         self.mesh  # noqa: B018 - raises if closed
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            closed = self._closed()
+            raise closed from closed.__cause__
 
     def view(self) -> RingView | None:
         return self.call_sync(self.mesh.view)
+
+    def exclusions(self) -> dict[str, Exclusion]:
+        """The training members the ring leaves out now (``Mesh.exclusions``)."""
+        return self.call_sync(self.mesh.exclusions)
 
     def members(self) -> list[MemberSnapshot]:
         return self.call_sync(self.mesh.node.members)
@@ -158,8 +230,10 @@ class SyncMesh:
     def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
         self.call(self.mesh.wait_quiet, settle, timeout)
 
-    def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self._jobs.run(self.call, self.mesh.allreduce, x, op)
+    def allreduce(self, x: T, op: str = "sum", compression: Any = None) -> CollectiveResult[T]:
+        """See :meth:`Mesh.allreduce`; ``compression``: ``"int8"`` or an ``Int8Compression``
+        (``DataPlane.allreduce``)."""
+        return self._jobs.run(self.call, self.mesh.allreduce, x, op, compression)
 
     def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
         return self._jobs.run(self.call, self.mesh.reduce_scatter, x, op)
@@ -173,10 +247,12 @@ class SyncMesh:
     def barrier(self) -> CollectiveResult[None]:
         return self._jobs.run(self.call, self.mesh.barrier)
 
-    def allreduce_on(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
+    def allreduce_on(
+        self, view: RingView, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
         """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`. Runs in this thread, after
         the collectives submitted before it."""
-        return self._jobs.run(self._on_view, view, "allreduce", x, op, "", None)
+        return self._jobs.run(self._on_view, view, "allreduce", x, op, "", None, compression)
 
     def broadcast_on(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
         """Broadcast from ``root`` on exactly ``view``; see :meth:`allreduce_on`."""
@@ -213,6 +289,11 @@ class SyncMesh:
         """See :meth:`Mesh.advertised_state_bytes`."""
         return self.call_sync(self.mesh.advertised_state_bytes)
 
+    def register_statistics(self, name: str, source: Callable[[], object]) -> None:
+        """Have the metrics exporter read ``source()`` (a snapshot such as
+        ``ftmesh.stats.TrainerStatistics``) at scrape time, in the mesh's thread."""
+        self.call_sync(self.mesh.node.statistics_sources.__setitem__, name, source)
+
     def drop_view(self, view: RingView) -> None:
         """Reconnect ``view``'s ring before its next collective; see ``DataPlane.drop_view``."""
         self.call_sync(self.mesh.data_plane.drop_view, view.epoch)
@@ -229,6 +310,31 @@ class SyncMesh:
 
         return self.call(wait)
 
+    def request_leave(self) -> None:
+        """Ask this member to leave the mesh at its next step boundary (see the module
+        docstring). Thread-safe, and safe to call from a signal handler: it sets a flag and
+        hands the rest to the mesh's trio thread."""
+        self._leave_flag = True
+        if self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._leave_event.set)
+
+    def leave_requested(self) -> bool:
+        """Whether ``request_leave()`` was called (or a leave signal came)."""
+        return self._leave_flag
+
+    def wait_leave_requested(self, timeout: float | None = None) -> bool:
+        """Block until a leave is requested (True) or ``timeout`` seconds pass (False): for
+        a process that has nothing left to do but must stay up until it is told to go."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._leave_flag:
+            left = FLAG_POLL_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # (The flag alone, once the trio thread that sets the event has ended.)
+            self._leave_event.wait(min(left, FLAG_POLL_S))
+        return True
+
     def close(self, join_timeout: float = 10.0) -> None:
         self._jobs.close(0)  # refuse new collectives; closing the mesh ends running ones
         if self._stop is not None and self._token is not None and not self._stop.is_set():
@@ -237,6 +343,9 @@ class SyncMesh:
         if self._thread is not None:
             self._thread.join(join_timeout)
         self._jobs.close(join_timeout)
+        restore, self._restore_signals = self._restore_signals, None
+        if restore is not None:
+            restore()
 
     def __enter__(self) -> SyncMesh:
         return self
@@ -245,50 +354,113 @@ class SyncMesh:
         self.close()
 
 
-ENV_PREFIX = "FTMESH_"
+LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FLAG_POLL_S = 0.25
+"""How often ``wait_leave_requested`` looks at the flag when the trio thread cannot wake it."""
+
+
+def handle_leave_signals(mesh: SyncMesh) -> bool:
+    """Make SIGTERM and SIGINT ask ``mesh`` to leave (``request_leave``); a second one exits
+    the process at once with status 128 + the signal number. ``mesh.close()`` puts the
+    previous handlers back. Only from the main thread (Python delivers signals there):
+    returns whether the handlers were installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = {sig: signal.getsignal(sig) for sig in LEAVE_SIGNALS}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if mesh.leave_requested():
+            os.write(2, f"ftmesh: {name} again: exiting now\n".encode())
+            with contextlib.suppress(Exception):  # (a signal may interrupt a write)
+                sys.stdout.flush()
+            os._exit(128 + signum)
+        mesh.request_leave()
+        note = f"ftmesh: {name}: leaving the mesh at the next step ({name} again: exit now)\n"
+        os.write(2, note.encode())
+
+    for sig in LEAVE_SIGNALS:
+        signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in previous.items():
+                if signal.getsignal(sig) is on_signal:
+                    signal.signal(sig, handler)
+
+    mesh._restore_signals = restore
+    return True
 
 
 def connect(
     *,
     mesh: str | None = None,
     discovery: str | None = None,
-    join: tuple[str, ...] | None = None,
+    join: Sequence[str] | None = None,
+    interface: str | None = None,
+    bind: str | None = None,
+    advertise: str | None = None,
+    port: int | None = None,
     preset: str | None = None,
+    secret_file: str | None = None,
+    encrypt: bool | None = None,
+    registry_dir: str | None = None,
+    name: str | None = None,
+    meta: Meta | None = None,
+    start_peers: int | None = None,
+    start_timeout: float | None = None,
+    metrics_port: int | None = None,
+    log_level: str | None = None,
+    log_format: str | None = None,
     role: str = "train",
-    start_timeout: float = 30.0,
+    open_timeout: float = 30.0,
+    environ: Mapping[str, str] | None = None,
 ) -> SyncMesh:
     """Join a training mesh from a plain (non-trio) program; the usual entry point of a
     training script started by ``ftmesh launch`` or ``ftmesh worker``.
 
-    Every argument left as ``None`` falls back to the environment those commands set
-    (``FTMESH_MESH``, ``FTMESH_DISCOVERY``, ``FTMESH_JOIN`` (comma-separated),
-    ``FTMESH_PRESET``, ``FTMESH_INTERFACE``, ``FTMESH_BIND``, ``FTMESH_PORT``,
-    ``FTMESH_REGISTRY_DIR``,
-    ``FTMESH_SECRET_FILE``), then to the defaults: mesh ``default``, ``local`` discovery, the
-    ``lan`` preset. Explicit arguments always win over the environment.
+    The arguments are the settings of ``ftmesh.settings.Settings`` (the same names as the
+    flags of ``ftmesh worker``). Each one left as ``None`` comes from the environment those
+    commands set (``FTMESH_MESH``, ``FTMESH_PORT``, ...; ``environ``, default
+    ``os.environ``), then from the defaults: mesh ``default``, ``local`` discovery (``seeds``
+    when seeds are given), the ``lan`` preset. Explicit arguments always win, and an empty
+    string is a value, not "unset". ``start_peers`` and ``start_timeout`` are kept on the
+    returned mesh (``SyncMesh.start_config``) for the ``ElasticTrainer`` made on it.
+    ``metrics_port`` serves Prometheus metrics (``ftmesh.metrics``); ``log_level`` and
+    ``log_format``, when given (or set in the environment by ``ftmesh worker``/``launch``),
+    set up ftmesh's log (``ftmesh.logs``). ``open_timeout``: seconds to wait for the mesh to
+    start.
+
+    Raises the ``FtmeshError`` that keeps the mesh from starting (a ``ConfigError`` naming
+    the setting at fault and the fix).
+
+    Called from the main thread, it also makes SIGTERM and SIGINT a planned departure
+    (:func:`handle_leave_signals`, undone by ``close()``).
     """
-    import os
-
-    from .membership.config import MembershipConfig
-    from .net.node import NodeConfig
-    from .security import load_secrets
-
-    env = os.environ
-    joins = (
-        join if join is not None else tuple(j for j in env.get("FTMESH_JOIN", "").split(",") if j)
-    )
-    disc = discovery or env.get("FTMESH_DISCOVERY") or ("seeds" if joins else "local")
-    interface = env.get("FTMESH_INTERFACE", "")
-    bind = env.get("FTMESH_BIND", "") or (interface if disc == "mdns" and interface else "")
-    node = NodeConfig(
-        mesh=mesh or env.get("FTMESH_MESH", "default"),
-        discovery=disc,
-        join=joins,
-        bind=bind or "127.0.0.1",
-        port=int(env.get("FTMESH_PORT") or 0),
+    settings = Settings.from_env(os.environ if environ is None else environ).replace(
+        mesh=mesh,
+        discovery=discovery,
+        join=join,
         interface=interface,
-        registry_dir=env.get("FTMESH_REGISTRY_DIR", ""),
-        membership=MembershipConfig.preset(preset or env.get("FTMESH_PRESET", "lan")),
-        auth=load_secrets(env.get("FTMESH_SECRET_FILE") or None),
+        bind=bind,
+        advertise=advertise,
+        port=port,
+        preset=preset,
+        secret_file=secret_file,
+        encrypt=encrypt,
+        registry_dir=registry_dir,
+        name=name,
+        meta=meta,
+        start_peers=start_peers,
+        start_timeout=start_timeout,
+        metrics_port=metrics_port,
+        log_level=log_level,
+        log_format=log_format,
     )
-    return SyncMesh.start(MeshConfig(node=node, role=role), start_timeout=start_timeout)
+    if settings.log_level is not None or settings.log_format is not None:
+        settings.configure_logging()
+    start = settings.start_config()
+    synced = SyncMesh.start(settings.mesh_config(role), start_timeout=open_timeout)
+    synced.start_config = start
+    handle_leave_signals(synced)
+    return synced

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent setup: system packages the tests need (when root), a virtual environment in .venv
+# Idempotent setup: system packages the tests need (when root: iproute2 and nftables for the
+# lab, prometheus for the metrics tests), a virtual environment in .venv
 # with ftmesh and its dev + torch extras. torch is pinned to the CPU build in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -7,13 +8,17 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v nft >/dev/null 2>&1 || need_apt+=(nftables)
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
+command -v prlimit >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)  # the metrics tests scrape with it
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing ${need_apt[*]} (network-namespace lab tests)"
+    echo "setup: installing ${need_apt[*]} (lab tests, clock-skew and descriptor-limit tests)"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${need_apt[@]}" >/dev/null
   else
-    echo "setup: ${need_apt[*]} missing and not root: namespace tests will be skipped" >&2
+    echo "setup: ${need_apt[*]} missing and not root: the tests needing them will be skipped" >&2
   fi
 fi
 

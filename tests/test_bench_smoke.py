@@ -1,11 +1,14 @@
-"""Smoke runs of ``ftmesh bench recovery``, ``train`` and ``allreduce --encrypt``: tiny
-configurations, real processes on loopback; they check the JSON shape and that the values are
-sane, never speed."""
+"""Smoke runs of ``ftmesh bench recovery``, ``train``, ``allreduce --encrypt`` and
+``--compression int8`` (also in the lab): tiny configurations, real processes on loopback or
+in network namespaces; they check the JSON shape and that the values are sane, never speed.
+(``ftmesh bench convergence`` trains twice in a lab: too slow for CI, run by hand.)"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -40,6 +43,8 @@ def test_recovery_bench_smoke() -> None:
         "3",
         "--kills",
         "1",
+        "--leaves",
+        "1",
         "--stops",
         "1",
         "--torchrun-kills",
@@ -62,7 +67,13 @@ def test_recovery_bench_smoke() -> None:
     )
     assert _positive(r["join_mb_per_s"]), r
     assert _positive(r["raw_tcp_mb_per_s"]), r
-    assert r["joins"] == 1
+    assert r["joins"] == 2  # the replacements of the killed and of the departed member
+    leave = r["leave_to_step_s"]
+    assert leave["n"] == 1 and 0 < leave["median"] < 60, leave
+    assert r["leave_steps_redone"] == [0], r["leave_steps_redone"]  # a departure costs no retry
+    assert r["leave_synced"] == [0], r["leave_synced"]
+    assert r["leave_lost_s"]["n"] == 1 and r["kill_lost_s"]["n"] == 1
+    assert 0 < r["leave_exit_s"]["median"] < 60
     stop = r["sigstop_to_step_s"]
     assert 0 < stop["median"] < r["suspicion_bound_s"] + 5, r["sigstop_to_step_s"]
     assert r["sigcont_to_rejoin_s"]["n"] == 1, r["sigcont_to_rejoin_s"]
@@ -71,14 +82,18 @@ def test_recovery_bench_smoke() -> None:
     assert bd["commit"] is not None and bd["commit"] <= bd["received"]
     assert set(r["goals"]) == {
         "kill_median_under_0.5s",
+        "leave_lost_p99_under_50ms",
+        "leave_redoes_no_step",
         "vs_torchrun_at_least_4x",
         "sigstop_within_bound_plus_1s",
         "join_transfer_at_least_half_ceiling",
     }
     sizes = [row["state_mb"] for row in r["join_by_size"]]
     assert sizes == [1, 2], r["join_by_size"]
+    # The main size's joins are the kill's and the departure's replacements; one at 2 MiB.
+    assert [row["joins"] for row in r["join_by_size"]] == [2, 1], r["join_by_size"]
     for row in r["join_by_size"]:
-        assert row["joins"] == 1 and _positive(row["join_transfer_vs_ceiling"]), row
+        assert _positive(row["join_transfer_vs_ceiling"]), row
     assert r["join_by_size"][1]["state_bytes"] > r["state_bytes"]
 
 
@@ -130,3 +145,64 @@ def test_allreduce_bench_encrypt_smoke() -> None:
     busbw = {k: v["median"] for k, v in cell["busbw"].items()}
     assert set(busbw) == {"ftmesh", "ftmesh_enc"} and all(map(_positive, busbw.values()))
     assert cell["encrypted_vs_plain"] == pytest.approx(busbw["ftmesh_enc"] / busbw["ftmesh"])
+
+
+def test_allreduce_bench_compression_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.allreduce",
+        "--procs",
+        "3",
+        "--sizes",
+        "256K",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--impls",
+        "ftmesh",
+        "--compression",
+        "int8",
+        "--check",
+        timeout=240,
+    )
+    assert r["compression"] == "int8" and r["lab"] is False
+    (cell,) = r["cells"]
+    assert cell["check"] == {"ftmesh": True, "ftmesh_int8": True}
+    busbw = {k: v["median"] for k, v in cell["busbw"].items()}
+    assert set(busbw) == {"ftmesh", "ftmesh_int8"} and all(map(_positive, busbw.values()))
+    assert cell["vs_uncompressed"] == pytest.approx(busbw["ftmesh_int8"] / busbw["ftmesh"])
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="needs root to create network namespaces (and iproute2's tc); CI runs as root",
+)
+
+
+@pytest.mark.netns
+@needs_root
+def test_allreduce_bench_lab_smoke() -> None:
+    r = _bench(
+        "ftmesh.bench.allreduce",
+        "--lab",
+        "--link-rate",
+        "1gbit",
+        "--procs",
+        "2",
+        "--sizes",
+        "256K",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--impls",
+        "ftmesh,ceiling",
+        "--compression",
+        "int8",
+        "--check",
+        timeout=240,
+    )
+    assert r["lab"] is True and r["link_rate"] == "1gbit"
+    (cell,) = r["cells"]
+    assert cell["check"] == {"ftmesh": True, "ftmesh_int8": True, "ceiling": True}
+    assert _positive(cell["vs_uncompressed"]) and _positive(cell["vs_ceiling"])

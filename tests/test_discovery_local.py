@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from ftmesh.discovery import Advert, LocalDiscovery, default_registry_dir, make_discovery
-from ftmesh.discovery.local import MAX_FILE_BYTES, REGISTRY_ENV, _proc_start_ticks
+from ftmesh.discovery.local import MAX_FILE_BYTES, _proc_start_ticks
 from ftmesh.errors import ConfigError
 
 POLL = 0.02
@@ -227,9 +227,11 @@ def test_config_errors(tmp_path: Path) -> None:
         trio.run(LocalDiscovery(tmp_path).browse, "a/b", 1.0)
 
 
-def test_default_registry_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(REGISTRY_ENV, raising=False)
+def test_default_registry_dir_ignores_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The environment is read at the edge (ftmesh.settings), never by the library.
+    monkeypatch.setenv("FTMESH_REGISTRY_DIR", str(tmp_path))
     assert default_registry_dir() == Path(f"/tmp/ftmesh-{os.getuid()}")
-    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path))
-    assert default_registry_dir() == tmp_path
-    assert LocalDiscovery().registry_dir == tmp_path
+    assert LocalDiscovery().registry_dir == default_registry_dir()
+    assert LocalDiscovery(tmp_path).registry_dir == tmp_path

@@ -73,23 +73,16 @@ def reason_of(codec: PacketCodec, data: bytes) -> str:
 
 
 def test_encryption_needs_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FTMESH_SECRET", raising=False)
-    monkeypatch.delenv("FTMESH_ENCRYPT", raising=False)
+    # The library never reads the environment: only ftmesh.settings (the CLI, connect()) does.
+    monkeypatch.setenv("FTMESH_SECRET", OLD.decode())
+    monkeypatch.setenv("FTMESH_ENCRYPT", "1")
     with pytest.raises(ConfigError, match="needs a mesh secret"):
         MeshAuth(encrypt=True)
     with pytest.raises(ConfigError, match="needs a mesh secret"):
         load_secrets(None, encrypt=True)
-    monkeypatch.setenv("FTMESH_ENCRYPT", "1")
-    with pytest.raises(ConfigError, match="needs a mesh secret"):
-        load_secrets(None)
-    monkeypatch.setenv("FTMESH_SECRET", OLD.decode())
-    assert load_secrets(None).encrypt
-    assert not load_secrets(None, encrypt=False).encrypt  # the argument wins
-    monkeypatch.setenv("FTMESH_ENCRYPT", "0")
-    assert not load_secrets(None).encrypt
-    monkeypatch.setenv("FTMESH_ENCRYPT", "maybe")
-    with pytest.raises(ConfigError, match="FTMESH_ENCRYPT"):
-        load_secrets(None)
+    assert not load_secrets(None).enabled
+    assert load_secrets(None, encrypt=True, secret=OLD.decode()).encrypt
+    assert not load_secrets(None, secret=OLD.decode()).encrypt
 
 
 def test_derived_keys_are_separate() -> None:

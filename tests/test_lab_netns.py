@@ -164,3 +164,58 @@ def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parser.parse_args(["lab", "up", "--hosts", "2"])
     with pytest.raises(LabError, match="needs root"):
         lab_cmd.run_lab(args)
+
+
+_TCP_SERVE = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(8)\n"
+    "print('ready', flush=True)\n"
+    "while True: s.accept()[0].close()\n"
+)
+_TCP_CONNECT = (
+    "import socket, sys\n"
+    "try:\n"
+    "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.0).close()\n"
+    "    print('ok')\n"
+    "except OSError:\n"
+    "    print('fail')\n"
+)
+
+
+def _connects(lan: VirtualLan, src: int, dst: int, port: int) -> bool:
+    out = lan.run(src, [sys.executable, "-c", _TCP_CONNECT, lan.host_ip(dst), str(port)])
+    return out.stdout.strip() == "ok"
+
+
+@pytest.mark.netns
+@needs_root
+def test_one_way_links_and_blocked_ports() -> None:
+    """A one-way link passes datagrams one way only, and no TCP connection either way; a
+    blocked port refuses TCP to that port only; both heal."""
+    with VirtualLan(hosts=3) as lan:
+        servers = [
+            lan.popen(h, [sys.executable, "-c", _TCP_SERVE, str(port)], stdout=subprocess.PIPE)
+            for h in (0, 1)
+            for port in (7001, 7002)
+        ]
+        try:
+            for srv in servers:
+                assert srv.stdout is not None and srv.stdout.readline().strip() == b"ready"
+            lan.one_way(0, 1)
+            assert lan.faults()["one_way"] == [(0, 1)]
+            assert _delivered(lan, 1, 0, 100) == 100  # the other way passes
+            assert _delivered(lan, 0, 1, 100) == 0
+            assert not _connects(lan, 0, 1, 7001) and not _connects(lan, 1, 0, 7001)
+            assert _connects(lan, 2, 1, 7001) and _connects(lan, 2, 0, 7001)
+            lan.block_port(1, 7002)
+            assert _connects(lan, 2, 1, 7001) and not _connects(lan, 2, 1, 7002)
+            lan.one_way(0, 1, broken=False)
+            lan.block_port(1, 7002, blocked=False)
+            assert _connects(lan, 0, 1, 7001) and _connects(lan, 1, 0, 7002)
+            assert _connects(lan, 2, 1, 7002)
+            with pytest.raises(LabError):
+                lan.one_way(1, 1)
+        finally:
+            for srv in servers:
+                srv.kill()
+                srv.wait()

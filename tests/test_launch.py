@@ -3,14 +3,18 @@ processes while workers are killed with SIGKILL and new ones join."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from tests_support import (
     EXAMPLE,
     ROOT,
+    SingleRun,
     accuracy,
     check_consistency,
     check_consistency_from,
@@ -21,7 +25,7 @@ from tests_support import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
+def test_launch_kill_and_join_trains_digits(tmp_path: Path, single_run: SingleRun) -> None:
     res = launch(
         tmp_path / "mesh",
         "-n",
@@ -50,15 +54,7 @@ def test_launch_kill_and_join_trains_digits(tmp_path: Path) -> None:
     # The joiner entered mid-run, with the others' state.
     joiner = records["w4"]
     assert 40 < int(joiner[0]["step"]) < total and joiner[0]["synced"]  # type: ignore[call-overload]
-    single = subprocess.run(
-        [sys.executable, EXAMPLE, "--single"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        check=True,
-    )
-    assert abs(accuracy(single.stdout) - acc) <= 0.01
+    assert abs(single_run.accuracy() - acc) <= 0.01
 
 
 def test_script_error_is_reported_with_worker_and_traceback(tmp_path: Path) -> None:
@@ -82,3 +78,58 @@ def test_cold_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
     for recs in progress(tmp_path / "second").values():
         assert int(recs[0]["step"]) == 41, recs[0]  # type: ignore[call-overload]
     check_consistency_from(progress(tmp_path / "second"), first=41, total=88)
+
+
+def test_launch_module_respawn_slots_and_a_late_joiner(tmp_path: Path) -> None:
+    """``-m``, ``--respawn`` (a killed worker is replaced by a new member in its slot, with
+    its GPU), and a ``--join-at`` worker that arrives when training is over: it must not
+    train the whole run alone; launch still succeeds. The run lasts about a minute (the step
+    delay), so that the replacement, importing torch on a busy host, arrives while it runs."""
+    res = subprocess.run(
+        [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp_path),
+         "-n", "2", "--respawn", "--kill-at", "3", "--join-at", "172",
+         "-m", "examples.train_digits", "--epochs", "4", "--step-delay", "0.3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "3,5"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert (
+        "LOCAL_RANK 0, CUDA_VISIBLE_DEVICES 3)" in out
+        and "LOCAL_RANK 1, CUDA_VISIBLE_DEVICES 5)" in out
+    )
+    killed = re.search(r"kill -9 (w\d)", out)
+    assert killed, out[-3000:]
+    slot = {"w0": "0", "w1": "1"}[killed.group(1)]
+    # The replacement took the slot (and GPU) of the worker it replaced, and trained.
+    assert (
+        "started w2 (pid" in out
+        and f"LOCAL_RANK {slot}, CUDA_VISIBLE_DEVICES" in out.split("started w2")[1].split("\n")[0]
+    ), out[-3000:]
+    records = progress(tmp_path)
+    total = int(records["w0"][0]["total"])  # type: ignore[call-overload]
+    assert 3 < int(records["w2"][0]["step"]) < total and records["w2"][0]["synced"]  # type: ignore[call-overload]
+    finishers = [r[-1] for r in records.values() if r and r[-1].get("done")]
+    assert len(finishers) == 2 and len({str(r["digest"]) for r in finishers}) == 1
+    # The late joiner never trained (it exited cleanly, or launch stopped it).
+    assert not records.get("w3"), records.get("w3")
+    assert (
+        "no worker joins" in out
+        or "w3 arrived after the training ended" in out
+        or (
+            "the training finished before this member could join"
+            in (tmp_path / "w3.log").read_text()
+        )
+    ), out[-3000:]
+
+
+def test_launch_has_no_default_time_limit(tmp_path: Path) -> None:
+    from ftmesh.cli.launch_cmd import Launcher
+    from ftmesh.cli.main import build_parser
+
+    args = build_parser().parse_args(["launch", "-n", "2", "--log-dir", str(tmp_path), EXAMPLE])
+    assert args.timeout is None
+    assert Launcher(args, sys.stdout).deadline - time.monotonic() > 15 * 60

@@ -100,19 +100,32 @@ async def test_a_view_that_is_no_longer_current_fails_at_once(tmp_path: Path) ->
 
 
 async def test_state_sizes_are_advertised_by_gossip_and_bounded(tmp_path: Path) -> None:
-    """What a joiner sizes its receive buffer by: the largest committed-state size the
-    training members publish, never a size beyond the transfer's limit."""
+    """What a joiner sizes its receive buffer by: the size the training members agree on (the
+    largest that more than half of them advertise at least), so that one member's claim cannot
+    make a joiner reserve more than the others hold; never a size beyond the transfer's
+    limit."""
     async with meshes(3, tmp_path) as (_, ms):
         await views_of(ms, 3)
         ms[0].advertise_state(5_000_000)
         ms[1].advertise_state(7_000_000)
         with trio.fail_after(NO_HANG):
-            while ms[2].advertised_state_bytes() != 7_000_000:
-                await trio.sleep(0.05)
             while ms[1].advertised_state_bytes() != 5_000_000:  # not its own 7 MB
                 await trio.sleep(0.05)
-        assert ms[2].advertised_state_bytes() == 7_000_000
+            while ms[2].advertised_state_bytes() != 5_000_000:  # both hold at least 5 MB
+                await trio.sleep(0.05)
+        ms[0].advertise_state(3 << 30)  # a liar: 3 GB
+        with trio.fail_after(NO_HANG):
+            while {m.node: m.meta for m in ms[2].node.members()}[ms[0].node_id].get(
+                STATE_BYTES_KEY
+            ) != 3 << 30:
+                await trio.sleep(0.05)
+        assert ms[2].advertised_state_bytes() == 7_000_000  # not the liar's 3 GB
+        ms[2].advertise_state(7_000_000)
+        with trio.fail_after(NO_HANG):
+            while ms[1].advertised_state_bytes() != 7_000_000:  # liar and ms[2]: 7 MB agreed
+                await trio.sleep(0.05)
         ms[0].set_role("observer")  # only training members count
+        ms[2].set_role("observer")
         with trio.fail_after(NO_HANG):
             while ms[1].advertised_state_bytes() != 0:
                 await trio.sleep(0.05)

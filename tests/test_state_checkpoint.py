@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,8 @@ import pytest
 
 from ftmesh.state import (
     CheckpointFormatError,
+    CheckpointStatistics,
+    CheckpointWriter,
     State,
     latest_valid_checkpoint,
     load_checkpoint,
@@ -98,16 +103,27 @@ def test_no_temporary_files_left_behind(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
-def test_a_checkpoint_of_another_format_is_refused_and_never_pruned(tmp_path: Path) -> None:
-    """A checkpoint written by another ftmesh version (manifest format 1: SHA-256 leaves) is
-    neither taken for a corrupt one (which would silently resume from an older step or from
-    scratch) nor deleted to make room: scanning raises, pruning leaves it alone."""
-    import json
-
-    old = save_checkpoint(tmp_path, make_state().commit(900))
-    manifest = old.with_name(old.name + ".json")
+def _as_format_1(path: Path) -> Path:
+    manifest = path.with_name(path.name + ".json")
     fields = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**fields, "format": 1}))
+    return manifest
+
+
+def test_a_checkpoint_of_another_format_is_skipped_loudly_and_never_pruned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint written by another ftmesh version (manifest format 1: SHA-256 leaves) does
+    not block resuming from an older valid one (with a warning naming it); alone, it raises
+    rather than letting training start from scratch. Pruning never deletes it."""
+    older = save_checkpoint(tmp_path, make_state().commit(5))
+    old = save_checkpoint(tmp_path, make_state().commit(900))
+    manifest = _as_format_1(old)
+    with caplog.at_level(logging.WARNING):
+        found = latest_valid_checkpoint(tmp_path)
+    assert found is not None and found.path == older
+    assert "has format 1" in caplog.text and old.name in caplog.text
+    older.unlink()
     with pytest.raises(CheckpointFormatError, match="has format 1"):
         latest_valid_checkpoint(tmp_path)
     state = make_state()
@@ -115,3 +131,70 @@ def test_a_checkpoint_of_another_format_is_refused_and_never_pruned(tmp_path: Pa
         new = save_checkpoint(tmp_path, state.commit(step), keep=1)
     assert old.exists() and manifest.exists() and new.exists()
     assert not any(p.name.startswith("step-000000000001") for p in tmp_path.iterdir())
+
+
+def _corrupt(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+
+
+def test_corrupt_newest_checkpoints_never_push_out_the_valid_ones(tmp_path: Path) -> None:
+    """Probe 5: three corrupt checkpoints newer than anything written next. Pruning counts
+    only checkpoints that verify, so every new one is kept (the newest valid one always),
+    and what is older than the newest ``keep`` valid ones goes, corrupt or not."""
+    state = make_state(20_000)
+    for step in (700, 800, 900):
+        _corrupt(save_checkpoint(tmp_path, state.commit(step)))
+    stale = save_checkpoint(tmp_path, state.commit(1))
+    _corrupt(stale)
+    writer = CheckpointWriter(tmp_path, keep=2)
+    for step in range(2, 7):
+        state.arrays["w"][0] = step
+        assert writer.save(state.commit(step)) is not None
+        found = latest_valid_checkpoint(tmp_path)
+        assert found is not None and found.step == step
+    steps = sorted(int(p.name[5:17]) for p in tmp_path.glob("step-*.ftmckpt"))
+    assert steps == [5, 6, 700, 800, 900], steps  # the stale corrupt step 1 went with 2-4
+    assert writer.statistics() == CheckpointStatistics(5, 0, 6, "")
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: mounts a small tmpfs to fill (CI runs as root)"
+)
+
+
+@needs_root
+def test_a_full_or_read_only_disk_fails_a_save_not_the_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ENOSPC and EROFS at save: logged and counted, nothing half-written left behind, and the
+    next save after space returns succeeds. ``check`` reports both at start."""
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "1m")
+    try:
+        state = make_state(40_000)  # 320 kB: two fit, three do not
+        writer = CheckpointWriter(disk / "ckpt", keep=1)
+        assert writer.check(state.nbytes()) == ""
+        (disk / "filler").write_bytes(b"x" * 800_000)
+        with caplog.at_level(logging.WARNING):
+            assert "MiB free" in writer.check(state.nbytes())
+            assert writer.save(state.commit(1)) is None
+        assert "ENOSPC" in caplog.text and "training goes on" in caplog.text
+        assert writer.statistics().failed == 1 and "ENOSPC" in writer.statistics().last_error
+        assert list((disk / "ckpt").iterdir()) == []  # nothing half-written
+        (disk / "filler").unlink()
+        assert writer.save(state.commit(2)) is not None
+        assert writer.statistics() == CheckpointStatistics(1, 1, 2, "")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        assert "EROFS" in writer.check(state.nbytes())
+        assert writer.save(state.commit(3)) is None
+        found = latest_valid_checkpoint(disk / "ckpt")
+        assert found is not None and found.step == 2
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

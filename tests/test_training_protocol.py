@@ -9,7 +9,17 @@ from hypothesis import strategies as st
 
 from ftmesh.errors import LocalUsageError
 from ftmesh.torch.sampler import ElasticSampler
-from ftmesh.training.protocol import FRESH, own_slots_intact, plan_sync, round_tag, sync_vector
+from ftmesh.training.protocol import (
+    FRESH,
+    LEAVE_BITS,
+    LEAVE_SLOTS,
+    leave_slots,
+    leavers,
+    own_slots_intact,
+    plan_sync,
+    round_tag,
+    sync_vector,
+)
 
 D0 = "0" * 64
 D1 = "f" * 64
@@ -113,3 +123,25 @@ def test_sampler_rejects_bad_arguments() -> None:
         ElasticSampler(10, 11)
     with pytest.raises(LocalUsageError):
         ElasticSampler(10, 2).indices(0, ["a"], "b")
+
+
+def test_leave_slots_name_the_leavers_whatever_the_order_they_are_added_in() -> None:
+    size = 200
+    ranks = [0, 5, 23, 24, 150, 199]
+    parts = [leave_slots(r) for r in ranks] + [np.zeros(LEAVE_SLOTS, np.float32)] * 3
+    for order in (parts, parts[::-1], parts[2:] + parts[:2]):
+        total = np.zeros(LEAVE_SLOTS, np.float32)
+        for p in order:  # float32 sums, as the ring's reduction does
+            total = (total + p).astype(np.float32)
+        assert leavers(total, size) == tuple(ranks)
+    assert leavers(np.zeros(LEAVE_SLOTS, np.float32), size) == ()
+
+
+def test_leave_slots_from_another_round_are_refused() -> None:
+    assert leavers(leave_slots(7), 7) is None  # rank 7 is not in a view of 7
+    bad = np.zeros(LEAVE_SLOTS, np.float32)
+    bad[0] = 2.5
+    assert leavers(bad, 10) is None
+    bad[0] = -1
+    assert leavers(bad, 10) is None
+    assert not leave_slots(LEAVE_SLOTS * LEAVE_BITS).any()  # beyond the slots: unannounced

@@ -24,6 +24,7 @@ from ftmesh.training.actions import (
     Checkpoint,
     Compute,
     Computed,
+    Depart,
     Done,
     DropRing,
     Failed,
@@ -44,12 +45,14 @@ from ftmesh.training.actions import (
     Sleep,
     Sync,
     ViewSeen,
+    WaitToStart,
     WaitView,
     WaitViewChange,
     WorldChanged,
 )
 from ftmesh.training.config import TrainerConfig
-from ftmesh.training.protocol import FRESH, round_tag
+from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag
+from ftmesh.training.start import StartConfig
 from ftmesh.training.step import (
     StepMachine,
 )
@@ -244,35 +247,102 @@ def test_without_quorum_an_isolated_member_waits() -> None:
     assert m.feed(7.5, Members(dead)) == Sync(alone)  # past the grace: the mesh shrinks to us
 
 
-def test_a_fresh_mesh_waits_for_start_peers() -> None:
-    cfg = TrainerConfig.of(join_settle=0.0, start_timeout=5.0)
-    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start_peers=3)
-    assert isinstance(m.begin(0.0), Settle)
-    assert m.feed(0.0, Done()) == SetRole("starting")
-    assert m.feed(0.0, Done()) == ReadMembers()
-    one = (MemberInfo("a", MemberState.ALIVE, "starting"),)
-    assert m.feed(0.0, Members(one)) == Sleep(0.1)
-    assert m.feed(0.1, Done()) == ReadMembers()
-    # b already saw the count reached and moved on to "train": it still counts.
-    three = tuple(
-        MemberInfo(n, MemberState.ALIVE, r)
-        for n, r in zip("abc", ["starting", "train", "starting"], strict=True)
-    )
-    assert m.feed(0.1, Members(three)) == SetRole("train")
-    assert m.feed(0.1, Done()) == ReadView()
-    a = m.feed(0.1, ViewSeen(_view("a", "b")))  # still partial: wait for the third
-    assert a == WaitViewChange(_view("a", "b").epoch, 0.1)
-    assert m.feed(0.2, ViewSeen(_view("a", "b", "c"))) == PrepareJoin()
-
-
-def test_a_fresh_mesh_that_started_does_not_wait() -> None:
+def test_a_fresh_mesh_passes_the_start_gate_before_it_enters() -> None:
+    """``start_peers`` > 1 (or ``join_running``): the driver waits at the start gate
+    (``ftmesh.starting``) before the member enters the ring; with 1, no gate at all."""
     cfg = TrainerConfig.of(join_settle=0.0)
-    m = StepMachine(cfg, "j", random.Random(0), lambda _: BATCH, start_peers=3)
+    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
+    assert isinstance(m.begin(0.0), Settle)
+    assert m.feed(0.0, Done()) == WaitToStart(300.0)
+    assert m.feed(2.0, Done()) == PrepareJoin()
+    joiner = StartConfig(1, 5.0, join_running=True)
+    m = StepMachine(cfg, "j", random.Random(0), lambda _: BATCH, start=joiner)
     m.begin(0.0)
-    m.feed(0.0, Done())
-    m.feed(0.0, Done())
-    running = (MemberInfo("a", MemberState.ALIVE, "train", started=True),)
-    assert m.feed(0.0, Members(running)) == PrepareJoin()
+    assert isinstance(m.feed(0.0, Done()), WaitToStart)
+    m = StepMachine(cfg, "b", random.Random(0), lambda _: BATCH, start=StartConfig(1))
+    m.begin(0.0)
+    assert m.feed(0.0, Done()) == PrepareJoin()
+
+
+def test_a_member_asked_to_leave_at_the_start_gate_departs_at_once() -> None:
+    cfg = TrainerConfig.of(join_settle=0.0)
+    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
+    m.begin(0.0)
+    assert isinstance(m.feed(0.0, Done()), WaitToStart)
+    m.request_leave()  # the gate returned early because of it
+    assert m.feed(1.0, Done()) == Depart(0, None)
+    assert m.pending is None
+    # Outside the ring, asked before the step: leaves before entering it.
+    m = _machine()
+    m.request_leave()
+    assert m.begin(0.0) == Depart(0, None)
+
+
+def _leave_header(view: RingView, *leavers: str) -> list[float]:
+    slots = sum((leave_slots(view.rank_of(n)) for n in leavers), np.zeros(LEAVE_SLOTS))
+    return [BATCH, 0.0, round_tag(0) * view.size, *slots.tolist()]
+
+
+def test_a_leaver_announces_sees_off_and_departs() -> None:
+    m = _machine("b")
+    view = _view("a", "b", "c")
+    a = _alone_until_compute(m, view)
+    m.request_leave()
+    header = _leave_header(view, "b")
+    assert m.check_reduction(a, header, None, announced=True) is None
+    # our bit missing, or set when we did not announce: data of another round
+    bad = m.check_reduction(a, _leave_header(view), None, announced=True)
+    assert isinstance(bad, Failed) and bad.kind is Failure.DESYNC
+    assert isinstance(m.check_reduction(a, header, None), Failed)
+    assert m.leaving(a, header) == ("b",)
+    assert m.feed(0.0, Computed(3, 0.0, ("b",))) == Advertise()
+    assert m.feed(0.0, Done()) == Barrier(view)
+    out = m.feed(0.0, Done())
+    assert isinstance(out, Depart) and out.step == 1
+    assert out.report is not None and out.report.leaving == ("b",) and out.report.step == 1
+
+
+def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
+    m = _machine("a")
+    view = _view("a", "b", "c")
+    a = _alone_until_compute(m, view)
+    assert m.check_reduction(a, _leave_header(view, "c"), None) is None
+    m.feed(0.0, Computed(3, 0.0, ("c",)))  # -> Advertise
+    assert m.feed(0.0, Done()) == Barrier(view)
+    assert m.feed(0.0, Failed(Failure.PEER_LOST, "c went")) == ReadView()  # a barrier failure
+    assert m.feed(0.0, ViewSeen(view)) == WaitViewChange(view.epoch, 2.0)
+    rest = _view("a", "b")
+    assert m.feed(0.1, ViewSeen(rest)) == WorldChanged(3, 2)
+    done = m.feed(0.1, Done())
+    assert isinstance(done, Finished) and done.report is not None
+    assert done.report.leaving == ("c",)
+    a = m.begin(1.0)
+    assert isinstance(a, WaitView)
+    assert isinstance(m.feed(1.0, ViewSeen(rest)), Compute)  # no Sync: same state everywhere
+
+
+def test_a_failed_announcing_attempt_departs_at_once() -> None:
+    m = _machine("b")
+    a = _alone_until_compute(m, _view("a", "b"))
+    m.request_leave()
+    assert a.attempt == 1
+    out = m.feed(1.0, Failed(Failure.VIEW, "the ring moved on"))
+    assert out == Depart(0, None)
+
+
+def test_members_the_ring_leaves_out_do_not_count_for_the_quorum() -> None:
+    m = _machine("a", quorum="majority")
+    m.last_view = ("a", "b", "c")
+    a = m.begin(0.0)
+    while not isinstance(a, WaitView):
+        a = m.feed(0.0, Done())
+    alone = _view("a")
+    assert m.feed(0.0, ViewSeen(alone)) == ReadMembers()
+    out = (
+        MemberInfo("b", MemberState.ALIVE, "train", excluded=True),
+        MemberInfo("c", MemberState.ALIVE, "train", excluded=True),
+    )
+    assert m.feed(0.0, Members(out)) == Sync(alone)  # at once, no grace
 
 
 def test_a_cold_spare_waits_for_a_slot_then_ends_with_the_training() -> None:
@@ -328,12 +398,15 @@ def test_check_reduction() -> None:
     m = _machine()
     a = _alone_until_compute(m, _view("a", "b"))
     tag = round_tag(0) * 2
-    assert m.check_reduction(a, [BATCH, 0.0, tag, 6.0, 8.0], [3, 4]) is None
-    bad_tag = m.check_reduction(a, [BATCH, 0.0, tag + 1, 6.0, 8.0], [3, 4])
+    no = [0.0] * LEAVE_SLOTS  # nobody leaves
+    assert m.check_reduction(a, [BATCH, 0.0, tag, *no, 6.0, 8.0], [3, 4]) is None
+    bad_tag = m.check_reduction(a, [BATCH, 0.0, tag + 1, *no, 6.0, 8.0], [3, 4])
     assert isinstance(bad_tag, Failed) and bad_tag.kind is Failure.DESYNC
-    bad_samples = m.check_reduction(a, [BATCH - 1, 0.0, tag, 6.0, 8.0], [3, 4])
+    bad_samples = m.check_reduction(a, [BATCH - 1, 0.0, tag, *no, 6.0, 8.0], [3, 4])
     assert isinstance(bad_samples, Failed) and "7 samples reduced" in bad_samples.detail
-    assert m.check_reduction(a, [BATCH, 0.0, tag, 6.0, 9.0], [3, 4]) == (1,)
+    assert m.check_reduction(a, [BATCH, 0.0, tag, *no, 6.0, 9.0], [3, 4]) == (1,)
+    bad_leave = m.check_reduction(a, [BATCH, 0.0, tag, 0.5, *no[1:], 6.0, 8.0], [3, 4])
+    assert isinstance(bad_leave, Failed) and "leave slots" in bad_leave.detail
 
 
 # -- a world of machines ---------------------------------------------------------------------
@@ -488,7 +561,7 @@ class World:
     def _compute(self, first: Compute, waiting: list[SimMember]) -> None:
         ring = first.view
         checks = [[len(m.model) + 1] if first.check else None for m in waiting]
-        header = [float(BATCH), 0.0, round_tag(first.index) * ring.size]
+        header = [float(BATCH), 0.0, round_tag(first.index) * ring.size, *[0.0] * LEAVE_SLOTS]
         header.append(sum(c[0] for c in checks) if first.check else 0.0)  # type: ignore[index]
         failing: set[str] = set()
         if self.rng.random() < self.partial:

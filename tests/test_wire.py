@@ -197,8 +197,8 @@ def test_replay_cache_is_bounded() -> None:
     sender, receiver = authed(SECRET_A), authed(SECRET_A, window=1.0)
     for i in range(200):
         receiver.open(sender.seal([], NOW + i * 0.1, nonce()), NOW + i * 0.1)
-    # Only nonces still inside the window (~1 s = 10 packets) are kept.
-    assert len(receiver._nonces) <= 12
+    # Only nonces that could still pass the window (2 s = 20 packets) are kept.
+    assert len(receiver._nonces) <= 22
 
 
 def test_key_rotation() -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +93,97 @@ def local_mesh_config(registry: Path, mesh: str, **collective: Any) -> MeshConfi
         ),
         collective=CollectiveConfig(**{"io_timeout": 60.0, "view_timeout": 5.0, **collective}),
     )
+
+
+class SingleRun:
+    """``examples/train_digits.py --single`` (the baseline accuracy), started in the
+    background when a test asks for it and shared by every test of the session."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, EXAMPLE, "--single"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self._out: str | None = None
+
+    def accuracy(self) -> float:
+        if self._out is None:
+            self._out, _ = self._proc.communicate(timeout=600)
+            assert self._proc.returncode == 0, self._out[-3000:]
+        return accuracy(self._out)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class Worker:
+    """One ``ftmesh worker`` process running ``examples/train_digits.py`` (or ``script``), its
+    output in ``log``; ``steps()`` are its progress records. ``prefix`` runs it under a
+    wrapper (``prlimit``, ``faketime``)."""
+
+    def __init__(
+        self,
+        log: Path,
+        env: dict[str, str],
+        *worker_args: str,
+        prefix: tuple[str, ...] = (),
+        script_args: tuple[str, ...] = ("--epochs", "1000", "--digest-every", "0"),
+    ) -> None:
+        self.log = log
+        self._out = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "ftmesh",
+                "worker",
+                *worker_args,
+                EXAMPLE,
+                *script_args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def steps(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.text().splitlines():
+            if line.startswith("FTMESH "):
+                with contextlib.suppress(ValueError):
+                    out.append(json.JSONDecoder().raw_decode(line[len("FTMESH ") :])[0])
+        return out
+
+    def last_step(self) -> int:
+        recs = [r for r in self.steps() if "done" not in r]
+        return int(recs[-1]["step"]) if recs else 0
+
+    def wait(self, pred: Callable[[Worker], bool], timeout: float, what: str) -> float:
+        """Poll until ``pred(self)``; the seconds it took. Fails with the log's tail."""
+        start = time.monotonic()
+        while not pred(self):
+            if self.proc.poll() is not None or time.monotonic() - start > timeout:
+                raise AssertionError(
+                    f"{what} not within {timeout:.0f}s (rc {self.proc.poll()}):\n"
+                    + self.text()[-3000:]
+                )
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._out.close()

@@ -32,14 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from ftmesh.collective.view import Peer, RingView
-from ftmesh.errors import CollectiveError, PeerLostError
+from ftmesh.errors import CollectiveError, DeadlineExceeded, Departed, PeerLostError
 from ftmesh.membership.messages import MemberState
+from ftmesh.mesh_meta import DATA_KEY, ROLE_KEY
 from ftmesh.state import Snapshot
 from ftmesh.state.errors import StateTransferError
 from ftmesh.sync import SyncMesh
 from ftmesh.torch import Step
 from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
+from ftmesh.training.start import StartConfig
 
 
 class Killed(BaseException):
@@ -101,6 +103,8 @@ class Hub:
         self.view_change_delay = view_change_delay
         self.fetch_delay = fetch_delay
         self.alive: set[str] = set()
+        self.left: set[str] = set()
+        """Members that left gracefully (``FakeMesh.close``): ``LEFT`` in ``members()``."""
         self.roles: dict[str, str] = {}
         self.servers: dict[str, Callable[[int, str], Snapshot | None]] = {}
         self.state_bytes: dict[str, int] = {}
@@ -130,6 +134,17 @@ class Hub:
                 if node in r.members and not r.done:
                     self._fail(r, PeerLostError(f"{node} died"))
             self.cv.notify_all()
+
+    def leave(self, node: str) -> None:
+        """``node`` leaves gracefully: like ``kill``, but membership shows it ``LEFT``."""
+        with self.cv:
+            if node in self.alive:
+                self.left.add(node)
+            self.kill(node)
+
+    def failed_rounds(self) -> list[RoundRecord]:
+        """Rounds that failed for any member."""
+        return [r for r in self.history if r.failed]
 
     def shutdown(self, join_timeout: float = 10.0) -> None:
         """Kill every member and join the member threads."""
@@ -247,11 +262,23 @@ class FakeMesh:
     """One member's handle on the hub: the part of ``SyncMesh`` that ``ElasticTrainer``
     uses."""
 
+    start_config = StartConfig()
+
     def __init__(self, hub: Hub, node_id: str) -> None:
         self.hub = hub
         self.node_id = node_id
         self.mesh = SimpleNamespace(on_view=None)
+        self._leave = False
         hub.add(node_id)
+
+    def request_leave(self) -> None:
+        self._leave = True
+
+    def leave_requested(self) -> bool:
+        return self._leave
+
+    def close(self, join_timeout: float = 10.0) -> None:
+        self.hub.leave(self.node_id)
 
     def _check(self) -> None:
         if self.node_id not in self.hub.alive:
@@ -283,7 +310,7 @@ class FakeMesh:
             if v is not None and v.size >= min_members and self.node_id in v.node_ids:
                 return v
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.node_id}: no view of {min_members} members")
+                raise DeadlineExceeded(f"{self.node_id}: no view of {min_members} members")
             time.sleep(0.005)
 
     def wait_view_change(self, epoch: str, timeout: float) -> RingView | None:
@@ -291,18 +318,29 @@ class FakeMesh:
         time.sleep(min(self.hub.view_change_delay, timeout))
         return self.hub.view()
 
+    def exclusions(self) -> dict[str, Any]:
+        return {}
+
     def members(self) -> list[Any]:
         with self.hub.cv:
             return [
                 SimpleNamespace(
                     node=m,
-                    state=MemberState.ALIVE if m in self.hub.alive else MemberState.DEAD,
-                    meta={"role": role},
+                    name=m,
+                    state=MemberState.ALIVE
+                    if m in self.hub.alive
+                    else MemberState.LEFT
+                    if m in self.hub.left
+                    else MemberState.DEAD,
+                    meta={ROLE_KEY: role, DATA_KEY: "127.0.0.1:1"},  # (what read_member wants)
                 )
                 for m, role in self.hub.roles.items()
             ]
 
-    def allreduce_on(self, view: RingView, x: np.ndarray, op: str = "sum") -> Any:
+    def allreduce_on(
+        self, view: RingView, x: np.ndarray, op: str = "sum", compression: Any = None
+    ) -> Any:
+        assert compression is None, "the fake mesh does not compress"
         x[...] = self.hub.collective(self.node_id, view, "allreduce", x, op)
         return SimpleNamespace(output=x)
 
@@ -312,7 +350,10 @@ class FakeMesh:
     def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
         self.hub.collective(self.node_id, view, "allgather", np.zeros(1), "")
 
-    def submit_on_view(self, view: RingView, kind: str, buf: np.ndarray, op: str) -> Future[Any]:
+    def submit_on_view(
+        self, view: RingView, kind: str, buf: np.ndarray, op: str, compression: Any = None
+    ) -> Future[Any]:
+        assert compression is None, "the fake mesh does not compress"
         fut: Future[Any] = Future()
         try:
             buf[...] = self.hub.collective(self.node_id, view, kind, buf, op)
@@ -435,14 +476,16 @@ class Member:
     trainer: ElasticTrainer | None = None
     reports: list[StepReport] = field(default_factory=list)
     status: str = "running"
-    """``ok`` (trained every step and finished), ``killed``, or ``error``."""
+    """``ok`` (trained every step and finished), ``killed``, ``left`` (a planned departure:
+    ``error`` is the ``Departed``), or ``error``."""
     error: BaseException | None = None
+    mesh: FakeMesh | None = None
 
 
 @contextlib.contextmanager
 def member_thread(hub: Hub, member: Member, start_after: threading.Event | None) -> Iterator[None]:
     """The frame of a member's thread: wait for ``start_after``, run the body, record how it
-    ended (``ok``, ``killed``, ``error``) and leave the mesh."""
+    ended (``ok``, ``killed``, ``left``, ``error``) and leave the mesh."""
     try:
         if start_after is not None:
             while not start_after.wait(0.05):
@@ -452,6 +495,8 @@ def member_thread(hub: Hub, member: Member, start_after: threading.Event | None)
         member.status = "ok"
     except Killed:
         member.status = "killed"
+    except Departed as exc:
+        member.status, member.error = "left", exc
     except BaseException as exc:
         member.status, member.error = "error", exc
     finally:
@@ -471,26 +516,32 @@ def run_member(
     checkpoint_every: int = 0,
     start_after: threading.Event | None = None,
     on_step: Callable[[Member, StepReport], None] | None = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+    before_steps: Callable[[Member], None] | None = None,
 ) -> None:
-    """Train ``total`` steps, ``finish()`` and leave the mesh (the thread's body)."""
+    """Train ``total`` steps, ``finish()`` and leave the mesh (the thread's body);
+    ``trainer_kwargs`` go to ``ElasticTrainer`` on top of the defaults here, and
+    ``before_steps`` runs once the trainer is built."""
     with member_thread(hub, member, start_after):
-        mesh = FakeMesh(hub, member.name)
+        member.mesh = mesh = FakeMesh(hub, member.name)
         model = make_model(tiny)
+        settings: dict[str, Any] = {
+            "quorum": "any",
+            "join_settle": 0.0,
+            "step_timeout": 30.0,
+            "shard_optimizer": shard,
+            "replicas": replicas,
+            "min_peers": 1,
+            "checkpoint_dir": checkpoint_dir,
+            "checkpoint_every": checkpoint_every,
+            **(trainer_kwargs or {}),
+        }
         member.trainer = t = ElasticTrainer(
-            cast(SyncMesh, mesh),
-            model,
-            make_optimizer(opt, model),
-            make_sampler(),
-            quorum="any",
-            join_settle=0.0,
-            step_timeout=30.0,
-            shard_optimizer=shard,
-            replicas=replicas,
-            min_peers=1,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
+            cast(SyncMesh, mesh), model, make_optimizer(opt, model), make_sampler(), **settings
         )
         loss_fn = loss_fn_for(model)
+        if before_steps is not None:
+            before_steps(member)
         while t.committed < total:
             report = t.step(loss_fn)
             member.reports.append(report)

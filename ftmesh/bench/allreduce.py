@@ -23,11 +23,23 @@ a random mesh secret and ``MeshAuth(encrypt=True)`` (AES-256-GCM on every frame)
 implementations that take turns, and reports per cell ``encrypted_vs_plain`` = busbw of
 ``ftmesh_enc`` / busbw of ``ftmesh`` (1.0: encryption is free; 0.5: it halves bandwidth).
 
+Compression: ``--compression int8`` adds ``ftmesh_int8``, the same data plane with
+``compression=Int8Compression()`` (blockwise int8 with error feedback,
+``ftmesh.collective.compressed``), and reports per cell ``vs_uncompressed`` = busbw of
+``ftmesh_int8`` / busbw of ``ftmesh``. Its algbw counts the float32 bytes reduced, so the ratio
+is the speed-up a caller sees. On loopback the codec's CPU time dominates; on slow links it
+is the bytes.
+
+Slow links: ``--lab`` runs the N processes on N hosts of a virtual LAN
+(``ftmesh.lab.VirtualLan``, root), each link limited with ``--link-rate`` (tc tbf, e.g.
+``100mbit``); gloo, the store, the data planes and the raw ring all use the lab addresses. The
+repetitions default to 6 there (16 MB at 100 Mbit/s takes seconds).
+
 Large buffers: ``--impls ftmesh --check --sizes 2.5G --procs 2`` allreduces a buffer larger than
 2**31 bytes and checks every element. Each process holds one buffer per implementation; a cell
 that would not fit in 80% of MemAvailable is skipped with a message.
 
-Everything runs on 127.0.0.1.
+Everything runs on 127.0.0.1, or inside the lab's namespaces with ``--lab``.
 """
 
 from __future__ import annotations
@@ -49,11 +61,16 @@ import numpy as np
 
 from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ..collective.schedule import chunks_per_segment, segment_bounds
+from ..compression import Int8Compression
 from ..security import MeshAuth
 
 IMPLS = ("ftmesh", "gloo", "ceiling")
 ENC = "ftmesh_enc"
 """The encrypted ftmesh data plane (``--encrypt``)."""
+INT8 = "ftmesh_int8"
+"""ftmesh with ``compression=Int8Compression()`` (``--compression int8``)."""
+LAB_ITERS = 6
+"""Default repetitions with ``--lab``: a 16 MB allreduce at 100 Mbit/s takes about 2 s."""
 
 
 def parse_size(text: str) -> int:
@@ -74,14 +91,16 @@ def _fmt_size(n: int) -> str:
 class RawRing:
     """Chunked ring allreduce over blocking sockets: same schedule as ftmesh, no framing."""
 
-    def __init__(self, rank: int, n: int, store: Any, chunk_bytes: int, reduce: bool) -> None:
+    def __init__(
+        self, rank: int, n: int, store: Any, chunk_bytes: int, reduce: bool, host: str
+    ) -> None:
         self.rank, self.n, self.chunk_bytes, self.reduce = rank, n, chunk_bytes, reduce
         lst = socket.socket()
-        lst.bind(("127.0.0.1", 0))
+        lst.bind((host, 0))
         lst.listen(4)
-        store.set(f"raw/{rank}", str(lst.getsockname()[1]))
-        right_port = int(store.get(f"raw/{(rank + 1) % n}"))
-        self.tx = socket.create_connection(("127.0.0.1", right_port), timeout=60)
+        store.set(f"raw/{rank}", f"{host}:{lst.getsockname()[1]}")
+        right_host, right_port = store.get(f"raw/{(rank + 1) % n}").decode().rsplit(":", 1)
+        self.tx = socket.create_connection((right_host, int(right_port)), timeout=60)
         self.rx, _ = lst.accept()
         lst.close()
         for s in (self.tx, self.rx):
@@ -145,25 +164,29 @@ class RawRing:
 
 # -- worker --------------------------------------------------------------------------------
 def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) -> None:
+    """One rank: ``cfg["hosts"]`` (lab addresses; loopback when absent) says where rank 0's
+    store and this rank's sockets live; rank 0 puts the results into ``out``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    hosts = cfg.get("hosts") or ["127.0.0.1"] * nprocs
+    me = hosts[rank]
     tcp_store: Any = getattr(dist, "TCPStore")  # noqa: B009 - not re-exported for mypy
-    store = tcp_store("127.0.0.1", port, nprocs, rank == 0, timeout=_td(120))
+    store = tcp_store(hosts[0], port, nprocs, rank == 0, timeout=_td(120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
     config = CollectiveConfig(
         chunk_bytes=cfg["chunk"], io_timeout=120.0, socket_buffer_bytes=cfg["sockbuf"]
     )
     impls: tuple[str, ...] = tuple(cfg["impls"])
-    dp = SyncDataPlane.start(f"bench-{rank:03d}", config=config)
+    dp = SyncDataPlane.start(f"bench-{rank:03d}", host=me, config=config)
     view = _publish_view(store, "ftmesh", dp, rank, nprocs)
     dp_enc = enc_view = None
     if ENC in impls:
         auth = MeshAuth.from_secrets([bytes.fromhex(cfg["secret"])], encrypt=True)
-        dp_enc = SyncDataPlane.start(f"bench-{rank:03d}", auth=auth, config=config)
+        dp_enc = SyncDataPlane.start(f"bench-{rank:03d}", host=me, auth=auth, config=config)
         enc_view = _publish_view(store, ENC, dp_enc, rank, nprocs)
-    raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce")
+    raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce", me)
     results = []
     try:
         for size in cfg["sizes"]:
@@ -177,6 +200,9 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
                 fns["ftmesh"] = functools.partial(dp.allreduce, view, bufs["ftmesh"])
             if dp_enc is not None and enc_view is not None:
                 fns[ENC] = functools.partial(dp_enc.allreduce, enc_view, bufs[ENC])
+            if INT8 in bufs:  # one residual per buffer, carried from repetition to repetition
+                comp = Int8Compression(cfg["block_size"])
+                fns[INT8] = functools.partial(dp.allreduce, view, bufs[INT8], "sum", comp)
             if "gloo" in bufs:
                 fns["gloo"] = functools.partial(dist.all_reduce, torch.from_numpy(bufs["gloo"]))
             if "ceiling" in bufs:
@@ -244,7 +270,10 @@ def _check(
     for impl, buf in bufs.items():
         buf.fill(rank + 1)
         fns[impl]()
-        ok[impl] = bool(np.all(buf == want))
+        if impl == INT8:  # within one quantization step of the sum
+            ok[impl] = bool(np.all(np.abs(buf - want) <= want / 127))
+        else:
+            ok[impl] = bool(np.all(buf == want))
         buf.fill(0)
     return ok
 
@@ -305,21 +334,25 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
                 cell[f"vs_{other}"] = med["ftmesh"] / med[other]
         if ENC in med:
             cell["encrypted_vs_plain"] = med[ENC] / med["ftmesh"]
+        if INT8 in med:
+            cell["vs_uncompressed"] = med[INT8] / med["ftmesh"]
     return cell
 
 
 def _print_table(cells: list[dict[str, Any]]) -> None:
     gb = 1e9
-    impls = IMPLS + ((ENC,) if any(ENC in c["busbw"] for c in cells) else ())
-    keys = ("vs_gloo", "vs_ceiling") + (("encrypted_vs_plain",) if ENC in impls else ())
+    extra = tuple(x for x in (ENC, INT8) if any(x in c["busbw"] for c in cells))
+    impls = IMPLS + extra
+    ratios = {"vs_gloo": "ftm/gloo", "vs_ceiling": "ftm/ceil"}
+    if ENC in extra:
+        ratios["encrypted_vs_plain"] = "enc/plain"
+    if INT8 in extra:
+        ratios["vs_uncompressed"] = "int8/f32"
     width = 26 * len(impls)
-    hdr = (
-        f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^{width}} | {'ftm/gloo':>8} "
-        f"{'ftm/ceil':>8}" + (f" {'enc/plain':>9}" if ENC in impls else "")
-    )
-    print(hdr)
+    heads = " ".join(f"{h:>9}" for h in ratios.values())
+    print(f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^{width}} | {heads}")
     names = "".join(f"{i:^26}" for i in impls)
-    print(f"{'':>2} {'':>6} | {names} | {'':>8} {'':>8}")
+    print(f"{'':>2} {'':>6} | {names} |")
     for c in cells:
         head = f"{c['procs']:>2} {_fmt_size(c['bytes']):>6} | "
         if "skipped" in c:
@@ -332,19 +365,88 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
                 cols += f"{'-':^26}"
             else:
                 cols += f"{b['median'] / gb:7.3f} [{b['min'] / gb:6.3f}-{b['max'] / gb:6.3f}]  "
-        ratios = " ".join(f"{c[k]:8.2f}" if k in c else f"{'-':>8}" for k in keys)
+        nums = " ".join(f"{c[k]:9.2f}" if k in c else f"{'-':>9}" for k in ratios)
         check = ""
         if c.get("check"):
             check = "  check " + ",".join(
                 f"{k}={'ok' if v else 'FAIL'}" for k, v in c["check"].items()
             )
-        print(f"{head}{cols:<{width}} | {ratios}{check}")
+        print(f"{head}{cols:<{width}} | {nums}{check}")
     print("algbw = bytes/time; busbw = algbw*2(N-1)/N; time = slowest rank, per repetition.")
-    if ENC in impls:
+    if ENC in extra:
         print("enc/plain = busbw of ftmesh with encryption (AES-256-GCM) / without.")
+    if INT8 in extra:
+        print("int8/f32 = busbw of ftmesh with int8 compression / without (float32 bytes).")
+
+
+# -- lab mode ------------------------------------------------------------------------------
+class _FileOut:
+    """Where a lab worker (another process, in a namespace) leaves rank 0's results."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def put(self, results: list[dict[str, Any]]) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f)
+        os.replace(tmp, self.path)
+
+
+LAB_STORE_PORT = 29500
+"""Port of rank 0's store on its lab host (a fresh namespace: nothing else listens there)."""
+
+
+def run_lab_procs(
+    nprocs: int, cfg: dict[str, Any], timeout: float, rate: str | None
+) -> list[dict[str, Any]]:
+    """``run_procs`` on N hosts of a fresh virtual LAN whose links are limited to ``rate``."""
+    import tempfile
+
+    from ..lab.netns import VirtualLan
+
+    with VirtualLan(hosts=nprocs) as lan, tempfile.TemporaryDirectory() as tmp:
+        for i in range(nprocs):
+            if rate:
+                lan.set_rate(i, rate)
+        cfg = {**cfg, "hosts": [lan.host_ip(i) for i in range(nprocs)]}
+        cfg_path, out_path = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "out.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        argv = [sys.executable, "-m", "ftmesh.bench.allreduce", "--lab-worker"]
+        procs = [
+            lan.popen(i, [*argv, str(i), str(nprocs), cfg_path, out_path], env=env)
+            for i in range(nprocs)
+        ]
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 1.0))
+            except Exception:
+                for q in procs:
+                    q.kill()
+                raise
+        if any(p.returncode for p in procs):
+            codes = [p.returncode for p in procs]
+            raise SystemExit(f"ftmesh bench allreduce --lab: a worker failed (exit codes {codes})")
+        with open(out_path) as f:
+            res: list[dict[str, Any]] = json.load(f)
+        return res
+
+
+def _lab_worker(argv: list[str]) -> int:
+    rank, nprocs, cfg_path, out_path = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    _worker(rank, nprocs, LAB_STORE_PORT, cfg, _FileOut(out_path))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--lab-worker"]:
+        return _lab_worker(argv[1:])
     ap = argparse.ArgumentParser(prog="ftmesh bench allreduce", description=__doc__.split("\n")[0])
     ap.add_argument("--procs", default="2,3,4", help="comma-separated process counts")
     ap.add_argument("--sizes", default="1M,16M,64M,256M", help="buffer sizes in bytes (K/M/G)")
@@ -364,12 +466,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"also run ftmesh with encryption ({ENC}) and report encrypted/plain busbw",
     )
+    ap.add_argument(
+        "--compression",
+        choices=("none", "int8"),
+        default="none",
+        help=f"int8: also run ftmesh with int8 compression ({INT8}); reports vs_uncompressed",
+    )
+    ap.add_argument("--block-size", type=int, default=256, help="int8 elements per scale")
+    ap.add_argument(
+        "--lab",
+        action="store_true",
+        help="one process per host of a virtual LAN (network namespaces; needs root)",
+    )
+    ap.add_argument("--link-rate", default=None, help="with --lab: tc rate of every link")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    if args.link_rate and not args.lab:
+        ap.error("--link-rate needs --lab")
     cfg = {
         "sizes": [parse_size(s) for s in args.sizes.split(",") if s.strip()],
-        "iters": args.iters,
+        "iters": args.iters or (LAB_ITERS if args.lab else 0),
         "warmup": args.warmup,
         "chunk": parse_size(args.chunk),
         "ceiling": args.ceiling,
@@ -377,23 +494,37 @@ def main(argv: list[str] | None = None) -> int:
         "check": args.check,
         "sockbuf": parse_size(args.sockbuf),
         "secret": os.urandom(32).hex(),
+        "block_size": args.block_size,
     }
     if not cfg["impls"]:
         ap.error(f"--impls: choose from {','.join(IMPLS)}")
     if args.encrypt:
         # ftmesh_enc takes turns right after plain ftmesh, which is always measured with it.
         cfg["impls"] = ["ftmesh", ENC] + [i for i in cfg["impls"] if i != "ftmesh"]
+    if args.compression == "int8":  # likewise ftmesh_int8, against plain ftmesh
+        cfg["impls"] = ["ftmesh", INT8] + [i for i in cfg["impls"] if i != "ftmesh"]
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:
             print("skipping --procs 1: nothing to compare", file=sys.stderr)
             continue
-        for raw in run_procs(nprocs, cfg, args.timeout):
+        if args.lab:
+            raws = run_lab_procs(nprocs, cfg, args.timeout, args.link_rate)
+        else:
+            raws = run_procs(nprocs, cfg, args.timeout)
+        for raw in raws:
             cells.append(summarise(nprocs, raw))
             if not args.json:
                 print(f"done N={nprocs} size={_fmt_size(raw['bytes'])}", file=sys.stderr)
     if args.json:
-        out = {"benchmark": "allreduce", "dtype": "float32", "encrypt": args.encrypt}
+        out = {
+            "benchmark": "allreduce",
+            "dtype": "float32",
+            "encrypt": args.encrypt,
+            "compression": args.compression,
+            "lab": args.lab,
+            "link_rate": args.link_rate,
+        }
         print(json.dumps({**out, "cells": cells}))
     else:
         _print_table(cells)

@@ -19,11 +19,19 @@ record that shows X (so it includes the record's trip through the pipe, well und
    moment the first survivor's collective failed (EOF / abort), the moment its view dropped the
    victim (membership), the start and end of the state-agreement sync on the new view, the
    start and end of the retried step's gradient allreduce, and its commit.
-2. **ftmesh, SIGSTOP.** The same, with SIGSTOP: time to the first step committed without the
+2. **ftmesh, SIGTERM (planned departure).** The same, with SIGTERM: the member announces its
+   departure in its step, leaves, and exits 0. ``leave_to_step_s`` is timed like
+   ``kill_to_step_s`` (it includes the rest of the victim's step, in which it announces, and
+   the survivors' next step); what the departure costs the survivors is ``leave_lost_s``, by
+   how much the first step without the victim came later than one step period after their
+   previous step (``kill_lost_s`` is the same for a kill), and ``leave_steps_redone``, their
+   failed attempts from the signal to that step (must be 0; ``kill_steps_redone`` for kills).
+   ``leave_exit_s``: from the signal until the victim's process exited (status 0).
+3. **ftmesh, SIGSTOP.** The same, with SIGSTOP: time to the first step committed without the
    stopped member (``sigstop_to_step_s``), compared with the preset's crash-detection bound
    + 1 s. Then SIGCONT; the member should refute its suspicion, rejoin and sync
    (``sigcont_to_rejoin_s``); one that has not within 30 s is killed and replaced.
-3. **Join vs raw TCP.** ``join_mb_per_s`` = the joiner's received state bytes / its
+4. **Join vs raw TCP.** ``join_mb_per_s`` = the joiner's received state bytes / its
    ``sync_seconds`` (agreement + striped fetch from the members holding the state + load),
    MB = 1e6 bytes; ``join_transfer_mb_per_s`` counts only the fetch. ``join_by_size`` repeats
    this at each ``--join-sizes`` state size on a fresh mesh (``--join-rounds`` kills and
@@ -35,7 +43,7 @@ record that shows X (so it includes the record's trip through the pipe, well und
    buffer (``raw_tcp_mb_per_s``, the goal's ceiling) and into freshly allocated NumPy memory
    each time (``raw_tcp_fresh_mb_per_s``): on a VM whose host backs guest memory lazily the
    first touch of memory can cost more than the copy (joiners avoid it: ``state.memory``).
-4. **torchrun.** N ``torchrun --nnodes=1:N --nproc-per-node=1`` agents with c10d rendezvous on
+5. **torchrun.** N ``torchrun --nnodes=1:N --nproc-per-node=1`` agents with c10d rendezvous on
    127.0.0.1 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), each running a DDP/gloo worker that
    resumes from rank 0's checkpoint. A random *worker* (not agent) is SIGKILLed the same way;
    ``torchrun_kill_to_step_s`` is the time to the first step completed by a restarted worker.
@@ -340,9 +348,14 @@ class FtmeshMesh:
         ]
         return statistics.median(per_node) if per_node and times else 0.1
 
-    def pick(self) -> Proc:
+    def next_victim(self) -> tuple[Proc, float]:
+        """Once all N train together: wait a random fraction of a step period (so a fault
+        lands anywhere in a step) and pick a random member; also the step period."""
+        self.wait_full()
+        period = self.period()
+        time.sleep(self.rng.uniform(0, period))
         live = sorted(self.expected())
-        return self.by_node[self.rng.choice(live)]
+        return self.by_node[self.rng.choice(live)], period
 
     def first_step_without(self, victim: Proc, what: str) -> Event:
         n = self.args.procs
@@ -358,6 +371,41 @@ class FtmeshMesh:
             )
 
         return self.wait(pred, what)
+
+    def survivors_cost(self, t0: float, victim: Proc, period: float) -> dict[str, Any]:
+        """What the victim's going cost the survivors, once each has committed a step without
+        it: ``redone``, the most attempts any survivor's steps since the signal failed (0: no
+        failed collective, nothing computed twice); ``lost_s``, the most by which a survivor's
+        first step without the victim came later after its previous step than a step period
+        (``period``, measured before the signal); ``synced``, how many survivors began that
+        step with a state sync."""
+        survivors = sorted(self.expected() - {victim.node})
+
+        def first_without(node: str) -> int | None:
+            recs = self.steps.get(node, [])
+            return next(
+                (
+                    i
+                    for i, r in enumerate(recs)
+                    if r["recv"] >= t0 and victim.node not in r["ids"] and i > 0
+                ),
+                None,
+            )
+
+        self.wait(
+            lambda _: all(first_without(n) is not None for n in survivors),
+            f"every survivor's step without {victim.name}",
+        )
+        redone, lost, synced = 0, 0.0, 0
+        for node in survivors:
+            recs = self.steps[node]
+            i = first_without(node)
+            assert i is not None
+            since = [r for r in recs[: i + 1] if r["recv"] >= t0]
+            redone = max(redone, sum(int(r["attempts"]) - 1 for r in since))
+            lost = max(lost, float(recs[i]["t"]) - float(recs[i - 1]["t"]) - period)
+            synced += bool(recs[i].get("synced"))
+        return {"redone": redone, "lost_s": lost, "synced": synced}
 
     def breakdown(self, t0: float, ev: Event, victim: Proc) -> dict[str, float | None]:
         """Milestones (seconds after the signal) in the timeline of the survivor that
@@ -445,65 +493,78 @@ def _ftmesh_phases(
     args: argparse.Namespace, log_dir: Path, rng: random.Random, say: Callable[[str], None]
 ) -> dict[str, Any]:
     mesh = FtmeshMesh(args, log_dir, rng)
-    kills: list[float] = []
-    kill_commit: list[float] = []
-    breakdowns: list[dict[str, float | None]] = []
-    joins: list[dict[str, float]] = []
-    stops: list[float] = []
-    stop_breakdowns: list[dict[str, float | None]] = []
-    rejoins: list[float] = []
-    failures: list[str] = []
+    out: dict[str, Any] = {
+        k: []
+        for k in (
+            "kills",
+            "kill_commit",
+            "breakdowns",
+            "kill_costs",
+            "leaves",
+            "leave_costs",
+            "leave_exits",
+            "joins",
+            "stops",
+            "stop_breakdowns",
+            "rejoins",
+            "failures",
+        )
+    }
+    failures: list[str] = out["failures"]
     try:
         for _ in range(args.procs):
             mesh.start()
         mesh.wait_full()
         say(f"ftmesh: {args.procs} members training, step period {mesh.period() * 1e3:.0f} ms")
         for k in range(args.kills):
-            mesh.wait_full()
-            time.sleep(rng.uniform(0, mesh.period()))
-            victim = mesh.pick()
+            victim, period = mesh.next_victim()
             t0 = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
             victim.killed = True
             mesh.full = {}
             ev = mesh.first_step_without(victim, f"a step without killed {victim.name}")
-            kills.append(ev[0] - t0)
-            kill_commit.append(float(ev[2]["t"]) - t0)
-            breakdowns.append(mesh.breakdown(t0, ev, victim))
-            say(f"ftmesh kill {k + 1}/{args.kills}: {victim.name} -> step in {kills[-1]:.3f}s")
-            joiner = mesh.start()
-
-            def joined(ev: Event, joiner: Proc = joiner) -> bool:
-                ids = ev[2].get("ids")
-                return ev[1] is joiner and isinstance(ids, list) and len(ids) == args.procs
-
-            mesh.wait(joined, f"replacement {joiner.name} to join")
-            # Its first step that fetched state: usually the one on the full view, but it may
-            # have trained a step on a smaller view first (a member briefly out).
-            fetched = next(
-                (
-                    (float(r["recv"]), joiner, r)
-                    for r in mesh.steps.get(joiner.node, [])
-                    if r.get("sync_bytes")
-                    or any(s["k"] == "ft" and not s.get("err") for s in r.get("ev", []))
-                ),
-                None,
+            out["kills"].append(ev[0] - t0)
+            out["kill_commit"].append(float(ev[2]["t"]) - t0)
+            out["breakdowns"].append(mesh.breakdown(t0, ev, victim))
+            out["kill_costs"].append(mesh.survivors_cost(t0, victim, period))
+            took = out["kills"][-1]
+            say(f"ftmesh kill {k + 1}/{args.kills}: {victim.name} -> step in {took:.3f}s")
+            _replace(mesh, out["joins"])
+        for k in range(args.leaves):
+            victim, period = mesh.next_victim()
+            t0 = time.monotonic()
+            victim.killed = True  # it ends by itself: not a failure
+            mesh.procs.signal(victim, signal.SIGTERM)
+            mesh.full = {}
+            ev = mesh.first_step_without(victim, f"a step without departed {victim.name}")
+            out["leaves"].append(ev[0] - t0)
+            cost = mesh.survivors_cost(t0, victim, period)
+            out["leave_costs"].append(cost)
+            try:
+                rc = victim.popen.wait(args.wait_timeout)
+                out["leave_exits"].append(time.monotonic() - t0)
+                if rc != 0:
+                    failures.append(f"{victim.name} left with exit status {rc}")
+            except subprocess.TimeoutExpired:
+                failures.append(f"{victim.name} did not exit after SIGTERM")
+            say(
+                f"ftmesh SIGTERM {k + 1}/{args.leaves}: {victim.name} -> step in "
+                f"{out['leaves'][-1]:.3f}s, survivors lost {cost['lost_s']:.3f}s, "
+                f"redid {cost['redone']} steps"
             )
-            if fetched is not None:
-                mesh.wait_full()  # the others' first records on the new epoch
-                joins.append(mesh.join_numbers(joiner, fetched))
-                mesh.state_bytes = max(mesh.state_bytes, int(joins[-1]["bytes"]))
+            _replace(mesh, out["joins"])
         for k in range(args.stops):
-            mesh.wait_full()
-            time.sleep(rng.uniform(0, mesh.period()))
-            victim = mesh.pick()
+            victim, _ = mesh.next_victim()
             t0 = time.monotonic()
             mesh.procs.signal(victim, signal.SIGSTOP)
             victim.stopped = True
             ev = mesh.first_step_without(victim, f"a step without stopped {victim.name}")
-            stops.append(ev[0] - t0)
-            stop_breakdowns.append(mesh.breakdown(t0, ev, victim))
-            say(f"ftmesh SIGSTOP {k + 1}/{args.stops}: {victim.name} -> step in {stops[-1]:.3f}s")
+            out["stops"].append(ev[0] - t0)
+            out["stop_breakdowns"].append(mesh.breakdown(t0, ev, victim))
+            say(
+                f"ftmesh SIGSTOP {k + 1}/{args.stops}: {victim.name} -> step in "
+                f"{out['stops'][-1]:.3f}s"
+            )
             t1 = time.monotonic()
             mesh.procs.signal(victim, signal.SIGCONT)
             victim.stopped = False
@@ -514,7 +575,7 @@ def _ftmesh_phases(
 
             try:
                 ev = mesh.procs.wait(back, 30.0, f"{victim.name} to rejoin", mesh.ingest)
-                rejoins.append(ev[0] - t1)
+                out["rejoins"].append(ev[0] - t1)
             except BenchError as exc:
                 failures.append(f"SIGCONT {victim.name}: {exc}")
                 os.kill(victim.pid, signal.SIGKILL)
@@ -525,17 +586,36 @@ def _ftmesh_phases(
     finally:
         mesh.procs.close()
         shutil.rmtree(mesh.registry, ignore_errors=True)
-    return {
-        "kills": kills,
-        "kill_commit": kill_commit,
-        "breakdowns": breakdowns,
-        "joins": joins,
-        "stops": stops,
-        "stop_breakdowns": stop_breakdowns,
-        "rejoins": rejoins,
-        "failures": failures,
-        "state_bytes": mesh.state_bytes,
-    }
+    out["state_bytes"] = mesh.state_bytes
+    return out
+
+
+def _replace(mesh: FtmeshMesh, joins: list[dict[str, float]]) -> None:
+    """Start a member in place of the one that went; once it trained on the full view, add
+    its join numbers to ``joins``."""
+    joiner = mesh.start()
+    n = mesh.args.procs
+
+    def joined(ev: Event) -> bool:
+        ids = ev[2].get("ids")
+        return ev[1] is joiner and isinstance(ids, list) and len(ids) == n
+
+    mesh.wait(joined, f"replacement {joiner.name} to join")
+    # Its first step that fetched state: usually the one on the full view, but it may have
+    # trained a step on a smaller view first (a member briefly out).
+    fetched = next(
+        (
+            (float(r["recv"]), joiner, r)
+            for r in mesh.steps.get(joiner.node, [])
+            if r.get("sync_bytes")
+            or any(s["k"] == "ft" and not s.get("err") for s in r.get("ev", []))
+        ),
+        None,
+    )
+    if fetched is not None:
+        mesh.wait_full()  # the others' first records on the new epoch
+        joins.append(mesh.join_numbers(joiner, fetched))
+        mesh.state_bytes = max(mesh.state_bytes, int(joins[-1]["bytes"]))
 
 
 # -- raw TCP ceiling ----------------------------------------------------------------------
@@ -730,7 +810,7 @@ def _join_phase(
     """Joins at another state size: a fresh mesh of that size, ``--join-rounds`` kills each
     followed by a replacement that fetches the state; the ceiling measured right after."""
     sized = argparse.Namespace(**{**vars(args), "state_mb": state_mb, "kills": args.join_rounds})
-    sized.stops = 0
+    sized.stops = sized.leaves = 0
     sized_logs = log_dir / f"join-{state_mb:g}"
     sized_logs.mkdir(parents=True, exist_ok=True)
     ft = _ftmesh_phases(sized, sized_logs, rng, say)
@@ -781,6 +861,9 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
             shutil.rmtree(log_dir, ignore_errors=True)
     bound = MembershipConfig.preset("local").crash_detection_bound(args.procs)
     kill = _stats(ft["kills"])
+    leave = _stats(ft["leaves"])
+    leave_lost = _stats([c["lost_s"] for c in ft["leave_costs"]])
+    leave_redone = [c["redone"] for c in ft["leave_costs"]]
     stop = _stats(ft["stops"])
     trs = _stats(tr["times"])
     joins = ft["joins"]
@@ -798,6 +881,13 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "kill_to_commit_s": _stats(ft["kill_commit"]),
         "kill_breakdown_s": _median_breakdown(ft["breakdowns"]),
         "kill_breakdowns_s": ft["breakdowns"],
+        "kill_lost_s": _stats([c["lost_s"] for c in ft["kill_costs"]]),
+        "kill_steps_redone": [c["redone"] for c in ft["kill_costs"]],
+        "leave_to_step_s": leave,
+        "leave_lost_s": leave_lost,
+        "leave_steps_redone": leave_redone,
+        "leave_synced": [c["synced"] for c in ft["leave_costs"]],
+        "leave_exit_s": _stats(ft["leave_exits"]),
         "sigstop_to_step_s": stop,
         "sigstop_breakdown_s": _median_breakdown(ft["stop_breakdowns"]),
         "suspicion_bound_s": bound,
@@ -829,6 +919,9 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
     }
     result["goals"] = {
         "kill_median_under_0.5s": kill["median"] is not None and kill["median"] < 0.5,
+        # A planned departure: the survivors lose under 50 ms (p99) and redo no step.
+        "leave_lost_p99_under_50ms": leave_lost["p99"] is not None and leave_lost["p99"] < 0.05,
+        "leave_redoes_no_step": bool(leave_redone) and not any(leave_redone),
         "vs_torchrun_at_least_4x": vs is not None and vs >= 4.0,
         "sigstop_within_bound_plus_1s": stop["median"] is not None
         and max(ft["stops"]) <= bound + 1.0,
@@ -846,6 +939,7 @@ def _fmt(x: float | None, unit: str = "s") -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     k, s, t = r["kill_to_step_s"], r["sigstop_to_step_s"], r["torchrun_kill_to_step_s"]
+    lv = r["leave_to_step_s"]
     lines = [
         f"recovery, {r['procs']} local processes, preset local, state "
         f"{r['state_bytes'] / 1e6:.1f} MB",
@@ -853,6 +947,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"  (n={k['n']})",
         f"  kill -9 -> next step (torchrun): median {_fmt(t['median'])}  (n={t['n']})",
         f"  vs torchrun: {_fmt(r['vs_torchrun'], 'x')}",
+        f"  SIGTERM (planned departure) -> next step: median {_fmt(lv['median'])}  p99 "
+        f"{_fmt(lv['p99'])}  (n={lv['n']}); survivors lost median "
+        f"{_fmt(r['leave_lost_s']['median'])} p99 {_fmt(r['leave_lost_s']['p99'])}, redone "
+        f"steps {r['leave_steps_redone']}; leaver exited after median "
+        f"{_fmt(r['leave_exit_s']['median'])}",
+        f"  kill -9: survivors lost median {_fmt(r['kill_lost_s']['median'])} p99 "
+        f"{_fmt(r['kill_lost_s']['p99'])}, redone steps {r['kill_steps_redone']}",
         f"  SIGSTOP -> next step: median {_fmt(s['median'])}  p99 {_fmt(s['p99'])}  "
         f"(bound {r['suspicion_bound_s']:.2f}s + 1s)",
         f"  SIGCONT -> rejoined: median {_fmt(r['sigcont_to_rejoin_s']['median'])}",
@@ -892,6 +993,9 @@ def _sizes(text: str) -> list[float]:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--procs", type=int, default=4, help="training processes (N)")
     ap.add_argument("--kills", type=int, default=10, help="kill -9 rounds (ftmesh)")
+    ap.add_argument(
+        "--leaves", type=int, default=10, help="SIGTERM rounds: planned departures (ftmesh)"
+    )
     ap.add_argument("--stops", type=int, default=3, help="SIGSTOP rounds (ftmesh)")
     ap.add_argument(
         "--torchrun-kills",

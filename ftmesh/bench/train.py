@@ -62,7 +62,6 @@ def _worker(
 
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     torch.set_num_threads(threads)
-    os.environ["FTMESH_REGISTRY_DIR"] = registry
     tcp_store: Any = getattr(dist, "TCPStore")  # noqa: B009 - not re-exported for mypy
     store = tcp_store("127.0.0.1", port, nprocs, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
@@ -107,7 +106,10 @@ def _worker(
                 counter[0] += 1
 
             with ftmesh.connect(
-                mesh=f"{cfg['mesh']}-{kind}", discovery="local", preset="local"
+                mesh=f"{cfg['mesh']}-{kind}",
+                discovery="local",
+                preset="local",
+                registry_dir=registry,
             ) as mesh:
                 trainer = ElasticTrainer(
                     mesh,

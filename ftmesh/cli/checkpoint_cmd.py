@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..state.export import FORMATS, export_checkpoint
 
 
-def add_checkpoint_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_checkpoint_parser(sub: Any) -> None:
     ck = sub.add_parser("checkpoint", help="work with checkpoints written by ElasticTrainer")
     ck_sub = ck.add_subparsers(dest="checkpoint", required=True)
     ex = ck_sub.add_parser(

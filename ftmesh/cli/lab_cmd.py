@@ -2,7 +2,8 @@
 
 ``up`` builds a persistent lab (kept in a state file, see :mod:`ftmesh.lab.state`) that later
 invocations drive: ``run`` a command inside a host, ``kill``/``freeze``/``thaw`` a host's
-processes, take its ``link`` down, add ``loss``, limit its ``rate``, ``partition`` the LAN and
+processes, take its ``link`` down, add ``loss``, limit its ``rate``, throttle its ``cpu``
+(cgroup quota), make it ``failslow`` (SIGSTOP/SIGCONT pulses), ``partition`` the LAN and
 ``heal`` it, ``status``; ``down`` deletes it and any leftovers of crashed labs and test runs.
 ``chaos`` builds its own throw-away lab, runs a mesh in it under random faults and prints a
 summary (exit status 1 on any violated invariant): ``--workload membership`` (the default:
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..lab import state as lab_state
-from ..lab.chaos import KINDS, ChaosRunner, parse_kinds
+from ..lab.chaos import KINDS, WORKLOAD_KINDS, ChaosRunner, parse_kinds
 from ..lab.netns import LabError, VirtualLan, cleanup_named, cleanup_stale, is_root
 
 DEFAULT_NAME = "ftmlab"
@@ -104,6 +105,17 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     rate.add_argument("host", type=_host)
     rate.add_argument("rate", help="tc rate like 1mbit, or 'none'")
 
+    cpu = cmds.add_parser("cpu", help="throttle a host to a CPU share (cgroup cpu quota)")
+    cpu.add_argument("host", type=_host)
+    cpu.add_argument("share", help="CPUs, like 0.25 (a quarter of one core), or 'none'")
+
+    slow = cmds.add_parser(
+        "failslow", help="freeze a host (SIGSTOP) for STOP seconds every EVERY seconds"
+    )
+    slow.add_argument("host", type=_host)
+    slow.add_argument("stop", help="seconds each pulse freezes the host, or 'off'")
+    slow.add_argument("every", type=float, nargs="?", default=1.0, help="seconds (default 1)")
+
     part = cmds.add_parser("partition", help="split the LAN: lab partition 0,1 2,3")
     part.add_argument("groups", nargs="+", type=_group, metavar="HOSTS")
     cmds.add_parser("heal", help="remove the partition")
@@ -114,7 +126,10 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     chaos.add_argument("--seed", type=int, default=1)
     chaos.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
     chaos.add_argument(
-        "--kinds", default=",".join(KINDS), help="fault kinds (default: %(default)s)"
+        "--kinds",
+        default="",
+        help=f"fault kinds, comma-separated, from {','.join(KINDS)} (default: all; "
+        f"{', '.join(WORKLOAD_KINDS)} only with --workload train)",
     )
     chaos.add_argument(
         "--workload",
@@ -222,15 +237,22 @@ def _status(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) ->
         }
         for i in range(lan.hosts)
     ]
-    out = {"name": args.name, "hosts": hosts, "faults": lan.faults()}
+    faults = lan.faults()
+    slowness = {
+        h: {"cpu": lan.cpu_stats(h), "fail_slow": lan.fail_slow_stats(h)}
+        for h in sorted({*faults["cpu"], *faults["fail_slow"]})
+    }
+    out = {"name": args.name, "hosts": hosts, "faults": faults, "slowness": slowness}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     for h in hosts:
         print(f"h{h['host']}  {h['namespace']}  {h['ip']}  pids {h['pids']}")
-    for k, v in lan.faults().items():
+    for k, v in faults.items():
         if v:
             print(f"{k}: {v}")
+    for h, what in slowness.items():
+        print(f"h{h} slowness: {what}")
     return 0
 
 
@@ -279,10 +301,22 @@ def _fault(args: argparse.Namespace, lan: VirtualLan) -> None:
             lan.set_loss(host, args.percent)
     elif cmd == "rate":
         lan.set_rate(args.host, None if args.rate == "none" else args.rate)
+    elif cmd == "cpu":
+        lan.set_cpu(args.host, None if args.share == "none" else _number(args.share, "share"))
+    elif cmd == "failslow":
+        stop = None if args.stop == "off" else _number(args.stop, "stop")
+        lan.set_fail_slow(args.host, stop, args.every)
     elif cmd == "partition":
         lan.partition(args.groups)
     elif cmd == "heal":
         lan.heal()
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise LabError(f"{what} {text!r} is not a number") from None
 
 
 def _chaos(args: argparse.Namespace) -> int:

@@ -1,25 +1,38 @@
 """``ftmesh launch``: run a training script as N local workers, with optional chaos.
 
-The workers find each other through a private registry directory (same-host discovery, no
-multicast, no configuration), see ``ftmesh.connect``. A training script reports progress by
-printing lines ``FTMESH {json}`` with at least ``step`` (committed steps); everything else it
-prints goes to its log file. ``--kill-at STEP`` kills a random training worker with SIGKILL
-once any worker has committed STEP steps; kills given the same STEP happen together, and
-are deferred until more workers than that train, so at least one survives;
-``--join-at STEP`` starts a new worker then. The first N workers get ``FTMESH_START_PEERS=N``
-(``ElasticTrainer`` takes its first step once N train; joiners don't wait). The launcher
-shows a live view, keeps every worker's log, and exits non-zero, naming the worker and
-showing its traceback, when a worker it did not kill fails.
+By default the workers find each other through a private registry directory (same-host
+discovery, no multicast, no configuration), see ``ftmesh.connect``; ``--discovery seeds``
+(with ``--join`` to join a mesh elsewhere) and ``--discovery mdns`` take the settings flags of
+``ftmesh worker``, with the same meaning. Each worker runs as ``ftmesh worker`` with those
+settings in its environment (``ftmesh.settings``), ``LOCAL_RANK`` (its slot) and, on a host
+with GPUs, ``CUDA_VISIBLE_DEVICES`` (the slot's GPU, see ``ftmesh.cli.devices``). Worker
+``k`` binds gossip port ``--port`` + ``k`` when a port is given (with seeds always, from a
+free one), and with seeds the first N workers' addresses are every worker's seeds, so other
+hosts can join through the first one.
+
+A training script reports progress by printing lines ``FTMESH {json}`` with at least ``step``
+(committed steps); everything else it prints goes to its log file. ``--kill-at STEP`` kills a
+random training worker with SIGKILL once any worker has committed STEP steps; kills given the
+same STEP happen together, and are deferred until more workers than that train, so at least
+one survives; ``--join-at STEP`` starts a new worker then, and ``--respawn`` replaces a worker
+that died. The first N workers start together (``start_peers`` = N unless ``--start-peers``
+says otherwise); workers added later only join the running mesh (``join_running``): one that
+arrives after training ended exits cleanly, and no worker is added once it has. The launcher
+shows a live view (``rich``; plain lines without a terminal), keeps every worker's log, runs
+until the workers are done (``--timeout``: a limit, none by default) and exits non-zero,
+naming the worker and showing its traceback, when a worker it did not kill fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,8 +44,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import ConfigError
+from ..settings import DEFAULT_MESH, ENV, Settings
+from .devices import free_slot, visible_gpus, worker_env
+from .main import MEMBER_FLAGS, add_settings_args, settings_from_args
+from .worker_cmd import Target, add_target_args, add_worker_parser
 
 PROGRESS_PREFIX = "FTMESH "
+MAX_FRUITLESS_RESPAWNS = 3
+"""Replacements of a slot in a row that died before their first step, after which the slot
+is not respawned again: a script that cannot start would otherwise restart forever."""
+STOP_GRACE_S = 5.0
+"""Seconds a worker the launcher stops gets between SIGTERM and SIGKILL."""
 
 
 @dataclass
@@ -41,8 +63,17 @@ class Worker:
     proc: subprocess.Popen[bytes]
     log_path: Path
     started: float
+    slot: int
+    """``LOCAL_RANK``: the lowest slot free when it started."""
+    joiner: bool = False
+    """Started to join the running mesh (``--join-at``, ``--respawn``)."""
     killed: bool = False
+    stopped_at: float | None = None
+    """When the launcher stopped it: it arrived after training ended (it held no state)."""
+    replaced: bool = False
+    """It died and ``--respawn`` started another worker in its slot."""
     step: int = 0
+    progressed: bool = False
     loss: float | None = None
     members: int = 0
     done: bool = False
@@ -56,6 +87,15 @@ class Worker:
     @property
     def running(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_at is not None
+
+    @property
+    def died(self) -> bool:
+        """It ended without finishing: killed, crashed, or exited non-zero."""
+        return not self.running and not self.stopped and self.proc.returncode != 0
 
 
 def add_launch_parser(sub: Any) -> None:
@@ -78,66 +118,49 @@ def add_launch_parser(sub: Any) -> None:
         metavar="STEP",
         help="start a new worker once STEP steps are committed; repeatable",
     )
-    p.add_argument("--discovery", choices=["local", "mdns", "seeds"], default="local")
-    p.add_argument("--preset", choices=["local", "lan", "wan"], default="local")
+    p.add_argument(
+        "--respawn",
+        action="store_true",
+        help="replace a worker that dies (a new member in its slot) while training runs",
+    )
+    add_settings_args(
+        p, (*MEMBER_FLAGS, "start_peers", "start_timeout"), discovery="local", preset="local",
+        start_peers="-n",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed for choosing whom to kill")
     p.add_argument("--log-dir", default=None, help="worker logs (default: runs/launch-TIME)")
-    p.add_argument("--timeout", type=float, default=900.0, help="give up after this long (s)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop every worker after this many seconds (default: no limit)",
+    )
     p.add_argument("--no-live", action="store_true", help="plain progress lines, no live view")
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-
-    w = sub.add_parser("worker", help="run a training script as one member of a mesh")
-    w.add_argument("--mesh", default="default")
-    w.add_argument("--discovery", choices=["local", "mdns", "seeds"], default="mdns")
-    w.add_argument("--join", action="append", default=[], metavar="HOST:PORT")
-    w.add_argument("--interface", default="", metavar="IP")
-    w.add_argument("--bind", default="", metavar="IP")
-    w.add_argument("--port", type=int, default=0, help="gossip port (0: any free port)")
-    w.add_argument("--preset", choices=["local", "lan", "wan"], default="lan")
-    w.add_argument("--secret-file", default="")
-    w.add_argument(
-        "--start-peers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="a fresh mesh takes its first step once N members train (sets $FTMESH_START_PEERS)",
-    )
-    w.add_argument(
-        "--encrypt",
-        action="store_true",
-        help="encrypt gossip and the data plane (needs a secret; sets $FTMESH_ENCRYPT)",
-    )
-    w.add_argument("script")
-    w.add_argument("args", nargs=argparse.REMAINDER)
+    add_target_args(p)
+    add_worker_parser(sub)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """``ftmesh worker``: set the mesh environment for ``ftmesh.connect`` and run the script."""
-    env = dict(os.environ)
-    env.update(
-        FTMESH_MESH=args.mesh,
-        FTMESH_DISCOVERY=args.discovery,
-        FTMESH_JOIN=",".join(args.join),
-        FTMESH_INTERFACE=args.interface,
-        FTMESH_BIND=args.bind,
-        FTMESH_PRESET=args.preset,
-        FTMESH_SECRET_FILE=args.secret_file,
-    )
-    if args.encrypt:
-        env["FTMESH_ENCRYPT"] = "1"
-    if args.start_peers:
-        env["FTMESH_START_PEERS"] = str(args.start_peers)
-    os.execvpe(sys.executable, [sys.executable, args.script, *args.args], env)
-    return 127  # pragma: no cover - exec does not return
+def _free_port(host: str) -> int:
+    """A TCP and UDP port free on ``host`` now (the first seed of a seeds launch)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def live_view_available() -> bool:
+    """Whether ``rich`` is installed (it is a dependency; a stripped install falls back to
+    plain progress lines)."""
+    return importlib.util.find_spec("rich") is not None
 
 
 class Launcher:
     def __init__(self, args: argparse.Namespace, out: TextIO) -> None:
         if args.nprocs < 1:
-            raise ConfigError("-n must be at least 1")
-        if not Path(args.script).is_file():
-            raise ConfigError(f"no such script: {args.script}")
+            raise ConfigError(f"-n must be at least 1, got {args.nprocs}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise ConfigError(f"--timeout must be positive, got {args.timeout}")
+        self.target = Target.of(args)
         self.args = args
         self.out = out
         self.rng = random.Random(args.seed)
@@ -145,23 +168,43 @@ class Launcher:
         self.joins = sorted(args.join_at)
         self.workers: list[Worker] = []
         self._kill_deferred = False
+        self._fruitless: dict[int, int] = {}  # slot -> replacements in a row without a step
         self.events: deque[str] = deque(maxlen=8)
         self.t0 = time.monotonic()
+        self.deadline = float("inf") if args.timeout is None else self.t0 + args.timeout
+        """When the launcher stops every worker (``--timeout``; by default never)."""
+        self.gpus = visible_gpus(os.environ)
+        self.settings = self._settings(settings_from_args(args, os.environ, preset="local"))
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = Path(args.log_dir or f"runs/launch-{stamp}")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._registry = tempfile.mkdtemp(prefix="ftmesh-launch-")
-        self.env = dict(os.environ)
-        self.env.pop("FTMESH_START_PEERS", None)  # only the first N get it (start_worker)
         threads = max(1, (os.cpu_count() or 1) // args.nprocs)
-        self.env.update(
-            FTMESH_MESH=f"launch-{os.getpid()}-{self.rng.getrandbits(32):08x}",
-            FTMESH_DISCOVERY=args.discovery,
-            FTMESH_REGISTRY_DIR=self._registry,
-            FTMESH_PRESET=args.preset,
-            PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS=str(threads),
+        self.env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
+        self.env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+
+    def _settings(self, given: Settings) -> Settings:
+        """Every worker's settings but port, name and start: a private registry for local
+        discovery, consecutive ports and the first N workers as seeds for seeds discovery."""
+        given.node_config()  # every setting checked before anything is created
+        kind = given.discovery_kind("local")
+        self._private_registry = kind == "local" and given.registry_dir is None
+        mesh = given.mesh
+        if kind == "local" and mesh is None:
+            mesh = f"launch-{os.getpid()}-{self.rng.getrandbits(32):08x}"
+        settings = given.replace(
+            discovery=kind,
+            mesh=mesh or DEFAULT_MESH,
+            start_peers=self.args.nprocs if given.start_peers is None else None,
         )
+        self.base_port = given.port
+        if kind == "seeds":
+            node = settings.node_config()  # the address the seeds are reached on
+            host = node.advertise or node.bind
+            if self.base_port is None:
+                self.base_port = _free_port(node.bind)
+            first = [f"{host}:{self.base_port + i}" for i in range(self.args.nprocs)]
+            settings = settings.replace(join=(*settings.seeds(), *first))
+        return settings
 
     def event(self, text: str) -> None:
         line = f"[{time.monotonic() - self.t0:6.1f}s] {text}"
@@ -169,25 +212,44 @@ class Launcher:
         if self.args.no_live or not self.out.isatty():
             print(line, file=self.out, flush=True)
 
-    def start_worker(self, start_peers: int = 0) -> Worker:
-        name = f"w{len(self.workers)}"
-        log_path = self.log_dir / f"{name}.log"
-        env = {**self.env, "FTMESH_WORKER_NAME": name}
-        if start_peers:
-            env["FTMESH_START_PEERS"] = str(start_peers)
+    def _metrics_port(self, index: int) -> int | None:
+        """Worker ``index`` serves metrics on ``--metrics-port`` + ``index`` (0: any port)."""
+        base = self.settings.metrics_port
+        return base + index if base else base
+
+    def start_worker(self, *, joiner: bool) -> Worker:
+        index = len(self.workers)
+        name = f"w{index}"
+        slot = free_slot({w.slot for w in self.workers if w.running})
+        settings = self.settings.replace(
+            name=name,
+            port=None if self.base_port is None else self.base_port + index,
+            metrics_port=self._metrics_port(index),
+            join_running=joiner or None,
+            start_peers=1 if joiner else None,
+        )
+        env = {
+            **self.env,
+            **settings.to_env(),
+            **worker_env(slot, self.gpus),
+            "FTMESH_WORKER_NAME": name,
+        }
+        verbose = ["-v"] * self.args.verbose
         proc = subprocess.Popen(
-            [sys.executable, self.args.script, *self.args.args],
+            [sys.executable, "-m", "ftmesh", *verbose, "worker", *self.target.argv()],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
         )
-        w = Worker(name, proc, log_path, time.monotonic())
+        w = Worker(name, proc, self.log_dir / f"{name}.log", time.monotonic(), slot, joiner)
         w.reader = threading.Thread(target=self._read, args=(w,), daemon=True)
         w.reader.start()
         self.workers.append(w)
-        self.event(f"started {name} (pid {proc.pid})")
+        devices = env.get("CUDA_VISIBLE_DEVICES")
+        gpu = "" if devices is None or not self.gpus else f", CUDA_VISIBLE_DEVICES {devices}"
+        self.event(f"started {name} (pid {proc.pid}, LOCAL_RANK {slot}{gpu})")
         return w
 
     def _read(self, w: Worker) -> None:
@@ -214,6 +276,7 @@ class Launcher:
             return
         if isinstance(rec.get("step"), int):
             w.step = rec["step"]
+            w.progressed = True
         if isinstance(rec.get("loss"), int | float):
             w.loss = float(rec["loss"])
         if isinstance(rec.get("members"), int):
@@ -225,6 +288,10 @@ class Launcher:
 
     def committed(self) -> int:
         return max((w.step for w in self.workers), default=0)
+
+    def finished(self) -> bool:
+        """A worker has finished the training: nobody is added any more."""
+        return any(w.done for w in self.workers)
 
     def chaos(self) -> None:
         step = self.committed()
@@ -257,21 +324,54 @@ class Launcher:
                 self.event(f"step {step}: kill -9 {victim.name}")
         while self.joins and step >= self.joins[0]:
             self.joins.pop(0)
-            w = self.start_worker()
+            if self.finished():
+                self.event(f"step {step}: no worker joins: the training has finished")
+                continue
+            w = self.start_worker(joiner=True)
             self.event(f"step {step}: {w.name} joins")
+
+    def respawn(self) -> None:
+        """``--respawn``: a worker that died is replaced by a new member in its slot."""
+        for w in self.workers:
+            if not w.died or w.replaced or self.finished():
+                continue
+            w.replaced = True
+            fruitless = 0 if w.progressed else self._fruitless.get(w.slot, 0) + 1
+            self._fruitless[w.slot] = fruitless
+            if fruitless >= MAX_FRUITLESS_RESPAWNS:
+                self.event(f"not replacing {w.name}: slot {w.slot} died {fruitless}x unstarted")
+                w.replaced = False
+                continue
+            new = self.start_worker(joiner=True)
+            self.event(f"{w.name} died (exit {w.proc.returncode}): replaced by {new.name}")
+
+    def stop_latecomers(self) -> None:
+        """Once every worker that trained has ended, joiners still waiting to join (they
+        hold no state) are stopped instead of waiting for a mesh that is gone."""
+        if not self.finished():
+            return
+        if any(w.running and w.progressed for w in self.workers):
+            return
+        for w in self.workers:
+            if w.running and not w.stopped:
+                w.stopped_at = time.monotonic()
+                os.killpg(w.proc.pid, signal.SIGTERM)
+                self.event(f"{w.name} arrived after the training ended: stopped")
 
     def render(self) -> Any:
         from rich.console import Group
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(title=f"ftmesh launch: {self.args.script}", expand=False)
+        table = Table(title=f"ftmesh launch: {' '.join(self.target.argv())}", expand=False)
         for col in ("worker", "pid", "state", "step", "loss", "members"):
             table.add_column(col)
         for w in self.workers:
             state = (
                 "killed"
                 if w.killed
+                else "stopped"
+                if w.stopped
                 else "done"
                 if w.done and not w.running
                 else "running"
@@ -292,11 +392,12 @@ class Launcher:
         return Group(head, table, Text("\n".join(self.events)))
 
     def run(self) -> int:
+        registry = tempfile.mkdtemp(prefix="ftmesh-launch-") if self._private_registry else None
+        self.settings = self.settings.replace(registry_dir=registry)
         try:
             for _ in range(self.args.nprocs):
-                self.start_worker(start_peers=self.args.nprocs)
-            live_view = not self.args.no_live and self.out.isatty()
-            if live_view:
+                self.start_worker(joiner=False)
+            if not self.args.no_live and self.out.isatty() and live_view_available():
                 from rich.live import Live
 
                 with Live(self.render(), refresh_per_second=4) as live:
@@ -309,21 +410,27 @@ class Launcher:
                 if w.running:
                     os.killpg(w.proc.pid, signal.SIGKILL)
                     w.proc.wait()
-            shutil.rmtree(self._registry, ignore_errors=True)
+            if registry is not None:
+                shutil.rmtree(registry, ignore_errors=True)
 
     def _loop(self, refresh: Any) -> int:
         last_line = 0.0
-        deadline = self.t0 + self.args.timeout
         while any(w.running for w in self.workers):
-            if time.monotonic() > deadline:
+            if time.monotonic() > self.deadline:
                 self.event(f"timeout after {self.args.timeout:.0f}s: stopping every worker")
                 return 124
             self.chaos()
+            if self.args.respawn:
+                self.respawn()
+            self.stop_latecomers()
             for w in self.workers:
+                since = w.stopped_at
+                if since is not None and w.running and time.monotonic() - since > STOP_GRACE_S:
+                    os.killpg(w.proc.pid, signal.SIGKILL)  # SIGTERM was not enough
                 rc = w.proc.poll()
                 if rc is not None and not w.reported:
                     w.reported = True
-                    if not w.killed:
+                    if not w.killed and not w.stopped:
                         self.event(f"{w.name} exited with code {rc} at step {w.step}")
             if refresh is not None:
                 refresh()
@@ -344,12 +451,14 @@ class Launcher:
         for w in self.workers:
             if w.reader is not None:
                 w.reader.join(5.0)
-        failed = [w for w in self.workers if not w.killed and w.proc.returncode not in (0,)]
-        ok = [w for w in self.workers if not w.killed and w.proc.returncode == 0]
+        ended = [w for w in self.workers if not w.killed and not w.stopped]
+        failed = [w for w in ended if w.proc.returncode != 0]
+        ok = [w for w in ended if w.proc.returncode == 0]
         print(f"logs: {self.log_dir}", file=self.out)
         for w in failed:
+            what = "died and was replaced" if w.replaced else "failed"
             print(
-                f"\nworker {w.name} (pid {w.proc.pid}) failed with exit code "
+                f"\nworker {w.name} (pid {w.proc.pid}) {what} with exit code "
                 f"{w.proc.returncode}; last lines of {w.log_path}:",
                 file=self.out,
             )
@@ -360,7 +469,7 @@ class Launcher:
                 print(line, file=self.out)
         if rc:
             return rc
-        return 1 if failed or not ok else 0
+        return 1 if any(not w.replaced for w in failed) or not ok else 0
 
 
 def run_launch(args: argparse.Namespace) -> int:

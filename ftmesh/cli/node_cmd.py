@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -11,47 +12,14 @@ from typing import Any
 
 import trio
 
-from ..errors import ConfigError
-from ..membership.config import MembershipConfig
-from ..membership.messages import MemberSnapshot, Meta, MetaValue
+from ..membership.messages import MemberSnapshot
 from ..net.node import Node, NodeConfig, open_node
-from ..security import load_secrets
-
-
-def parse_meta(items: list[str]) -> Meta:
-    meta: Meta = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--meta expects KEY=VALUE, got {item!r}")
-        value: MetaValue = raw
-        if raw.lstrip("-").isdigit():
-            value = int(raw)
-        meta[key] = value
-    return meta
+from .main import settings_from_args
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
-    bind = args.bind
-    if not bind and args.discovery == "mdns":
-        # mDNS announces one interface's address: bind there (default: the default route's).
-        from ..discovery import default_interface_ip
-
-        bind = args.interface or default_interface_ip()
-    return NodeConfig(
-        mesh=args.mesh,
-        name=args.name,
-        bind=bind or "127.0.0.1",
-        port=args.port,
-        advertise=args.advertise,
-        discovery=args.discovery,
-        join=tuple(args.join),
-        interface=args.interface,
-        membership=MembershipConfig.preset(args.preset),
-        auth=load_secrets(args.secret_file, args.encrypt),
-        meta=parse_meta(args.meta),
-        registry_dir=args.registry_dir,
-    )
+    """Flags over ``FTMESH_*`` over the defaults (``local`` discovery), see ``ftmesh.settings``."""
+    return settings_from_args(args, os.environ).node_config()
 
 
 def event_record(kind: str, m: MemberSnapshot) -> dict[str, Any]:
@@ -88,7 +56,10 @@ async def _print_events(node: Node, fmt: str) -> None:
 async def _amain(config: NodeConfig, fmt: str) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_node(config) as node, trio.open_nursery() as nursery:
-            _emit(fmt, event_record("self", node.me()))
+            me = event_record("self", node.me())
+            if node.metrics_address is not None:
+                me["metrics"] = "{}:{}".format(*node.metrics_address)
+            _emit(fmt, me)
             nursery.start_soon(_print_events, node, fmt)
             async for _ in signals:
                 break

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket as _stdsocket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,15 +23,19 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import trio
 
+from ..compression import as_compression
 from ..errors import LocalUsageError
 from ..security import MeshAuth
-from . import schedule
+from ..stats import CollectiveStatistics
+from . import compressed, schedule
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline, abort_error
 from .errors import RingPeerLostError
 from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
-from .transport import Ring, Transport, tune_socket
-from .view import RingView
+from .reach import RingFailed, RingWorked
+from .statistics import CollectiveRecorder
+from .transport import Observer, Ring, Transport, tune_socket
+from .view import Peer, RingView
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -63,6 +68,12 @@ class DataPlane:
         self.address: tuple[str, int] = (str(host), int(port))
         self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._opening: dict[str, set[trio.CancelScope]] = {}
+        self._recorder = CollectiveRecorder()
+
+    def statistics(self) -> CollectiveStatistics:
+        """Completed collectives (seconds, bytes) per ``(op, backend)`` and aborts per kind;
+        safe from any thread."""
+        return self._recorder.snapshot()
 
     def abort_view(self, epoch: str, peer: str, reason: str) -> None:
         """Declare that ``peer`` is dead for view ``epoch``: every collective on that epoch on
@@ -139,9 +150,16 @@ class DataPlane:
         return dict(self._transport.dropped)
 
     # -- public collectives -----------------------------------------------------------------
-    async def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size."""
-        return await self.run_plan(self.plan_allreduce(view, x, op))
+    async def allreduce(
+        self, view: RingView, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
+        """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size.
+
+        ``compression``: None (default), ``"int8"`` or an ``ftmesh.compression.Int8Compression``
+        (which keeps the error-feedback residual from one call to the next): ``x`` travels as
+        blockwise int8 (``ftmesh.collective.compressed``), for float16, bfloat16 and float32
+        with ``sum`` or ``avg``; every member must pass the same setting."""
+        return await self.run_plan(self.plan_allreduce(view, x, op, compression))
 
     async def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         """Reduce ``x`` over all members and return this member's block of the flattened
@@ -175,12 +193,15 @@ class DataPlane:
         op: str = "sum",
         root: str = "",
         io_timeout: float | None = None,
+        compression: Any = None,
     ) -> Plan[Any]:
-        """The plan of collective ``kind``: ``allreduce`` (``op``), ``allgather``,
-        ``broadcast`` (from ``root``) or ``barrier`` (``x`` unused; ``io_timeout``: see
-        ``barrier``)."""
+        """The plan of collective ``kind``: ``allreduce`` (``op``, ``compression``),
+        ``allgather``, ``broadcast`` (from ``root``) or ``barrier`` (``x`` unused;
+        ``io_timeout``: see ``barrier``)."""
         if kind == "allreduce":
-            return self.plan_allreduce(view, x, op)
+            return self.plan_allreduce(view, x, op, compression)
+        if compression is not None:
+            raise LocalUsageError(f"compression applies to allreduce, not {kind}")
         if kind == "allgather":
             return self.plan_allgather(view, x)
         if kind == "broadcast":
@@ -191,8 +212,11 @@ class DataPlane:
             return plan
         raise LocalUsageError(f"unknown collective {kind!r}")
 
-    def plan_allreduce(self, view: RingView, x: T, op: str) -> Plan[T]:
+    def plan_allreduce(self, view: RingView, x: T, op: str, compression: Any = None) -> Plan[T]:
+        comp = as_compression(compression)
         st = stage(x, writable=True)
+        if comp is not None:
+            return self._plan_compressed(view, x, op, st, comp)
         red, scale = self._reducers(op, st.dtype, view.size)
         sched = self._ring_schedule(view, st, first=0, last=2 * view.size - 3)
 
@@ -214,6 +238,18 @@ class DataPlane:
             Buffers(st.flat, st.flat, red, scale),
             finish,
         )
+
+    def _plan_compressed(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
+        rank = view.rank_of(self.node_id)
+        sched, bufs, done = compressed.prepare(comp, st, op, view.size, rank)
+
+        def finish() -> T:
+            done()
+            return x
+
+        plan = Plan(view, "allreduce", op, st.dtype, st.shape, None, sched, bufs, finish)
+        plan.codec = compressed.codec_header(comp)
+        return plan
 
     def plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:
         st = stage(x, writable=False)
@@ -355,6 +391,10 @@ class DataPlane:
 
     async def run_plan(self, plan: Plan[T]) -> CollectiveResult[T]:
         """Run ``plan``: open its view's ring if needed, drive it in a worker thread."""
+        with self._recorder.timed(plan.kind, "tcp", plan.nbytes):
+            return await self._run_plan(plan)
+
+    async def _run_plan(self, plan: Plan[T]) -> CollectiveResult[T]:
         async with self._lock:
             ring = await self._open_ring(plan.view)
             if plan.view.size > 1:
@@ -376,9 +416,10 @@ class DataPlane:
         """Run ``plan`` on an already open ``ring`` (``whole_ring``) in the calling (non-trio)
         thread: no thread hand-off at all. Collectives from several threads take turns (one
         drives the sockets at a time) but their order is the callers' business."""
-        if plan.view.size > 1:
-            self._run_pipeline(ring, plan)
-        return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
+        with self._recorder.timed(plan.kind, "tcp", plan.nbytes):
+            if plan.view.size > 1:
+                self._run_pipeline(ring, plan)
+            return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
 
     def _pipeline(self, ring: Ring, plan: Plan[Any]) -> Pipeline:
         ring.seq += 1
@@ -401,6 +442,8 @@ class DataPlane:
             "root": plan.root,
             "frames": len(plan.sched.sends),
         }
+        if plan.codec is not None:
+            header["codec"] = plan.codec
         return Pipeline(
             self.node_id,
             ring,
@@ -416,10 +459,41 @@ class DataPlane:
         with self._engine_lock:
             try:
                 self._check_aborted(ring.view.epoch)
-                self._pipeline(ring, plan).run_blocking()
+                pipe = self._pipeline(ring, plan)
+                try:
+                    pipe.run_blocking()
+                except BaseException:
+                    self._observe_failure(ring, pipe.abort)
+                    raise
+                if not ring.worked:
+                    ring.worked = True
+                    peers = (ring.left.node_id, ring.right.node_id)
+                    self._transport.observe(RingWorked(time.monotonic(), peers))
             finally:
                 if ring.broken:
                     self._transport.drop_ring(ring)
+
+    def _observe_failure(self, ring: Ring, reason: dict[str, Any] | None) -> None:
+        """Report a round that this member aborted because of one of its neighbours (stalled,
+        closed, sent bytes that failed verification) to ``reach``. Aborts that other members
+        started, or that name no neighbour, say nothing about our connections."""
+        if reason is None or reason.get("origin") != self.node_id:
+            return
+        peer = reason.get("peer")
+        if peer in (ring.left.node_id, ring.right.node_id) and peer != self.node_id:
+            ev = RingFailed(
+                time.monotonic(),
+                str(peer),
+                str(reason.get("kind")),
+                ring.worked,
+                str(reason.get("msg"))[:300],
+            )
+            self._transport.observe(ev)
+
+    async def probe(self, peer: Peer, timeout: float) -> bool:
+        """Whether ``peer``'s data address answers (connect and authenticated handshake)
+        within ``timeout`` seconds; see ``Transport.probe``."""
+        return await self._transport.probe(peer, timeout)
 
 
 @dataclass
@@ -437,6 +511,16 @@ class Plan(Generic[T]):
     finish: Callable[[], T]
     io_timeout: float | None = None
     """Raises the config's ``io_timeout`` for this collective (never lowers it)."""
+    codec: str | None = None
+    """The compression the data travels in (``int8/256``), compared with the neighbours'."""
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the collective's input in bytes (0 for a barrier)."""
+        if self.kind == "barrier":
+            return 0
+        itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
 
 
 @asynccontextmanager
@@ -448,9 +532,11 @@ async def open_data_plane(
     auth: MeshAuth | None = None,
     mesh: str = "default",
     config: CollectiveConfig | None = None,
+    observe: Observer | None = None,
 ) -> AsyncIterator[DataPlane]:
     """Bind the data-plane listener on ``host:port`` (0: any free port) and serve it until the
-    block exits. ``dp.address`` is what to publish in member metadata."""
+    block exits. ``dp.address`` is what to publish in member metadata. ``observe`` receives
+    the outcomes of connections and rounds (``reach`` events), from any thread."""
     config = config or CollectiveConfig()
     listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
     try:
@@ -461,7 +547,9 @@ async def open_data_plane(
     except BaseException:
         listener.close()
         raise
-    transport = Transport(node_id, listener, auth=auth or MeshAuth.none(), mesh=mesh, config=config)
+    transport = Transport(
+        node_id, listener, auth=auth or MeshAuth.none(), mesh=mesh, config=config, observe=observe
+    )
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport.serve)

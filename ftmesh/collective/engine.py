@@ -105,6 +105,12 @@ class Buffers:
     reduce: Reducer | None = None
     scale: Callable[[Array], None] | None = None
     """Applied to chunks this member finalises (``avg``), or None."""
+    on_send: Callable[[int], None] | None = None
+    """Called with a send's index just before its bytes are read (to produce them late, e.g.
+    encode a shard while earlier ones are on the wire), or None."""
+    on_recv: Callable[[int], None] | None = None
+    """Called with a receive's index once its bytes are in place, before the sends waiting
+    for it may go (to decode or reduce what arrived), or None."""
 
 
 class _Stop(Exception):
@@ -315,6 +321,8 @@ class Pipeline:
                 return None
             s = sends[j]
             self.next_send = j + 1
+            if self.bufs.on_send is not None:
+                self.bufs.on_send(j)
             src = self.inp_b if s.from_input else self.acc_b
             payload = src[s.start * self.isz : s.stop * self.isz]
             if self.ring.crypto is not None:
@@ -401,6 +409,8 @@ class Pipeline:
                 )
             if r.final and bufs.scale is not None:
                 bufs.scale(bufs.acc[r.start : r.stop])
+            if bufs.on_recv is not None:
+                bufs.on_recv(self.recv_done)
             self.recv_done += 1
             self._expect(_HEAD, memoryview(self.fhead))
         elif state == _HEAD:
@@ -673,4 +683,6 @@ def _describe(h: dict[str, Any]) -> str:
         what += f", op={h.get('op')}"
     if h.get("root") is not None:
         what += f", root={h.get('root')}"
+    if h.get("codec") is not None:
+        what += f", compression={h.get('codec')}"
     return what + f") #{h.get('seq')}"

@@ -169,3 +169,35 @@ def scaler(dtype: str, divisor: int) -> Callable[[Array], None]:
         np.divide(a, a.dtype.type(divisor), out=a)
 
     return scale_np
+
+
+FLOAT32_CONVERTIBLE = ("float16", "bfloat16", "float32")
+"""Dtypes that ``as_float32``/``store_float32`` convert (the compressed allreduce's inputs)."""
+
+
+def as_float32(flat: Array, dtype: str) -> npt.NDArray[np.float32]:
+    """``flat`` (a staged array of ``dtype``) as float32 values: the array itself for float32,
+    else an exact conversion (bfloat16 bits shifted into the high half of a float32)."""
+    if dtype == "float32":
+        return flat
+    if dtype == "float16":
+        return flat.astype(np.float32)
+    if dtype == "bfloat16":
+        return (flat.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    raise LocalUsageError(f"no float32 conversion for {dtype}")
+
+
+def store_float32(src: npt.NDArray[np.float32], dst: Array, dtype: str) -> None:
+    """Write the float32 values ``src`` into ``dst`` (a staged array of ``dtype``, same
+    length), rounding to nearest even (bfloat16 via torch, which staged it)."""
+    if dtype == "float32":
+        if dst is not src:
+            dst[...] = src
+    elif dtype == "float16":
+        dst[...] = src.astype(np.float16)
+    elif dtype == "bfloat16":
+        torch = _torch()
+        bits = torch.from_numpy(src).to(torch.bfloat16).view(torch.uint16)
+        dst[...] = bits.numpy()
+    else:
+        raise LocalUsageError(f"no float32 conversion for {dtype}")

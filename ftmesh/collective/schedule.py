@@ -125,3 +125,102 @@ def chain(
             sched.sends.append(Send(a, b, from_input=False))
             sched.send_after.append(c + 1 if dist > 0 else 0)
     return sched
+
+
+Piece = tuple[int, int]
+"""``(shard, piece)``: a piece of a shard of the one-shot allreduce (see ``one_shot``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OneShot:
+    """A member's schedule of the one-shot compressed allreduce (``one_shot``), in byte offsets
+    of one wire buffer, and what each send and receive carries. Every send and receive is one
+    piece (an encoded run), so the codec hooks act piece by piece."""
+
+    sched: Schedule
+    size: int
+    """Bytes of the wire buffer."""
+    encode_at: list[Piece | None]
+    """Per send: the piece of this member's contribution to encode into its bytes first."""
+    owned_at: list[tuple[int, int] | None]
+    """Per receive: ``(step, piece)`` when it is a piece of this member's own shard, received
+    at reduce-scatter ``step`` (from the member ``step + 1`` places to the left)."""
+    final_at: list[Piece | None]
+    """Per receive: the piece of an owner's encoded sum it brings (allgather)."""
+    final: list[list[tuple[int, int]]]
+    """``final[j][p]``: byte range of piece ``p`` of the encoded sum of shard ``j``."""
+
+
+def one_shot(pieces: list[list[int]], rank: int) -> OneShot:
+    """The one-shot reduce-scatter + allgather over a ring (``ftmesh.collective.compressed``).
+    ``pieces[j][p]``: encoded bytes of piece ``p`` of shard ``j``, which member ``j`` owns.
+
+    Reduce-scatter: at step 0 member ``r`` sends its encoded shards for ``r+1, r+2, ..., r-1``
+    (one bundle, in that order); at step ``t`` it receives the bundle of member ``r-1-t``,
+    whose first shard is its own, and at step ``t+1`` forwards the rest unchanged, each piece
+    as soon as it has arrived. After N-1 steps every owner holds every member's shard of its
+    own, each having crossed the ring once. Allgather: the ring steps over the owners' encoded
+    sums, forwarded unchanged; an owner sends a piece of its sum once the last bundle's piece
+    of it is in. One send or receive per piece, so sender and receiver cut alike."""
+    n = len(pieces)
+    sched = Schedule()
+    if n <= 1:
+        return OneShot(sched, 0, [], [], [], [[] for _ in range(n)])
+    off = 0
+
+    def lay(shard: int) -> list[tuple[int, int]]:
+        """Room for one shard's pieces at the end of the buffer."""
+        nonlocal off
+        out = []
+        for nbytes in pieces[shard]:
+            out.append((off, off + nbytes))
+            off += nbytes
+        return out
+
+    outbox = [(d, lay(d)) for d in ((rank + k) % n for k in range(1, n))]
+    bundles = [
+        [(d, lay(d)) for d in ((rank + k) % n for k in range(n - 1 - t))] for t in range(n - 1)
+    ]
+    final = [lay(j) for j in range(n)]
+
+    owned_at: list[tuple[int, int] | None] = []
+    final_at: list[Piece | None] = []
+    recv_index: dict[tuple[int, int, int], int] = {}  # (step, shard, piece) -> receive
+
+    def receive(key: tuple[int, int, int], a: int, b: int) -> None:
+        step, shard, p = key
+        recv_index[key] = len(sched.recvs)
+        sched.recvs.append(Recv(a, b, reduce=False))
+        owned_at.append((step, p) if step < n - 1 and shard == rank else None)
+        final_at.append((shard, p) if step == n - 1 else None)
+
+    for t, bundle in enumerate(bundles):
+        for d, ranges in bundle:
+            for p, (a, b) in enumerate(ranges):
+                receive((t, d, p), a, b)
+    for k in range(n - 1):  # (step n - 1 stands for the whole allgather)
+        j = (rank - k - 1) % n
+        for p, (a, b) in enumerate(final[j]):
+            receive((n - 1, j, p), a, b)
+
+    encode_at: list[Piece | None] = []
+
+    def send(a: int, b: int, after: int, enc: Piece | None) -> None:
+        sched.sends.append(Send(a, b, from_input=False))
+        sched.send_after.append(after)
+        encode_at.append(enc)
+
+    for d, ranges in outbox:
+        for p, (a, b) in enumerate(ranges):
+            send(a, b, 0, (d, p))
+    for t in range(n - 2):  # forward what is not ours of the bundle received at step t
+        for d, ranges in bundles[t][1:]:
+            for p, (a, b) in enumerate(ranges):
+                send(a, b, recv_index[(t, d, p)] + 1, None)
+    for k in range(n - 1):  # allgather: our sum first, then what arrived one step before
+        j = (rank - k) % n
+        for p, (a, b) in enumerate(final[j]):
+            # our sum's piece p is complete with the last bundle's piece p (received last)
+            need = recv_index[(n - 2, rank, p)] if k == 0 else recv_index[(n - 1, j, p)]
+            send(a, b, need + 1, None)
+    return OneShot(sched, off, encode_at, owned_at, final_at, final)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -110,8 +110,11 @@ class SyncDataPlane:
             if dp.cached_ring(view) is None:
                 trio.from_thread.run(dp.open_ring, view, trio_token=token)
 
-    def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self._run(self.dp.plan_allreduce(view, x, op))
+    def allreduce(
+        self, view: RingView, x: T, op: str = "sum", compression: Any = None
+    ) -> CollectiveResult[T]:
+        """See ``DataPlane.allreduce`` (``compression``: ``"int8"``, an ``Int8Compression``)."""
+        return self._run(self.dp.plan_allreduce(view, x, op, compression))
 
     def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
         return self._run(self.dp.plan_reduce_scatter(view, x, op))

@@ -16,7 +16,9 @@ agrees, and nobody runs a collective on a view its neighbours don't share. A mis
 
 With a mesh secret, both sides prove knowledge of it by MACing the transcript, which includes a
 fresh nonce from each side, so a node without the secret cannot join and recorded handshakes
-cannot be replayed.
+cannot be replayed. Inbound connections are admitted by ``ftmesh.net.admission`` until their
+handshake completes (caps per port and per source, oldest shed first, ``connect_timeout``
+from accept), so idle or hostile connections cannot hold up a ring neighbour's.
 
 When the mesh encrypts, the hello says so (``enc``) and the transcript binds it, so neither
 side can be talked into the other mode; a server whose mode differs answers with an error
@@ -35,6 +37,7 @@ import select
 import socket as _stdsocket
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,10 +46,12 @@ from typing import Any
 import trio
 
 from ..errors import CollectiveError, FtmeshError, RemoteProtocolError
+from ..net.admission import Admission, accept_loop
 from ..security import MeshAuth
 from . import wire
 from .config import CollectiveConfig
 from .errors import RingPeerLostError, ViewMismatchError
+from .reach import Connected, ConnectEnded, ConnectFailed, Connecting, ReachEvent
 from .secure import RingCrypto, SessionKeys, session_keys
 from .view import Peer, RingView
 
@@ -59,6 +64,13 @@ stale peers can pin; the oldest is closed first."""
 Socket = trio.socket.SocketType
 Link = tuple[Socket, SessionKeys | None]
 """A handshaken connection and, when the mesh encrypts, its keys."""
+Observer = Callable[[ReachEvent], None]
+"""Where connection outcomes go (``reach``); must not block (called from the trio thread and
+from engine threads)."""
+
+
+def _ignore(_ev: ReachEvent) -> None:
+    pass
 
 
 def tune_socket(sock: Socket, config: CollectiveConfig) -> None:
@@ -142,6 +154,8 @@ class Ring:
     """Highest collective sequence number the right neighbour said it started (``READY``)."""
     crypto: RingCrypto | None = None
     """Sealers and openers of both connections when the mesh encrypts (see ``secure``)."""
+    worked: bool = False
+    """A collective completed on this ring (both connections carry data)."""
 
     def kill(self, reason: dict[str, Any]) -> None:
         """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``).
@@ -238,8 +252,11 @@ class Transport:
         auth: MeshAuth,
         mesh: str,
         config: CollectiveConfig,
+        observe: Observer | None = None,
     ) -> None:
         self.node_id = node_id
+        self.observe = observe or _ignore
+        """Receives connection outcomes (``reach`` events)."""
         self.listener = listener
         self.auth = auth
         self.mesh = mesh
@@ -250,7 +267,8 @@ class Transport:
         self._killed: list[Ring] = []
         """Rings killed while idle, closed at the next ``open_ring`` (see ``kill_ring``)."""
         self.dropped: dict[str, int] = {}
-        self._handshakes = trio.CapacityLimiter(32)
+        self._admission = Admission(self._drop, handshake_timeout=config.connect_timeout)
+        """Inbound connections still in their handshake (see ``ftmesh.net.admission``)."""
         self._poll = min(config.poll_interval, config.io_timeout)
 
     def kill_ring(self, epoch: str, reason: dict[str, Any]) -> None:
@@ -267,9 +285,11 @@ class Transport:
     # -- inbound ------------------------------------------------------------------------
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
-            while True:
-                sock, _addr = await self.listener.accept()
-                nursery.start_soon(self._inbound_handshake, sock)
+            await accept_loop(
+                self.listener.accept,
+                lambda conn: nursery.start_soon(self._inbound, *conn),
+                self._admission,
+            )
 
     def _drop(self, reason: str, detail: str) -> None:
         n = self.dropped.get(reason, 0) + 1
@@ -277,51 +297,55 @@ class Transport:
         if n & (n - 1) == 0:  # log the 1st, 2nd, 4th, 8th... occurrence
             log.warning("data plane dropped inbound connection (%s, #%d): %s", reason, n, detail)
 
-    async def _inbound_handshake(self, sock: Socket) -> None:
-        parked = False
+    async def _inbound(self, sock: Socket, addr: tuple[str, int]) -> None:
+        """Handshake an inbound connection within the admission's deadline, then park it."""
+        found: tuple[tuple[str, str], Link] | None = None
         try:
-            async with self._handshakes:
-                with trio.fail_after(self.config.connect_timeout):
-                    tune_socket(sock, self.config)
-                    hello = await recv_control(sock)
-                    if hello.get("v") != wire.PROTOCOL_VERSION:
-                        raise RemoteProtocolError("bad_version", repr(hello.get("v")))
-                    if _field(hello, "mesh", str) != self.mesh:
-                        raise RemoteProtocolError("wrong_mesh", repr(hello.get("mesh")))
-                    if _field(hello, "to", str) != self.node_id:
-                        raise RemoteProtocolError("malformed", "hello addressed to another node")
-                    src = _field(hello, "from", str)
-                    epoch = _field(hello, "epoch", str)
-                    nc = _field(hello, "nonce", bytes)
-                    if len(nc) != wire.NONCE_BYTES or len(src) > 256 or len(epoch) > 64:
-                        raise RemoteProtocolError("malformed", "bad hello field sizes")
-                    enc = self.auth.encrypt
-                    if (hello.get("enc") is True) != enc:
-                        mine = "encrypts" if enc else "does not encrypt"
-                        await send_control(
-                            sock, {"v": wire.PROTOCOL_VERSION, "error": f"this member {mine}"}
-                        )
-                        raise RemoteProtocolError(
-                            "encryption_mismatch", f"{src!r}: this member {mine}, it does not"
-                        )
-                    na = os.urandom(wire.NONCE_BYTES)
-                    t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na, encrypt=enc)
-                    tag = self.auth.tag(b"A" + t) if self.auth.enabled else b""
-                    await send_control(sock, {"v": wire.PROTOCOL_VERSION, "nonce": na, "tag": tag})
-                    resp = await recv_control(sock)
-                    if self.auth.enabled and not self.auth.verify(
-                        b"C" + t, _field(resp, "tag", bytes)
-                    ):
-                        raise RemoteProtocolError("bad_mac", f"from {src!r}")
-                    keys = session_keys(self.auth, 0, t) if enc else None
-            self._park((src, epoch), (sock, keys))
-            parked = True
-        except (RemoteProtocolError, EOFError, OSError, trio.TooSlowError) as exc:
+            with self._admission.admit(str(addr[0])):
+                found = await self._inbound_handshake(sock)
+        except (RemoteProtocolError, EOFError, OSError) as exc:
             reason = exc.reason if isinstance(exc, RemoteProtocolError) else "handshake_failed"
             self._drop(reason, str(exc))
         finally:
-            if not parked:
+            if found is None:
                 sock.close()
+        if found is not None:
+            self._park(*found)
+
+    async def _inbound_handshake(self, sock: Socket) -> tuple[tuple[str, str], Link] | None:
+        """The server side of the handshake (see the module doc): where to park it, and it;
+        None for a reachability probe (``probe``: it has its answer, nothing to park)."""
+        tune_socket(sock, self.config)
+        hello = await recv_control(sock)
+        if hello.get("v") != wire.PROTOCOL_VERSION:
+            raise RemoteProtocolError("bad_version", repr(hello.get("v")))
+        if _field(hello, "mesh", str) != self.mesh:
+            raise RemoteProtocolError("wrong_mesh", repr(hello.get("mesh")))
+        if _field(hello, "to", str) != self.node_id:
+            raise RemoteProtocolError("malformed", "hello addressed to another node")
+        src = _field(hello, "from", str)
+        epoch = _field(hello, "epoch", str)
+        nc = _field(hello, "nonce", bytes)
+        if len(nc) != wire.NONCE_BYTES or len(src) > 256 or len(epoch) > 64:
+            raise RemoteProtocolError("malformed", "bad hello field sizes")
+        enc = self.auth.encrypt
+        if (hello.get("enc") is True) != enc:
+            mine = "encrypts" if enc else "does not encrypt"
+            await send_control(sock, {"v": wire.PROTOCOL_VERSION, "error": f"this member {mine}"})
+            raise RemoteProtocolError(
+                "encryption_mismatch", f"{src!r}: this member {mine}, it does not"
+            )
+        na = os.urandom(wire.NONCE_BYTES)
+        t = wire.transcript(self.mesh, src, self.node_id, epoch, nc, na, encrypt=enc)
+        tag = self.auth.tag(b"A" + t) if self.auth.enabled else b""
+        await send_control(sock, {"v": wire.PROTOCOL_VERSION, "nonce": na, "tag": tag})
+        resp = await recv_control(sock)
+        if self.auth.enabled and not self.auth.verify(b"C" + t, _field(resp, "tag", bytes)):
+            raise RemoteProtocolError("bad_mac", f"from {src!r}")
+        keys = session_keys(self.auth, 0, t) if enc else None
+        if hello.get("probe") is True:
+            return None
+        return (src, epoch), (sock, keys)
 
     def _park(self, key: tuple[str, str], link: Link) -> None:
         old = self._parked.pop(key, None)
@@ -535,47 +559,79 @@ class Transport:
         )
 
     async def _connect(self, view: RingView, peer: Peer) -> Link:
-        """Connect and authenticate, retrying refused connections until connect_timeout."""
+        """Connect and authenticate, retrying refused connections until connect_timeout.
+        Every attempt is reported to ``observe`` (``reach`` decides whether the neighbour is
+        unreachable)."""
         last: BaseException | None = None
         delay = 0.01
-        with trio.move_on_after(self.config.connect_timeout):
-            for _attempt in range(1000):  # bounded by count and by the deadline above
-                sock = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
-                try:
-                    tune_socket(sock, self.config)
-                    await sock.connect((peer.host, peer.port))
-                    return sock, await self._client_handshake(sock, view, peer)
-                except (OSError, EOFError) as exc:
-                    sock.close()
-                    last = exc
-                except RemoteProtocolError as exc:
-                    sock.close()
-                    if exc.reason == "encryption_mismatch":
-                        mine = "on" if self.auth.encrypt else "off"
-                        raise CollectiveError(
-                            f"{self.node_id}: ring neighbour {peer.node_id} refused the "
-                            f"data-plane handshake ({exc}); encryption is {mine} here: every "
-                            "member of a mesh must use the same --encrypt setting"
-                        ) from None
-                    raise CollectiveError(
-                        f"{self.node_id}: ring neighbour {peer.node_id} refused or failed the "
-                        f"data-plane handshake ({exc}); is it in the same mesh, with the same "
-                        "secret?"
-                    ) from None
-                except BaseException:
-                    sock.close()
-                    raise
-                await trio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        addr = f"{peer.host}:{peer.port}"
+        self.observe(Connecting(time.monotonic(), peer.node_id, addr))
+        connected = False
+        try:
+            with trio.move_on_after(self.config.connect_timeout):
+                for _attempt in range(1000):  # bounded by count and by the deadline above
+                    sock = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
+                    try:
+                        tune_socket(sock, self.config)
+                        await sock.connect((peer.host, peer.port))
+                        keys = await self._client_handshake(sock, view.epoch, peer)
+                        connected = True
+                        self.observe(Connected(time.monotonic(), peer.node_id))
+                        return sock, keys
+                    except (OSError, EOFError) as exc:
+                        sock.close()
+                        last = exc
+                        self.observe(ConnectFailed(time.monotonic(), peer.node_id, addr, repr(exc)))
+                    except RemoteProtocolError as exc:
+                        sock.close()
+                        self.observe(ConnectFailed(time.monotonic(), peer.node_id, addr, str(exc)))
+                        raise self._refused(peer, exc) from None
+                    except BaseException:
+                        sock.close()
+                        raise
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+        finally:
+            if not connected:
+                self.observe(ConnectEnded(time.monotonic(), peer.node_id))
         raise RingPeerLostError(
             f"{self.node_id}: cannot reach ring neighbour {peer.node_id} at "
-            f"{peer.host}:{peer.port} within {self.config.connect_timeout}s ({last!r})",
+            f"{addr} within {self.config.connect_timeout}s ({last!r})",
             peer=peer.node_id,
             epoch=view.epoch,
         )
 
+    def _refused(self, peer: Peer, exc: RemoteProtocolError) -> CollectiveError:
+        if exc.reason == "encryption_mismatch":
+            mine = "on" if self.auth.encrypt else "off"
+            return CollectiveError(
+                f"{self.node_id}: ring neighbour {peer.node_id} refused the data-plane "
+                f"handshake ({exc}); encryption is {mine} here: every member of a mesh must "
+                "use the same --encrypt setting"
+            )
+        return CollectiveError(
+            f"{self.node_id}: ring neighbour {peer.node_id} refused or failed the data-plane "
+            f"handshake ({exc}); is it in the same mesh, with the same secret?"
+        )
+
+    async def probe(self, peer: Peer, timeout: float) -> bool:
+        """Whether ``peer`` answers at its data address: one connect and the authenticated
+        handshake (so another process at that address, or one without the mesh secret, does
+        not count), within ``timeout`` seconds. Opens no ring; the peer parks nothing."""
+        sock = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
+        try:
+            with trio.move_on_after(timeout):
+                await sock.connect((peer.host, peer.port))
+                await self._client_handshake(sock, "", peer, probe=True)
+                return True
+            return False
+        except (OSError, EOFError, RemoteProtocolError):
+            return False
+        finally:
+            sock.close()
+
     async def _client_handshake(
-        self, sock: Socket, view: RingView, peer: Peer
+        self, sock: Socket, epoch: str, peer: Peer, *, probe: bool = False
     ) -> SessionKeys | None:
         nc = os.urandom(wire.NONCE_BYTES)
         enc = self.auth.encrypt
@@ -584,11 +640,13 @@ class Transport:
             "mesh": self.mesh,
             "from": self.node_id,
             "to": peer.node_id,
-            "epoch": view.epoch,
+            "epoch": epoch,
             "nonce": nc,
         }
         if enc:
             hello["enc"] = True
+        if probe:
+            hello["probe"] = True
         await send_control(sock, hello)
         reply = await recv_control(sock)
         if "error" in reply:
@@ -596,7 +654,7 @@ class Transport:
             reason = "encryption_mismatch" if "encrypt" in err else "refused"
             raise RemoteProtocolError(reason, err)
         na = _field(reply, "nonce", bytes)
-        t = wire.transcript(self.mesh, self.node_id, peer.node_id, view.epoch, nc, na, encrypt=enc)
+        t = wire.transcript(self.mesh, self.node_id, peer.node_id, epoch, nc, na, encrypt=enc)
         keys = None
         if self.auth.enabled:
             index = self.auth.verify_index(b"A" + t, _field(reply, "tag", bytes))

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .base import PROTOCOL_VERSION, Advert, Discovery, DiscoveryStatistics
+from .interfaces import default_interface_ip
 from .local import LocalDiscovery, default_registry_dir
-from .mdns import MdnsDiscovery, default_interface_ip
+from .mdns import MdnsDiscovery
 from .seeds import SeedDiscovery
 
 KINDS = ("local", "seeds", "mdns")

@@ -8,9 +8,10 @@ its file, so every entry is checked against the process table: an entry whose pi
 was reused by a different process, detected through the start time in ``/proc``) is stale,
 ignored and removed by whoever notices first. Meshes are isolated by directory.
 
-The registry directory is ``registry_dir`` if given, else ``$FTMESH_REGISTRY_DIR``, else
-``/tmp/ftmesh-<uid>``. The default is per user, created with mode 0700, and refused if it is a
-symlink or owned by someone else (``/tmp`` is shared; another user must not be able to plant
+The registry directory is ``registry_dir`` if given (``--registry-dir``,
+``$FTMESH_REGISTRY_DIR`` through ``ftmesh.settings``), else ``/tmp/ftmesh-<uid>``. The
+default is per user, created with mode 0700, and refused if it is a symlink or owned by
+someone else (``/tmp`` is shared; another user must not be able to plant
 or read adverts there). Liveness is judged by pid, so all members must share one pid namespace
 (one host, not separate containers sharing a volume).
 
@@ -43,9 +44,6 @@ from .base import (
     check_own_advert,
 )
 
-REGISTRY_ENV = "FTMESH_REGISTRY_DIR"
-"""Environment variable naming the registry directory when none is passed explicitly."""
-
 DEFAULT_POLL_INTERVAL = 0.25
 """Seconds between scans of the registry. Lower finds peers sooner at the cost of a directory
 scan (a few syscalls per entry, unchanged files are not re-read) per interval."""
@@ -67,10 +65,7 @@ _TMP_MARK = ".tmp-"
 
 
 def default_registry_dir() -> Path:
-    """``$FTMESH_REGISTRY_DIR`` if set and non-empty, else ``/tmp/ftmesh-<uid>``."""
-    env = os.environ.get(REGISTRY_ENV, "")
-    if env:
-        return Path(env)
+    """``/tmp/ftmesh-<uid>``: private to this user (checked before use)."""
     return Path("/tmp") / f"ftmesh-{os.getuid()}"
 
 
@@ -250,7 +245,7 @@ class LocalDiscovery:
             raise ConfigError(f"poll_interval {poll_interval!r} s must be within [0.01, 60]")
         if not 0.1 <= refresh_interval <= 3600:
             raise ConfigError(f"refresh_interval {refresh_interval!r} s must be in [0.1, 3600]")
-        self._explicit = registry_dir is not None or bool(os.environ.get(REGISTRY_ENV))
+        self._explicit = registry_dir is not None
         self.registry_dir = (
             Path(registry_dir) if registry_dir is not None else default_registry_dir()
         )
@@ -271,7 +266,8 @@ class LocalDiscovery:
                 if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                     raise ConfigError(
                         f"registry directory {base} is not a directory owned by uid "
-                        f"{os.getuid()}; set ${REGISTRY_ENV} to a private directory"
+                        f"{os.getuid()}; pass a private registry_dir (--registry-dir, "
+                        "$FTMESH_REGISTRY_DIR)"
                     )
             mesh_dir = base / mesh
             mesh_dir.mkdir(mode=0o700, exist_ok=True)

@@ -9,9 +9,11 @@ the node, which joins it through SWIM. Departures are not reported: SWIM owns li
 
 Interface choice is always explicit or a documented default, never "all interfaces": with
 ``interface_ip`` given, mDNS runs on that address only and advertises it; with ``None``, the
-address the kernel uses for the default route (:func:`default_interface_ip`). A host whose only
-route is loopback has no LAN to discover on: that is a :class:`ConfigError` pointing at the
-``local`` and ``seeds`` mechanisms. We never advertise an address that peers could not reach.
+address of the interface behind the default route, or the only candidate interface
+(:func:`ftmesh.discovery.interfaces.default_interface_ip`). A host whose only interface is
+loopback has no LAN to discover on, and one with several interfaces and no default route does
+not say which is the LAN: both are a :class:`ConfigError` telling the user what to pass. We
+never advertise an address that peers could not reach.
 
 Threading: python-zeroconf runs its own asyncio loop in a thread, and the ``ServiceBrowser``
 calls our handler from a second thread of its own. That handler only records the service name
@@ -54,6 +56,7 @@ from .base import (
     check_own_advert,
     check_remote_advert,
 )
+from .interfaces import check_local_address, default_interface_ip
 
 SERVICE_TYPE = "_ftmesh._tcp.local."
 """DNS-SD service type every ftmesh node registers and browses."""
@@ -86,7 +89,6 @@ bounds each step itself (about 0.4 s for goodbyes); this only guards against a s
 
 _INSTANCE_MAX_BYTES = 63  # one DNS label
 _INSTANCE_BAD = re.compile(r"[^A-Za-z0-9_-]+")
-_TEST_NET = "192.0.2.1"  # RFC 5737 TEST-NET-1: only used for a route lookup, nothing is sent
 
 
 def _check_interface_ip(ip: str) -> str:
@@ -99,37 +101,7 @@ def _check_interface_ip(ip: str) -> str:
             f"interface_ip {ip} cannot carry mDNS to other hosts; pass a LAN address, or use "
             "'local' discovery (same host) or 'seeds' discovery"
         )
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.bind((ip, 0))
-        except OSError as e:
-            raise ConfigError(f"interface_ip {ip} is not an address of this host: {e}") from e
-    return ip
-
-
-def default_interface_ip() -> str:
-    """The IPv4 address of the interface holding the default route.
-
-    Found by asking the kernel which source address it would use towards a TEST-NET address
-    (a UDP ``connect``, which sends nothing). Raises :class:`ConfigError` when there is no such
-    route or it leaves through loopback only: use ``local`` or ``seeds`` discovery then, or pass
-    ``interface_ip`` explicitly.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((_TEST_NET, 9))
-            ip = str(s.getsockname()[0])
-        except OSError as e:
-            raise ConfigError(
-                f"mDNS discovery found no default route ({e}); pass interface_ip, or use "
-                "'local' discovery (same host) or 'seeds' discovery"
-            ) from e
-    addr = ipaddress.IPv4Address(ip)
-    if addr.is_loopback or addr.is_unspecified:
-        raise ConfigError(
-            "the default route only reaches loopback, so mDNS has no LAN to use; use 'local' "
-            "discovery (same host) or 'seeds' discovery, or pass interface_ip"
-        )
+    check_local_address(ip, "interface_ip")
     return ip
 
 

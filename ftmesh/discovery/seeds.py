@@ -7,6 +7,12 @@ deadline, and every resolved address is reported as an :class:`Advert` with empt
 and ``name``: the node sends a SWIM join there and learns who answers. Re-resolving finds seeds
 that appear later (pods scheduled after us). Seeds announce nothing, so there is nothing to
 withdraw; the seed's actual mesh is checked by the join handshake, not here.
+
+The first member of a mesh has nobody to join: an empty list, seeds that do not answer yet
+and seeds that resolve to the member itself (a StatefulSet's pod-0 finds its own address
+behind the Service name) are all normal. Such a member runs alone and waits to be joined;
+whether it was *meant* to be alone is for the layers above to say (``start_peers``, and the
+node's warning when seeds were given and nobody answers).
 """
 
 from __future__ import annotations
@@ -86,8 +92,6 @@ class SeedDiscovery:
         if isinstance(seeds, str):
             raise ConfigError("seeds must be a sequence of 'host:port' strings, not one string")
         seeds = list(seeds)
-        if not seeds:
-            raise ConfigError("seed discovery needs at least one host:port seed")
         if len(seeds) > MAX_SEEDS:
             raise ConfigError(f"{len(seeds)} seeds given; at most {MAX_SEEDS} are accepted")
         if not 0.1 <= refresh_interval <= 3600:

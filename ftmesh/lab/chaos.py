@@ -4,17 +4,30 @@ Theory of operation: :class:`ChaosRunner` builds a :class:`~ftmesh.lab.netns.Vir
 hosts, starts one member per host (:class:`~ftmesh.lab.mesh.LabMesh`), waits for one view, then
 until ``duration`` has passed injects one fault at a time, drawn from a seeded RNG:
 
-=============  ================================================================================
-``kill``       kill -9 a host's processes; wait for the survivors to drop it (detection); start
-               a fresh member there (a new node id, as after a reboot)
-``freeze``     SIGSTOP a host for 0.3-4 s (often past the detection bound), then SIGCONT: a hung
-               machine that comes back and must refute its death
-``link_flap``  take a host's cable out 1-4 times, 0.2-2.5 s each
-``partition``  split the LAN into two random groups for 1-6 s, then heal
-``loss``       10-30 % loss on one host's link, or 10-20 % across the LAN, for 2-6 s
-``rate``       limit one host's link to 256 kbit/s or 1 Mbit/s for 2-5 s
-``junk``       one host floods the others' gossip ports with junk datagrams for 2-5 s
-=============  ================================================================================
+===============  ==============================================================================
+``kill``         kill -9 a host's processes; wait for the survivors to drop it (detection); start
+                 a fresh member there (a new node id, as after a reboot)
+``freeze``       SIGSTOP a host for 0.3-4 s (often past the detection bound), then SIGCONT: a hung
+                 machine that comes back and must refute its death
+``link_flap``    take a host's cable out 1-4 times, 0.2-2.5 s each
+``partition``    split the LAN into two random groups for 1-6 s, then heal
+``loss``         10-30 % loss on one host's link, or 10-20 % across the LAN, for 2-6 s
+``rate``         limit one host's link to 256 kbit/s or 1 Mbit/s for 2-5 s
+``junk``         one host floods the others' gossip ports with junk datagrams for 2-5 s
+``one_way``      drop the IPv4 packets from one host to another for 3-10 s (a one-way link: gossip
+                 reaches both through a third host, no TCP connection opens between them)
+``unreachable``  block the TCP port of one member's data plane for 4-10 s (a firewall in front of
+                 the port; gossip passes): its ring neighbours must leave it out and take it back
+``clock_step``   step one member's wall clock ``insider.CLOCK_STEP`` (90 s) ahead for 4-10 s, then
+                 back (the mesh has a secret in runs with this kind, so the replay check matters)
+``conn_flood``   one host holds ``FLOOD_CONNECTIONS`` idle TCP connections to another member's
+                 gossip and data-plane ports for 3-8 s (no secret, no handshake)
+``bad_meta``     a rogue member (``ftmesh node``, with the secret if the mesh has one) joins from
+                 one host with garbage metadata for 3-8 s, then leaves
+===============  ==============================================================================
+
+``unreachable`` and ``clock_step`` need a workload whose members have a data plane and the
+fault hook (``TrainingWorkload``); they are left out of the default kinds without one.
 
 Every decision (kind, hosts, durations) is drawn before the fault starts, from ``seed`` only, so
 a seed names a fault schedule; the timings that result are real and vary from run to run.
@@ -63,7 +76,9 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,17 +90,47 @@ from typing import Any, Literal, Protocol
 from ..discovery.mdns import DEFAULT_REFRESH_INTERVAL
 from ..errors import DeadlineExceeded
 from ..membership.config import MembershipConfig
-from ..net.node import JOIN_RETRY_INTERVAL
-from .mesh import LabMesh
+from ..net.node import JOIN_RETRY_BOUND
+from .mesh import LabMesh, node_argv
 from .netns import LabError, VirtualLan, _list_netns
+from .procs import NodeProcess
 
 Phase = Literal["tick", "settled", "final"]
 
-KINDS = ("kill", "freeze", "link_flap", "partition", "loss", "rate", "junk")
+KINDS = (
+    "kill",
+    "freeze",
+    "link_flap",
+    "partition",
+    "loss",
+    "rate",
+    "junk",
+    "one_way",
+    "unreachable",
+    "clock_step",
+    "conn_flood",
+    "bad_meta",
+)
 """Fault kinds, in the order their weights are listed in ``WEIGHTS``."""
 
-WEIGHTS = (2, 2, 2, 2, 2, 1, 1)
+WEIGHTS = (2, 2, 2, 2, 2, 1, 1, 2, 2, 1, 1, 1)
 """Relative frequency of each kind."""
+
+WORKLOAD_KINDS = ("unreachable", "clock_step")
+"""Kinds that need members with a data plane and the fault hook (a training workload)."""
+
+FLOOD_CONNECTIONS = 600
+"""Idle connections per port in a ``conn_flood`` (the number that stalled a mesh in issue 17)."""
+
+BAD_META = (
+    ("data=garbage", "role=train"),
+    ("data=10.255.255.1:notaport", "role=train"),
+    ("role=train", "state=garbage", "state_bytes=-7"),
+    ("role=train", "state_bytes=3000000000000"),
+    ("role=train", "reach=garbage"),
+    ("role=spaceship", "data=:"),
+)
+"""Metadata a ``bad_meta`` rogue joins with (``ftmesh node --meta``), one drawn per fault."""
 
 TICK = 0.25
 """Seconds between cheap continuous checks while a fault holds or settles."""
@@ -96,6 +141,9 @@ runs N Python members, their event readers and this runner."""
 
 SOCKET_SLACK = 16
 """Sockets a member may hold above its count at the first settle (transient TCP syncs)."""
+
+WORKER_START = 90.0
+"""Seconds a workload's member may take to print its first event (it imports torch first)."""
 
 MESH = "chaos"
 """Mesh name of the members of a chaos run."""
@@ -116,12 +164,12 @@ def detection_bound(cfg: MembershipConfig, n: int) -> float:
 def recovery_bound(cfg: MembershipConfig, n: int) -> float:
     """Seconds from a repair to one view. The slowest path: detect a death the fault caused
     (crash detection bound), then find the member again through discovery (one mDNS refresh
-    interval, one join retry interval) and sync with it over TCP (``tcp_timeout``), plus
+    interval, the longest join retry wait) and sync with it over TCP (``tcp_timeout``), plus
     ``CPU_SLACK``. Refutation through gossip-to-the-dead is usually much faster."""
     return (
         cfg.crash_detection_bound(n)
         + DEFAULT_REFRESH_INTERVAL
-        + JOIN_RETRY_INTERVAL
+        + JOIN_RETRY_BOUND
         + cfg.tcp_timeout
         + CPU_SLACK
     )
@@ -141,6 +189,8 @@ class FaultPlan:
     rate: str = ""
     flaps: int = 0
     lan_wide: bool = False
+    meta: tuple[str, ...] = ()
+    """``bad_meta``: the rogue's ``--meta`` items."""
 
 
 @dataclass(slots=True)
@@ -278,8 +328,12 @@ class Workload(Protocol):
     startup_bound: float
     """The same from the first single view of the run."""
 
-    def argv(self, lan: VirtualLan, host: int, *, mesh: str, preset: str) -> list[str]:
-        """The member process of ``host``: it must print ``ftmesh node``'s JSON events."""
+    def argv(
+        self, lan: VirtualLan, host: int, *, mesh: str, preset: str, extra: Sequence[str] = ()
+    ) -> list[str]:
+        """The member process of ``host``: it must print ``ftmesh node``'s JSON events.
+        ``extra``: arguments the runner needs its members to have (``--secret-file``,
+        ``--fault clock-step``)."""
         ...
 
     def invariants(self) -> Sequence[Invariant]: ...
@@ -383,7 +437,7 @@ class ChaosRunner:
         duration: float = 180.0,
         seed: int = 1,
         preset: str = "local",
-        kinds: Sequence[str] = KINDS,
+        kinds: Sequence[str] | None = None,
         log_dir: Path | None = None,
         invariants: Sequence[Invariant] = (),
         argv_factory: Callable[[VirtualLan, int], list[str]] | None = None,
@@ -394,9 +448,14 @@ class ChaosRunner:
             raise LabError(f"chaos needs 2..64 hosts, got {hosts}")
         if not 0 < duration <= 24 * 3600:
             raise LabError(f"duration {duration} s must be within (0, 86400]")
+        if kinds is None:
+            kinds = [k for k in KINDS if workload is not None or k not in WORKLOAD_KINDS]
         unknown = set(kinds) - set(KINDS)
         if unknown or not kinds:
             raise LabError(f"unknown fault kinds {sorted(unknown)}; choose from {KINDS}")
+        needs = sorted(set(kinds) & set(WORKLOAD_KINDS))
+        if needs and workload is None:
+            raise LabError(f"fault kinds {needs} need a workload with a data plane (train)")
         self.hosts = hosts
         self.duration = duration
         self.seed = seed
@@ -407,9 +466,17 @@ class ChaosRunner:
         self.log_dir = log_dir
         self.invariants: list[Invariant] = [NoCrashes(), NoLeaks(), *invariants]
         self.workload = workload
+        self._secret_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.secret_file: Path | None = None
+        """The mesh secret of runs with clock steps (written at ``run``)."""
+        self._member_extra: list[str] = []
+        if "clock_step" in self.kinds:
+            self._member_extra = ["--fault", "clock-step"]
         if workload is not None:
             self.invariants += workload.invariants()
-            argv_factory = functools.partial(_workload_argv, workload, preset)
+            argv_factory = functools.partial(
+                _workload_argv, workload, preset, extra=self._member_extra
+            )
         self.argv_factory = argv_factory
         self.progress = progress or (lambda _msg: None)
         self.rng = random.Random(seed)
@@ -450,7 +517,16 @@ class ChaosRunner:
         if kind == "rate":
             rate = rng.choice(("256kbit", "1mbit"))
             return FaultPlan(kind, (host,), hold=round(rng.uniform(2.0, 5.0), 2), rate=rate)
-        return FaultPlan("junk", (host,), hold=round(rng.uniform(2.0, 5.0), 2))
+        if kind == "junk":
+            return FaultPlan("junk", (host,), hold=round(rng.uniform(2.0, 5.0), 2))
+        if kind in ("one_way", "conn_flood"):
+            other = rng.choice([h for h in range(n) if h != host])
+            lo, hi = (3.0, 10.0) if kind == "one_way" else (3.0, 8.0)
+            return FaultPlan(kind, (host, other), hold=round(rng.uniform(lo, hi), 2))
+        if kind == "bad_meta":
+            meta = rng.choice(BAD_META)
+            return FaultPlan(kind, (host,), hold=round(rng.uniform(3.0, 8.0), 2), meta=meta)
+        return FaultPlan(kind, (host,), hold=round(rng.uniform(4.0, 10.0), 2))
 
     # --- running ------------------------------------------------------------------------------
 
@@ -528,7 +604,10 @@ class ChaosRunner:
                 )
             rec.detection_s = found
             self._hold(ctx, plan.hold)
-            mesh.start(h)
+            try:
+                mesh.start(h)
+            except DeadlineExceeded as exc:
+                self._violate("recovery", f"fault {rec.index}: h{h} did not restart: {exc}")
         elif plan.kind == "freeze":
             mesh.freeze(h)
             self._hold(ctx, plan.hold)
@@ -557,9 +636,72 @@ class ChaosRunner:
             lan.set_rate(h, plan.rate)
             self._hold(ctx, plan.hold)
             lan.set_rate(h, None)
-        else:
+        elif plan.kind == "junk":
             self._junk(ctx, plan)
+        elif plan.kind == "one_way":
+            lan.one_way(h, plan.hosts[1])
+            self._hold(ctx, plan.hold)
+            lan.one_way(h, plan.hosts[1], broken=False)
+        elif plan.kind == "unreachable":
+            port = _data_port(mesh.node(h))
+            if port:
+                lan.block_port(h, port)
+            self._hold(ctx, plan.hold)
+            if port:
+                lan.block_port(h, port, blocked=False)
+        elif plan.kind == "clock_step":
+            node = mesh.node(h)
+            node.signal(signal.SIGUSR1)
+            self._hold(ctx, plan.hold)
+            if node is mesh.slots[h].node:
+                node.signal(signal.SIGUSR2)
+        elif plan.kind == "conn_flood":
+            self._conn_flood(ctx, plan)
+        else:
+            self._rogue(ctx, plan)
         return time.monotonic()
+
+    def _helper(self, ctx: ChaosContext, host: int, argv: list[str], hold: float) -> None:
+        """Run a fault helper in ``host`` for ``hold`` seconds (checks ticking), then stop it:
+        SIGTERM (a rogue member leaves), SIGKILL after 5 s."""
+        proc = ctx.lan.popen(host, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ctx.helper_pids.add(proc.pid)
+        try:
+            self._hold(ctx, hold)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            proc.wait(5.0)
+            ctx.helper_pids.discard(proc.pid)
+
+    def _conn_flood(self, ctx: ChaosContext, plan: FaultPlan) -> None:
+        target = ctx.mesh.slots[plan.hosts[1]].node
+        if target is None:
+            self._hold(ctx, plan.hold)
+            return
+        ip = target.addr.rpartition(":")[0]
+        addrs = [target.addr]
+        port = _data_port(target)
+        if port:
+            addrs.append(f"{ip}:{port}")
+        argv = [sys.executable, "-m", "ftmesh.lab.junk", "--duration", str(plan.hold + 5.0)]
+        argv += ["--connections", str(FLOOD_CONNECTIONS)]
+        for a in addrs:
+            argv += ["--connect", a]
+        self._helper(ctx, plan.hosts[0], argv, plan.hold)
+
+    def _rogue(self, ctx: ChaosContext, plan: FaultPlan) -> None:
+        h = plan.hosts[0]
+        extra = [f"--meta={m}" for m in plan.meta]
+        argv = node_argv(
+            ctx.lan, h, mesh=MESH, preset=self.preset, secret_file=self.secret_file, extra=extra
+        )[4:]  # (popen adds "ip netns exec <ns>")
+        argv[argv.index("--name") + 1] = f"rogue-h{h}"
+        self._helper(ctx, h, argv, plan.hold)
 
     def _junk(self, ctx: ChaosContext, plan: FaultPlan) -> None:
         h = plan.hosts[0]
@@ -594,6 +736,12 @@ class ChaosRunner:
             log_dir = Path(tmp.name)
         log_dir.mkdir(parents=True, exist_ok=True)
         prefix = ""
+        if self._member_extra:
+            # Clock steps only matter to a mesh whose replay check reads the clock.
+            self._secret_dir = tempfile.TemporaryDirectory(prefix="ftmesh-chaos-secret-")
+            self.secret_file = Path(self._secret_dir.name) / "secret"
+            self.secret_file.write_text(os.urandom(24).hex() + "\n")
+            self._member_extra += ["--secret-file", str(self.secret_file)]
         try:
             with VirtualLan(hosts=self.hosts, prefix="ftmchaos") as lan:
                 prefix = lan.prefix
@@ -604,17 +752,25 @@ class ChaosRunner:
         finally:
             if tmp is not None:
                 tmp.cleanup()
+            if self._secret_dir is not None:
+                self._secret_dir.cleanup()
         self.summary.wall_s = round(time.monotonic() - wall0, 1)
         return self.summary
 
     def _run_in(self, lan: VirtualLan, log_dir: Path) -> None:
         s = self.summary
         with LabMesh(
-            lan, log_dir, mesh=MESH, preset=self.preset, argv_factory=self.argv_factory
+            lan,
+            log_dir,
+            mesh=MESH,
+            preset=self.preset,
+            secret_file=self.secret_file,
+            argv_factory=self.argv_factory,
+            start_timeout=WORKER_START if self.workload is not None else 20.0,
         ) as mesh:
             ctx = ChaosContext(lan=lan, mesh=mesh)
-            mesh.start_all()
             try:
+                mesh.start_all()
                 mesh.wait_one_view(60.0)
             except DeadlineExceeded as exc:
                 self._violate("recovery", f"the mesh never formed: {exc}")
@@ -787,14 +943,30 @@ class ChaosRunner:
                         s.collateral_deaths += 1
 
 
-def _workload_argv(workload: Workload, preset: str, lan: VirtualLan, host: int) -> list[str]:
-    return workload.argv(lan, host, mesh=MESH, preset=preset)
+def _workload_argv(
+    workload: Workload, preset: str, lan: VirtualLan, host: int, *, extra: list[str]
+) -> list[str]:
+    return workload.argv(lan, host, mesh=MESH, preset=preset, extra=extra)
 
 
-def parse_kinds(text: str) -> list[str]:
-    """``"kill,partition"`` -> ``["kill", "partition"]`` (validated)."""
+def parse_kinds(text: str) -> list[str] | None:
+    """``"kill,partition"`` -> ``["kill", "partition"]`` (validated); empty: None (every
+    kind that fits the workload)."""
     kinds = [k for k in re.split(r"[,\s]+", text.strip()) if k]
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise LabError(f"unknown fault kinds {bad}; choose from {', '.join(KINDS)}")
-    return kinds
+    return kinds or None
+
+
+def _data_port(node: NodeProcess | None) -> int:
+    """The data-plane port ``node`` last published (its ``self`` records), 0 if none."""
+    if node is None:
+        return 0
+    with node._cond:
+        seen = [r.record for r in node.records if r.record.get("event") == "self"]
+    for rec in reversed(seen):
+        data = rec.get("meta", {}).get("data") if isinstance(rec.get("meta"), dict) else None
+        if isinstance(data, str) and data.rpartition(":")[2].isdigit():
+            return int(data.rpartition(":")[2])
+    return 0

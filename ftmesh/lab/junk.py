@@ -1,4 +1,5 @@
-"""A hostile LAN peer: floods ftmesh gossip ports with junk datagrams (lab use only).
+"""A hostile LAN peer: floods ftmesh gossip ports with junk datagrams, or holds many idle TCP
+connections open to a member's ports (lab use only).
 
 Run inside a lab host (``python -m ftmesh.lab.junk --target IP:PORT ... --pps N --duration S``).
 Every datagram is something a member must drop and count without changing its view: random
@@ -10,13 +11,20 @@ which is why they are opt-in.
 
 Bounded: at most ``pps * duration`` datagrams (``MAX_PPS``, ``MAX_DURATION``), sent from one
 socket, paced in 10 ms slices; the sender never reads. Prints one JSON line with what it sent.
+
+With ``--connect IP:PORT ... --connections N`` it opens ``N`` TCP connections to each address
+(at most ``MAX_CONNECTIONS`` in all), sends nothing on them and closes them after
+``--duration`` seconds: what a port scanner, a stuck client or an attacker without the mesh
+secret does to a member's data-plane and gossip TCP ports.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import resource
 import socket
 import sys
 import time
@@ -33,6 +41,12 @@ MAX_DURATION = 600.0
 
 SLICE = 0.01
 """Pacing granularity in seconds."""
+
+MAX_CONNECTIONS = 4096
+"""Idle TCP connections held at once by one flood, all targets together."""
+
+CONNECT_TIMEOUT = 2.0
+"""Seconds one idle connection may take to open before it is given up."""
 
 KINDS = (
     "random",
@@ -124,9 +138,47 @@ def flood(
     return sent
 
 
+def hold_connections(
+    targets: list[tuple[str, int]], per_target: int, duration: float
+) -> dict[str, int]:
+    """Open ``per_target`` idle TCP connections to each target, keep them for ``duration``
+    seconds, close them. Returns how many opened and failed."""
+    with contextlib.suppress(ValueError, OSError):
+        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    per_target = max(0, min(per_target, MAX_CONNECTIONS // max(1, len(targets))))
+    duration = max(0.0, min(duration, MAX_DURATION))
+    held: list[socket.socket] = []
+    counts = {"connected": 0, "connect_errors": 0}
+    end = time.monotonic() + duration
+    try:
+        for target in targets:
+            for _ in range(per_target):
+                if time.monotonic() >= end:
+                    break
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.settimeout(CONNECT_TIMEOUT)
+                try:
+                    sock.connect(target)
+                except OSError:
+                    sock.close()
+                    counts["connect_errors"] += 1
+                    continue
+                held.append(sock)
+                counts["connected"] += 1
+        time.sleep(max(0.0, end - time.monotonic()))
+    finally:
+        for sock in held:
+            sock.close()
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ftmesh.lab.junk", description=__doc__)
-    p.add_argument("--target", action="append", required=True, metavar="IP:PORT")
+    p.add_argument("--target", action="append", default=[], metavar="IP:PORT")
+    p.add_argument("--connect", action="append", default=[], metavar="IP:PORT",
+                   help="hold idle TCP connections to this address instead")  # fmt: skip
+    p.add_argument("--connections", type=int, default=100, help="per --connect address")
     p.add_argument("--mesh", default="lab", help="mesh name to imitate")
     p.add_argument("--victim", action="append", default=[], help="node id for forged rumours")
     p.add_argument("--pps", type=int, default=1000)
@@ -134,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--forge", action="store_true", help="also send unsigned forged rumours")
     args = p.parse_args(argv)
+    if args.connect:
+        targets = [_parse_target(t) for t in args.connect]
+        held = hold_connections(targets, args.connections, args.duration)
+        print(json.dumps({"event": "connect_flood_done", **held}), flush=True)
+        return 0
+    if not args.target:
+        p.error("give --target (datagrams) or --connect (idle connections)")
     factory = JunkFactory(args.mesh, args.victim, args.seed, args.forge)
     sent = flood([_parse_target(t) for t in args.target], factory, args.pps, args.duration)
     print(json.dumps({"event": "junk_done", "sent": sent}), flush=True)

@@ -75,10 +75,14 @@ class LabMesh:
         secret_file: Path | None = None,
         extra_args: Sequence[str] = (),
         argv_factory: Callable[[VirtualLan, int], list[str]] | None = None,
+        start_timeout: float = 20.0,
     ) -> None:
         self.lan = lan
         self.argv_factory = argv_factory
         """Replaces :func:`node_argv` (a workload process that prints the same JSON events)."""
+        self.start_timeout = start_timeout
+        """Seconds a member may take to print its first event (a training worker imports
+        torch first, several at once on a small machine)."""
         self.log_dir = log_dir
         self.mesh = mesh
         self.preset = preset
@@ -108,7 +112,11 @@ class LabMesh:
                 secret_file=secret_file or self.secret_file,
                 extra=self.extra_args,
             )
-        node = NodeProcess(argv, stderr_path=self.log_dir / f"{self.mesh}-h{host}.{n}.stderr")
+        node = NodeProcess(
+            argv,
+            stderr_path=self.log_dir / f"{self.mesh}-h{host}.{n}.stderr",
+            start_timeout=self.start_timeout,
+        )
         slot.node, slot.frozen = node, False
         slot.history.append(node)
         return node

@@ -15,9 +15,17 @@ ends of the veth pair, so each direction passes through exactly one of them; ``s
 frames to and from host ``i``'s port at random with nftables in the bridge's forward hook
 (invisible to senders, like loss on a real LAN), because not every kernel has ``sch_netem``.
 ``set_lan_loss`` does the same for every frame the bridge forwards (end-to-end loss between any
-two hosts), and ``partition`` drops every frame between hosts of different groups (unicast,
-multicast and ARP alike) in the same nftables table, so one atomic ``nft -f`` script always
-describes the whole fault state.
+two hosts), ``partition`` drops every frame between hosts of different groups (unicast,
+multicast and ARP alike), ``one_way`` drops the IPv4 packets from one host to another (not
+ARP, not the other direction: a one-way link, where UDP still flows the other way and gossip
+reaches both through a third host, but no TCP connection can open either way) and
+``block_port`` drops the TCP segments to one port of one host (a firewall in front of a port),
+all in the same nftables table, so one atomic ``nft -f`` script always describes the whole
+fault state. Slowness of the host itself (``ftmesh.lab.slowness``):
+``set_cpu`` throttles host ``i``'s processes to a CPU share with a cgroup quota (those started
+later with ``popen``/``run`` too); ``set_fail_slow`` freezes them with SIGSTOP for ``stop_s``
+every ``every_s`` seconds (a pulser process); ``cpu_stats``/``fail_slow_stats`` say what the
+kernel and the pulser did, so a test can check that the fault fired.
 
 Persistent labs (``ftmesh lab up``): ``VirtualLan(name=...)`` uses a fixed prefix instead of
 the pid-bound one, :meth:`VirtualLan.detach` keeps it alive after this process exits, and
@@ -36,6 +44,7 @@ for ``set_rate``; ``nft`` (package ``nftables``) and ``nft_numgen`` for ``set_lo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import itertools
 import os
@@ -43,8 +52,10 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -176,7 +187,15 @@ def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
         if m and not _pid_alive(int(m.group(1))):
             _delete_netns(ns)
             removed.append(ns)
+    _remove_stale_cgroups(rf"{re.escape(prefix)}\d+x\d+h\d+")
     return removed
+
+
+def _remove_stale_cgroups(pattern: str) -> None:
+    """CPU cgroups (``set_cpu``) of host namespaces named like ``pattern`` that are gone."""
+    from . import slowness  # (imports this module)
+
+    slowness.cleanup_stale_cgroups(_list_netns(), pattern)
 
 
 def _owned_by(prefix: str, ns: str) -> bool:
@@ -195,6 +214,7 @@ def cleanup_named(name: str) -> list[str]:
         if _owned_by(name, ns):
             _delete_netns(ns)
             removed.append(ns)
+    _remove_stale_cgroups(rf"{re.escape(name)}h\d+")
     return removed
 
 
@@ -261,8 +281,12 @@ class VirtualLan:
         self._loss: dict[int, int] = {}  # host -> drop threshold out of 10000
         self._lan_loss = 0  # drop threshold out of 10000 for every forwarded frame
         self._groups: list[list[int]] = []  # partition: frames between groups are dropped
+        self._one_way: set[tuple[int, int]] = set()  # (src, dst): IPv4 from src to dst dropped
+        self._blocked: set[tuple[int, int]] = set()  # (host, port): TCP to it dropped
         self._rates: dict[int, str] = {}
         self._links_down: set[int] = set()
+        self._cpu: dict[int, float] = {}  # host -> CPU share (cgroup quota)
+        self._pulses: dict[int, dict[str, Any]] = {}  # host -> pulser pid, stop_s, every_s
         self._closed = False
 
     # --- persistence (labs that outlive the process that built them) ------------------------
@@ -278,8 +302,12 @@ class VirtualLan:
             "loss": {str(k): v for k, v in self._loss.items()},
             "lan_loss": self._lan_loss,
             "groups": [list(g) for g in self._groups],
+            "one_way": sorted(list(p) for p in self._one_way),
+            "blocked": sorted(list(p) for p in self._blocked),
             "rates": {str(k): v for k, v in self._rates.items()},
             "links_down": sorted(self._links_down),
+            "cpu": {str(k): v for k, v in self._cpu.items()},
+            "pulses": {str(k): v for k, v in self._pulses.items()},
         }
 
     @classmethod
@@ -299,8 +327,12 @@ class VirtualLan:
             self._loss = {int(k): int(v) for k, v in state.get("loss", {}).items()}
             self._lan_loss = int(state.get("lan_loss", 0))
             self._groups = [[int(h) for h in g] for g in state.get("groups", [])]
+            self._one_way = {(int(a), int(b)) for a, b in state.get("one_way", [])}
+            self._blocked = {(int(h), int(p)) for h, p in state.get("blocked", [])}
             self._rates = {int(k): str(v) for k, v in state.get("rates", {}).items()}
             self._links_down = {int(h) for h in state.get("links_down", [])}
+            self._cpu = {int(k): float(v) for k, v in state.get("cpu", {}).items()}
+            self._pulses = {int(k): dict(v) for k, v in state.get("pulses", {}).items()}
         except (KeyError, TypeError, ValueError) as e:
             raise LabError(f"lab state is damaged: {e!r}") from e
         existing = set(_list_netns())
@@ -379,7 +411,17 @@ class VirtualLan:
         The process is killed by :meth:`down` if still running then.
         """
         self._check(i)
-        return subprocess.Popen(["ip", "netns", "exec", self.ns_name(i), *argv], **kw)
+        return subprocess.Popen(self._exec_argv(i, argv), **kw)
+
+    def _exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` inside host ``i``, in its CPU cgroup when it is throttled."""
+        full = ["ip", "netns", "exec", self.ns_name(i), *argv]
+        if i in self._cpu:
+            from . import slowness  # (imports this module)
+
+            cg, _ = slowness.host_cgroup(self.ns_name(i))
+            return slowness.throttled_argv(cg, full)
+        return full
 
     def run(
         self, i: int, argv: Sequence[str], timeout: float = 30.0
@@ -389,7 +431,7 @@ class VirtualLan:
         Raises :class:`LabError` if it takes over ``timeout`` seconds (the process is killed).
         """
         self._check(i)
-        full = ["ip", "netns", "exec", self.ns_name(i), *argv]
+        full = self._exec_argv(i, argv)
         try:
             return subprocess.run(full, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -474,14 +516,44 @@ class VirtualLan:
         self._groups = []
         self._apply_nft()
 
+    def one_way(self, src: int, dst: int, broken: bool = True) -> None:
+        """Drop (``broken``) or pass again the IPv4 packets from host ``src`` to host ``dst``.
+        ARP and the other direction pass: a one-way link. UDP from ``dst`` still reaches
+        ``src``, but no TCP connection can open between them either way (each needs packets
+        both ways)."""
+        self._check(src)
+        self._check(dst)
+        if src == dst:
+            raise LabError("a one-way link needs two different hosts")
+        (self._one_way.add if broken else self._one_way.discard)((src, dst))
+        self._apply_nft()
+
+    def block_port(self, host: int, port: int, blocked: bool = True) -> None:
+        """Drop (``blocked``) or pass again every TCP segment to ``port`` of ``host``, from
+        any other host: a firewall in front of one port (connections already open stall too,
+        as behind a stateless filter)."""
+        self._check(host)
+        if not 0 < port < 65536:
+            raise LabError(f"port {port} out of range")
+        (self._blocked.add if blocked else self._blocked.discard)((host, port))
+        self._apply_nft()
+
     def faults(self) -> dict[str, Any]:
-        """The fault state this object knows of: loss, partition, rates, links down."""
+        """The fault state this object knows of: loss, partition, one-way links, blocked ports,
+        rates, links down."""
         return {
             "loss_percent": {h: t / 100 for h, t in sorted(self._loss.items())},
             "lan_loss_percent": self._lan_loss / 100,
             "partition": [list(g) for g in self._groups],
+            "one_way": sorted(self._one_way),
+            "blocked_ports": sorted(self._blocked),
             "rates": dict(sorted(self._rates.items())),
             "links_down": sorted(self._links_down),
+            "cpu": dict(sorted(self._cpu.items())),
+            "fail_slow": {
+                h: {"stop_s": p["stop_s"], "every_s": p["every_s"]}
+                for h, p in sorted(self._pulses.items())
+            },
         }
 
     def _apply_nft(self) -> None:
@@ -495,6 +567,12 @@ class VirtualLan:
                     src = ", ".join(f'"{self._port(h)}"' for h in ga)
                     dst = ", ".join(f'"{self._port(h)}"' for h in gb)
                     rules.append(f"    iifname {{ {src} }} oifname {{ {dst} }} drop")
+        for a, b in sorted(self._one_way):
+            rules.append(
+                f'    iifname "{self._port(a)}" oifname "{self._port(b)}" ether type ip drop'
+            )
+        for h, tcp_port in sorted(self._blocked):
+            rules.append(f'    oifname "{self._port(h)}" ether type ip tcp dport {tcp_port} drop')
         if self._lan_loss:
             t = self._lan_loss
             rules.append("    drop" if t >= 10000 else f"    numgen random mod 10000 < {t} drop")
@@ -533,16 +611,86 @@ class VirtualLan:
         else:
             self._rates[i] = rate
 
+    def set_cpu(self, i: int, share: float | None) -> None:
+        """Throttle host ``i`` to ``share`` CPUs (0.25: a quarter of one core; None lifts
+        it): a cgroup CPU quota for every process of the host, including those started later
+        (``ftmesh.lab.slowness``). Needs the cgroup ``cpu`` controller."""
+        from . import slowness  # (imports this module)
+
+        self._check(i)
+        if share is not None and not slowness.MIN_SHARE <= share <= slowness.MAX_SHARE:
+            raise LabError(
+                f"CPU share {share} must be within {slowness.MIN_SHARE}..{slowness.MAX_SHARE}"
+            )
+        cg, version = slowness.host_cgroup(self.ns_name(i))
+        if share is None:
+            slowness.release_cgroup(cg)
+            self._cpu.pop(i, None)
+            return
+        slowness.set_quota(cg, version, share)
+        self._cpu[i] = share
+        for _ in range(2):  # a second pass catches processes forked during the first
+            slowness.move_pids(cg, _netns_pids(self.ns_name(i)))
+
+    def cpu_stats(self, i: int) -> dict[str, float]:
+        """What the kernel did to host ``i``'s CPU cgroup: ``periods``, ``throttled``
+        (periods that ran out of quota), ``throttled_s``. Zeros if it was never throttled."""
+        from . import slowness  # (imports this module)
+
+        self._check(i)
+        if i not in self._cpu:
+            return {"periods": 0, "throttled": 0, "throttled_s": 0.0}
+        return slowness.cpu_stats(slowness.host_cgroup(self.ns_name(i))[0])
+
+    def set_fail_slow(self, i: int, stop_s: float | None, every_s: float = 1.0) -> None:
+        """Freeze every process of host ``i`` (SIGSTOP) for ``stop_s`` seconds every
+        ``every_s`` seconds, until called with ``stop_s=None`` (which thaws it). A pulser
+        process in the root namespace does it; it outlives this object for a detached lab."""
+        from . import slowness  # (imports this module)
+
+        self._check(i)
+        old = self._pulses.pop(i, None)
+        if old is not None:
+            slowness.stop_pulser(int(old["pid"]))
+        if stop_s is None:
+            return
+        proc = slowness.start_pulser(self.ns_name(i), stop_s, every_s, self._pulse_stats_path(i))
+        self._pulses[i] = {"pid": proc.pid, "stop_s": stop_s, "every_s": every_s}
+
+    def fail_slow_stats(self, i: int) -> dict[str, Any]:
+        """What host ``i``'s pulser did: ``pulses`` and ``stopped_s`` (process-seconds kept
+        stopped), with its ``stop_s``/``every_s``; empty before its first pulse or without
+        one."""
+        from . import slowness  # (imports this module)
+
+        self._check(i)
+        if i not in self._pulses:
+            return {}
+        return slowness.read_pulse_stats(self._pulse_stats_path(i))
+
+    def _pulse_stats_path(self, i: int) -> Path:
+        return Path(tempfile.gettempdir()) / f"ftmesh-pulse-{self.ns_name(i)}.json"
+
     # --- teardown -------------------------------------------------------------------------------
 
     def down(self) -> None:
         """Kill every process in the lab and delete its namespaces. Idempotent."""
+        from . import slowness  # (imports this module)
+
         self._closed = True
         with _live_lock:
             _live.discard(self)
+        for i, pulse in list(self._pulses.items()):
+            slowness.stop_pulser(int(pulse["pid"]))
+            self._pulse_stats_path(i).unlink(missing_ok=True)
+        self._pulses.clear()
         # Hosts first, bridge last: deleting a host namespace deletes its veth pair.
         for ns in reversed(self._created):
             _delete_netns(ns)
+        for i in list(self._cpu):
+            with contextlib.suppress(LabError):
+                slowness.remove_cgroup(slowness.host_cgroup(self.ns_name(i))[0])
+        self._cpu.clear()
         self._created.clear()
 
     def __enter__(self) -> Self:

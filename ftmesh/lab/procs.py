@@ -41,6 +41,7 @@ class NodeProcess:
         argv: Sequence[str],
         env: dict[str, str] | None = None,
         stderr_path: Path | None = None,
+        start_timeout: float = 20.0,
     ) -> None:
         self.stderr_path = stderr_path
         self._stderr = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
@@ -61,7 +62,7 @@ class NodeProcess:
         self._states_upto = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        first = self.wait_for(lambda r: r["event"] == "self", timeout=20.0)
+        first = self.wait_for(lambda r: r["event"] == "self", timeout=start_timeout)
         self.node_id: str = first["node"]
         self.name: str = first["name"]
         self.addr: str = first["addr"]

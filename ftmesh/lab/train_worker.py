@@ -29,6 +29,10 @@ SIGINT ends the loop after the step in flight, prints the node's counters (a ``s
 record, as ``ftmesh node`` does) and leaves the mesh gracefully, exit status 0; if the step
 in flight does not return within ``STOP_GRACE`` seconds the worker leaves anyway. A killed
 worker is replaced by a fresh process (a new node id) that joins and fetches the state.
+
+``--fault KIND`` (``ftmesh.lab.insider``) makes the worker a misconfigured or compromised
+member for tests: the fault is on from the start with ``--fault-on-start``, else from SIGUSR1,
+and off again on SIGUSR2 (each change prints ``{"event": "fault", "on": bool}``).
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ from ..cli.node_cmd import event_record
 from ..membership.config import MembershipConfig
 from ..mesh import MeshConfig
 from ..net.node import Node, NodeConfig
+from ..security import MeshAuth, load_secrets
 from ..state import Snapshot, TransferStats
 from ..sync import SyncMesh
 from ..torch import ElasticSampler, ElasticTrainer
+from . import insider
 
 STOP_GRACE = 2.0
 """Seconds the step in flight may take after SIGTERM before the worker leaves anyway (the lab
@@ -159,6 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds to sleep after each step: keeps N members within a small machine's CPUs",
     )
     p.add_argument("--log-level", default="INFO", help="level of the ftmesh.torch log (stderr)")
+    p.add_argument("--secret-file", default=None, help="mesh secret(s), one per line")
+    p.add_argument("--fault", choices=insider.FAULTS, help="be a faulty member (tests)")
+    p.add_argument("--fault-on-start", action="store_true", help="the fault is on from the start")
     return p.parse_args(argv)
 
 
@@ -196,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         interface=args.interface if args.discovery == "mdns" else "",
         registry_dir=args.registry_dir,
         membership=MembershipConfig.preset(args.preset),
+        auth=load_secrets(args.secret_file, False) if args.secret_file else MeshAuth.none(),
     )
     # Not in the ring until the trainer's first step (the trainer says "joining" too).
     mesh = cast(RecordingMesh, RecordingMesh.start(MeshConfig(node=node_cfg, role="joining")))
@@ -232,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
     finished = threading.Event()
     threading.Thread(target=watchdog, daemon=True).start()
+    if args.fault:
+        _install_fault(args, mesh, out)
 
     trainer = ElasticTrainer(mesh, model, optimizer, sampler)
 
@@ -277,6 +289,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _install_fault(args: argparse.Namespace, mesh: RecordingMesh, out: Out) -> None:
+    """``--fault``: on from the start or from SIGUSR1, off on SIGUSR2 (a thread applies each
+    change: signal handlers must not call into the mesh)."""
+    active = threading.Event()
+    if args.fault_on_start:
+        active.set()
+    changed = insider.install(args.fault, mesh, active)
+    wake = threading.Event()
+
+    def on_signal(sig: int, _frame: object) -> None:
+        (active.set if sig == signal.SIGUSR1 else active.clear)()
+        wake.set()
+
+    def apply() -> None:
+        detail = ""
+        with contextlib.suppress(Exception):  # the mesh may be closing
+            detail = changed()
+        out.emit({"event": "fault", "kind": args.fault, "on": active.is_set(),
+                  "detail": detail, "time": round(time.time(), 6)})  # fmt: skip
+
+    def applier() -> None:
+        while True:
+            wake.wait()
+            wake.clear()
+            apply()
+
+    apply()
+    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGUSR2, on_signal)
+    threading.Thread(target=applier, daemon=True).start()
+
+
 def _quietly(fn: Any, *args: Any) -> None:
     with contextlib.suppress(BaseException):  # the mesh closed under the printer
         fn(*args)
@@ -284,4 +328,9 @@ def _quietly(fn: Any, *args: Any) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's teardown: on a loaded host torch's takes seconds, past the
+    # lab's SIGTERM grace, and the mesh has been left already.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -339,12 +339,14 @@ class TrainingWorkload:
         self.lost = NoLostCommits(self.log)
         self._mark = _Mark(0.0, 0, 0)
 
-    def argv(self, lan: VirtualLan, host: int, *, mesh: str, preset: str) -> list[str]:
+    def argv(
+        self, lan: VirtualLan, host: int, *, mesh: str, preset: str, extra: Sequence[str] = ()
+    ) -> list[str]:
         argv = ["ip", "netns", "exec", lan.ns_name(host), sys.executable]
         argv += ["-m", "ftmesh.lab.train_worker", "--mesh", mesh, "--preset", preset]
         argv += ["--interface", lan.host_ip(host), "--name", f"h{host}"]
         argv += ["--seed", str(self.seed), "--step-delay", str(self.step_delay)]
-        return argv
+        return [*argv, *extra]
 
     def invariants(self) -> Sequence[Invariant]:
         return [self.digests, self.steps, self.lost]

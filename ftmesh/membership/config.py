@@ -82,8 +82,11 @@ class MembershipConfig:
     on Ethernet) so datagrams are never fragmented, where one lost fragment loses all."""
 
     replay_window: float = 30.0
-    """Seconds of clock skew accepted on authenticated packets; older or newer ones are dropped
-    as replays. Needs members' clocks within this of each other when a secret is set."""
+    """With a secret: seconds around the sender's clock within which an authenticated datagram
+    is accepted (older or newer ones are dropped as replays). The sender's clock is the one
+    measured over push-pull (``ftmesh.net.clocks``), so members' clocks need not agree; this
+    bounds how old a replayed datagram can be, and how far a member's clock may jump before
+    one round trip re-measures it."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

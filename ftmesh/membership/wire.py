@@ -10,8 +10,17 @@ Layout of one datagram or stream frame::
 Theory of operation: ``PacketCodec.open`` is the only door from the network into the node. It
 checks, in order, the magic and version, the size caps, the tag (with the mesh secret: any
 member's key, see ``ftmesh.security``) or, in an encrypting mesh, the AEAD (which decrypts and
-authenticates at once), the mesh name, then for authenticated packets the timestamp window
-and the nonce cache (replay), and finally every field of every message.
+authenticates at once), the mesh name, then for authenticated packets freshness (replay), and
+finally every field of every message.
+
+Freshness does not rest on synchronized clocks. A stream frame (TCP push-pull) must carry, as
+its nonce, the challenge the receiver sent when the connection opened (``challenge``): fresh
+by construction, whatever the clocks say. A datagram must carry a timestamp within
+``replay_window`` of the *sender's* clock as the receiver knows it: the receiver's wall clock
+plus the ``clock_offset`` it learned for that sender from the timestamps of challenged stream
+frames (``ftmesh.net.clocks``), and a nonce not seen in the window (cache). A datagram outside
+the window raises ``StaleError`` carrying the skew, so the driver can learn the sender's clock
+again (a member whose clock was stepped) and say so.
 
 Encryption: AES-256-GCM under a key derived per datagram from the mesh key and the packet's
 random 128-bit salt (so no key ever meets a nonce twice however many datagrams the mesh sends;
@@ -32,6 +41,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -89,13 +99,35 @@ MAX_MEMBERS = 100_000
 """Members in one push-pull: bounds a frame's decode cost and memory."""
 MAX_NONCES = 65_536
 """Replay cache entries (~4 MiB): a full cache evicts the oldest, which is already outside the
-timestamp window in any mesh sending fewer than MAX_NONCES/replay_window packets a second."""
+timestamp window in any mesh sending fewer than MAX_NONCES/(2 * replay_window) packets a
+second."""
 MAX_COUNTER = 2**62
 """Incarnations and sequence numbers fit in a signed 64-bit integer everywhere."""
 
 
 def _fail(reason: str, detail: str = "") -> RemoteProtocolError:
     return RemoteProtocolError(reason, detail)
+
+
+class StaleError(RemoteProtocolError):
+    """An authenticated datagram whose timestamp is outside the replay window of the sender's
+    clock as we know it: a replay, or a sender whose clock moved. ``skew`` (seconds) is its
+    timestamp minus what we expected (positive: the sender's clock is ahead)."""
+
+    def __init__(self, skew: float, window: float) -> None:
+        super().__init__(
+            "stale", f"timestamp {skew:+.1f}s off the sender's clock (replay_window {window:g}s)"
+        )
+        self.skew = skew
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """What ``PacketCodec.open_envelope`` found: the sender's timestamp (its wall clock, in
+    seconds) and the messages."""
+
+    sent: float
+    msgs: list[Message]
 
 
 def _str(x: Any, cap: int, what: str) -> str:
@@ -334,7 +366,24 @@ class PacketCodec:
             return body
         raise _fail("bad_mac", "packet does not decrypt with the mesh key")
 
-    def open(self, data: bytes, now_wall: float, cap: int = MAX_DATAGRAM) -> list[Message]:
+    def open(
+        self, data: bytes, now_wall: float, cap: int = MAX_DATAGRAM, *, clock_offset: float = 0.0
+    ) -> list[Message]:
+        """The messages of a datagram (see ``open_envelope``)."""
+        return self.open_envelope(data, now_wall, cap, clock_offset=clock_offset).msgs
+
+    def open_envelope(
+        self,
+        data: bytes,
+        now_wall: float,
+        cap: int = MAX_DATAGRAM,
+        *,
+        clock_offset: float = 0.0,
+        challenge: bytes | None = None,
+    ) -> Opened:
+        """Open a packet (see the module doc). ``now_wall``: our wall clock; ``clock_offset``:
+        the sender's clock minus ours, as learned; ``challenge``: for a stream frame, the nonce
+        we challenged the sender with (then no clock is consulted)."""
         if len(data) > cap:
             raise _fail("oversized", f"{len(data)} bytes")
         if len(data) < HEADER_BYTES or data[:2] != MAGIC:
@@ -388,17 +437,22 @@ class PacketCodec:
         if not isinstance(items, tuple) or len(items) > MAX_MSGS_PER_PACKET:
             raise _fail("malformed", "message list")
         if self.auth.enabled:
-            self._check_replay(sent_ms / 1000.0, nonce, now_wall)
+            if challenge is not None:
+                if nonce != challenge:
+                    raise _fail("replayed", "stream frame does not answer our challenge")
+            else:
+                self._check_replay(sent_ms / 1000.0, nonce, now_wall, clock_offset)
         out = []
         for item in items:
             msg = decode_message(item)
             if msg is not None:
                 out.append(msg)
-        return out
+        return Opened(sent_ms / 1000.0, out)
 
-    def _check_replay(self, sent: float, nonce: bytes, now_wall: float) -> None:
-        if abs(now_wall - sent) > self.replay_window:
-            raise _fail("stale", f"timestamp off by {now_wall - sent:.1f}s")
+    def _check_replay(self, sent: float, nonce: bytes, now_wall: float, offset: float) -> None:
+        skew = sent - (now_wall + offset)
+        if abs(skew) > self.replay_window:
+            raise StaleError(skew, self.replay_window)
         while self._nonces:
             oldest_nonce, expiry = next(iter(self._nonces.items()))
             if expiry >= now_wall and len(self._nonces) < MAX_NONCES:
@@ -406,4 +460,5 @@ class PacketCodec:
             del self._nonces[oldest_nonce]
         if nonce in self._nonces:
             raise _fail("replayed")
-        self._nonces[nonce] = max(now_wall, sent) + self.replay_window
+        # (our clock: this packet passes the window check until at most 2 windows from now)
+        self._nonces[nonce] = now_wall + 2 * self.replay_window

@@ -8,7 +8,13 @@ Four long-lived tasks run in the node's nursery:
 * the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
   call makes an earlier deadline) and then ticks it;
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
-* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins.
+  connections that have not sent a valid push-pull yet are pending, under the caps and the
+  deadline of ``ftmesh.net.admission``, so idle connections cannot block joins;
+* discovery (``ftmesh.discovery``) announces us and reports peers, which become joins; the
+  ``join`` addresses are offered again every ``JOIN_POLL`` seconds with every discovery (``seeds``
+  does it itself). A
+  join that fails is retried with exponential backoff (``JOIN_RETRY``) until the address is a
+  live member.
 
 Effects come back from every machine call and are applied at once: datagrams are sent without
 blocking (a full socket buffer drops the datagram, as the network might, and counts it);
@@ -23,9 +29,10 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
@@ -34,23 +41,89 @@ from ..errors import ConfigError, RemoteProtocolError
 from ..membership.config import MembershipConfig
 from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
-from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec
+from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec, StaleError
 from ..security import MeshAuth
-from .frames import exchange_push_pull, read_push_pull, write_push_pull
+from .admission import Admission, accept_loop, peer_host
+from .clocks import PeerClocks
+from .frames import (
+    Exchanged,
+    Wall,
+    exchange_push_pull,
+    read_challenge,
+    read_push_pull,
+    send_challenge,
+    write_push_pull,
+)
 from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
 
 MAX_CONCURRENT_PUSH_PULLS = 16
-"""Outgoing and incoming TCP exchanges at once; more are refused, bounding sockets and tasks."""
-JOIN_RETRY_INTERVAL = 2.0
-"""Seconds before a discovered address that is not yet a live member is contacted again."""
+"""Outgoing TCP exchanges at once; more are refused (and retried later), bounding our sockets
+and tasks. Incoming ones are bounded by ``ftmesh.net.admission``."""
+JOIN_RETRY = (1.0, 5.0)
+"""Seconds before an address that is not yet a live member is contacted again: the first
+retry, and the longest wait, doubling in between (with ``JOIN_JITTER`` so members started
+together do not retry in step). Reset once the address is a live member. The longest wait
+bounds how long a healed partition can wait for a join; one exchange per address per 5 s is
+a negligible load."""
+JOIN_JITTER = 0.2
+JOIN_RETRY_BOUND = JOIN_RETRY[1] * (1 + JOIN_JITTER)
+"""Longest wait between two join attempts at one address."""
+JOIN_POLL = 0.5
+"""Seconds between offers of the ``join`` addresses to the retry logic."""
+MAX_JOIN_ADDRESSES = 4096
+"""Addresses whose join backoff is remembered: bounds what discovery floods can grow."""
 RATE_PER_SOURCE = 200.0
 """Datagrams per second accepted from one source (burst: twice that). A member sends a peer
 a few probes, acks and gossip rounds per second; this leaves a wide margin for that and stops
 one host from spending all our CPU on MAC checks."""
 GLOBAL_RATE = 20_000.0
 """Datagrams per second accepted from all sources together."""
+ALONE_WARN_AFTER = 30.0
+"""Seconds a member given seeds (``join``) may be alone before it says so."""
+ALONE_WARN_EVERY = 60.0
+"""Seconds between those warnings while it stays alone."""
+MAX_TRACKED_ADDRESSES = 4096
+"""Discovered addresses remembered with their last join outcome (bounds what a flood of
+adverts can make us hold; beyond it the record starts over)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryStatus:
+    """Where a member looks for the others and what it found: what a member that waits for
+    peers tells the user (``Node.discovery_status``)."""
+
+    kind: str
+    """``local``, ``seeds``, ``mdns`` or ``none``."""
+    where: str
+    """What it searches: the seeds, the mDNS interface, the registry directory."""
+    answered: tuple[str, ...]
+    """``host:port`` of discovered addresses that answered a join."""
+    unanswered: tuple[str, ...]
+    """``host:port (why)`` of discovered addresses whose last join failed."""
+
+    def describe(self) -> str:
+        """One line, e.g. ``seeds discovery (seeds a:7946): no answer from 10.0.0.2:7946 (...)``."""
+        parts = []
+        if self.answered:
+            parts.append(f"answered: {', '.join(self.answered[:8])}")
+        if self.unanswered:
+            parts.append(f"no answer from {', '.join(self.unanswered[:8])}")
+        found = "; ".join(parts) or "found nobody"
+        return f"{self.kind} discovery ({self.where}): {found}"
+
+    def hint(self) -> str:
+        """What to check, for this kind of discovery."""
+        same = "that every member uses the same --mesh and mesh secret"
+        if self.kind == "mdns":
+            return f"check that the members are on this LAN, multicast reaches them and {same}"
+        if self.kind == "local":
+            return f"check that the members run on this host, share the registry dir and {same}"
+        return (
+            "check that the seeds (--join) name members that are running and reachable on "
+            f"their gossip --port, and {same}"
+        )
 
 
 def parse_hostport(text: str) -> Address:
@@ -86,6 +159,9 @@ class NodeConfig:
     meta: Meta = field(default_factory=dict)
     registry_dir: str = ""
     """For ``local``: where same-host members register; default per ``ftmesh.discovery``."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics (``/metrics``, ``ftmesh.metrics``) on ``bind`` at this TCP
+    port (0: any free one); ``None``: off, at no cost."""
 
     def __post_init__(self) -> None:
         if not self.mesh or len(self.mesh) > MAX_MESH_NAME:
@@ -94,6 +170,8 @@ class NodeConfig:
             raise ConfigError(f"unknown discovery {self.discovery!r}: local, seeds, mdns, none")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics port out of range: {self.metrics_port}")
         for j in self.join:
             parse_hostport(j)
 
@@ -101,8 +179,14 @@ class NodeConfig:
 class Node:
     """A running member. Get one from :func:`open_node`."""
 
-    def __init__(self, config: NodeConfig, swim: Swim, sock: socket.socket) -> None:
+    def __init__(
+        self, config: NodeConfig, swim: Swim, sock: socket.socket, wall: Wall = time.time
+    ) -> None:
         self.config = config
+        self._wall = wall
+        """The wall clock replay protection reads (tests shift it)."""
+        self.clocks = PeerClocks()
+        """Peers' clock offsets, learned over push-pull (``ftmesh.net.clocks``)."""
         self._swim = swim
         self._sock = sock
         self._codec = PacketCodec(config.mesh, config.auth, config.membership.replay_window)
@@ -111,10 +195,20 @@ class Node:
         self._timer_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._push_pull_slots = trio.Semaphore(MAX_CONCURRENT_PUSH_PULLS)
-        self._join_attempts: dict[Address, float] = {}
+        self._join_outcome: dict[Address, str] = {}  # "" answered, else why not
+        self._admission = Admission(self._drop_tcp, handshake_timeout=config.membership.tcp_timeout)
+        self._join_backoff: dict[Address, tuple[float, float]] = {}  # addr -> (next try, wait)
+        self._jitter = random.Random(os.urandom(8))
         self._last_log: dict[str, float] = {}
         self.counters: dict[str, int] = {}
+        self._traffic = [0, 0, 0, 0]  # gossip datagrams and bytes sent, then received
+        self.metrics_address: tuple[str, int] | None = None
+        """Where ``/metrics`` is served (``NodeConfig.metrics_port``), once it is."""
+        self.statistics_sources: dict[str, Callable[[], object]] = {}
+        """Snapshots of the components running beside this node (``"collectives"``,
+        ``"trainer"``), read by the metrics exporter (``ftmesh.metrics``) at scrape time."""
         self._last_incarnation = swim.incarnation
+        self._started = 0.0
         per_source = max(RATE_PER_SOURCE, 20 / config.membership.gossip_interval)
         self._limiter = RateLimiter(per_source, 2 * per_source, GLOBAL_RATE)
 
@@ -191,9 +285,31 @@ class Node:
         """Hard evidence from the data plane: probe ``node_id`` now."""
         self._apply(self._swim.report_unreachable(trio.current_time(), node_id))
 
+    def discovery_status(self) -> DiscoveryStatus:
+        """What discovery found and how the joins went (see ``DiscoveryStatus``)."""
+        cfg = self.config
+        if cfg.discovery == "mdns":
+            where = f"mDNS on {cfg.interface or 'the default interface'}"
+        elif cfg.discovery == "local":
+            where = f"registry {cfg.registry_dir or 'default'}"
+        else:
+            where = f"seeds {', '.join(cfg.join) or 'none'}"
+        answered = [f"{h}:{p}" for (h, p), why in self._join_outcome.items() if not why]
+        failed = [f"{h}:{p} ({why})" for (h, p), why in self._join_outcome.items() if why]
+        return DiscoveryStatus(cfg.discovery, where, tuple(answered), tuple(failed))
+
+    def _record_join(self, dest: Address, why: str) -> None:
+        if len(self._join_outcome) >= MAX_TRACKED_ADDRESSES and dest not in self._join_outcome:
+            self._join_outcome.clear()
+        self._join_outcome[dest] = why
+
     def statistics(self) -> dict[str, int]:
-        """Drop counters of this driver and the protocol machine's counters."""
-        return {**self._swim.counters, **self.counters}
+        """Drop counters of this driver and the protocol machine's counters, and gossip
+        traffic (``tx_packets``, ``tx_bytes``, ``rx_packets``, ``rx_bytes``: UDP datagrams
+        sent, and received before any check)."""
+        names = ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes")
+        traffic = dict(zip(names, self._traffic, strict=True))
+        return {**self._swim.counters, **self.counters, **traffic}
 
     # ------------------------------------------------------------------ effects
 
@@ -205,9 +321,11 @@ class Node:
             effects = [*effects, MemberEvent("alive", self.me(), trio.current_time())]
         for eff in effects:
             if isinstance(eff, Send):
-                data = self._codec.seal(eff.msgs, time.time(), self._nonce_rng.randbytes(8))
+                data = self._codec.seal(eff.msgs, self._wall(), self._nonce_rng.randbytes(8))
                 try:
                     self._sock.sendto(data, eff.dest)
+                    self._traffic[0] += 1
+                    self._traffic[1] += len(data)
                 except (BlockingIOError, InterruptedError):
                     self._count("tx_dropped_full")
                 except OSError as exc:
@@ -251,17 +369,28 @@ class Node:
                 self._count("rx_errors")
                 self._log_limited("rx_err", "recvfrom failed: %s", exc)
                 continue
+            self._traffic[2] += 1
+            self._traffic[3] += len(data)
             # Same-host members share 127.0.0.1: tell them apart by port there.
             key = src if src[0].startswith("127.") else src[0]
             if not self._limiter.allow(key, trio.current_time()):
                 self._count("rx_dropped_rate_limited")
                 continue
+            addr = (src[0], src[1])
             try:
-                msgs = self._codec.open(data, time.time())
+                msgs = self._codec.open(data, self._wall(), clock_offset=self.clocks.offset(addr))
+            except StaleError as exc:
+                # A replay, or a sender whose clock we have not measured or that moved: measure
+                # it (rate-limited); a real member is accepted again after that round trip.
+                self._drop(exc, src)
+                if self._nursery is not None and self.clocks.should_sync(addr, time.monotonic()):
+                    self._count("clock_syncs")
+                    self._nursery.start_soon(self._push_pull, addr, False)
+                continue
             except RemoteProtocolError as exc:
                 self._drop(exc, src)
                 continue
-            self._apply(self._swim.receive(trio.current_time(), (src[0], src[1]), msgs))
+            self._apply(self._swim.receive(trio.current_time(), addr, msgs))
 
     async def _timer_loop(self) -> None:
         while True:
@@ -278,57 +407,105 @@ class Node:
         async with self._push_pull_slots:
             ours = self._swim.push_pull_state(join=join)
             try:
-                theirs = await exchange_push_pull(
-                    dest, self._codec, ours, self.config.membership.tcp_timeout
+                exchanged = await exchange_push_pull(
+                    dest, self._codec, ours, self.config.membership.tcp_timeout, self._wall
                 )
             except RemoteProtocolError as exc:
                 self._drop(exc, dest)
+                if join:
+                    self._record_join(dest, f"refused: {exc}")
                 self._apply(self._swim.join_failed(trio.current_time(), dest))
                 return
             except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 self._count("push_pull_failed")
                 self._log_limited("pp_fail", "push-pull with %s failed: %r", dest, exc)
+                if join:
+                    self._record_join(dest, _why(exc))
                 self._apply(self._swim.join_failed(trio.current_time(), dest))
                 return
-            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+            if join:
+                self._record_join(dest, "")
+            self._learn_clock(exchanged, dest)
+            self._apply(self._swim.merge_push_pull(trio.current_time(), exchanged.push_pull))
+
+    def _learn_clock(self, exchanged: Exchanged, fallback: Address | None) -> None:
+        """Remember the clock offset an exchange measured, under the peer's gossip address."""
+        pp = exchanged.push_pull
+        if exchanged.clock_offset is None or pp.observer:
+            return
+        own = next((m for m in pp.members if m.node == pp.source), None)
+        addr = own.addr if own is not None else fallback
+        if addr is not None and addr != self.address:
+            self.clocks.learn(addr, exchanged.clock_offset, own.name if own else "a peer")
+
+    def _drop_tcp(self, reason: str, detail: str) -> None:
+        self._count(f"tcp_{reason}")
+        self._log_limited(f"tcp_{reason}", "gossip TCP: %s (%s)", reason, detail)
 
     async def _serve_tcp(self, listener: trio.SocketListener) -> None:
         async with listener, trio.open_nursery() as nursery:
-            while True:
-                stream = await listener.accept()
-                if self._push_pull_slots.value == 0:
-                    self._count("tcp_refused_busy")
-                    await stream.aclose()
-                    continue
-                nursery.start_soon(self._handle_tcp, stream)
+            await accept_loop(
+                listener.accept,
+                lambda stream: nursery.start_soon(self._handle_tcp, stream),
+                self._admission,
+            )
 
     async def _handle_tcp(self, stream: trio.SocketStream) -> None:
-        async with self._push_pull_slots, stream:
+        async with stream:
+            theirs = None
             try:
+                with self._admission.admit(peer_host(stream.socket)):
+                    mine = await send_challenge(stream)
+                    challenged = self._wall()
+                    their_challenge = await read_challenge(stream)
+                    theirs = await read_push_pull(stream, self._codec, mine, challenged, self._wall)
+                if theirs is None:
+                    return  # shed or timed out (counted by the admission)
                 with trio.fail_after(self.config.membership.tcp_timeout):
-                    theirs = await read_push_pull(stream, self._codec)
-                    await write_push_pull(stream, self._codec, self._swim.push_pull_state())
+                    state = self._swim.push_pull_state()
+                    await write_push_pull(stream, self._codec, state, their_challenge, self._wall)
             except RemoteProtocolError as exc:
                 self._drop(exc, "tcp")
                 return
             except (OSError, trio.TooSlowError, trio.BrokenResourceError):
                 self._count("tcp_failed")
                 return
-            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs))
+            self._learn_clock(theirs, None)
+            self._apply(self._swim.merge_push_pull(trio.current_time(), theirs.push_pull))
 
     def _on_found(self, advert: Advert) -> None:
-        addr = (advert.host, advert.port)
-        if addr == self.address or (advert.node_id and advert.node_id == self.node_id):
+        self._offer_join((advert.host, advert.port), advert.node_id)
+
+    def _offer_join(self, addr: Address, node_id: str = "") -> None:
+        """Join through ``addr`` unless it is us, a live member already, or still in its
+        backoff (``JOIN_RETRY``)."""
+        if addr == self.address or (node_id and node_id == self.node_id):
             return
         if any(m.addr == addr and m.state == 0 for m in self._swim.members()):
+            self._join_backoff.pop(addr, None)
             return
         now = trio.current_time()
-        if now - self._join_attempts.get(addr, -1e9) < JOIN_RETRY_INTERVAL:
+        due, wait = self._join_backoff.get(addr, (now, JOIN_RETRY[0] / 2))
+        if now < due:
             return
-        if len(self._join_attempts) > 4096:
-            self._join_attempts.clear()
-        self._join_attempts[addr] = now
+        if len(self._join_backoff) >= MAX_JOIN_ADDRESSES:
+            self._join_backoff.clear()
+        wait = min(2 * wait, JOIN_RETRY[1])
+        self._join_backoff[addr] = (
+            now + wait * self._jitter.uniform(1 - JOIN_JITTER, 1 + JOIN_JITTER),
+            wait,
+        )
         self.join([addr])
+
+    async def _retry_joins(self) -> None:
+        """Offer the ``join`` addresses again and again (``seeds`` discovery re-reports them
+        itself, resolved)."""
+        seeds = self.config.discovery == "seeds"
+        addrs = [] if seeds else [parse_hostport(j) for j in self.config.join]
+        while addrs:
+            for addr in addrs:
+                self._offer_join(addr)
+            await trio.sleep(JOIN_POLL)
 
     async def _run_discovery(self, *, task_status: trio.TaskStatus[None]) -> None:
         cfg = self.config
@@ -346,10 +523,45 @@ class Node:
         advert = Advert(mesh=cfg.mesh, node_id=self.node_id, name=self.name, host=host, port=port)
         await discovery.run(advert, self._on_found, task_status=task_status)
 
+    async def _warn_if_alone(self) -> None:
+        """A member given seeds that is still alone says so now and then (see
+        ``ALONE_WARN_AFTER``): seeds that never answer are a split in the making, unless this
+        member is the first one, which is normal and said as such."""
+        await trio.sleep(ALONE_WARN_AFTER)
+        while True:
+            if not any(m.state == MemberState.ALIVE for m in self._swim.members()[1:]):
+                status = self.discovery_status()
+                if status.unanswered:
+                    log.warning(
+                        "still alone after %.0fs: %s; %s",
+                        trio.current_time() - self._started,
+                        status.describe(),
+                        status.hint(),
+                    )
+                else:
+                    log.info("alone: the seeds resolve to no other member; waiting to be joined")
+            await trio.sleep(ALONE_WARN_EVERY)
+
     async def _leave(self) -> None:
         self._apply(self._swim.leave(trio.current_time()))
         # Keep answering for a moment so the leave spreads before we go silent.
         await trio.sleep(min(2 * self.config.membership.gossip_interval, 1.0))
+
+
+def _why(exc: BaseException) -> str:
+    """A short reason for a failed join: ``connection refused``, ``timed out``..."""
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    seen: BaseException | None = exc
+    for _ in range(4):  # trio's connect: an OSError caused by a group of per-address errors
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror.rpartition(": ")[2].lower()  # trio: "Error connecting to ...: X"
+        if seen is None:
+            break
+        seen = seen.__cause__
+        if isinstance(seen, BaseExceptionGroup):
+            seen = seen.exceptions[0]
+    return type(exc).__name__
 
 
 def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
@@ -373,7 +585,11 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
         except OSError as exc:
             udp.close()
             last = exc
-    raise ConfigError(f"cannot bind gossip port {port} on {host}: {last}")
+    why = last.strerror.lower() if last is not None and last.strerror else str(last)
+    raise ConfigError(
+        f"cannot bind gossip port {port} on {host}: {why}; pick another --port "
+        "($FTMESH_PORT), or 0 for any free one"
+    )
 
 
 def default_name() -> str:
@@ -382,7 +598,7 @@ def default_name() -> str:
 
 @asynccontextmanager
 async def open_node(
-    config: NodeConfig | None = None, *, node_id: str | None = None
+    config: NodeConfig | None = None, *, node_id: str | None = None, wall_clock: Wall = time.time
 ) -> AsyncIterator[Node]:
     """Run a mesh member for the duration of the ``async with`` block; leave gracefully on
     exit. ``node_id`` (32 hex digits) defaults to a fresh random one: a restarted process is
@@ -405,16 +621,40 @@ async def open_node(
         now=trio.current_time(),
         meta=config.meta,
     )
-    node = Node(config, swim, udp)
+    node = Node(config, swim, udp, wall_clock)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
+    render = None
+    if config.metrics_port is not None:
+        from ..metrics import renderer
+
+        try:
+            render = renderer(node)  # raises ConfigError without prometheus_client
+        except BaseException:
+            udp.close()
+            tcp.close()
+            raise
     try:
         async with trio.open_nursery() as nursery:
             node._nursery = nursery
             nursery.start_soon(node._udp_loop)
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
+            if render is not None and config.metrics_port is not None:
+                from ..metrics.server import serve_metrics
+
+                node.metrics_address = await nursery.start(
+                    partial(
+                        serve_metrics,
+                        render,
+                        config.bind,
+                        config.metrics_port,
+                        counters=node.counters,
+                    )
+                )
+            node._started = trio.current_time()
             if config.join:
-                node.join([parse_hostport(j) for j in config.join])
+                nursery.start_soon(node._warn_if_alone)
+            nursery.start_soon(node._retry_joins)
             await nursery.start(node._run_discovery)
             try:
                 yield node

@@ -11,6 +11,8 @@ from __future__ import annotations
 from .checkpoint import (
     Checkpoint,
     CheckpointScan,
+    CheckpointStatistics,
+    CheckpointWriter,
     SkippedCheckpoint,
     latest_valid_checkpoint,
     load_checkpoint,
@@ -51,6 +53,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointFormatError",
     "CheckpointScan",
+    "CheckpointStatistics",
+    "CheckpointWriter",
     "Lookup",
     "NoCommittedStateError",
     "RecoveryPlan",

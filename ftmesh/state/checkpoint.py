@@ -10,13 +10,27 @@ data file without manifest, both ignored (and reported) when scanning.
 
 ``latest_valid_checkpoint`` walks manifests from the newest step down and returns the first
 whose file has the announced size and whose content hashes to the announced digest; every
-checkpoint skipped on the way is logged and listed, so nothing is lost silently. Several
-members may share one directory: they write the same name for the same committed state.
+checkpoint skipped on the way is logged and listed, so nothing is lost silently. One of
+another format (another ftmesh version) is skipped like a corrupt one when an older valid
+checkpoint exists (with a warning naming it), and raises ``CheckpointFormatError`` when none
+does (starting from scratch would throw the user's training away). Several members may share
+one directory: they write the same name for the same committed state.
+
+Pruning keeps the newest ``keep`` checkpoints *that verify* and deletes only what is older
+than the oldest of those, so corrupt or foreign files can never push a good checkpoint out
+(each file is hashed once per writer, see ``CheckpointWriter``). Checkpoints of another format
+are never deleted.
+
+``CheckpointWriter`` is what a trainer uses: it checks the directory at start (it can be
+created and written, with room for a few checkpoints) and reports a problem then; a save that
+fails (``ENOSPC``, ``EROFS``, ``EIO``...) is logged, counted and left behind cleanly, and
+training goes on; the next checkpoint step tries again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -38,8 +52,8 @@ log = logging.getLogger(__name__)
 DATA_SUFFIX = ".ftmckpt"
 MANIFEST_SUFFIX = ".ftmckpt.json"
 MANIFEST_FORMAT = 2
-"""2: snapshots of format 2 (BLAKE3 leaves). Format 1 checkpoints raise
-``CheckpointFormatError`` when scanned, and pruning never deletes them."""
+"""2: snapshots of format 2 (BLAKE3 leaves). Checkpoints of format 1 are skipped when scanning
+(``CheckpointFormatError`` when nothing else is there), and pruning never deletes them."""
 MAX_MANIFEST_BYTES = 64 << 10
 """A manifest is ~200 bytes; anything bigger is not ours and is not read into memory."""
 STALE_TMP_S = 600.0
@@ -95,10 +109,19 @@ def _atomic_write(final: Path, parts: list[memoryview] | list[bytes]) -> None:
     _fsync_dir(final.parent)
 
 
-def save_checkpoint(directory: str | Path, snapshot: Snapshot, *, keep: int = 3) -> Path:
+Verified = dict[tuple[str, int, int], bool]
+"""``(file name, size, mtime_ns)`` -> whether it verified: a writer hashes each file once."""
+MAX_VERIFIED = 256
+"""Entries of a writer's verification cache; past it, the cache starts over."""
+
+
+def save_checkpoint(
+    directory: str | Path, snapshot: Snapshot, *, keep: int = 3, verified: Verified | None = None
+) -> Path:
     """Write ``snapshot`` atomically into ``directory``; keep only the newest ``keep``
-    checkpoints (by step). Returns the data file's path. Blocking: call it from a worker
-    thread when inside trio (``trio.to_thread.run_sync``)."""
+    checkpoints that verify (see the module doc; ``verified`` caches what was hashed).
+    Returns the data file's path. Raises ``OSError`` when the write fails, having removed what
+    it wrote. Blocking: call it from a worker thread when inside trio."""
     if keep < 1:
         raise LocalUsageError(f"keep must be >= 1, got {keep}")
     d = Path(directory)
@@ -106,6 +129,7 @@ def save_checkpoint(directory: str | Path, snapshot: Snapshot, *, keep: int = 3)
     with snapshot.lease():
         digest = snapshot.digest
         final = d / checkpoint_name(snapshot.step, digest)
+        manifest_path = final.with_name(final.name + ".json")
         _atomic_write(final, snapshot.to_bytes_parts())
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -115,23 +139,55 @@ def save_checkpoint(directory: str | Path, snapshot: Snapshot, *, keep: int = 3)
             "file": final.name,
         }
         body = json.dumps(manifest, sort_keys=True).encode()
-        _atomic_write(final.with_name(final.name + ".json"), [body])
-    _prune(d, keep)
+        try:
+            _atomic_write(manifest_path, [body])
+        except OSError:
+            if not manifest_path.exists():  # (another member may have written both)
+                with contextlib.suppress(OSError):
+                    final.unlink()
+            raise
+    cache = {} if verified is None else verified
+    cache[_file_key(final)] = True
+    _prune(d, keep, cache)
     return final
 
 
-def _prune(d: Path, keep: int) -> None:
+def _file_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (path.name, st.st_size, st.st_mtime_ns)
+
+
+def _verifies(data: Path, verified: Verified) -> bool:
+    try:
+        key = _file_key(data)
+    except OSError:
+        return False
+    if key not in verified:
+        if len(verified) >= MAX_VERIFIED:
+            verified.clear()
+        try:
+            load_checkpoint(data)
+            verified[key] = True
+        except (OSError, ValueError, RecursionError, CheckpointFormatError) as exc:
+            log.warning("checkpoint %s does not verify (%s): not counted as kept", data, exc)
+            verified[key] = False
+    return verified[key]
+
+
+def _prune(d: Path, keep: int, verified: Verified) -> None:
     manifests = sorted(
-        (
-            m
-            for m in d.glob("step-*" + MANIFEST_SUFFIX)
-            if _NAME.match(m.name[:-5]) and not _other_format(m)
-        ),
+        (m for m in d.glob("step-*" + MANIFEST_SUFFIX) if _NAME.match(m.name[:-5])),
         key=lambda m: m.name,
         reverse=True,
     )
-    for m in manifests[keep:]:
+    kept = 0
+    for m in manifests:
+        if _other_format(m):
+            continue  # not ours to judge or delete
         data = m.with_name(m.name[:-5])
+        if kept < keep:
+            kept += _verifies(data, verified)
+            continue
         for p in (m, data):  # manifest first: never a manifest without its data
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
@@ -211,6 +267,7 @@ def scan_checkpoints(directory: str | Path) -> CheckpointScan:
     data_files = {p.name for p in d.glob("step-*" + DATA_SUFFIX) if _NAME.match(p.name)}
     manifests = {m.name[:-5] for m in d.glob("step-*" + MANIFEST_SUFFIX)}
     candidates = sorted(data_files | manifests, reverse=True)  # zero-padded step: newest first
+    foreign: CheckpointFormatError | None = None
     for name in candidates:
         path = d / name
         if not _NAME.match(name):
@@ -225,10 +282,13 @@ def scan_checkpoints(directory: str | Path) -> CheckpointScan:
         try:
             scan.latest = load_checkpoint(path)
             break
-        except CheckpointFormatError:
-            raise
+        except CheckpointFormatError as exc:
+            foreign = foreign or exc
+            scan.skipped.append(SkippedCheckpoint(path, str(exc)))
         except (OSError, ValueError, RecursionError) as exc:
             scan.skipped.append(SkippedCheckpoint(path, str(exc)))
+    if scan.latest is None and foreign is not None:
+        raise foreign
     for s in scan.skipped:
         log.warning("skipping checkpoint %s: %s", s.path, s.reason)
     return scan
@@ -236,6 +296,106 @@ def scan_checkpoints(directory: str | Path) -> CheckpointScan:
 
 def latest_valid_checkpoint(directory: str | Path) -> Checkpoint | None:
     """The newest checkpoint in ``directory`` whose content verifies, or None. Skipped ones
-    are logged; use ``scan_checkpoints`` to get them as a list. A checkpoint newer than the
-    one found but of another format raises ``CheckpointFormatError``."""
+    are logged; use ``scan_checkpoints`` to get them as a list. Checkpoints of another format
+    and no valid one: ``CheckpointFormatError``."""
     return scan_checkpoints(directory).latest
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStatistics:
+    """What a ``CheckpointWriter`` did since it started."""
+
+    saved: int
+    """Checkpoints written."""
+    failed: int
+    """Saves that failed (each logged); training went on without them."""
+    last_step: int
+    """Step of the newest checkpoint written; -1 if none."""
+    last_error: str
+    """Why the last failed save failed (``""`` if none failed, or it was followed by a good
+    save)."""
+
+
+def _why(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return f"{name}: {exc.strerror or exc}" if name else str(exc)
+
+
+class CheckpointWriter:
+    """Writes the checkpoints of one trainer into ``directory`` (see the module doc). Never
+    raises on a disk problem: a failed save returns None, is logged and counted, and the next
+    save tries again. Blocking, like ``save_checkpoint``."""
+
+    SPACE_MARGIN = 2
+    """``check`` warns unless the directory has room for this many more checkpoints: one
+    being written next to the newest kept one."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3) -> None:
+        if keep < 1:
+            raise LocalUsageError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self._verified: Verified = {}
+        self._saved = 0
+        self._failed = 0
+        self._last_step = -1
+        self._last_error = ""
+
+    def check(self, nbytes: int) -> str:
+        """Whether checkpoints of ``nbytes`` can be written: ``""`` or the problem (also
+        logged as a warning). Creates the directory; writes and removes a probe file."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                _atomic_write(probe, [b"ftmesh checkpoint directory probe"])
+            finally:
+                with contextlib.suppress(OSError):
+                    probe.unlink()
+            st = os.statvfs(self.directory)
+        except OSError as exc:
+            problem = f"cannot write checkpoints into {self.directory}: {_why(exc)}"
+        else:
+            free = st.f_bavail * st.f_frsize
+            need = self.SPACE_MARGIN * (nbytes + MAX_MANIFEST_BYTES)
+            problem = (
+                f"checkpoint directory {self.directory} has {free / 2**20:.1f} MiB free; a "
+                f"checkpoint takes {nbytes / 2**20:.1f} MiB: saves may fail"
+                if free < need
+                else ""
+            )
+        if problem:
+            log.warning("%s (training will go on and retry at every checkpoint step)", problem)
+        return problem
+
+    def save(self, snapshot: Snapshot) -> Path | None:
+        """Write ``snapshot``; the path, or None when the disk refused (logged, counted)."""
+        try:
+            path = save_checkpoint(
+                self.directory, snapshot, keep=self.keep, verified=self._verified
+            )
+        except OSError as exc:
+            self._failed += 1
+            self._last_error = _why(exc)
+            newest = f"step {self._last_step}" if self._last_step >= 0 else "none from this run"
+            log.warning(
+                "checkpoint of step %d into %s failed (%s; %d failed so far); training goes "
+                "on, the next checkpoint step tries again (newest written: %s)",
+                snapshot.step,
+                self.directory,
+                self._last_error,
+                self._failed,
+                newest,
+            )
+            return None
+        if self._last_error:
+            log.warning(
+                "checkpoint of step %d written after %d failure(s)", snapshot.step, self._failed
+            )
+        self._saved += 1
+        self._last_step = snapshot.step
+        self._last_error = ""
+        return path
+
+    def statistics(self) -> CheckpointStatistics:
+        return CheckpointStatistics(self._saved, self._failed, self._last_step, self._last_error)

@@ -24,6 +24,10 @@ for, and every chunk against its leaf as it arrives, so a lying or broken peer i
 (its chunks are re-fetched from another peer and it is dropped), and a corrupt state is
 never returned.
 
+Until a client has passed the challenge its connection is admitted by
+``ftmesh.net.admission`` (caps per port and per source, oldest shed first, ``connect_timeout``
+from accept); authenticated sessions are then capped by ``max_sessions``.
+
 Striping: the blob is split into ranges of ``chunks_per_request`` chunks in a shared queue;
 each peer's worker takes the next range, so peers pull disjoint stripes in parallel and fast
 peers naturally take more. A range whose peer dies, lies or misses its ``request_timeout`` goes
@@ -52,6 +56,7 @@ import numpy as np
 import trio
 
 from ..errors import ConfigError, LocalUsageError, RemoteProtocolError
+from ..net.admission import Admission, accept_loop, peer_host
 from ..security import MeshAuth
 from .errors import StaleSnapshotError, StateTransferError
 from .memory import prepared_zeros
@@ -238,6 +243,8 @@ class StateServer:
         self.bytes_sent = 0
         self._cancel = trio.CancelScope()
         self._limiter = trio.CapacityLimiter(self.config.max_sessions)
+        self._admission = Admission(self._drop, handshake_timeout=self.config.connect_timeout)
+        """Sessions still in their handshake (see ``ftmesh.net.admission``)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -260,9 +267,11 @@ class StateServer:
                 self.host, self.port = str(sockname[0]), int(sockname[1])
                 async with trio.open_nursery() as nursery:
                     task_status.started(self)
-                    while True:
-                        stream = await listeners[0].accept()
-                        nursery.start_soon(self._session, stream)
+                    await accept_loop(
+                        listeners[0].accept,
+                        lambda stream: nursery.start_soon(self._session, stream),
+                        self._admission,
+                    )
             finally:
                 for lst in listeners:
                     with contextlib.suppress(OSError):
@@ -277,14 +286,19 @@ class StateServer:
     async def _session(self, stream: trio.SocketStream) -> None:
         sock = stream.socket
         try:
+            request = None
+            with self._admission.admit(peer_host(sock)):
+                _tune(sock, self.config)
+                request = await self._handshake(sock)
+            if request is None:
+                return  # shed or timed out (counted by the admission)
             try:
                 self._limiter.acquire_nowait()
             except trio.WouldBlock:
                 self._drop("busy", "too many sessions")
                 return
             try:
-                _tune(sock, self.config)
-                await self._run_session(sock)
+                await self._run_session(sock, *request)
             finally:
                 self._limiter.release()
         except RemoteProtocolError as exc:
@@ -298,34 +312,36 @@ class StateServer:
         finally:
             sock.close()
 
-    async def _run_session(self, sock: Socket) -> None:
-        cfg = self.config
-        with trio.fail_after(cfg.connect_timeout):
-            hello = await _recv_msg(sock)
-            if hello.get("v") != PROTOCOL_VERSION or hello["t"] != "hello":
-                await _send_msg(sock, {"t": "error", "reason": "bad_version"})
-                raise RemoteProtocolError("bad_version", repr(hello.get("v")))
-            mesh = _field(hello, "mesh", str)
-            if mesh != self.mesh:
-                await _send_msg(sock, {"t": "error", "reason": "wrong_mesh"})
-                raise RemoteProtocolError("wrong_mesh", repr(mesh[:MAX_MESH_NAME]))
-            nc = _field(hello, "nonce", bytes)
-            step = _field(hello, "step", int)
-            digest = _field(hello, "digest", str)
-            if len(nc) != NONCE_BYTES or len(digest) > MAX_DIGEST_CHARS or not 0 <= step < 2**63:
-                raise RemoteProtocolError("malformed", "hello field sizes")
-            ns = os.urandom(NONCE_BYTES)
-            tr = _transcript(self.mesh, nc, ns, step, digest)
-            tag = self.auth.tag(b"S" + tr) if self.auth.enabled else b""
-            await _send_msg(
-                sock, {"v": PROTOCOL_VERSION, "t": "challenge", "nonce": ns, "tag": tag}
-            )
-            resp = await _recv_msg(sock)
-            ctag = _field(resp, "tag", bytes) if resp["t"] == "auth" else None
-            if ctag is None:
-                raise RemoteProtocolError("malformed", "expected auth")
-            if self.auth.enabled and not self.auth.verify(b"C" + tr, ctag):
-                raise RemoteProtocolError("bad_mac", "client failed the challenge")
+    async def _handshake(self, sock: Socket) -> tuple[int, str]:
+        """The server's side of the handshake: the ``(step, digest)`` the client asks for,
+        once it has proved the secret."""
+        hello = await _recv_msg(sock)
+        if hello.get("v") != PROTOCOL_VERSION or hello.get("t") != "hello":
+            await _send_msg(sock, {"t": "error", "reason": "bad_version"})
+            raise RemoteProtocolError("bad_version", repr(hello.get("v")))
+        mesh = _field(hello, "mesh", str)
+        if mesh != self.mesh:
+            await _send_msg(sock, {"t": "error", "reason": "wrong_mesh"})
+            raise RemoteProtocolError("wrong_mesh", repr(mesh[:MAX_MESH_NAME]))
+        nc = _field(hello, "nonce", bytes)
+        step = _field(hello, "step", int)
+        digest = _field(hello, "digest", str)
+        if len(nc) != NONCE_BYTES or len(digest) > MAX_DIGEST_CHARS or not 0 <= step < 2**63:
+            raise RemoteProtocolError("malformed", "hello field sizes")
+        ns = os.urandom(NONCE_BYTES)
+        tr = _transcript(self.mesh, nc, ns, step, digest)
+        tag = self.auth.tag(b"S" + tr) if self.auth.enabled else b""
+        await _send_msg(sock, {"v": PROTOCOL_VERSION, "t": "challenge", "nonce": ns, "tag": tag})
+        resp = await _recv_msg(sock)
+        ctag = _field(resp, "tag", bytes) if resp.get("t") == "auth" else None
+        if ctag is None:
+            raise RemoteProtocolError("malformed", "expected auth")
+        if self.auth.enabled and not self.auth.verify(b"C" + tr, ctag):
+            raise RemoteProtocolError("bad_mac", "client failed the challenge")
+        return step, digest
+
+    async def _run_session(self, sock: Socket, step: int, digest: str) -> None:
+        with trio.fail_after(self.config.connect_timeout):
             snap = self._source(step, digest)
             if snap is None or snap.step != step:
                 await self._unavailable(sock, snap)

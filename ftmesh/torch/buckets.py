@@ -32,7 +32,7 @@ the same order whatever order its hooks fire in. The last bucket (the only one, 
 model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
 allreduce in the calling thread, after the others. The last bucket's float32 buffer carries
 the header slots (``ftmesh.training.protocol``): the member's sample count, its summed loss,
-a round check and the state-check values.
+a round check, the leave bits of a planned departure and the state-check values.
 """
 
 from __future__ import annotations

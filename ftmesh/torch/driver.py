@@ -4,9 +4,11 @@ Theory of operation. ``ElasticTrainer`` asks :class:`MeshDriver` to carry out ev
 ``ftmesh.training.step`` but ``Compute`` (which runs in the user's loop): waits on membership
 and views, the sync allreduce (a snapshot of the committed state and the machine's sync
 vector), fetching the newest state into the receive buffer a joiner mapped while the ring
-formed, barriers, re-sharding, reconnecting a ring, checkpoint fall-backs and writes. Every
-exception of the mesh that stands for a failed step becomes a ``Failed`` outcome here, in one
-place (:func:`failure_of`); anything else propagates.
+formed, barriers, re-sharding, reconnecting a ring, checkpoint fall-backs and writes
+(``CheckpointWriter``: a failed save is logged and counted, training goes on), the start gate
+(``ftmesh.starting``) and a planned departure (:meth:`MeshDriver.depart`). Every exception of
+the mesh that stands for a failed step becomes a ``Failed`` outcome here, in one place
+(:func:`failure_of`); anything else propagates.
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 from ..collective import InputMismatchError, RingView
-from ..errors import CollectiveError, FtmeshError, LocalUsageError, PeerLostError
+from ..errors import (
+    CollectiveError,
+    DeadlineExceeded,
+    Departed,
+    FtmeshError,
+    LocalUsageError,
+    PeerLostError,
+)
 from ..membership.messages import MemberSnapshot
-from ..mesh import ROLE_KEY, STATE_BYTES_KEY
-from ..state import Snapshot, StateLostError, latest_valid_checkpoint, save_checkpoint
+from ..mesh_meta import advertises_state, role_of
+from ..starting import wait_to_start
+from ..state import CheckpointWriter, Snapshot, StateLostError, latest_valid_checkpoint
 from ..state.memory import prepared_zeros
 from ..sync import SyncMesh
 from ..training.actions import (
@@ -48,11 +57,13 @@ from ..training.actions import (
     ReadView,
     Reduced,
     Reshard,
+    Saved,
     SetRole,
     Settle,
     Sleep,
     Sync,
     ViewSeen,
+    WaitToStart,
     WaitView,
     WaitViewChange,
     WorldChanged,
@@ -69,6 +80,11 @@ log = logging.getLogger("ftmesh.torch")
 RECEIVE_BUFFER_SLACK = 1 << 20
 """Bytes a joiner's receive buffer has beyond the advertised state size: room for a
 snapshot prefix that grew since (the step, a scheduler's state)."""
+LEAVE_POLL_S = 1.0
+"""Longest a member waits for a view before it looks whether it was asked to leave."""
+DEPARTURE_CLOSE_S = 5.0
+"""Most seconds a departing member spends leaving the mesh after its last step (its graceful
+leave lingers two gossip intervals, at most 1 s, so the news spreads)."""
 _DONE = Done()
 
 
@@ -86,8 +102,8 @@ def failure_of(exc: BaseException) -> Failed | None:
     return None
 
 
-def member_info(m: MemberSnapshot) -> MemberInfo:
-    return MemberInfo(m.node, m.state, str(m.meta.get(ROLE_KEY, "")), STATE_BYTES_KEY in m.meta)
+def member_info(m: MemberSnapshot, excluded: bool = False) -> MemberInfo:
+    return MemberInfo(m.node, m.state, role_of(m), advertises_state(m), excluded)
 
 
 class MeshDriver:
@@ -113,6 +129,9 @@ class MeshDriver:
         self._receive_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._fetch_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._advertised = -1
+        directory = config.checkpoint_dir
+        self.checkpoints = CheckpointWriter(directory) if directory is not None else None
+        """Writes the checkpoints; a failed save is logged and counted, training goes on."""
 
     def _collective(self, run: Callable[[], Outcome]) -> Outcome:
         try:
@@ -130,8 +149,11 @@ class MeshDriver:
                 mesh.wait_quiet(seconds, timeout=timeout)
             case SetRole(role):
                 mesh.set_role(role)
+            case WaitToStart(timeout):
+                wait_to_start(mesh, self.machine.start, time.monotonic() + timeout)
             case ReadMembers():
-                return Members(tuple(member_info(m) for m in mesh.members()))
+                excluded = mesh.exclusions()
+                return Members(tuple(member_info(m, m.node in excluded) for m in mesh.members()))
             case ReadView():
                 return ViewSeen(mesh.view())
             case Sleep(seconds):
@@ -142,8 +164,7 @@ class MeshDriver:
                     epoch = current.epoch if current is not None else ""
                 return ViewSeen(mesh.wait_view_change(epoch, timeout=timeout))
             case WaitView(min_members, settle, timeout):
-                view = mesh.wait_view(min_members=min_members, settle=settle, timeout=timeout)
-                return ViewSeen(view)
+                return ViewSeen(self._wait_view(min_members, settle, timeout))
             case PrepareJoin():
                 self._prepare_receive_buffer()
             case Sync(view):
@@ -169,10 +190,35 @@ class MeshDriver:
             case Advertise():
                 self._advertise_state()
             case Checkpoint(step):
-                self._write_checkpoint(step)
+                return Saved(self._write_checkpoint(step))
             case _:
                 raise LocalUsageError(f"the trainer cannot carry out {action!r}")
         return _DONE
+
+    def _wait_view(self, min_members: int, settle: float, timeout: float) -> RingView | None:
+        """``wait_view`` in pieces of about ``LEAVE_POLL_S``, so that a member waiting for
+        ``min_peers`` still leaves when asked (``None``)."""
+        end = time.monotonic() + timeout
+        piece = max(LEAVE_POLL_S, 2 * settle)
+        while True:
+            left = end - time.monotonic()
+            try:
+                return self.mesh.wait_view(
+                    min_members=min_members, settle=settle, timeout=max(min(left, piece), 0.1)
+                )
+            except DeadlineExceeded:
+                if self.mesh.leave_requested():
+                    return None
+                if left <= piece:
+                    raise DeadlineExceeded(
+                        f"no view of {min_members} members within {timeout:.0f}s"
+                    ) from None
+
+    def depart(self, step: int) -> NoReturn:
+        """Leave the mesh gracefully (membership sees ``left``) and end the training call."""
+        log.warning("planned departure: leaving the mesh after step %d", step)
+        self.mesh.close(join_timeout=DEPARTURE_CLOSE_S)
+        raise Departed(step)
 
     # -- the sync's I/O
 
@@ -253,12 +299,12 @@ class MeshDriver:
         self.load_checkpoint(found.snapshot)
         return Loaded(found.snapshot.step)
 
-    def _write_checkpoint(self, step: int) -> None:
-        directory = self.config.checkpoint_dir
-        assert directory is not None
+    def _write_checkpoint(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` was written (``CheckpointWriter``)."""
+        assert self.checkpoints is not None
         if self.zero is None:
             snap = self.state.commit(step)
         else:
             snap = self.state.with_extra(step, zero=self.checkpoint_state)
             self.checkpoint_state = {}
-        save_checkpoint(Path(directory), snap)
+        return self.checkpoints.save(snap) is not None

@@ -113,6 +113,10 @@ class Step:
         self.failure: Failed | None = None
         self.loss_sum = 0.0
         self.checks: list[int] | None = None
+        self.announced = False
+        """This member set its leave bit in the step's header (a planned departure)."""
+        self.leaving: tuple[str, ...] = ()
+        """The members that announced in the step that they leave after it."""
         self.next: Compute | Finished | None = None
         """What the trainer does after this attempt (set when the ``with`` block ends)."""
 

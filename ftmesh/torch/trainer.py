@@ -31,11 +31,27 @@ Everything registered (model, optimizer, ``register()``-ed schedulers, scalers a
 ``scalars``, the data position) is one committed state (``ftmesh.torch.state``) that joiners,
 spares and checkpoint resumes restore, and that members compare every ``check_every`` steps.
 
-Starting together: before it enters the ring, a member of a mesh that has not started (no
-member advertises a committed state, which members do from their first step) says so (role
-``starting``) and waits until ``start_peers`` members say it, at most ``start_timeout``; then
-they all enter the ring within moments of each other. Members that join a mesh that has
-started never wait.
+Starting together (``ftmesh.training.start``, driven by ``ftmesh.starting``): before it
+enters the ring, a member of a mesh that has not started waits until ``start_peers`` members
+are ready, at most ``start_timeout``; then more than half of them go ahead and fewer give up
+with ``MeshNotFormedError`` (no silent split into separate meshes). Not given, ``start_peers``
+and ``start_timeout`` come from the mesh (``ftmesh.connect(start_peers=...)``, ``ftmesh
+worker --start-peers``, ``ftmesh launch -n N`` for its first N workers); members that join a
+mesh that has started never wait.
+
+Planned departures (``ftmesh.training.protocol``, 4): once ``mesh.leave_requested()`` (SIGTERM
+or SIGINT to a worker started with ``ftmesh.connect``), the member announces in the gradient
+allreduce of the step it is computing that it leaves after it, everyone passes one barrier,
+it leaves the mesh, and the step raises ``ftmesh.Departed`` (a ``SystemExit`` with code 0);
+the others go on with the next step on the view without it, no sync, no retry. A member
+that is outside the ring, waiting, or whose announcing step failed leaves at once. A hot
+spare computes the leaver's share from the next step; a cold spare takes its slot.
+
+With ``compression="int8"`` the gradient buckets' float32 host buffers travel as blockwise
+int8 with error feedback (``ftmesh.collective.compressed``; one residual per bucket, kept
+across steps); the header slots of the last bucket (counters, leave bits, checks) are its
+exact tail (unquantized). Every member must use the same setting (another one fails the
+step's allreduce with ``InputMismatchError``).
 
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute
@@ -60,7 +76,6 @@ shards``).
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 import types
@@ -73,21 +88,32 @@ import torch
 import torch.utils.data as tud
 
 from ..collective import RingView
+from ..compression import per_stream
 from ..errors import FtmeshError, LocalUsageError
-from ..state import Snapshot, State, latest_valid_checkpoint
+from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
 from ..sync import SyncMesh
 from ..training.actions import (
     Action,
     Compute,
     Computed,
+    Depart,
     Failed,
     Finished,
+    Outcome,
     Raise,
 )
 from ..training.config import TrainerConfig
-from ..training.protocol import diverged_members, header_size, round_tag
+from ..training.protocol import (
+    COUNTER_SLOTS,
+    HEADER_SLOTS,
+    diverged_members,
+    header_size,
+    leave_slots,
+    round_tag,
+)
 from ..training.shards import round_id
+from ..training.start import StartConfig
 from ..training.step import (
     StepMachine,
     StepReport,
@@ -159,11 +185,15 @@ class ElasticTrainer:
         self._params = params
         self._buckets: GradBuckets | None = None
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
-        start_peers = cfg.start_peers
-        if start_peers is None:
-            start_peers = _env_int("FTMESH_START_PEERS", 1)
+        self._compression: dict[int, Any] = {}
+        given = mesh.start_config  # what ftmesh.connect() was told (or the environment)
+        start = StartConfig(
+            given.start_peers if cfg.start_peers is None else cfg.start_peers,
+            given.timeout if cfg.start_timeout is None else cfg.start_timeout,
+            given.join_running,
+        )
         self._machine = StepMachine(
-            cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start_peers=start_peers
+            cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start=start
         )
         self._current: Step | None = None
         self._driver = MeshDriver(
@@ -182,6 +212,8 @@ class ElasticTrainer:
         # those that hold it: our state server.
         mesh.set_role("joining")
         mesh.serve_state(self._driver.lookup_state)
+        if isinstance(mesh, SyncMesh):  # the metrics exporter's ftmesh_train_* families
+            mesh.register_statistics("trainer", self.statistics)
 
     # ------------------------------------------------------------------ registering state
 
@@ -262,6 +294,22 @@ class ElasticTrainer:
     def is_leader(self) -> bool:
         """Whether this member is first in the ring of the current (last) step."""
         return self.rank == 0
+
+    @property
+    def start_peers(self) -> int:
+        """Members a fresh mesh waits for before its first step (``ftmesh.training.start``)."""
+        return self._machine.start.start_peers
+
+    @property
+    def start_timeout(self) -> float:
+        """The longest a fresh mesh waits for ``start_peers``."""
+        return self._machine.start.timeout
+
+    @property
+    def checkpoints(self) -> CheckpointWriter | None:
+        """Writes the checkpoints (``None`` without ``checkpoint_dir``); its ``statistics()``
+        count saves and failed saves."""
+        return self._driver.checkpoints
 
     def statistics(self) -> TrainerStatistics:
         """A frozen snapshot of this trainer's counters (for metrics)."""
@@ -354,14 +402,14 @@ class ElasticTrainer:
         """Enter the ring and sync (adopting the newest state) without computing; a no-op
         when already synced on the current view."""
         self._open()
-        action = self._drive(self._machine.begin(time.monotonic(), "join"))
+        action = self._begin("join")
         assert isinstance(action, Finished)
 
     def finish(self, timeout: float = 60.0) -> None:
         """A last sync on the current view before leaving, so that a member whose final step
         failed after others committed it catches up instead of redoing it alone."""
         self._open()
-        action = self._drive(self._machine.begin(time.monotonic(), "finish", timeout))
+        action = self._begin("finish", timeout)
         assert isinstance(action, Finished)
 
     def close(self) -> None:
@@ -381,19 +429,26 @@ class ElasticTrainer:
         state = self._state
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
-        self._buckets = GradBuckets(self._params, self._bucket_bytes, header_size(len(state.names)))
-        self._machine.layout = (state.layout, self._buckets.layout, self.sampler.layout)
+        slots = header_size(len(state.names))
+        self._buckets = buckets = GradBuckets(self._params, self._bucket_bytes, slots)
+        self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
         cfg = self.config
+        # compression="int8": one error-feedback residual per bucket; the header: exact
+        tails = [0] * (len(buckets.buffers) - 1) + [slots]
+        comps = per_stream(cfg.compression, tails)
+        self._compression = {id(b): c for b, c in zip(buckets.buffers, comps, strict=True)}
         if cfg.checkpoint_dir is not None:
             found = latest_valid_checkpoint(cfg.checkpoint_dir)
             if found is not None:
                 self._driver.load_checkpoint(found.snapshot)
                 log.info("resumed from checkpoint at step %d", self.committed)
+        if self.checkpoints is not None and cfg.checkpoint_every > 0:
+            self.checkpoints.check(self.state.nbytes())
 
     def _attempts(self) -> Iterator[Step]:
         """One step: an attempt per yielded ``Step`` until it commits (or is adopted)."""
         self._open()
-        action = self._drive(self._machine.begin(time.monotonic(), "step"))
+        action = self._begin("step")
         while isinstance(action, Compute):
             attempt = self._new_step(action)
             yield attempt
@@ -407,6 +462,19 @@ class ElasticTrainer:
         if action.report is not None and action.report is not self.last_report:
             self._reported(action.report)  # adopted (a committed one was reported by _end)
 
+    def _begin(self, kind: str, timeout: float | None = None) -> Compute | Finished:
+        self._poll_leave()
+        return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
+
+    def _feed(self, outcome: Outcome) -> Compute | Finished:
+        self._poll_leave()
+        return self._drive(self._machine.feed(time.monotonic(), outcome))
+
+    def _poll_leave(self) -> None:
+        """Tell the machine of a planned departure (``SyncMesh.request_leave``, a signal)."""
+        if not self._machine.leave_requested and self.mesh.leave_requested():
+            self._machine.request_leave()
+
     def _drive(self, action: Action) -> Compute | Finished:
         machine = self._machine
         while True:
@@ -414,7 +482,12 @@ class ElasticTrainer:
                 return action
             if isinstance(action, Raise):
                 raise action.error from action.cause
+            if isinstance(action, Depart):
+                if action.report is not None:
+                    self._reported(action.report)
+                self._driver.depart(action.step)
             outcome = self._driver.perform(action)
+            self._poll_leave()
             action = machine.feed(time.monotonic(), outcome)
 
     # ------------------------------------------------------------------ an attempt
@@ -459,11 +532,13 @@ class ElasticTrainer:
         self._current = step
         view = step.action.view
 
+        comps = self._compression
+
         def launch(buf: np.ndarray) -> Future[Any]:
-            return self.mesh.submit_on_view(view, "allreduce", buf, "sum")
+            return self.mesh.submit_on_view(view, "allreduce", buf, "sum", comps[id(buf)])
 
         def run(buf: np.ndarray) -> object:
-            return self.mesh.allreduce_on(view, buf, "sum")
+            return self.mesh.allreduce_on(view, buf, "sum", comps[id(buf)])
 
         buckets.start(launch, run)
         header = buckets.header
@@ -471,12 +546,16 @@ class ElasticTrainer:
         header[2] = round_tag(step.index)
         if step.action.check:
             step.checks = self._state.check_values()
-            header[3:] = step.checks
+            header[HEADER_SLOTS:] = step.checks
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
         buckets = self._buckets
         assert buckets is not None
+        self._poll_leave()  # read last: the last bucket's allreduce carries it (protocol, 4)
+        if self._machine.leave_requested:
+            buckets.header[COUNTER_SLOTS:HEADER_SLOTS] = leave_slots(step.rank)
+            step.announced = True
         try:
             buckets.finish(timeout=self.config.step_timeout)
         except FtmeshError as exc:
@@ -485,12 +564,13 @@ class ElasticTrainer:
                 raise
             step._fail(failure)
         header = [float(v) for v in buckets.header]
-        verdict = self._machine.check_reduction(step.action, header, step.checks)
+        verdict = self._machine.check_reduction(step.action, header, step.checks, step.announced)
         if isinstance(verdict, Failed):
             step._fail(verdict)
         elif verdict:
             self._diverged(step, verdict)
         step.loss_sum = header[1]
+        step.leaving = self._machine.leaving(step.action, header)
         step.reduced = True
 
     def _diverged(self, step: Step, parts: tuple[int, ...]) -> None:
@@ -570,11 +650,11 @@ class ElasticTrainer:
 
     def _end(self, step: Step, error: BaseException | None) -> bool:
         """``with step:`` ends; returns whether to swallow ``error``."""
-        machine, buckets = self._machine, self._buckets
+        buckets = self._buckets
         assert buckets is not None
         self._current = None
         if step.failure is not None and (error is None or isinstance(error, StepAborted)):
-            step.next = self._drive(machine.feed(time.monotonic(), step.failure))
+            step.next = self._feed(step.failure)
             return True
         if error is None and not step.reduced:
             error = LocalUsageError(
@@ -587,8 +667,7 @@ class ElasticTrainer:
             self._abandon(step)
             return False
         self._state.capture()
-        computed = machine.feed(time.monotonic(), Computed(step.share, step.loss_sum))
-        step.next = self._drive(computed)
+        step.next = self._feed(Computed(step.share, step.loss_sum, step.leaving))
         if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report
             self._reported(step.report)
@@ -605,11 +684,3 @@ class ElasticTrainer:
         assert self._buckets is not None
         self._buckets.abandon(ABANDON_WAIT_S)
         self._machine.synced_epoch = ""
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, "")
-    try:
-        return int(text) if text else default
-    except ValueError:
-        raise LocalUsageError(f"${name} must be an integer, got {text!r}") from None

@@ -35,6 +35,9 @@ class MemberInfo:
     role: str
     started: bool = False
     """It advertises a committed state: it has taken a step (the mesh has started)."""
+    excluded: bool = False
+    """The ring leaves it out (unreachable, or sending bytes that fail verification:
+    ``Mesh.exclusions``); every member computes that from the same gossip."""
 
 
 class Failure(enum.Enum):
@@ -99,6 +102,17 @@ class Computed:
     """Samples this member computed."""
     loss_sum: float = float("nan")
     """Summed loss over the global batch, all members together (``nan``: not recorded)."""
+    leaving: tuple[str, ...] = ()
+    """Members that announced in this step's leave slots that they leave after it
+    (:meth:`StepMachine.leaving`); a planned departure, ``ftmesh.training.protocol`` 4."""
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """A checkpoint save ended: ``written`` is False when the disk refused it (logged and
+    counted by the writer; the next checkpoint step tries again)."""
+
+    written: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +125,9 @@ class Failed:
     """The exception the driver saw, kept as the cause of a later ``DeadlineExceeded``."""
 
 
-Outcome: TypeAlias = Done | Members | ViewSeen | Reduced | Fetched | Loaded | Computed | Failed
+Outcome: TypeAlias = (
+    Done | Members | ViewSeen | Reduced | Fetched | Loaded | Computed | Saved | Failed
+)
 
 
 # -- actions (what the driver does) -------------------------------------------------------------
@@ -130,6 +146,16 @@ class SetRole:
     """Announce our role (``joining``, ``starting``, ``spare``, ``train``, ``done``) -> Done."""
 
     role: str
+
+
+@dataclass(frozen=True, slots=True)
+class WaitToStart:
+    """Wait as the start gate says (``ftmesh.starting.wait_to_start`` with the machine's
+    ``StartConfig``), at most ``timeout``. The gate's verdicts that end the run are the
+    driver's to raise (``MeshNotFormedError``, ``TrainingFinishedError``); it returns at once
+    when a leave is requested -> Done."""
+
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +187,9 @@ class WaitViewChange:
 @dataclass(frozen=True, slots=True)
 class WaitView:
     """Wait for a view of ``min_members`` holding us that has not changed for ``settle``
-    seconds, at most ``timeout`` (then the driver raises ``DeadlineExceeded``) -> ViewSeen."""
+    seconds, at most ``timeout`` (then the driver raises ``DeadlineExceeded``) -> ViewSeen;
+    ``ViewSeen(None)`` when a leave was requested meanwhile (the driver looks about every
+    second)."""
 
     min_members: int
     settle: float
@@ -255,7 +283,7 @@ class Advertise:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """Write a checkpoint of committed step ``step`` -> Done."""
+    """Write a checkpoint of committed step ``step`` -> Saved."""
 
     step: int
 
@@ -265,6 +293,16 @@ class Finished:
     """The run ended: ``report`` for a step (``None`` for a join or the final sync)."""
 
     report: StepReport | None
+
+
+@dataclass(frozen=True, slots=True)
+class Depart:
+    """A planned departure ends the run: the driver leaves the mesh gracefully (membership
+    sees ``left``) and raises ``ftmesh.Departed(step)``. ``report``: the step this member
+    committed and announced its departure in (``None``: it left without announcing)."""
+
+    step: int
+    report: StepReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +316,7 @@ class Raise:
 Action: TypeAlias = (
     Settle
     | SetRole
+    | WaitToStart
     | ReadMembers
     | ReadView
     | Sleep
@@ -295,12 +334,14 @@ Action: TypeAlias = (
     | Advertise
     | Checkpoint
     | Finished
+    | Depart
     | Raise
 )
 
 EXPECTS: dict[type, tuple[type, ...]] = {
     Settle: (Done,),
     SetRole: (Done,),
+    WaitToStart: (Done,),
     ReadMembers: (Members,),
     ReadView: (ViewSeen,),
     Sleep: (Done,),
@@ -316,5 +357,5 @@ EXPECTS: dict[type, tuple[type, ...]] = {
     WorldChanged: (Done,),
     Compute: (Computed, Failed),
     Advertise: (Done,),
-    Checkpoint: (Done,),
+    Checkpoint: (Saved,),
 }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from ..compression import COMPRESSIONS
 from ..errors import ConfigError
 from .protocol import QUORUM_POLICIES
 
@@ -47,10 +48,12 @@ class TrainerConfig:
     it joins the mesh that is there instead of starting a lonely one."""
     start_peers: int | None = None
     """A mesh that has not started waits for this many members before its first step (at most
-    ``start_timeout``); members that join a running mesh never wait. ``None``: what the mesh
-    was started with (``ftmesh launch -n N``, ``ftmesh worker --start-peers N``), else 1."""
-    start_timeout: float = 60.0
-    """The longest a fresh mesh waits for ``start_peers``."""
+    ``start_timeout``; then more than half of them go ahead, fewer give up with
+    ``MeshNotFormedError``: ``ftmesh.training.start``); members that join a running mesh never
+    wait. ``None``: what the mesh was started with (``ftmesh.connect(start_peers=...)``,
+    ``ftmesh launch -n N``, ``ftmesh worker --start-peers N``: ``SyncMesh.start_config``)."""
+    start_timeout: float | None = None
+    """The longest a fresh mesh waits for ``start_peers`` (``None``: the mesh's, else 60 s)."""
     quorum: Literal["majority", "any"] = "majority"
     """``majority``: a view trains only if it holds more than half of the last view's members
     (those gone longer than ``quorum_grace`` not counted), so an isolated member waits instead
@@ -73,6 +76,11 @@ class TrainerConfig:
     Mesh-wide."""
     replicas: int = DEFAULT_REPLICAS
     """Copies of each optimizer shard in sharded mode. Mesh-wide."""
+    compression: str | None = None
+    """``"int8"``: the gradient buckets travel as blockwise int8 with error feedback (one
+    residual per bucket, kept across steps; ``ftmesh.collective.compressed``); the header
+    slots are sent exact. ``None``: float32. Mesh-wide (another setting fails the step's
+    allreduce with ``InputMismatchError``)."""
     data_seed: int = 0
     """Seed of the data order when the trainer is given a ``DataLoader`` (an
     ``ElasticSampler`` has its own). Mesh-wide."""
@@ -91,8 +99,13 @@ class TrainerConfig:
         for name in ("max_peers", "checkpoint_every", "micro_batch", "check_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.compression not in (None, "none", *COMPRESSIONS):
+            raise ConfigError(
+                f"compression must be None or one of {COMPRESSIONS}, got {self.compression!r}"
+            )
         for name in ("step_timeout", "start_timeout"):
-            if not getattr(self, name) > 0:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("join_settle", "quorum_grace"):
             if getattr(self, name) < 0:

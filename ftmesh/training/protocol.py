@@ -23,6 +23,18 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
    instead of recomputing. So a step is committed by every survivor or by none (when nobody
    completed it, or only members that then died), never applied twice, never skipped.
 
+4. **Planned departure.** A member asked to leave (``SyncMesh.request_leave``, SIGTERM) sets
+   its rank's bit in the leave slots of the step's gradient allreduce (:func:`leave_slots`),
+   so every member that commits the step learns from the same reduced bits which members
+   leave after it (:func:`leavers`), deterministically, with no gossip race. All of them then
+   pass one barrier on the step's view (a leaver goes only once every member has committed
+   the step, so its leaving cannot abort a collective still running), the leavers leave
+   membership gracefully, and the others take the next step on the view without them, with
+   no failed collective and no state sync: they all committed the same step, so their states
+   are identical (a member that failed the step does not know of the departure; its next
+   attempt syncs, which fails the others' step once and makes them sync too). A leaver whose
+   announcing step fails leaves at once: the others are recovering from that failure anyway.
+
 Two cheap checks guard against ever acting on collective data of another round (a data-plane
 bug, or a peer running other code): after the sync allreduce each member finds its own slots
 unchanged (:func:`own_slots_intact`), and the gradient allreduce carries a round-check slot
@@ -144,16 +156,51 @@ def round_tag(step: int) -> float:
     return float(step % (1 << 15) + 1)
 
 
-HEADER_SLOTS = 3
-"""Slots of the gradient allreduce's header before the check slots: the member's sample count,
-its summed loss and the round check."""
+LEAVE_BITS = 24
+"""Ranks per leave slot: each slot is a float32 sum of distinct powers of two below 2**24,
+an integer float32 holds exactly whatever order the ring adds it in."""
+LEAVE_SLOTS = 11
+"""Leave slots in the gradient allreduce: ranks 0..263, beyond the 256 members a view may
+have (the round check, ``round_tag``, is exact up to there)."""
+
+
+def leave_slots(rank: int) -> np.ndarray:
+    """This member's contribution to the leave slots when it leaves after the step: its
+    rank's bit (zeros where the rank is beyond ``LEAVE_SLOTS * LEAVE_BITS``)."""
+    slots = np.zeros(LEAVE_SLOTS, dtype=np.float32)
+    word, bit = divmod(rank, LEAVE_BITS)
+    if word < LEAVE_SLOTS:
+        slots[word] = float(1 << bit)
+    return slots
+
+
+def leavers(reduced: np.ndarray, size: int) -> tuple[int, ...] | None:
+    """The ranks whose bit is set in the reduced leave slots, or None when the slots are not
+    a valid sum of leave bits of a view of ``size`` (data of another round: never act on it)."""
+    ranks: list[int] = []
+    for word, value in enumerate(reduced[:LEAVE_SLOTS].tolist()):
+        if value == 0:
+            continue
+        bits = int(value)
+        if bits != value or not 0 < bits < 1 << LEAVE_BITS:
+            return None
+        ranks += [word * LEAVE_BITS + b for b in range(LEAVE_BITS) if bits >> b & 1]
+    return tuple(ranks) if all(r < size for r in ranks) else None
+
+
+COUNTER_SLOTS = 3
+"""The first slots of the gradient allreduce's header: the member's sample count, its summed
+loss and the round check."""
+HEADER_SLOTS = COUNTER_SLOTS + LEAVE_SLOTS
+"""Slots of the header before the check slots: the counters, then the leave slots."""
 CHECK_BITS = 16
 """Bits of a part's digest that ride in a check slot: ``size * value`` must stay exact in
 float32 (below 2**24) for views of up to 256 members."""
 
 
 def header_size(parts: int) -> int:
-    """Slots of the gradient allreduce's header for ``parts`` registered parts."""
+    """Slots of the gradient allreduce's header for ``parts`` registered parts: counters,
+    leave slots, check slots."""
     return HEADER_SLOTS + parts
 
 
@@ -179,11 +226,14 @@ def reduction_problem(
     samples: int,
     header: Sequence[float],
     own_checks: Sequence[int] | None,
+    rank: int = 0,
+    announced: bool = False,
 ) -> ReductionProblem | None:
     """Check the reduced header of computing ``step`` (0-based) on a view of ``size``:
     ``samples`` is the step's global batch size, ``own_checks`` our check values (``None``:
-    not a check step, the slots must be 0)."""
-    total, _, tags = header[:HEADER_SLOTS]
+    not a check step, the slots must be 0), ``announced``: whether we (``rank``) set our leave
+    bit (the reduced leave slots must hold it exactly then)."""
+    total, _, tags = header[:COUNTER_SLOTS]
     if tags != round_tag(step) * size:
         return ReductionProblem(
             desync=f"step {step + 1}: round check {tags}, expected {round_tag(step) * size}"
@@ -191,6 +241,11 @@ def reduction_problem(
     if total != samples:
         return ReductionProblem(
             desync=f"step {step + 1}: {total:.0f} samples reduced, the step has {samples}"
+        )
+    gone = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), size)
+    if gone is None or (rank in gone) != announced:
+        return ReductionProblem(
+            desync=f"step {step + 1}: leave slots {list(header[COUNTER_SLOTS:HEADER_SLOTS])}"
         )
     checks = header[HEADER_SLOTS:]
     expected = [0] * len(checks) if own_checks is None else [v * size for v in own_checks]

@@ -17,9 +17,11 @@ computing (``"join"``: enter the ring and sync; ``ElasticTrainer.epochs`` positi
 before its loop starts), or the final sync before leaving (``"finish"``). A run is a sequence
 of *attempts*:
 
-1. **Enter** (outside the ring only): let membership settle (``join_settle``); in a mesh that
-   has not started, wait as ``starting`` for ``start_peers`` members; as a cold spare, wait for
-   a free slot; then take the role ``train``.
+1. **Enter** (outside the ring only): let membership settle (``join_settle``); pass the start
+   gate (``ftmesh.training.start``: in a mesh that has not started, wait for ``start_peers``
+   members, a majority at the timeout, else ``MeshNotFormedError``; a member started to join
+   a running mesh waits for one); as a cold spare, wait for a free slot; then take the role
+   ``train``.
 2. **View**: wait for a view of ``min_peers``; a cold spare that is one too many steps back
    out; without a quorum of the last view, wait for another view.
 3. **Sync** (when the view differs from the one we last synced on): the sync allreduce, then
@@ -29,6 +31,14 @@ of *attempts*:
 4. **Compute**: our share of the step, as micro-batches; the driver runs backward, the
    gradient allreduce and the optimizer, and checks the reduced header with
    :meth:`StepMachine.check_reduction`; the step is committed.
+
+5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
+   leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
+   (the ``Depart`` action: it leaves the mesh, the call raises ``ftmesh.Departed``), the others
+   wait briefly for the view without the leavers and take it without a sync (they all hold
+   the same state). A member asked to leave (:meth:`StepMachine.request_leave`, fed by the
+   driver) announces in the next step it computes; outside the ring, at the start gate, as a
+   cold spare, while waiting for a view, or after a failed attempt it departs at once.
 
 A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
 attempt: the machine forgets the synced view (the next attempt syncs again), pauses as the
@@ -42,7 +52,7 @@ import logging
 import random
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import NoReturn, TypeAlias
 
 import numpy as np
 
@@ -64,6 +74,7 @@ from .actions import (
     Checkpoint,
     Compute,
     Computed,
+    Depart,
     DropRing,
     Failed,
     Failure,
@@ -81,35 +92,36 @@ from .actions import (
     ReadView,
     Reduced,
     Reshard,
+    Saved,
     SetRole,
     Settle,
     Sleep,
     Sync,
     ViewSeen,
+    WaitToStart,
     WaitView,
     WaitViewChange,
     WorldChanged,
 )
 from .config import TrainerConfig
 from .protocol import (
+    COUNTER_SLOTS,
     FRESH,
+    HEADER_SLOTS,
     has_quorum,
+    leavers,
     own_slots_intact,
     plan_sync,
     reduction_problem,
     sync_vector,
 )
 from .shards import SETTINGS_SLOTS, SharedSettings, read_settings, settings_problem, settings_slots
+from .start import StartConfig
 
 log = logging.getLogger("ftmesh.training")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
-START_POLL_S = 0.1
-"""How often a member waiting for ``start_peers`` looks at the membership."""
-READY_ROLES = ("starting", "train", "spare")
-"""Roles of a member that reached the start of a fresh mesh (``train`` and ``spare`` are where
-it goes next)."""
 SLOT_POLL_S = 1.0
 """The longest a spare waits for a membership change before looking again."""
 QUORUM_POLL_S = 1.0
@@ -120,6 +132,10 @@ that members that failed together do not retry in lockstep."""
 LOSS_WAIT_S = 0.5
 """After a loss of a peer that membership no longer holds alive, how long to wait for the
 view to drop it; short, so that we are back before neighbours that wait for us give up."""
+DEPARTURE_WAIT_S = 2.0
+"""How long the members that stay wait for membership to show the view without the members
+that announced their departure (their graceful leave reaches everyone in milliseconds; after
+this the next step runs on whatever view there is, with a sync)."""
 
 
 # -- reports --------------------------------------------------------------------------------
@@ -150,6 +166,8 @@ class StepReport:
     adopted: bool = False
     """Others committed this step and we took their state in a sync (a joiner's first step,
     or a step whose end we missed); ``loss`` is then unknown (nan)."""
+    leaving: tuple[str, ...] = ()
+    """Members that announced in this step that they leave after it (planned departures)."""
 
 
 @dataclass(slots=True)
@@ -177,6 +195,14 @@ class _Abort(Exception):
         self.cause = cause
 
 
+class _Leave(Exception):
+    """Ends a run with a ``Depart`` action (raised inside the run's generator)."""
+
+    def __init__(self, action: Depart) -> None:
+        super().__init__(f"departing after step {action.step}")
+        self.action = action
+
+
 class StepMachine:
     """One member's step machine; see the module docstring. ``batch_size(index)`` gives the
     size of step ``index``'s global batch (the sampler's)."""
@@ -188,13 +214,16 @@ class StepMachine:
         rng: random.Random,
         batch_size: Callable[[int], int],
         *,
-        start_peers: int = 1,
+        start: StartConfig | None = None,
     ) -> None:
         self.config = config
         self.me = me
         self.rng = rng
         self.batch_size = batch_size
-        self.start_peers = start_peers
+        self.start = start or StartConfig()
+        """How this member starts (``ftmesh.training.start``; the driver's ``WaitToStart``)."""
+        self.leave_requested = False
+        """A planned departure was asked for (:meth:`request_leave`)."""
         self.committed = FRESH
         """Steps committed (``FRESH``: never trained in this mesh)."""
         self.in_ring = False
@@ -231,6 +260,12 @@ class StepMachine:
         self._run = run
         return self._advance(lambda: next(run))
 
+    def request_leave(self) -> None:
+        """Input: this member was asked to leave (``SyncMesh.leave_requested``; the driver
+        calls this before it feeds an outcome). It announces in the next step it computes, or
+        departs at once where there is nothing to announce (see the module docstring)."""
+        self.leave_requested = True
+
     @property
     def pending(self) -> Action | None:
         """The action the driver is carrying out (``None`` between runs)."""
@@ -256,7 +291,9 @@ class StepMachine:
             action = Finished(stop.value)
         except _Abort as abort:
             action = Raise(abort.error, abort.cause)
-        self._pending = None if isinstance(action, Finished | Raise) else action
+        except _Leave as leave:
+            action = leave.action
+        self._pending = None if isinstance(action, Finished | Depart | Raise) else action
         if self._pending is None:
             self._run = None
         return action
@@ -299,19 +336,37 @@ class StepMachine:
         return view.node_ids[:m] if m else view.node_ids
 
     def check_reduction(
-        self, action: Compute, header: Sequence[float], own_checks: Sequence[int] | None
+        self,
+        action: Compute,
+        header: Sequence[float],
+        own_checks: Sequence[int] | None,
+        announced: bool = False,
     ) -> Failed | tuple[int, ...] | None:
         """Check the reduced header of ``action``: ``None`` when it is sound, a ``Failed``
         (``DESYNC``: feed it back) when it is data of another round, or the indices of the
-        registered parts whose digests differ between members (a fatal divergence)."""
+        registered parts whose digests differ between members (a fatal divergence).
+        ``announced``: we set our leave bit in it."""
+        view = action.view
         problem = reduction_problem(
-            action.index, action.view.size, self.batch_size(action.index), header, own_checks
+            action.index,
+            view.size,
+            self.batch_size(action.index),
+            header,
+            own_checks,
+            view.rank_of(self.me),
+            announced,
         )
         if problem is None:
             return None
         if problem.desync:
             return Failed(Failure.DESYNC, problem.desync)
         return problem.diverged
+
+    def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
+        """The members that announced in ``action``'s reduced header (checked with
+        :meth:`check_reduction`) that they leave after the step."""
+        ranks = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), action.view.size)
+        return tuple(action.view.node_ids[r] for r in ranks or ())
 
     def statistics(self) -> TrainerStatistics:
         s = self._stats
@@ -341,12 +396,16 @@ class StepMachine:
         while True:
             attempts += 1
             self._stats.attempts_total += 1
+            if self.leave_requested and (attempts > 1 or not self.in_ring):
+                self._depart()  # nothing to announce, or the announcing attempt failed
             if not self.in_ring:
                 now, deadline = yield from self._enter(now, deadline)
                 settle = cfg.join_settle / 4
             else:
                 settle = 0.0
             now, seen = yield WaitView(cfg.min_peers, settle, max(deadline - now, 0.1))
+            if self.leave_requested and _seen(seen) is None:
+                self._depart()
             view = _view(seen)
             if self._over_max_peers(view):
                 log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
@@ -390,9 +449,13 @@ class StepMachine:
                     if synced:  # the first step on a view made whatever state it makes
                         yield Advertise()
                     if cfg.checkpoint_due(self.committed):
-                        now, _ = yield Checkpoint(self.committed)
-                        self._stats.checkpoint_step = self.committed
-                    return self._done(started, now, failed_at, attempts, view, (out, synced))
+                        now, saved = yield Checkpoint(self.committed)
+                        if isinstance(saved, Saved) and saved.written:
+                            self._stats.checkpoint_step = self.committed
+                    report = self._done(started, now, failed_at, attempts, view, (out, synced))
+                    if out.leaving:
+                        yield from self._see_off(now, view, report)
+                    return report
                 failure = _failed(out)
             # -- the attempt failed
             failed_at = now if failed_at is None else failed_at
@@ -483,6 +546,7 @@ class StepMachine:
             sync_bytes=self.last_sync_bytes if synced else 0,
             sync_seconds=self.last_sync_seconds if synced else 0.0,
             share=out.share,
+            leaving=out.leaving,
         )
 
     def _finish(self, now: float, timeout: float) -> _Run:
@@ -515,7 +579,10 @@ class StepMachine:
         # Let discovery and gossip settle (so we join the mesh that is there instead of
         # starting a lonely one), then enter the ring at a step boundary.
         now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
-        now = yield from self._wait_for_start_peers(now, deadline)
+        if self.start.waits:
+            now, _ = yield WaitToStart(max(deadline - now, 0.1))
+            if self.leave_requested:
+                self._depart()
         if cfg.max_peers and cfg.spares == "cold":
             now = yield from self._wait_for_slot(now)
             deadline = now + cfg.step_timeout
@@ -524,77 +591,31 @@ class StepMachine:
         self.in_ring = True
         return now, deadline
 
-    def _wait_for_start_peers(
-        self, now: float, deadline: float
-    ) -> Generator[Action, tuple[float, Outcome], float]:
-        """Before entering the ring of a mesh that has not started: say so (role
-        ``starting``) and wait until ``start_peers`` members say it, or until one has taken
-        a step, at most ``start_timeout``; then enter the ring and wait (as long) for the
-        view that holds them all."""
-        if self.start_peers <= 1:
-            return now
-        end = min(now + self.config.start_timeout, deadline)
-        now, _ = yield SetRole("starting")
-        while True:
-            now, out = yield ReadMembers()
-            members = _members(out)
-            if any(m.started for m in members):
-                return now  # the mesh has started: a member took a step
-            # A member that reached the start may already have moved on (to "train", or
-            # "spare") when it saw the count reached: counting only "starting" could miss it
-            # for good and wait out start_timeout (issue #12's start race).
-            ready = sum(m.state == MemberState.ALIVE and m.role in READY_ROLES for m in members)
-            if ready >= self.start_peers:
-                break
-            if now >= end:
-                log.warning(
-                    "%d of %d members after %.0fs: starting without the others",
-                    ready,
-                    self.start_peers,
-                    self.config.start_timeout,
-                )
-                return now
-            now, _ = yield Sleep(START_POLL_S)
-        # All of them are about to enter: wait for the view that holds them (those still
-        # "starting" may not have seen the count reached yet).
-        now, _ = yield SetRole("train")
-        now, seen = yield ReadView()
-        view = _seen(seen)
-        while view is None or view.size < self.start_peers:
-            if now >= end:
-                return now
-            now, seen = yield WaitViewChange(view.epoch if view else "", START_POLL_S)
-            view = _seen(seen)
-        return now
-
     def _wait_for_slot(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
         """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots
         (``max_peers`` less the members training) go to the candidates (spares and members
         still joining) in node-id order, so every member that sees the same membership picks
         the same ones; the choice is re-made on every membership change, so a member that
         looked at a stale membership catches up (too many that step in at once are sorted out
-        by ``_over_max_peers``). Once a training member has finished (role ``done``, or left
-        gracefully) no slot is taken: that is how training ends, and the run raises
-        ``TrainingFinishedError`` when none is training any more."""
+        by ``_over_max_peers``). Once a training member has finished (role ``done``) no slot
+        is taken: that is how training ends, and the run raises ``TrainingFinishedError`` when
+        none is training any more (also when the last ones left: nobody holds the state). A
+        member that left while others train (a planned departure) frees its slot."""
         now, _ = yield SetRole("spare")
         announced = False
         while True:
+            if self.leave_requested:
+                self._depart()
             now, out = yield ReadMembers()
             members = _members(out)
             alive = [m for m in members if m.state == MemberState.ALIVE]
             training = [m.node for m in alive if m.role == "train"]
-            ended = [
-                m.node
-                for m in members
-                if m.role == "done" or (m.state == MemberState.LEFT and m.role == "train")
-            ]
-            if ended:
-                if not training:
-                    error = TrainingFinishedError(
-                        "the training finished while we waited as a spare"
-                    )
-                    raise _Abort(error)
-            else:
+            finished = any(m.role == "done" for m in members)
+            left = any(m.state == MemberState.LEFT and m.role == "train" for m in members)
+            if not training and (finished or left):
+                error = TrainingFinishedError("the training finished while we waited as a spare")
+                raise _Abort(error)
+            if not finished:
                 candidates = sorted(m.node for m in alive if m.role in ("spare", "joining"))
                 free = self.config.max_peers - len(training)
                 if free > 0 and self.me in candidates[:free]:
@@ -643,7 +664,11 @@ class StepMachine:
                 self._dead_since.setdefault(node, now)
             else:
                 self._dead_since.pop(node, None)
-        left = [n for n in self.last_view if states.get(n) == MemberState.LEFT]
+        # Members that left, and members the ring leaves out (unreachable, or failing
+        # verification: every member, they included, computes them out of its view from the
+        # same gossip, as it sees a departure), do not count, at once.
+        excluded = {m.node for m in _members(out) if m.excluded}
+        left = [n for n in self.last_view if states.get(n) == MemberState.LEFT or n in excluded]
         grace = self.config.quorum_grace
         dead = [n for n, t in self._dead_since.items() if now - t >= grace]
         return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
@@ -710,15 +735,52 @@ class StepMachine:
                 return now, out
             self.last_sync_bytes += _fetched(out)
         self._stats.state_transfer_bytes += self.last_sync_bytes
+        self.last_sync_seconds = now - started
+        now = yield from self._settle_on(now, view)
+        return now, None
+
+    def _settle_on(
+        self, now: float, view: RingView
+    ) -> Generator[Action, tuple[float, Outcome], float]:
+        """Every member of ``view`` holds our state: steps run on it without a sync."""
         self.synced_epoch = view.epoch
         self.last_view = view.node_ids
-        self.last_sync_seconds = now - started
         world = len(self.compute_set(view))
         if self.world != world:
             if self.world:
                 now, _ = yield WorldChanged(self.world, world)
             self.world = world
-        return now, None
+        return now
+
+    # -- planned departures ----------------------------------------------------------------
+
+    def _depart(self, report: StepReport | None = None) -> NoReturn:
+        raise _Leave(Depart(max(self.committed, 0), report))
+
+    def _see_off(
+        self, now: float, view: RingView, report: StepReport
+    ) -> Generator[Action, tuple[float, Outcome], None]:
+        """After a step in which members announced that they leave: one barrier on its view,
+        so that no leaver goes before every member has committed the step (its leaving would
+        abort collectives still running on the view); then the leavers depart, and the others
+        wait for membership to show the view without them and take it without a sync (they
+        hold the same state), or else sync as after any change."""
+        gone = report.leaving
+        now, _ = yield Barrier(view)  # a failure does not matter: the step is committed
+        if self.me in gone:
+            self._depart(report)
+        end = now + DEPARTURE_WAIT_S
+        now, seen = yield ReadView()
+        current = _seen(seen)
+        while current is not None and any(n in current.node_ids for n in gone):
+            if now >= end:
+                return
+            now, seen = yield WaitViewChange(current.epoch, end - now)
+            current = _seen(seen)
+        rest = tuple(n for n in view.node_ids if n not in gone)
+        if current is not None and current.node_ids == rest and not self.config.shard_optimizer:
+            # (Sharded: the leavers' shards must be re-spread, which the sync does.)
+            yield from self._settle_on(now, current)
 
 
 # -- outcome accessors (the machine checks the type of every outcome in ``feed``) -----------

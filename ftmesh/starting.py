@@ -1,0 +1,89 @@
+"""The blocking driver of the start gate (``ftmesh.training.start``) over a ``SyncMesh``.
+
+Theory of operation: :func:`wait_to_start` says the member is ready (role ``starting``; a
+member that only joins a running mesh stays ``joining``), then polls the membership every
+``POLL_S`` and feeds it to the :class:`~ftmesh.training.start.StartGate`, acting on its
+decisions: it logs a warning with whom it found and what discovery saw whenever the gate says
+to report, raises :class:`~ftmesh.errors.MeshNotFormedError` when the gate gives up and
+:class:`~ftmesh.errors.TrainingFinishedError` when there is nothing left to join. Once the
+start peers are ready it enters the ring (role ``train``) and waits, at most until the gate's
+deadline, for the view that holds them all (those still ``starting`` may not have seen the
+count reached yet). A member asked to leave (``SyncMesh.leave_requested``) stops waiting at
+once; the caller departs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .errors import MeshNotFormedError, TrainingFinishedError
+from .membership.messages import MemberSnapshot, MemberState
+from .mesh_meta import advertises_state, role_of
+from .sync import SyncMesh
+from .training.start import Decision, Peer, StartConfig, StartGate, StartStatus
+
+log = logging.getLogger("ftmesh.start")
+
+POLL_S = 0.1
+"""How often a waiting member looks at the membership."""
+
+
+def peers_of(members: list[MemberSnapshot]) -> list[Peer]:
+    """The gate's view of the membership."""
+    return [
+        Peer(
+            node=m.node,
+            name=m.name,
+            alive=m.state == MemberState.ALIVE,
+            left=m.state == MemberState.LEFT,
+            role=role_of(m),
+            started=advertises_state(m),
+        )
+        for m in members
+    ]
+
+
+def _found(mesh: SyncMesh, status: StartStatus) -> str:
+    discovery = mesh.call_sync(mesh.mesh.node.discovery_status)
+    return f"{status.describe()}; {discovery.describe()}; {discovery.hint()}"
+
+
+def wait_to_start(mesh: SyncMesh, config: StartConfig, deadline: float = float("inf")) -> None:
+    """Wait as ``config`` says before the first step (see the module docstring); returns
+    when the member may enter the ring. ``deadline`` (``time.monotonic()``) bounds it too."""
+    if not config.waits:
+        return
+    gate = StartGate(config, time.monotonic())
+    end = min(gate.deadline, deadline)
+    mesh.set_role("joining" if config.join_running else "starting")
+    while True:
+        if mesh.leave_requested():
+            return
+        status = gate.observe(time.monotonic(), peers_of(mesh.members()))
+        decision = status.decision
+        if decision is Decision.GIVE_UP:
+            what = "no running mesh to join" if config.join_running else "not starting alone"
+            raise MeshNotFormedError(
+                f"{_found(mesh, status)}. {what}: a mesh of its own would train a separate "
+                "model (fewer members: lower --start-peers / $FTMESH_START_PEERS)"
+            )
+        if decision is Decision.FINISHED:
+            raise TrainingFinishedError("the training finished before this member could join")
+        if decision is Decision.GO_AHEAD:
+            log.warning("starting with more than half of the start peers: %s", _found(mesh, status))
+            return
+        if status.report:
+            log.warning("waiting to start: %s", _found(mesh, status))
+        if decision is Decision.JOIN:
+            return
+        if decision is Decision.ENTER:
+            break
+        if time.monotonic() >= end:
+            return  # the caller's deadline came first
+        time.sleep(POLL_S)
+    mesh.set_role("train")
+    while (view := mesh.view()) is None or view.size < config.start_peers:
+        if time.monotonic() >= end:
+            return
+        mesh.wait_view_change(view.epoch if view else "", timeout=POLL_S)

@@ -1,0 +1,112 @@
+"""Every documented misconfiguration of ``ftmesh node|status|worker|launch`` (README, "When a
+setting is wrong") reaches the user as one line on stderr naming the setting, with exit
+status 2 and no traceback. Real processes; nothing here depends on this host's interfaces
+(the lab tests cover the interface choices)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftmesh.cli.main import run
+
+ROOT = Path(__file__).resolve().parent.parent
+CONNECT = str(ROOT / "tests" / "scripts" / "connect_only.py")
+MISSING = "/nonexistent/mesh.secret"
+
+CASES = [
+    # (command line, text the one line must contain)
+    (["node", "--port", "70000"], "--port"),
+    (["node", "--port", "abc"], "--port"),
+    (["node", "--secret-file", MISSING], "--secret-file"),
+    (["node", "--encrypt"], "--secret-file"),
+    (["node", "--join", "nonsense"], "--join"),
+    (["node", "--mesh", ""], "--mesh"),
+    (["node", "--discovery", "mdns", "--interface", "203.0.113.77"], "--interface"),
+    (["node", "--preset", "fast"], "--preset"),
+    (["status", "--discovery", "seeds"], "--join"),
+    (["status", "--secret-file", MISSING], "--secret-file"),
+    (["worker", "examples/no_such_script.py"], "no such script"),
+    (["worker", "-m", "no_such_module_here"], "-m"),
+    (["worker"], "SCRIPT"),
+    (["worker", "--secret-file", MISSING, CONNECT], "--secret-file"),
+    (["worker", "--join", "10.0.0.4:7946", "--bind", "127.0.0.1", CONNECT], "--bind"),
+    (["worker", "--start-peers", "-1", CONNECT], "--start-peers"),
+    (["launch", "-n", "0", CONNECT], "-n"),
+    (["launch", "-n", "2", "--timeout", "0", CONNECT], "--timeout"),
+    (["launch", "-n", "2", "examples/no_such_script.py"], "no such script"),
+    (["launch", "-n", "2", "--secret-file", MISSING, CONNECT], "--secret-file"),
+    (["launch", "-n", "2", "-m"], "-m"),
+]
+
+
+def ftmesh(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FTMESH_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ftmesh", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**clean, **(env or {})},
+    )
+
+
+def assert_one_line(res: subprocess.CompletedProcess[str], named: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert named in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("argv", "named"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_misconfiguration_is_one_line_and_exit_2(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In this process (the same code as the command; a process costs a second or two here):
+    # the process-level behaviour is checked on a few of them below.
+    for k in [k for k in os.environ if k.startswith("FTMESH_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.chdir(ROOT)
+    try:
+        rc = run(argv)
+    except SystemExit as exc:  # argparse
+        rc = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert_one_line(subprocess.CompletedProcess(argv, rc, "", err), named)
+
+
+@pytest.mark.slow
+def test_as_processes_bad_flags_and_environment_are_one_line_and_exit_2() -> None:
+    assert_one_line(ftmesh("node", "--port", "70000"), "--port")
+    assert_one_line(ftmesh("launch", "-n", "2", "--timeout", "0", CONNECT), "--timeout")
+    assert_one_line(ftmesh("worker", CONNECT, env={"FTMESH_PORT": "abc"}), "$FTMESH_PORT")
+    assert_one_line(ftmesh("status", env={"FTMESH_ENCRYPT": "maybe"}), "$FTMESH_ENCRYPT")
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_one_line_from_node_and_from_a_workers_script(
+    taken_port: int, tmp_path: Path
+) -> None:
+    port = str(taken_port)
+    assert_one_line(ftmesh("node", "--port", port), "--port")
+    # The worker's script fails in ftmesh.connect(): the same line, not a traceback.
+    reg = ["--registry-dir", str(tmp_path)]
+    res = ftmesh("worker", "--discovery", "local", *reg, "--port", port, CONNECT)
+    assert_one_line(res, "--port")
+    # The flag is passed on, not dropped: the worker binds the port it was given.
+    ok = ftmesh("worker", "--discovery", "local", *reg, "--port", "0", "--name", "w-9", CONNECT)
+    assert ok.returncode == 0 and "as w-9" in ok.stdout, ok.stderr[-2000:]

@@ -1,0 +1,92 @@
+"""SIGTERM / SIGINT to a process that joined with ``ftmesh.connect()``: the first asks the
+mesh to leave (``leave_requested()``, ``wait_leave_requested()``), a second exits at once with
+128 + the signal number; ``close()`` puts the previous handlers back. Real processes, a
+same-host mesh (no network beyond loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests_support import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = """
+import signal, sys, time
+import ftmesh
+
+before = signal.getsignal(signal.SIGTERM)
+with ftmesh.connect(preset="local") as mesh:
+    assert not mesh.leave_requested()
+    print("ready", flush=True)
+    assert mesh.wait_leave_requested(timeout=60), "no leave request"
+    print("leave requested", flush=True)
+    if sys.argv[1] == "twice":
+        time.sleep(60)  # the second signal ends us here
+        print("still alive", flush=True)
+assert signal.getsignal(signal.SIGTERM) is before, "handlers not restored"
+print("restored", flush=True)
+"""
+
+
+def _start(tmp_path: Path, mode: str) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "FTMESH_REGISTRY_DIR": str(tmp_path / "registry"),
+        "FTMESH_MESH": f"signals-{os.getpid()}-{mode}",
+        "PYTHONPATH": str(ROOT),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _expect(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdout is not None
+    got = proc.stdout.readline().strip()
+    assert got == line, (got, proc.stderr.read() if proc.poll() is not None else "")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_asks_to_leave_and_close_restores_the_handlers(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc = _start(tmp_path, "once")
+    try:
+        _expect(proc, "ready")
+        proc.send_signal(sig)
+        _expect(proc, "leave requested")
+        _expect(proc, "restored")
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert f"ftmesh: {sig.name}: leaving the mesh at the next step" in err, err
+        assert "Traceback" not in err, err
+    finally:
+        proc.kill()
+
+
+def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "twice")
+    try:
+        _expect(proc, "ready")
+        proc.send_signal(signal.SIGTERM)
+        _expect(proc, "leave requested")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 5
+        assert proc.stdout is not None and "still alive" not in proc.stdout.read()
+    finally:
+        proc.kill()

@@ -1,0 +1,223 @@
+"""Prometheus metrics of real members: the families a scrape returns (against a golden list),
+the HTTP server's bounds, and a real Prometheus server scraping ``ftmesh node`` processes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_server import PROMETHEUS, PrometheusServer, free_port
+from tests_support import local_mesh_config
+
+from ftmesh.lab.junk import JunkFactory, flood
+from ftmesh.lab.procs import NodeGroup
+from ftmesh.metrics import server as metrics_server
+from ftmesh.metrics.collector import METRICS
+from ftmesh.stats import Histogram, TrainerStatistics
+from ftmesh.sync import SyncMesh
+
+GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
+    "ftmesh_info": ("gauge", frozenset({"mesh", "node", "name", "version"})),
+    "ftmesh_members": ("gauge", frozenset({"state"})),
+    "ftmesh_suspicions": ("counter", frozenset()),
+    "ftmesh_gossip_packets": ("counter", frozenset({"direction"})),
+    "ftmesh_gossip_bytes": ("counter", frozenset({"direction"})),
+    "ftmesh_dropped": ("counter", frozenset({"reason"})),
+    "ftmesh_collective_seconds": ("histogram", frozenset({"op", "backend"})),
+    "ftmesh_collective_bytes": ("counter", frozenset({"op", "backend"})),
+    "ftmesh_collective_aborts": ("counter", frozenset({"kind"})),
+    "ftmesh_train_committed_step": ("gauge", frozenset()),
+    "ftmesh_train_step_seconds": ("histogram", frozenset()),
+    "ftmesh_train_samples": ("counter", frozenset()),
+    "ftmesh_train_steps": ("counter", frozenset()),
+    "ftmesh_train_world_size": ("gauge", frozenset()),
+    "ftmesh_train_share": ("gauge", frozenset()),
+    "ftmesh_train_attempts": ("counter", frozenset()),
+    "ftmesh_recovery_seconds": ("histogram", frozenset()),
+    "ftmesh_state_transfer_bytes": ("counter", frozenset()),
+    "ftmesh_checkpoint_step": ("gauge", frozenset()),
+}
+"""Every family a member exports, as the parser names them (counters without ``_total``),
+with its type and labels. Renaming or relabelling one is a visible change: dashboards,
+alerts and the Kubernetes autoscaling example depend on these."""
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _families(text: str) -> dict[str, tuple[str, frozenset[str]]]:
+    """Family -> (type, label names); a family without samples (no drops yet) shows the
+    golden labels, since it has none to tell."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        labels: set[str] = set()
+        for sample in fam.samples:
+            labels |= set(sample.labels) - {"le"}
+        out[fam.name] = (fam.type, frozenset(labels) if fam.samples else GOLDEN[fam.name][1])
+    return out
+
+
+def _trainer_snapshot() -> TrainerStatistics:
+    steps, recoveries = Histogram(), Histogram()
+    for s in (0.01, 0.02, 0.5):
+        steps.observe(s)
+    recoveries.observe(0.25)
+    return TrainerStatistics(
+        committed_step=3,
+        world_size=2,
+        share=16,
+        samples_total=48,
+        steps_total=3,
+        attempts_total=4,
+        step_seconds=steps.snapshot(),
+        recovery_seconds=recoveries.snapshot(),
+        state_transfer_bytes_total=1024,
+        checkpoint_step=-1,
+    )
+
+
+def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
+    """Two real members run collectives and one registers trainer statistics: its scrape has
+    exactly the golden families, with the labels promised, and numbers that add up."""
+    base = local_mesh_config(tmp_path, "metrics")
+    config = dataclasses.replace(base, node=dataclasses.replace(base.node, metrics_port=0))
+    with SyncMesh.start(config) as a, SyncMesh.start(config) as b:
+        deadline = time.monotonic() + 20
+        while any((m.view() is None or m.view().size < 2) for m in (a, b)):  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no view of two"
+            time.sleep(0.05)
+        view = a.view()
+        assert view is not None
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda m: m.allreduce_on(view, np.ones(1000)).output, (a, b)))
+        assert all(np.array_equal(o, np.full(1000, 2.0)) for o in outs)
+        a.register_statistics("trainer", _trainer_snapshot)
+        addr = a.mesh.node.metrics_address
+        assert addr is not None
+        status, text = _get(f"http://{addr[0]}:{addr[1]}/metrics")
+    assert status == 200
+    assert _families(text) == GOLDEN
+    assert set(METRICS) == {n if GOLDEN[n][0] != "counter" else n + "_total" for n in GOLDEN}
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    alive = [s.value for s in fams["ftmesh_members"].samples if s.labels["state"] == "alive"]
+    assert alive == [2.0]
+    by_name = {s.name: s for s in fams["ftmesh_collective_bytes"].samples}
+    assert by_name["ftmesh_collective_bytes_total"].labels == {"op": "allreduce", "backend": "tcp"}
+    assert by_name["ftmesh_collective_bytes_total"].value == 8000.0
+    count = [s for s in fams["ftmesh_collective_seconds"].samples if s.name.endswith("_count")]
+    assert [s.value for s in count] == [1.0]
+    samples = fams["ftmesh_train_step_seconds"].samples
+    buckets = {s.labels["le"]: s.value for s in samples if s.name.endswith("_bucket")}
+    # observed 0.01, 0.02, 0.5: cumulative counts at the bounds
+    assert (buckets["0.005"], buckets["0.01"], buckets["0.025"], buckets["0.5"]) == (0, 1, 2, 3)
+    assert buckets["+Inf"] == 3.0
+    assert [s.value for s in samples if s.name.endswith("_sum")] == [pytest.approx(0.53)]
+    packets = {s.labels["direction"]: s.value for s in fams["ftmesh_gossip_packets"].samples}
+    assert packets["tx"] > 0 and packets["rx"] > 0
+
+
+def test_the_server_answers_only_get_metrics_and_sheds_idle_connections(tmp_path: Path) -> None:
+    base = local_mesh_config(tmp_path, "metrics-http")
+    config = dataclasses.replace(base, node=dataclasses.replace(base.node, metrics_port=0))
+    with SyncMesh.start(config) as m:
+        addr = m.mesh.node.metrics_address
+        assert addr is not None
+        url = f"http://{addr[0]}:{addr[1]}"
+        assert _get(url + "/nope")[0] == 404
+        assert _get(url + "/")[0] == 200
+        req = urllib.request.Request(url + "/metrics", data=b"x", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=5)
+        assert info.value.code == 405
+        idle = [socket.create_connection(addr) for _ in range(metrics_server.MAX_CONNECTIONS + 4)]
+        try:
+            time.sleep(0.3)
+            # Beyond the cap, connections are closed at once.
+            closed = 0
+            for s in idle:
+                s.settimeout(0.05)
+                with contextlib.suppress(TimeoutError, ConnectionResetError):
+                    closed += s.recv(1) == b""
+            assert closed >= 4
+        finally:
+            for s in idle:
+                s.close()
+        # The idle ones that held a slot time out; the server serves again.
+        deadline = time.monotonic() + metrics_server.REQUEST_TIMEOUT + 5
+        while True:
+            try:
+                if _get(url + "/metrics")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "metrics never served again"
+            time.sleep(0.2)
+        counters = m.call_sync(m.mesh.node.statistics)
+        assert counters.get("metrics_refused_busy", 0) >= 4
+
+
+def test_metrics_without_prometheus_client_are_a_one_line_error(tmp_path: Path) -> None:
+    """``--metrics-port`` where prometheus_client is missing: one line, exit 2."""
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from ftmesh.cli import main; sys.exit(main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "node", "--mesh", "x", "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "FTMESH_REGISTRY_DIR": str(tmp_path)},
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "prometheus_client" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (setup.sh as root)")
+def test_a_real_prometheus_sees_members_die_and_junk_dropped(tmp_path: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    with NodeGroup(log_dir=tmp_path) as group:
+        nodes = [group.start("--metrics-port", str(p)) for p in ports]
+        group.wait_converged(nodes, timeout=30)
+        targets = [f"127.0.0.1:{p}" for p in ports]
+        with PrometheusServer(tmp_path, targets) as prom:
+            three = prom.wait_for(
+                'ftmesh_members{state="alive"}',
+                lambda v: len(v) == 3 and all(x == 3 for x in v.values()),
+                timeout=30,
+            )
+            assert set(three) == set(targets)
+            nodes[2].kill()
+            survivors = set(targets[:2])
+            prom.wait_for(
+                'ftmesh_members{state="alive"}',
+                lambda v: set(v) == survivors and all(x == 2 for x in v.values()),
+                timeout=30,
+            )
+            prom.wait_for('ftmesh_members{state="dead"}', lambda v: v.get(targets[0]) == 1, 10)
+            before = prom.values(f'sum(ftmesh_dropped_total{{instance="{targets[0]}"}})')
+            host, _, port = nodes[0].addr.rpartition(":")
+            flood([(host, int(port))], JunkFactory("test", [], seed=1, forge=False), 500, 2.0)
+            prom.wait_for(
+                f'sum(ftmesh_dropped_total{{instance="{targets[0]}"}})',
+                lambda v: sum(v.values()) >= sum(before.values()) + 500,
+                timeout=20,
+            )
