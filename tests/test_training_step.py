@@ -382,6 +382,21 @@ def test_a_member_with_other_settings_steps_out_and_raises() -> None:
     assert not m.in_ring
 
 
+def test_members_with_another_compression_raise_a_config_error() -> None:
+    m = _machine("a", compression="int8")
+    view = _view("a", "b")
+    a = m.begin(0.0)
+    while not isinstance(a, Sync):
+        a = m.feed(0.0, ViewSeen(view) if isinstance(a, WaitView) else Done())
+    ours = m.sync_vector(view, 100, DIGEST)
+    other = _machine("b")
+    reduced = np.maximum(ours, other.sync_vector(view, 100, DIGEST))
+    assert m.feed(0.0, Reduced(reduced)) == SetRole("joining")
+    a = m.feed(0.0, Done())
+    assert isinstance(a, Raise) and isinstance(a.error, ConfigError)
+    assert "compression: int8 on a; none on b" in str(a.error)
+
+
 def test_data_of_another_round_reconnects_the_ring() -> None:
     m = _machine()
     view = _view("a", "b")

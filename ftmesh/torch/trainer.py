@@ -50,8 +50,8 @@ spare computes the leaver's share from the next step; a cold spare takes its slo
 With ``compression="int8"`` the gradient buckets' float32 host buffers travel as blockwise
 int8 with error feedback (``ftmesh.collective.compressed``; one residual per bucket, kept
 across steps); the header slots of the last bucket (counters, leave bits, checks) are its
-exact tail (unquantized). Every member must use the same setting (another one fails the
-step's allreduce with ``InputMismatchError``).
+exact tail (unquantized). Every member must use the same setting: it is compared in the
+sync like ``shard_optimizer`` (``ConfigError`` naming who has which).
 
 Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
 only the first ``N`` of the view (node-id order) compute gradients; the others contribute

@@ -79,8 +79,7 @@ class TrainerConfig:
     compression: str | None = None
     """``"int8"``: the gradient buckets travel as blockwise int8 with error feedback (one
     residual per bucket, kept across steps; ``ftmesh.collective.compressed``); the header
-    slots are sent exact. ``None``: float32. Mesh-wide (another setting fails the step's
-    allreduce with ``InputMismatchError``)."""
+    slots are sent exact. ``None``: float32. Mesh-wide."""
     data_seed: int = 0
     """Seed of the data order when the trainer is given a ``DataLoader`` (an
     ``ElasticSampler`` has its own). Mesh-wide."""

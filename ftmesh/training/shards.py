@@ -41,8 +41,8 @@ half-way can still fetch from one whose sync completed.
 All of this needs every member to run with the same *settings* (``SharedSettings``): whether
 the optimizer is sharded, ``replicas`` (the layout, the size of the holdings record) and the
 checkpoint period (which steps' parameter allgather carries the optimizer state); and, in
-every mode, ``max_peers``, the state-check period, the layouts of the registered state and
-of the gradient buckets, and the data order. Members that differ would fail these
+every mode, ``max_peers``, the state-check period, the gradient compression, the layouts of
+the registered state and of the gradient buckets, and the data order. Members that differ would fail these
 collectives on every retry, compute different layouts or train some samples twice. So each
 member writes its settings into slots of its own next to the sync vector
 (``settings_slots``), in the allreduce every sync already runs, before any collective whose
@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..compression import COMPRESSIONS
 from ..errors import ConfigError, FtmeshError
 from ..state.errors import StateLostError
 from .protocol import DIGEST_SLOTS, FRESH, digest_of, digest_slots
@@ -86,6 +87,8 @@ class SharedSettings:
     """Steps between checkpoints; 0: none (no ``checkpoint_dir``, or a period <= 0)."""
     max_peers: int = 0
     check_every: int = 0
+    compression: int = 0
+    """The gradient compression, as its index in ``COMPRESSION_CODES``."""
     state_layout: int = 0
     """A hash of the registered state's names and kinds (``ftmesh.torch.state``)."""
     bucket_layout: int = 0
@@ -112,6 +115,7 @@ _FIELDS = (
     "checkpoint_every",
     "max_peers",
     "check_every",
+    "compression",
     "state_layout",
     "bucket_layout",
     "data_layout",
@@ -122,6 +126,9 @@ _LABELS = {
     "bucket_layout": "gradient buckets (the model's trainable parameters, their dtypes, bucket_mb)",
     "data_layout": "data order (dataset size, global batch, seed, shuffle, drop_last)",
 }
+COMPRESSION_CODES = ("none", *COMPRESSIONS)
+"""``TrainerConfig.compression`` as the number its settings slot carries."""
+_VALUE_NAMES = {"compression": COMPRESSION_CODES}
 SETTINGS_SLOTS = len(_FIELDS)
 """Slots per member for its ``SharedSettings`` after the sync vector."""
 LAYOUT_BITS = 62
@@ -192,7 +199,11 @@ def settings_problem(
                 who = " vs ".join(_names(ms) for ms in groups)
                 problems.append(f"{_LABELS[name]}: {who}")
             else:
-                who = "; ".join(f"{v} on {_names(ms)}" for v, ms in by_value.items())
+                shown = _VALUE_NAMES.get(name)
+                who = "; ".join(
+                    f"{shown[v] if shown and isinstance(v, int) else v} on {_names(ms)}"
+                    for v, ms in by_value.items()
+                )
                 problems.append(f"{name}: {who}")
     if not problems:
         return None

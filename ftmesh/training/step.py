@@ -115,7 +115,14 @@ from .protocol import (
     reduction_problem,
     sync_vector,
 )
-from .shards import SETTINGS_SLOTS, SharedSettings, read_settings, settings_problem, settings_slots
+from .shards import (
+    COMPRESSION_CODES,
+    SETTINGS_SLOTS,
+    SharedSettings,
+    read_settings,
+    settings_problem,
+    settings_slots,
+)
 from .start import StartConfig
 
 log = logging.getLogger("ftmesh.training")
@@ -311,6 +318,7 @@ class StepMachine:
             every,
             max_peers=c.max_peers,
             check_every=c.check_every,
+            compression=COMPRESSION_CODES.index(c.compression or "none"),
             state_layout=self.layout[0],
             bucket_layout=self.layout[1],
             data_layout=self.layout[2],
