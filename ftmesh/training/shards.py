@@ -42,9 +42,9 @@ All of this needs every member to run with the same *settings* (``SharedSettings
 the optimizer is sharded, ``replicas`` (the layout, the size of the holdings record) and the
 checkpoint period (which steps' parameter allgather carries the optimizer state); and, in
 every mode, ``max_peers``, the state-check period, the gradient compression, the layouts of
-the registered state and of the gradient buckets, and the data order. Members that differ would fail these
-collectives on every retry, compute different layouts or train some samples twice. So each
-member writes its settings into slots of its own next to the sync vector
+the registered state and of the gradient buckets, and the data order. Members that differ
+would fail these collectives on every retry, compute different layouts or train some samples
+twice. So each member writes its settings into slots of its own next to the sync vector
 (``settings_slots``), in the allreduce every sync already runs, before any collective whose
 shape depends on them; every member reads all of them from the same result
 (``settings_problem``).
