@@ -88,7 +88,7 @@ import torch
 import torch.utils.data as tud
 
 from ..collective import RingView
-from ..compression import per_stream
+from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
 from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
@@ -185,7 +185,8 @@ class ElasticTrainer:
         self._params = params
         self._buckets: GradBuckets | None = None
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
-        self._compression: dict[int, Any] = {}
+        self._compression: dict[int, Int8Compression | None] = {}
+        """id(bucket buffer) -> its compression (``compression="int8"``; else None)."""
         given = mesh.start_config  # what ftmesh.connect() was told (or the environment)
         start = StartConfig(
             given.start_peers if cfg.start_peers is None else cfg.start_peers,
