@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 import ftmesh
+import numpy as np
 
 
 def main() -> None:

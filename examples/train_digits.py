@@ -25,16 +25,15 @@ import os
 import sys
 import time
 
+import ftmesh
 import numpy as np
 import torch
 import torch.nn.functional as F
+from ftmesh.state import State
+from ftmesh.torch import ElasticSampler, ElasticTrainer
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
-
-import ftmesh
-from ftmesh.state import State
-from ftmesh.torch import ElasticSampler, ElasticTrainer
 
 
 class DigitsNet(nn.Module):

@@ -133,6 +133,37 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
     assert packets["tx"] > 0 and packets["rx"] > 0
 
 
+def test_a_training_member_exports_its_trainer_statistics(tmp_path: Path) -> None:
+    """An ``ElasticTrainer`` built on a ``SyncMesh`` registers its statistics: the member's
+    scrape shows the steps it committed."""
+    import torch
+
+    from ftmesh.torch import ElasticSampler, ElasticTrainer
+
+    base = local_mesh_config(tmp_path, "metrics-train")
+    config = dataclasses.replace(base, node=dataclasses.replace(base.node, metrics_port=0))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    with SyncMesh.start(config) as mesh:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = ElasticTrainer(
+            mesh, model, opt, ElasticSampler(64, 16), quorum="any", join_settle=0.0
+        )
+        for step in trainer.steps(3):
+            with step:
+                for idx in step.indices():
+                    torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+        addr = mesh.mesh.node.metrics_address
+        assert addr is not None
+        status, text = _get(f"http://{addr[0]}:{addr[1]}/metrics")
+    assert status == 200
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [s.value for s in fams["ftmesh_train_committed_step"].samples] == [3.0]
+    assert [s.value for s in fams["ftmesh_train_samples"].samples] == [48.0]
+
+
 def test_the_server_answers_only_get_metrics_and_sheds_idle_connections(tmp_path: Path) -> None:
     base = local_mesh_config(tmp_path, "metrics-http")
     config = dataclasses.replace(base, node=dataclasses.replace(base.node, metrics_port=0))

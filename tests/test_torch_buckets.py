@@ -1,7 +1,8 @@
 """``GradBuckets``: gradients land in the buckets during backward (no copy), every bucket is
-launched once and in index order (all but the last during backward, the last run by
-``finish`` in the calling thread), and ``write_grads`` leaves the scaled reduced gradients in
-``.grad`` — also when user code replaced a ``.grad`` in between."""
+launched once and in index order (all but the last during the last micro-batch's backward,
+the last run by ``finish`` in the calling thread), weighted before the launch, so that
+``.grad`` ends up holding the reduced mean gradient — also when user code replaced a
+``.grad`` in between, and over micro-batches of unequal sizes."""
 
 from __future__ import annotations
 
@@ -54,11 +55,12 @@ def test_reduced_gradients_end_up_in_grad(replace_grads: bool) -> None:
     want = _reference(x)
     model = _model()
     params = list(model.parameters())
-    buckets = GradBuckets(params, bucket_bytes=64 * 64 * 4)  # several buckets
+    buckets = GradBuckets(params, bucket_bytes=64 * 64 * 4, header_slots=3)  # several buckets
     assert len(buckets.buffers) > 1
     for _ in range(2):  # a second step reuses the buckets
         launched: list[tuple[str, int]] = []
         buckets.start(*_doubling_allreduce(launched, buckets.buffers))
+        buckets.micro_batch(0.25, last=True)
         if replace_grads:
             for p in params:
                 p.grad = None
@@ -66,7 +68,6 @@ def test_reduced_gradients_end_up_in_grad(replace_grads: bool) -> None:
         last = len(buckets.buffers) - 1
         assert launched == [("launch", i) for i in range(last)]  # during backward
         buckets.finish(timeout=5)
-        buckets.write_grads(0.25)
         assert launched == [*(("launch", i) for i in range(last)), ("run", last)]
         for p, g in zip(params, want, strict=True):
             assert p.grad is not None
@@ -77,11 +78,51 @@ def test_reduced_gradients_end_up_in_grad(replace_grads: bool) -> None:
 def test_grads_are_views_of_the_buckets() -> None:
     model = _model()
     params = list(model.parameters())
-    buckets = GradBuckets(params, bucket_bytes=1 << 20)
+    buckets = GradBuckets(params, bucket_bytes=1 << 20, header_slots=3)
     buckets.start(*_doubling_allreduce([], buckets.buffers))
     for p in params:
         assert p.grad is not None
         assert any(
             b.ctypes.data <= p.grad.data_ptr() < b.ctypes.data + b.nbytes for b in buckets.buffers
         )
+    buckets.close()
+
+
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_micro_batches_add_up_to_the_mean_gradient(zero_grad: bool) -> None:
+    """Micro-batches of 3, 3 and 2 samples of a step of 8 (mean losses each), with an identity
+    "allreduce": the buckets hold the gradient of the mean loss over the 8, launched only
+    during the last micro-batch; ``release`` (``optimizer.zero_grad()`` inside a step) between
+    micro-batches loses nothing."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    model = _model()
+    model(x).square().mean().backward()  # type: ignore[no-untyped-call]
+    want = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradBuckets(params, bucket_bytes=64 * 64 * 4, header_slots=3)
+    launched: list[int] = []
+
+    def launch(buf: np.ndarray) -> Future[Any]:
+        launched.append(len(launched))
+        fut: Future[Any] = Future()
+        fut.set_result(None)
+        return fut
+
+    buckets.start(launch, lambda buf: None)
+    parts = [x[:3], x[3:6], x[6:]]
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        buckets.micro_batch(len(part) / 8, last)
+        if zero_grad:
+            buckets.release()
+        model(part).square().mean().backward()  # type: ignore[no-untyped-call]
+        if not last:
+            assert launched == []
+            buckets.between(len(part) / len(parts[k + 1]))
+    assert launched == list(range(len(buckets.buffers) - 1))
+    buckets.finish(timeout=5)
+    for p, g in zip(params, want, strict=True):
+        assert p.grad is not None
+        assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6)
     buckets.close()

@@ -55,6 +55,7 @@ def _check(members: dict[str, Member], left: dict[str, int], opt: str = "sgd") -
         else:
             assert m.status == "ok", f"{name}: {m.status} {m.error!r}"
             assert _trainer(m).committed == TOTAL
+            assert m.mesh is not None and m.mesh.progress.step == TOTAL  # published progress
     stayed = [m for n, m in members.items() if n not in left]
     assert len({_trainer(m).digest() for m in stayed}) == 1, "survivors hold different models"
     model = {k: v.clone() for k, v in _trainer(stayed[0]).model.state_dict().items()}

@@ -17,9 +17,10 @@ thread outlives its test.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ftmesh.collective.view import Peer, RingView
 from ftmesh.errors import CollectiveError, DeadlineExceeded, Departed, PeerLostError
@@ -36,6 +38,7 @@ from ftmesh.mesh_meta import DATA_KEY, ROLE_KEY
 from ftmesh.state import Snapshot
 from ftmesh.state.errors import StateTransferError
 from ftmesh.sync import SyncMesh
+from ftmesh.torch import Step
 from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
 from ftmesh.training.start import StartConfig
@@ -265,6 +268,7 @@ class FakeMesh:
         self.hub = hub
         self.node_id = node_id
         self.mesh = SimpleNamespace(on_view=None)
+        self.progress: Any = None  # the last report_progress
         self._leave = False
         hub.add(node_id)
 
@@ -280,6 +284,9 @@ class FakeMesh:
     def _check(self) -> None:
         if self.node_id not in self.hub.alive:
             raise Killed()
+
+    def report_progress(self, progress: Any) -> None:
+        self.progress = progress
 
     def set_role(self, role: str) -> None:
         self._check()
@@ -479,6 +486,27 @@ class Member:
     mesh: FakeMesh | None = None
 
 
+@contextlib.contextmanager
+def member_thread(hub: Hub, member: Member, start_after: threading.Event | None) -> Iterator[None]:
+    """The frame of a member's thread: wait for ``start_after``, run the body, record how it
+    ended (``ok``, ``killed``, ``left``, ``error``) and leave the mesh."""
+    try:
+        if start_after is not None:
+            while not start_after.wait(0.05):
+                if hub.closed:
+                    raise Killed()
+        yield
+        member.status = "ok"
+    except Killed:
+        member.status = "killed"
+    except Departed as exc:
+        member.status, member.error = "left", exc
+    except BaseException as exc:
+        member.status, member.error = "error", exc
+    finally:
+        hub.kill(member.name)
+
+
 def run_member(
     hub: Hub,
     member: Member,
@@ -498,11 +526,7 @@ def run_member(
     """Train ``total`` steps, ``finish()`` and leave the mesh (the thread's body);
     ``trainer_kwargs`` go to ``ElasticTrainer`` on top of the defaults here, and
     ``before_steps`` runs once the trainer is built."""
-    try:
-        if start_after is not None:
-            while not start_after.wait(0.05):
-                if hub.closed:
-                    raise Killed()
+    with member_thread(hub, member, start_after):
         member.mesh = mesh = FakeMesh(hub, member.name)
         model = make_model(tiny)
         settings: dict[str, Any] = {
@@ -528,15 +552,6 @@ def run_member(
             if on_step is not None:
                 on_step(member, report)
         t.finish(timeout=20.0)
-        member.status = "ok"
-    except Killed:
-        member.status = "killed"
-    except Departed as exc:
-        member.status, member.error = "left", exc
-    except BaseException as exc:
-        member.status, member.error = "error", exc
-    finally:
-        hub.kill(member.name)  # leave the mesh
 
 
 def start_member(hub: Hub, member: Member, **kwargs: Any) -> None:
@@ -567,3 +582,75 @@ def wait_all(hub: Hub, timeout: float) -> None:
     if hung:
         hub.shutdown()
         raise AssertionError(f"members {hung} did not end within {timeout}s")
+
+
+# -- the loop API ----------------------------------------------------------------------------
+
+Body = Callable[[ElasticTrainer, Step], None]
+
+
+def sgd_body(t: ElasticTrainer, step: Step) -> None:
+    for idx in step.indices():
+        i = torch.as_tensor(idx)
+        F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
+    t.optimizer.step()
+
+
+def loader_body(t: ElasticTrainer, step: Step) -> None:
+    for x, y in step.batches():
+        F.cross_entropy(t.model(x), y).backward()  # type: ignore[no-untyped-call]
+    t.optimizer.step()
+
+
+def run_loop_member(
+    hub: Hub,
+    member: Member,
+    *,
+    total: int,
+    body: Body = sgd_body,
+    data: Callable[[], Any] = make_sampler,
+    start_after: threading.Event | None = None,
+    setup: Callable[[ElasticTrainer], None] | None = None,
+    after_step: Callable[[Member, ElasticTrainer, Step], None] | None = None,
+    **settings: Any,
+) -> None:
+    """A member's thread (loop API): train ``total`` steps with the loop API, finish, leave."""
+    with member_thread(hub, member, start_after):
+        mesh = FakeMesh(hub, member.name)
+        model = make_model()
+        config = {"quorum": "any", "join_settle": 0.0, "step_timeout": 30.0, **settings}
+        t = ElasticTrainer(
+            cast(SyncMesh, mesh), model, make_optimizer("sgd", model), data(), **config
+        )
+        member.trainer = t
+        if setup is not None:
+            setup(t)
+        for step in t.steps(total):
+            with step:
+                body(t, step)
+            if step.report is not None:
+                member.reports.append(step.report)
+            if after_step is not None:
+                after_step(member, t, step)
+        t.finish(timeout=20.0)
+
+
+def start_loop(hub: Hub, names: str, **kwargs: Any) -> dict[str, Member]:
+    members = {n: Member(n) for n in names}
+    for m in members.values():
+        t = threading.Thread(
+            target=run_loop_member, args=(hub, m), kwargs=kwargs, daemon=True, name=m.name
+        )
+        hub.threads.append(t)
+        t.start()
+    return members
+
+
+def trainer_of(m: Member) -> ElasticTrainer:
+    assert m.trainer is not None, f"{m.name}: {m.status} {m.error!r}"
+    return m.trainer
+
+
+def all_ok(members: dict[str, Member], names: str) -> None:
+    for n in names:
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"

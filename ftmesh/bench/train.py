@@ -12,6 +12,12 @@ the other (the order alternates between rounds so machine noise hits both), each
 gloo barrier; a round's ms/step is the slowest rank's. We report medians over rounds and
 ``ddp_over_ftmesh`` = DDP ms/step / ftmesh ms/step (> 1: ftmesh is faster).
 
+ftmesh's step is written with the loop API (``for step in trainer.steps(): with step: ...``;
+``--api closure`` times ``trainer.step(loss_fn)`` instead). With ``--micro-batch M`` both
+compute their share in micro-batches of at most M samples (DDP with ``no_sync()`` on all but
+the last, each micro-batch's loss weighted by its share of the member's samples), so both do
+the same work.
+
 Models (``ftmesh.bench.workloads``): ``wide``, a 4.2M-parameter MLP where the gradient
 allreduce (16.8 MB) matters, and ``digits``, the ~14k-parameter CNN of
 ``examples/train_digits.py`` on 8x8 inputs, where per-step overhead does. OMP_NUM_THREADS is
@@ -21,6 +27,7 @@ the CPU count divided by N (at least 1) for both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -51,6 +58,7 @@ def _worker(
     import ftmesh
     from ftmesh.bench.workloads import make_data, make_model, make_optimizer, param_count
     from ftmesh.torch import ElasticSampler, ElasticTrainer
+    from ftmesh.torch.buckets import micro_batches
 
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     torch.set_num_threads(threads)
@@ -83,11 +91,17 @@ def _worker(
                 x: Any = x,
                 y: Any = y,
                 counter: list[int] = ddp_step,
+                micro: int = cfg["micro_batch"],
             ) -> None:
                 idx = np.array_split(sampler.global_indices(counter[0]), nprocs)[rank]
-                i = torch.from_numpy(idx)
                 opt.zero_grad()
-                F.cross_entropy(ddp(x[i]), y[i]).backward()  # type: ignore[no-untyped-call]
+                parts = micro_batches(idx, micro)
+                for k, part in enumerate(parts):
+                    i = torch.from_numpy(part)
+                    weight = len(part) / len(idx)
+                    ctx = ddp.no_sync() if k < len(parts) - 1 else contextlib.nullcontext()
+                    with ctx:
+                        (F.cross_entropy(ddp(x[i]), y[i]) * weight).backward()  # type: ignore[no-untyped-call]
                 opt.step()
                 counter[0] += 1
 
@@ -105,6 +119,7 @@ def _worker(
                     min_peers=nprocs,
                     join_settle=1.0,
                     bucket_mb=cfg["bucket_mb"],
+                    micro_batch=cfg["micro_batch"],
                 )
                 retries = 0
                 # Time the trainer's gradient allreduces (the instance's methods: nothing else
@@ -139,10 +154,23 @@ def _worker(
                     loss_f: Any = loss_f,
                     spans: list[tuple[float, float]] = spans,
                     acc: list[float] = in_ar,
+                    model: Any = model_f,
+                    opt: Any = opt_f,
+                    x: Any = x,
+                    y: Any = y,
                 ) -> None:
                     nonlocal retries
                     spans.clear()
-                    r = trainer.step(loss_f)
+                    if cfg["api"] == "closure":
+                        r = trainer.step(loss_f)
+                    else:
+                        for step in trainer.steps(max(trainer.committed, 0) + 1):
+                            with step:
+                                for part in step.indices():
+                                    i = torch.from_numpy(part)
+                                    F.cross_entropy(model(x[i]), y[i]).backward()  # type: ignore[no-untyped-call]
+                                opt.step()
+                        r = trainer.last_report
                     retries += r.attempts - 1
                     if spans:
                         acc[0] += max(b for _, b in spans) - min(a for a, _ in spans)
@@ -284,6 +312,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--bucket-mb", type=float, default=25.0, help="ftmesh's gradient bucket size (MB)"
     )
+    ap.add_argument(
+        "--api", choices=["loop", "closure"], default="loop", help="how ftmesh's step is written"
+    )
+    ap.add_argument(
+        "--micro-batch", type=int, default=0, help="micro-batches of at most this many (0: off)"
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -296,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "global_batch": args.global_batch,
         "bucket_mb": args.bucket_mb,
+        "api": args.api,
+        "micro_batch": args.micro_batch,
     }
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):

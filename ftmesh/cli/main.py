@@ -162,11 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--count", type=int, default=0, metavar="N", help="--watch: stop after N reads (0: never)"
     )
 
+    from .checkpoint_cmd import add_checkpoint_parser
     from .lab_cmd import add_lab_parser
     from .launch_cmd import add_launch_parser
 
     add_launch_parser(sub)
     add_lab_parser(sub)
+    add_checkpoint_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios against a peer")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -237,6 +239,10 @@ def run(argv: list[str] | None = None) -> int:
             from .bench_cmd import run_bench
 
             return run_bench(args)
+        if args.command == "checkpoint":
+            from .checkpoint_cmd import run_checkpoint
+
+            return run_checkpoint(args)
     except (FtmeshError, BaseExceptionGroup) as exc:
         cause = root_cause(exc)  # trio groups the errors of a nursery's tasks
         if not isinstance(cause, FtmeshError):

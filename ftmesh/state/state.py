@@ -43,6 +43,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import blake3
 import msgpack
 import numpy as np
 
@@ -220,6 +221,11 @@ class State:
     def names(self) -> list[str]:
         return sorted([*self._objects, *self.arrays])
 
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The registered objects by name (a copy of the mapping)."""
+        return dict(self._objects)
+
     # -- capture ---------------------------------------------------------------------------
     def commit(self, step: int | None = None) -> Snapshot:
         """Capture the live state as the committed snapshot (replacing the previous one)."""
@@ -250,6 +256,25 @@ class State:
     def live_digest(self) -> str:
         """Content hash of the live state (costs one full copy)."""
         return self.snapshot().digest
+
+    def part_digests(self) -> dict[str, str]:
+        """A content hash (hex) of each registered object and array of the live state, copying
+        nothing: members compare them part by part to say *what* differs. Not the snapshot's
+        digest (that one covers the whole blob, ``scalars`` and the step included)."""
+        out: dict[str, str] = {}
+        for name in self.names:
+            enc = _Encoder()
+            if name in self._objects:
+                tree = enc.encode(self._objects[name].state_dict(), f"o/{name}")
+            else:
+                tree = enc.encode(self.arrays[name], f"a/{name}")
+            out[name] = _tree_digest(tree, enc.leaves)
+        return out
+
+    def scalars_digest(self) -> str:
+        """A content hash (hex) of ``scalars`` (see :meth:`part_digests`)."""
+        enc = _Encoder()
+        return _tree_digest(enc.encode(self.scalars, "s"), enc.leaves)
 
     def to_bytes_parts(self) -> list[memoryview]:
         """Serialised committed snapshot, as ``[prefix, arena]`` memoryviews (no copy)."""
@@ -374,6 +399,32 @@ class State:
         if self.rng and rng is not None:
             _apply_rng(_materialize(rng, snap, clone=True))
         self.step = snap.step
+
+
+def _tree_digest(tree: Any, leaves: Mapping[str, Any]) -> str:
+    """BLAKE3 over a part's encoded tree and its leaves' raw bytes (sorted by name)."""
+    h = blake3.blake3(msgpack.packb(tree, use_bin_type=True))
+    for name in sorted(leaves):
+        leaf = leaves[name]
+        h.update(name.encode())
+        h.update(_raw_bytes(leaf))
+    return str(h.hexdigest())
+
+
+def _raw_bytes(leaf: Any) -> memoryview:
+    """The bytes of a tensor or array without a copy where it is contiguous in host memory
+    (a tensor on another device is copied to the host)."""
+    if isinstance(leaf, np.ndarray):
+        return np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).data
+    torch = _torch()
+    t = leaf.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    raw: np.ndarray[Any, np.dtype[np.uint8]] = flat.view(torch.uint8).numpy()
+    return raw.data
 
 
 def _capture_rng() -> dict[str, Any]:

@@ -1,11 +1,27 @@
-"""PyTorch integration: elastic sampler, fault-tolerant data-parallel trainer.
+"""PyTorch integration: the elastic, fault-tolerant data-parallel trainer.
 
 Import ``ftmesh.torch`` only where torch is installed (``pip install ftmesh[torch]``).
+``ElasticTrainer`` trains a model over the mesh (the loop API, ``trainer.steps()``, or the
+closure API, ``trainer.step(loss_fn)``); ``TrainerConfig`` holds its settings;
+``ElasticSampler`` decides which samples each member computes at each step.
 """
 
 from __future__ import annotations
 
+from ..stats import TrainerStatistics
+from ..training.config import TrainerConfig
+from ..training.step import StepReport
+from .loop import StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
-from .trainer import ElasticTrainer, StepReport
+from .trainer import ElasticTrainer
 
-__all__ = ["ElasticSampler", "ElasticTrainer", "StepReport"]
+__all__ = [
+    "ElasticSampler",
+    "ElasticTrainer",
+    "StateDivergedError",
+    "Step",
+    "StepAborted",
+    "StepReport",
+    "TrainerConfig",
+    "TrainerStatistics",
+]

@@ -1,68 +1,149 @@
-"""Gradient buckets that are allreduced while backward is still running.
+"""Gradient buckets that are allreduced while the last micro-batch's backward still runs.
 
 Theory of operation: parameters are grouped, in reverse registration order (roughly the order
-in which backward produces their gradients), into buckets of about ``bucket_bytes``. Each
-bucket owns one flat float32 buffer, and each parameter's ``.grad`` *is* its slice of it (a
-view, like DDP's ``gradient_as_bucket_view``): backward accumulates straight into the bucket,
-and the allreduce, in place, leaves the reduced gradients in ``.grad`` with no copy either way.
-(Should user code replace a ``.grad``, e.g. ``zero_grad(set_to_none=True)``, the hook copies
-it in and ``write_grads`` copies the result out.) A post-accumulate-grad hook counts a
-parameter's gradient as ready; when a bucket is complete it is handed to the mesh for an
-allreduce without waiting, so communication overlaps with the rest of backward, as in
+in which backward produces their gradients), into buckets of about ``bucket_bytes``, one dtype
+and device per bucket. Each bucket owns one flat gradient buffer in its parameters' dtype and
+on their device, and each parameter's ``.grad`` *is* its slice of it (a view, like DDP's
+``gradient_as_bucket_view``): backward accumulates straight into the bucket. The allreduce
+runs on a float32 buffer in host memory: for float32 CPU parameters that is the gradient
+buffer itself, so the allreduce leaves the reduced gradients in ``.grad`` with no copy either
+way; bfloat16 and float16 parameters, and parameters on a GPU, are staged (one copy to a
+float32 host buffer, pinned where torch can pin memory, and one cast back), so the sum over
+members accumulates in float32 whatever the parameters' precision (at twice the wire bytes
+of bfloat16), and the cast back is deterministic: every member holds the same bits.
+Should user code replace a ``.grad`` (``zero_grad()`` sets it to ``None``, so backward makes a
+fresh one), the hook adds it into the bucket and puts the view back.
+
+A step's share runs as micro-batches ``k = 1..K`` of ``m_k`` samples out of the step's global
+batch of ``T``; each micro-batch's loss is its mean, so its gradient ``g_k`` must count with
+weight ``w_k = m_k / T`` for the sum over all members to be the gradient of the global batch's
+mean loss. The buckets keep a running sum ``R`` scaled so that no gradient is touched more
+than needed: after micro-batch ``k < K`` it holds ``R_k = R'_{k-1} + g_k`` and is rescaled by
+``w_k / w_{k+1}`` (a no-op for equal micro-batches); after the last one, each bucket is
+multiplied by ``w_K`` just before its allreduce. By induction the allreduce sends
+``sum_k w_k g_k``, and the reduced result is the global mean gradient with no pass after it.
+
+Only during the last micro-batch does a post-accumulate-grad hook count a parameter's
+gradient as ready; when a bucket is complete it is handed to the mesh for an allreduce
+without waiting, so communication overlaps with the rest of backward, as in
 ``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
 completes early waits for the ones before it), so every member issues the same collectives in
 the same order whatever order its hooks fire in. The last bucket (the only one, for a small
 model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
-allreduce in the calling thread, after the others. The last bucket carries extra slots:
-the member's sample count, its summed loss, a round check and the leave bits of a planned
-departure (see ``ElasticTrainer`` and ``ftmesh.training.protocol``).
+allreduce in the calling thread, after the others. The last bucket's float32 buffer carries
+the header slots (``ftmesh.training.protocol``): the member's sample count, its summed loss,
+a round check, the leave bits of a planned departure and the state-check values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..training.protocol import LEAVE_SLOTS
+from ..errors import LocalUsageError
+from ..training.shards import LAYOUT_BITS
 
-HEADER_SLOTS = 3 + LEAVE_SLOTS
+
+class _Bucket:
+    """One bucket: its parameters, the gradient buffer ``.grad`` views point into (the
+    parameters' dtype and device) and the float32 host buffer its allreduce runs on (the
+    same memory for float32 CPU parameters; else a staging copy, pinned where torch can pin)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], extra: int) -> None:
+        first = params[0]
+        self.params = params
+        self.dtype, self.device = first.dtype, first.device
+        self.n = sum(p.numel() for p in params)
+        self.staged = self.dtype != torch.float32 or self.device.type != "cpu"
+        pin = self.device.type == "cuda"
+        wire = torch.zeros(self.n + extra, dtype=torch.float32, pin_memory=pin)
+        self.wire: np.ndarray = wire.numpy()
+        """What the allreduce reduces: float32 in host memory, header slots at its end."""
+        self._wire_t = wire
+        if self.staged:
+            self.grads = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+        else:
+            self.grads = wire[: self.n]
+        self.views: dict[int, torch.Tensor] = {}
+        offset = 0
+        for p in params:
+            self.views[id(p)] = self.grads[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def zero(self) -> None:
+        self.wire.fill(0.0)
+        if self.staged:
+            self.grads.zero_()
+
+    def scale(self, factor: float) -> None:
+        """Multiply the gradients (not the header) by ``factor``."""
+        if factor == 1.0:
+            return
+        if self.staged:
+            self.grads.mul_(factor)
+        else:
+            np.multiply(self.wire[: self.n], np.float32(factor), out=self.wire[: self.n])
+
+    def outgoing(self, weight: float) -> np.ndarray:
+        """The wire buffer holding ``weight`` times the gradients (accumulated in float32)."""
+        if self.staged:
+            wire = self._wire_t[: self.n]
+            with torch.no_grad():
+                wire.copy_(self.grads)  # to host (and float32)
+            if weight != 1.0:
+                wire.mul_(weight)
+        elif weight != 1.0:
+            np.multiply(self.wire[: self.n], np.float32(weight), out=self.wire[: self.n])
+        return self.wire
+
+    def incoming(self) -> None:
+        """The allreduce is done: the reduced float32 sums back into ``.grad`` (one
+        deterministic cast, so every member holds the same bits)."""
+        if self.staged:
+            with torch.no_grad():
+                self.grads.copy_(self._wire_t[: self.n])
 
 
 class GradBuckets:
-    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int) -> None:
+    """A trainer's gradient buckets; see the module docstring."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], bucket_bytes: int, header_slots: int
+    ) -> None:
+        check_bucketable(params)
         self.params = params
-        order = list(reversed(params))
         groups: list[list[torch.nn.Parameter]] = [[]]
         size = 0
-        for p in order:
-            nbytes = p.numel() * 4
-            if groups[-1] and size + nbytes > bucket_bytes:
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            kind = (p.dtype, p.device)
+            last = groups[-1]
+            if last and (size + nbytes > bucket_bytes or (last[0].dtype, last[0].device) != kind):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
             size += nbytes
         self.groups = groups
-        self.buffers: list[np.ndarray] = []
-        self.slot: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, start, stop)
-        self._grad_len: list[int] = []  # per bucket: elements before the header slots
-        for b, group in enumerate(groups):
-            offset = 0
-            for p in group:
-                self.slot[id(p)] = (b, offset, offset + p.numel())
-                offset += p.numel()
-            extra = HEADER_SLOTS if b == len(groups) - 1 else 0
-            self.buffers.append(np.zeros(offset + extra, dtype=np.float32))
-            self._grad_len.append(offset)
-        self._views = {id(p): self._view(p) for p in params}
+        self.header_slots = header_slots
+        self.buckets = [
+            _Bucket(g, header_slots if b == len(groups) - 1 else 0) for b, g in enumerate(groups)
+        ]
+        self.buffers: list[np.ndarray] = [bk.wire for bk in self.buckets]
+        """The float32 host buffers the allreduces run on, one per bucket."""
+        self.slot = {id(p): b for b, g in enumerate(groups) for p in g}  # id(param) -> bucket
+        self._views = {i: v for bk in self.buckets for i, v in bk.views.items()}
         self._pending: list[int] = []
         self._launched = 0
         self._futures: list[Future[Any]] = []
         self._launch: Callable[[np.ndarray], Future[Any]] | None = None
         self._run: Callable[[np.ndarray], object] | None = None
+        self._last = False
+        self._weight = 1.0
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -70,76 +151,137 @@ class GradBuckets:
 
     @property
     def header(self) -> np.ndarray:
-        """The extra slots of the last bucket: [samples, summed loss, round check, leave
-        slots...]."""
-        return self.buffers[-1][-HEADER_SLOTS:]
+        """The header slots at the end of the last bucket (``ftmesh.training.protocol``)."""
+        wire = self.buckets[-1].wire
+        return wire[len(wire) - self.header_slots :]
 
-    def _view(self, p: torch.Tensor) -> torch.Tensor:
-        b, start, stop = self.slot[id(p)]
-        return torch.from_numpy(self.buffers[b][start:stop]).view_as(p)
+    @property
+    def layout(self) -> int:
+        """A hash of the buckets' sizes, dtypes and device kinds (every member must have
+        the same)."""
+        text = ",".join(f"{bk.n}:{bk.dtype}:{bk.device.type}" for bk in self.buckets)
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") >> (64 - LAYOUT_BITS)
+
+    @property
+    def armed(self) -> bool:
+        """Between ``start`` and the end of ``finish``."""
+        return self._launch is not None
 
     def start(
         self, launch: Callable[[np.ndarray], Future[Any]], run: Callable[[np.ndarray], object]
     ) -> None:
-        """Zero the gradients (the buckets) and arm the hooks for one backward pass;
+        """Zero the gradients (the buckets, header included) for one attempt of a step;
         ``launch(buffer)`` starts an allreduce, ``run(buffer)`` runs one (after those
-        launched before it)."""
-        for buf in self.buffers:
-            buf.fill(0.0)
-        for p in self.params:
-            view = self._views[id(p)]
-            if p.grad is not view:
-                p.grad = view
+        launched before it). Then ``micro_batch`` for each micro-batch, and ``finish``."""
+        for bk in self.buckets:
+            bk.zero()
+        self._attach_views()
         self._pending = [len(g) for g in self.groups]
         self._launched = 0
         self._futures = []
         self._launch = launch
         self._run = run
+        self._last = False
+        self._weight = 1.0
+
+    def _attach_views(self) -> None:
+        for p in self.params:
+            view = self._views[id(p)]
+            if p.grad is not view:
+                p.grad = view
+
+    def micro_batch(self, weight: float, last: bool) -> None:
+        """The next micro-batch's backward counts with ``weight`` (its samples over the
+        step's); with ``last``, its gradients are launched as they complete."""
+        self._weight = weight
+        self._last = last
+        self._attach_views()
+
+    def between(self, ratio: float) -> None:
+        """After a micro-batch that was not the last: rescale the running sum by ``ratio``
+        (this micro-batch's weight over the next one's; see the module docstring)."""
+        for bk in self.buckets:
+            bk.scale(ratio)
+
+    def release(self) -> None:
+        """Inside a step, ``optimizer.zero_grad()``: drop ``.grad`` (the buckets keep the sum
+        of the micro-batches before; the next backward's gradients are added to it)."""
+        for p in self.params:
+            p.grad = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._launch is None or p.grad is None:
             return
-        b, start, stop = self.slot[id(p)]
-        if p.grad is not self._views[id(p)]:  # user code replaced it: copy it in
-            self.buffers[b][start:stop] = p.grad.detach().reshape(-1).numpy()
-        self._pending[b] -= 1
-        self._launch_ready()
+        view = self._views[id(p)]
+        if p.grad is not view:  # user code replaced it: add it in
+            with torch.no_grad():
+                view.add_(p.grad.detach())
+            p.grad = view
+        if self._last:
+            self._pending[self.slot[id(p)]] -= 1
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         assert self._launch is not None
-        last = len(self.buffers) - 1  # run by finish()
+        last = len(self.buckets) - 1  # run by finish()
         while self._launched < last and self._pending[self._launched] <= 0:
-            self._futures.append(self._launch(self.buffers[self._launched]))
+            wire = self.buckets[self._launched].outgoing(self._weight)
+            self._futures.append(self._launch(wire))
             self._launched += 1
 
     def finish(self, timeout: float) -> None:
         """Launch what is left (gradients that never came are zero), run the last bucket and
-        wait for every bucket; raises the first collective error."""
+        wait for every bucket; raises the first collective error. ``.grad`` then holds the
+        reduced mean gradient."""
         assert self._launch is not None and self._run is not None
-        self._pending = [0] * len(self.buffers)
+        self._last = True
+        self._pending = [0] * len(self.buckets)
         self._launch_ready()
         run, self._launch, self._run = self._run, None, None
         last_error: BaseException | None = None
         try:
-            run(self.buffers[-1])
+            run(self.buckets[-1].outgoing(self._weight))
         except Exception as exc:  # reported after those of the earlier buckets
             last_error = exc
         errors = [fut.exception(timeout) for fut in self._futures]
         first = next((e for e in [*errors, last_error] if e is not None), None)
+        self._attach_views()
         if first is not None:
             raise first
+        for bk in self.buckets:
+            bk.incoming()
 
-    def write_grads(self, scale: float) -> None:
-        """Scale the reduced buckets by ``scale``: ``.grad`` holds the result."""
-        for buf, n in zip(self.buffers, self._grad_len, strict=True):
-            grads = buf[:n]
-            np.multiply(grads, np.float32(scale), out=grads)
-        with torch.no_grad():
-            for p in self.params:
-                view = self._views[id(p)]
-                if p.grad is not view:
-                    p.grad = view
+    def abandon(self, timeout: float) -> None:
+        """A step's body raised: stop launching, and wait (at most ``timeout``) for the
+        allreduces in flight, whose errors nobody wants."""
+        self._launch = self._run = None
+        for fut in self._futures:
+            fut.exception(timeout)
+        self._futures = []
 
     def close(self) -> None:
+        """Remove the hooks from the parameters."""
         for h in self._hooks:
             h.remove()
+
+
+def check_bucketable(params: Sequence[torch.nn.Parameter]) -> None:
+    """Refuse, naming the parameter's shape, what the buckets cannot hold."""
+    for p in params:
+        if not p.dtype.is_floating_point or p.dtype == torch.float64:
+            raise LocalUsageError(
+                f"a parameter of shape {tuple(p.shape)} is {p.dtype}: the gradient buckets "
+                "hold float32, bfloat16 and float16 parameters"
+            )
+
+
+def micro_batches(share: np.ndarray, micro_batch: int) -> list[np.ndarray]:
+    """Cut ``share`` into the fewest micro-batches of at most ``micro_batch`` samples (0: one),
+    of sizes that differ by at most one."""
+    if len(share) == 0:
+        return []
+    if micro_batch <= 0 or len(share) <= micro_batch:
+        return [share]
+    count = -(-len(share) // micro_batch)
+    return list(np.array_split(share, count))

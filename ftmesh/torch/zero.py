@@ -103,16 +103,27 @@ class ShardedOptimizer:
     """One member's shards of the optimizer state; see the module docstring."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], template: torch.optim.Optimizer, replicas: int
+        self,
+        params: Sequence[torch.nn.Parameter],
+        template: torch.optim.Optimizer,
+        replicas: int,
+        names: Sequence[str] = (),
     ) -> None:
         check_elementwise(type(template))
         if len(template.param_groups) != 1:
             raise LocalUsageError("shard_optimizer supports optimizers with one parameter group")
         if replicas < 1:
             raise LocalUsageError(f"replicas must be >= 1, got {replicas}")
-        for p in params:
+        for i, p in enumerate(params):
             if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise LocalUsageError("shard_optimizer needs float32 parameters in CPU memory")
+                name = names[i] if i < len(names) else f"#{i} of shape {tuple(p.shape)}"
+                raise LocalUsageError(
+                    f"shard_optimizer cannot hold parameter {name!r} ({p.dtype} on {p.device}): "
+                    "the sharded optimizer state is one flat float32 buffer in host memory, "
+                    "cut into pieces that members exchange and checkpoint. Keep float32 "
+                    "parameters (and compute in lower precision with torch.autocast), or use "
+                    "shard_optimizer=False"
+                )
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
         self.length = sum(self.sizes)
@@ -131,9 +142,11 @@ class ShardedOptimizer:
 
     # -- the flat parameter vector ---------------------------------------------------------
     def flat_params(self) -> torch.Tensor:
+        """The parameters as one flat vector (a copy)."""
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def load_flat_params(self, flat: torch.Tensor) -> None:
+        """Write a flat vector back into the parameters."""
         with torch.no_grad():
             offset = 0
             for p, n in zip(self.params, self.sizes, strict=True):
@@ -142,6 +155,7 @@ class ShardedOptimizer:
 
     # -- what we hold ----------------------------------------------------------------------
     def held(self) -> list[HeldPiece]:
+        """The pieces of optimizer state we hold now."""
         if self._loaded is not None:
             return self._loaded
         opt = self._opt
@@ -295,6 +309,7 @@ class ShardedOptimizer:
         self._previous, self.served = [], {}
 
     def commit(self) -> None:
+        """The step's allgather completed: drop the state kept aside."""
         self._backup = None
 
     def gather_input(self, with_state: bool) -> np.ndarray:

@@ -38,8 +38,17 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
 Two cheap checks guard against ever acting on collective data of another round (a data-plane
 bug, or a peer running other code): after the sync allreduce each member finds its own slots
 unchanged (:func:`own_slots_intact`), and the gradient allreduce carries a round-check slot
-that must add up to ``size * round_tag(step)``. A failed check is treated like a failed
-collective: the ring is reconnected and the step retried from a sync.
+that must add up to ``size * round_tag(step)`` and a sample count that must add up to the
+step's global batch. A failed check is treated like a failed collective: the ring is
+reconnected and the step retried from a sync.
+
+State check. Every ``check_every`` steps the gradient allreduce also carries, per registered
+part of the state (model, optimizer, scheduler...), each member's :func:`check_value` of that
+part's digest (16 bits). After the sum, a slot holds ``size * v`` exactly when every member
+holds that part bitwise equal to ours (up to a 2^-16 chance per part and check);
+:func:`reduction_problem` reports the parts where it does not, and the caller names the
+members with one allgather (:func:`diverged_members`). This costs a few floats in a
+collective that runs anyway, and one digest of the state per check.
 
 The invariant this rests on: two members with the same committed step hold bitwise-identical
 state, because they started identical (1) and applied the same reduced gradients, which every
@@ -49,7 +58,7 @@ ring member receives bitwise identical (``ftmesh.collective``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +186,110 @@ def leavers(reduced: np.ndarray, size: int) -> tuple[int, ...] | None:
             return None
         ranks += [word * LEAVE_BITS + b for b in range(LEAVE_BITS) if bits >> b & 1]
     return tuple(ranks) if all(r < size for r in ranks) else None
+
+
+COUNTER_SLOTS = 3
+"""The first slots of the gradient allreduce's header: the member's sample count, its summed
+loss and the round check."""
+HEADER_SLOTS = COUNTER_SLOTS + LEAVE_SLOTS
+"""Slots of the header before the check slots: the counters, then the leave slots."""
+CHECK_BITS = 16
+"""Bits of a part's digest that ride in a check slot: ``size * value`` must stay exact in
+float32 (below 2**24) for views of up to 256 members."""
+
+
+def header_size(parts: int) -> int:
+    """Slots of the gradient allreduce's header for ``parts`` registered parts: counters,
+    leave slots, check slots."""
+    return HEADER_SLOTS + parts
+
+
+def check_value(digest: str) -> int:
+    """A part's check value (its digest's first ``CHECK_BITS`` bits, plus one so that a
+    member that checks never adds up to a member that does not)."""
+    return int(digest[: CHECK_BITS // 4], 16) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class ReductionProblem:
+    """What is wrong with a reduced header: ``desync`` (data of another round, or members
+    that split the batch differently: retry from a sync) or ``diverged`` (indices of the
+    parts whose digests differ between members: a fatal error)."""
+
+    desync: str = ""
+    diverged: tuple[int, ...] = ()
+
+
+def reduction_problem(
+    step: int,
+    size: int,
+    samples: int,
+    header: Sequence[float],
+    own_checks: Sequence[int] | None,
+    rank: int = 0,
+    announced: bool = False,
+) -> ReductionProblem | None:
+    """Check the reduced header of computing ``step`` (0-based) on a view of ``size``:
+    ``samples`` is the step's global batch size, ``own_checks`` our check values (``None``:
+    not a check step, the slots must be 0), ``announced``: whether we (``rank``) set our leave
+    bit (the reduced leave slots must hold it exactly then)."""
+    total, _, tags = header[:COUNTER_SLOTS]
+    if tags != round_tag(step) * size:
+        return ReductionProblem(
+            desync=f"step {step + 1}: round check {tags}, expected {round_tag(step) * size}"
+        )
+    if total != samples:
+        return ReductionProblem(
+            desync=f"step {step + 1}: {total:.0f} samples reduced, the step has {samples}"
+        )
+    gone = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), size)
+    if gone is None or (rank in gone) != announced:
+        return ReductionProblem(
+            desync=f"step {step + 1}: leave slots {list(header[COUNTER_SLOTS:HEADER_SLOTS])}"
+        )
+    checks = header[HEADER_SLOTS:]
+    expected = [0] * len(checks) if own_checks is None else [v * size for v in own_checks]
+    diverged = tuple(
+        i for i, (got, want) in enumerate(zip(checks, expected, strict=True)) if got != want
+    )
+    if diverged and own_checks is None:
+        return ReductionProblem(desync=f"step {step + 1}: check slots set on a non-check step")
+    return ReductionProblem(diverged=diverged) if diverged else None
+
+
+def diverged_members(
+    names: Sequence[str], members: Sequence[str], rows: Sequence[Sequence[int]]
+) -> dict[str, list[list[str]]]:
+    """From every member's check values (``rows``, in the order of ``members``): for each part
+    that differs, the groups of members that agree with each other, largest first."""
+    out: dict[str, list[list[str]]] = {}
+    for i, name in enumerate(names):
+        groups: dict[int, list[str]] = {}
+        for member, row in zip(members, rows, strict=True):
+            groups.setdefault(int(row[i]), []).append(member)
+        if len(groups) > 1:
+            out[name] = sorted(groups.values(), key=lambda g: (-len(g), g))
+    return out
+
+
+def split_share(n: int, weights: Sequence[float] | None, parts: int) -> list[int]:
+    """How many of a step's ``n`` samples each of ``parts`` members computes: proportional to
+    ``weights`` (largest remainders, ties to the lower rank), equal shares when ``None`` (as
+    ``numpy.array_split``: the first ``n % parts`` get one more)."""
+    if parts < 1:
+        raise ValueError("a step needs at least one member computing")
+    if weights is None:
+        base, extra = divmod(n, parts)
+        return [base + (r < extra) for r in range(parts)]
+    if len(weights) != parts or any(not w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"need {parts} non-negative weights with a positive sum, got {weights}")
+    total = sum(weights)
+    exact = [n * w / total for w in weights]
+    counts = [int(e) for e in exact]
+    order = sorted(range(parts), key=lambda r: (-(exact[r] - counts[r]), r))
+    for r in order[: n - sum(counts)]:
+        counts[r] += 1
+    return counts
 
 
 def has_quorum(

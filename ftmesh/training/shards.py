@@ -38,13 +38,16 @@ Pieces of the layout before a re-shard are kept (and offered) until the next ste
 allreduce completes, which proves every member finished its sync: a member whose sync failed
 half-way can still fetch from one whose sync completed.
 
-All of this needs every member to run with the same *settings* (``ShardSettings``): whether
+All of this needs every member to run with the same *settings* (``SharedSettings``): whether
 the optimizer is sharded, ``replicas`` (the layout, the size of the holdings record) and the
-checkpoint period (which steps' parameter allgather carries the optimizer state). Members
-that differ would fail these collectives on every retry, or compute different layouts. So
-each member writes its settings into slots of its own next to the sync vector
+checkpoint period (which steps' parameter allgather carries the optimizer state); and, in
+every mode, ``max_peers``, the state-check period, the gradient compression, the layouts of
+the registered state and of the gradient buckets, and the data order. Members that differ
+would fail these collectives on every retry, compute different layouts or train some samples
+twice. So each member writes its settings into slots of its own next to the sync vector
 (``settings_slots``), in the allreduce every sync already runs, before any collective whose
-shape depends on them; every member reads all of them from the same result (``check_settings``).
+shape depends on them; every member reads all of them from the same result
+(``settings_problem``).
 On a difference, the settings of the members holding the mesh's newest state, when they agree,
 are the mesh's: members that differ from them raise ``ConfigError`` and the others wait for
 them to leave; before anybody trained, or when those disagree, every member raises
@@ -59,7 +62,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import CollectiveError, ConfigError
+from ..compression import COMPRESSIONS
+from ..errors import ConfigError, FtmeshError
 from ..state.errors import StateLostError
 from .protocol import DIGEST_SLOTS, FRESH, digest_of, digest_slots
 
@@ -70,45 +74,86 @@ _PIECE_SLOTS = 2 + DIGEST_SLOTS  # start, stop, digest
 
 
 @dataclass(frozen=True, slots=True)
-class ShardSettings:
+class SharedSettings:
     """The settings that every member must share (see the module docstring). Replicated
-    training (``shard_optimizer`` false) depends on none of the others: they are 0 then."""
+    training (``shard_optimizer`` false) depends on neither ``replicas`` nor
+    ``checkpoint_every``: they are 0 then. The others matter in every mode: ``max_peers``
+    decides who computes which samples, ``check_every`` which steps carry state digests, and
+    the two layouts (hashes) the shapes of the step's collectives."""
 
     shard_optimizer: bool
     replicas: int
     checkpoint_every: int
     """Steps between checkpoints; 0: none (no ``checkpoint_dir``, or a period <= 0)."""
+    max_peers: int = 0
+    check_every: int = 0
+    compression: int = 0
+    """The gradient compression, as its index in ``COMPRESSION_CODES``."""
+    state_layout: int = 0
+    """A hash of the registered state's names and kinds (``ftmesh.torch.state``)."""
+    bucket_layout: int = 0
+    """A hash of the gradient buckets' sizes and dtypes (the model's parameters and
+    ``bucket_mb``)."""
+    data_layout: int = 0
+    """A hash of what decides the data order (``ElasticSampler.layout``)."""
 
     @classmethod
-    def of(cls, shard_optimizer: bool, replicas: int, checkpoint_every: int) -> ShardSettings:
+    def of(
+        cls, shard_optimizer: bool, replicas: int, checkpoint_every: int, **common: int
+    ) -> SharedSettings:
         if not shard_optimizer:
-            return cls(False, 0, 0)
-        return cls(True, replicas, max(checkpoint_every, 0))
+            return cls(False, 0, 0, **common)
+        return cls(True, replicas, max(checkpoint_every, 0), **common)
 
 
-SETTINGS_SLOTS = 3
-"""Slots per member for its ``ShardSettings`` after the sync vector."""
+ShardSettings = SharedSettings
+"""The former name (the settings once were those of sharding only)."""
+
+_FIELDS = (
+    "shard_optimizer",
+    "replicas",
+    "checkpoint_every",
+    "max_peers",
+    "check_every",
+    "compression",
+    "state_layout",
+    "bucket_layout",
+    "data_layout",
+)
+_SHARD_FIELDS = ("replicas", "checkpoint_every")
+_LABELS = {
+    "state_layout": "registered state (names and kinds of what each member registered)",
+    "bucket_layout": "gradient buckets (the model's trainable parameters, their dtypes, bucket_mb)",
+    "data_layout": "data order (dataset size, global batch, seed, shuffle, drop_last)",
+}
+COMPRESSION_CODES = ("none", *COMPRESSIONS)
+"""``TrainerConfig.compression`` as the number its settings slot carries."""
+_VALUE_NAMES = {"compression": COMPRESSION_CODES}
+SETTINGS_SLOTS = len(_FIELDS)
+"""Slots per member for its ``SharedSettings`` after the sync vector."""
+LAYOUT_BITS = 62
+"""Layout hashes are non-negative and below ``2**62``: they fit the int64 slots."""
 
 
-def settings_slots(settings: ShardSettings, rank: int, size: int) -> np.ndarray:
+def settings_slots(settings: SharedSettings, rank: int, size: int) -> np.ndarray:
     """This member's settings for the sync allreduce(max): its own slots hold them (all
     >= 0), every other slot ``FRESH`` (below any real value)."""
     v = np.full(SETTINGS_SLOTS * size, FRESH, dtype=np.int64)
-    fields = (int(settings.shard_optimizer), settings.replicas, settings.checkpoint_every)
-    for k, value in enumerate(fields):
-        v[k * size + rank] = value
+    for k, name in enumerate(_FIELDS):
+        v[k * size + rank] = int(getattr(settings, name))
     return v
 
 
-def read_settings(reduced: np.ndarray, size: int) -> list[ShardSettings]:
+def read_settings(reduced: np.ndarray, size: int) -> list[SharedSettings]:
     """Every rank's settings from the reduced slots."""
-    return [
-        ShardSettings(bool(reduced[r]), int(reduced[size + r]), int(reduced[2 * size + r]))
-        for r in range(size)
-    ]
+    out = []
+    for r in range(size):
+        values = [int(reduced[k * size + r]) for k in range(SETTINGS_SLOTS)]
+        out.append(SharedSettings(bool(values[0]), *values[1:]))
+    return out
 
 
-class SettingsMismatchError(CollectiveError):
+class SettingsMismatchError(FtmeshError):
     """Some members of the view were started with other settings than the members holding the
     mesh's newest state (``odd``: their ids). Raised on the members that match: they retry
     once the odd ones, which raise ``ConfigError``, have left the view."""
@@ -118,46 +163,83 @@ class SettingsMismatchError(CollectiveError):
         self.odd = tuple(odd)
 
 
-def check_settings(
-    settings: Sequence[ShardSettings],
+@dataclass(frozen=True, slots=True)
+class SettingsProblem:
+    """What :func:`settings_problem` found: ``fatal`` (this member must stop: ``ConfigError``)
+    or not (wait for the ``odd`` members to leave)."""
+
+    message: str
+    fatal: bool
+    odd: tuple[str, ...] = ()
+
+
+def settings_problem(
+    settings: Sequence[SharedSettings],
     members: Sequence[str],
     rank: int,
     established: Sequence[int] = (),
-) -> None:
+) -> SettingsProblem | None:
     """Compare the members' settings (in rank order; ``rank`` is ours). ``established``: the
     ranks holding the mesh's newest committed state (none before anybody trained). When they
-    agree, theirs are the mesh's settings: a member that differs raises ``ConfigError``, one
-    that matches raises ``SettingsMismatchError`` (a misconfigured joiner must not stop a
-    running mesh). Otherwise every member raises ``ConfigError``. Every member computes the
-    same from the same reduced slots."""
-    fields = ["shard_optimizer"]
+    agree, theirs are the mesh's settings: a member that differs must stop (``fatal``), one
+    that matches waits for the odd ones to leave (a misconfigured joiner must not stop a
+    running mesh). Otherwise every member must stop. Every member computes the same from the
+    same reduced slots."""
+    names = [f for f in _FIELDS if f not in _SHARD_FIELDS]
     if all(s.shard_optimizer for s in settings):  # (the others are 0 when it is off)
-        fields += ["replicas", "checkpoint_every"]
+        names += list(_SHARD_FIELDS)
     problems = []
-    for name in fields:
+    for name in names:
         by_value: dict[object, list[str]] = {}
         for s, member in zip(settings, members, strict=True):
             by_value.setdefault(getattr(s, name), []).append(member)
         if len(by_value) > 1:
-            who = "; ".join(f"{v} on {_names(ms)}" for v, ms in by_value.items())
-            problems.append(f"{name}: {who}")
+            groups = list(by_value.values())
+            if name in _LABELS:
+                who = " vs ".join(_names(ms) for ms in groups)
+                problems.append(f"{_LABELS[name]}: {who}")
+            else:
+                shown = _VALUE_NAMES.get(name)
+                who = "; ".join(
+                    f"{shown[v] if shown and isinstance(v, int) else v} on {_names(ms)}"
+                    for v, ms in by_value.items()
+                )
+                problems.append(f"{name}: {who}")
     if not problems:
-        return
+        return None
     what = f"members of the mesh were started with different settings: {' | '.join(problems)}"
     reference = {settings[r] for r in established}
     if len(reference) == 1:
         (ours,) = reference
         if settings[rank] == ours:
-            odd = [m for s, m in zip(settings, members, strict=True) if s != ours]
-            raise SettingsMismatchError(f"{what}; waiting for {_names(odd)} to leave", odd)
-        raise ConfigError(
+            odd = tuple(m for s, m in zip(settings, members, strict=True) if s != ours)
+            return SettingsProblem(f"{what}; waiting for {_names(odd)} to leave", False, odd)
+        return SettingsProblem(
             f"{what}. This member's settings differ from those of the members holding the "
-            f"mesh's newest state ({ours}): restart it with theirs"
+            f"mesh's newest state: restart it with theirs",
+            True,
         )
-    raise ConfigError(
-        f"{what}. Start every member with the same shard_optimizer, replicas and "
-        "checkpoint_every (checkpoint_every counts as 0 without a checkpoint_dir)"
+    return SettingsProblem(
+        f"{what}. Start every member with the same settings and registered state "
+        "(checkpoint_every counts as 0 without a checkpoint_dir)",
+        True,
     )
+
+
+def check_settings(
+    settings: Sequence[SharedSettings],
+    members: Sequence[str],
+    rank: int,
+    established: Sequence[int] = (),
+) -> None:
+    """:func:`settings_problem` as exceptions: ``ConfigError`` when fatal, else
+    ``SettingsMismatchError``."""
+    problem = settings_problem(settings, members, rank, established)
+    if problem is None:
+        return
+    if problem.fatal:
+        raise ConfigError(problem.message)
+    raise SettingsMismatchError(problem.message, problem.odd)
 
 
 def _names(members: Sequence[str], at_most: int = 4) -> str:

@@ -1,0 +1,188 @@
+"""The loop API: one attempt at one step, in ordinary PyTorch (``ElasticTrainer.steps``).
+
+Theory of operation. ``for step in trainer.steps(): with step: ...`` — the iterator hands the
+loop one :class:`Step` per *attempt*; the ``with`` block is the step's body. Inside it the
+user iterates ``step.batches()`` (or ``step.indices()``): this member's share of the step's
+global batch, in micro-batches, with ``loss.backward()`` for each; when the iteration ends,
+the gradients are the mean over the whole global batch, reduced across the mesh and checked,
+and the user may clip them, unscale them (``GradScaler``), step the optimizer and the
+schedulers, log. Where each hook runs:
+
+* ``with step:`` (entering) — the attempt starts: gradients are zeroed (the trainer owns
+  them: no ``zero_grad()`` needed), a state check's digests are taken;
+* each micro-batch's ``backward`` — gradients accumulate in the buckets; during the last one
+  the buckets are allreduced as they complete;
+* the end of ``step.batches()`` — the last bucket is reduced and the header checked (a failure
+  here aborts the attempt, see below; a state divergence raises ``StateDivergedError``);
+* ``optimizer.step()`` — the user's, unchanged (a pre-hook refuses it before the gradients
+  are reduced); in sharded mode the trainer's sharded update, which ends with an allgather;
+* the end of the ``with`` block — the step is committed: registered objects other than
+  modules and optimizers are captured (``ftmesh.torch.state``), a checkpoint may be written.
+  ``step.report`` is then set; code after the block runs once per committed step.
+
+A failed attempt (a peer lost, the ring broke, data of another round) raises
+:class:`StepAborted` from the end of ``step.batches()`` or from a sharded ``optimizer.step()``,
+so nothing after it in the body runs; ``with step`` swallows it and the iterator hands the
+loop a new attempt at the *same* step with a new share. When the others committed the step
+meanwhile (this member failed at its very end), the step is adopted: the iterator moves on to
+the next one without running the body again. Any other exception leaves the ``with`` block
+as usual (the step is not committed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import FtmeshError, LocalUsageError
+from ..training.actions import (
+    Compute,
+    Failed,
+    Finished,
+)
+from ..training.step import (
+    StepReport,
+)
+
+if TYPE_CHECKING:
+    from .trainer import ElasticTrainer
+
+
+class StepAborted(FtmeshError):
+    """This attempt failed (``failure``); ``with step:`` swallows it and the trainer hands the
+    loop the step again. Seen only by code that catches exceptions inside a step's body."""
+
+    def __init__(self, failure: Failed) -> None:
+        super().__init__(f"step attempt failed ({failure.kind.value}): {failure.detail}")
+        self.failure = failure
+
+
+class StateDivergedError(FtmeshError):
+    """Members hold different registered state (``parts``: the part names, each with the
+    groups of members that agree). Raised on every member, never retried."""
+
+    def __init__(self, msg: str, parts: dict[str, list[list[str]]]) -> None:
+        super().__init__(msg)
+        self.parts = parts
+
+
+class Step:
+    """One attempt at one step; see the module docstring."""
+
+    def __init__(
+        self,
+        trainer: ElasticTrainer,
+        action: Compute,
+        share: np.ndarray,
+        micro: list[np.ndarray],
+    ) -> None:
+        self._trainer = trainer
+        self.action = action
+        view = action.view
+        self.index = action.index
+        """The step's 0-based index (its place in the data: ``ElasticSampler``)."""
+        self.number = action.index + 1
+        """The committed step count once this step commits (``StepReport.step``)."""
+        self.attempt = action.attempt
+        self.rank = view.rank_of(trainer.mesh.node_id)
+        """This member's place in the ring (node-id order) for this attempt."""
+        self.world_size = view.size
+        """Members in the ring, each applying this step (hot spares included)."""
+        self.is_leader = self.rank == 0
+        """Whether this member is the ring's first (log and save here, once per step)."""
+        self.workers = action.workers
+        """The members computing this attempt."""
+        self.share = len(share)
+        """Samples this member computes."""
+        self.samples = trainer.sampler.batch_size(action.index)
+        """Samples of the step's global batch."""
+        self.epoch = trainer.sampler.epoch_of(action.index)
+        """The 0-based epoch of the step."""
+        self.report: StepReport | None = None
+        """Set when the step committed (at the end of the ``with`` block)."""
+        self.indices_share = share
+        self._micro = micro
+        self._size = 0  # samples of the micro-batch being computed
+        self._entered = False
+        self._iterated = False
+        self.exited = False
+        self.reduced = False
+        self.failure: Failed | None = None
+        self.loss_sum = 0.0
+        self.checks: list[int] | None = None
+        self.announced = False
+        """This member set its leave bit in the step's header (a planned departure)."""
+        self.leaving: tuple[str, ...] = ()
+        """The members that announced in the step that they leave after it."""
+        self.next: Compute | Finished | None = None
+        """What the trainer does after this attempt (set when the ``with`` block ends)."""
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches this member's share runs in."""
+        return len(self._micro)
+
+    def __enter__(self) -> Step:
+        if self._entered:
+            raise LocalUsageError("a step's `with` block runs once; the trainer retries by itself")
+        self._entered = True
+        self._trainer._arm(self)
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: Any) -> bool:
+        self.exited = True
+        return self._trainer._end(self, ev)
+
+    def _running(self) -> None:
+        if not self._entered or self.exited:
+            raise LocalUsageError("use a step's micro-batches inside its `with step:` block")
+
+    def indices(self) -> Iterator[np.ndarray]:
+        """This member's share as micro-batches of sample indices (0-based, into the
+        dataset); iterate to the end, running backward on each: the gradients are then
+        reduced."""
+        self._running()
+        if self._iterated:
+            raise LocalUsageError("a step's micro-batches are iterated once")
+        self._iterated = True
+        buckets = self._trainer.buckets
+        micro = self._micro
+        for k, idx in enumerate(micro):
+            last = k == len(micro) - 1
+            self._size = len(idx)
+            buckets.micro_batch(len(idx) / self.samples, last)
+            yield idx
+            if not last:
+                buckets.between(len(idx) / len(micro[k + 1]))
+        self._size = 0
+        self._trainer._reduce(self)
+
+    def batches(self) -> Iterator[Any]:
+        """This member's share as micro-batches from the trainer's ``DataLoader`` (collated as
+        the loader does); see :meth:`indices`."""
+        loader = self._trainer._loader
+        if loader is None:
+            raise LocalUsageError(
+                "step.batches() needs a trainer built with a DataLoader; with an "
+                "ElasticSampler, iterate step.indices()"
+            )
+        for k, _ in enumerate(self.indices()):
+            yield loader.next_batch((self.index, self.workers, self.action.weights, k))
+
+    def record_loss(self, loss: torch.Tensor | float) -> None:
+        """Count this micro-batch's mean ``loss`` in the step's reported loss
+        (``StepReport.loss``: the mean over the global batch, all members). Optional; costs
+        a device sync for a tensor."""
+        if not self._size:
+            raise LocalUsageError(
+                "record_loss() belongs inside the loop over a step's micro-batches"
+            )
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._trainer.buckets.header[1] += value * self._size
+
+    def _fail(self, failure: Failed) -> None:
+        self.failure = failure
+        raise StepAborted(failure)

@@ -1,0 +1,144 @@
+"""``TrainerConfig``: every setting of the elastic trainer, in one frozen, documented object.
+
+Nothing here reads the environment: ``ftmesh.connect()`` and the CLI turn flags and
+``FTMESH_*`` variables into arguments, and the trainer gets its settings from this object
+alone (``ElasticTrainer(mesh, model, optimizer, data, config=TrainerConfig(...))``, or the
+same names as keyword arguments). Settings that every member must share are marked *mesh-wide*:
+the state sync compares them (``ftmesh.training.shards``) and a member started with other
+values gets ``ConfigError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from ..compression import COMPRESSIONS
+from ..errors import ConfigError
+from .protocol import QUORUM_POLICIES
+
+SPARE_MODES = ("hot", "cold")
+DEFAULT_REPLICAS = 2
+"""Copies of each optimizer shard in sharded mode (the owner and the next member)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    """The trainer's settings; see the module docstring. Units are seconds, steps, samples."""
+
+    min_peers: int = 1
+    """A step runs only on a view of at least this many members (hot spares count)."""
+    max_peers: int = 0
+    """At most this many members compute gradients (the first of the view in node-id order);
+    the others are spares (``spares``). 0: no limit."""
+    spares: Literal["hot", "cold"] = "hot"
+    """``hot``: spares are in the ring, apply every step and take over at the next step with
+    nothing to fetch (costs ring traffic). ``cold``: they wait outside the ring and fetch the
+    state when a slot frees up."""
+    checkpoint_dir: Path | None = None
+    """Where disk checkpoints are written and resumed from (``None``: no checkpoints)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: none). Mesh-wide in sharded mode."""
+    step_timeout: float = 300.0
+    """A step that has not committed after this long raises ``DeadlineExceeded``. Also bounds
+    how long members wait for each other's state transfers."""
+    join_settle: float = 2.0
+    """Before entering the ring, a member waits for membership to be quiet this long, so that
+    it joins the mesh that is there instead of starting a lonely one."""
+    start_peers: int | None = None
+    """A mesh that has not started waits for this many members before its first step (at most
+    ``start_timeout``; then more than half of them go ahead, fewer give up with
+    ``MeshNotFormedError``: ``ftmesh.training.start``); members that join a running mesh never
+    wait. ``None``: what the mesh was started with (``ftmesh.connect(start_peers=...)``,
+    ``ftmesh launch -n N``, ``ftmesh worker --start-peers N``: ``SyncMesh.start_config``)."""
+    start_timeout: float | None = None
+    """The longest a fresh mesh waits for ``start_peers`` (``None``: the mesh's, else 60 s)."""
+    quorum: Literal["majority", "any"] = "majority"
+    """``majority``: a view trains only if it holds more than half of the last view's members
+    (those gone longer than ``quorum_grace`` not counted), so an isolated member waits instead
+    of training alone. ``any``: every view trains."""
+    quorum_grace: float = 5.0
+    """Seconds after which a dead member stops counting towards the quorum."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB: buckets are allreduced while backward still runs. Smaller
+    buckets overlap more, larger ones cost fewer collectives. Mesh-wide (the buckets' shapes)."""
+    micro_batch: int = 0
+    """A member's share of a step runs in micro-batches of at most this many samples, adding
+    up the gradients; the allreduce runs after the last one. Bounds per-member activation
+    memory whatever the number of members (0: the whole share at once)."""
+    check_every: int = 100
+    """Every this many steps the members compare a digest of every registered part of the
+    state, inside the step's gradient allreduce; a difference raises ``StateDivergedError``
+    naming the parts. 0: never. Mesh-wide."""
+    shard_optimizer: bool = False
+    """Shard the optimizer state over the ring, ZeRO-1 style (``ftmesh.torch.zero``).
+    Mesh-wide."""
+    replicas: int = DEFAULT_REPLICAS
+    """Copies of each optimizer shard in sharded mode. Mesh-wide."""
+    compression: str | None = None
+    """``"int8"``: the gradient buckets travel as blockwise int8 with error feedback (one
+    residual per bucket, kept across steps; ``ftmesh.collective.compressed``); the header
+    slots are sent exact. ``None``: float32. Mesh-wide."""
+    data_seed: int = 0
+    """Seed of the data order when the trainer is given a ``DataLoader`` (an
+    ``ElasticSampler`` has its own). Mesh-wide."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
+            object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
+        if self.spares not in SPARE_MODES:
+            raise ConfigError(f"spares must be 'hot' or 'cold', got {self.spares!r}")
+        if self.quorum not in QUORUM_POLICIES:
+            raise ConfigError(f"quorum must be one of {QUORUM_POLICIES}, got {self.quorum!r}")
+        if self.min_peers < 1:
+            raise ConfigError(f"min_peers must be >= 1, got {self.min_peers}")
+        if self.start_peers is not None and self.start_peers < 1:
+            raise ConfigError(f"start_peers must be >= 1, got {self.start_peers}")
+        for name in ("max_peers", "checkpoint_every", "micro_batch", "check_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.compression not in (None, "none", *COMPRESSIONS):
+            raise ConfigError(
+                f"compression must be None or one of {COMPRESSIONS}, got {self.compression!r}"
+            )
+        for name in ("step_timeout", "start_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        for name in ("join_settle", "quorum_grace"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.spares == "cold" and self.max_peers and self.max_peers < self.min_peers:
+            # (hot spares count towards min_peers: they are in the ring)
+            raise ConfigError(f"max_peers ({self.max_peers}) is below min_peers ({self.min_peers})")
+
+    @classmethod
+    def of(cls, config: TrainerConfig | None = None, **overrides: Any) -> TrainerConfig:
+        """``config`` (default: all defaults) with ``overrides`` laid over it; an unknown name
+        is a ``ConfigError`` that lists the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown trainer setting(s) {unknown}; known: {', '.join(sorted(known))}"
+            )
+        return replace(config or cls(), **overrides)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether checkpoints are written at all."""
+        return self.checkpoint_dir is not None and self.checkpoint_every > 0
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether committing ``step`` (1-based) writes a checkpoint."""
+        return self.checkpointing and step % self.checkpoint_every == 0
+
+    def check_due(self, step: int) -> bool:
+        """Whether the step computed after committing ``step`` steps compares state digests
+        (every ``check_every`` steps, starting with the first step)."""
+        return self.check_every > 0 and step % self.check_every == 0

@@ -1,0 +1,851 @@
+"""The fault-tolerant training step, as a sans-IO state machine.
+
+Theory of operation. :class:`StepMachine` decides everything a member does to commit one step
+of ``ftmesh.training.protocol``: when it enters the ring, which view it trains on, whether it
+has a quorum, when it syncs state and with whom, what it computes, what a failure costs, when
+it gives up. It performs nothing itself: it returns *actions* (frozen dataclasses: wait for a
+view, run the sync allreduce, fetch state, compute this share, write a checkpoint...) and the
+driver (``ftmesh.torch.ElasticTrainer``) carries each one out and feeds back its *outcome*
+(a typed value: a view, a reduced vector, bytes fetched, a :class:`Failed` with a
+:class:`Failure` kind). Time comes in with every outcome and randomness from a seeded
+``random.Random``, so a test drives the machine through any sequence of views, failures and
+timeouts instantly and reproducibly (``tests/test_training_step.py``), with no process,
+thread or socket.
+
+One call of :meth:`StepMachine.begin` starts a *run*: a step (``"step"``), a join without
+computing (``"join"``: enter the ring and sync; ``ElasticTrainer.epochs`` positions a joiner
+before its loop starts), or the final sync before leaving (``"finish"``). A run is a sequence
+of *attempts*:
+
+1. **Enter** (outside the ring only): let membership settle (``join_settle``); pass the start
+   gate (``ftmesh.training.start``: in a mesh that has not started, wait for ``start_peers``
+   members, a majority at the timeout, else ``MeshNotFormedError``; a member started to join
+   a running mesh waits for one); as a cold spare, wait for a free slot; then take the role
+   ``train``.
+2. **View**: wait for a view of ``min_peers``; a cold spare that is one too many steps back
+   out; without a quorum of the last view, wait for another view.
+3. **Sync** (when the view differs from the one we last synced on): the sync allreduce, then
+   fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
+   the optimizer state in sharded mode. If the sync shows that the others committed the step
+   we were computing, the run ends there: the step is *adopted*, never computed twice.
+4. **Compute**: our share of the step, as micro-batches; the driver runs backward, the
+   gradient allreduce and the optimizer, and checks the reduced header with
+   :meth:`StepMachine.check_reduction`; the step is committed.
+
+5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
+   leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
+   (the ``Depart`` action: it leaves the mesh, the call raises ``ftmesh.Departed``), the others
+   wait briefly for the view without the leavers and take it without a sync (they all hold
+   the same state). A member asked to leave (:meth:`StepMachine.request_leave`, fed by the
+   driver) announces in the next step it computes; outside the ring, at the start gate, as a
+   cold spare, while waiting for a view, or after a failed attempt it departs at once.
+
+A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
+attempt: the machine forgets the synced view (the next attempt syncs again), pauses as the
+failure calls for, and starts over at 1 or 2. The step's global batch never changes between
+attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeAlias
+
+import numpy as np
+
+from ..collective.view import RingView
+from ..errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FtmeshError,
+    LocalUsageError,
+    TrainingFinishedError,
+)
+from ..membership.messages import MemberState
+from ..mesh_meta import Progress
+from ..stats import Histogram, TrainerStatistics
+from .actions import (
+    EXPECTS,
+    Action,
+    Advertise,
+    Barrier,
+    Checkpoint,
+    Compute,
+    Computed,
+    Depart,
+    DropRing,
+    Failed,
+    Failure,
+    FallBack,
+    Fetch,
+    Fetched,
+    Finished,
+    Loaded,
+    MemberInfo,
+    Members,
+    Outcome,
+    PrepareJoin,
+    Raise,
+    ReadMembers,
+    ReadView,
+    Reduced,
+    Reshard,
+    Saved,
+    SetRole,
+    Settle,
+    Sleep,
+    Sync,
+    ViewSeen,
+    WaitToStart,
+    WaitView,
+    WaitViewChange,
+    WorldChanged,
+)
+from .config import TrainerConfig
+from .protocol import (
+    COUNTER_SLOTS,
+    FRESH,
+    HEADER_SLOTS,
+    has_quorum,
+    leavers,
+    own_slots_intact,
+    plan_sync,
+    reduction_problem,
+    sync_vector,
+)
+from .shards import (
+    COMPRESSION_CODES,
+    SETTINGS_SLOTS,
+    SharedSettings,
+    read_settings,
+    settings_problem,
+    settings_slots,
+)
+from .start import StartConfig
+
+log = logging.getLogger("ftmesh.training")
+
+REANNOUNCE_EVERY = 20
+"""Failed attempts after which a member that never trained re-enters the ring."""
+SLOT_POLL_S = 1.0
+"""The longest a spare waits for a membership change before looking again."""
+QUORUM_POLL_S = 1.0
+"""The longest a member without quorum waits for another view before looking again."""
+RETRY_JITTER_S = 0.2
+"""Retry after a loss of a peer that is still alive within this many seconds, at random, so
+that members that failed together do not retry in lockstep."""
+LOSS_WAIT_S = 0.5
+"""After a loss of a peer that membership no longer holds alive, how long to wait for the
+view to drop it; short, so that we are back before neighbours that wait for us give up."""
+DEPARTURE_WAIT_S = 2.0
+"""How long the members that stay wait for membership to show the view without the members
+that announced their departure (their graceful leave reaches everyone in milliseconds; after
+this the next step runs on whatever view there is, with a sync)."""
+
+
+# -- reports --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    step: int
+    """The committed step count after this step (1 after the first step)."""
+    loss: float
+    """Mean loss over the step's global batch, all members together (``nan``: not recorded,
+    or an adopted step)."""
+    samples: int
+    members: tuple[str, ...]
+    """The members of the view the step ran on (ring order)."""
+    epoch: str
+    """The view epoch the step ran on."""
+    attempts: int
+    """1 when the step ran without a failure."""
+    synced: bool
+    """Whether this step began with a state sync (view changed)."""
+    sync_bytes: int = 0
+    """State bytes this member received in the sync (0: it was not behind)."""
+    sync_seconds: float = 0.0
+    """Seconds the last sync took (agreement plus state transfer)."""
+    share: int = 0
+    """Samples this member computed (0: a hot spare, or an adopted step)."""
+    adopted: bool = False
+    """Others committed this step and we took their state in a sync (a joiner's first step,
+    or a step whose end we missed); ``loss`` is then unknown (nan)."""
+    leaving: tuple[str, ...] = ()
+    """Members that announced in this step that they leave after it (planned departures)."""
+
+
+@dataclass(slots=True)
+class _Counters:
+    step_seconds: Histogram = field(default_factory=Histogram)
+    recovery_seconds: Histogram = field(default_factory=Histogram)
+    samples_total: int = 0
+    steps_total: int = 0
+    share: int = 0
+    world_size: int = 0
+    attempts_total: int = 0
+    state_transfer_bytes: int = 0
+    checkpoint_step: int = -1
+    last_step_s: float = 0.0
+    sps: float = 0.0
+    """Samples per second this member computed, smoothed (``SPS_SMOOTHING``)."""
+    last_fault: str = ""
+
+
+SPS_SMOOTHING = 0.2
+"""Weight of the newest step in the published samples/s (an exponential moving average)."""
+
+_Run: TypeAlias = Generator[Action, tuple[float, Outcome], StepReport | None]
+
+
+class _Abort(Exception):
+    """Ends a run with a ``Raise`` action (raised inside the run's generator)."""
+
+    def __init__(self, error: BaseException, cause: BaseException | None = None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.cause = cause
+
+
+class _Leave(Exception):
+    """Ends a run with a ``Depart`` action (raised inside the run's generator)."""
+
+    def __init__(self, action: Depart) -> None:
+        super().__init__(f"departing after step {action.step}")
+        self.action = action
+
+
+class StepMachine:
+    """One member's step machine; see the module docstring. ``batch_size(index)`` gives the
+    size of step ``index``'s global batch (the sampler's)."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        me: str,
+        rng: random.Random,
+        batch_size: Callable[[int], int],
+        *,
+        start: StartConfig | None = None,
+    ) -> None:
+        self.config = config
+        self.me = me
+        self.rng = rng
+        self.batch_size = batch_size
+        self.start = start or StartConfig()
+        """How this member starts (``ftmesh.training.start``; the driver's ``WaitToStart``)."""
+        self.leave_requested = False
+        """A planned departure was asked for (:meth:`request_leave`)."""
+        self.committed = FRESH
+        """Steps committed (``FRESH``: never trained in this mesh)."""
+        self.in_ring = False
+        self.synced_epoch = ""
+        """The view we last synced on ("" after a failure: sync again)."""
+        self.last_view: tuple[str, ...] = ()
+        self.world = 0
+        """Members computing on the last view we synced on."""
+        self.recoveries = 0
+        self.fallbacks = 0
+        self.last_sync_bytes = 0
+        self.last_sync_seconds = 0.0
+        self.layout = (0, 0, 0)
+        """(state, bucket, data) layout hashes, set by the driver (``SharedSettings``)."""
+        self._dead_since: dict[str, float] = {}
+        self._own_sync: np.ndarray | None = None
+        self._run: _Run | None = None
+        self._pending: Action | None = None
+        self._stats = _Counters()
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def begin(self, now: float, kind: str = "step", timeout: float | None = None) -> Action:
+        """Start a run (``step``, ``join`` or ``finish``; ``timeout`` bounds a ``finish``) and
+        return its first action."""
+        if kind == "step":
+            run = self._attempts(now, compute=True)
+        elif kind == "join":
+            run = self._attempts(now, compute=False)
+        elif kind == "finish":
+            run = self._finish(now, 60.0 if timeout is None else timeout)
+        else:
+            raise LocalUsageError(f"unknown run {kind!r}")
+        self._run = run
+        return self._advance(lambda: next(run))
+
+    def request_leave(self) -> None:
+        """Input: this member was asked to leave (``SyncMesh.leave_requested``; the driver
+        calls this before it feeds an outcome). It announces in the next step it computes, or
+        departs at once where there is nothing to announce (see the module docstring)."""
+        self.leave_requested = True
+
+    @property
+    def pending(self) -> Action | None:
+        """The action the driver is carrying out (``None`` between runs)."""
+        return self._pending
+
+    def feed(self, now: float, outcome: Outcome) -> Action:
+        """The outcome of the pending action; returns the next action."""
+        action, run = self._pending, self._run
+        if action is None or run is None:
+            raise LocalUsageError("no run in progress: call begin() first")
+        expected = EXPECTS.get(type(action), ())
+        if not isinstance(outcome, expected):
+            names = " or ".join(t.__name__ for t in expected) or "nothing"
+            raise LocalUsageError(
+                f"{type(action).__name__} expects {names}, got {type(outcome).__name__}"
+            )
+        return self._advance(lambda: run.send((now, outcome)))
+
+    def _advance(self, step: Callable[[], Action]) -> Action:
+        try:
+            action = step()
+        except StopIteration as stop:
+            action = Finished(stop.value)
+        except _Abort as abort:
+            action = Raise(abort.error, abort.cause)
+        except _Leave as leave:
+            action = leave.action
+        self._pending = None if isinstance(action, Finished | Depart | Raise) else action
+        if self._pending is None:
+            self._run = None
+        return action
+
+    # -- pure helpers the driver calls -------------------------------------------------------
+
+    @property
+    def settings(self) -> SharedSettings:
+        """What every member must share (compared in every sync)."""
+        c = self.config
+        every = c.checkpoint_every if c.checkpoint_dir is not None else 0
+        return SharedSettings.of(
+            c.shard_optimizer,
+            c.replicas,
+            every,
+            max_peers=c.max_peers,
+            check_every=c.check_every,
+            compression=COMPRESSION_CODES.index(c.compression or "none"),
+            state_layout=self.layout[0],
+            bucket_layout=self.layout[1],
+            data_layout=self.layout[2],
+        )
+
+    def sync_vector(self, view: RingView, nbytes: int, digest: str) -> np.ndarray:
+        """Our contribution to the pending ``Sync``: the sync vector of our committed step,
+        state size and digest, and our settings."""
+        rank = view.rank_of(self.me)
+        vec = np.concatenate(
+            [
+                sync_vector(rank, view.size, self.committed, nbytes, digest),
+                settings_slots(self.settings, rank, view.size),
+            ]
+        )
+        self._own_sync = vec.copy()
+        return vec
+
+    def compute_set(self, view: RingView) -> tuple[str, ...]:
+        """The members that compute on ``view``: the first ``max_peers`` (all without a
+        limit); the others are hot spares."""
+        m = self.config.max_peers
+        return view.node_ids[:m] if m else view.node_ids
+
+    def check_reduction(
+        self,
+        action: Compute,
+        header: Sequence[float],
+        own_checks: Sequence[int] | None,
+        announced: bool = False,
+    ) -> Failed | tuple[int, ...] | None:
+        """Check the reduced header of ``action``: ``None`` when it is sound, a ``Failed``
+        (``DESYNC``: feed it back) when it is data of another round, or the indices of the
+        registered parts whose digests differ between members (a fatal divergence).
+        ``announced``: we set our leave bit in it."""
+        view = action.view
+        problem = reduction_problem(
+            action.index,
+            view.size,
+            self.batch_size(action.index),
+            header,
+            own_checks,
+            view.rank_of(self.me),
+            announced,
+        )
+        if problem is None:
+            return None
+        if problem.desync:
+            return Failed(Failure.DESYNC, problem.desync)
+        return problem.diverged
+
+    def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
+        """The members that announced in ``action``'s reduced header (checked with
+        :meth:`check_reduction`) that they leave after the step."""
+        ranks = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), action.view.size)
+        return tuple(action.view.node_ids[r] for r in ranks or ())
+
+    def progress(self, backend: str = "tcp") -> Progress:
+        """What the member publishes after a committed step (``SyncMesh.report_progress``)."""
+        s = self._stats
+        return Progress(
+            step=max(self.committed, 0),
+            step_s=s.last_step_s,
+            share=s.share,
+            sps=s.sps,
+            world=s.world_size,
+            backend=backend,
+            fault=s.last_fault,
+        )
+
+    def statistics(self) -> TrainerStatistics:
+        s = self._stats
+        return TrainerStatistics(
+            committed_step=max(self.committed, 0),
+            world_size=s.world_size,
+            share=s.share,
+            samples_total=s.samples_total,
+            steps_total=s.steps_total,
+            attempts_total=s.attempts_total,
+            step_seconds=s.step_seconds.snapshot(),
+            recovery_seconds=s.recovery_seconds.snapshot(),
+            state_transfer_bytes_total=s.state_transfer_bytes,
+            checkpoint_step=s.checkpoint_step,
+        )
+
+    # -- a run -----------------------------------------------------------------------------
+
+    def _attempts(self, now: float, *, compute: bool) -> _Run:
+        cfg = self.config
+        started = now
+        deadline = now + cfg.step_timeout
+        attempts = 0
+        synced = False
+        failed_at: float | None = None
+        entered_at = max(self.committed, 0)
+        while True:
+            attempts += 1
+            self._stats.attempts_total += 1
+            if self.leave_requested and (attempts > 1 or not self.in_ring):
+                self._depart()  # nothing to announce, or the announcing attempt failed
+            if not self.in_ring:
+                now, deadline = yield from self._enter(now, deadline)
+                settle = cfg.join_settle / 4
+            else:
+                settle = 0.0
+            now, seen = yield WaitView(cfg.min_peers, settle, max(deadline - now, 0.1))
+            if self.leave_requested and _seen(seen) is None:
+                self._depart()
+            view = _view(seen)
+            if self._over_max_peers(view):
+                log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
+                self.in_ring = False
+                continue
+            now, quorate = yield from self._quorate(now, view)
+            if not quorate:
+                log.info(
+                    "view of %d lacks a quorum of the last view of %d; waiting",
+                    view.size,
+                    len(self.last_view),
+                )
+                now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+                if now > deadline:
+                    raise _Abort(DeadlineExceeded(f"no quorum within {cfg.step_timeout}s"))
+                continue
+            failure: Failed | None = None
+            if view.epoch != self.synced_epoch:
+                now, failure = yield from self._sync(now, view, shards=True)
+                if failure is None:
+                    synced = True
+                    if self.committed > entered_at:
+                        # Others committed the step we were computing (we failed at its end,
+                        # or joined): adopting it was this step.
+                        return self._done(started, now, failed_at, attempts, view, None)
+            if failure is None and not compute:
+                return None
+            if failure is None:
+                index = self.committed
+                action = Compute(
+                    view=view,
+                    index=index,
+                    workers=self.compute_set(view),
+                    weights=None,
+                    check=cfg.check_due(index),
+                    attempt=attempts,
+                )
+                now, out = yield action
+                if isinstance(out, Computed):
+                    self.committed = index + 1
+                    if synced:  # the first step on a view made whatever state it makes
+                        yield Advertise()
+                    if cfg.checkpoint_due(self.committed):
+                        now, saved = yield Checkpoint(self.committed)
+                        if isinstance(saved, Saved) and saved.written:
+                            self._stats.checkpoint_step = self.committed
+                    report = self._done(started, now, failed_at, attempts, view, (out, synced))
+                    if out.leaving:
+                        yield from self._see_off(now, view, report)
+                    return report
+                failure = _failed(out)
+            # -- the attempt failed
+            failed_at = now if failed_at is None else failed_at
+            self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
+            if failure.kind is Failure.DESYNC:
+                log.warning(
+                    "collective data from another round on view %s: %s", view.epoch, failure.detail
+                )
+                now, _ = yield DropRing(view)
+            self.synced_epoch = ""  # whatever happened, agree on state again first
+            if failure.kind is Failure.STATE_LOST:
+                now, loaded = yield FallBack(failure)
+                assert isinstance(loaded, Loaded)
+                self.committed = loaded.step
+                self.fallbacks += 1
+            else:
+                self.recoveries += 1
+            if now > deadline:
+                error = DeadlineExceeded(
+                    f"step {self.committed + 1} did not commit within {cfg.step_timeout}s "
+                    f"({attempts} attempts; last: {failure.detail})"
+                )
+                raise _Abort(error, failure.error)
+            if failure.kind is Failure.STATE_LOST:
+                continue
+            log.info(
+                "step %d attempt %d failed (%s); retrying on the next view",
+                self.committed + 1,
+                attempts,
+                failure.detail,
+            )
+            if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
+                # A joiner that cannot get in: step out of the ring and back in, which every
+                # member sees as a view change (and a fresh sync).
+                yield from self._step_out()
+                continue
+            if failure.kind is Failure.PEER_LOST:
+                now, members = yield ReadMembers()
+                states = {m.node: m.state for m in _members(members)}
+                if states.get(failure.peer) == MemberState.ALIVE:
+                    # Typically a neighbour that gave up a ring and is forming the next one.
+                    now, _ = yield Sleep(self.rng.uniform(0.0, RETRY_JITTER_S))
+                else:
+                    now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
+            elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
+                now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+
+    def _done(
+        self,
+        started: float,
+        now: float,
+        failed_at: float | None,
+        attempts: int,
+        view: RingView,
+        computed: tuple[Computed, bool] | None,
+    ) -> StepReport:
+        s = self._stats
+        s.steps_total += 1
+        s.last_step_s = now - started
+        s.step_seconds.observe(s.last_step_s)
+        if failed_at is not None:
+            s.recovery_seconds.observe(now - failed_at)
+        samples = self.batch_size(self.committed - 1)
+        s.world_size = len(self.compute_set(view))
+        if computed is None:  # adopted
+            s.share = 0
+            return StepReport(
+                step=self.committed,
+                loss=float("nan"),
+                samples=samples,
+                members=view.node_ids,
+                epoch=view.epoch,
+                attempts=attempts,
+                synced=True,
+                sync_bytes=self.last_sync_bytes,
+                sync_seconds=self.last_sync_seconds,
+                adopted=True,
+            )
+        out, synced = computed
+        s.share = out.share
+        s.samples_total += out.share
+        rate = out.share / max(s.last_step_s, 1e-6)
+        s.sps = rate if s.steps_total == 1 else s.sps + SPS_SMOOTHING * (rate - s.sps)
+        return StepReport(
+            step=self.committed,
+            loss=out.loss_sum / samples,
+            samples=samples,
+            members=view.node_ids,
+            epoch=view.epoch,
+            attempts=attempts,
+            synced=synced,
+            sync_bytes=self.last_sync_bytes if synced else 0,
+            sync_seconds=self.last_sync_seconds if synced else 0.0,
+            share=out.share,
+            leaving=out.leaving,
+        )
+
+    def _finish(self, now: float, timeout: float) -> _Run:
+        """A last sync on the current view before leaving, so that a member whose final step
+        failed after others committed it catches up instead of redoing it alone."""
+        deadline = now + timeout
+        while now < deadline:
+            now, seen = yield WaitView(1, 0.0, max(deadline - now, 0.1))
+            view = _view(seen)
+            now, failure = yield from self._sync(now, view, shards=True)
+            if failure is not None and failure.kind is Failure.STATE_LOST:
+                # Members that finished first took their shards with them; the optimizer
+                # state is of no further use: agree on the model only.
+                now, failure = yield from self._sync(now, view, shards=False)
+            if failure is None:
+                yield SetRole("done")  # spares waiting for a slot stop waiting
+                return None
+            log.info("final sync failed (%s); retrying", failure.detail)
+            if failure.kind is Failure.DESYNC:
+                now, _ = yield DropRing(view)
+            now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+        raise _Abort(DeadlineExceeded(f"final sync did not complete within {timeout}s"))
+
+    # -- entering the ring -----------------------------------------------------------------
+
+    def _enter(
+        self, now: float, deadline: float
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, float]]:
+        cfg = self.config
+        # Let discovery and gossip settle (so we join the mesh that is there instead of
+        # starting a lonely one), then enter the ring at a step boundary.
+        now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
+        if self.start.waits:
+            now, _ = yield WaitToStart(max(deadline - now, 0.1))
+            if self.leave_requested:
+                self._depart()
+        if cfg.max_peers and cfg.spares == "cold":
+            now = yield from self._wait_for_slot(now)
+            deadline = now + cfg.step_timeout
+        now, _ = yield PrepareJoin()
+        now, _ = yield SetRole("train")
+        self.in_ring = True
+        return now, deadline
+
+    def _wait_for_slot(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
+        """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots
+        (``max_peers`` less the members training) go to the candidates (spares and members
+        still joining) in node-id order, so every member that sees the same membership picks
+        the same ones; the choice is re-made on every membership change, so a member that
+        looked at a stale membership catches up (too many that step in at once are sorted out
+        by ``_over_max_peers``). Once a training member has finished (role ``done``) no slot
+        is taken: that is how training ends, and the run raises ``TrainingFinishedError`` when
+        none is training any more (also when the last ones left: nobody holds the state). A
+        member that left while others train (a planned departure) frees its slot."""
+        now, _ = yield SetRole("spare")
+        announced = False
+        while True:
+            if self.leave_requested:
+                self._depart()
+            now, out = yield ReadMembers()
+            members = _members(out)
+            alive = [m for m in members if m.state == MemberState.ALIVE]
+            training = [m.node for m in alive if m.role == "train"]
+            finished = any(m.role == "done" for m in members)
+            left = any(m.state == MemberState.LEFT and m.role == "train" for m in members)
+            if not training and (finished or left):
+                error = TrainingFinishedError("the training finished while we waited as a spare")
+                raise _Abort(error)
+            if not finished:
+                candidates = sorted(m.node for m in alive if m.role in ("spare", "joining"))
+                free = self.config.max_peers - len(training)
+                if free > 0 and self.me in candidates[:free]:
+                    return now
+            if not announced:
+                log.info(
+                    "%d members train (max_peers %d): waiting as a spare",
+                    len(training),
+                    self.config.max_peers,
+                )
+                announced = True
+            now, _ = yield WaitViewChange(None, SLOT_POLL_S)
+
+    def _step_out(self) -> Generator[Action, tuple[float, Outcome], None]:
+        """Leave the ring (role ``joining``) until the next attempt enters it again."""
+        yield SetRole("joining")
+        self.in_ring = False
+
+    def _over_max_peers(self, view: RingView) -> bool:
+        """Cold spares: whether we, not having trained yet, are one too many: members that
+        started together can all see a free slot before their roles have spread. The first
+        ``max_peers`` of the view (node-id order) stay, as every member computes alike."""
+        m = self.config.max_peers
+        return bool(
+            m
+            and self.config.spares == "cold"
+            and self.committed == FRESH
+            and view.size > m
+            and self.me not in view.node_ids[:m]
+        )
+
+    def _quorate(
+        self, now: float, view: RingView
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, bool]]:
+        if self.config.quorum == "any" or not self.last_view:
+            return now, True
+        if set(self.last_view) <= set(view.node_ids):  # all that last trained are here
+            self._dead_since.clear()
+            return now, True
+        now, out = yield ReadMembers()
+        states = {m.node: m.state for m in _members(out)}
+        gone = (MemberState.DEAD, MemberState.LEFT)
+        for node in self.last_view:
+            # Forgotten members (dead for long) count as dead.
+            if states.get(node, MemberState.DEAD) in gone:
+                self._dead_since.setdefault(node, now)
+            else:
+                self._dead_since.pop(node, None)
+        # Members that left, and members the ring leaves out (unreachable, or failing
+        # verification: every member, they included, computes them out of its view from the
+        # same gossip, as it sees a departure), do not count, at once.
+        excluded = {m.node for m in _members(out) if m.excluded}
+        left = [n for n in self.last_view if states.get(n) == MemberState.LEFT or n in excluded]
+        grace = self.config.quorum_grace
+        dead = [n for n, t in self._dead_since.items() if now - t >= grace]
+        return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
+
+    # -- the sync --------------------------------------------------------------------------
+
+    def _sync(
+        self, now: float, view: RingView, *, shards: bool
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
+        started = now
+        self.last_sync_bytes = 0
+        rank = view.rank_of(self.me)
+        now, out = yield Sync(view)
+        if isinstance(out, Failed):
+            return now, out
+        vec, own = _reduced(out), self._own_sync
+        assert own is not None
+        cut = len(vec) - SETTINGS_SLOTS * view.size
+        theirs = read_settings(vec[cut:], view.size)
+        if not own_slots_intact(vec[:cut], own[:cut], rank, view.size) or (
+            theirs[rank] != self.settings
+        ):
+            # Every other member writes FRESH into our slots, so max() must give ours back.
+            what = f"sync vector {vec.tolist()} lost our slots {own.tolist()}"
+            return now, Failed(Failure.DESYNC, what)
+        plan = plan_sync(vec[:cut])
+        trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
+        problem = settings_problem(theirs, view.node_ids, rank, plan.holders if trained else ())
+        if problem is not None and problem.fatal:
+            # Step out of the ring first: the members that go on see a view without us at
+            # once, even if the script catches the error and stays alive.
+            yield from self._step_out()
+            raise _Abort(ConfigError(problem.message))
+        if problem is not None:
+            return now, Failed(Failure.SETTINGS, problem.message)
+        log.info(
+            "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
+            view.epoch,
+            rank,
+            view.size,
+            self.committed,
+            vec[: view.size].tolist(),
+            plan.target_step,
+            plan.root,
+            plan.behind,
+        )
+        if rank in plan.behind:
+            now, out = yield Fetch(view, plan)
+            if isinstance(out, Failed):
+                return now, out
+            self.last_sync_bytes = _fetched(out)
+            self.committed = plan.target_step
+        if plan.behind:
+            # Nobody moves on (and, at the end, leaves) while others still fetch from it.
+            now, out = yield Barrier(view)
+            if isinstance(out, Failed):
+                return now, out
+        self.committed = plan.target_step
+        if self.config.shard_optimizer and shards:
+            everyone = tuple(range(view.size))
+            candidates = plan.holders if plan.behind else everyone
+            now, out = yield Reshard(view, plan.target_step, candidates)
+            if isinstance(out, Failed):
+                return now, out
+            self.last_sync_bytes += _fetched(out)
+        self._stats.state_transfer_bytes += self.last_sync_bytes
+        self.last_sync_seconds = now - started
+        now = yield from self._settle_on(now, view)
+        return now, None
+
+    def _settle_on(
+        self, now: float, view: RingView
+    ) -> Generator[Action, tuple[float, Outcome], float]:
+        """Every member of ``view`` holds our state: steps run on it without a sync."""
+        self.synced_epoch = view.epoch
+        self.last_view = view.node_ids
+        world = len(self.compute_set(view))
+        if self.world != world:
+            if self.world:
+                now, _ = yield WorldChanged(self.world, world)
+            self.world = world
+        return now
+
+    # -- planned departures ----------------------------------------------------------------
+
+    def _depart(self, report: StepReport | None = None) -> NoReturn:
+        raise _Leave(Depart(max(self.committed, 0), report))
+
+    def _see_off(
+        self, now: float, view: RingView, report: StepReport
+    ) -> Generator[Action, tuple[float, Outcome], None]:
+        """After a step in which members announced that they leave: one barrier on its view,
+        so that no leaver goes before every member has committed the step (its leaving would
+        abort collectives still running on the view); then the leavers depart, and the others
+        wait for membership to show the view without them and take it without a sync (they
+        hold the same state), or else sync as after any change."""
+        gone = report.leaving
+        now, _ = yield Barrier(view)  # a failure does not matter: the step is committed
+        if self.me in gone:
+            self._depart(report)
+        end = now + DEPARTURE_WAIT_S
+        now, seen = yield ReadView()
+        current = _seen(seen)
+        while current is not None and any(n in current.node_ids for n in gone):
+            if now >= end:
+                return
+            now, seen = yield WaitViewChange(current.epoch, end - now)
+            current = _seen(seen)
+        rest = tuple(n for n in view.node_ids if n not in gone)
+        if current is not None and current.node_ids == rest and not self.config.shard_optimizer:
+            # (Sharded: the leavers' shards must be re-spread, which the sync does.)
+            yield from self._settle_on(now, current)
+
+
+# -- outcome accessors (the machine checks the type of every outcome in ``feed``) -----------
+
+
+def _view(outcome: Outcome) -> RingView:
+    view = _seen(outcome)
+    if view is None:
+        raise FtmeshError("WaitView returned no view")
+    return view
+
+
+def _seen(outcome: Outcome) -> RingView | None:
+    assert isinstance(outcome, ViewSeen)
+    return outcome.view
+
+
+def _members(outcome: Outcome) -> tuple[MemberInfo, ...]:
+    assert isinstance(outcome, Members)
+    return outcome.members
+
+
+def _reduced(outcome: Outcome) -> np.ndarray:
+    assert isinstance(outcome, Reduced)
+    return outcome.vector
+
+
+def _fetched(outcome: Outcome) -> int:
+    assert isinstance(outcome, Fetched)
+    return outcome.nbytes
+
+
+def _failed(outcome: Outcome) -> Failed:
+    assert isinstance(outcome, Failed)
+    return outcome

@@ -1,0 +1,52 @@
+"""Instrumentation for end-to-end tests of training scripts that are run as written: Python
+loads this module at start-up when a test puts ``tests/hooks`` on ``PYTHONPATH``.
+
+With ``FTMESH_TEST_TRACE`` set, every ``ElasticTrainer`` prints one progress line
+(``FTMESH {json}``, what ``ftmesh launch`` reads to kill and join by step) per step it commits
+or adopts: the step, the learning rate of the optimizer's first group, the state digest, the
+members and the share. ``FTMESH_TEST_STEP_DELAY`` (seconds) paces the steps, so that a
+joiner's start-up lands mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _install() -> None:
+    from ftmesh.torch import trainer as trainer_module
+
+    delay = float(os.environ.get("FTMESH_TEST_STEP_DELAY") or 0)
+    original = trainer_module.ElasticTrainer.__init__
+
+    def trace(trainer: Any, report: Any) -> None:
+        record = {
+            "step": report.step,
+            "node": trainer.mesh.node_id,
+            "lr": trainer.optimizer.param_groups[0]["lr"],
+            "digest": trainer.digest(),
+            "members": len(report.members),
+            "share": report.share,
+            "samples": report.samples,
+            "attempts": report.attempts,
+            "synced": report.synced,
+            "adopted": report.adopted,
+        }
+        sys.stdout.write("FTMESH " + json.dumps(record) + "\n")
+        sys.stdout.flush()
+        if delay:
+            time.sleep(delay)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.add_step_hook(trace)
+
+    trainer_module.ElasticTrainer.__init__ = init  # type: ignore[method-assign]
+
+
+if os.environ.get("FTMESH_TEST_TRACE"):
+    _install()

@@ -1,0 +1,635 @@
+"""The step machine (``ftmesh.training.step``) without processes, threads or sockets: scripted
+runs of one machine, and a seeded lockstep world of several machines on a fake mesh with
+kills, joins and collectives that complete for some members only. Time is simulated, so
+every test runs instantly; each world test prints its seed (``FTMESH_SEEDS`` sweeps more)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ftmesh.collective.view import Peer, RingView
+from ftmesh.errors import ConfigError, DeadlineExceeded, TrainingFinishedError
+from ftmesh.membership.messages import MemberState
+from ftmesh.training.actions import (
+    Action,
+    Advertise,
+    Barrier,
+    Checkpoint,
+    Compute,
+    Computed,
+    Depart,
+    Done,
+    DropRing,
+    Failed,
+    Failure,
+    Fetch,
+    Fetched,
+    Finished,
+    MemberInfo,
+    Members,
+    Outcome,
+    PrepareJoin,
+    Raise,
+    ReadMembers,
+    ReadView,
+    Reduced,
+    SetRole,
+    Settle,
+    Sleep,
+    Sync,
+    ViewSeen,
+    WaitToStart,
+    WaitView,
+    WaitViewChange,
+    WorldChanged,
+)
+from ftmesh.training.config import TrainerConfig
+from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag
+from ftmesh.training.start import StartConfig
+from ftmesh.training.step import (
+    StepMachine,
+)
+
+BATCH = 8
+DIGEST = "ab" * 32
+
+
+def _view(*names: str) -> RingView:
+    return RingView.of(Peer(n, "127.0.0.1", 1) for n in names)
+
+
+def _machine(me: str = "a", **config: Any) -> StepMachine:
+    cfg = TrainerConfig.of(**{"join_settle": 0.0, "quorum": "any", **config})
+    return StepMachine(cfg, me, random.Random(0), lambda _: BATCH)
+
+
+def _synced(m: StepMachine, view: RingView) -> Reduced:
+    """The reduced sync vector of ``view`` where every other member is a twin of ``m`` at the
+    same step with the same state."""
+    vecs = []
+    for peer in view.node_ids:
+        twin = StepMachine(m.config, peer, random.Random(0), lambda _: BATCH)
+        twin.committed, twin.layout = m.committed, m.layout
+        vecs.append(twin.sync_vector(view, 100, DIGEST))
+    reduced = np.maximum.reduce(vecs)
+    m.sync_vector(view, 100, DIGEST)  # (what m would contribute: the same)
+    return Reduced(reduced)
+
+
+def _alone_until_compute(m: StepMachine, view: RingView, now: float = 0.0) -> Compute:
+    """Drive a fresh machine to its first Compute on ``view`` (the others its twins)."""
+    a = m.begin(now)
+    while not isinstance(a, Compute):
+        if isinstance(a, Sync):
+            a = m.feed(now, _synced(m, a.view))
+        elif isinstance(a, WaitView | ReadView | WaitViewChange):
+            a = m.feed(now, ViewSeen(view))
+        elif isinstance(a, Fetch):
+            a = m.feed(now, Fetched(100))
+        else:
+            assert isinstance(a, Settle | SetRole | PrepareJoin | Sleep | Barrier), a
+            a = m.feed(now, Done())
+    return a
+
+
+def test_a_lone_member_commits_its_first_step() -> None:
+    m = _machine()
+    view = _view("a")
+    a = m.begin(0.0)
+    assert a == Settle(0.0, 300.0)
+    assert m.feed(0.0, Done()) == PrepareJoin()
+    assert m.feed(0.0, Done()) == SetRole("train")
+    a = m.feed(0.0, Done())
+    assert isinstance(a, WaitView) and a.min_members == 1
+    a = m.feed(0.0, ViewSeen(view))
+    assert a == Sync(view)
+    a = m.feed(0.0, Reduced(m.sync_vector(view, 100, DIGEST)))
+    assert isinstance(a, Compute) and (a.index, a.workers, a.attempt) == (0, ("a",), 1)
+    assert a.check  # the first step carries the state check
+    assert m.feed(0.1, Computed(share=BATCH, loss_sum=4.0)) == Advertise()
+    done = m.feed(0.1, Done())
+    assert isinstance(done, Finished) and done.report is not None
+    r = done.report
+    assert (r.step, r.samples, r.share, r.attempts, r.synced, r.adopted) == (
+        1,
+        BATCH,
+        8,
+        1,
+        True,
+        False,
+    )
+    assert r.loss == 0.5
+    assert m.committed == 1 and m.pending is None
+    # The next step needs no sync on the same view.
+    a = m.begin(0.2)
+    assert isinstance(a, WaitView)
+    assert isinstance(m.feed(0.2, ViewSeen(view)), Compute)
+
+
+def test_feeding_the_wrong_outcome_is_refused() -> None:
+    m = _machine()
+    m.begin(0.0)
+    with pytest.raises(ValueError, match="Settle expects Done, got Reduced"):
+        m.feed(0.0, Reduced(np.zeros(3, dtype=np.int64)))
+
+
+def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
+    m = _machine()
+    view2 = _view("a", "b")
+    a = _alone_until_compute(m, view2)
+    # b's slots: it is fresh too, so rank 0 (a) is the root; nothing to fetch for a.
+    assert a.index == 0
+    a = m.feed(1.0, Failed(Failure.PEER_LOST, "b died", peer="b"))
+    assert a == ReadMembers()
+    dead = MemberInfo("b", MemberState.DEAD, "train")
+    a = m.feed(1.0, Members((dead,)))
+    assert a == WaitViewChange(view2.epoch, 0.5)  # b is not alive: wait for the view to drop it
+    a = m.feed(1.5, ViewSeen(_view("a")))
+    assert isinstance(a, WaitView)
+    alone = _view("a")
+    a = m.feed(1.5, ViewSeen(alone))
+    assert a == Sync(alone)  # the failure forgot the synced view
+    assert m.feed(1.5, _synced(m, alone)) == WorldChanged(2, 1)
+    a = m.feed(1.5, Done())
+    assert isinstance(a, Compute) and (a.index, a.attempt, a.workers) == (0, 2, ("a",))
+    assert m.feed(1.6, Computed(BATCH)) == Advertise()
+    r = m.feed(1.6, Done())
+    assert isinstance(r, Finished) and r.report is not None and r.report.attempts == 2
+    stats = m.statistics()
+    assert m.recoveries == 1 and stats.recovery_seconds.count == 1
+    assert stats.recovery_seconds.total == pytest.approx(0.6)
+
+
+def test_a_live_peer_is_retried_after_a_random_pause() -> None:
+    m = _machine()
+    a = _alone_until_compute(m, _view("a", "b"))
+    a = m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b"))
+    a = m.feed(0.0, Members((MemberInfo("b", MemberState.ALIVE, "train"),)))
+    assert isinstance(a, Sleep) and 0.0 <= a.seconds <= 0.2
+
+
+def test_a_step_others_committed_is_adopted_not_computed() -> None:
+    m = _machine()
+    view = _view("a", "b")
+    a = _alone_until_compute(m, view)
+    assert isinstance(m.feed(0.0, Computed(4)), Advertise)
+    assert isinstance(m.feed(0.0, Done()), Finished)
+    a = m.begin(1.0)
+    a = m.feed(1.0, ViewSeen(view))
+    assert isinstance(a, Compute) and a.index == 1
+    # Our allreduce failed at its very end; b's completed, so b committed step 2.
+    a = m.feed(2.0, Failed(Failure.VIEW, "aborted"))
+    assert isinstance(a, WaitView)
+    a = m.feed(2.0, ViewSeen(view))
+    assert a == Sync(view)
+    ours = m.sync_vector(view, 100, DIGEST)
+    theirs = StepMachine(m.config, "b", random.Random(1), lambda _: BATCH)
+    theirs.committed, theirs.layout = 2, m.layout
+    reduced = np.maximum(ours, theirs.sync_vector(view, 120, "cd" * 32))
+    a = m.feed(2.0, Reduced(reduced))
+    assert isinstance(a, Fetch) and a.plan.target_step == 2 and a.plan.holders == (1,)
+    assert m.feed(2.1, Fetched(120)) == Barrier(view)
+    done = m.feed(2.2, Done())
+    assert isinstance(done, Finished) and done.report is not None
+    assert done.report.adopted and done.report.step == 2 and done.report.sync_bytes == 120
+    assert m.committed == 2
+
+
+def test_the_deadline_ends_a_step_that_keeps_failing() -> None:
+    m = _machine(step_timeout=10.0)
+    view = _view("a", "b")
+    a = _alone_until_compute(m, view)
+    now = 0.0
+    for _ in range(3):
+        now += 4.0
+        a = m.feed(now, Failed(Failure.INPUT_MISMATCH, "another collective"))
+        if isinstance(a, Raise):
+            break
+        while not isinstance(a, Compute | Raise):
+            if isinstance(a, Sync):
+                a = m.feed(now, _synced(m, view))
+            else:
+                a = m.feed(now, ViewSeen(view))
+    assert isinstance(a, Raise) and isinstance(a.error, DeadlineExceeded)
+    assert "did not commit within 10.0s" in str(a.error) and "another collective" in str(a.error)
+
+
+def test_without_quorum_an_isolated_member_waits() -> None:
+    m = _machine(quorum="majority", quorum_grace=5.0)
+    three = _view("a", "b", "c")
+    a = _alone_until_compute(m, three)
+    m.feed(0.0, Computed(3))
+    m.feed(0.0, Done())
+    alone = _view("a")
+    a = m.begin(1.0)
+    a = m.feed(1.0, ViewSeen(alone))
+    assert a == ReadMembers()
+    suspects = (
+        MemberInfo("b", MemberState.SUSPECT, "train"),
+        MemberInfo("c", MemberState.DEAD, "train"),
+    )
+    a = m.feed(1.0, Members(suspects))
+    assert a == WaitViewChange(alone.epoch, 1.0)  # 1 of 3 (c dead for less than the grace)
+    a = m.feed(2.0, ViewSeen(alone))
+    a = m.feed(2.0, ViewSeen(alone))
+    dead = (MemberInfo("b", MemberState.DEAD, "train"), MemberInfo("c", MemberState.DEAD, "train"))
+    a = m.feed(2.0, Members(dead))
+    assert isinstance(a, WaitViewChange)  # both dead, but not for 5 s yet
+    a = m.feed(7.5, ViewSeen(alone))
+    a = m.feed(7.5, ViewSeen(alone))
+    assert m.feed(7.5, Members(dead)) == Sync(alone)  # past the grace: the mesh shrinks to us
+
+
+def test_a_fresh_mesh_passes_the_start_gate_before_it_enters() -> None:
+    """``start_peers`` > 1 (or ``join_running``): the driver waits at the start gate
+    (``ftmesh.starting``) before the member enters the ring; with 1, no gate at all."""
+    cfg = TrainerConfig.of(join_settle=0.0)
+    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
+    assert isinstance(m.begin(0.0), Settle)
+    assert m.feed(0.0, Done()) == WaitToStart(300.0)
+    assert m.feed(2.0, Done()) == PrepareJoin()
+    joiner = StartConfig(1, 5.0, join_running=True)
+    m = StepMachine(cfg, "j", random.Random(0), lambda _: BATCH, start=joiner)
+    m.begin(0.0)
+    assert isinstance(m.feed(0.0, Done()), WaitToStart)
+    m = StepMachine(cfg, "b", random.Random(0), lambda _: BATCH, start=StartConfig(1))
+    m.begin(0.0)
+    assert m.feed(0.0, Done()) == PrepareJoin()
+
+
+def test_a_member_asked_to_leave_at_the_start_gate_departs_at_once() -> None:
+    cfg = TrainerConfig.of(join_settle=0.0)
+    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
+    m.begin(0.0)
+    assert isinstance(m.feed(0.0, Done()), WaitToStart)
+    m.request_leave()  # the gate returned early because of it
+    assert m.feed(1.0, Done()) == Depart(0, None)
+    assert m.pending is None
+    # Outside the ring, asked before the step: leaves before entering it.
+    m = _machine()
+    m.request_leave()
+    assert m.begin(0.0) == Depart(0, None)
+
+
+def _leave_header(view: RingView, *leavers: str) -> list[float]:
+    slots = sum((leave_slots(view.rank_of(n)) for n in leavers), np.zeros(LEAVE_SLOTS))
+    return [BATCH, 0.0, round_tag(0) * view.size, *slots.tolist()]
+
+
+def test_a_leaver_announces_sees_off_and_departs() -> None:
+    m = _machine("b")
+    view = _view("a", "b", "c")
+    a = _alone_until_compute(m, view)
+    m.request_leave()
+    header = _leave_header(view, "b")
+    assert m.check_reduction(a, header, None, announced=True) is None
+    # our bit missing, or set when we did not announce: data of another round
+    bad = m.check_reduction(a, _leave_header(view), None, announced=True)
+    assert isinstance(bad, Failed) and bad.kind is Failure.DESYNC
+    assert isinstance(m.check_reduction(a, header, None), Failed)
+    assert m.leaving(a, header) == ("b",)
+    assert m.feed(0.0, Computed(3, 0.0, ("b",))) == Advertise()
+    assert m.feed(0.0, Done()) == Barrier(view)
+    out = m.feed(0.0, Done())
+    assert isinstance(out, Depart) and out.step == 1
+    assert out.report is not None and out.report.leaving == ("b",) and out.report.step == 1
+
+
+def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
+    m = _machine("a")
+    view = _view("a", "b", "c")
+    a = _alone_until_compute(m, view)
+    assert m.check_reduction(a, _leave_header(view, "c"), None) is None
+    m.feed(0.0, Computed(3, 0.0, ("c",)))  # -> Advertise
+    assert m.feed(0.0, Done()) == Barrier(view)
+    assert m.feed(0.0, Failed(Failure.PEER_LOST, "c went")) == ReadView()  # a barrier failure
+    assert m.feed(0.0, ViewSeen(view)) == WaitViewChange(view.epoch, 2.0)
+    rest = _view("a", "b")
+    assert m.feed(0.1, ViewSeen(rest)) == WorldChanged(3, 2)
+    done = m.feed(0.1, Done())
+    assert isinstance(done, Finished) and done.report is not None
+    assert done.report.leaving == ("c",)
+    a = m.begin(1.0)
+    assert isinstance(a, WaitView)
+    assert isinstance(m.feed(1.0, ViewSeen(rest)), Compute)  # no Sync: same state everywhere
+
+
+def test_a_failed_announcing_attempt_departs_at_once() -> None:
+    m = _machine("b")
+    a = _alone_until_compute(m, _view("a", "b"))
+    m.request_leave()
+    assert a.attempt == 1
+    out = m.feed(1.0, Failed(Failure.VIEW, "the ring moved on"))
+    assert out == Depart(0, None)
+
+
+def test_members_the_ring_leaves_out_do_not_count_for_the_quorum() -> None:
+    m = _machine("a", quorum="majority")
+    m.last_view = ("a", "b", "c")
+    a = m.begin(0.0)
+    while not isinstance(a, WaitView):
+        a = m.feed(0.0, Done())
+    alone = _view("a")
+    assert m.feed(0.0, ViewSeen(alone)) == ReadMembers()
+    out = (
+        MemberInfo("b", MemberState.ALIVE, "train", excluded=True),
+        MemberInfo("c", MemberState.ALIVE, "train", excluded=True),
+    )
+    assert m.feed(0.0, Members(out)) == Sync(alone)  # at once, no grace
+
+
+def test_a_cold_spare_waits_for_a_slot_then_ends_with_the_training() -> None:
+    m = _machine("s", max_peers=2, spares="cold")
+    m.begin(0.0)
+    assert m.feed(0.0, Done()) == SetRole("spare")
+    assert m.feed(0.0, Done()) == ReadMembers()
+    two = tuple(MemberInfo(n, MemberState.ALIVE, "train") for n in "ab")
+    spare = MemberInfo("s", MemberState.ALIVE, "spare")
+    assert m.feed(0.0, Members((*two, spare))) == WaitViewChange(None, 1.0)
+    m.feed(1.0, ViewSeen(None))
+    one = (MemberInfo("a", MemberState.ALIVE, "train"), MemberInfo("b", MemberState.DEAD, "train"))
+    assert m.feed(1.0, Members((*one, spare))) == PrepareJoin()  # b died: a slot for us
+    # Another spare, once the training has ended, gets TrainingFinishedError.
+    m2 = _machine("t", max_peers=2, spares="cold")
+    m2.begin(0.0)
+    m2.feed(0.0, Done())
+    m2.feed(0.0, Done())
+    done = (MemberInfo("a", MemberState.LEFT, "train"), MemberInfo("b", MemberState.ALIVE, "done"))
+    a = m2.feed(5.0, Members(done))
+    assert isinstance(a, Raise) and isinstance(a.error, TrainingFinishedError)
+
+
+def test_a_member_with_other_settings_steps_out_and_raises() -> None:
+    m = _machine("a", check_every=10)
+    view = _view("a", "b")
+    a = m.begin(0.0)
+    while not isinstance(a, Sync):
+        a = m.feed(0.0, ViewSeen(view) if isinstance(a, WaitView) else Done())
+    ours = m.sync_vector(view, 100, DIGEST)
+    other = _machine("b", check_every=20)
+    reduced = np.maximum(ours, other.sync_vector(view, 100, DIGEST))
+    assert m.feed(0.0, Reduced(reduced)) == SetRole("joining")  # out of the ring first
+    a = m.feed(0.0, Done())
+    assert isinstance(a, Raise) and isinstance(a.error, ConfigError)
+    assert "check_every: 10 on a; 20 on b" in str(a.error)
+    assert not m.in_ring
+
+
+def test_members_with_another_compression_raise_a_config_error() -> None:
+    m = _machine("a", compression="int8")
+    view = _view("a", "b")
+    a = m.begin(0.0)
+    while not isinstance(a, Sync):
+        a = m.feed(0.0, ViewSeen(view) if isinstance(a, WaitView) else Done())
+    ours = m.sync_vector(view, 100, DIGEST)
+    other = _machine("b")
+    reduced = np.maximum(ours, other.sync_vector(view, 100, DIGEST))
+    assert m.feed(0.0, Reduced(reduced)) == SetRole("joining")
+    a = m.feed(0.0, Done())
+    assert isinstance(a, Raise) and isinstance(a.error, ConfigError)
+    assert "compression: int8 on a; none on b" in str(a.error)
+
+
+def test_data_of_another_round_reconnects_the_ring() -> None:
+    m = _machine()
+    view = _view("a", "b")
+    a = m.begin(0.0)
+    while not isinstance(a, Sync):
+        a = m.feed(0.0, ViewSeen(view) if isinstance(a, WaitView) else Done())
+    vec = m.sync_vector(view, 100, DIGEST)
+    vec[0] = 7  # our committed-step slot came back changed
+    assert m.feed(0.0, Reduced(vec)) == DropRing(view)
+    assert isinstance(m.feed(0.0, Done()), WaitView)
+
+
+def test_check_reduction() -> None:
+    m = _machine()
+    a = _alone_until_compute(m, _view("a", "b"))
+    tag = round_tag(0) * 2
+    no = [0.0] * LEAVE_SLOTS  # nobody leaves
+    assert m.check_reduction(a, [BATCH, 0.0, tag, *no, 6.0, 8.0], [3, 4]) is None
+    bad_tag = m.check_reduction(a, [BATCH, 0.0, tag + 1, *no, 6.0, 8.0], [3, 4])
+    assert isinstance(bad_tag, Failed) and bad_tag.kind is Failure.DESYNC
+    bad_samples = m.check_reduction(a, [BATCH - 1, 0.0, tag, *no, 6.0, 8.0], [3, 4])
+    assert isinstance(bad_samples, Failed) and "7 samples reduced" in bad_samples.detail
+    assert m.check_reduction(a, [BATCH, 0.0, tag, *no, 6.0, 9.0], [3, 4]) == (1,)
+    bad_leave = m.check_reduction(a, [BATCH, 0.0, tag, 0.5, *no[1:], 6.0, 8.0], [3, 4])
+    assert isinstance(bad_leave, Failed) and "leave slots" in bad_leave.detail
+
+
+# -- a world of machines ---------------------------------------------------------------------
+
+
+def _digest(model: list[int]) -> str:
+    return hashlib.blake2b(repr(model).encode(), digest_size=32).hexdigest()
+
+
+@dataclass
+class SimMember:
+    name: str
+    machine: StepMachine
+    model: list[int] = field(default_factory=list)
+    """The steps applied, in order: the whole "state"."""
+    role: str = "joining"
+    alive: bool = True
+    action: Action | None = None
+    waiting_since: float = 0.0
+    reports: list[Any] = field(default_factory=list)
+    finished: bool = False
+    """Ran the final sync (``ElasticTrainer.finish``) and left the ring."""
+
+
+class World:
+    """Members in lockstep on a fake mesh. Each tick resolves every pending action that can
+    complete; a collective completes when every member of its view waits in the same kind of
+    collective on that view (else it fails for all of them); ``partial`` is the chance that a
+    completed gradient allreduce fails for a random subset of its members."""
+
+    def __init__(self, seed: int, total: int, partial: float) -> None:
+        self.rng = random.Random(seed)
+        self.total = total
+        self.partial = partial
+        self.now = 0.0
+        self.members: dict[str, SimMember] = {}
+        self.history: list[str] = []
+
+    def add(self, name: str) -> None:
+        cfg = TrainerConfig.of(join_settle=0.0, quorum="any", step_timeout=1e9, check_every=3)
+        m = StepMachine(cfg, name, random.Random(self.rng.random()), lambda _: BATCH)
+        self.members[name] = SimMember(name, m)
+
+    def view(self) -> RingView | None:
+        names = sorted(n for n, m in self.members.items() if m.alive and m.role == "train")
+        return _view(*names) if names else None
+
+    def kill(self, name: str) -> None:
+        self.members[name].alive = False
+        self.history.append(f"{self.now:.1f} kill {name}")
+
+    def live(self) -> list[SimMember]:
+        return [m for m in self.members.values() if m.alive]
+
+    def _answer(self, m: SimMember, outcome: Outcome) -> None:
+        action = m.machine.feed(self.now, outcome)
+        self._took(m, action)
+
+    def _took(self, m: SimMember, action: Action) -> None:
+        m.action, m.waiting_since = action, self.now
+        if isinstance(action, Finished):
+            if m.role == "done":
+                m.finished = True
+            if action.report is not None:
+                r = action.report
+                m.reports.append(r)
+                assert r.step == m.machine.committed
+            assert m.model == list(range(m.machine.committed)), (m.name, m.model)
+            m.action = None
+        elif isinstance(action, Raise):
+            raise AssertionError(f"{m.name}: {action.error!r}")
+
+    def tick(self) -> None:
+        self.now += 0.05
+        for m in self.live():
+            if m.action is None and m.machine.committed < self.total:
+                self._took(m, m.machine.begin(self.now))
+            elif m.action is None and not m.finished:
+                self._took(m, m.machine.begin(self.now, "finish", timeout=1e9))
+        collectives: dict[str, list[SimMember]] = {}
+        view = self.view()
+        for m in self.live():
+            a = m.action
+            if isinstance(a, Sync | Barrier | Compute):
+                collectives.setdefault(a.view.epoch, []).append(m)
+            elif isinstance(a, Settle | SetRole | PrepareJoin | Sleep | Advertise | DropRing):
+                if isinstance(a, SetRole):
+                    m.role = a.role
+                self._answer(m, Done())
+            elif isinstance(a, Checkpoint | WorldChanged):
+                self._answer(m, Done())
+            elif isinstance(a, ReadMembers):
+                infos = tuple(
+                    MemberInfo(o.name, MemberState.ALIVE if o.alive else MemberState.DEAD, o.role)
+                    for o in self.members.values()
+                )
+                self._answer(m, Members(infos))
+            elif isinstance(a, ReadView):
+                self._answer(m, ViewSeen(view))
+            elif isinstance(a, WaitView):
+                if view is not None and m.name in view and view.size >= a.min_members:
+                    self._answer(m, ViewSeen(view))
+            elif isinstance(a, WaitViewChange):
+                if (
+                    view.epoch if view else ""
+                ) != a.epoch or self.now - m.waiting_since >= a.timeout:
+                    self._answer(m, ViewSeen(view))
+            elif isinstance(a, Fetch):
+                holder = self.members[a.view.members[a.plan.holders[0]].node_id]
+                if not holder.alive:
+                    self._answer(m, Failed(Failure.PEER_LOST, "holder died"))
+                else:
+                    assert _digest(holder.model) == a.plan.digest
+                    m.model = list(holder.model)
+                    self._answer(m, Fetched(len(m.model)))
+        for epoch, waiting in collectives.items():
+            self._collective(epoch, waiting)
+
+    def _collective(self, epoch: str, waiting: list[SimMember]) -> None:
+        first = waiting[0].action
+        assert isinstance(first, Sync | Barrier | Compute)
+        ring = first.view
+        dead = [n for n in ring.node_ids if not self.members[n].alive]
+        if dead:
+            for m in waiting:
+                self._answer(m, Failed(Failure.PEER_LOST, f"{dead[0]} died", peer=dead[0]))
+            return
+        current = self.view()
+        if current is None or current.epoch != epoch:  # a member left the ring or joined
+            for m in waiting:
+                self._answer(m, Failed(Failure.VIEW, "view superseded"))
+            return
+        if len(waiting) < ring.size:
+            return  # the others are not there yet
+        kinds = {(type(m.action), getattr(m.action, "index", None)) for m in waiting}
+        if len(kinds) > 1:
+            for m in waiting:
+                self._answer(m, Failed(Failure.INPUT_MISMATCH, "different collectives"))
+            return
+        waiting.sort(key=lambda m: m.name)
+        if isinstance(first, Sync):
+            vecs = [m.machine.sync_vector(ring, len(m.model), _digest(m.model)) for m in waiting]
+            reduced = np.maximum.reduce(vecs)
+            for m in waiting:
+                self._answer(m, Reduced(reduced.copy()))
+        elif isinstance(first, Barrier):
+            for m in waiting:
+                self._answer(m, Done())
+        else:
+            self._compute(first, waiting)
+
+    def _compute(self, first: Compute, waiting: list[SimMember]) -> None:
+        ring = first.view
+        checks = [[len(m.model) + 1] if first.check else None for m in waiting]
+        header = [float(BATCH), 0.0, round_tag(first.index) * ring.size, *[0.0] * LEAVE_SLOTS]
+        header.append(sum(c[0] for c in checks) if first.check else 0.0)  # type: ignore[index]
+        failing: set[str] = set()
+        if self.rng.random() < self.partial:
+            failing = {m.name for m in waiting if self.rng.random() < 0.5}
+        for m, own in zip(waiting, checks, strict=True):
+            action = m.action
+            assert isinstance(action, Compute)
+            assert action.index == len(m.model) == m.machine.committed  # never twice, none skipped
+            if m.name in failing:
+                self._answer(m, Failed(Failure.VIEW, "partial"))
+                continue
+            assert m.machine.check_reduction(action, header, own) is None
+            m.model.append(action.index)
+            share = len(np.array_split(np.arange(BATCH), len(action.workers))[0])
+            self._answer(m, Computed(share))
+
+
+def _seeds() -> list[int]:
+    extra = int(os.environ.get("FTMESH_SEEDS", "0"))
+    return list(range(6 + extra))
+
+
+@pytest.mark.parametrize("seed", _seeds())
+def test_a_world_of_machines_commits_every_step_once(seed: int) -> None:
+    print(f"seed {seed}")
+    total = 40
+    world = World(seed, total, partial=0.15)
+    names = ["m0", "m1", "m2", "m3"]
+    for n in names:
+        world.add(n)
+    joins = 0
+    for _ in range(20_000):
+        world.tick()
+        live = world.live()
+        if all(m.machine.committed >= total and m.action is None for m in live):
+            break
+        r = world.rng.random()
+        committed = max(m.machine.committed for m in world.members.values())
+        if r < 0.02 and len(live) > 1 and committed < total - 5:
+            world.kill(world.rng.choice(live).name)
+        elif r < 0.04 and joins < 4 and committed < total - 5:
+            joins += 1
+            world.add(f"j{joins}")
+    else:
+        states = {m.name: (m.machine.committed, m.action) for m in world.live()}
+        raise AssertionError(f"seed {seed}: the world did not finish: {states} {world.history}")
+    live = world.live()
+    assert live
+    for m in live:
+        assert m.model == list(range(total)), m.name
+        steps = [r.step for r in m.reports]
+        assert steps == sorted(set(steps)), f"{m.name} reported a step twice"
+    assert max(m.machine.committed for m in world.members.values()) == total
+    assert FRESH not in {m.machine.committed for m in live}
+    joiners = [m for m in world.members.values() if m.name.startswith("j") and m.reports]
+    assert all(m.reports[0].adopted or m.reports[0].step == 1 for m in joiners)
