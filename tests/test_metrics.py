@@ -252,3 +252,33 @@ def test_a_real_prometheus_sees_members_die_and_junk_dropped(tmp_path: Path) -> 
                 lambda v: sum(v.values()) >= sum(before.values()) + 500,
                 timeout=20,
             )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (setup.sh as root)")
+def test_a_real_prometheus_follows_a_training_run(tmp_path: Path) -> None:
+    """``ftmesh launch -n 2 --metrics-port P`` (worker k serves P+k) on the digits example: a
+    real Prometheus sees both members' committed steps rise, on a world of two."""
+    port = free_port()
+    targets = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    argv = [sys.executable, "-m", "ftmesh", "launch", "-n", "2", "--metrics-port", str(port)]
+    argv += ["--no-live", "--log-dir", str(tmp_path / "logs"), "examples/train_digits.py"]
+    argv += ["--epochs", "4", "--step-delay", "0.05"]
+    env = {**os.environ, "FTMESH_REGISTRY_DIR": str(tmp_path / "registry")}
+    with (
+        subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as run,
+        PrometheusServer(tmp_path, targets) as prom,
+    ):
+        try:
+            step = "ftmesh_train_committed_step"
+            first = prom.wait_for(step, lambda v: len(v) == 2 and min(v.values()) > 0, 90)
+            prom.wait_for(
+                step, lambda v: all(v.get(t, 0) >= first[t] + 10 for t in targets), timeout=60
+            )
+            world = prom.values("ftmesh_train_world_size")
+            assert world == {t: 2.0 for t in targets}, world
+            rate = prom.values("sum(rate(ftmesh_train_samples_total[5s]))")
+            assert rate and min(rate.values()) > 0, rate
+        finally:
+            run.terminate()  # (launch stops its workers)
+            run.communicate(timeout=60)
