@@ -110,10 +110,14 @@ def test_train_bench_smoke() -> None:
         "2",
         "--warmup",
         "1",
+        "--metrics",
+        "--scrape-interval",
+        "0.02",
         timeout=180,
     )
     assert r["benchmark"] == "train"
     (cell,) = r["cells"]
+    assert _positive(cell["metrics_on_over_off"]) and cell["scrapes"] > 0  # it scraped
     assert cell["procs"] == 2 and cell["model"] == "digits"
     assert _positive(cell["ftmesh_ms"]) and _positive(cell["ddp_ms"])
     assert cell["ddp_over_ftmesh"] == pytest.approx(cell["ddp_ms"] / cell["ftmesh_ms"])

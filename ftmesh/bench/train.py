@@ -18,6 +18,12 @@ compute their share in micro-batches of at most M samples (DDP with ``no_sync()`
 the last, each micro-batch's loss weighted by its share of the member's samples), so both do
 the same work.
 
+With ``--metrics`` every member serves Prometheus metrics (``metrics_port=0``) and a third
+block per round, ``ftmesh_scraped``, times the same ftmesh steps while a thread in each
+process scrapes its own ``/metrics`` every ``--scrape-interval`` seconds (the plain
+``ftmesh`` blocks run with the server idle); ``metrics_on_over_off`` is the ratio of the two
+(1.0: scraping costs nothing). With metrics off (the default) no server exists at all.
+
 Models (``ftmesh.bench.workloads``): ``wide``, a 4.2M-parameter MLP where the gradient
 allreduce (16.8 MB) matters, and ``digits``, the ~14k-parameter CNN of
 ``examples/train_digits.py`` on 8x8 inputs, where per-step overhead does. OMP_NUM_THREADS is
@@ -37,14 +43,31 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
 IMPLS = ("ftmesh", "ddp")
+SCRAPED = "ftmesh_scraped"
+"""With ``--metrics``: ftmesh's steps while its metrics are scraped."""
 EXTRAS = ("ftmesh_allreduce", "gloo_allreduce")
 DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
+
+
+def _scrape_while(
+    address: tuple[str, int] | None, on: Any, stop: Any, interval: float, count: list[int]
+) -> None:
+    """Scrape ``/metrics`` every ``interval`` s while ``on`` is set, until ``stop``."""
+    import urllib.request
+
+    while address is not None and not stop.wait(interval):
+        if on.is_set():
+            url = f"http://{address[0]}:{address[1]}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as r:
+                r.read()
+            count[0] += 1
 
 
 def _worker(
@@ -110,6 +133,7 @@ def _worker(
                 discovery="local",
                 preset="local",
                 registry_dir=registry,
+                metrics_port=0 if cfg["metrics"] else None,
             ) as mesh:
                 trainer = ElasticTrainer(
                     mesh,
@@ -179,12 +203,25 @@ def _worker(
                     step_ftmesh()
                     step_ddp()
                 retries = 0
-                per_round: dict[str, list[float]] = {k: [] for k in (*IMPLS, *EXTRAS)}
+                impls = (*IMPLS, SCRAPED) if cfg["metrics"] else IMPLS
+                per_round: dict[str, list[float]] = {k: [] for k in (*impls, *EXTRAS)}
+                scraping, stop, scrapes = threading.Event(), threading.Event(), [0]
+                scraper = threading.Thread(
+                    target=_scrape_while,
+                    args=(mesh.mesh.node.metrics_address, scraping, stop, cfg["scrape_interval"]),
+                    kwargs={"count": scrapes},
+                    daemon=True,
+                )
+                scraper.start()
                 for rnd in range(cfg["rounds"]):
-                    order = IMPLS if rnd % 2 == 0 else IMPLS[::-1]
+                    order = impls if rnd % 2 == 0 else impls[::-1]
                     mine = []
                     for impl in order:
-                        fn = step_ftmesh if impl == "ftmesh" else step_ddp
+                        fn = step_ddp if impl == "ddp" else step_ftmesh
+                        if impl == SCRAPED:
+                            scraping.set()
+                        else:
+                            scraping.clear()
                         dist.barrier()
                         in_ar[0] = 0.0
                         t0 = time.perf_counter()
@@ -193,6 +230,10 @@ def _worker(
                         mine.append((time.perf_counter() - t0) / cfg["steps"])
                         if impl == "ftmesh":
                             ar_time = in_ar[0] / cfg["steps"]
+                        if impl == SCRAPED:  # (untimed: both copies take the same steps)
+                            scraping.clear()
+                            for _ in range(cfg["steps"]):
+                                step_ddp()
                     # The same bytes through a bare gloo allreduce, for scale.
                     dist.barrier()
                     t0 = time.perf_counter()
@@ -203,6 +244,8 @@ def _worker(
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     for impl, dt in zip((*order, *EXTRAS), slowest.tolist(), strict=True):
                         per_round[impl].append(dt)
+                stop.set()
+                scraper.join(10)
                 total_retries = torch.tensor([retries], dtype=torch.int64)
                 dist.all_reduce(total_retries)
                 # Both copies took the same steps on the same data: they should agree closely.
@@ -219,6 +262,7 @@ def _worker(
                     "per_round_s": per_round,
                     "ftmesh_retries": int(total_retries.item()),
                     "max_weight_diff": diff,
+                    "scrapes": scrapes[0],
                 }
             )
     finally:
@@ -280,6 +324,11 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         "rounds_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in raw["per_round_s"].items()},
         "ftmesh_retries": raw["ftmesh_retries"],
         "max_weight_diff": raw["max_weight_diff"],
+        **(
+            {"metrics_on_over_off": ms[SCRAPED] / ms["ftmesh"], "scrapes": raw["scrapes"]}
+            if SCRAPED in ms
+            else {}
+        ),
     }
 
 
@@ -294,6 +343,12 @@ def format_table(cells: list[dict[str, Any]]) -> str:
             f"{c['ftmesh_ms']:9.2f} {c['ddp_ms']:8.2f} | {c['ddp_over_ftmesh']:10.2f} | "
             f"{c['ftmesh_allreduce_ms']:9.2f} {c['gloo_allreduce_ms']:8.2f}"
         )
+    for c in cells:
+        if "metrics_on_over_off" in c:
+            lines.append(
+                f"N={c['procs']} {c['model']}: ftmesh with metrics scraped / idle "
+                f"{c['metrics_on_over_off']:.3f} ({c['scrapes']} scrapes on rank 0)"
+            )
     lines.append("ms/step: median over rounds of the slowest rank; ddp/ftmesh > 1: ftmesh faster.")
     lines.append(
         "ftmesh AR: the trainer's gradient allreduces inside its step (first submitted to last "
@@ -318,6 +373,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--micro-batch", type=int, default=0, help="micro-batches of at most this many (0: off)"
     )
+    ap.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve metrics and time ftmesh's steps also while they are scraped",
+    )
+    ap.add_argument(
+        "--scrape-interval", type=float, default=0.1, help="seconds between scrapes (--metrics)"
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -332,7 +395,12 @@ def run(args: argparse.Namespace) -> int:
         "bucket_mb": args.bucket_mb,
         "api": args.api,
         "micro_batch": args.micro_batch,
+        "metrics": args.metrics,
+        "scrape_interval": args.scrape_interval,
     }
+    if not args.scrape_interval > 0:
+        print("ftmesh bench train: error: --scrape-interval must be > 0", file=sys.stderr)
+        return 2
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:
