@@ -21,7 +21,7 @@ import yaml
 
 from ftmesh.cli.main import build_parser
 from ftmesh.lab.pods import expand_vars
-from ftmesh.torch.trainer import DEPARTURE_CLOSE_S
+from ftmesh.torch.driver import DEPARTURE_CLOSE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "examples" / "k8s"
