@@ -193,7 +193,10 @@ def main() -> int:
                 try:
                     r = trainer.step(loss_fn)
                 except ftmesh.TrainingFinishedError:
-                    print("spare: the training finished without needing us")
+                    print("the training finished without needing us", flush=True)
+                    if args.idle_when_done:  # (a pod that exits is restarted: stay idle)
+                        mesh.set_role("done")
+                        mesh.wait_leave_requested()
                     return 0
                 every = args.digest_every
                 report = every and r.step % every == 0

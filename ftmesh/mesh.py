@@ -54,6 +54,7 @@ from .collective.reach import Exclusion, ReachConfig, ReachEvent
 from .collective.transport import Ring
 from .errors import ConfigError, DeadlineExceeded, LocalUsageError
 from .membership.messages import MemberSnapshot, MemberState
+from .membership.swim import MemberEvent
 from .mesh_meta import (
     DATA_KEY,
     PROGRESS_KEY,
@@ -195,6 +196,7 @@ class Mesh:
         """Our reachability judgements and their log (``ftmesh.mesh_reach``)."""
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
+        self._seen: dict[str, tuple[str, MemberState, dict[str, Any]]] = {}  # see _material
         self._views: dict[str, RingView] = {}
         self._latest_view: RingView | None = None  # as of the last event _watch handled
         self.metadata = MetadataGate()
@@ -518,9 +520,21 @@ class Mesh:
                         self.data_plane.abort_view(
                             epoch, ev.member.node, f"membership: {ev.member.name} is {ev.kind}"
                         )
+            if not self._material(ev):
+                continue  # only a member's published progress changed
             self._supersede_old_views(f"{ev.member.name} is {ev.kind}")
             event, self._view_changed = self._view_changed, trio.Event()
             event.set()
+
+    def _material(self, ev: MemberEvent) -> bool:
+        """Whether ``ev`` changes anything but the member's published progress (which changes
+        about once a second on every training member: it must not keep ``wait_quiet`` and
+        the view's waiters awake)."""
+        m = ev.member
+        seen = (ev.kind, m.state, {k: v for k, v in m.meta.items() if k != PROGRESS_KEY})
+        before = self._seen.get(m.node)
+        self._seen[m.node] = seen
+        return seen != before
 
     def _supersede_old_views(self, why: str) -> None:
         """We moved off every watched view but the current one: we will not run collectives on

@@ -71,7 +71,7 @@ def test_the_statefulset_as_written(tmp_path: Path) -> None:
         image_dir=ROOT,
         image_path=[str(Path(sys.executable).parent)],  # the image's ftmesh
         secrets={"ftmesh-mesh-secret": {"secret": key}},
-        pods=5,
+        pods=6,
     ) as lab:
         replicas = int(lab.statefulset["spec"]["replicas"])
         assert replicas == 4
@@ -127,7 +127,8 @@ def test_the_statefulset_as_written(tmp_path: Path) -> None:
             return any(r["share"] > 0 and r["members"] >= 4 for r in _steps(lab, i))
 
         _wait("the fifth pod to train", lambda: trains(4) or done(0), lab)
-        assert trains(4), "the run ended before the fifth pod joined: make it longer"
+        late = "the run ended before the fifth pod joined: make it longer\n"
+        assert trains(4), late + lab.logs(4)[-3000:]
         members = [0, 2, 3, 4]
 
         _wait("the run to finish", lambda: all(done(i) for i in members), lab)
@@ -151,6 +152,13 @@ def test_the_statefulset_as_written(tmp_path: Path) -> None:
         assert _steps(lab, 0) == []
         time.sleep(1.0)
         assert lab.pods[0].running  # idle, not in a restart loop
+        # Scale-out after the end: a new pod (fresh volume) must not train a model of its own.
+        lab.start(5)
+        _wait("the late pod", lambda: "training finished without needing us" in lab.logs(5), lab)
+        assert _steps(lab, 5) == []
+        time.sleep(1.0)
+        assert lab.pods[5].running  # idle as well
+        members.append(5)
         for i in members:
             lab.signal(i, signal.SIGTERM)
         assert [lab.wait(i, lab.grace_s) for i in members] == [0] * len(members)

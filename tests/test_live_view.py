@@ -203,3 +203,34 @@ def test_launch_view_kill_and_join_of_a_script_that_prints_nothing(tmp_path: Pat
         else:
             assert line.group(1) == "exit code 0", line.group(0)
     assert "never fired" not in out
+
+
+def test_published_progress_does_not_keep_membership_awake(tmp_path: Path) -> None:
+    """A joiner waits for membership to be quiet (``wait_quiet``) before it enters the ring;
+    the progress training members publish about once a second must not count as activity,
+    or a joiner would wait out its whole timeout (it did: ``bench recovery``'s replacement
+    never joined)."""
+    base = local_mesh_config(tmp_path / "registry", "quiet")
+    settle = base.progress_interval * 1.5
+    with SyncMesh.start(base) as a, SyncMesh.start(base) as b:
+        a.wait_view(min_members=2, timeout=30)
+        stop = threading.Event()
+
+        def publish() -> None:
+            step = 0
+            while not stop.wait(0.1):
+                step += 1
+                a.report_progress(Progress(step, 0.1, 4, 40.0, 2))
+
+        t = threading.Thread(target=publish, daemon=True)
+        t.start()
+        try:
+            time.sleep(base.progress_interval * 2)  # (some of it published)
+            started = time.monotonic()
+            b.wait_quiet(settle, timeout=30.0)
+            waited = time.monotonic() - started
+        finally:
+            stop.set()
+            t.join(5)
+        assert _published(a), "nothing was published"
+    assert waited < 20.0, f"wait_quiet ran to its timeout ({waited:.1f}s)"

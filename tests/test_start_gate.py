@@ -61,6 +61,14 @@ def test_timeout_majority_goes_ahead_minority_gives_up() -> None:
     assert StartGate(cfg, 0.0).observe(1.0, [peer("x", "train", started=True)]).decision is (
         Decision.JOIN
     )
+    # A mesh whose members finished (they idle as "done"): a newcomer never trains alone.
+    over = [peer("me", "starting"), peer("x", "done", started=True)]
+    assert StartGate(cfg, 0.0).observe(1.0, over).decision is Decision.FINISHED
+    assert StartGate(cfg, 0.0).observe(1.0, [over[0], peer("x", "done")]).decision is (
+        Decision.FINISHED
+    )
+    ending = [*over, peer("y", "train", started=True)]  # some still finishing: join them
+    assert StartGate(cfg, 0.0).observe(1.0, ending).decision is Decision.JOIN
 
 
 def test_reports_come_early_and_keep_coming() -> None:

@@ -17,6 +17,10 @@ members never splits into several meshes that each train their own model. Until 
 member reports, every ``REPORT_EVERY`` seconds (the first after ``REPORT_AFTER``), whom it
 found; the caller says it loudly.
 
+A member of a mesh whose training is over (members are ``done`` and nobody trains) stops
+with ``FINISHED`` instead of training a model of its own from step 0: say a Kubernetes pod
+scaled out after the run ended.
+
 A member started to *join* a running mesh (``join_running``: ``ftmesh launch``'s
 ``--join-at`` and ``--respawn`` workers) never starts one: it enters once a member trains
 with a committed state, stops with ``FINISHED`` when training is over (members finished or
@@ -138,13 +142,16 @@ class StartGate:
         def status(decision: Decision, report: bool = False) -> StartStatus:
             return StartStatus(decision, ready, cfg.start_peers, waited, report)
 
+        training = any(p.role == "train" for p in live)
         if cfg.join_running:
             if any(p.started and p.role == "train" for p in live):
                 return status(Decision.JOIN)
             ended = any(p.role in FINISHED_ROLES or p.left for p in peers)
-            if ended and not any(p.role == "train" for p in live):
+            if ended and not training:
                 return status(Decision.FINISHED)
         else:
+            if not training and any(p.role in FINISHED_ROLES for p in live):
+                return status(Decision.FINISHED)  # (say a pod scaled out after the end)
             if any(p.started for p in peers):
                 return status(Decision.JOIN)
             if len(ready) >= cfg.start_peers:
