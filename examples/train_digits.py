@@ -182,7 +182,7 @@ def main() -> int:
                 replicas=args.replicas,
                 compression=args.compression,
             )
-            if trainer.committed >= total:  # resumed from the checkpoint of the last step
+            if trainer.resume() >= total:  # the checkpoint of the last step: the run is over
                 print(f"training finished at step {trainer.committed} (checkpoint in "
                       f"{args.checkpoint_dir}): not training again", flush=True)  # fmt: skip
                 mesh.set_role("done")

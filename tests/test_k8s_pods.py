@@ -53,7 +53,8 @@ def _wait(what: str, cond: Any, lab: PodLab, timeout: float = WAIT_S) -> None:
             if pod.proc is not None and pod.proc.poll() not in (None, 0):
                 pytest.fail(f"{pod.name} exited {pod.proc.returncode}:\n{lab.logs(pod.ordinal)}")
         if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p.name}\n{lab.logs(p.ordinal)[-1500:]}" for p in lab.pods)
+            started = [p for p in lab.pods if p.proc is not None]
+            tails = "\n".join(f"--- {p.name}\n{lab.logs(p.ordinal)[-1500:]}" for p in started)
             pytest.fail(f"timed out waiting for {what}\n{tails}")
         time.sleep(0.2)
 

@@ -399,6 +399,14 @@ class ElasticTrainer:
         assert self.last_report is not None
         return self.last_report
 
+    def resume(self) -> int:
+        """Resume now rather than at the first step: freeze the registered state and load the
+        newest valid checkpoint of ``checkpoint_dir``, if there is one. Returns the committed
+        step count then (``-1``: nothing to resume), e.g. to tell that a restarted worker's
+        checkpoint already holds the whole run."""
+        self._open()
+        return self.committed
+
     def join(self) -> None:
         """Enter the ring and sync (adopting the newest state) without computing; a no-op
         when already synced on the current view."""
