@@ -88,9 +88,9 @@ class TrainerConfig:
     ``speed``: in proportion to each member's measured compute speed (samples/s of its own
     forward and backward, smoothed), which rides in the step's gradient allreduce, so a
     member at a quarter of the speed takes about a quarter of a fast member's share (at
-    least ``SHARE_FLOOR`` of an equal share; re-split only when a weight moved by more than
-    ``SHARE_HYSTERESIS``: ``ftmesh.training.protocol``). Every sample still trains once per
-    epoch. Mesh-wide."""
+    least ``SHARE_FLOOR`` of an equal share; re-split only when the members' compute times
+    are uneven by more than ``SHARE_HYSTERESIS``: ``ftmesh.training.protocol``). Every
+    sample still trains once per epoch. Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):

@@ -215,8 +215,10 @@ SHARE_FLOOR = 0.1
 """A member's weight is at least this fraction of an equal share (a slowed member keeps
 measuring, and comes back when it speeds up)."""
 SHARE_HYSTERESIS = 0.1
-"""The split changes only when some member's weight moved by more than this fraction since
-the last split (shares do not oscillate with measurement noise)."""
+"""The split changes only when the slowest member's predicted compute time (its share at its
+smoothed speed) exceeds the mean of those computing by more than this fraction: shares do
+not move with measurement noise, nor where compute time hardly depends on the share (a
+fixed per-step cost dominates), which would otherwise let noise walk the split anywhere."""
 
 
 def header_size(parts: int, speeds: bool = False) -> int:
@@ -245,27 +247,31 @@ def speeds_problem(speeds: Sequence[float], size: int, tag: int) -> str:
 
 
 def speed_weights(
-    speeds: Sequence[float], current: Sequence[float] | None, floor: float = SHARE_FLOOR
+    speeds: Sequence[float],
+    counts: Sequence[int],
+    current: Sequence[float] | None,
+    floor: float = SHARE_FLOOR,
 ) -> tuple[float, ...] | None:
     """The next split's weights (summing to 1) of members with these smoothed ``speeds``
-    (samples/s; 0: not measured, counts at the median of the others), given the ``current``
-    ones (``None``: equal shares). Proportional to speed, each at least ``floor`` of an equal
-    share (then normalized); the current weights are kept (returned) unless one moved by more
-    than ``SHARE_HYSTERESIS``. ``None``: equal shares (nothing measured)."""
+    (samples/s; 0: not measured, counts at the median of the others) that computed ``counts``
+    samples with the ``current`` weights (``None``: equal shares). Kept (returned as they
+    are) unless the members' predicted compute times ``count / speed`` are uneven by more
+    than ``SHARE_HYSTERESIS``; else proportional to speed, each at least ``floor`` of an
+    equal share (then normalized). ``None``: equal shares."""
     n = len(speeds)
+    kept = None if current is None else tuple(current)
     known = sorted(s for s in speeds if s > 0)
     if not known:
-        return None if current is None else tuple(current)
+        return kept
     median = known[len(known) // 2]
     filled = [s if s > 0 else median for s in speeds]
+    times = [c / s for c, s in zip(counts, filled, strict=True) if c > 0]
+    if times and max(times) <= (1 + SHARE_HYSTERESIS) * sum(times) / len(times):
+        return kept
     total = sum(filled)
     clipped = [max(s / total, floor / n) for s in filled]
     norm = sum(clipped)
-    target = tuple(w / norm for w in clipped)
-    base = current if current is not None else [1.0 / n] * n
-    if all(abs(t - b) <= SHARE_HYSTERESIS * b for t, b in zip(target, base, strict=True)):
-        return None if current is None else tuple(current)
-    return target
+    return tuple(w / norm for w in clipped)
 
 
 def check_value(digest: str) -> int:

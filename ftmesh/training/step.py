@@ -448,7 +448,8 @@ class StepMachine:
         view = action.view
         ranks = [view.rank_of(w) for w in workers]
         measured = [speeds[r] if r < SPEED_RANKS else 0.0 for r in ranks]
-        weights = speed_weights(measured, action.weights)
+        counts = split_share(self.batch_size(action.index), action.weights, len(workers))
+        weights = speed_weights(measured, counts, action.weights)
         self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
 
     def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
