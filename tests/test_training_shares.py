@@ -14,8 +14,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.data as tud
+from test_training_loop import CLOSE
 from test_training_step import BATCH, _alone_until_compute, _machine, _synced, _view
-from trainer_sim import DATA_X, DATA_Y, Hub, Member, all_ok, start_loop, trainer_of, wait_all
+from trainer_sim import (
+    DATA_X,
+    DATA_Y,
+    Hub,
+    Member,
+    all_ok,
+    max_diff,
+    reference,
+    start_loop,
+    trainer_of,
+    wait_all,
+)
 
 from ftmesh.errors import ConfigError
 from ftmesh.torch import ElasticTrainer, Step
@@ -252,3 +265,38 @@ def test_a_throttled_members_share_falls_and_rises_back() -> None:
     states = [trainer_of(members[n]).model.state_dict() for n in "abc"]
     for s in states[1:]:
         assert all(torch.equal(s[k], states[0][k]) for k in s)
+
+
+def test_speed_shares_with_a_data_loader_give_the_single_process_model() -> None:
+    """The loader API: a 4x-throttled member gets a smaller share (the loader's prefetch
+    starts over when the split changes), and the model is single-process SGD's."""
+    hub = Hub(start_with=3)
+    total = 16
+    dataset = tud.TensorDataset(DATA_X, DATA_Y)
+
+    def body(t: ElasticTrainer, step: Step) -> None:
+        slow = t.mesh.node_id == "b" and 2 <= step.index < 10
+        for x, y in step.batches():
+            time.sleep(len(x) * PER_SAMPLE_S * (THROTTLE if slow else 1))
+            F.cross_entropy(t.model(x), y).backward()  # type: ignore[no-untyped-call]
+        t.optimizer.step()
+
+    try:
+        members = start_loop(
+            hub,
+            "abc",
+            total=total,
+            body=body,
+            data=lambda: tud.DataLoader(dataset, batch_size=8, shuffle=True),
+            data_seed=1,
+            shares="speed",
+        )
+        wait_all(hub, 60.0)
+    finally:
+        hub.shutdown()
+    all_ok(members, "abc")
+    b = [r.share for r in members["b"].reports]
+    assert min(b) < 2 < max(b), b  # equal shares of 8 are 3, 3, 2... b's is 3
+    for n in "abc":
+        model = trainer_of(members[n]).model.state_dict()
+        assert max_diff(model, reference("sgd", total)) < CLOSE
