@@ -35,6 +35,15 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
    attempt syncs, which fails the others' step once and makes them sync too). A leaver whose
    announcing step fails leaves at once: the others are recovering from that failure anyway.
 
+5. **Speed-proportional shares** (``TrainerConfig.shares="speed"``). Each member writes its
+   smoothed compute speed (samples/s of its own forward and backward) into its rank's slot of
+   the speed part of the gradient allreduce's header, and a split tag (:func:`split_tag`:
+   which split it computed). Every member that commits the step holds the same speeds and
+   makes the same next split from them (:func:`speed_weights`: proportional, a floor, a
+   hysteresis on uneven compute times); the split tag catches members that split a step
+   differently (they would train overlapping samples). Every sync resets the split to equal.
+   Only the split changes: the global batch, and so exactly-once per epoch, do not.
+
 Two cheap checks guard against ever acting on collective data of another round (a data-plane
 bug, or a peer running other code): after the sync allreduce each member finds its own slots
 unchanged (:func:`own_slots_intact`), and the gradient allreduce carries a round-check slot

@@ -28,8 +28,10 @@ of *attempts*:
    fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
    the optimizer state in sharded mode. If the sync shows that the others committed the step
    we were computing, the run ends there: the step is *adopted*, never computed twice.
-4. **Compute**: our share of the step, as micro-batches; the driver runs backward, the
-   gradient allreduce and the optimizer, and checks the reduced header with
+4. **Compute**: our share of the step (equal, or by the weights the machine made from the
+   last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
+   micro-batches; the driver runs backward, the gradient allreduce and the optimizer, and
+   checks the reduced header with
    :meth:`StepMachine.check_reduction`; the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
