@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="int8: gradients travel as blockwise int8 with error feedback (slow links)",
     )
+    p.add_argument(
+        "--shares",
+        choices=["equal", "speed"],
+        default="equal",
+        help="speed: split each step's batch in proportion to the members' measured speed",
+    )
     p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -181,6 +187,7 @@ def main() -> int:
                 shard_optimizer=args.shard_optimizer,
                 replicas=args.replicas,
                 compression=args.compression,
+                shares=args.shares,
             )
             if trainer.resume() >= total:  # the checkpoint of the last step: the run is over
                 print(f"training finished at step {trainer.committed} (checkpoint in "

@@ -117,6 +117,10 @@ class Step:
         """This member set its leave bit in the step's header (a planned departure)."""
         self.leaving: tuple[str, ...] = ()
         """The members that announced in the step that they leave after it."""
+        self.started = 0.0
+        """``time.perf_counter()`` when the ``with`` block began (the compute time's start)."""
+        self.speeds: tuple[float, ...] = ()
+        """``shares="speed"``: the agreed speeds of the reduced header."""
         self.next: Compute | Finished | None = None
         """What the trainer does after this attempt (set when the ``with`` block ends)."""
 

@@ -438,7 +438,7 @@ class ElasticTrainer:
         state = self._state
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
-        slots = header_size(len(state.names))
+        slots = header_size(len(state.names), self.config.shares == "speed")
         self._buckets = buckets = GradBuckets(self._params, self._bucket_bytes, slots)
         self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
         cfg = self.config
@@ -555,7 +555,8 @@ class ElasticTrainer:
         header[2] = round_tag(step.index)
         if step.action.check:
             step.checks = self._state.check_values()
-            header[HEADER_SLOTS:] = step.checks
+            header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
+        step.started = time.perf_counter()
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
@@ -565,6 +566,12 @@ class ElasticTrainer:
         if self._machine.leave_requested:
             buckets.header[COUNTER_SLOTS:HEADER_SLOTS] = leave_slots(step.rank)
             step.announced = True
+        # shares="speed": our compute time is the body up to its last backward (the earlier
+        # buckets' allreduces run meanwhile; the wait for them is not counted)
+        seconds = time.perf_counter() - step.started
+        speeds = self._machine.speed_slots(step.action, step.share, seconds)
+        if len(speeds):
+            buckets.header[len(buckets.header) - len(speeds) :] = speeds
         try:
             buckets.finish(timeout=self.config.step_timeout)
         except FtmeshError as exc:
@@ -580,6 +587,7 @@ class ElasticTrainer:
             self._diverged(step, verdict)
         step.loss_sum = header[1]
         step.leaving = self._machine.leaving(step.action, header)
+        step.speeds = self._machine.speeds(header)
         step.reduced = True
 
     def _diverged(self, step: Step, parts: tuple[int, ...]) -> None:
@@ -676,7 +684,7 @@ class ElasticTrainer:
             self._abandon(step)
             return False
         self._state.capture()
-        step.next = self._feed(Computed(step.share, step.loss_sum, step.leaving))
+        step.next = self._feed(Computed(step.share, step.loss_sum, step.leaving, step.speeds))
         if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report
             self._reported(step.report)

@@ -105,6 +105,9 @@ class Computed:
     leaving: tuple[str, ...] = ()
     """Members that announced in this step's leave slots that they leave after it
     (:meth:`StepMachine.leaving`); a planned departure, ``ftmesh.training.protocol`` 4."""
+    speeds: tuple[float, ...] = ()
+    """``shares="speed"``: the reduced speed slots, one smoothed compute speed per view rank
+    (:meth:`StepMachine.speeds`); the split of the next step is made from them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ..compression import COMPRESSIONS
 from ..errors import ConfigError
-from .protocol import QUORUM_POLICIES
+from .protocol import QUORUM_POLICIES, SHARES
 
 SPARE_MODES = ("hot", "cold")
 DEFAULT_REPLICAS = 2
@@ -83,12 +83,22 @@ class TrainerConfig:
     data_seed: int = 0
     """Seed of the data order when the trainer is given a ``DataLoader`` (an
     ``ElasticSampler`` has its own). Mesh-wide."""
+    shares: Literal["equal", "speed"] = "equal"
+    """How a step's global batch is split among the members computing: ``equal``, or
+    ``speed``: in proportion to each member's measured compute speed (samples/s of its own
+    forward and backward, smoothed), which rides in the step's gradient allreduce, so a
+    member at a quarter of the speed takes about a quarter of a fast member's share (at
+    least ``SHARE_FLOOR`` of an equal share; re-split only when the members' compute times
+    are uneven by more than ``SHARE_HYSTERESIS``: ``ftmesh.training.protocol``). Every
+    sample still trains once per epoch. Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
         if self.spares not in SPARE_MODES:
             raise ConfigError(f"spares must be 'hot' or 'cold', got {self.spares!r}")
+        if self.shares not in SHARES:
+            raise ConfigError(f"shares must be one of {SHARES}, got {self.shares!r}")
         if self.quorum not in QUORUM_POLICIES:
             raise ConfigError(f"quorum must be one of {QUORUM_POLICIES}, got {self.quorum!r}")
         if self.min_peers < 1:

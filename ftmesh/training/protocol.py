@@ -35,6 +35,15 @@ Theory of operation. Every member counts its *committed* steps. A step runs on o
    attempt syncs, which fails the others' step once and makes them sync too). A leaver whose
    announcing step fails leaves at once: the others are recovering from that failure anyway.
 
+5. **Speed-proportional shares** (``TrainerConfig.shares="speed"``). Each member writes its
+   smoothed compute speed (samples/s of its own forward and backward) into its rank's slot of
+   the speed part of the gradient allreduce's header, and a split tag (:func:`split_tag`:
+   which split it computed). Every member that commits the step holds the same speeds and
+   makes the same next split from them (:func:`speed_weights`: proportional, a floor, a
+   hysteresis on uneven compute times); the split tag catches members that split a step
+   differently (they would train overlapping samples). Every sync resets the split to equal.
+   Only the split changes: the global batch, and so exactly-once per epoch, do not.
+
 Two cheap checks guard against ever acting on collective data of another round (a data-plane
 bug, or a peer running other code): after the sync allreduce each member finds its own slots
 unchanged (:func:`own_slots_intact`), and the gradient allreduce carries a round-check slot
@@ -57,13 +66,17 @@ ring member receives bitwise identical (``ftmesh.collective``).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 QUORUM_POLICIES = ("majority", "any")
+SHARES = ("equal", "speed")
+"""How a step's global batch is split among the members computing (``TrainerConfig.shares``)."""
 
 FRESH = -1
 """Committed step of a member that has not yet trained in this mesh."""
@@ -198,10 +211,76 @@ CHECK_BITS = 16
 float32 (below 2**24) for views of up to 256 members."""
 
 
-def header_size(parts: int) -> int:
+SPEED_RANKS = 256
+"""Ranks with a speed slot (``shares="speed"``): the views of up to 256 members the round
+check is exact for; a rank beyond writes none and counts at the median speed."""
+SPEED_SLOTS = SPEED_RANKS + 1
+"""The speed part of the header (``shares="speed"`` only): one compute speed per rank, then
+the split tag (:func:`split_tag`)."""
+SHARE_SMOOTHING = 0.3
+"""Weight of the newest step in a member's smoothed compute speed (an EWMA of samples per
+second of its own forward and backward)."""
+SHARE_FLOOR = 0.1
+"""A member's weight is at least this fraction of an equal share (a slowed member keeps
+measuring, and comes back when it speeds up)."""
+SHARE_HYSTERESIS = 0.1
+"""The split changes only when the slowest member's predicted compute time (its share at its
+smoothed speed) exceeds the mean of those computing by more than this fraction: shares do
+not move with measurement noise, nor where compute time hardly depends on the share (a
+fixed per-step cost dominates), which would otherwise let noise walk the split anywhere."""
+
+
+def header_size(parts: int, speeds: bool = False) -> int:
     """Slots of the gradient allreduce's header for ``parts`` registered parts: counters,
-    leave slots, check slots."""
-    return HEADER_SLOTS + parts
+    leave slots, check slots, and with ``speeds`` the speed slots."""
+    return HEADER_SLOTS + parts + (SPEED_SLOTS if speeds else 0)
+
+
+def split_tag(workers: Sequence[str], counts: Sequence[int]) -> int:
+    """Each member's value in the split-tag slot: a 16-bit hash of the split it computed
+    (who computes how many samples), plus one. The reduced slot is ``size * split_tag``
+    exactly when every member of the view split the step alike (float32 is exact there for
+    views of up to 256 members), else two members may have computed overlapping samples."""
+    text = ",".join(f"{w}:{c}" for w, c in zip(workers, counts, strict=True))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=2).digest(), "big") + 1
+
+
+def speeds_problem(speeds: Sequence[float], size: int, tag: int) -> str:
+    """What is wrong with the reduced speed slots of a view of ``size`` ("" when sound):
+    the split tag must be ``size * tag``, every speed finite and >= 0."""
+    if len(speeds) != SPEED_SLOTS or speeds[-1] != size * tag:
+        return f"split tag {speeds[-1] if speeds else None}, expected {size * tag}"
+    if not all(math.isfinite(v) and v >= 0 for v in speeds[:-1]):
+        return "speed slots not finite and >= 0"
+    return ""
+
+
+def speed_weights(
+    speeds: Sequence[float],
+    counts: Sequence[int],
+    current: Sequence[float] | None,
+    floor: float = SHARE_FLOOR,
+) -> tuple[float, ...] | None:
+    """The next split's weights (summing to 1) of members with these smoothed ``speeds``
+    (samples/s; 0: not measured, counts at the median of the others) that computed ``counts``
+    samples with the ``current`` weights (``None``: equal shares). Kept (returned as they
+    are) unless the members' predicted compute times ``count / speed`` are uneven by more
+    than ``SHARE_HYSTERESIS``; else proportional to speed, each at least ``floor`` of an
+    equal share (then normalized). ``None``: equal shares."""
+    n = len(speeds)
+    kept = None if current is None else tuple(current)
+    known = sorted(s for s in speeds if s > 0)
+    if not known:
+        return kept
+    median = known[len(known) // 2]
+    filled = [s if s > 0 else median for s in speeds]
+    times = [c / s for c, s in zip(counts, filled, strict=True) if c > 0]
+    if times and max(times) <= (1 + SHARE_HYSTERESIS) * sum(times) / len(times):
+        return kept
+    total = sum(filled)
+    clipped = [max(s / total, floor / n) for s in filled]
+    norm = sum(clipped)
+    return tuple(w / norm for w in clipped)
 
 
 def check_value(digest: str) -> int:

@@ -65,7 +65,7 @@ import numpy as np
 from ..compression import COMPRESSIONS
 from ..errors import ConfigError, FtmeshError
 from ..state.errors import StateLostError
-from .protocol import DIGEST_SLOTS, FRESH, digest_of, digest_slots
+from .protocol import DIGEST_SLOTS, FRESH, SHARES, digest_of, digest_slots
 
 VERSIONS = 2
 """Versions of its state a member advertises at most: committed and pending."""
@@ -96,6 +96,9 @@ class SharedSettings:
     ``bucket_mb``)."""
     data_layout: int = 0
     """A hash of what decides the data order (``ElasticSampler.layout``)."""
+    shares: int = 0
+    """``TrainerConfig.shares`` as its index in ``SHARES`` (the header's size and the split
+    depend on it)."""
 
     @classmethod
     def of(
@@ -119,6 +122,7 @@ _FIELDS = (
     "state_layout",
     "bucket_layout",
     "data_layout",
+    "shares",
 )
 _SHARD_FIELDS = ("replicas", "checkpoint_every")
 _LABELS = {
@@ -128,7 +132,7 @@ _LABELS = {
 }
 COMPRESSION_CODES = ("none", *COMPRESSIONS)
 """``TrainerConfig.compression`` as the number its settings slot carries."""
-_VALUE_NAMES = {"compression": COMPRESSION_CODES}
+_VALUE_NAMES = {"compression": COMPRESSION_CODES, "shares": SHARES}
 SETTINGS_SLOTS = len(_FIELDS)
 """Slots per member for its ``SharedSettings`` after the sync vector."""
 LAYOUT_BITS = 62

@@ -28,8 +28,10 @@ of *attempts*:
    fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
    the optimizer state in sharded mode. If the sync shows that the others committed the step
    we were computing, the run ends there: the step is *adopted*, never computed twice.
-4. **Compute**: our share of the step, as micro-batches; the driver runs backward, the
-   gradient allreduce and the optimizer, and checks the reduced header with
+4. **Compute**: our share of the step (equal, or by the weights the machine made from the
+   last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
+   micro-batches; the driver runs backward, the gradient allreduce and the optimizer, and
+   checks the reduced header with
    :meth:`StepMachine.check_reduction`; the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
@@ -109,11 +111,19 @@ from .protocol import (
     COUNTER_SLOTS,
     FRESH,
     HEADER_SLOTS,
+    SHARE_SMOOTHING,
+    SHARES,
+    SPEED_RANKS,
+    SPEED_SLOTS,
     has_quorum,
     leavers,
     own_slots_intact,
     plan_sync,
     reduction_problem,
+    speed_weights,
+    speeds_problem,
+    split_share,
+    split_tag,
     sync_vector,
 )
 from .shards import (
@@ -254,6 +264,11 @@ class StepMachine:
         self.layout = (0, 0, 0)
         """(state, bucket, data) layout hashes, set by the driver (``SharedSettings``)."""
         self._dead_since: dict[str, float] = {}
+        self.speed = 0.0
+        """``shares="speed"``: this member's smoothed compute speed (samples/s; 0: none yet)."""
+        self._weights: dict[str, float] = {}
+        """``shares="speed"``: the split's weights by member, agreed from the last committed
+        step's speeds ({}: equal shares; reset by every sync)."""
         self._own_sync: np.ndarray | None = None
         self._run: _Run | None = None
         self._pending: Action | None = None
@@ -330,6 +345,7 @@ class StepMachine:
             state_layout=self.layout[0],
             bucket_layout=self.layout[1],
             data_layout=self.layout[2],
+            shares=SHARES.index(c.shares),
         )
 
     def sync_vector(self, view: RingView, nbytes: int, digest: str) -> np.ndarray:
@@ -363,6 +379,11 @@ class StepMachine:
         registered parts whose digests differ between members (a fatal divergence).
         ``announced``: we set our leave bit in it."""
         view = action.view
+        if self.config.shares == "speed":
+            trouble = speeds_problem(header[-SPEED_SLOTS:], view.size, self._split_tag(action))
+            if trouble:
+                return Failed(Failure.DESYNC, f"step {action.index + 1}: {trouble}")
+            header = header[:-SPEED_SLOTS]
         problem = reduction_problem(
             action.index,
             view.size,
@@ -377,6 +398,61 @@ class StepMachine:
         if problem.desync:
             return Failed(Failure.DESYNC, problem.desync)
         return problem.diverged
+
+    # -- speed-proportional shares (``shares="speed"``) -------------------------------------
+
+    def split_weights(self, workers: Sequence[str]) -> tuple[float, ...] | None:
+        """The weights of the next split among ``workers`` (in sorted order, as the sampler
+        takes them): the agreed ones, renormalized over those still computing (members that
+        left in a planned departure); ``None`` (equal) when some worker has none."""
+        if not self._weights or any(w not in self._weights for w in workers):
+            return None
+        ws = [self._weights[w] for w in sorted(workers)]
+        return tuple(w / sum(ws) for w in ws)
+
+    def _split_tag(self, action: Compute) -> int:
+        workers = sorted(action.workers)
+        counts = split_share(self.batch_size(action.index), action.weights, len(workers))
+        return split_tag(workers, counts)
+
+    def speed_slots(self, action: Compute, share: int, seconds: float) -> np.ndarray:
+        """The speed part of our header for ``action`` (empty unless ``shares="speed"``),
+        after counting ``share`` samples computed in ``seconds`` (forward and backward, not
+        the waits for the allreduce) in our smoothed speed: that speed in our rank's slot,
+        the split tag in the last."""
+        if self.config.shares != "speed":
+            return np.empty(0, dtype=np.float32)
+        if share > 0 and seconds > 0:
+            rate = share / seconds
+            self.speed = (
+                rate if self.speed == 0 else self.speed + SHARE_SMOOTHING * (rate - self.speed)
+            )
+        slots = np.zeros(SPEED_SLOTS, dtype=np.float32)
+        rank = action.view.rank_of(self.me)
+        if self.me in action.workers and rank < SPEED_RANKS:
+            slots[rank] = self.speed
+        slots[-1] = self._split_tag(action)
+        return slots
+
+    def speeds(self, header: Sequence[float]) -> tuple[float, ...]:
+        """The agreed speeds (one per view rank) in a reduced header checked with
+        :meth:`check_reduction` (``()`` unless ``shares="speed"``)."""
+        if self.config.shares != "speed":
+            return ()
+        return tuple(float(v) for v in header[-SPEED_SLOTS:-1])
+
+    def _reweigh(self, action: Compute, speeds: Sequence[float]) -> None:
+        """After committing ``action``: the next split's weights from its agreed speeds (every
+        member that committed it computes the same)."""
+        if not speeds:
+            return
+        workers = sorted(action.workers)
+        view = action.view
+        ranks = [view.rank_of(w) for w in workers]
+        measured = [speeds[r] if r < SPEED_RANKS else 0.0 for r in ranks]
+        counts = split_share(self.batch_size(action.index), action.weights, len(workers))
+        weights = speed_weights(measured, counts, action.weights)
+        self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
 
     def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
         """The members that announced in ``action``'s reduced header (checked with
@@ -468,13 +544,14 @@ class StepMachine:
                     view=view,
                     index=index,
                     workers=self.compute_set(view),
-                    weights=None,
+                    weights=self.split_weights(self.compute_set(view)),
                     check=cfg.check_due(index),
                     attempt=attempts,
                 )
                 now, out = yield action
                 if isinstance(out, Computed):
                     self.committed = index + 1
+                    self._reweigh(action, out.speeds)
                     if synced:  # the first step on a view made whatever state it makes
                         yield Advertise()
                     if cfg.checkpoint_due(self.committed):
@@ -769,6 +846,9 @@ class StepMachine:
             self.last_sync_bytes += _fetched(out)
         self._stats.state_transfer_bytes += self.last_sync_bytes
         self.last_sync_seconds = now - started
+        # Every member of the view ran this sync: all start its steps from equal shares
+        # (the speeds of the steps before may differ between them, and joiners have none).
+        self._weights = {}
         now = yield from self._settle_on(now, view)
         return now, None
 
