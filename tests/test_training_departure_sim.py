@@ -7,6 +7,8 @@ fails, sharded state, leaving before training, and a cold spare that takes the f
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -132,15 +134,29 @@ def test_leaving_before_the_first_step(hub: Hub) -> None:
 def test_a_cold_spare_takes_the_slot_of_a_leaver(hub: Hub) -> None:
     """Cold spares tell a departure (a slot to take) from the end of training."""
     hub.start_with = 2
+    chosen: list[str] = []  # the first member to commit step 4 leaves (whoever trains)
+    lock = threading.Lock()
+
+    def first_leaves(m: Member, r: StepReport) -> None:
+        with lock:
+            if r.step == 4 and not chosen and m.mesh is not None:
+                chosen.append(m.name)
+                m.mesh.request_leave()
+        if chosen and r.step > 4:
+            time.sleep(0.1)  # (the fake steps are instant: leave the spare time to step in)
+
     members = run_members(
         hub,
         "abc",
         opt="sgd",
         total=TOTAL,
         shard=False,
-        on_step=_leave_at(4, "a"),
+        on_step=first_leaves,
         trainer_kwargs={"max_peers": 2, "spares": "cold"},
     )
-    _check(members, {"a": 5})
-    spare = next(m for n, m in members.items() if n != "a" and m.reports[0].step > 1)
+    (leaver,) = chosen
+    _check(members, {leaver: 5})
+    spare = next(
+        m for n, m in members.items() if n != leaver and m.reports and m.reports[0].step > 1
+    )
     assert spare.reports[0].synced, spare.reports[0]  # stepped in and fetched the state
