@@ -293,3 +293,27 @@ def test_check_plot_path(tmp_path: Path) -> None:
     (tmp_path / "d.png").mkdir()
     with pytest.raises(ConfigError, match="is a directory"):
         check_plot_path(tmp_path / "d.png")
+
+
+README_CHAOS = "lab chaos --hosts 3 --duration 30 --workload train --plot chaos.png"
+"""The README's line (after ``.venv/bin/ftmesh``)."""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
+def test_lab_chaos_plot_runs_as_written(tmp_path: Path) -> None:
+    """The README's chaos line, as written: a training soak on three lab hosts, a timeline
+    PNG holding the faults and every host's committed steps."""
+    ftmesh = Path(sys.executable).parent / "ftmesh"
+    res = subprocess.run(
+        [str(ftmesh), *README_CHAOS.split()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
+    chaos = read_plot_series(tmp_path / "chaos.png")["chaos"]
+    assert chaos["workload"] == "train" and chaos["faults"], chaos["faults"]
+    assert sorted(chaos["steps"]) == ["h0", "h1", "h2"]
+    assert all(pts[-1][1] > pts[0][1] for pts in chaos["steps"].values())  # they trained
