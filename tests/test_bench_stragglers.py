@@ -1,0 +1,50 @@
+"""``ftmesh bench stragglers`` run as a user runs it, a short run: the JSON's shape, every
+policy committed every step, and the policies did what they say to the slow member (no
+speed asserts: throughput ratios are the benchmark's figures, not a test's)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ftmesh.bench.stragglers import POLICIES
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS, WARMUP, PROCS = 12, 4, 3
+
+
+def test_stragglers_bench_runs_every_policy() -> None:
+    argv = ["-m", "ftmesh", "bench", "stragglers", "--procs", str(PROCS), "--slow-factor", "4"]
+    argv += ["--steps", str(STEPS), "--warmup", str(WARMUP), "--json"]
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["benchmark"] == "stragglers"
+    assert (r["procs"], r["slow_factor"], r["steps"]) == (PROCS, 4, STEPS)
+    assert len(r["load_before"]) == 3 and r["date"]
+    for p in POLICIES:
+        c = r[p]
+        assert c["steps"] == STEPS, (p, c)
+        for key in ("samples_per_s", "ms_per_step", "whole_samples_per_s"):
+            assert math.isfinite(c[key]) and c[key] > 0, (p, key, c)
+        assert c["samples_per_s"] == pytest.approx(r["global_batch"] * 1e3 / c["ms_per_step"])
+        assert len(c["slow_shares"]) == STEPS and 0 <= c["slow_member"] < PROCS
+    rate = {p: r[p]["samples_per_s"] for p in POLICIES}
+    assert r["proportional_vs_equal"] == pytest.approx(rate["proportional"] / rate["equal"])
+    assert r["evicted_vs_equal"] == pytest.approx(rate["evicted"] / rate["equal"])
+    best = max(rate[p] for p in POLICIES if p != "default")
+    assert r["default_vs_best"] == pytest.approx(rate["default"] / best)
+    # equal: the slow member computes an equal share every step
+    equal_share = r["global_batch"] // PROCS
+    assert set(r["equal"]["slow_shares"]) <= {equal_share, equal_share + 1}, r["equal"]
+    assert r["equal"]["evicted_steps"] == 0
+    # proportional: its measured speed shrinks its share once the steps have measured it
+    assert r["proportional"]["slow_mean_share"] < r["equal"]["slow_mean_share"] / 2, r
+    assert r["proportional"]["evicted_steps"] == 0
+    # evicted: the slow member is the hot spare max_peers=N-1 leaves out, from the first step
+    assert r["evicted"]["evicted_steps"] == STEPS, r["evicted"]
