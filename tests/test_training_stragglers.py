@@ -100,7 +100,10 @@ def test_the_rule_is_checked_and_shared() -> None:
     assert StragglerRule(0, 20, 50).key == 0
     keys = {StragglerRule(f, s, r).key for f, s, r in [(1.5, 20, 50), (2, 20, 50), (1.5, 5, 50)]}
     assert len(keys) == 3 and 0 not in keys
-    a, b = _machine("a", straggler_steps=5), _machine("a")
+    a, b = (
+        _machine("a", straggler_factor=1.5, straggler_steps=5),
+        _machine("a", straggler_factor=1.5),
+    )
     assert a.settings != b.settings  # a member with another rule gets a ConfigError
 
 
@@ -109,7 +112,7 @@ def test_the_rule_is_checked_and_shared() -> None:
 
 def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
     view = _view("a", "b", "c")
-    cfg = {"shares": "equal", "straggler_steps": 2, "readmit_steps": 3}
+    cfg = {"shares": "equal", "straggler_factor": 1.5, "straggler_steps": 2, "readmit_steps": 3}
     machines = [_machine(n, **cfg) for n in "abc"]
     slow = [FAST, 50.0, FAST]
     sets = []
@@ -126,7 +129,7 @@ def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
 
 def test_speed_shares_give_a_retried_member_the_share_of_its_last_speed() -> None:
     view = _view("a", "b", "c")
-    cfg = {"shares": "speed", "straggler_steps": 1, "readmit_steps": 2}
+    cfg = {"shares": "speed", "straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}
     machines = [_machine(n, **cfg) for n in "abc"]
     speeds = [FAST, FAST / 40, FAST]
     actions = []
