@@ -103,9 +103,7 @@ def _train(policy: str, cfg: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     pause = cfg["slow_factor"] - 1.0
     slow: bool | None = None
     began = 0.0
-    steps: list[
-        tuple[int, float, int, bool, int]
-    ] = []  # step, commit time, share, adopted, attempts
+    steps: list[dict[str, Any]] = []  # one per committed step
     with ftmesh.connect(
         mesh=f"{cfg['mesh']}-{policy}",
         discovery="local",
@@ -129,7 +127,16 @@ def _train(policy: str, cfg: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
                 optimizer.step()
             r = step.report
             if r is not None:
-                steps.append((r.step, time.monotonic(), r.share, r.adopted, r.attempts))
+                steps.append(
+                    {
+                        "step": r.step,
+                        "t": time.monotonic(),
+                        "share": r.share,
+                        "adopted": r.adopted,
+                        "attempts": r.attempts,
+                        "synced": r.synced,
+                    }
+                )
     return {"slow": bool(slow), "began": began, "steps": steps}
 
 
@@ -195,8 +202,8 @@ def summarise(policy: str, members: list[dict[str, Any]], cfg: dict[str, Any]) -
     total, warmup = cfg["steps"], cfg["warmup"]
     commit: dict[int, float] = {}
     for m in members:
-        for step, t, *_ in m["steps"]:
-            commit[step] = max(commit.get(step, t), t)
+        for rec in m["steps"]:
+            commit[rec["step"]] = max(commit.get(rec["step"], rec["t"]), rec["t"])
     missing = [k for k in range(1, total + 1) if k not in commit]
     if missing:
         raise BenchFailed(f"{policy}: no member committed step(s) {missing[:5]}")
@@ -206,7 +213,7 @@ def summarise(policy: str, members: list[dict[str, Any]], cfg: dict[str, Any]) -
     samples = cfg["global_batch"]  # every step is a full one (the data is whole batches)
     began = min(m["began"] for m in members)
     steady_s = commit[total] - commit[warmup]
-    shares = {int(s): int(share) for s, _t, share, adopted, _a in slow[0]["steps"] if not adopted}
+    shares = {rec["step"]: rec["share"] for rec in slow[0]["steps"] if not rec["adopted"]}
     steady_shares = [v for k, v in shares.items() if k > warmup]
     return {
         "samples_per_s": samples * (total - warmup) / steady_s,
@@ -217,7 +224,13 @@ def summarise(policy: str, members: list[dict[str, Any]], cfg: dict[str, Any]) -
         "slow_shares": [shares.get(k, -1) for k in range(1, total + 1)],
         "slow_mean_share": sum(steady_shares) / max(len(steady_shares), 1),
         "evicted_steps": sum(1 for v in shares.values() if v == 0),
-        "retries": max(sum(int(a) - 1 for *_, a in m["steps"]) for m in members),
+        "retries": max(sum(rec["attempts"] - 1 for rec in m["steps"]) for m in members),
+        "retried_steps": sorted(
+            {rec["step"] for m in members for rec in m["steps"] if rec["attempts"] > 1}
+        ),
+        "synced_steps": sorted(
+            {rec["step"] for m in members for rec in m["steps"] if rec["synced"]} - {1}
+        ),
     }
 
 
