@@ -149,12 +149,12 @@ def _worker(index: int, cfg: dict[str, Any], out: Any) -> None:
 
     torch.set_num_threads(1)
     x, y = make_data("digits", DATASET_STEPS * cfg["global_batch"], seed=0)
-    for policy in POLICIES:
+    for policy in cfg["policies"]:
         out.put((policy, {"index": index, **_train(policy, cfg, x, y)}))
 
 
 def run_policies(cfg: dict[str, Any], timeout: float) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """Every policy's run, in ``POLICIES`` order: its members' records. The processes run
+    """Every policy's run, in ``cfg["policies"]`` order: its members' records. The processes run
     all of them (each policy on a fresh mesh) and are killed on failure or when a policy
     takes longer than ``timeout``."""
     ctx = mp.get_context("spawn")
@@ -167,7 +167,7 @@ def run_policies(cfg: dict[str, Any], timeout: float) -> Iterator[tuple[str, lis
         p.start()
     done = False
     try:
-        for policy in POLICIES:
+        for policy in cfg["policies"]:
             results: list[dict[str, Any]] = []
             deadline = time.monotonic() + timeout
             while len(results) < nprocs:
@@ -222,6 +222,7 @@ def summarise(policy: str, members: list[dict[str, Any]], cfg: dict[str, Any]) -
         "steps": len(commit),
         "slow_member": int(slow[0]["index"]),
         "slow_shares": [shares.get(k, -1) for k in range(1, total + 1)],
+        "step_ms": [round(1e3 * (commit[k] - commit[k - 1]), 2) for k in range(2, total + 1)],
         "slow_mean_share": sum(steady_shares) / max(len(steady_shares), 1),
         "evicted_steps": sum(1 for v in shares.values() if v == 0),
         "retries": max(sum(rec["attempts"] - 1 for rec in m["steps"]) for m in members),
@@ -252,7 +253,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"benchmark": "stragglers", **base}
     settings = {p: policy_settings(p, args.procs, has_stragglers) for p in POLICIES}
-    cfg = {**base, "settings": settings}
+    cfg = {**base, "settings": settings, "policies": POLICIES}
     t0 = time.monotonic()
     for policy, members in run_policies(cfg, args.timeout):
         out[policy] = {
