@@ -33,15 +33,18 @@ def test_stragglers_bench_runs_every_policy() -> None:
         for key in ("samples_per_s", "ms_per_step", "whole_samples_per_s"):
             assert math.isfinite(c[key]) and c[key] > 0, (p, key, c)
         assert c["samples_per_s"] == pytest.approx(r["global_batch"] * 1e3 / c["ms_per_step"])
-        assert len(c["slow_shares"]) == STEPS and 0 <= c["slow_member"] < PROCS
+        (run,) = c["runs"]
+        assert len(run["slow_shares"]) == STEPS and 0 <= run["slow_member"] < PROCS
+        assert len(run["step_ms"]) == STEPS - 1, run
     rate = {p: r[p]["samples_per_s"] for p in POLICIES}
     assert r["proportional_vs_equal"] == pytest.approx(rate["proportional"] / rate["equal"])
     assert r["evicted_vs_equal"] == pytest.approx(rate["evicted"] / rate["equal"])
     best = max(rate[p] for p in POLICIES if p != "default")
     assert r["default_vs_best"] == pytest.approx(rate["default"] / best)
+    assert r["repeat_ratios"] == [pytest.approx({k: r[k] for k in r["repeat_ratios"][0]})]
     # equal: the slow member computes an equal share every step
     equal_share = r["global_batch"] // PROCS
-    assert set(r["equal"]["slow_shares"]) <= {equal_share, equal_share + 1}, r["equal"]
+    assert set(r["equal"]["runs"][0]["slow_shares"]) <= {equal_share, equal_share + 1}, r["equal"]
     assert r["equal"]["evicted_steps"] == 0
     # proportional: its measured speed shrinks its share once the steps have measured it
     assert r["proportional"]["slow_mean_share"] < r["equal"]["slow_mean_share"] / 2, r

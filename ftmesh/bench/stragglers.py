@@ -37,10 +37,13 @@ samples of committed steps per second: ``samples_per_s``/``ms_per_step`` in stea
 the slow member), ``whole_samples_per_s`` over the whole run (from the first step's start).
 Ratios (same run, so machine load hits every policy): ``proportional_vs_equal``,
 ``evicted_vs_equal`` and ``default_vs_best`` (the default over the best of the other three).
-The policies run one after the other, so load from other work on the host still skews them:
-the JSON carries the load average before and after. A worker that dies, or a policy that
-runs past ``--timeout``, ends the bench with a one-line error and exit status 1, every
-process killed.
+The policies run one after the other, so load from other work on the host still skews them
+(on a shared 2-core host a policy's throughput moves by 1.5x from one run to the next):
+``--repeats K`` runs each policy K times, in ``POLICIES`` order and reversed every other
+repeat, and reports medians (each run under ``runs``, each repeat's ratios under
+``repeat_ratios``); the JSON carries the load average before and after. A worker that
+dies, or a run past ``--timeout``, ends the bench with a one-line error and exit status 1,
+every process killed.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -86,7 +90,7 @@ def policy_settings(policy: str, nprocs: int, has_stragglers: bool) -> dict[str,
     raise AssertionError(policy)
 
 
-def _train(policy: str, cfg: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
+def _train(policy: str, mesh_name: str, cfg: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     """One member's run of ``policy`` on a fresh mesh: its records."""
     import torch
     import torch.nn.functional as F
@@ -105,7 +109,7 @@ def _train(policy: str, cfg: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     began = 0.0
     steps: list[dict[str, Any]] = []  # one per committed step
     with ftmesh.connect(
-        mesh=f"{cfg['mesh']}-{policy}",
+        mesh=mesh_name,
         discovery="local",
         preset="local",
         registry_dir=cfg["registry"],
@@ -149,14 +153,15 @@ def _worker(index: int, cfg: dict[str, Any], out: Any) -> None:
 
     torch.set_num_threads(1)
     x, y = make_data("digits", DATASET_STEPS * cfg["global_batch"], seed=0)
-    for policy in cfg["policies"]:
-        out.put((policy, {"index": index, **_train(policy, cfg, x, y)}))
+    for policy, repeat in cfg["runs"]:
+        mesh_name = f"{cfg['mesh']}-{policy}-{repeat}"
+        out.put(((policy, repeat), {"index": index, **_train(policy, mesh_name, cfg, x, y)}))
 
 
 def run_policies(cfg: dict[str, Any], timeout: float) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """Every policy's run, in ``cfg["policies"]`` order: its members' records. The processes run
-    all of them (each policy on a fresh mesh) and are killed on failure or when a policy
-    takes longer than ``timeout``."""
+    """Every run of ``cfg["runs"]`` (policy, repeat), in order: the policy and its members'
+    records. The same processes run all of them (each on a fresh mesh) and are killed on
+    failure or when a run takes longer than ``timeout``."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     registry = tempfile.mkdtemp(prefix="ftmesh-bench-stragglers-")
@@ -167,7 +172,8 @@ def run_policies(cfg: dict[str, Any], timeout: float) -> Iterator[tuple[str, lis
         p.start()
     done = False
     try:
-        for policy in cfg["policies"]:
+        for run in cfg["runs"]:
+            policy = run[0]
             results: list[dict[str, Any]] = []
             deadline = time.monotonic() + timeout
             while len(results) < nprocs:
@@ -182,7 +188,7 @@ def run_policies(cfg: dict[str, Any], timeout: float) -> Iterator[tuple[str, lis
                             f"{policy}: not done after --timeout {timeout:g} s"
                         ) from None
                     continue
-                if got != policy:
+                if tuple(got) != tuple(run):
                     raise BenchFailed(f"{policy}: a worker reported {got} first")
                 results.append(result)
             yield policy, sorted(results, key=lambda r: int(r["index"]))
@@ -241,6 +247,36 @@ def _trainer_has_stragglers() -> bool:
     return "straggler_factor" in {f.name for f in dataclasses.fields(TrainerConfig)}
 
 
+def run_order(repeats: int) -> list[tuple[str, int]]:
+    """(policy, repeat) in the order they run: ``POLICIES``, reversed every other repeat,
+    so that a trend in the machine's load hits every policy alike."""
+    return [(p, k) for k in range(repeats) for p in (POLICIES if k % 2 == 0 else POLICIES[::-1])]
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's figures over its repeats: medians (the runs themselves under ``runs``)."""
+    med = {
+        k: statistics.median(r[k] for r in runs)
+        for k in ("samples_per_s", "ms_per_step", "whole_samples_per_s", "slow_mean_share")
+    }
+    return {
+        **med,
+        "evicted_steps": min(r["evicted_steps"] for r in runs),
+        "steps": min(r["steps"] for r in runs),
+        "retries": sum(r["retries"] for r in runs),
+        "runs": runs,
+    }
+
+
+def ratios(rate: dict[str, float]) -> dict[str, float]:
+    """The bench's ratios from each policy's samples per second."""
+    return {
+        "proportional_vs_equal": rate["proportional"] / rate["equal"],
+        "evicted_vs_equal": rate["evicted"] / rate["equal"],
+        "default_vs_best": rate["default"] / max(rate[p] for p in POLICIES if p != "default"),
+    }
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     has_stragglers = _trainer_has_stragglers()
     load_before = os.getloadavg()
@@ -250,23 +286,24 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "slow_factor": args.slow_factor,
         "steps": args.steps,
         "warmup": args.warmup,
+        "repeats": args.repeats,
     }
-    out: dict[str, Any] = {"benchmark": "stragglers", **base}
     settings = {p: policy_settings(p, args.procs, has_stragglers) for p in POLICIES}
-    cfg = {**base, "settings": settings, "policies": POLICIES}
+    cfg = {**base, "settings": settings, "runs": run_order(args.repeats)}
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     t0 = time.monotonic()
     for policy, members in run_policies(cfg, args.timeout):
-        out[policy] = {
-            **summarise(policy, members, cfg),
-            "settings": settings[policy],
-            "wall_s": time.monotonic() - t0,
-        }
+        runs[policy].append({**summarise(policy, members, cfg), "wall_s": time.monotonic() - t0})
         t0 = time.monotonic()
-        print(f"done {policy}: {out[policy]['samples_per_s']:.0f} samples/s", file=sys.stderr)
-    rate = {p: float(out[p]["samples_per_s"]) for p in POLICIES}
-    out["proportional_vs_equal"] = rate["proportional"] / rate["equal"]
-    out["evicted_vs_equal"] = rate["evicted"] / rate["equal"]
-    out["default_vs_best"] = rate["default"] / max(rate[p] for p in POLICIES if p != "default")
+        print(f"done {policy}: {runs[policy][-1]['samples_per_s']:.0f} samples/s", file=sys.stderr)
+    out: dict[str, Any] = {"benchmark": "stragglers", **base}
+    for p in POLICIES:
+        out[p] = {**combine(runs[p]), "settings": settings[p]}
+    out.update(ratios({p: float(out[p]["samples_per_s"]) for p in POLICIES}))
+    out["repeat_ratios"] = [
+        ratios({p: float(runs[p][k]["samples_per_s"]) for p in POLICIES})
+        for k in range(args.repeats)
+    ]
     out["trainer_has_straggler_settings"] = has_stragglers
     out["load_before"] = list(load_before)
     out["load_after"] = list(os.getloadavg())
@@ -277,7 +314,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(r: dict[str, Any]) -> str:
     lines = [
         f"N={r['procs']}, one member at 1/{r['slow_factor']:g} speed, global batch "
-        f"{r['global_batch']}, {r['steps']} steps (steady state after {r['warmup']})",
+        f"{r['global_batch']}, {r['steps']} steps (steady state after {r['warmup']}), "
+        f"median of {r['repeats']} run(s)",
         f"{'policy':>12} | {'samples/s':>9} {'ms/step':>8} | {'whole run':>9} | "
         f"{'slow share':>10} {'evicted':>7}",
     ]
@@ -304,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="committed steps per policy")
     ap.add_argument("--warmup", type=int, default=40, help="steps before the steady state")
     ap.add_argument("--global-batch", type=int, default=512, help="samples per step")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per policy")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of each policy (medians are reported)"
+    )
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.procs < 2:
@@ -315,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup must be > 0 and below --steps")
     if args.global_batch < args.procs:
         ap.error("--global-batch must be at least --procs")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if not args.timeout > 0:
         ap.error("--timeout must be > 0")
     try:
