@@ -535,11 +535,13 @@ class StepMachine:
             self._stats.attempts_total += 1
             if self.leave_requested and (attempts > 1 or not self.in_ring):
                 self._depart()  # nothing to announce, or the announcing attempt failed
+            back = False
             if self._sit_out and self.in_ring:
                 now = yield from self._pause(now)
                 deadline = now + cfg.step_timeout
+                back = True
             if not self.in_ring:
-                now, deadline = yield from self._enter(now, deadline)
+                now, deadline = yield from self._enter(now, deadline, gate=not back)
                 settle = cfg.join_settle / 4
             else:
                 settle = 0.0
@@ -723,13 +725,15 @@ class StepMachine:
     # -- entering the ring -----------------------------------------------------------------
 
     def _enter(
-        self, now: float, deadline: float
+        self, now: float, deadline: float, gate: bool = True
     ) -> Generator[Action, tuple[float, Outcome], tuple[float, float]]:
+        """Into the ring; ``gate``: through the start gate (not on the way back from a
+        fail-slow pause: the mesh runs)."""
         cfg = self.config
         # Let discovery and gossip settle (so we join the mesh that is there instead of
         # starting a lonely one), then enter the ring at a step boundary.
         now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
-        if self.start.waits:
+        if self.start.waits and gate:
             now, _ = yield WaitToStart(max(deadline - now, 0.1))
             if self.leave_requested:
                 self._depart()
