@@ -8,9 +8,9 @@ preset, traffic on loopback only, ``start_peers`` N): the digits CNN of
 of ``--global-batch`` samples, from the same initial weights. The global batch defaults to 512
 (128 samples a member at N=4): with 16 a member (a global batch of 64) a member's forward and
 backward take about 2 ms, most of it fixed per-call cost, against a step overhead of 10-20 ms
-on this 2-core host, so how the batch is split hardly matters (measured: proportional/equal
-1.26 at 64, 1.90 at 512). The policies are :class:`~ftmesh.training.config.TrainerConfig`
-settings:
+on this 2-core host, so how the batch is split hardly matters (proportional/equal 1.26 at 64,
+1.90 at 512, one run each on a loaded host). The policies are
+:class:`~ftmesh.training.config.TrainerConfig` settings:
 
 * ``equal``: ``shares="equal"``, straggler handling off;
 * ``proportional``: ``shares="speed"``, straggler handling off;
