@@ -33,6 +33,7 @@ from ftmesh.training.actions import (
     Sleep,
     Sync,
     ViewSeen,
+    WaitToStart,
     WaitView,
     WaitViewChange,
 )
@@ -104,8 +105,13 @@ def test_a_member_that_keeps_freezing_steps_out_and_comes_back() -> None:
             now += a.seconds
         a = m.feed(now, Done())
     assert sum(slept) >= 3.0 and all(s <= 1.0 for s in slept)
-    # joins again like a member that was away (the same run goes on to its step)
+    # joins again like a member that was away (the same run goes on to its step), through
+    # the gate as one that only joins a running mesh: if the others finished meanwhile, the
+    # gate stops it (TrainingFinishedError) rather than letting it train the rest alone
     assert isinstance(a, Settle)
+    a = m.feed(now, Done())
+    assert a == WaitToStart(a.timeout, rejoin=True)
+    a = m.feed(now, Done())
     while not isinstance(a, Compute):
         if isinstance(a, Sync):
             a = m.feed(now, _synced(m, a.view))

@@ -158,9 +158,11 @@ class WaitToStart:
     """Wait as the start gate says (``ftmesh.starting.wait_to_start`` with the machine's
     ``StartConfig``), at most ``timeout``. The gate's verdicts that end the run are the
     driver's to raise (``MeshNotFormedError``, ``TrainingFinishedError``); it returns at once
-    when a leave is requested -> Done."""
+    when a leave is requested -> Done. ``rejoin``: as a member that only joins a running mesh
+    (``StartConfig.join_running``: a fail-slow member coming back)."""
 
     timeout: float
+    rejoin: bool = False
 
 
 @dataclass(frozen=True, slots=True)
