@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="equal",
         help="speed: split each step's batch in proportion to the members' measured speed",
     )
+    p.add_argument(
+        "--log-indices",
+        action="store_true",
+        help="add the sample indices this member trained in each step to its progress "
+        "record (tests check that every sample trains once per epoch)",
+    )
     p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -160,7 +166,11 @@ def main() -> int:
     sampler = ElasticSampler(len(x_train), args.global_batch, seed=args.seed)
     total = args.epochs * sampler.steps_per_epoch
 
+    trained: list[np.ndarray] = []  # --log-indices: the micro-batches given to loss_fn
+
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
+        if args.log_indices:
+            trained.append(idx)
         i = torch.from_numpy(idx)
         return F.cross_entropy(model(x_train[i]), y_train[i])
 
@@ -205,6 +215,11 @@ def main() -> int:
                         mesh.set_role("done")
                         mesh.wait_leave_requested()
                     return 0
+                indices: list[int] = []
+                if args.log_indices:  # the committed attempt ran last: its share is the tail
+                    done = np.concatenate(trained) if trained else np.empty(0, np.int64)
+                    indices = done[len(done) - r.share :].tolist() if r.share else []
+                    trained.clear()
                 every = args.digest_every
                 report = every and r.step % every == 0
                 progress(
@@ -222,6 +237,7 @@ def main() -> int:
                         "digest": trainer.digest() if report else None,
                         "shards": trainer.shard_digests() if report else None,
                         "fallbacks": trainer.fallbacks,
+                        **({"indices": indices} if args.log_indices else {}),
                         **(
                             {"accuracy": accuracy(model, x_test, y_test)}
                             if args.eval_every and r.step % args.eval_every == 0
