@@ -55,15 +55,17 @@ def accuracy(text: str) -> float:
     return float(found[-1])
 
 
-def check_consistency(records: dict[str, list[dict[str, object]]], total: int) -> None:
-    check_consistency_from(records, first=1, total=total)
+def check_consistency(
+    records: dict[str, list[dict[str, object]]], total: int, batch: int = 32
+) -> None:
+    check_consistency_from(records, first=1, total=total, batch=batch)
 
 
 def check_consistency_from(
-    records: dict[str, list[dict[str, object]]], *, first: int, total: int
+    records: dict[str, list[dict[str, object]]], *, first: int, total: int, batch: int = 32
 ) -> None:
     """Bitwise-identical states at every step (digests), steps never repeat, every step is
-    committed by somebody, and every step covered its whole global batch."""
+    committed by somebody, and every step covered its whole global batch (``batch``)."""
     digests: dict[int, set[str]] = defaultdict(set)
     committed: set[int] = set()
     for name, recs in records.items():
@@ -79,7 +81,7 @@ def check_consistency_from(
                 digests[int(r["step"])].add(str(r["digest"]))  # type: ignore[call-overload]
             if "done" not in r:
                 committed.add(int(r["step"]))  # type: ignore[call-overload]
-                assert r["samples"] == 32, r
+                assert r["samples"] == batch, r
     assert committed == set(range(first, total + 1)), "some step was never committed"
     split = {s: d for s, d in digests.items() if len(d) > 1}
     assert not split, f"members disagree at steps {sorted(split)[:5]}"

@@ -1,0 +1,155 @@
+"""Uneven members on lab hosts with a real CPU throttle (#15): three machines (network
+namespaces on a bridge) each run ``ftmesh worker --start-peers 3 examples/train_digits.py
+--shares speed``; one host's processes get a cgroup CPU quota for a window of steps
+(``VirtualLan.set_cpu``), then it is lifted.
+
+* Shares: the throttled member's share of each step falls while it is throttled and rises
+  back after; every step's shares add up to the global batch, every sample trains once per
+  epoch (``--log-indices``), all members agree on the digests, and the kernel's counters
+  show that the quota bit.
+
+The per-step shares are printed (``-s``), one column per host, so a failure can be read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests_support import EXAMPLE, FTMESH, Machine, check_consistency, wait_until
+
+from ftmesh.lab import VirtualLan, slowness
+from ftmesh.lab.netns import LabError
+
+
+def _cpu_available() -> bool:
+    try:
+        slowness.cpu_mount()
+    except LabError:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None or not _cpu_available(),
+        reason="needs root (network namespaces, cgroup CPU quotas) and the cgroup cpu "
+        "controller; CI runs as root",
+    ),
+]
+
+HOSTS = 3
+SLOW = 2
+"""The host that gets throttled."""
+CPU_SHARE = 0.12
+"""Its quota, in CPUs: three CPU-bound workers on two cores get about 0.6 each, so this is
+about five times slower."""
+GLOBAL_BATCH = 256
+"""Large enough for compute to dominate the digits step's fixed cost: at the example's 32 a
+member's measured speed follows its share (the fixed cost per step), and an unthrottled
+member's share drifts to 2-5 of 32 by itself (seen on this 2-core host), which no throttle
+window can be told apart from."""
+EPOCHS = 14
+"""70 steps (5 per epoch)."""
+WARM = 10
+"""Steps trained before the throttle."""
+THROTTLED_STEPS = 25
+"""Steps the throttle lasts."""
+LAG = 8
+"""Steps the smoothed speeds take to follow a change (``SHARE_SMOOTHING`` 0.3 per step: 94 %
+after 8); the medians skip them."""
+
+
+def _run(tmp_path: Path, lan: VirtualLan, *script_args: str) -> list[Machine]:
+    argv = [FTMESH, "worker", "--start-peers", str(HOSTS), EXAMPLE, "--shares", "speed"]
+    argv += ["--step-delay", "0", "--log-indices", "--global-batch", str(GLOBAL_BATCH)]
+    argv += script_args
+    return [Machine(lan, h, argv, tmp_path / f"h{h}.log") for h in range(HOSTS)]
+
+
+def _steps(m: Machine) -> dict[int, dict[str, Any]]:
+    return {int(r["step"]): r for r in m.records if "done" not in r}
+
+
+def _shares(ms: list[Machine]) -> dict[int, list[int]]:
+    """step -> each host's share (-1: that host did not report the step)."""
+    per = [_steps(m) for m in ms]
+    steps = sorted(set().union(*per))
+    return {s: [int(p[s]["share"]) if s in p else -1 for p in per] for s in steps}
+
+
+def _print_shares(shares: dict[int, list[int]], marks: dict[int, str]) -> None:
+    print("step  " + " ".join(f"h{h:<2}" for h in range(HOSTS)))
+    for s, row in shares.items():
+        print(f"{s:4d}  " + " ".join(f"{v:3d}" for v in row) + f"  {marks.get(s, '')}")
+
+
+def _check_exactly_once(ms: list[Machine], total: int, epochs: int) -> None:
+    """Every step's indices (all members together) are the global batch, each sample once per
+    epoch: counts add up and nothing repeats."""
+    per_epoch = total // epochs
+    seen: dict[int, list[int]] = defaultdict(list)
+    for m in ms:
+        for s, r in _steps(m).items():
+            assert len(r["indices"]) == r["share"], r
+            seen[(s - 1) // per_epoch].extend(r["indices"])
+    for epoch, idx in seen.items():
+        assert len(idx) == per_epoch * GLOBAL_BATCH, (epoch, len(idx))
+        assert len(set(idx)) == len(idx), f"epoch {epoch}: a sample trained twice"
+
+
+def _finish(ms: list[Machine], timeout: float) -> dict[str, list[dict[str, object]]]:
+    try:
+        outs = [m.finish(timeout=timeout) for m in ms]
+    finally:
+        for m in ms:
+            if m.proc.poll() is None:
+                m.proc.kill()
+    for m, out in zip(ms, outs, strict=True):
+        assert m.proc.returncode == 0, out[-3000:]
+    return {f"h{h}": list(m.records) for h, m in enumerate(ms)}
+
+
+def _median(xs: list[int]) -> float:
+    return float(statistics.median(xs))
+
+
+def test_shares_follow_a_cpu_throttle(tmp_path: Path) -> None:
+    with VirtualLan(hosts=HOSTS) as lan:
+        ms = _run(tmp_path, lan, "--epochs", str(EPOCHS))
+        try:
+            wait_until(lambda: min(m.step() for m in ms) >= WARM, 120, "3 workers training", ms)
+            lan.set_cpu(SLOW, CPU_SHARE)
+            throttled_at = ms[SLOW].step()
+            wait_until(
+                lambda: ms[SLOW].step() >= throttled_at + THROTTLED_STEPS, 120, "throttled", ms
+            )
+            fired = lan.cpu_stats(SLOW)  # (read before lifting: that deletes the cgroup)
+            lan.set_cpu(SLOW, None)
+            lifted_at = ms[SLOW].step()
+        finally:
+            records = _finish(ms, timeout=180)
+    shares = _shares(ms)
+    _print_shares(shares, {throttled_at: "<- throttled", lifted_at: "<- lifted"})
+    print("cgroup:", fired)
+    total = int(ms[0].records[0]["total"])
+    check_consistency(records, total, GLOBAL_BATCH)  # digests agree, no step lost or repeated
+    assert all(sum(row) == GLOBAL_BATCH for row in shares.values()), "a step lost samples"
+    _check_exactly_once(ms, total, EPOCHS)
+    assert fired["throttled"] > 0 and fired["throttled_s"] > 0, f"the quota never bit: {fired}"
+    slow = [row[SLOW] for row in shares.values()]  # shares[s] is slow[s - 1]
+    before = _median(slow[2:throttled_at])
+    during = _median(slow[throttled_at + LAG : lifted_at])
+    after = _median(slow[lifted_at + LAG :])
+    print(f"throttled member's median share of {GLOBAL_BATCH}: before {before:.0f}, "
+          f"during {during:.0f}, after {after:.0f}")  # fmt: skip
+    assert during < 0.5 * before, "the throttled member's share did not fall"
+    assert after > 2 * during, "the throttled member's share did not rise back"
