@@ -126,6 +126,13 @@ def test_shares_setting_is_checked() -> None:
 # -- the step machine --------------------------------------------------------------------------
 
 
+def _share(m: StepMachine, a: Compute) -> int:
+    """What ``m`` computes of ``a`` (0: a hot spare)."""
+    if m.me not in a.workers:
+        return 0
+    return split_share(BATCH, a.weights, len(a.workers))[sorted(a.workers).index(m.me)]
+
+
 def _reduce(machines: list[StepMachine], actions: list[Compute], speeds: list[float]) -> list[Any]:
     """The reduced header of one step where member i computed its share at ``speeds[i]``."""
     a0 = actions[0]
@@ -133,7 +140,7 @@ def _reduce(machines: list[StepMachine], actions: list[Compute], speeds: list[fl
     header[0] = BATCH
     header[2] = round_tag(a0.index) * a0.view.size
     for m, a, s in zip(machines, actions, speeds, strict=True):
-        share = split_share(BATCH, a.weights, len(a.workers))[a.view.rank_of(m.me)]
+        share = _share(m, a)
         header[-SPEED_SLOTS:] += m.speed_slots(a, share, share / s)
     return [float(v) for v in header]
 
@@ -142,7 +149,7 @@ def _commit(machines: list[StepMachine], actions: list[Compute], speeds: list[fl
     header = _reduce(machines, actions, speeds)
     for m, a in zip(machines, actions, strict=True):
         assert m.check_reduction(a, header, None) is None
-        share = split_share(BATCH, a.weights, len(a.workers))[a.view.rank_of(m.me)]
+        share = _share(m, a)
         after = m.feed(1.0, Computed(share, 0.0, (), m.speeds(header)))
         while isinstance(after, Advertise):
             after = m.feed(1.0, Done())
@@ -192,8 +199,8 @@ def test_a_disagreeing_split_is_caught_and_a_sync_resets_to_equal() -> None:
     assert a.weights is None and a.index == actions[0].index
 
 
-def test_equal_mode_has_no_speed_slots() -> None:
-    m = _machine("a")
+def test_equal_mode_without_straggler_detection_has_no_speed_slots() -> None:
+    m = _machine("a", shares="equal", straggler_factor=0)
     a = _alone_until_compute(m, _view("a", "b"))
     assert len(m.speed_slots(a, 4, 0.01)) == 0
     assert m.speeds([0.0] * header_size(0)) == ()

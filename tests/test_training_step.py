@@ -66,7 +66,8 @@ def _view(*names: str) -> RingView:
 
 
 def _machine(me: str = "a", **config: Any) -> StepMachine:
-    cfg = TrainerConfig.of(**{"join_settle": 0.0, "quorum": "any", **config})
+    # (without straggler detection: the handmade headers here have no speed slots)
+    cfg = TrainerConfig.of(**{"join_settle": 0.0, "quorum": "any", "straggler_factor": 0, **config})
     return StepMachine(cfg, me, random.Random(0), lambda _: BATCH)
 
 
@@ -461,7 +462,9 @@ class World:
         self.history: list[str] = []
 
     def add(self, name: str) -> None:
-        cfg = TrainerConfig.of(join_settle=0.0, quorum="any", step_timeout=1e9, check_every=3)
+        cfg = TrainerConfig.of(
+            join_settle=0.0, quorum="any", step_timeout=1e9, check_every=3, straggler_factor=0
+        )
         m = StepMachine(cfg, name, random.Random(self.rng.random()), lambda _: BATCH)
         self.members[name] = SimMember(name, m)
 

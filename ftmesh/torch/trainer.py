@@ -438,7 +438,7 @@ class ElasticTrainer:
         state = self._state
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
-        slots = header_size(len(state.names), self.config.shares == "speed")
+        slots = header_size(len(state.names), self.config.measures_speed)
         self._buckets = buckets = GradBuckets(self._params, self._bucket_bytes, slots)
         self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
         cfg = self.config

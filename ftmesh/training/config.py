@@ -17,6 +17,7 @@ from typing import Any, Literal
 from ..compression import COMPRESSIONS
 from ..errors import ConfigError
 from .protocol import QUORUM_POLICIES, SHARES
+from .stragglers import StragglerRule
 
 SPARE_MODES = ("hot", "cold")
 DEFAULT_REPLICAS = 2
@@ -91,6 +92,18 @@ class TrainerConfig:
     least ``SHARE_FLOOR`` of an equal share; re-split only when the members' compute times
     are uneven by more than ``SHARE_HYSTERESIS``: ``ftmesh.training.protocol``). Every
     sample still trains once per epoch. Mesh-wide."""
+    straggler_factor: float = 1.5
+    """A member that makes steps take more than this many times as long as they would
+    without it, for ``straggler_steps`` consecutive steps, sits out the compute set as a hot
+    spare (in the ring, applying every step, computing nothing) and is retried after
+    ``readmit_steps`` (``ftmesh.training.stragglers``; FTLib's ``straggler-detection``).
+    Predicted from the members' measured speeds under the split ``shares`` makes. 0: never.
+    Mesh-wide."""
+    straggler_steps: int = 20
+    """Consecutive slow steps before a straggler sits out. Mesh-wide."""
+    readmit_steps: int = 50
+    """Steps a straggler sits out before it computes again on trial (one slow step sends it
+    back at once). Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
@@ -105,6 +118,13 @@ class TrainerConfig:
             raise ConfigError(f"min_peers must be >= 1, got {self.min_peers}")
         if self.start_peers is not None and self.start_peers < 1:
             raise ConfigError(f"start_peers must be >= 1, got {self.start_peers}")
+        if self.straggler_factor != 0 and not self.straggler_factor > 1:
+            raise ConfigError(
+                f"straggler_factor must be 0 (off) or > 1, got {self.straggler_factor}"
+            )
+        for name in ("straggler_steps", "readmit_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_peers", "checkpoint_every", "micro_batch", "check_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -138,6 +158,16 @@ class TrainerConfig:
                 f"unknown trainer setting(s) {unknown}; known: {', '.join(sorted(known))}"
             )
         return replace(config or cls(), **overrides)
+
+    @property
+    def straggler_rule(self) -> StragglerRule:
+        return StragglerRule(self.straggler_factor, self.straggler_steps, self.readmit_steps)
+
+    @property
+    def measures_speed(self) -> bool:
+        """Whether members measure their compute speed and share it in the step's header
+        (speed shares or straggler detection)."""
+        return self.shares == "speed" or self.straggler_rule.enabled
 
     @property
     def checkpointing(self) -> bool:

@@ -255,6 +255,25 @@ def speeds_problem(speeds: Sequence[float], size: int, tag: int) -> str:
     return ""
 
 
+def proportional_weights(speeds: Sequence[float], floor: float) -> tuple[float, ...]:
+    """Weights (summing to 1) proportional to ``speeds`` (all > 0), each at least ``floor``
+    of an equal share, then normalized."""
+    n, total = len(speeds), sum(speeds)
+    clipped = [max(s / total, floor / n) for s in speeds]
+    norm = sum(clipped)
+    return tuple(w / norm for w in clipped)
+
+
+def filled_speeds(speeds: Sequence[float]) -> list[float] | None:
+    """``speeds`` with unmeasured ones (0) at the median of the others (``None``: none
+    measured)."""
+    known = sorted(s for s in speeds if s > 0)
+    if not known:
+        return None
+    median = known[len(known) // 2]
+    return [s if s > 0 else median for s in speeds]
+
+
 def speed_weights(
     speeds: Sequence[float],
     counts: Sequence[int],
@@ -267,20 +286,14 @@ def speed_weights(
     are) unless the members' predicted compute times ``count / speed`` are uneven by more
     than ``SHARE_HYSTERESIS``; else proportional to speed, each at least ``floor`` of an
     equal share (then normalized). ``None``: equal shares."""
-    n = len(speeds)
     kept = None if current is None else tuple(current)
-    known = sorted(s for s in speeds if s > 0)
-    if not known:
+    filled = filled_speeds(speeds)
+    if filled is None:
         return kept
-    median = known[len(known) // 2]
-    filled = [s if s > 0 else median for s in speeds]
     times = [c / s for c, s in zip(counts, filled, strict=True) if c > 0]
     if times and max(times) <= (1 + SHARE_HYSTERESIS) * sum(times) / len(times):
         return kept
-    total = sum(filled)
-    clipped = [max(s / total, floor / n) for s in filled]
-    norm = sum(clipped)
-    return tuple(w / norm for w in clipped)
+    return proportional_weights(filled, floor)
 
 
 def check_value(digest: str) -> int:
@@ -353,8 +366,9 @@ def diverged_members(
 
 def split_share(n: int, weights: Sequence[float] | None, parts: int) -> list[int]:
     """How many of a step's ``n`` samples each of ``parts`` members computes: proportional to
-    ``weights`` (largest remainders, ties to the lower rank), equal shares when ``None`` (as
-    ``numpy.array_split``: the first ``n % parts`` get one more)."""
+    ``weights`` (largest remainders, ties to the lower rank, at least one each where ``n >=
+    parts``), equal shares when ``None`` (as ``numpy.array_split``: the first ``n % parts``
+    get one more)."""
     if parts < 1:
         raise ValueError("a step needs at least one member computing")
     if weights is None:
@@ -368,6 +382,11 @@ def split_share(n: int, weights: Sequence[float] | None, parts: int) -> list[int
     order = sorted(range(parts), key=lambda r: (-(exact[r] - counts[r]), r))
     for r in order[: n - sum(counts)]:
         counts[r] += 1
+    while n >= parts and 0 in counts:
+        # Everyone gets a sample where there are enough (a member with a share of 0 would
+        # never be measured again): from the largest share, ties to the lowest rank.
+        counts[counts.index(max(counts))] -= 1
+        counts[counts.index(0)] = 1
     return counts
 
 

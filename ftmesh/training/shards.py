@@ -99,6 +99,8 @@ class SharedSettings:
     shares: int = 0
     """``TrainerConfig.shares`` as its index in ``SHARES`` (the header's size and the split
     depend on it)."""
+    stragglers: int = 0
+    """A hash of the straggler rule (who computes depends on it), 0 when off."""
 
     @classmethod
     def of(
@@ -123,12 +125,14 @@ _FIELDS = (
     "bucket_layout",
     "data_layout",
     "shares",
+    "stragglers",
 )
 _SHARD_FIELDS = ("replicas", "checkpoint_every")
 _LABELS = {
     "state_layout": "registered state (names and kinds of what each member registered)",
     "bucket_layout": "gradient buckets (the model's trainable parameters, their dtypes, bucket_mb)",
     "data_layout": "data order (dataset size, global batch, seed, shuffle, drop_last)",
+    "stragglers": "straggler rule (straggler_factor, straggler_steps, readmit_steps)",
 }
 COMPRESSION_CODES = ("none", *COMPRESSIONS)
 """``TrainerConfig.compression`` as the number its settings slot carries."""

@@ -111,14 +111,17 @@ from .protocol import (
     COUNTER_SLOTS,
     FRESH,
     HEADER_SLOTS,
+    SHARE_FLOOR,
     SHARE_SMOOTHING,
     SHARES,
     SPEED_RANKS,
     SPEED_SLOTS,
+    filled_speeds,
     has_quorum,
     leavers,
     own_slots_intact,
     plan_sync,
+    proportional_weights,
     reduction_problem,
     speed_weights,
     speeds_problem,
@@ -135,6 +138,7 @@ from .shards import (
     settings_slots,
 )
 from .start import StartConfig
+from .stragglers import Stragglers
 
 log = logging.getLogger("ftmesh.training")
 
@@ -186,6 +190,9 @@ class StepReport:
     or a step whose end we missed); ``loss`` is then unknown (nan)."""
     leaving: tuple[str, ...] = ()
     """Members that announced in this step that they leave after it (planned departures)."""
+    computing: tuple[str, ...] = ()
+    """The members that computed the step (the others of ``members`` were hot spares: over
+    ``max_peers``, or sitting out as stragglers); ``()`` for an adopted step."""
 
 
 @dataclass(slots=True)
@@ -269,6 +276,9 @@ class StepMachine:
         self._weights: dict[str, float] = {}
         """``shares="speed"``: the split's weights by member, agreed from the last committed
         step's speeds ({}: equal shares; reset by every sync)."""
+        self.stragglers = Stragglers(config.straggler_rule, config.shares == "speed", SHARE_FLOOR)
+        """Who sits out the compute set (``ftmesh.training.stragglers``; reset on every new
+        view)."""
         self._own_sync: np.ndarray | None = None
         self._run: _Run | None = None
         self._pending: Action | None = None
@@ -346,6 +356,7 @@ class StepMachine:
             bucket_layout=self.layout[1],
             data_layout=self.layout[2],
             shares=SHARES.index(c.shares),
+            stragglers=c.straggler_rule.key,
         )
 
     def sync_vector(self, view: RingView, nbytes: int, digest: str) -> np.ndarray:
@@ -363,9 +374,12 @@ class StepMachine:
 
     def compute_set(self, view: RingView) -> tuple[str, ...]:
         """The members that compute on ``view``: the first ``max_peers`` (all without a
-        limit); the others are hot spares."""
+        limit) of those not sitting out as stragglers (``ftmesh.training.stragglers``); the
+        others are hot spares."""
         m = self.config.max_peers
-        return view.node_ids[:m] if m else view.node_ids
+        out = self.stragglers.out
+        ids = tuple(n for n in view.node_ids if n not in out) or view.node_ids
+        return ids[:m] if m else ids
 
     def check_reduction(
         self,
@@ -379,7 +393,7 @@ class StepMachine:
         registered parts whose digests differ between members (a fatal divergence).
         ``announced``: we set our leave bit in it."""
         view = action.view
-        if self.config.shares == "speed":
+        if self.config.measures_speed:
             trouble = speeds_problem(header[-SPEED_SLOTS:], view.size, self._split_tag(action))
             if trouble:
                 return Failed(Failure.DESYNC, f"step {action.index + 1}: {trouble}")
@@ -420,7 +434,7 @@ class StepMachine:
         after counting ``share`` samples computed in ``seconds`` (forward and backward, not
         the waits for the allreduce) in our smoothed speed: that speed in our rank's slot,
         the split tag in the last."""
-        if self.config.shares != "speed":
+        if not self.config.measures_speed:
             return np.empty(0, dtype=np.float32)
         if share > 0 and seconds > 0:
             rate = share / seconds
@@ -436,23 +450,36 @@ class StepMachine:
 
     def speeds(self, header: Sequence[float]) -> tuple[float, ...]:
         """The agreed speeds (one per view rank) in a reduced header checked with
-        :meth:`check_reduction` (``()`` unless ``shares="speed"``)."""
-        if self.config.shares != "speed":
+        :meth:`check_reduction` (``()`` unless ``TrainerConfig.measures_speed``)."""
+        if not self.config.measures_speed:
             return ()
         return tuple(float(v) for v in header[-SPEED_SLOTS:-1])
 
     def _reweigh(self, action: Compute, speeds: Sequence[float]) -> None:
-        """After committing ``action``: the next split's weights from its agreed speeds (every
-        member that committed it computes the same)."""
+        """After committing ``action``: the stragglers and the next split's weights from its
+        agreed speeds (every member that committed it computes the same)."""
         if not speeds:
             return
         workers = sorted(action.workers)
         view = action.view
         ranks = [view.rank_of(w) for w in workers]
         measured = [speeds[r] if r < SPEED_RANKS else 0.0 for r in ranks]
-        counts = split_share(self.batch_size(action.index), action.weights, len(workers))
+        batch = self.batch_size(action.index)
+        self.stragglers.observe(action.index, workers, measured, batch)
+        if self.config.shares != "speed":
+            return
+        counts = split_share(batch, action.weights, len(workers))
         weights = speed_weights(measured, counts, action.weights)
         self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
+        retried = [w for w in self.compute_set(view) if w not in workers]
+        known = self.stragglers.known
+        if retried and all(w in known for w in retried):
+            # Back on trial: the share of its last known speed (a slow one stays small).
+            after = sorted(self.compute_set(view))
+            filled = filled_speeds([known.get(w, 0.0) for w in after])
+            if filled is not None:
+                fresh = proportional_weights(filled, SHARE_FLOOR)
+                self._weights = dict(zip(after, fresh, strict=True))
 
     def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
         """The members that announced in ``action``'s reduced header (checked with
@@ -558,7 +585,9 @@ class StepMachine:
                         now, saved = yield Checkpoint(self.committed)
                         if isinstance(saved, Saved) and saved.written:
                             self._stats.checkpoint_step = self.committed
-                    report = self._done(started, now, failed_at, attempts, view, (out, synced))
+                    report = self._done(
+                        started, now, failed_at, attempts, view, (out, synced, action)
+                    )
                     if out.leaving:
                         yield from self._see_off(now, view, report)
                     return report
@@ -616,7 +645,7 @@ class StepMachine:
         failed_at: float | None,
         attempts: int,
         view: RingView,
-        computed: tuple[Computed, bool] | None,
+        computed: tuple[Computed, bool, Compute] | None,
     ) -> StepReport:
         s = self._stats
         s.steps_total += 1
@@ -625,8 +654,8 @@ class StepMachine:
         if failed_at is not None:
             s.recovery_seconds.observe(now - failed_at)
         samples = self.batch_size(self.committed - 1)
-        s.world_size = len(self.compute_set(view))
         if computed is None:  # adopted
+            s.world_size = len(self.compute_set(view))
             s.share = 0
             return StepReport(
                 step=self.committed,
@@ -640,7 +669,8 @@ class StepMachine:
                 sync_seconds=self.last_sync_seconds,
                 adopted=True,
             )
-        out, synced = computed
+        out, synced, action = computed
+        s.world_size = len(action.workers)
         s.share = out.share
         s.samples_total += out.share
         rate = out.share / max(s.last_step_s, 1e-6)
@@ -657,6 +687,7 @@ class StepMachine:
             sync_seconds=self.last_sync_seconds if synced else 0.0,
             share=out.share,
             leaving=out.leaving,
+            computing=action.workers,
         )
 
     def _finish(self, now: float, timeout: float) -> _Run:
@@ -855,8 +886,10 @@ class StepMachine:
     def _settle_on(
         self, now: float, view: RingView
     ) -> Generator[Action, tuple[float, Outcome], float]:
-        """Every member of ``view`` holds our state: steps run on it without a sync."""
+        """Every member of ``view`` holds our state: steps run on it without a sync (and
+        everyone computes again: ``ftmesh.training.stragglers``)."""
         self.synced_epoch = view.epoch
+        self.stragglers.reset()
         self.last_view = view.node_ids
         world = len(self.compute_set(view))
         if self.world != world:

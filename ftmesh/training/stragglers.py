@@ -1,0 +1,141 @@
+"""Stragglers: who sits out the compute set, decided alike on every member (#15 item 4).
+
+Theory of operation. After every committed step each member holds the same vector of the
+computing members' smoothed compute speeds (samples/s of their own forward and backward; the
+speed slots of the step's gradient allreduce, ``ftmesh.training.protocol``). From it,
+:class:`Stragglers` predicts the next step's time with the slowest member computing and
+without it: the time of a step is its slowest member's share at its speed, under the split
+the trainer would use (``proportional``: ``shares="speed"``'s weights with their floor, else
+equal shares). When *with* exceeds ``factor`` times *without* for ``steps`` consecutive
+steps, the slowest member leaves the compute set: it stays in the ring as a hot spare (it
+applies every step, its state stays current, it contributes nothing), and the next steps
+split the global batch among the others. With equal shares a member at half the speed of the
+others already costs more than ``factor`` (1.5 by default); with speed shares only a member
+too slow for its floor share does (at a twentieth of the speed, say), or one whose fixed
+per-step cost dominates.
+
+A member out of the compute set cannot be measured, so after ``readmit`` steps it comes back
+on trial: it computes again with the share its last known speed gives it (a small one, so a
+still-slow member costs about one step's worth of the time it used to), and if that one step
+is still too slow it leaves again at once; otherwise it stays, and its share grows back with
+its measured speed. At most one member leaves per step, never the last one computing.
+
+Every member computes the same decisions because every input is agreed: the speeds of the
+reduced header and the committed step count. A view change (a sync, a departure) starts from
+a clean slate: everyone computes (the members of the new view may not have seen the same
+steps); the split tag of the next step catches members that disagree anyway (the round is a
+desync, retried from a sync). FTLib calls this setting ``straggler-detection``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .protocol import filled_speeds, proportional_weights, split_share
+
+log = logging.getLogger("ftmesh.training")
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerRule:
+    """When a member leaves the compute set and when it is retried (``TrainerConfig``'s
+    ``straggler_factor``, ``straggler_steps``, ``readmit_steps``)."""
+
+    factor: float = 1.5
+    """Leave when steps with the member are predicted to take more than this many times as
+    long as without it (0: never)."""
+    steps: int = 20
+    """... for this many consecutive steps."""
+    readmit: int = 50
+    """Steps a member sits out before it is retried."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.factor > 0
+
+    @property
+    def key(self) -> int:
+        """The rule as a number for the sync's settings slots (0: off)."""
+        if not self.enabled:
+            return 0
+        text = f"{self.factor:.6g}/{self.steps}/{self.readmit}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+
+
+class Stragglers:
+    """The compute set's exclusions on one member; see the module docstring."""
+
+    def __init__(self, rule: StragglerRule, proportional: bool, floor: float) -> None:
+        self.rule = rule
+        self.proportional = proportional
+        self.floor = floor
+        self.out: dict[str, int] = {}
+        """Members out of the compute set, with the index of the first step they sat out."""
+        self.known: dict[str, float] = {}
+        """Each member's last agreed speed (samples/s)."""
+        self._streak: dict[str, int] = {}
+        self._trial: set[str] = set()
+
+    def reset(self) -> None:
+        """A new view: everyone computes."""
+        self.out.clear()
+        self._streak.clear()
+        self._trial.clear()
+
+    def step_time(self, batch: int, speeds: Sequence[float]) -> float:
+        """Predicted compute time of a step of ``batch`` samples among members of these
+        ``speeds`` (all > 0), under the split the trainer would use."""
+        weights = proportional_weights(speeds, self.floor) if self.proportional else None
+        counts = split_share(batch, weights, len(speeds))
+        return max(c / s for c, s in zip(counts, speeds, strict=True))
+
+    def observe(
+        self, index: int, workers: Sequence[str], speeds: Sequence[float], batch: int
+    ) -> str:
+        """After committing step ``index`` (0-based), computed by ``workers`` (sorted) at the
+        agreed ``speeds``: update the exclusions for the next step. Returns the member that
+        leaves the compute set now ("" if none)."""
+        for w, s in zip(workers, speeds, strict=True):
+            if s > 0:
+                self.known[w] = s
+        for m, since in list(self.out.items()):
+            if index + 1 - since >= self.rule.readmit:
+                del self.out[m]
+                self._trial.add(m)
+                log.info(
+                    "member %s is retried in the compute set after %d steps", m, index + 1 - since
+                )
+        filled = filled_speeds(speeds)
+        if not self.rule.enabled or len(workers) < 2 or filled is None:
+            return ""
+        slowest = min(range(len(workers)), key=lambda i: (filled[i], workers[i]))
+        member = workers[slowest]
+        rest = filled[:slowest] + filled[slowest + 1 :]
+        ratio = self.step_time(batch, filled) / self.step_time(batch, rest)
+        for w in list(self._streak):
+            if w != member:
+                del self._streak[w]
+        if ratio <= self.rule.factor:
+            self._streak.pop(member, None)
+            self._trial -= set(workers)  # computed a step without being too slow
+            return ""
+        self._streak[member] = self._streak.get(member, 0) + 1
+        needed = 1 if member in self._trial else self.rule.steps
+        if self._streak[member] < needed:
+            return ""
+        del self._streak[member]
+        self._trial.discard(member)
+        self.out[member] = index + 1
+        log.warning(
+            "member %s is a straggler: steps with it are predicted to take %.1fx as long as "
+            "without it (straggler_factor %.1f); it sits out the compute set as a hot spare "
+            "for %d steps",
+            member,
+            ratio,
+            self.rule.factor,
+            self.rule.readmit,
+        )
+        return member

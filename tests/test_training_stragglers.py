@@ -1,0 +1,206 @@
+"""Stragglers (#15 item 4, ``ftmesh.training.stragglers``): the rule on agreed speeds (with
+and without speed shares, the streak, the trial after ``readmit_steps``, never the last one
+computing), the step machine's compute set (identical on every member, reset by a new view,
+a hot spare takes the slot), and trainers on the fake mesh where one member computes 20x
+slower for a while: it sits out as a hot spare, comes back after the slowdown, every sample
+trains exactly once per epoch, and all members end bitwise equal."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_training_shares import _commit
+from test_training_step import _alone_until_compute, _machine, _view
+from trainer_sim import DATA_X, DATA_Y, Hub, Member, all_ok, start_loop, trainer_of, wait_all
+
+from ftmesh.errors import ConfigError
+from ftmesh.torch import ElasticTrainer, Step
+from ftmesh.torch.sampler import ElasticSampler
+from ftmesh.training.config import TrainerConfig
+from ftmesh.training.protocol import SHARE_FLOOR
+from ftmesh.training.stragglers import StragglerRule, Stragglers
+
+FAST = 400.0
+
+# -- the rule ---------------------------------------------------------------------------------
+
+
+def _rule(steps: int = 3, readmit: int = 5, factor: float = 1.5) -> StragglerRule:
+    return StragglerRule(factor, steps, readmit)
+
+
+def _observe(s: Stragglers, steps: range, speeds: dict[str, float]) -> list[str]:
+    out = []
+    for k in steps:
+        workers = sorted(w for w in speeds if w not in s.out)
+        out.append(s.observe(k, workers, [speeds[w] for w in workers], 64))
+    return out
+
+
+def test_equal_shares_evict_a_member_at_a_quarter_speed_after_the_streak() -> None:
+    s = Stragglers(_rule(), proportional=False, floor=SHARE_FLOOR)
+    # equal shares of 64 among 4: the slow one takes 16/100 = 0.16 s, without it 22/400
+    got = _observe(s, range(5), {"a": FAST, "b": 100.0, "c": FAST, "d": FAST})
+    assert got == ["", "", "b", "", ""] and set(s.out) == {"b"}
+
+
+def test_speed_shares_keep_a_member_at_a_quarter_speed() -> None:
+    s = Stragglers(_rule(), proportional=True, floor=SHARE_FLOOR)
+    assert _observe(s, range(10), {"a": FAST, "b": 100.0, "c": FAST, "d": FAST}) == [""] * 10
+
+
+def test_speed_shares_evict_a_member_too_slow_for_its_floor_share() -> None:
+    # (at a 20th of the speed its floor share of 64, one sample, still takes less time
+    # than 21 samples elsewhere; at a 100th, 10 ms against 55 ms without it)
+    s = Stragglers(_rule(), proportional=True, floor=SHARE_FLOOR)
+    got = _observe(s, range(4), {"a": FAST, "b": FAST / 20, "c": FAST, "d": FAST})
+    assert got == [""] * 4
+    got = _observe(s, range(4, 8), {"a": FAST, "b": FAST / 100, "c": FAST, "d": FAST})
+    assert got == ["", "", "b", ""]
+
+
+def test_noise_resets_the_streak() -> None:
+    s = Stragglers(_rule(), proportional=False, floor=SHARE_FLOOR)
+    slow = {"a": FAST, "b": 100.0, "c": FAST}
+    even = {"a": FAST, "b": FAST, "c": FAST}
+    assert _observe(s, range(2), slow) == ["", ""]
+    assert _observe(s, range(2, 3), even) == [""]
+    assert _observe(s, range(3, 5), slow) == ["", ""] and not s.out
+    assert _observe(s, range(5, 6), slow) == ["b"]
+
+
+def test_a_straggler_is_retried_and_sent_back_at_once_if_still_slow() -> None:
+    s = Stragglers(_rule(steps=3, readmit=5), proportional=False, floor=SHARE_FLOOR)
+    speeds = {"a": FAST, "b": 100.0, "c": FAST}
+    assert _observe(s, range(3), speeds)[-1] == "b"  # out from step 3
+    assert _observe(s, range(3, 7), speeds) == [""] * 4 and "b" in s.out
+    assert _observe(s, range(7, 8), speeds) == [""] and not s.out  # step 8 computes on trial
+    assert _observe(s, range(8, 9), speeds) == ["b"]  # one slow step: out again
+    # after another 5 steps out it is retried, and fast again it stays
+    assert _observe(s, range(9, 13), speeds) == [""] * 4
+    assert _observe(s, range(13, 20), {**speeds, "b": FAST}) == [""] * 7 and not s.out
+
+
+def test_never_the_last_one_computing_and_off_means_off() -> None:
+    s = Stragglers(_rule(steps=1), proportional=False, floor=SHARE_FLOOR)
+    assert _observe(s, range(3), {"a": FAST, "b": 10.0}) == ["b", "", ""]
+    assert s.observe(3, ["a"], [1.0], 64) == ""  # alone: nobody to give its share to
+    off = Stragglers(StragglerRule(0, 1, 1), proportional=False, floor=SHARE_FLOOR)
+    assert _observe(off, range(5), {"a": FAST, "b": 1.0}) == [""] * 5
+
+
+def test_the_rule_is_checked_and_shared() -> None:
+    for bad in ({"straggler_factor": 1.0}, {"straggler_factor": -2}, {"straggler_steps": 0}):
+        with pytest.raises(ConfigError):
+            TrainerConfig.of(**bad)
+    assert StragglerRule(0, 20, 50).key == 0
+    keys = {StragglerRule(f, s, r).key for f, s, r in [(1.5, 20, 50), (2, 20, 50), (1.5, 5, 50)]}
+    assert len(keys) == 3 and 0 not in keys
+    a, b = (
+        _machine("a", straggler_factor=1.5, straggler_steps=5),
+        _machine("a", straggler_factor=1.5),
+    )
+    assert a.settings != b.settings  # a member with another rule gets a ConfigError
+
+
+# -- the step machine --------------------------------------------------------------------------
+
+
+def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
+    view = _view("a", "b", "c")
+    cfg = {"shares": "equal", "straggler_factor": 1.5, "straggler_steps": 2, "readmit_steps": 3}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    slow = [FAST, 50.0, FAST]
+    sets = []
+    for _ in range(7):
+        actions = [_alone_until_compute(m, view) for m in machines]
+        assert len({a.workers for a in actions}) == 1
+        sets.append(actions[0].workers)
+        _commit(machines, actions, slow)
+    assert sets[:2] == [("a", "b", "c")] * 2
+    assert sets[2:5] == [("a", "c")] * 3  # out for readmit_steps
+    assert sets[5] == ("a", "b", "c")  # on trial, still slow
+    assert sets[6] == ("a", "c")
+
+
+def test_speed_shares_give_a_retried_member_the_share_of_its_last_speed() -> None:
+    view = _view("a", "b", "c")
+    cfg = {"shares": "speed", "straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    speeds = [FAST, FAST / 40, FAST]
+    actions = []
+    for _ in range(3):  # step 1 evicts b (equal shares), it sits out steps 2-3
+        actions = [_alone_until_compute(m, view) for m in machines]
+        _commit(machines, actions, speeds)
+    actions = [_alone_until_compute(m, view) for m in machines]
+    assert actions[0].workers == ("a", "b", "c")  # retried...
+    w = actions[0].weights
+    assert w is not None and w[1] == pytest.approx(min(w)) and w[1] < 0.05  # ...with a floor share
+    assert len({a.weights for a in actions}) == 1
+
+
+# -- trainers on the fake mesh -----------------------------------------------------------------
+
+PER_SAMPLE_S = 0.002
+SLOW = 20
+SLOWED = range(4, 24)
+STEPS = 44
+GLOBAL = 16  # 4 steps per epoch of the 64 samples
+
+
+def test_a_member_20x_slower_sits_out_and_comes_back() -> None:
+    hub = Hub(start_with=3)
+    computed: dict[tuple[str, int, int], np.ndarray] = {}
+    committed: dict[str, dict[int, np.ndarray]] = {n: {} for n in "abc"}
+
+    def body(t: ElasticTrainer, step: Step) -> None:
+        me = t.mesh.node_id
+        slow = me == "b" and step.index in SLOWED
+        parts = []
+        for idx in step.indices():
+            time.sleep(0.003 + len(idx) * PER_SAMPLE_S * (SLOW if slow else 1))
+            parts.append(idx)
+            i = torch.as_tensor(idx)
+            F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
+        t.optimizer.step()
+        computed[me, step.index, step.attempt] = np.concatenate(parts or [np.empty(0, int)])
+
+    def after_step(member: Member, t: ElasticTrainer, step: Step) -> None:
+        if step.report is not None:
+            key = (member.name, step.index, step.attempt)
+            committed[member.name][step.index] = computed[key]
+
+    try:
+        members = start_loop(
+            hub,
+            "abc",
+            total=STEPS,
+            body=body,
+            after_step=after_step,
+            data=lambda: ElasticSampler(len(DATA_X), GLOBAL, seed=1),
+            shares="speed",
+            straggler_steps=3,
+            readmit_steps=6,
+        )
+        wait_all(hub, 90.0)
+    finally:
+        hub.shutdown()
+    all_ok(members, "abc")
+    shares = {n: [len(committed[n][k]) for k in range(STEPS)] for n in "abc"}
+    print("b's shares by step:", shares["b"])
+    assert all(sum(shares[n][k] for n in "abc") == GLOBAL for k in range(STEPS))
+    out = [k for k in range(STEPS) if shares["b"][k] == 0]
+    assert out and min(out) < SLOWED.stop, shares["b"]  # sat out while slow
+    assert np.mean(shares["b"][-6:]) > 3, shares["b"]  # computing again after
+    for epoch in range(STEPS // 4):  # exactly once
+        got = np.concatenate(
+            [committed[n][k] for n in "abc" for k in range(4 * epoch, 4 * epoch + 4)]
+        )
+        assert sorted(got.tolist()) == list(range(len(DATA_X))), epoch
+    states = [trainer_of(members[n]).model.state_dict() for n in "abc"]
+    for s in states[1:]:
+        assert all(torch.equal(s[k], states[0][k]) for k in s)
