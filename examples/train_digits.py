@@ -135,6 +135,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="speed: split each step's batch in proportion to the members' measured speed",
     )
     p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=None,
+        help="a worker that makes steps take more than this many times as long as they would "
+        "without it, for --straggler-steps steps in a row, sits out as a hot spare and is "
+        "retried after --readmit-steps (0: never; default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--straggler-steps",
+        type=int,
+        default=None,
+        help="slow steps in a row before a straggler sits out (default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--readmit-steps",
+        type=int,
+        default=None,
+        help="steps a straggler sits out before it computes again on trial "
+        "(default: TrainerConfig's)",
+    )
+    p.add_argument(
         "--log-indices",
         action="store_true",
         help="add the sample indices this member trained in each step to its progress "
@@ -198,6 +219,11 @@ def main() -> int:
                 replicas=args.replicas,
                 compression=args.compression,
                 shares=args.shares,
+                **{  # the trainer's defaults unless given
+                    name: value
+                    for name in ("straggler_factor", "straggler_steps", "readmit_steps")
+                    if (value := getattr(args, name)) is not None
+                },
             )
             if trainer.resume() >= total:  # the checkpoint of the last step: the run is over
                 print(f"training finished at step {trainer.committed} (checkpoint in "
@@ -230,6 +256,7 @@ def main() -> int:
                         "samples": r.samples,
                         "members": len(r.members),
                         "share": r.share,
+                        "computing": len(r.computing),
                         "fetched": r.sync_bytes,
                         "attempts": r.attempts,
                         "synced": r.synced,

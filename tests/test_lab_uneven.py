@@ -49,9 +49,9 @@ pytestmark = [
 HOSTS = 3
 SLOW = 2
 """The host that gets throttled."""
-CPU_SHARE = 0.12
+CPU_SHARE = 0.10
 """Its quota, in CPUs: three CPU-bound workers on two cores get about 0.6 each, so this is
-about five times slower."""
+about six times slower."""
 GLOBAL_BATCH = 256
 """Large enough for compute to dominate the digits step's fixed cost: at the example's 32 a
 member's measured speed follows its share (the fixed cost per step), and an unthrottled
