@@ -68,8 +68,8 @@ LAG = 8
 after 8); the medians skip them."""
 
 
-def _run(tmp_path: Path, lan: VirtualLan, *script_args: str) -> list[Machine]:
-    argv = [FTMESH, "worker", "--start-peers", str(HOSTS), EXAMPLE, "--shares", "speed"]
+def _run(tmp_path: Path, lan: VirtualLan, epochs: int, *script_args: str) -> list[Machine]:
+    argv = [FTMESH, "worker", "--start-peers", str(HOSTS), EXAMPLE, "--epochs", str(epochs)]
     argv += ["--step-delay", "0", "--log-indices", "--global-batch", str(GLOBAL_BATCH)]
     argv += script_args
     return [Machine(lan, h, argv, tmp_path / f"h{h}.log") for h in range(HOSTS)]
@@ -124,7 +124,7 @@ def _median(xs: list[int]) -> float:
 
 def test_shares_follow_a_cpu_throttle(tmp_path: Path) -> None:
     with VirtualLan(hosts=HOSTS) as lan:
-        ms = _run(tmp_path, lan, "--epochs", str(EPOCHS))
+        ms = _run(tmp_path, lan, EPOCHS, "--shares", "speed")
         try:
             wait_until(lambda: min(m.step() for m in ms) >= WARM, 120, "3 workers training", ms)
             lan.set_cpu(SLOW, CPU_SHARE)
@@ -153,3 +153,54 @@ def test_shares_follow_a_cpu_throttle(tmp_path: Path) -> None:
           f"during {during:.0f}, after {after:.0f}")  # fmt: skip
     assert during < 0.5 * before, "the throttled member's share did not fall"
     assert after > 2 * during, "the throttled member's share did not rise back"
+
+
+EVICT_SHARE = 0.05
+"""The straggler's quota (CPUs): about twelve times slower than the others."""
+EVICT_ARGS = ("--straggler-factor", "3", "--straggler-steps", "5", "--readmit-steps", "10")
+"""Equal shares (the default ``--shares``), so a slow member costs its whole slowness (with
+speed shares it would take its floor share); a factor of 3, which the load of a shared
+2-core host does not reach but a twelve-fold slowdown does; short streaks, so that the
+test's steps see it sit out and come back."""
+EVICT_EPOCHS = 20
+"""100 steps: a recovered member's first trial may fail (its smoothed speed still remembers
+the throttle), and it is retried every ``--readmit-steps``."""
+
+
+def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
+    """A member at a twentieth of a core sits out as a hot spare (share 0, still in the ring
+    and committing every step) while throttled, and computes again once the throttle is
+    lifted; nothing is lost or trained twice, and everyone ends with the same model."""
+
+    def out(m: Machine) -> list[int]:
+        return [int(r["step"]) for r in m.records if r.get("share") == 0 and "done" not in r]
+
+    with VirtualLan(hosts=HOSTS) as lan:
+        ms = _run(tmp_path, lan, EVICT_EPOCHS, *EVICT_ARGS)
+        slow = ms[SLOW]
+        try:
+            wait_until(lambda: min(m.step() for m in ms) >= WARM, 120, "3 workers training", ms)
+            lan.set_cpu(SLOW, EVICT_SHARE)
+            throttled_at = slow.step()
+            wait_until(lambda: len(out(slow)) >= 10, 120, "the straggler sitting out", ms)
+            fired = lan.cpu_stats(SLOW)
+            lan.set_cpu(SLOW, None)
+            lifted_at = slow.step()
+        finally:
+            records = _finish(ms, timeout=180)
+    shares = _shares(ms)
+    _print_shares(shares, {throttled_at: "<- throttled", lifted_at: "<- lifted"})
+    print("cgroup:", fired)
+    total = int(ms[0].records[0]["total"])
+    check_consistency(records, total, GLOBAL_BATCH)  # digests agree, no step lost or repeated
+    assert all(sum(row) == GLOBAL_BATCH for row in shares.values()), "a step lost samples"
+    _check_exactly_once(ms, total, EVICT_EPOCHS)
+    assert all(-1 not in row for row in shares.values()), "a member missed steps"
+    assert fired["throttled"] > 0, f"the quota never bit: {fired}"
+    assert len({str(m.records[-1]["digest"]) for m in ms}) == 1, "final models differ"
+    sat_out = [s for s, row in shares.items() if row[SLOW] == 0]
+    assert sat_out and throttled_at < sat_out[0] <= lifted_at, sat_out
+    others = [s for s, row in shares.items() if 0 in row[:SLOW] + row[SLOW + 1 :]]
+    assert not others, f"an unthrottled member sat out at steps {others}"
+    back = [s for s in shares if s > max(sat_out) and shares[s][SLOW] > 0]
+    assert len(back) >= 5, "the straggler was not computing again after the throttle"
