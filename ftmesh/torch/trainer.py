@@ -90,6 +90,7 @@ import torch.utils.data as tud
 from ..collective import RingView
 from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
+from ..freezes import FreezeWatch
 from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
 from ..sync import SyncMesh
@@ -201,6 +202,8 @@ class ElasticTrainer:
             mesh, cfg, self._machine, self._state, self._zero, on_world_change
         )
         self._opened = False
+        self._freezes: FreezeWatch | None = None
+        """Notices when this process stood still (fail-slow; started at the first step)."""
         self._epoch: int | None = None
         self._view: RingView | None = None
         self.last_report: StepReport | None = None
@@ -425,6 +428,8 @@ class ElasticTrainer:
         """Remove the trainer's hooks from the model's parameters and the optimizer."""
         if self._buckets is not None:
             self._buckets.close()
+        if self._freezes is not None:
+            self._freezes.stop()
         for h in self._hooks:
             h.remove()
 
@@ -446,6 +451,8 @@ class ElasticTrainer:
         tails = [0] * (len(buckets.buffers) - 1) + [slots]
         comps = per_stream(cfg.compression, tails)
         self._compression = {id(b): c for b, c in zip(buckets.buffers, comps, strict=True)}
+        if cfg.failslow_freezes:
+            self._freezes = FreezeWatch(cfg.failslow_freeze).start()
         if cfg.checkpoint_dir is not None:
             found = latest_valid_checkpoint(cfg.checkpoint_dir)
             if found is not None:
@@ -557,6 +564,7 @@ class ElasticTrainer:
             step.checks = self._state.check_values()
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
         step.started = time.perf_counter()
+        step.began = time.monotonic()
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
@@ -684,7 +692,10 @@ class ElasticTrainer:
             self._abandon(step)
             return False
         self._state.capture()
-        step.next = self._feed(Computed(step.share, step.loss_sum, step.leaving, step.speeds))
+        frozen = self._freezes.frozen_since(step.began) if self._freezes is not None else 0.0
+        step.next = self._feed(
+            Computed(step.share, step.loss_sum, step.leaving, step.speeds, frozen)
+        )
         if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report
             self._reported(step.report)

@@ -104,6 +104,16 @@ class TrainerConfig:
     readmit_steps: int = 50
     """Steps a straggler sits out before it computes again on trial (one slow step sends it
     back at once). Mesh-wide."""
+    failslow_freezes: int = 3
+    """A member whose whole process stood still for more than ``failslow_freeze`` seconds
+    (``ftmesh.freezes``) in this many of its last ``straggler_steps`` committed steps is
+    fail-slow: it steps out of the ring (role ``spare``; its freezes would stop every
+    collective) for ``failslow_pause`` seconds, then joins again and fetches the state. Its
+    own decision: the others see it leave as in a departure. 0: never."""
+    failslow_freeze: float = 0.2
+    """Seconds of standing still that count as a freeze."""
+    failslow_pause: float = 30.0
+    """Seconds a fail-slow member stays out of the ring before it joins again."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
@@ -122,6 +132,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"straggler_factor must be 0 (off) or > 1, got {self.straggler_factor}"
             )
+        if self.failslow_freezes < 0:
+            raise ConfigError(f"failslow_freezes must be >= 0, got {self.failslow_freezes}")
+        for name in ("failslow_freeze", "failslow_pause"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("straggler_steps", "readmit_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeAlias
@@ -276,6 +277,10 @@ class StepMachine:
         self._weights: dict[str, float] = {}
         """``shares="speed"``: the split's weights by member, agreed from the last committed
         step's speeds ({}: equal shares; reset by every sync)."""
+        self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
+        """Whether we froze in each of the last committed steps (``ftmesh.freezes``)."""
+        self._sit_out = False
+        """Fail-slow: step out of the ring before the next attempt (:meth:`_pause`)."""
         self.stragglers = Stragglers(config.straggler_rule, config.shares == "speed", SHARE_FLOOR)
         """Who sits out the compute set (``ftmesh.training.stragglers``; reset on every new
         view)."""
@@ -530,8 +535,13 @@ class StepMachine:
             self._stats.attempts_total += 1
             if self.leave_requested and (attempts > 1 or not self.in_ring):
                 self._depart()  # nothing to announce, or the announcing attempt failed
+            back = False
+            if self._sit_out and self.in_ring:
+                now = yield from self._pause(now)
+                deadline = now + cfg.step_timeout
+                back = True
             if not self.in_ring:
-                now, deadline = yield from self._enter(now, deadline)
+                now, deadline = yield from self._enter(now, deadline, gate=not back)
                 settle = cfg.join_settle / 4
             else:
                 settle = 0.0
@@ -579,6 +589,7 @@ class StepMachine:
                 if isinstance(out, Computed):
                     self.committed = index + 1
                     self._reweigh(action, out.speeds)
+                    self._count_freeze(out.frozen, view)
                     if synced:  # the first step on a view made whatever state it makes
                         yield Advertise()
                     if cfg.checkpoint_due(self.committed):
@@ -714,13 +725,15 @@ class StepMachine:
     # -- entering the ring -----------------------------------------------------------------
 
     def _enter(
-        self, now: float, deadline: float
+        self, now: float, deadline: float, gate: bool = True
     ) -> Generator[Action, tuple[float, Outcome], tuple[float, float]]:
+        """Into the ring; ``gate``: through the start gate (not on the way back from a
+        fail-slow pause: the mesh runs)."""
         cfg = self.config
         # Let discovery and gossip settle (so we join the mesh that is there instead of
         # starting a lonely one), then enter the ring at a step boundary.
         now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
-        if self.start.waits:
+        if self.start.waits and gate:
             now, _ = yield WaitToStart(max(deadline - now, 0.1))
             if self.leave_requested:
                 self._depart()
@@ -809,7 +822,13 @@ class StepMachine:
         # verification: every member, they included, computes them out of its view from the
         # same gossip, as it sees a departure), do not count, at once.
         excluded = {m.node for m in _members(out) if m.excluded}
-        left = [n for n in self.last_view if states.get(n) == MemberState.LEFT or n in excluded]
+        # Nor do members that stepped out as spares (fail-slow: they chose to stay out).
+        spares = {m.node for m in _members(out) if m.role == "spare"}
+        left = [
+            n
+            for n in self.last_view
+            if states.get(n) == MemberState.LEFT or n in excluded or n in spares
+        ]
         grace = self.config.quorum_grace
         dead = [n for n, t in self._dead_since.items() if now - t >= grace]
         return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
@@ -896,6 +915,42 @@ class StepMachine:
             if self.world:
                 now, _ = yield WorldChanged(self.world, world)
             self.world = world
+        return now
+
+    # -- fail-slow members -----------------------------------------------------------------
+
+    def _count_freeze(self, frozen: float, view: RingView) -> None:
+        """After committing a step in which we stood still ``frozen`` seconds: enough freezes
+        in the last ``straggler_steps`` make us sit out the next steps (:meth:`_pause`)."""
+        cfg = self.config
+        self._froze.append(frozen > 0)
+        if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 1:
+            log.warning(
+                "this member froze (stood still for more than %.1fs) in %d of its last %d "
+                "steps: it is fail-slow and steps out of the ring for %.0fs (every freeze "
+                "in a collective stops the whole ring)",
+                cfg.failslow_freeze,
+                sum(self._froze),
+                len(self._froze),
+                cfg.failslow_pause,
+            )
+            self._froze.clear()
+            self._sit_out = True
+
+    def _pause(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
+        """Out of the ring (role ``spare``: the others' next view is without us, and they do
+        not wait for us in their quorum) for ``failslow_pause``; then the attempt joins again
+        like a member that was away, and syncs."""
+        self._sit_out = False
+        yield SetRole("spare")
+        self.in_ring = False
+        self.synced_epoch = ""
+        end = now + self.config.failslow_pause
+        while now < end:
+            if self.leave_requested:
+                self._depart()
+            now, _ = yield Sleep(min(SLOT_POLL_S, end - now))
+        log.info("joining the ring again after a fail-slow pause")
         return now
 
     # -- planned departures ----------------------------------------------------------------

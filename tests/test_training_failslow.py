@@ -1,0 +1,145 @@
+"""Fail-slow members (#15 item 4): ``ftmesh.freezes.FreezeWatch`` notices a process that was
+stopped and continued (a real SIGSTOP/SIGCONT of a real process), and the step machine makes
+a member that froze in ``failslow_freezes`` of its last ``straggler_steps`` steps step out of
+the ring as a spare for ``failslow_pause``, then join again (and sync); the others' quorum
+does not wait for a member that stepped out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from test_training_step import _alone_until_compute, _machine, _synced, _view
+
+from ftmesh.membership.messages import MemberState
+from ftmesh.training.actions import (
+    Advertise,
+    Barrier,
+    Compute,
+    Computed,
+    Done,
+    Finished,
+    MemberInfo,
+    Members,
+    PrepareJoin,
+    ReadMembers,
+    ReadView,
+    SetRole,
+    Settle,
+    Sleep,
+    Sync,
+    ViewSeen,
+    WaitView,
+    WaitViewChange,
+)
+
+WATCHER = """
+import json, sys, time
+from ftmesh.freezes import FreezeWatch
+w = FreezeWatch(0.2).start()
+print("ready", flush=True)
+sys.stdin.readline()
+time.sleep(0.1)
+print(json.dumps({"count": w.count, "seconds": w.total_seconds,
+                  "since": w.frozen_since(time.monotonic() - 60)}), flush=True)
+"""
+
+
+def test_the_watch_notices_a_stopped_process_and_nothing_else() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WATCHER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)  # running normally: no freeze
+        for _ in range(2):
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.2)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        got = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    print(got)
+    assert got["count"] == 2
+    assert 0.8 < got["seconds"] < 2.0 and got["since"] == got["seconds"]
+
+
+def _commit(m, view, frozen: float, now: float = 0.0):  # type: ignore[no-untyped-def]
+    a = _alone_until_compute(m, view, now)
+    out = m.feed(now, Computed(4, 0.0, (), (), frozen))
+    while isinstance(out, Advertise):
+        out = m.feed(now, Done())
+    assert isinstance(out, Finished), out
+    return a
+
+
+def test_a_member_that_keeps_freezing_steps_out_and_comes_back() -> None:
+    m = _machine("b", failslow_freezes=2, straggler_steps=4, failslow_pause=3.0)
+    view = _view("a", "b", "c")
+    for frozen in (0.0, 0.4, 0.0, 0.0, 0.0, 0.3):  # two in a window of 4: not yet
+        _commit(m, view, frozen)
+    assert not m._sit_out
+    _commit(m, view, 0.5)  # the second freeze within the last 4 steps
+    a = m.begin(10.0)
+    assert a == SetRole("spare")
+    slept = []
+    now = 10.0
+    while isinstance(a, SetRole | Sleep):
+        if isinstance(a, Sleep):
+            assert not m.in_ring
+            slept.append(a.seconds)
+            now += a.seconds
+        a = m.feed(now, Done())
+    assert sum(slept) >= 3.0 and all(s <= 1.0 for s in slept)
+    # joins again like a member that was away (the same run goes on to its step)
+    assert isinstance(a, Settle)
+    while not isinstance(a, Compute):
+        if isinstance(a, Sync):
+            a = m.feed(now, _synced(m, a.view))
+        elif isinstance(a, WaitView | ReadView | WaitViewChange):
+            a = m.feed(now, ViewSeen(view))
+        else:
+            assert isinstance(a, Settle | SetRole | PrepareJoin | Sleep | Barrier), a
+            a = m.feed(now, Done())
+    assert m.in_ring and m.synced_epoch == view.epoch  # it synced on its way back
+
+
+def test_off_or_alone_never_steps_out() -> None:
+    off = _machine("b", failslow_freezes=0)
+    alone = _machine("b", failslow_freezes=1)
+    for _ in range(3):
+        _commit(off, _view("a", "b"), 1.0)
+        _commit(alone, _view("b"), 1.0)
+    assert not off._sit_out and not alone._sit_out
+
+
+def test_the_quorum_does_not_wait_for_a_member_that_stepped_out() -> None:
+    m = _machine("a", quorum="majority")
+    _commit(m, _view("a", "b"), 0.0)  # last view: a, b
+    a = m.begin(1.0)
+    assert isinstance(a, WaitView)
+    a = m.feed(1.0, ViewSeen(_view("a")))
+    assert a == ReadMembers()  # b is missing: is it gone?
+    spare = MemberInfo("b", MemberState.ALIVE, "spare", True, False)
+    me = MemberInfo("a", MemberState.ALIVE, "train", True, False)
+    assert isinstance(m.feed(1.0, Members((me, spare))), Sync)  # b chose to stay out
+    # (b alive and still a trainer, only not in our view: that one waits for a quorum)
+    m = _machine("a", quorum="majority")
+    _commit(m, _view("a", "b"), 0.0)
+    m.begin(1.0)
+    m.feed(1.0, ViewSeen(_view("a")))
+    trainer = MemberInfo("b", MemberState.ALIVE, "train", True, False)
+    assert isinstance(m.feed(1.0, Members((me, trainer))), WaitViewChange)
