@@ -119,3 +119,7 @@ class TrainerStatistics:
     """State bytes this member fetched from others (joins, syncs)."""
     checkpoint_step: int
     """Step of the newest checkpoint this member wrote; -1 if none."""
+    straggler_steps_total: int = 0
+    """Steps this member sat out of the compute set as a straggler (a hot spare)."""
+    failslow_pauses_total: int = 0
+    """Times this member stepped out of the ring as fail-slow (``ftmesh.freezes``)."""

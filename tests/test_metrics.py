@@ -48,6 +48,8 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "ftmesh_recovery_seconds": ("histogram", frozenset()),
     "ftmesh_state_transfer_bytes": ("counter", frozenset()),
     "ftmesh_checkpoint_step": ("gauge", frozenset()),
+    "ftmesh_train_straggler_steps": ("counter", frozenset()),
+    "ftmesh_train_failslow_pauses": ("counter", frozenset()),
 }
 """Every family a member exports, as the parser names them (counters without ``_total``),
 with its type and labels. Renaming or relabelling one is a visible change: dashboards,

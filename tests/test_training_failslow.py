@@ -115,6 +115,7 @@ def test_a_member_that_keeps_freezing_steps_out_and_comes_back() -> None:
             assert isinstance(a, Settle | SetRole | PrepareJoin | Sleep | Barrier), a
             a = m.feed(now, Done())
     assert m.in_ring and m.synced_epoch == view.epoch  # it synced on its way back
+    assert m.statistics().failslow_pauses_total == 1  # (ftmesh_train_failslow_pauses_total)
 
 
 def test_off_or_alone_never_steps_out() -> None:

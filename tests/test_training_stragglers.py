@@ -196,6 +196,8 @@ def test_a_member_20x_slower_sits_out_and_comes_back() -> None:
     out = [k for k in range(STEPS) if shares["b"][k] == 0]
     assert out and min(out) < SLOWED.stop, shares["b"]  # sat out while slow
     assert np.mean(shares["b"][-6:]) > 3, shares["b"]  # computing again after
+    # the exporter's ftmesh_train_straggler_steps_total counts the steps b sat out
+    assert trainer_of(members["b"]).statistics().straggler_steps_total == len(out)
     for epoch in range(STEPS // 4):  # exactly once
         got = np.concatenate(
             [committed[n][k] for n in "abc" for k in range(4 * epoch, 4 * epoch + 4)]

@@ -48,6 +48,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ftmesh_recovery_seconds": ("histogram", ()),
     "ftmesh_state_transfer_bytes_total": ("counter", ()),
     "ftmesh_checkpoint_step": ("gauge", ()),
+    "ftmesh_train_straggler_steps_total": ("counter", ()),
+    "ftmesh_train_failslow_pauses_total": ("counter", ()),
 }
 """Every metric family: its type and label names. The training families appear once a
 trainer runs on the member, the collective ones once a data plane does."""
@@ -209,4 +211,14 @@ def _training(s: TrainerStatistics) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "ftmesh_checkpoint_step", "Step of the newest checkpoint written.", s.checkpoint_step
+    )
+    yield CounterMetricFamily(
+        "ftmesh_train_straggler_steps",
+        "Steps this member sat out of the compute set as a straggler.",
+        value=s.straggler_steps_total,
+    )
+    yield CounterMetricFamily(
+        "ftmesh_train_failslow_pauses",
+        "Times this member stepped out of the ring as fail-slow (it kept freezing).",
+        value=s.failslow_pauses_total,
     )

@@ -211,6 +211,8 @@ class _Counters:
     sps: float = 0.0
     """Samples per second this member computed, smoothed (``SPS_SMOOTHING``)."""
     last_fault: str = ""
+    straggler_steps: int = 0
+    failslow_pauses: int = 0
 
 
 SPS_SMOOTHING = 0.2
@@ -470,6 +472,8 @@ class StepMachine:
         ranks = [view.rank_of(w) for w in workers]
         measured = [speeds[r] if r < SPEED_RANKS else 0.0 for r in ranks]
         batch = self.batch_size(action.index)
+        if self.me in self.stragglers.out:  # we sat this step out
+            self._stats.straggler_steps += 1
         self.stragglers.observe(action.index, workers, measured, batch)
         if self.config.shares != "speed":
             return
@@ -518,6 +522,8 @@ class StepMachine:
             recovery_seconds=s.recovery_seconds.snapshot(),
             state_transfer_bytes_total=s.state_transfer_bytes,
             checkpoint_step=s.checkpoint_step,
+            straggler_steps_total=s.straggler_steps,
+            failslow_pauses_total=s.failslow_pauses,
         )
 
     # -- a run -----------------------------------------------------------------------------
@@ -942,6 +948,7 @@ class StepMachine:
         not wait for us in their quorum) for ``failslow_pause``; then the attempt joins again
         like a member that was away, and syncs."""
         self._sit_out = False
+        self._stats.failslow_pauses += 1
         yield SetRole("spare")
         self.in_ring = False
         self.synced_epoch = ""
