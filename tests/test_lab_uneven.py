@@ -1,12 +1,14 @@
 """Uneven members on lab hosts with a real CPU throttle (#15): three machines (network
-namespaces on a bridge) each run ``ftmesh worker --start-peers 3 examples/train_digits.py
---shares speed``; one host's processes get a cgroup CPU quota for a window of steps
-(``VirtualLan.set_cpu``), then it is lifted.
+namespaces on a bridge) each run ``ftmesh worker --start-peers 3 examples/train_digits.py``;
+one host's processes get a cgroup CPU quota for a window of steps (``VirtualLan.set_cpu``),
+then it is lifted. In both tests every step's shares add up to the global batch, every
+sample trains once per epoch (``--log-indices``), all members agree on the digests, and the
+kernel's counters show that the quota bit.
 
-* Shares: the throttled member's share of each step falls while it is throttled and rises
-  back after; every step's shares add up to the global batch, every sample trains once per
-  epoch (``--log-indices``), all members agree on the digests, and the kernel's counters
-  show that the quota bit.
+* Shares (``--shares speed``): the throttled member's share falls while it is throttled and
+  rises back after.
+* Stragglers (``--straggler-factor``): a heavily throttled member sits out as a hot spare
+  (share 0, every step still committed) and computes again after the throttle.
 
 The per-step shares are printed (``-s``), one column per host, so a failure can be read.
 """
@@ -21,26 +23,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests_support import EXAMPLE, FTMESH, Machine, check_consistency, wait_until
+from tests_support import (
+    EXAMPLE,
+    FTMESH,
+    Machine,
+    check_consistency,
+    cpu_cgroups_available,
+    wait_until,
+)
 
-from ftmesh.lab import VirtualLan, slowness
-from ftmesh.lab.netns import LabError
-
-
-def _cpu_available() -> bool:
-    try:
-        slowness.cpu_mount()
-    except LabError:
-        return False
-    return True
-
+from ftmesh.lab import VirtualLan
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.netns,
     pytest.mark.timeout(300),
     pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("ip") is None or not _cpu_available(),
+        os.geteuid() != 0 or shutil.which("ip") is None or not cpu_cgroups_available(),
         reason="needs root (network namespaces, cgroup CPU quotas) and the cgroup cpu "
         "controller; CI runs as root",
     ),
@@ -87,12 +86,6 @@ def _shares(ms: list[Machine]) -> dict[int, list[int]]:
     return {s: [int(p[s]["share"]) if s in p else -1 for p in per] for s in steps}
 
 
-def _print_shares(shares: dict[int, list[int]], marks: dict[int, str]) -> None:
-    print("step  " + " ".join(f"h{h:<2}" for h in range(HOSTS)))
-    for s, row in shares.items():
-        print(f"{s:4d}  " + " ".join(f"{v:3d}" for v in row) + f"  {marks.get(s, '')}")
-
-
 def _check_exactly_once(ms: list[Machine], total: int, epochs: int) -> None:
     """Every step's indices (all members together) are the global batch, each sample once per
     epoch: counts add up and nothing repeats."""
@@ -108,15 +101,41 @@ def _check_exactly_once(ms: list[Machine], total: int, epochs: int) -> None:
 
 
 def _finish(ms: list[Machine], timeout: float) -> dict[str, list[dict[str, object]]]:
-    try:
-        outs = [m.finish(timeout=timeout) for m in ms]
-    finally:
-        for m in ms:
-            if m.proc.poll() is None:
-                m.proc.kill()
-    for m, out in zip(ms, outs, strict=True):
+    """Wait for the run to end; every worker exits 0. Returns their records by host."""
+    for m in ms:
+        out = m.finish(timeout=timeout)
         assert m.proc.returncode == 0, out[-3000:]
     return {f"h{h}": list(m.records) for h, m in enumerate(ms)}
+
+
+def _kill(ms: list[Machine]) -> None:
+    for m in ms:
+        if m.proc.poll() is None:
+            m.proc.kill()
+
+
+def _check_run(
+    ms: list[Machine],
+    records: dict[str, list[dict[str, object]]],
+    epochs: int,
+    fired: dict[str, float],
+    marks: dict[int, str],
+) -> dict[int, list[int]]:
+    """What both tests check of a finished run; prints the shares by step (``marks`` next to
+    theirs) and returns them."""
+    shares = _shares(ms)
+    print("step  " + " ".join(f"h{h:<2}" for h in range(HOSTS)))
+    for s, row in shares.items():
+        mark = f"  <- {marks[s]}" if s in marks else ""
+        print(f"{s:4d}  " + " ".join(f"{v:3d}" for v in row) + mark)
+    print("cgroup:", fired)
+    total = int(ms[0].records[0]["total"])
+    check_consistency(records, total, GLOBAL_BATCH)  # digests agree, no step lost or repeated
+    assert all(-1 not in row for row in shares.values()), "a member missed steps"
+    assert all(sum(row) == GLOBAL_BATCH for row in shares.values()), "a step lost samples"
+    _check_exactly_once(ms, total, epochs)
+    assert fired["throttled"] > 0 and fired["throttled_s"] > 0, f"the quota never bit: {fired}"
+    return shares
 
 
 def _median(xs: list[int]) -> float:
@@ -141,16 +160,11 @@ def test_shares_follow_a_cpu_throttle(tmp_path: Path) -> None:
             fired = lan.cpu_stats(SLOW)  # (read before lifting: that deletes the cgroup)
             lan.set_cpu(SLOW, None)
             lifted_at = ms[SLOW].step()
-        finally:
             records = _finish(ms, timeout=180)
-    shares = _shares(ms)
-    _print_shares(shares, {throttled_at: "<- throttled", lifted_at: "<- lifted"})
-    print("cgroup:", fired)
-    total = int(ms[0].records[0]["total"])
-    check_consistency(records, total, GLOBAL_BATCH)  # digests agree, no step lost or repeated
-    assert all(sum(row) == GLOBAL_BATCH for row in shares.values()), "a step lost samples"
-    _check_exactly_once(ms, total, EPOCHS)
-    assert fired["throttled"] > 0 and fired["throttled_s"] > 0, f"the quota never bit: {fired}"
+        finally:
+            _kill(ms)
+    marks = {throttled_at: "throttled", lifted_at: "lifted"}
+    shares = _check_run(ms, records, EPOCHS, fired, marks)
     slow = [row[SLOW] for row in shares.values()]  # shares[s] is slow[s - 1]
     before = _median(slow[2:throttled_at])
     during = _median(slow[throttled_at + LAG : lifted_at])
@@ -193,17 +207,11 @@ def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
             fired = lan.cpu_stats(SLOW)
             lan.set_cpu(SLOW, None)
             lifted_at = slow.step()
-        finally:
             records = _finish(ms, timeout=180)
-    shares = _shares(ms)
-    _print_shares(shares, {throttled_at: "<- throttled", lifted_at: "<- lifted"})
-    print("cgroup:", fired)
-    total = int(ms[0].records[0]["total"])
-    check_consistency(records, total, GLOBAL_BATCH)  # digests agree, no step lost or repeated
-    assert all(sum(row) == GLOBAL_BATCH for row in shares.values()), "a step lost samples"
-    _check_exactly_once(ms, total, EVICT_EPOCHS)
-    assert all(-1 not in row for row in shares.values()), "a member missed steps"
-    assert fired["throttled"] > 0, f"the quota never bit: {fired}"
+        finally:
+            _kill(ms)
+    marks = {throttled_at: "throttled", lifted_at: "lifted"}
+    shares = _check_run(ms, records, EVICT_EPOCHS, fired, marks)
     assert len({str(m.records[-1]["digest"]) for m in ms}) == 1, "final models differ"
     sat_out = [s for s, row in shares.items() if row[SLOW] == 0]
     assert sat_out and throttled_at < sat_out[0] <= lifted_at, sat_out

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ftmesh.collective import CollectiveConfig
-from ftmesh.lab import VirtualLan
+from ftmesh.lab import VirtualLan, slowness
+from ftmesh.lab.netns import LabError
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.mesh import MeshConfig
 from ftmesh.net.node import NodeConfig
@@ -26,6 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_digits.py")
 FTMESH = str(Path(sys.executable).parent / "ftmesh")
 """The ``ftmesh`` command, as a user runs it."""
+
+
+def cpu_cgroups_available() -> bool:
+    """Whether the cgroup ``cpu`` controller is mounted (the lab's CPU throttle needs it)."""
+    try:
+        slowness.cpu_mount()
+    except LabError:
+        return False
+    return True
 
 
 def launch(tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
