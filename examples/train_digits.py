@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: TrainerConfig's)",
     )
     p.add_argument(
+        "--failslow-freezes",
+        type=int,
+        default=None,
+        help="a worker that stood still (froze) in this many of its last --straggler-steps "
+        "steps steps out of the ring for a while (0: never; default: TrainerConfig's)",
+    )
+    p.add_argument(
         "--log-indices",
         action="store_true",
         help="add the sample indices this member trained in each step to its progress "
@@ -221,7 +228,12 @@ def main() -> int:
                 shares=args.shares,
                 **{  # the trainer's defaults unless given
                     name: value
-                    for name in ("straggler_factor", "straggler_steps", "readmit_steps")
+                    for name in (
+                        "straggler_factor",
+                        "straggler_steps",
+                        "readmit_steps",
+                        "failslow_freezes",
+                    )
                     if (value := getattr(args, name)) is not None
                 },
             )
