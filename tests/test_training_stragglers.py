@@ -206,3 +206,17 @@ def test_a_member_20x_slower_sits_out_and_comes_back() -> None:
     states = [trainer_of(members[n]).model.state_dict() for n in "abc"]
     for s in states[1:]:
         assert all(torch.equal(s[k], states[0][k]) for k in s)
+
+
+def test_a_recovered_straggler_is_judged_on_its_speed_now() -> None:
+    """Its smoothed speed is of the slow days: the trial's measurement replaces it (else a
+    recovered member at 4x its old speed would still look 2x too slow and go back out)."""
+    view = _view("a", "b", "c")
+    cfg = {"shares": "equal", "straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    sets = []
+    for k in range(6):
+        actions = [_alone_until_compute(m, view) for m in machines]
+        sets.append(actions[0].workers)
+        _commit(machines, actions, [FAST, 50.0 if k < 2 else FAST, FAST])
+    assert sets == [("a", "b", "c"), ("a", "c"), ("a", "c")] + [("a", "b", "c")] * 3

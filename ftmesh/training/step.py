@@ -279,6 +279,9 @@ class StepMachine:
         self._weights: dict[str, float] = {}
         """``shares="speed"``: the split's weights by member, agreed from the last committed
         step's speeds ({}: equal shares; reset by every sync)."""
+        self._remeasure = False
+        """We sat out (a straggler or a hot spare): our next measurement replaces the
+        smoothed speed, so a member that recovered meanwhile is judged on its speed now."""
         self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
         """Whether we froze in each of the last committed steps (``ftmesh.freezes``)."""
         self._sit_out = False
@@ -443,11 +446,13 @@ class StepMachine:
         the split tag in the last."""
         if not self.config.measures_speed:
             return np.empty(0, dtype=np.float32)
-        if share > 0 and seconds > 0:
+        if self.me not in action.workers:
+            self._remeasure = True  # our speed may have changed meanwhile
+        elif share > 0 and seconds > 0:
             rate = share / seconds
-            self.speed = (
-                rate if self.speed == 0 else self.speed + SHARE_SMOOTHING * (rate - self.speed)
-            )
+            smoothed = self.speed + SHARE_SMOOTHING * (rate - self.speed)
+            self.speed = rate if self.speed == 0 or self._remeasure else smoothed
+            self._remeasure = False
         slots = np.zeros(SPEED_SLOTS, dtype=np.float32)
         rank = action.view.rank_of(self.me)
         if self.me in action.workers and rank < SPEED_RANKS:
@@ -914,7 +919,7 @@ class StepMachine:
         """Every member of ``view`` holds our state: steps run on it without a sync (and
         everyone computes again: ``ftmesh.training.stragglers``)."""
         self.synced_epoch = view.epoch
-        self.stragglers.reset()
+        self.stragglers.reset(view.node_ids)
         self.last_view = view.node_ids
         world = len(self.compute_set(view))
         if self.world != world:

@@ -79,8 +79,10 @@ class Stragglers:
         self._streak: dict[str, int] = {}
         self._trial: set[str] = set()
 
-    def reset(self) -> None:
-        """A new view: everyone computes."""
+    def reset(self, members: Sequence[str]) -> None:
+        """A new view of ``members``: everyone computes (the speeds of members gone are
+        forgotten)."""
+        self.known = {m: s for m, s in self.known.items() if m in members}
         self.out.clear()
         self._streak.clear()
         self._trial.clear()
