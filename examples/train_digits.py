@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "steps steps out of the ring for a while (0: never; default: TrainerConfig's)",
     )
     p.add_argument(
+        "--failslow-pause",
+        type=float,
+        default=None,
+        help="seconds a fail-slow worker stays out of the ring (default: TrainerConfig's)",
+    )
+    p.add_argument(
         "--log-indices",
         action="store_true",
         help="add the sample indices this member trained in each step to its progress "
@@ -233,6 +239,7 @@ def main() -> int:
                         "straggler_steps",
                         "readmit_steps",
                         "failslow_freezes",
+                        "failslow_pause",
                     )
                     if (value := getattr(args, name)) is not None
                 },

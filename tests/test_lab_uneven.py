@@ -9,12 +9,17 @@ kernel's counters show that the quota bit.
   rises back after.
 * Stragglers (``--straggler-factor``): a heavily throttled member sits out as a hot spare
   (share 0, every step still committed) and computes again after the throttle.
+* Fail-slow (the defaults): a member frozen 0.4 s every second (SIGSTOP pulses,
+  ``VirtualLan.set_fail_slow``) steps out of the ring, the others train on, and it joins
+  again and fetches the state; or, back after the others finished, stops instead of
+  training the rest alone.
 
 The per-step shares are printed (``-s``), one column per host, so a failure can be read.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import statistics
@@ -229,3 +234,65 @@ def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
     back = [s for s in shares if s > max(sat_out) and shares[s][SLOW] > 0]
     print(f"sat out at steps {sat_out}; computing again from step {min(back, default=None)}")
     assert len(back) >= 5, "the straggler was not computing again after the throttle"
+
+
+def _stepped_out(m: Machine) -> bool:
+    return any("is fail-slow and steps out of the ring" in line for line in m.lines)
+
+
+def _failslow_run(
+    tmp_path: Path, epochs: int, pause: str
+) -> tuple[list[Machine], dict[str, list[dict[str, object]]]]:
+    """Host ``SLOW`` frozen 0.4 s every second (SIGSTOP pulses) from step ``WARM`` until it
+    steps out; the pulses stop then, and it comes back ``pause`` seconds later."""
+    with VirtualLan(hosts=HOSTS) as lan:
+        argv = [FTMESH, "worker", "--start-peers", str(HOSTS), EXAMPLE, "--epochs", str(epochs)]
+        argv += ["--global-batch", str(GLOBAL_BATCH), "--digest-every", "1"]
+        argv += ["--failslow-pause", pause, "--step-delay", "0.1"]  # (else the defaults)
+        ms = [Machine(lan, h, argv, tmp_path / f"h{h}.log") for h in range(HOSTS)]
+        try:
+            wait_until(lambda: min(m.step() for m in ms) >= WARM, 120, "3 workers training", ms)
+            lan.set_fail_slow(SLOW, 0.4, 1.0)
+            wait_until(lambda: _stepped_out(ms[SLOW]), 90, "the fail-slow member out", ms)
+            fired = lan.fail_slow_stats(SLOW)
+            lan.set_fail_slow(SLOW, None)
+            records = _finish(ms, timeout=180)
+        finally:
+            _kill(ms)
+    for h, m in enumerate(ms):
+        print(f"h{h}:", " ".join(f"{r['step']}:{r['members']}{'S' if r.get('synced') else ''}"
+                                 for r in m.records if "done" not in r))  # fmt: skip
+    print("pulses:", fired)
+    assert fired.get("pulses", 0) > 0 and fired.get("stopped_s", 0) > 0, fired
+    return ms, records
+
+
+def test_a_fail_slow_member_steps_out_and_rejoins(tmp_path: Path) -> None:
+    """Frozen again and again, a member steps out of the ring (the others train on as two,
+    without waiting for it), then joins again, fetches the state and computes; one model."""
+    ms, records = _failslow_run(tmp_path, 24, "4")
+    slow = [r for r in ms[SLOW].records if "done" not in r]
+    steps = [int(r["step"]) for r in slow]
+    gaps = [(a, b) for a, b in itertools.pairwise(steps) if b > a + 1]
+    assert gaps, f"the fail-slow member never stepped out: {steps}"
+    out_from, back_at = gaps[0]
+    back = next(r for r in slow if int(r["step"]) == back_at)
+    assert back["synced"] and int(back["fetched"]) > 0, back  # caught up from the others
+    assert any(int(r["share"]) > 0 for r in slow if int(r["step"]) > back_at), "never computed"
+    others = [r for m in ms[:SLOW] for r in m.records if "done" not in r]
+    assert any(out_from < int(r["step"]) < back_at and r["members"] == 2 for r in others)
+    total = int(ms[0].records[0]["total"])
+    check_consistency(records, total, GLOBAL_BATCH)
+    assert len({str(m.records[-1]["digest"]) for m in ms}) == 1, "final models differ"
+
+
+def test_a_fail_slow_member_back_after_the_end_does_not_train_alone(tmp_path: Path) -> None:
+    """It comes back after the others finished: it stops (the example says the training
+    finished without it) instead of training the rest of the run alone from its stale state
+    (which it did before the return went through the start gate)."""
+    ms, _ = _failslow_run(tmp_path, 8, "20")
+    slow = ms[SLOW]
+    assert any("the training finished without needing us" in line for line in slow.lines)
+    assert all(r["members"] > 1 for r in slow.records if "done" not in r), "trained alone"
+    finished = {int(m.records[-1]["step"]) for m in ms[:SLOW]}
+    assert len(finished) == 1, finished

@@ -109,7 +109,8 @@ class Computed:
     """``shares="speed"``: the reduced speed slots, one smoothed compute speed per view rank
     (:meth:`StepMachine.speeds`); the split of the next step is made from them."""
     frozen: float = 0.0
-    """Seconds this member's process stood still during the attempt (``ftmesh.freezes``)."""
+    """Seconds this member's process stood still since its last committed step
+    (``ftmesh.freezes``)."""
 
 
 @dataclass(frozen=True, slots=True)
