@@ -134,6 +134,46 @@ def build_parser() -> argparse.ArgumentParser:
         default="equal",
         help="speed: split each step's batch in proportion to the members' measured speed",
     )
+    p.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=None,
+        help="a worker that makes steps take more than this many times as long as they would "
+        "without it, for --straggler-steps steps in a row, sits out as a hot spare and is "
+        "retried after --readmit-steps (0: never; default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--straggler-steps",
+        type=int,
+        default=None,
+        help="slow steps in a row before a straggler sits out (default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--readmit-steps",
+        type=int,
+        default=None,
+        help="steps a straggler sits out before it computes again on trial "
+        "(default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--failslow-freezes",
+        type=int,
+        default=None,
+        help="a worker that stood still (froze) in this many of its last --straggler-steps "
+        "steps steps out of the ring for a while (0: never; default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--failslow-pause",
+        type=float,
+        default=None,
+        help="seconds a fail-slow worker stays out of the ring (default: TrainerConfig's)",
+    )
+    p.add_argument(
+        "--log-indices",
+        action="store_true",
+        help="add the sample indices this member trained in each step to its progress "
+        "record (tests check that every sample trains once per epoch)",
+    )
     p.add_argument("--save-model", default=None, help="write the final weights here (torch.save)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -160,7 +200,11 @@ def main() -> int:
     sampler = ElasticSampler(len(x_train), args.global_batch, seed=args.seed)
     total = args.epochs * sampler.steps_per_epoch
 
+    trained: list[np.ndarray] = []  # --log-indices: the micro-batches given to loss_fn
+
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
+        if args.log_indices:
+            trained.append(idx)
         i = torch.from_numpy(idx)
         return F.cross_entropy(model(x_train[i]), y_train[i])
 
@@ -188,6 +232,17 @@ def main() -> int:
                 replicas=args.replicas,
                 compression=args.compression,
                 shares=args.shares,
+                **{  # the trainer's defaults unless given
+                    name: value
+                    for name in (
+                        "straggler_factor",
+                        "straggler_steps",
+                        "readmit_steps",
+                        "failslow_freezes",
+                        "failslow_pause",
+                    )
+                    if (value := getattr(args, name)) is not None
+                },
             )
             if trainer.resume() >= total:  # the checkpoint of the last step: the run is over
                 print(f"training finished at step {trainer.committed} (checkpoint in "
@@ -205,6 +260,11 @@ def main() -> int:
                         mesh.set_role("done")
                         mesh.wait_leave_requested()
                     return 0
+                indices: list[int] = []
+                if args.log_indices:  # the committed attempt ran last: its share is the tail
+                    done = np.concatenate(trained) if trained else np.empty(0, np.int64)
+                    indices = done[len(done) - r.share :].tolist() if r.share else []
+                    trained.clear()
                 every = args.digest_every
                 report = every and r.step % every == 0
                 progress(
@@ -215,6 +275,7 @@ def main() -> int:
                         "samples": r.samples,
                         "members": len(r.members),
                         "share": r.share,
+                        "computing": len(r.computing),
                         "fetched": r.sync_bytes,
                         "attempts": r.attempts,
                         "synced": r.synced,
@@ -222,6 +283,7 @@ def main() -> int:
                         "digest": trainer.digest() if report else None,
                         "shards": trainer.shard_digests() if report else None,
                         "fallbacks": trainer.fallbacks,
+                        **({"indices": indices} if args.log_indices else {}),
                         **(
                             {"accuracy": accuracy(model, x_test, y_test)}
                             if args.eval_every and r.step % args.eval_every == 0

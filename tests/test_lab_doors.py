@@ -16,19 +16,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from tests_support import EXAMPLE, ROOT, SingleRun, accuracy
+from tests_support import EXAMPLE, FTMESH, Machine, SingleRun, accuracy, wait_until
 
 from ftmesh.lab import VirtualLan
-
-FTMESH = str(Path(sys.executable).parent / "ftmesh")
-"""The ``ftmesh`` command, as a user runs it."""
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,54 +33,6 @@ pytestmark = [
         reason="needs root (and iproute2) to create network namespaces; CI runs as root",
     ),
 ]
-
-
-class Machine:
-    """A command run on one lab host; its ``FTMESH {json}`` lines parsed as they come."""
-
-    def __init__(self, lan: VirtualLan, host: int, argv: list[str], log: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FTMESH_")}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.log = log
-        self.proc = lan.popen(
-            host,
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            text=True,
-            cwd=ROOT,
-        )
-        self.records: list[dict[str, Any]] = []
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log, "w") as out:
-            for line in self.proc.stdout:
-                out.write(line)
-                self.lines.append(line)
-                if line.startswith("FTMESH "):
-                    self.records.append(json.JSONDecoder().raw_decode(line[7:])[0])
-
-    def step(self) -> int:
-        return max((int(r["step"]) for r in self.records if "step" in r), default=0)
-
-    def finish(self, timeout: float) -> str:
-        self.proc.wait(timeout=timeout)
-        self._reader.join(10)
-        return "".join(self.lines)
-
-
-def wait_until(cond: Any, timeout: float, what: str, machines: list[Machine]) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            tails = ["".join(m.lines[-8:]) for m in machines]
-            raise AssertionError(f"{what} within {timeout}s; last lines: {tails}")
-        time.sleep(0.2)
 
 
 def test_readme_multi_machine_command(tmp_path: Path, single_run: SingleRun) -> None:

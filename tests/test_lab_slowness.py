@@ -12,23 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from tests_support import cpu_cgroups_available
 
 from ftmesh.lab import VirtualLan, slowness
 from ftmesh.lab.netns import LabError, _list_netns
 
-
-def _cpu_available() -> bool:
-    try:
-        slowness.cpu_mount()
-    except LabError:
-        return False
-    return True
-
-
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("ip") is None or not _cpu_available(),
+        os.geteuid() != 0 or shutil.which("ip") is None or not cpu_cgroups_available(),
         reason="needs root (network namespaces) and the cgroup cpu controller; CI runs as root",
     ),
 ]

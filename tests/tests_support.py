@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -16,12 +17,25 @@ from pathlib import Path
 from typing import Any
 
 from ftmesh.collective import CollectiveConfig
+from ftmesh.lab import VirtualLan, slowness
+from ftmesh.lab.netns import LabError
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.mesh import MeshConfig
 from ftmesh.net.node import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_digits.py")
+FTMESH = str(Path(sys.executable).parent / "ftmesh")
+"""The ``ftmesh`` command, as a user runs it."""
+
+
+def cpu_cgroups_available() -> bool:
+    """Whether the cgroup ``cpu`` controller is mounted (the lab's CPU throttle needs it)."""
+    try:
+        slowness.cpu_mount()
+    except LabError:
+        return False
+    return True
 
 
 def launch(tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -51,15 +65,17 @@ def accuracy(text: str) -> float:
     return float(found[-1])
 
 
-def check_consistency(records: dict[str, list[dict[str, object]]], total: int) -> None:
-    check_consistency_from(records, first=1, total=total)
+def check_consistency(
+    records: dict[str, list[dict[str, object]]], total: int, batch: int = 32
+) -> None:
+    check_consistency_from(records, first=1, total=total, batch=batch)
 
 
 def check_consistency_from(
-    records: dict[str, list[dict[str, object]]], *, first: int, total: int
+    records: dict[str, list[dict[str, object]]], *, first: int, total: int, batch: int = 32
 ) -> None:
     """Bitwise-identical states at every step (digests), steps never repeat, every step is
-    committed by somebody, and every step covered its whole global batch."""
+    committed by somebody, and every step covered its whole global batch (``batch``)."""
     digests: dict[int, set[str]] = defaultdict(set)
     committed: set[int] = set()
     for name, recs in records.items():
@@ -75,7 +91,7 @@ def check_consistency_from(
                 digests[int(r["step"])].add(str(r["digest"]))  # type: ignore[call-overload]
             if "done" not in r:
                 committed.add(int(r["step"]))  # type: ignore[call-overload]
-                assert r["samples"] == 32, r
+                assert r["samples"] == batch, r
     assert committed == set(range(first, total + 1)), "some step was never committed"
     split = {s: d for s, d in digests.items() if len(d) > 1}
     assert not split, f"members disagree at steps {sorted(split)[:5]}"
@@ -187,3 +203,51 @@ class Worker:
             self.proc.kill()
         self.proc.wait()
         self._out.close()
+
+
+class Machine:
+    """A command run on one lab host; its ``FTMESH {json}`` lines parsed as they come."""
+
+    def __init__(self, lan: VirtualLan, host: int, argv: list[str], log: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTMESH_")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.log = log
+        self.proc = lan.popen(
+            host,
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            cwd=ROOT,
+        )
+        self.records: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log, "w") as out:
+            for line in self.proc.stdout:
+                out.write(line)
+                self.lines.append(line)
+                if line.startswith("FTMESH "):
+                    self.records.append(json.JSONDecoder().raw_decode(line[7:])[0])
+
+    def step(self) -> int:
+        return max((int(r["step"]) for r in self.records if "step" in r), default=0)
+
+    def finish(self, timeout: float) -> str:
+        self.proc.wait(timeout=timeout)
+        self._reader.join(10)
+        return "".join(self.lines)
+
+
+def wait_until(cond: Any, timeout: float, what: str, machines: list[Machine]) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            tails = ["".join(m.lines[-8:]) for m in machines]
+            raise AssertionError(f"{what} within {timeout}s; last lines: {tails}")
+        time.sleep(0.2)

@@ -13,6 +13,7 @@ the mesh that stands for a failed step becomes a ``Failed`` outcome here, in one
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -149,8 +150,11 @@ class MeshDriver:
                 mesh.wait_quiet(seconds, timeout=timeout)
             case SetRole(role):
                 mesh.set_role(role)
-            case WaitToStart(timeout):
-                wait_to_start(mesh, self.machine.start, time.monotonic() + timeout)
+            case WaitToStart(timeout, rejoin):
+                start = self.machine.start
+                if rejoin:
+                    start = dataclasses.replace(start, join_running=True)
+                wait_to_start(mesh, start, time.monotonic() + timeout)
             case ReadMembers():
                 excluded = mesh.exclusions()
                 return Members(tuple(member_info(m, m.node in excluded) for m in mesh.members()))

@@ -119,8 +119,6 @@ class Step:
         """The members that announced in the step that they leave after it."""
         self.started = 0.0
         """``time.perf_counter()`` when the ``with`` block began (the compute time's start)."""
-        self.began = 0.0
-        """``time.monotonic()`` at the same moment (freezes are counted from it)."""
         self.speeds: tuple[float, ...] = ()
         """``shares="speed"``: the agreed speeds of the reduced header."""
         self.next: Compute | Finished | None = None

@@ -564,7 +564,6 @@ class ElasticTrainer:
             step.checks = self._state.check_values()
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
         step.started = time.perf_counter()
-        step.began = time.monotonic()
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
@@ -692,7 +691,7 @@ class ElasticTrainer:
             self._abandon(step)
             return False
         self._state.capture()
-        frozen = self._freezes.frozen_since(step.began) if self._freezes is not None else 0.0
+        frozen = self._freezes.take() if self._freezes is not None else 0.0
         step.next = self._feed(
             Computed(step.share, step.loss_sum, step.leaving, step.speeds, frozen)
         )

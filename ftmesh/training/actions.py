@@ -109,7 +109,8 @@ class Computed:
     """``shares="speed"``: the reduced speed slots, one smoothed compute speed per view rank
     (:meth:`StepMachine.speeds`); the split of the next step is made from them."""
     frozen: float = 0.0
-    """Seconds this member's process stood still during the attempt (``ftmesh.freezes``)."""
+    """Seconds this member's process stood still since its last committed step
+    (``ftmesh.freezes``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +159,11 @@ class WaitToStart:
     """Wait as the start gate says (``ftmesh.starting.wait_to_start`` with the machine's
     ``StartConfig``), at most ``timeout``. The gate's verdicts that end the run are the
     driver's to raise (``MeshNotFormedError``, ``TrainingFinishedError``); it returns at once
-    when a leave is requested -> Done."""
+    when a leave is requested -> Done. ``rejoin``: as a member that only joins a running mesh
+    (``StartConfig.join_running``: a fail-slow member coming back)."""
 
     timeout: float
+    rejoin: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -552,7 +552,7 @@ class StepMachine:
                 deadline = now + cfg.step_timeout
                 back = True
             if not self.in_ring:
-                now, deadline = yield from self._enter(now, deadline, gate=not back)
+                now, deadline = yield from self._enter(now, deadline, back)
                 settle = cfg.join_settle / 4
             else:
                 settle = 0.0
@@ -736,16 +736,17 @@ class StepMachine:
     # -- entering the ring -----------------------------------------------------------------
 
     def _enter(
-        self, now: float, deadline: float, gate: bool = True
+        self, now: float, deadline: float, back: bool = False
     ) -> Generator[Action, tuple[float, Outcome], tuple[float, float]]:
-        """Into the ring; ``gate``: through the start gate (not on the way back from a
-        fail-slow pause: the mesh runs)."""
+        """Into the ring; ``back`` from a fail-slow pause: only into a mesh that still trains
+        (the gate stops us with ``TrainingFinishedError`` if the others finished meanwhile,
+        instead of our training the rest alone)."""
         cfg = self.config
         # Let discovery and gossip settle (so we join the mesh that is there instead of
         # starting a lonely one), then enter the ring at a step boundary.
         now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
-        if self.start.waits and gate:
-            now, _ = yield WaitToStart(max(deadline - now, 0.1))
+        if self.start.waits or back:
+            now, _ = yield WaitToStart(max(deadline - now, 0.1), rejoin=back)
             if self.leave_requested:
                 self._depart()
         if cfg.max_peers and cfg.spares == "cold":
