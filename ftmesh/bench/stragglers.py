@@ -5,11 +5,12 @@ Theory of operation: ``--procs`` N local processes (multiprocessing, spawn, one 
 each) run every policy in turn, each on a fresh mesh of its own (same-host discovery, ``local``
 preset, traffic on loopback only, ``start_peers`` N): the digits CNN of
 ``ftmesh.bench.workloads`` on synthetic 8x8 data with the loop API, ``--steps`` committed steps
-of ``--global-batch`` samples, from the same initial weights. The global batch defaults to 512
-(128 samples a member at N=4): with 16 a member (a global batch of 64) a member's forward and
-backward take about 2 ms, most of it fixed per-call cost, against a step overhead of 10-20 ms
-on this 2-core host, so how the batch is split hardly matters (proportional/equal 1.26 at 64,
-1.90 at 512, one run each on a loaded host). The policies are
+of ``--global-batch`` samples, from the same initial weights. The global batch defaults to
+2048 (512 samples a member at N=4), so that compute outweighs the step's fixed cost: with 16
+a member (a global batch of 64) a member's forward and backward take about 2 ms, most of it
+fixed per-call cost, against a step overhead of 10-20 ms on this 2-core host, so how the
+batch is split hardly matters (proportional/equal at ``--slow-factor 4``: 1.26 at 64,
+1.2-2.3 at 512, 2.06 at 2048; single runs on a loaded host). The policies are
 :class:`~ftmesh.training.config.TrainerConfig` settings:
 
 * ``equal``: ``shares="equal"``, straggler handling off;
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-factor", type=float, default=4.0, help="the slow member's slowdown")
     ap.add_argument("--steps", type=int, default=150, help="committed steps per policy")
     ap.add_argument("--warmup", type=int, default=40, help="steps before the steady state")
-    ap.add_argument("--global-batch", type=int, default=512, help="samples per step")
+    ap.add_argument("--global-batch", type=int, default=2048, help="samples per step")
     ap.add_argument(
         "--repeats", type=int, default=1, help="runs of each policy (medians are reported)"
     )
