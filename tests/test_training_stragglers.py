@@ -7,6 +7,7 @@ trains exactly once per epoch, and all members end bitwise equal."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -74,15 +75,28 @@ def test_noise_resets_the_streak() -> None:
 
 
 def test_a_straggler_is_retried_and_sent_back_at_once_if_still_slow() -> None:
+    """Back after ``readmit`` steps: a probe step at the share of its last speed, then one at
+    the normal split; too slow in either, it goes back out at once, for twice as long."""
     s = Stragglers(_rule(steps=3, readmit=5), proportional=False, floor=SHARE_FLOOR)
     speeds = {"a": FAST, "b": 100.0, "c": FAST}
     assert _observe(s, range(3), speeds)[-1] == "b"  # out from step 3
     assert _observe(s, range(3, 7), speeds) == [""] * 4 and "b" in s.out
-    assert _observe(s, range(7, 8), speeds) == [""] and not s.out  # step 8 computes on trial
-    assert _observe(s, range(8, 9), speeds) == ["b"]  # one slow step: out again
-    # after another 5 steps out it is retried, and fast again it stays
-    assert _observe(s, range(9, 13), speeds) == [""] * 4
-    assert _observe(s, range(13, 20), {**speeds, "b": FAST}) == [""] * 7 and not s.out
+    assert _observe(s, range(7, 8), speeds) == [""] and not s.out  # back at step 8
+    # the probe (a small share, judged as split) passes; the first equal step does not
+    assert _observe(s, range(8, 9), speeds) == [""]
+    assert _observe(s, range(9, 10), speeds) == ["b"] and s.sits_out("b") == 10
+    assert _observe(s, range(10, 19), speeds) == [""] * 9 and "b" in s.out
+    # fast again: the probe and the first equal step pass, and it stays
+    assert _observe(s, range(19, 30), {**speeds, "b": FAST}) == [""] * 11 and not s.out
+    assert s.sits_out("b") == 5  # (the backoff is forgotten after a trial that passed)
+
+
+def test_failed_trials_back_off() -> None:
+    s = Stragglers(_rule(steps=1, readmit=2), proportional=False, floor=SHARE_FLOOR)
+    speeds = {"a": FAST, "b": 10.0}
+    out = [k for k, m in enumerate(_observe(s, range(60), speeds)) if m]
+    # out for 2, 4, 8, 16, 16 steps (at most 8 x readmit), each time sent back by its probe
+    assert [b - a - 1 for a, b in itertools.pairwise(out)] == [2, 4, 8, 16, 16], out
 
 
 def test_never_the_last_one_computing_and_off_means_off() -> None:
