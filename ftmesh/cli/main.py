@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convergence", help="time-to-accuracy on slow lab links, with and without int8"
     )
     bench_sub.add_parser("recovery", help="kill/SIGSTOP -> next committed step, vs torchrun")
+    bench_sub.add_parser(
+        "stragglers", help="one slow member: equal vs proportional shares vs evicted vs default"
+    )
     bench_sub.add_parser("train", help="step time of the gradient sync vs DDP on gloo")
     kill = bench_sub.add_parser("kill", help="real processes: kill -9 to the last dead event")
     kill.add_argument("--procs", type=int, default=8)
@@ -195,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DELEGATED_BENCHES = ("allreduce", "convergence", "recovery", "train")
+DELEGATED_BENCHES = ("allreduce", "convergence", "recovery", "stragglers", "train")
 """Benchmarks with their own argument parsers: ``ftmesh bench NAME ...`` runs
 ``ftmesh.bench.NAME.main(...)`` with the rest of the command line."""
 

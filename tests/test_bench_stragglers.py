@@ -1,0 +1,55 @@
+"""``ftmesh bench stragglers`` run as a user runs it, a short run: the JSON's shape, every
+policy committed every step, and the policies did what they say to the slow member (no
+speed asserts: throughput ratios are the benchmark's figures, not a test's)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ftmesh.bench.stragglers import POLICIES
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS, WARMUP, PROCS = 12, 4, 3
+
+
+def test_stragglers_bench_runs_every_policy() -> None:
+    argv = ["-m", "ftmesh", "bench", "stragglers", "--procs", str(PROCS), "--slow-factor", "4"]
+    argv += ["--steps", str(STEPS), "--warmup", str(WARMUP), "--json"]
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["benchmark"] == "stragglers"
+    assert (r["procs"], r["slow_factor"], r["steps"]) == (PROCS, 4, STEPS)
+    assert len(r["load_before"]) == 3 and r["date"]
+    for p in POLICIES:
+        c = r[p]
+        assert c["steps"] == STEPS, (p, c)
+        for key in ("samples_per_s", "ms_per_step", "whole_samples_per_s"):
+            assert math.isfinite(c[key]) and c[key] > 0, (p, key, c)
+        assert c["samples_per_s"] == pytest.approx(r["global_batch"] * 1e3 / c["ms_per_step"])
+        (run,) = c["runs"]
+        assert len(run["slow_shares"]) == STEPS and 0 <= run["slow_member"] < PROCS
+        assert len(run["step_ms"]) == STEPS - 1, run
+    rate = {p: r[p]["samples_per_s"] for p in POLICIES}
+    assert r["proportional_vs_equal"] == pytest.approx(rate["proportional"] / rate["equal"])
+    assert r["evicted_vs_equal"] == pytest.approx(rate["evicted"] / rate["equal"])
+    best = max(rate[p] for p in POLICIES if p != "default")
+    assert r["default_vs_best"] == pytest.approx(rate["default"] / best)
+    assert r["repeat_ratios"] == [pytest.approx({k: r[k] for k in r["repeat_ratios"][0]})]
+    # (-1: a step the slow member adopted in a sync instead of computing: only after a view
+    # change, which a loaded host can cause by a false suspicion)
+    shares = {p: set(r[p]["runs"][0]["slow_shares"]) - {-1} for p in POLICIES}
+    # equal: the slow member computes an equal share every step
+    equal_share = r["global_batch"] // PROCS
+    assert shares["equal"] <= {equal_share, equal_share + 1}, r["equal"]
+    # proportional: its measured speed shrinks its share once the steps have measured it
+    assert r["proportional"]["slow_mean_share"] < r["equal"]["slow_mean_share"] / 2, r
+    assert r["proportional"]["evicted_steps"] == 0
+    # evicted: the slow member is the hot spare max_peers=N-1 leaves out, from the first step
+    assert shares["evicted"] == {0}, r["evicted"]
