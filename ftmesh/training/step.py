@@ -921,7 +921,7 @@ class StepMachine:
         """Every member of ``view`` holds our state: steps run on it without a sync (and
         everyone computes again: ``ftmesh.training.stragglers``)."""
         self.synced_epoch = view.epoch
-        self.stragglers.reset(view.node_ids)
+        self.stragglers.reset()
         self.last_view = view.node_ids
         world = len(self.compute_set(view))
         if self.world != world:

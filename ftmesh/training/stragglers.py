@@ -92,10 +92,10 @@ class Stragglers:
         self._failed: dict[str, int] = {}
         """Failed trials in a row, by member (each doubles the next time out)."""
 
-    def reset(self, members: Sequence[str]) -> None:
-        """A new view of ``members``: everyone computes (the speeds of members gone are
-        forgotten)."""
-        self.known = {m: s for m, s in self.known.items() if m in members}
+    def reset(self) -> None:
+        """A new view: everyone computes, and what we knew is forgotten (a member that joined
+        has not seen it: every decision comes from speeds agreed since the view began)."""
+        self.known.clear()
         self.out.clear()
         self._streak.clear()
         self._trial.clear()
