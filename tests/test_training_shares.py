@@ -210,24 +210,27 @@ def test_equal_mode_without_straggler_detection_has_no_speed_slots() -> None:
 
 PER_SAMPLE_S = 0.002
 """Every member's compute time per sample (a sleep: the tiny model's own cost is noise)."""
-THROTTLE = 4
-"""How much slower the throttled member computes during ``THROTTLED``."""
-THROTTLED = range(6, 18)
-STEPS = 36
 GLOBAL = 16  # 4 steps per epoch of the 64 samples
 
 
-def test_a_throttled_members_share_falls_and_rises_back() -> None:
+def run_with_a_slow_member(
+    steps: int, slowed: range, factor: float, fixed_s: float = 0.0, **config: Any
+) -> tuple[dict[str, list[int]], dict[str, Member]]:
+    """Members a, b, c train ``steps`` steps of ``GLOBAL`` samples on the fake mesh; b
+    computes ``factor`` times slower during the steps ``slowed`` (sleeps of ``fixed_s`` per
+    micro-batch plus ``PER_SAMPLE_S`` per sample). Checks that every step's shares add up,
+    that every sample index trains once per epoch and that all end bitwise equal; returns
+    each member's share by step, and the members."""
     hub = Hub(start_with=3)
     computed: dict[tuple[str, int, int], np.ndarray] = {}
     committed: dict[str, dict[int, np.ndarray]] = {n: {} for n in "abc"}
 
     def body(t: ElasticTrainer, step: Step) -> None:
         me = t.mesh.node_id
-        slow = me == "b" and step.index in THROTTLED
+        slow = factor if me == "b" and step.index in slowed else 1
         parts = []
         for idx in step.indices():
-            time.sleep(len(idx) * PER_SAMPLE_S * (THROTTLE if slow else 1))
+            time.sleep(fixed_s + len(idx) * PER_SAMPLE_S * slow)
             parts.append(idx)
             i = torch.as_tensor(idx)
             F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
@@ -243,35 +246,40 @@ def test_a_throttled_members_share_falls_and_rises_back() -> None:
         members = start_loop(
             hub,
             "abc",
-            total=STEPS,
+            total=steps,
             body=body,
             after_step=after_step,
             data=lambda: ElasticSampler(len(DATA_X), GLOBAL, seed=1),
-            shares="speed",
+            **config,
         )
-        wait_all(hub, 60.0)
+        wait_all(hub, 90.0)
     finally:
         hub.shutdown()
     all_ok(members, "abc")
-    shares = {n: [len(committed[n][k]) for k in range(STEPS)] for n in "abc"}
+    shares = {n: [len(committed[n][k]) for k in range(steps)] for n in "abc"}
     print("b's shares by step:", shares["b"])
-    assert all(sum(shares[n][k] for n in "abc") == GLOBAL for k in range(STEPS))
-    before = np.mean(shares["b"][2:6])
-    throttled = np.mean(shares["b"][14:18])
-    after = np.mean(shares["b"][32:36])
-    print(f"b's mean share: before {before:.2f}, throttled {throttled:.2f}, after {after:.2f}")
-    assert throttled < 0.6 * before, shares["b"]
-    assert after > 0.8 * before, shares["b"]
+    assert all(sum(shares[n][k] for n in "abc") == GLOBAL for k in range(steps))
     # exactly once: every sample index of every epoch, in one committed step of one member
-    for epoch in range(STEPS // 4):
+    for epoch in range(steps // 4):
         got = np.concatenate(
             [committed[n][k] for n in "abc" for k in range(4 * epoch, 4 * epoch + 4)]
         )
         assert sorted(got.tolist()) == list(range(len(DATA_X))), epoch
     # identical results everywhere
     states = [trainer_of(members[n]).model.state_dict() for n in "abc"]
-    for s in states[1:]:
-        assert all(torch.equal(s[k], states[0][k]) for k in s)
+    for st in states[1:]:
+        assert all(torch.equal(st[k], states[0][k]) for k in st)
+    return shares, members
+
+
+def test_a_throttled_members_share_falls_and_rises_back() -> None:
+    shares, _ = run_with_a_slow_member(36, range(6, 18), 4, shares="speed")
+    before = np.mean(shares["b"][2:6])
+    throttled = np.mean(shares["b"][14:18])
+    after = np.mean(shares["b"][32:36])
+    print(f"b's mean share: before {before:.2f}, throttled {throttled:.2f}, after {after:.2f}")
+    assert throttled < 0.6 * before, shares["b"]
+    assert after > 0.8 * before, shares["b"]
 
 
 def test_speed_shares_with_a_data_loader_give_the_single_process_model() -> None:
@@ -284,7 +292,7 @@ def test_speed_shares_with_a_data_loader_give_the_single_process_model() -> None
     def body(t: ElasticTrainer, step: Step) -> None:
         slow = t.mesh.node_id == "b" and 2 <= step.index < 10
         for x, y in step.batches():
-            time.sleep(len(x) * PER_SAMPLE_S * (THROTTLE if slow else 1))
+            time.sleep(len(x) * PER_SAMPLE_S * (4 if slow else 1))
             F.cross_entropy(t.model(x), y).backward()  # type: ignore[no-untyped-call]
         t.optimizer.step()
 

@@ -7,19 +7,15 @@ trains exactly once per epoch, and all members end bitwise equal."""
 
 from __future__ import annotations
 
-import time
+import itertools
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from test_training_shares import _commit
+from test_training_shares import _commit, run_with_a_slow_member
 from test_training_step import _alone_until_compute, _machine, _view
-from trainer_sim import DATA_X, DATA_Y, Hub, Member, all_ok, start_loop, trainer_of, wait_all
+from trainer_sim import trainer_of
 
 from ftmesh.errors import ConfigError
-from ftmesh.torch import ElasticTrainer, Step
-from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.training.config import TrainerConfig
 from ftmesh.training.protocol import SHARE_FLOOR
 from ftmesh.training.stragglers import StragglerRule, Stragglers
@@ -74,15 +70,28 @@ def test_noise_resets_the_streak() -> None:
 
 
 def test_a_straggler_is_retried_and_sent_back_at_once_if_still_slow() -> None:
+    """Back after ``readmit`` steps: a probe step at the share of its last speed, then one at
+    the normal split; too slow in either, it goes back out at once, for twice as long."""
     s = Stragglers(_rule(steps=3, readmit=5), proportional=False, floor=SHARE_FLOOR)
     speeds = {"a": FAST, "b": 100.0, "c": FAST}
     assert _observe(s, range(3), speeds)[-1] == "b"  # out from step 3
     assert _observe(s, range(3, 7), speeds) == [""] * 4 and "b" in s.out
-    assert _observe(s, range(7, 8), speeds) == [""] and not s.out  # step 8 computes on trial
-    assert _observe(s, range(8, 9), speeds) == ["b"]  # one slow step: out again
-    # after another 5 steps out it is retried, and fast again it stays
-    assert _observe(s, range(9, 13), speeds) == [""] * 4
-    assert _observe(s, range(13, 20), {**speeds, "b": FAST}) == [""] * 7 and not s.out
+    assert _observe(s, range(7, 8), speeds) == [""] and not s.out  # back at step 8
+    # the probe (a small share, judged as split) passes; the first equal step does not
+    assert _observe(s, range(8, 9), speeds) == [""]
+    assert _observe(s, range(9, 10), speeds) == ["b"] and s.sits_out("b") == 10
+    assert _observe(s, range(10, 19), speeds) == [""] * 9 and "b" in s.out
+    # fast again: the probe and the first equal step pass, and it stays
+    assert _observe(s, range(19, 30), {**speeds, "b": FAST}) == [""] * 11 and not s.out
+    assert s.sits_out("b") == 5  # (the backoff is forgotten after a trial that passed)
+
+
+def test_failed_trials_back_off() -> None:
+    s = Stragglers(_rule(steps=1, readmit=2), proportional=False, floor=SHARE_FLOOR)
+    speeds = {"a": FAST, "b": 10.0}
+    out = [k for k, m in enumerate(_observe(s, range(60), speeds)) if m]
+    # out for 2, 4, 8, 16, 16 steps (at most 8 x readmit), each time sent back by its probe
+    assert [b - a - 1 for a, b in itertools.pairwise(out)] == [2, 4, 8, 16, 16], out
 
 
 def test_never_the_last_one_computing_and_off_means_off() -> None:
@@ -145,67 +154,18 @@ def test_speed_shares_give_a_retried_member_the_share_of_its_last_speed() -> Non
 
 # -- trainers on the fake mesh -----------------------------------------------------------------
 
-PER_SAMPLE_S = 0.002
-SLOW = 20
-SLOWED = range(4, 24)
-STEPS = 44
-GLOBAL = 16  # 4 steps per epoch of the 64 samples
-
 
 def test_a_member_20x_slower_sits_out_and_comes_back() -> None:
-    hub = Hub(start_with=3)
-    computed: dict[tuple[str, int, int], np.ndarray] = {}
-    committed: dict[str, dict[int, np.ndarray]] = {n: {} for n in "abc"}
-
-    def body(t: ElasticTrainer, step: Step) -> None:
-        me = t.mesh.node_id
-        slow = me == "b" and step.index in SLOWED
-        parts = []
-        for idx in step.indices():
-            time.sleep(0.003 + len(idx) * PER_SAMPLE_S * (SLOW if slow else 1))
-            parts.append(idx)
-            i = torch.as_tensor(idx)
-            F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
-        t.optimizer.step()
-        computed[me, step.index, step.attempt] = np.concatenate(parts or [np.empty(0, int)])
-
-    def after_step(member: Member, t: ElasticTrainer, step: Step) -> None:
-        if step.report is not None:
-            key = (member.name, step.index, step.attempt)
-            committed[member.name][step.index] = computed[key]
-
-    try:
-        members = start_loop(
-            hub,
-            "abc",
-            total=STEPS,
-            body=body,
-            after_step=after_step,
-            data=lambda: ElasticSampler(len(DATA_X), GLOBAL, seed=1),
-            shares="speed",
-            straggler_steps=3,
-            readmit_steps=6,
-        )
-        wait_all(hub, 90.0)
-    finally:
-        hub.shutdown()
-    all_ok(members, "abc")
-    shares = {n: [len(committed[n][k]) for k in range(STEPS)] for n in "abc"}
-    print("b's shares by step:", shares["b"])
-    assert all(sum(shares[n][k] for n in "abc") == GLOBAL for k in range(STEPS))
-    out = [k for k in range(STEPS) if shares["b"][k] == 0]
-    assert out and min(out) < SLOWED.stop, shares["b"]  # sat out while slow
+    steps = 44
+    shares, members = run_with_a_slow_member(
+        steps, range(4, 24), 20, fixed_s=0.003, shares="speed", straggler_factor=1.5,
+        straggler_steps=3, readmit_steps=6,
+    )  # fmt: skip
+    out = [k for k in range(steps) if shares["b"][k] == 0]
+    assert out and min(out) < 24, shares["b"]  # sat out while slow
     assert np.mean(shares["b"][-6:]) > 3, shares["b"]  # computing again after
     # the exporter's ftmesh_train_straggler_steps_total counts the steps b sat out
     assert trainer_of(members["b"]).statistics().straggler_steps_total == len(out)
-    for epoch in range(STEPS // 4):  # exactly once
-        got = np.concatenate(
-            [committed[n][k] for n in "abc" for k in range(4 * epoch, 4 * epoch + 4)]
-        )
-        assert sorted(got.tolist()) == list(range(len(DATA_X))), epoch
-    states = [trainer_of(members[n]).model.state_dict() for n in "abc"]
-    for s in states[1:]:
-        assert all(torch.equal(s[k], states[0][k]) for k in s)
 
 
 def test_a_recovered_straggler_is_judged_on_its_speed_now() -> None:

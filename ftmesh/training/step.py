@@ -480,16 +480,17 @@ class StepMachine:
         if self.me in self.stragglers.out:  # we sat this step out
             self._stats.straggler_steps += 1
         self.stragglers.observe(action.index, workers, measured, batch)
-        if self.config.shares != "speed":
-            return
-        counts = split_share(batch, action.weights, len(workers))
-        weights = speed_weights(measured, counts, action.weights)
-        self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
-        retried = [w for w in self.compute_set(view) if w not in workers]
+        self._weights = {}
+        if self.config.shares == "speed":
+            counts = split_share(batch, action.weights, len(workers))
+            weights = speed_weights(measured, counts, action.weights)
+            self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
+        after = sorted(self.compute_set(view))
         known = self.stragglers.known
-        if retried and all(w in known for w in retried):
-            # Back on trial: the share of its last known speed (a slow one stays small).
-            after = sorted(self.compute_set(view))
+        retried = [w for w in after if w not in workers]
+        if retried and all(w in known for w in after):
+            # Back on trial, with equal shares too: for one step, the share of its last known
+            # speed (a member still slow costs that step little, and is sent back).
             filled = filled_speeds([known.get(w, 0.0) for w in after])
             if filled is not None:
                 fresh = proportional_weights(filled, SHARE_FLOOR)
@@ -920,7 +921,7 @@ class StepMachine:
         """Every member of ``view`` holds our state: steps run on it without a sync (and
         everyone computes again: ``ftmesh.training.stragglers``)."""
         self.synced_epoch = view.epoch
-        self.stragglers.reset(view.node_ids)
+        self.stragglers.reset()
         self.last_view = view.node_ids
         world = len(self.compute_set(view))
         if self.world != world:

@@ -15,10 +15,14 @@ too slow for its floor share does (at a twentieth of the speed, say), or one who
 per-step cost dominates.
 
 A member out of the compute set cannot be measured, so after ``readmit`` steps it comes back
-on trial: it computes again with the share its last known speed gives it (a small one, so a
-still-slow member costs about one step's worth of the time it used to), and if that one step
-is still too slow it leaves again at once; otherwise it stays, and its share grows back with
-its measured speed. At most one member leaves per step, never the last one computing.
+on trial, in two steps. The *probe*: one step at the share its last known speed gives it
+(with equal shares too; a small share, so a member still slow costs that step little),
+judged as it was split; then one step at the normal split (equal shares: its whole share).
+Too slow in either, it goes back out at once, for twice as long each time (at most
+``2**MAX_BACKOFF_DOUBLINGS`` times ``readmit``); otherwise it stays, and its share follows
+its measured speed. (Its first measurement back replaces its smoothed speed of the slow days:
+``StepMachine._remeasure``.) At most one member leaves per step, never the last one
+computing.
 
 Every member computes the same decisions because every input is agreed: the speeds of the
 reduced header and the committed step count. A view change (a sync, a departure) starts from
@@ -37,6 +41,11 @@ from dataclasses import dataclass
 from .protocol import filled_speeds, proportional_weights, split_share
 
 log = logging.getLogger("ftmesh.training")
+
+PROBE = "probe"
+CONFIRM = "confirm"
+MAX_BACKOFF_DOUBLINGS = 3
+"""A member whose trials keep failing sits out at most ``2**3 = 8`` times ``readmit``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,20 +86,25 @@ class Stragglers:
         self.known: dict[str, float] = {}
         """Each member's last agreed speed (samples/s)."""
         self._streak: dict[str, int] = {}
-        self._trial: set[str] = set()
+        self._trial: dict[str, str] = {}
+        """Members on trial: ``PROBE`` (their first step back, at the share their last speed
+        gives them) or ``CONFIRM`` (their first step at the normal split)."""
+        self._failed: dict[str, int] = {}
+        """Failed trials in a row, by member (each doubles the next time out)."""
 
-    def reset(self, members: Sequence[str]) -> None:
-        """A new view of ``members``: everyone computes (the speeds of members gone are
-        forgotten)."""
-        self.known = {m: s for m, s in self.known.items() if m in members}
+    def reset(self) -> None:
+        """A new view: everyone computes, and what we knew is forgotten (a member that joined
+        has not seen it: every decision comes from speeds agreed since the view began)."""
+        self.known.clear()
         self.out.clear()
         self._streak.clear()
         self._trial.clear()
+        self._failed.clear()
 
-    def step_time(self, batch: int, speeds: Sequence[float]) -> float:
+    def step_time(self, batch: int, speeds: Sequence[float], proportional: bool) -> float:
         """Predicted compute time of a step of ``batch`` samples among members of these
-        ``speeds`` (all > 0), under the split the trainer would use."""
-        weights = proportional_weights(speeds, self.floor) if self.proportional else None
+        ``speeds`` (all > 0), split in proportion to them (with the floor) or equally."""
+        weights = proportional_weights(speeds, self.floor) if proportional else None
         counts = split_share(batch, weights, len(speeds))
         return max(c / s for c, s in zip(counts, speeds, strict=True))
 
@@ -103,12 +117,14 @@ class Stragglers:
         for w, s in zip(workers, speeds, strict=True):
             if s > 0:
                 self.known[w] = s
+        # (this step's split: the probe's, if a member was probed in it)
+        probed = any(self._trial.get(w) == PROBE for w in workers)
         for m, since in list(self.out.items()):
-            if index + 1 - since >= self.rule.readmit:
+            if index + 1 - since >= self.sits_out(m):
                 del self.out[m]
-                self._trial.add(m)
+                self._trial[m] = PROBE
                 log.info(
-                    "member %s is retried in the compute set after %d steps", m, index + 1 - since
+                    "member %s computes again on trial after %d steps out", m, index + 1 - since
                 )
         filled = filled_speeds(speeds)
         if not self.rule.enabled or len(workers) < 2 or filled is None:
@@ -116,20 +132,32 @@ class Stragglers:
         slowest = min(range(len(workers)), key=lambda i: (filled[i], workers[i]))
         member = workers[slowest]
         rest = filled[:slowest] + filled[slowest + 1 :]
-        ratio = self.step_time(batch, filled) / self.step_time(batch, rest)
+        proportional = self.proportional or probed
+        ratio = self.step_time(batch, filled, proportional) / self.step_time(
+            batch, rest, proportional
+        )
         for w in list(self._streak):
             if w != member:
                 del self._streak[w]
-        if ratio <= self.rule.factor:
+        slow = ratio > self.rule.factor
+        for w in workers:  # a trial step passed: probe -> confirm -> done
+            if w in self._trial and not (slow and w == member):
+                if self._trial[w] == PROBE:
+                    self._trial[w] = CONFIRM
+                else:
+                    del self._trial[w]
+                    self._failed.pop(w, None)
+        if not slow:
             self._streak.pop(member, None)
-            self._trial -= set(workers)  # computed a step without being too slow
             return ""
         self._streak[member] = self._streak.get(member, 0) + 1
-        needed = 1 if member in self._trial else self.rule.steps
-        if self._streak[member] < needed:
+        on_trial = member in self._trial
+        if self._streak[member] < (1 if on_trial else self.rule.steps):
             return ""
         del self._streak[member]
-        self._trial.discard(member)
+        if on_trial:
+            del self._trial[member]
+            self._failed[member] = self._failed.get(member, 0) + 1
         self.out[member] = index + 1
         log.warning(
             "member %s is a straggler: steps with it are predicted to take %.1fx as long as "
@@ -138,6 +166,12 @@ class Stragglers:
             member,
             ratio,
             self.rule.factor,
-            self.rule.readmit,
+            self.sits_out(member),
         )
         return member
+
+    def sits_out(self, member: str) -> int:
+        """Steps ``member`` sits out this time: ``readmit``, doubled after each failed trial
+        in a row (at most ``2**MAX_BACKOFF_DOUBLINGS`` times as long)."""
+        doublings = min(self._failed.get(member, 0), MAX_BACKOFF_DOUBLINGS)
+        return int(self.rule.readmit << doublings)
