@@ -102,8 +102,9 @@ class TrainerConfig:
     straggler_steps: int = 20
     """Consecutive slow steps before a straggler sits out. Mesh-wide."""
     readmit_steps: int = 50
-    """Steps a straggler sits out before it computes again on trial (one slow step sends it
-    back at once). Mesh-wide."""
+    """Steps a straggler sits out before its trial: a probe step at the small share its last
+    speed gives it, then one at the normal split; too slow in either, it sits out again at
+    once, for twice as long each time (at most 8x). Mesh-wide."""
     failslow_freezes: int = 3
     """A member whose whole process stood still for more than ``failslow_freeze`` seconds
     (``ftmesh.freezes``) in this many of its last ``straggler_steps`` committed steps is
@@ -113,7 +114,9 @@ class TrainerConfig:
     failslow_freeze: float = 0.2
     """Seconds of standing still that count as a freeze."""
     failslow_pause: float = 30.0
-    """Seconds a fail-slow member stays out of the ring before it joins again."""
+    """Seconds a fail-slow member stays out of the ring before it joins again (as a member
+    that only joins a running mesh: it stops with ``TrainingFinishedError`` if the others
+    finished meanwhile)."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
