@@ -19,10 +19,10 @@ batch is split hardly matters (proportional/equal at ``--slow-factor 4``: 1.26 a
   the first step (it applies every step but computes nothing), straggler handling off;
 * ``default``: ``TrainerConfig()``, the shipped policy, nothing overridden.
 
-("straggler handling off" is ``straggler_factor=0``, passed only where the trainer has that
-setting.) The slow member is the view's last rank at the first step (``step.rank ==
-step.world_size - 1``): that is the member ``max_peers`` makes the spare, so the ``evicted``
-run evicts the slow one, and the same rule picks it in every policy.
+("straggler handling off" is ``straggler_factor=0``.) The slow member is the view's last
+rank at the first step (``step.rank == step.world_size - 1``): that is the member
+``max_peers`` makes the spare, so the ``evicted`` run evicts the slow one, and the same rule
+picks it in every policy.
 
 Slowness is emulated with sleep, not CPU throttling: this bench runs N workers on a machine
 of few cores, and a throttled process would still compete for them. After each micro-batch's
@@ -50,7 +50,6 @@ every process killed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -77,9 +76,9 @@ class BenchFailed(FtmeshError):
     """A policy's run did not complete (a worker died, or it ran past ``--timeout``)."""
 
 
-def policy_settings(policy: str, nprocs: int, has_stragglers: bool) -> dict[str, Any]:
+def policy_settings(policy: str, nprocs: int) -> dict[str, Any]:
     """The ``TrainerConfig`` overrides of ``policy`` on a mesh of ``nprocs``."""
-    off: dict[str, Any] = {"straggler_factor": 0.0} if has_stragglers else {}
+    off: dict[str, Any] = {"straggler_factor": 0.0}
     if policy == "equal":
         return {"shares": "equal", **off}
     if policy == "proportional":
@@ -242,12 +241,6 @@ def summarise(policy: str, members: list[dict[str, Any]], cfg: dict[str, Any]) -
     }
 
 
-def _trainer_has_stragglers() -> bool:
-    from ..training.config import TrainerConfig
-
-    return "straggler_factor" in {f.name for f in dataclasses.fields(TrainerConfig)}
-
-
 def run_order(repeats: int) -> list[tuple[str, int]]:
     """(policy, repeat) in the order they run: ``POLICIES``, reversed every other repeat,
     so that a trend in the machine's load hits every policy alike."""
@@ -279,7 +272,6 @@ def ratios(rate: dict[str, float]) -> dict[str, float]:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    has_stragglers = _trainer_has_stragglers()
     load_before = os.getloadavg()
     base = {
         "procs": args.procs,
@@ -289,7 +281,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "repeats": args.repeats,
     }
-    settings = {p: policy_settings(p, args.procs, has_stragglers) for p in POLICIES}
+    settings = {p: policy_settings(p, args.procs) for p in POLICIES}
     cfg = {**base, "settings": settings, "runs": run_order(args.repeats)}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
     t0 = time.monotonic()
@@ -305,7 +297,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ratios({p: float(runs[p][k]["samples_per_s"]) for p in POLICIES})
         for k in range(args.repeats)
     ]
-    out["trainer_has_straggler_settings"] = has_stragglers
     out["load_before"] = list(load_before)
     out["load_after"] = list(os.getloadavg())
     out["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
