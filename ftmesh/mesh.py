@@ -267,6 +267,22 @@ class Mesh:
         self._progress = progress
         self._progress_due.set()
 
+    def keep_progress(self, progress: Progress) -> bool:
+        """``report_progress`` from another thread, in two halves: keep ``progress`` as the
+        latest (any thread) and say whether the publisher must be woken (``True``: run
+        :meth:`wake_progress` in the mesh's thread). While a publication is pending it will
+        carry the latest value anyway, so a trainer that reports every step wakes the mesh's
+        thread about once per ``progress_interval``, not once per step (each wake-up costs
+        the reporting thread a GIL hand-over on the critical path of its step)."""
+        self._progress = progress
+        # read after the store: the publisher replaces the event before it reads _progress,
+        # so either it reads ours or we see its new, unset event and wake it
+        return not self._progress_due.is_set()
+
+    def wake_progress(self) -> None:
+        """Mesh thread: publish the progress :meth:`keep_progress` kept (rate limited)."""
+        self._progress_due.set()
+
     async def _publish_progress(self) -> None:
         while True:
             await self._progress_due.wait()

@@ -231,11 +231,14 @@ class SyncMesh:
     def report_progress(self, progress: Progress) -> None:
         """Publish our training progress (see :meth:`Mesh.report_progress`), e.g. after each
         committed step. Never blocks: it hands ``progress`` to the mesh's thread, from any
-        thread; publishing is rate limited there (``MeshConfig.progress_interval``)."""
+        thread; publishing is rate limited there (``MeshConfig.progress_interval``), and so
+        are the wake-ups of that thread (:meth:`Mesh.keep_progress`)."""
         mesh = self.mesh
         assert self._token is not None  # (set with _mesh)
+        if not mesh.keep_progress(progress):
+            return
         try:
-            self._token.run_sync_soon(mesh.report_progress, progress)
+            self._token.run_sync_soon(mesh.wake_progress)
         except trio.RunFinishedError:
             closed = self._closed()
             raise closed from closed.__cause__

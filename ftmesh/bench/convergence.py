@@ -50,7 +50,10 @@ def _run(lan: Any, mode: str, tag: str, args: argparse.Namespace, script: Path) 
         argv = [sys.executable, "-m", "ftmesh", "worker", "--mesh", f"conv{tag}"]
         argv += ["--discovery", "mdns", "--interface", lan.host_ip(i), "--start-peers", str(n)]
         argv += [str(script), "--step-delay", "0", "--compression", mode]
-        argv += ["--epochs", str(args.epochs), "--eval-every", str(args.eval_every)]
+        # only host 0 measures accuracy (the bench reads its records): an evaluation on every
+        # host would cost N times the CPU the hosts share on this machine, for nothing
+        evals = args.eval_every if i == 0 else 0
+        argv += ["--epochs", str(args.epochs), "--eval-every", str(evals)]
         argv += ["--digest-every", "0"]
         out = subprocess.PIPE if i == 0 else subprocess.DEVNULL
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     with VirtualLan(hosts=args.procs) as lan:
         for i in range(args.procs):
-            lan.set_rate(i, args.link_rate)
+            if args.link_rate != "none":
+                lan.set_rate(i, args.link_rate)
         for rep in range(args.repeats):
             order = MODES if rep % 2 == 0 else MODES[::-1]
             for mode in order:
