@@ -55,7 +55,12 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
         t_first = time.monotonic()
         wakes = []  # the mesh thread is woken about once per interval, not once per report
         wake = a.mesh.wake_progress
-        a.mesh.wake_progress = lambda: (wakes.append(1), wake())[1]  # type: ignore[method-assign]
+
+        def counted_wake() -> None:
+            wakes.append(1)
+            wake()
+
+        a.mesh.wake_progress = counted_wake  # type: ignore[method-assign]
         for step in range(2, 51):  # a burst within the interval: only the last one counts
             a.report_progress(Progress(step, 0.01, 4, 400.0, 2))
             time.sleep(0.001)
