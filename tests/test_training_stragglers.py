@@ -12,12 +12,28 @@ import itertools
 import numpy as np
 import pytest
 from test_training_shares import _commit, run_with_a_slow_member
-from test_training_step import _alone_until_compute, _machine, _view
+from test_training_step import DIGEST, _alone_until_compute, _machine, _view
 from trainer_sim import trainer_of
 
+from ftmesh.collective.view import RingView
 from ftmesh.errors import ConfigError
+from ftmesh.training.actions import (
+    Action,
+    Compute,
+    Done,
+    Fetch,
+    Fetched,
+    Finished,
+    ReadView,
+    Reduced,
+    Sync,
+    ViewSeen,
+    WaitView,
+    WaitViewChange,
+)
 from ftmesh.training.config import TrainerConfig
 from ftmesh.training.protocol import SHARE_FLOOR
+from ftmesh.training.step import StepMachine
 from ftmesh.training.stragglers import StragglerRule, Stragglers
 
 FAST = 400.0
@@ -150,6 +166,83 @@ def test_speed_shares_give_a_retried_member_the_share_of_its_last_speed() -> Non
     w = actions[0].weights
     assert w is not None and w[1] == pytest.approx(min(w)) and w[1] < 0.05  # ...with a floor share
     assert len({a.weights for a in actions}) == 1
+
+
+def _sync_to_compute(machines: list[StepMachine], view: RingView) -> list[Compute]:
+    """Drive every member of ``view`` (``machines``, in view order) through one sync on it,
+    with the allreduce(max) of their real sync vectors, to their next Compute."""
+
+    def advance(m: StepMachine, a: Action) -> Action:
+        while not isinstance(a, Compute | Sync):
+            if isinstance(a, WaitView | ReadView | WaitViewChange):
+                a = m.feed(0.0, ViewSeen(view))
+            elif isinstance(a, Fetch):
+                a = m.feed(0.0, Fetched(100))
+            elif isinstance(a, Finished):  # a joiner's run ends with the step it adopted
+                a = m.begin(0.0)
+            else:
+                a = m.feed(0.0, Done())
+        return a
+
+    actions = [advance(m, m.begin(0.0)) for m in machines]
+    assert all(isinstance(a, Sync) for a in actions), actions
+    reduced = Reduced(np.maximum.reduce([m.sync_vector(view, 100, DIGEST) for m in machines]))
+    actions = [advance(m, m.feed(0.0, reduced)) for m in machines]
+    assert all(isinstance(a, Compute) for a in actions), actions
+    return actions  # type: ignore[return-value]
+
+
+def test_a_join_keeps_a_straggler_out() -> None:
+    """Before, every sync put the straggler back to compute for a whole new streak; now the
+    sync carries who sits out, since when and its failed trials, and the joiner learns it."""
+    cfg = {"shares": "equal", "straggler_factor": 1.5, "straggler_steps": 2, "readmit_steps": 4}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    speeds = {"a": FAST, "b": 50.0, "c": FAST, "d": FAST}
+    sets = []
+    view = _view("a", "b", "c")
+    for k in range(8):
+        if k == 3:  # b sat out step 2; d joins before step 3 (a sync on the new view)
+            machines.append(_machine("d", **cfg))
+            view = _view("a", "b", "c", "d")
+            actions = _sync_to_compute(machines, view)
+        else:
+            actions = [_alone_until_compute(m, view) for m in machines]
+        assert len({(a.workers, a.weights) for a in actions}) == 1
+        sets.append(actions[0].workers)
+        _commit(machines, actions, [speeds[m.me] for m in machines])
+    assert sets[:2] == [("a", "b", "c")] * 2
+    assert sets[2:6] == [("a", "c"), *[("a", "c", "d")] * 3]  # out for readmit_steps
+    assert sets[6] == ("a", "b", "c", "d")  # on trial when it was due, still slow
+    assert sets[7] == ("a", "c", "d")  # and back out at once
+
+
+def _claims(*members: Stragglers, view: tuple[str, ...]) -> np.ndarray:
+    return np.maximum.reduce([m.sync_slots(view) for m in members])
+
+
+def test_a_straggler_away_for_a_view_is_still_out_when_it_is_back() -> None:
+    """b sits out; it is suspected (a view without it, synced) and comes back (a view with
+    it, synced): the members that stayed still claim it, and a joiner learns it."""
+    a, c = (Stragglers(_rule(steps=1, readmit=5), False, SHARE_FLOOR) for _ in "ac")
+    for s in (a, c):
+        assert _observe(s, range(2), {"a": FAST, "b": 50.0, "c": FAST}) == ["b", ""]
+    without = ("a", "c")
+    for s in (a, c):
+        s.adopt(_claims(a, c, view=without), without)
+    assert a.out == {"b": 1}  # (not in the view: no decision on it, only a memory)
+    full = ("a", "b", "c", "d")
+    fresh = [Stragglers(_rule(steps=1, readmit=5), False, SHARE_FLOOR) for _ in "bd"]
+    claims = _claims(a, c, *fresh, view=full)
+    for s in (a, c, *fresh):
+        s.adopt(claims, full)
+        assert s.out == {"b": 1} and s.known["b"] == pytest.approx(50.0)
+
+
+def test_a_planned_departure_keeps_a_straggler_out() -> None:
+    s = Stragglers(_rule(steps=1, readmit=5), proportional=False, floor=SHARE_FLOOR)
+    assert _observe(s, range(2), {"a": FAST, "b": 50.0, "c": FAST, "d": FAST}) == ["b", ""]
+    s.keep_only(["a", "b", "c"])  # d left
+    assert s.out == {"b": 1} and "d" not in s.known
 
 
 # -- trainers on the fake mesh -----------------------------------------------------------------

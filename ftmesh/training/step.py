@@ -139,7 +139,7 @@ from .shards import (
     settings_slots,
 )
 from .start import StartConfig
-from .stragglers import Stragglers
+from .stragglers import SYNC_FIELDS, Stragglers
 
 log = logging.getLogger("ftmesh.training")
 
@@ -376,6 +376,7 @@ class StepMachine:
         vec = np.concatenate(
             [
                 sync_vector(rank, view.size, self.committed, nbytes, digest),
+                self.stragglers.sync_slots(view.node_ids),
                 settings_slots(self.settings, rank, view.size),
             ]
         )
@@ -861,6 +862,8 @@ class StepMachine:
         assert own is not None
         cut = len(vec) - SETTINGS_SLOTS * view.size
         theirs = read_settings(vec[cut:], view.size)
+        carried = vec[cut - SYNC_FIELDS * view.size : cut]  # the stragglers' claims
+        cut -= SYNC_FIELDS * view.size
         if not own_slots_intact(vec[:cut], own[:cut], rank, view.size) or (
             theirs[rank] != self.settings
         ):
@@ -912,16 +915,20 @@ class StepMachine:
         # Every member of the view ran this sync: all start its steps from equal shares
         # (the speeds of the steps before may differ between them, and joiners have none).
         self._weights = {}
-        now = yield from self._settle_on(now, view)
+        now = yield from self._settle_on(now, view, carried)
         return now, None
 
     def _settle_on(
-        self, now: float, view: RingView
+        self, now: float, view: RingView, carried: np.ndarray | None = None
     ) -> Generator[Action, tuple[float, Outcome], float]:
-        """Every member of ``view`` holds our state: steps run on it without a sync (and
-        everyone computes again: ``ftmesh.training.stragglers``)."""
+        """Every member of ``view`` holds our state: steps run on it without a sync. Who
+        sits out the compute set comes from the sync's ``carried`` claims, or, after a
+        planned departure (no sync), stays as it was (``ftmesh.training.stragglers``)."""
         self.synced_epoch = view.epoch
-        self.stragglers.reset()
+        if carried is None:
+            self.stragglers.keep_only(view.node_ids)
+        else:
+            self.stragglers.adopt(carried, view.node_ids)
         self.last_view = view.node_ids
         world = len(self.compute_set(view))
         if self.world != world:

@@ -25,10 +25,15 @@ its measured speed. (Its first measurement back replaces its smoothed speed of t
 computing.
 
 Every member computes the same decisions because every input is agreed: the speeds of the
-reduced header and the committed step count. A view change (a sync, a departure) starts from
-a clean slate: everyone computes (the members of the new view may not have seen the same
-steps); the split tag of the next step catches members that disagree anyway (the round is a
-desync, retried from a sync). FTLib calls this setting ``straggler-detection``.
+reduced header and the committed step count. A view change keeps who sits out: after a
+planned departure the members that stay saw the same steps and keep everything (the
+leavers' entries dropped); a sync (a join, a lost member, a false suspicion) carries each
+member's exclusions, failed trials and last speeds in the sync vector (:meth:`sync_slots`,
+``SYNC_FIELDS`` slots per member of the new view, reduced with max like the rest of it), and
+every member adopts the same reduced claims (:meth:`adopt`): a straggler still sits out and
+is retried when it would have been, and a joiner learns it. Streaks and trials in progress
+start again. The split tag of every step catches members that disagree anyway (the round is
+a desync, retried from a sync). FTLib calls this setting ``straggler-detection``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .protocol import filled_speeds, proportional_weights, split_share
+import numpy as np
+
+from .protocol import FRESH, filled_speeds, proportional_weights, split_share
 
 log = logging.getLogger("ftmesh.training")
 
@@ -46,6 +53,10 @@ PROBE = "probe"
 CONFIRM = "confirm"
 MAX_BACKOFF_DOUBLINGS = 3
 """A member whose trials keep failing sits out at most ``2**3 = 8`` times ``readmit``."""
+SYNC_FIELDS = 3
+"""Sync vector slots per member of the view: the committed step count when it sat out,
+its failed trials in a row, its last agreed speed (in milli-samples/s); ``FRESH`` when not
+known. Every member writes its claims about every member: max() gives each the latest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +111,52 @@ class Stragglers:
         self._streak.clear()
         self._trial.clear()
         self._failed.clear()
+
+    def keep_only(self, node_ids: Sequence[str]) -> None:
+        """A planned departure: forget the members that left (the others saw the same steps
+        and keep everything else)."""
+        for d in (self.known, self.out, self._streak, self._trial, self._failed):
+            for m in [m for m in d if m not in node_ids]:
+                del d[m]
+
+    def sync_slots(self, node_ids: Sequence[str]) -> np.ndarray:
+        """Our claims about the members ``node_ids`` of a new view, for the sync vector (see
+        ``SYNC_FIELDS``; a joiner, which knows nothing, writes ``FRESH`` everywhere)."""
+        size = len(node_ids)
+        v = np.full(SYNC_FIELDS * size, FRESH, dtype=np.int64)
+        for j, n in enumerate(node_ids):
+            if n in self.out:
+                v[j] = self.out[n]
+            if n in self._failed:
+                v[size + j] = self._failed[n]
+            if n in self.known:
+                v[2 * size + j] = round(self.known[n] * 1000)
+        return v
+
+    def adopt(self, reduced: np.ndarray, node_ids: Sequence[str]) -> None:
+        """A sync on the view ``node_ids``: start from the reduced claims of its members
+        (:meth:`sync_slots`), the same on every member. What we know of stragglers outside
+        the view stays (a slow member suspected for a while is still one when it is back:
+        we claim it in the next sync)."""
+        away = [m for m in (*self.out, *self._failed) if m not in node_ids]
+        kept_out = {m: self.out[m] for m in away if m in self.out}
+        kept_failed = {m: self._failed[m] for m in away if m in self._failed}
+        kept_known = {m: self.known[m] for m in away if m in self.known}
+        self.reset()
+        self.out.update(kept_out)
+        self._failed.update(kept_failed)
+        self.known.update(kept_known)
+        size = len(node_ids)
+        for j, n in enumerate(node_ids):
+            since, failed, speed = (int(reduced[k * size + j]) for k in range(SYNC_FIELDS))
+            if since >= 0:
+                self.out[n] = since
+            if failed > 0:
+                self._failed[n] = failed
+            if speed > 0:
+                self.known[n] = speed / 1000
+        if self.out:
+            log.info("members sitting out the compute set, carried by the sync: %s", self.out)
 
     def step_time(self, batch: int, speeds: Sequence[float], proportional: bool) -> float:
         """Predicted compute time of a step of ``batch`` samples among members of these
