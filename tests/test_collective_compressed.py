@@ -268,3 +268,26 @@ async def test_a_round_aborted_by_a_loss_keeps_residuals_and_the_retry_succeeds(
         assert all(not isinstance(r, Exception) for r in res), res
         assert len({xs[i].tobytes() for i in survivors}) == 1
         assert np.abs(xs[0] - want).max() <= 3 * 1.05 / 127
+
+
+async def test_a_view_too_big_for_compression_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """From 14 members on, the one-shot ring moves more bytes than an uncompressed one: the
+    allreduce still works, and each member says so once (not a silent slowdown)."""
+    assert comp_mod.wire_ratio(4, 256) > 2.6 and comp_mod.wire_ratio(13, 256) > 1
+    assert comp_mod.wire_ratio(14, 256) < 1
+    n = 14
+    async with ring_of(n) as (dps, view):
+        for _ in range(2):
+            arrs = [np.full(300, float(i), np.float32) for i in range(n)]
+            with caplog.at_level("WARNING", logger="ftmesh.collective.dataplane"):
+                res = await on_all(
+                    dps, lambda i, dp, a=arrs: dp.allreduce(view, a[i], "sum", "int8")
+                )
+            assert all(not isinstance(r, Exception) for r in res), res
+            assert len({_digest(a) for a in arrs}) == 1
+            assert np.abs(arrs[0] - sum(range(n))).max() < 1
+    warned = [r for r in caplog.records if "turn compression off" in r.getMessage()]
+    assert len(warned) == n, [r.getMessage() for r in warned]  # once per member, not per call
+    assert "view of 14 members moves 1.02x the bytes" in warned[0].getMessage()

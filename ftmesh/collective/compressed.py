@@ -29,8 +29,9 @@ the input plus the residual, which is then zero.
 Cost and choice: each link carries ``N(N-1)/2`` encoded shards (``(N-1)/2`` encoded buffers)
 in the reduce-scatter plus ``(N-1)/N`` of the encoded buffer in the allgather, against
 ``2(N-1)/N`` float32 buffers for the plain ring: ``16/(N+2)`` times less (about 4x at N=2,
-2.7x at N=4, 1.6x at N=8, break-even near N=14; the scales cost 1.6 % at the default block
-size). Direct connections from every
+2.7x at N=4, 1.6x at N=8, break-even near N=14, where every member logs a warning once
+per view size (``wire_ratio``; the allreduce still runs); the scales cost 1.6 % at the
+default block size). Direct connections from every
 member to every owner would move ``(N-1)/N`` encoded buffers per member in the reduce-scatter
 (4x at any N) but need N-1 connections per member, which the transport does not have yet; see
 ``docs/DESIGN-NOTES.md``. Shards travel in pieces (``PIECE_ELEMS`` values, whole blocks, one
@@ -75,6 +76,14 @@ PIECE_ELEMS = 1 << 18
 this many values, one frame each, so a member encodes, forwards, sums and decodes piece by
 piece while the rest is on the wire (262,144 values = 266 KB encoded at block size 256).
 Part of the protocol: members compare it in the collective's header."""
+
+
+def wire_ratio(members: int, block_size: int) -> float:
+    """Bytes a link carries in a plain float32 ring allreduce over those of this one (each
+    link: ``2(N-1)/N`` float32 buffers against ``(N-1)/N (N/2+1)`` encoded ones): about
+    ``16/(N+2)``, below 1 from N = 14 on, where compressing moves *more* bytes."""
+    per_elem = 1 + 4 / block_size  # int8 + its share of a float32 scale
+    return 16 / (per_elem * (members + 2))
 
 
 def shard_bounds(n: int, members: int, block_size: int) -> list[int]:

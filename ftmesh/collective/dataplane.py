@@ -69,6 +69,7 @@ class DataPlane:
         self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._opening: dict[str, set[trio.CancelScope]] = {}
         self._recorder = CollectiveRecorder()
+        self._warned_sizes: set[int] = set()  # views too big for the compressed allreduce
 
     def statistics(self) -> CollectiveStatistics:
         """Completed collectives (seconds, bytes) per ``(op, backend)`` and aborts per kind;
@@ -241,6 +242,16 @@ class DataPlane:
 
     def _plan_compressed(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
         rank = view.rank_of(self.node_id)
+        ratio = compressed.wire_ratio(view.size, comp.codec.block_size)
+        if ratio < 1 and view.size not in self._warned_sizes:
+            self._warned_sizes.add(view.size)
+            log.warning(
+                "int8 compression on a view of %d members moves %.2fx the bytes of an "
+                "uncompressed allreduce (its ring carries every encoded shard hop by hop, "
+                "which pays off below 14 members): turn compression off for a mesh this big",
+                view.size,
+                1 / ratio,
+            )
         sched, bufs, done = compressed.prepare(comp, st, op, view.size, rank)
 
         def finish() -> T:
