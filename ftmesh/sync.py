@@ -80,6 +80,7 @@ class SyncMesh:
         self._thread: threading.Thread | None = None
         self._jobs = JobThread("ftmesh-collectives")
         self._leave_flag = False
+        self._waking_progress = False  # a wake-up of the progress publisher is on its way
         self._leave_event = threading.Event()  # set from the trio thread (signal safety)
         self._restore_signals: Callable[[], None] | None = None
 
@@ -235,10 +236,16 @@ class SyncMesh:
         are the wake-ups of that thread (:meth:`Mesh.keep_progress`)."""
         mesh = self.mesh
         assert self._token is not None  # (set with _mesh)
-        if not mesh.keep_progress(progress):
+        if not mesh.keep_progress(progress) or self._waking_progress:
             return
+        self._waking_progress = True
+
+        def wake() -> None:  # (the mesh's thread)
+            mesh.wake_progress()
+            self._waking_progress = False
+
         try:
-            self._token.run_sync_soon(mesh.wake_progress)
+            self._token.run_sync_soon(wake)
         except trio.RunFinishedError:
             closed = self._closed()
             raise closed from closed.__cause__

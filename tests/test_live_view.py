@@ -64,6 +64,7 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
         for step in range(2, 51):  # a burst within the interval: only the last one counts
             a.report_progress(Progress(step, 0.01, 4, 400.0, 2))
             time.sleep(0.001)
+        burst_s = time.monotonic() - t_first
         if time.monotonic() - t_first < interval / 2:
             time.sleep(0.05)
             assert _published(a).startswith("1|"), "published again within the interval"
@@ -74,7 +75,8 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
         )
         time.sleep(interval * 1.2)
         assert a.mesh.progress_published == 2, a.mesh.progress_published
-        assert 1 <= len(wakes) <= 3, f"{len(wakes)} wake-ups of the mesh thread for 49 reports"
+        most = 1 if burst_s < interval else 2  # (one more if the burst outlasted the interval)
+        assert 1 <= len(wakes) <= most, f"{len(wakes)} wake-ups of the mesh thread, 49 reports"
         # b learns it through gossip, validated like every other key.
         b.report_progress(Progress(7, 0.02, 4, 200.0, 2, "tcp", "peer lost 3f2a"))
 
