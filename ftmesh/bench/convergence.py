@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = __doc__.split("\n")[0]
     ap = argparse.ArgumentParser(prog="ftmesh bench convergence", description=doc)
     ap.add_argument("--procs", type=int, default=4, help="lab hosts, one worker each")
-    ap.add_argument("--link-rate", default="20mbit", help="tc rate of every link")
+    ap.add_argument("--link-rate", default="20mbit", help="tc rate of every link (none: unlimited)")
     ap.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=5, help="steps between accuracy checks")
