@@ -228,14 +228,19 @@ def test_a_straggler_away_for_a_view_is_still_out_when_it_is_back() -> None:
         assert _observe(s, range(2), {"a": FAST, "b": 50.0, "c": FAST}) == ["b", ""]
     without = ("a", "c")
     for s in (a, c):
-        s.adopt(_claims(a, c, view=without), without)
+        s.adopt(_claims(a, c, view=without), without, 2)
     assert a.out == {"b": 1}  # (not in the view: no decision on it, only a memory)
     full = ("a", "b", "c", "d")
     fresh = [Stragglers(_rule(steps=1, readmit=5), False, SHARE_FLOOR) for _ in "bd"]
     claims = _claims(a, c, *fresh, view=full)
     for s in (a, c, *fresh):
-        s.adopt(claims, full)
+        s.adopt(claims, full, 3)
         assert s.out == {"b": 1} and s.known["b"] == pytest.approx(50.0)
+    # A claim from the future (a buggy member) keeps nobody out longer than one time out.
+    claims[1] = 1 << 60
+    claims[4 + 1] = 1 << 60  # failed trials
+    a.adopt(claims, full, 3)
+    assert a.out == {"b": 3} and a.sits_out("b") == 5 << 3
 
 
 def test_a_planned_departure_keeps_a_straggler_out() -> None:

@@ -928,7 +928,7 @@ class StepMachine:
         if carried is None:
             self.stragglers.keep_only(view.node_ids)
         else:
-            self.stragglers.adopt(carried, view.node_ids)
+            self.stragglers.adopt(carried, view.node_ids, self.committed)
         self.last_view = view.node_ids
         world = len(self.compute_set(view))
         if self.world != world:

@@ -133,11 +133,13 @@ class Stragglers:
                 v[2 * size + j] = round(self.known[n] * 1000)
         return v
 
-    def adopt(self, reduced: np.ndarray, node_ids: Sequence[str]) -> None:
-        """A sync on the view ``node_ids``: start from the reduced claims of its members
-        (:meth:`sync_slots`), the same on every member. What we know of stragglers outside
-        the view stays (a slow member suspected for a while is still one when it is back:
-        we claim it in the next sync)."""
+    def adopt(self, reduced: np.ndarray, node_ids: Sequence[str], committed: int) -> None:
+        """A sync to step ``committed`` on the view ``node_ids``: start from the reduced
+        claims of its members (:meth:`sync_slots`), the same on every member; a claim from
+        the future (a step not yet committed) counts as now, so no claim keeps a member out
+        for longer than one time out. What we know of stragglers outside the view stays (a
+        slow member suspected for a while is still one when it is back: we claim it in the
+        next sync)."""
         away = [m for m in (*self.out, *self._failed) if m not in node_ids]
         kept_out = {m: self.out[m] for m in away if m in self.out}
         kept_failed = {m: self._failed[m] for m in away if m in self._failed}
@@ -150,9 +152,9 @@ class Stragglers:
         for j, n in enumerate(node_ids):
             since, failed, speed = (int(reduced[k * size + j]) for k in range(SYNC_FIELDS))
             if since >= 0:
-                self.out[n] = since
+                self.out[n] = min(since, max(committed, 0))
             if failed > 0:
-                self._failed[n] = failed
+                self._failed[n] = min(failed, MAX_BACKOFF_DOUBLINGS)
             if speed > 0:
                 self.known[n] = speed / 1000
         if self.out:
