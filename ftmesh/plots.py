@@ -17,6 +17,8 @@ directory there and writable; otherwise a one-line :class:`ConfigError`.
   survivor saw it (*detection*: its collective failed, or its view dropped the victim) and to
   the first step committed without the victim (*resume*), per fault kind (kill -9, SIGTERM,
   SIGSTOP) and for torchrun's restart (resume only) (:func:`recovery_series`).
+* ``ftmesh bench stragglers``: per policy, the slow member's share of each step and each
+  step's time, from the first run of each (:func:`stragglers_series`).
 * ``ftmesh lab chaos``: a timeline (:func:`chaos_series`): the faults as spans in one lane per
   kind (then, lighter, the time until one view again and, hatched, until a training
   workload trained again), the committed step of every host and
@@ -223,6 +225,59 @@ def plot_recovery(result: Mapping[str, Any], path: str | Path) -> Series:
     ax.grid(True, alpha=0.3, which="both")
     ax.xaxis.get_major_locator().set_params(integer=True)
     _save(fig, plt, path, {"recovery": series})
+    return series
+
+
+# -- ftmesh bench stragglers ---------------------------------------------------------------
+STRAGGLER_POLICIES = ("equal", "proportional", "evicted", "default")
+
+
+def stragglers_series(result: Mapping[str, Any]) -> Series:
+    """``ftmesh bench stragglers --json`` -> per policy (its first run), ``"<policy> share"``:
+    (step, the slow member's share; 0 while it sits out) and ``"<policy> ms"``: (step, ms
+    from the step before to it)."""
+    out: Series = {}
+    for policy in STRAGGLER_POLICIES:
+        runs = (result.get(policy) or {}).get("runs") or []
+        if not runs:
+            continue
+        run = runs[0]
+        shares = run.get("slow_shares") or []
+        out[f"{policy} share"] = [(float(k + 1), float(v)) for k, v in enumerate(shares) if v >= 0]
+        step_ms = run.get("step_ms") or []
+        out[f"{policy} ms"] = [(float(k + 2), float(v)) for k, v in enumerate(step_ms)]
+    return out
+
+
+def plot_stragglers(result: Mapping[str, Any], path: str | Path) -> Series:
+    """The slow member's share (top) and the step time (bottom, log) per policy and step;
+    returns the series drawn."""
+    series = stragglers_series(result)
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for i, policy in enumerate(STRAGGLER_POLICIES):
+        for ax, what in ((top, "share"), (bottom, "ms")):
+            pts = series.get(f"{policy} {what}")
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i}", label=policy)
+    warmup = result.get("warmup")
+    for ax in (top, bottom):
+        if warmup:
+            ax.axvline(float(warmup), color="grey", alpha=0.4, linestyle=":")
+        ax.grid(True, alpha=0.3)
+    top.set_ylabel("slow member's share")
+    factor = result.get("slow_factor")
+    slow = f"1/{factor:g}" if isinstance(factor, int | float) else "?"
+    top.set_title(
+        f"stragglers: one of {result.get('procs', '?')} members at {slow} speed, "
+        f"global batch {result.get('global_batch', '?')}"
+    )
+    if series:
+        top.legend(fontsize="small")
+        bottom.set_yscale("log")
+    bottom.set_ylabel("ms per step")
+    bottom.set_xlabel("committed step (dotted: end of warm-up)")
+    _save(fig, plt, path, {"stragglers": series})
     return series
 
 

@@ -30,8 +30,10 @@ from ftmesh.plots import (
     plot_allreduce,
     plot_chaos,
     plot_recovery,
+    plot_stragglers,
     read_plot_series,
     recovery_series,
+    stragglers_series,
 )
 
 
@@ -111,6 +113,30 @@ def test_recovery_series_and_png(tmp_path: Path) -> None:
 
 
 # -- chaos ------------------------------------------------------------------------------------
+
+
+def test_stragglers_series_and_png(tmp_path: Path) -> None:
+    """The first run of each policy: the slow member's share per step (a step it did not
+    report, -1, is left out) and the time of each step after the first."""
+    run = {"slow_shares": [16, 16, 0, -1, 0], "step_ms": [10.0, 40.0, 9.0, 8.5]}
+    result: dict[str, Any] = {
+        "procs": 4, "slow_factor": 4.0, "global_batch": 64, "warmup": 2,
+        "equal": {"runs": [run, {"slow_shares": [1], "step_ms": []}]},
+        "default": {"runs": [run]},
+        "proportional": {"runs": []},
+    }  # fmt: skip
+    series = stragglers_series(result)
+    share = [(1.0, 16.0), (2.0, 16.0), (3.0, 0.0), (5.0, 0.0)]
+    ms = [(2.0, 10.0), (3.0, 40.0), (4.0, 9.0), (5.0, 8.5)]
+    assert series == {
+        "equal share": share, "equal ms": ms, "default share": share, "default ms": ms,
+    }  # fmt: skip
+    png = tmp_path / "stragglers.png"
+    assert plot_stragglers(result, png) == series
+    assert read_plot_series(png) == {"stragglers": _lists(series)}
+    assert plot_stragglers({}, tmp_path / "empty.png") == {}
+
+
 def _node(node_id: str, records: list[tuple[float, dict[str, Any]]]) -> NodeProcess:
     """A member process as the runner holds it after the run: its id and records."""
     node = NodeProcess.__new__(NodeProcess)

@@ -44,7 +44,8 @@ The policies run one after the other, so load from other work on the host still 
 repeat, and reports medians (each run under ``runs``, each repeat's ratios under
 ``repeat_ratios``); the JSON carries the load average before and after. A worker that
 dies, or a run past ``--timeout``, ends the bench with a one-line error and exit status 1,
-every process killed.
+every process killed. ``--plot FILE.png`` also draws, per policy, the slow member's share of
+each step and each step's time (``ftmesh.plots.plot_stragglers``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import FtmeshError
+from ..plots import plot_path_error, plot_stragglers
 
 POLICIES = ("equal", "proportional", "evicted", "default")
 DATASET_STEPS = 64
@@ -339,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument(
+        "--plot", metavar="FILE.png", help="also draw each policy's slow share and step time"
+    )
     args = ap.parse_args(argv)
+    if problem := plot_path_error(args.plot):  # before a run that takes minutes
+        ap.error(problem)
     if args.procs < 2:
         ap.error("--procs must be >= 2 (one slow member and at least one other)")
     if not args.slow_factor >= 1:
@@ -358,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ftmesh bench stragglers: error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result) if args.json else format_table(result))
+    if args.plot:
+        plot_stragglers(result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
