@@ -124,6 +124,44 @@ def test_a_member_that_keeps_freezing_steps_out_and_comes_back() -> None:
     assert m.statistics().failslow_pauses_total == 1  # (ftmesh_train_failslow_pauses_total)
 
 
+def _pause_and_return(m, view, now: float) -> float:  # type: ignore[no-untyped-def]
+    """Drive ``m`` (about to step out) through its pause and back to a Compute on ``view``;
+    the seconds it stayed out."""
+    a = m.begin(now)
+    assert a == SetRole("spare")
+    slept = 0.0
+    while not isinstance(a, Compute):
+        if isinstance(a, Sleep):
+            slept += a.seconds
+            now += a.seconds
+        if isinstance(a, Sync):
+            a = m.feed(now, _synced(m, a.view))
+        elif isinstance(a, WaitView | ReadView | WaitViewChange):
+            a = m.feed(now, ViewSeen(view))
+        else:
+            a = m.feed(now, Done())
+    out = m.feed(now, Computed(4, 0.0, (), (), 0.0))  # (that step, without a freeze)
+    while isinstance(out, Advertise):
+        out = m.feed(now, Done())
+    assert isinstance(out, Finished), out
+    return slept
+
+
+def test_a_member_fail_slow_again_soon_after_it_came_back_stays_out_longer() -> None:
+    m = _machine("b", failslow_freezes=2, straggler_steps=4, failslow_pause=3.0, readmit_steps=6)
+    view = _view("a", "b", "c")
+    pauses = []
+    for clean in (0, 0, 0, 0, 6, 0):  # clean steps after coming back, before two freezes
+        for _ in range(clean):
+            _commit(m, view, 0.0)
+        _commit(m, view, 0.4)
+        _commit(m, view, 0.4)
+        pauses.append(_pause_and_return(m, view, 100.0 * len(pauses)))
+    # soon again: 2x, 4x, 8x, and no more; after readmit_steps clean steps back to 1x
+    assert pauses == [3.0, 6.0, 12.0, 24.0, 3.0, 6.0], pauses
+    assert m.statistics().failslow_pauses_total == 6
+
+
 def test_off_or_alone_never_steps_out() -> None:
     off = _machine("b", failslow_freezes=0)
     alone = _machine("b", failslow_freezes=1)

@@ -116,7 +116,8 @@ class TrainerConfig:
     failslow_pause: float = 30.0
     """Seconds a fail-slow member stays out of the ring before it joins again (as a member
     that only joins a running mesh: it stops with ``TrainingFinishedError`` if the others
-    finished meanwhile)."""
+    finished meanwhile). Fail-slow again within ``readmit_steps`` steps of its return, it
+    stays out twice as long each time (at most 8x)."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):

@@ -139,7 +139,7 @@ from .shards import (
     settings_slots,
 )
 from .start import StartConfig
-from .stragglers import SYNC_FIELDS, Stragglers
+from .stragglers import MAX_BACKOFF_DOUBLINGS, SYNC_FIELDS, Stragglers
 
 log = logging.getLogger("ftmesh.training")
 
@@ -286,9 +286,13 @@ class StepMachine:
         """Whether we froze in each of the last committed steps (``ftmesh.freezes``)."""
         self._sit_out = False
         """Fail-slow: step out of the ring before the next attempt (:meth:`_pause`)."""
+        self._pause_doublings = 0
+        """Fail-slow pauses that came soon after the one before (each doubles the next)."""
+        self._back_since: int | None = None
+        """Committed steps when we first committed again after a fail-slow pause."""
         self.stragglers = Stragglers(config.straggler_rule, config.shares == "speed", SHARE_FLOOR)
-        """Who sits out the compute set (``ftmesh.training.stragglers``; reset on every new
-        view)."""
+        """Who sits out the compute set (``ftmesh.training.stragglers``; carried across
+        views)."""
         self._own_sync: np.ndarray | None = None
         self._run: _Run | None = None
         self._pending: Action | None = None
@@ -943,8 +947,16 @@ class StepMachine:
         """After committing a step in which we stood still ``frozen`` seconds: enough freezes
         in the last ``straggler_steps`` make us sit out the next steps (:meth:`_pause`)."""
         cfg = self.config
+        if self._back_since is None and self._stats.failslow_pauses:
+            self._back_since = self.committed  # our first step back after a pause
         self._froze.append(frozen > 0)
         if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 1:
+            # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
+            soon = self._back_since is not None and (
+                self.committed - self._back_since < cfg.readmit_steps
+            )
+            doublings = min(self._pause_doublings + 1, MAX_BACKOFF_DOUBLINGS) if soon else 0
+            self._pause_doublings = doublings
             log.warning(
                 "this member froze (stood still for more than %.1fs) in %d of its last %d "
                 "steps: it is fail-slow and steps out of the ring for %.0fs (every freeze "
@@ -952,21 +964,28 @@ class StepMachine:
                 cfg.failslow_freeze,
                 sum(self._froze),
                 len(self._froze),
-                cfg.failslow_pause,
+                self._pause_seconds(),
             )
             self._froze.clear()
             self._sit_out = True
 
+    def _pause_seconds(self) -> float:
+        """This fail-slow pause: ``failslow_pause``, doubled for each pause in a row that
+        came within ``readmit_steps`` of the member's return (``MAX_BACKOFF_DOUBLINGS``)."""
+        return self.config.failslow_pause * (1 << self._pause_doublings)
+
     def _pause(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
         """Out of the ring (role ``spare``: the others' next view is without us, and they do
-        not wait for us in their quorum) for ``failslow_pause``; then the attempt joins again
-        like a member that was away, and syncs."""
+        not wait for us in their quorum) for ``failslow_pause`` (doubled when it comes soon
+        after the last one: :meth:`_pause_seconds`); then the attempt joins again like a
+        member that was away, and syncs."""
         self._sit_out = False
         self._stats.failslow_pauses += 1
+        self._back_since = None
         yield SetRole("spare")
         self.in_ring = False
         self.synced_epoch = ""
-        end = now + self.config.failslow_pause
+        end = now + self._pause_seconds()
         while now < end:
             if self.leave_requested:
                 self._depart()
