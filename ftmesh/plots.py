@@ -229,7 +229,10 @@ def plot_recovery(result: Mapping[str, Any], path: str | Path) -> Series:
 
 
 # -- ftmesh bench stragglers ---------------------------------------------------------------
-STRAGGLER_POLICIES = ("equal", "proportional", "evicted", "default")
+def _straggler_policies(result: Mapping[str, Any]) -> list[str]:
+    """The policies of a ``ftmesh bench stragglers`` result, in the order they ran: the
+    entries with runs."""
+    return [k for k, v in result.items() if isinstance(v, Mapping) and v.get("runs")]
 
 
 def stragglers_series(result: Mapping[str, Any]) -> Series:
@@ -237,10 +240,8 @@ def stragglers_series(result: Mapping[str, Any]) -> Series:
     (step, the slow member's share; 0 while it sits out) and ``"<policy> ms"``: (step, ms
     from the step before to it)."""
     out: Series = {}
-    for policy in STRAGGLER_POLICIES:
-        runs = (result.get(policy) or {}).get("runs") or []
-        if not runs:
-            continue
+    for policy in _straggler_policies(result):
+        runs = result[policy]["runs"]
         run = runs[0]
         shares = run.get("slow_shares") or []
         out[f"{policy} share"] = [(float(k + 1), float(v)) for k, v in enumerate(shares) if v >= 0]
@@ -255,7 +256,7 @@ def plot_stragglers(result: Mapping[str, Any], path: str | Path) -> Series:
     series = stragglers_series(result)
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for i, policy in enumerate(STRAGGLER_POLICIES):
+    for i, policy in enumerate(_straggler_policies(result)):
         for ax, what in ((top, "share"), (bottom, "ms")):
             pts = series.get(f"{policy} {what}")
             if pts:

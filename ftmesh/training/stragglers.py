@@ -140,14 +140,12 @@ class Stragglers:
         for longer than one time out. What we know of stragglers outside the view stays (a
         slow member suspected for a while is still one when it is back: we claim it in the
         next sync)."""
-        away = [m for m in (*self.out, *self._failed) if m not in node_ids]
-        kept_out = {m: self.out[m] for m in away if m in self.out}
-        kept_failed = {m: self._failed[m] for m in away if m in self._failed}
-        kept_known = {m: self.known[m] for m in away if m in self.known}
-        self.reset()
-        self.out.update(kept_out)
-        self._failed.update(kept_failed)
-        self.known.update(kept_known)
+        away = {m for m in (*self.out, *self._failed) if m not in node_ids}
+        self._streak.clear()
+        self._trial.clear()
+        for d in (self.out, self._failed, self.known):
+            for m in [m for m in d if m not in away]:
+                del d[m]
         size = len(node_ids)
         for j, n in enumerate(node_ids):
             since, failed, speed = (int(reduced[k * size + j]) for k in range(SYNC_FIELDS))
