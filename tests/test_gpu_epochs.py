@@ -270,10 +270,12 @@ def test_tcp_lifecycle_id_exchange_results_suspicion_and_view_change() -> None:
         futs = [stuck.submit(mgrs[i].allreduce, view, np.ones(10, np.float32)) for i in (0, 1)]
         for i in (0, 1):
             mgrs[i].peer_suspected(dps[2].node_id, "membership: m2 is suspect")
-        for fut in futs:
+        for i, fut in enumerate(futs):
             with pytest.raises(GpuPeerLostError) as info:
                 fut.result(timeout=20)  # io_timeout is 60 s: the abort ended it
-            assert info.value.peer == dps[2].node_id
+            # m0 was told first. m1 raises its own suspicion or m0's abort, whichever came
+            # first: an abort from another member names nobody (as NCCL's ncclRemoteError).
+            assert info.value.peer in ((dps[2].node_id,) if i == 0 else (dps[2].node_id, ""))
         stuck.shutdown()
 
         # the survivors move to the view without m2: old communicator aborted first

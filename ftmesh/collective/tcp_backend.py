@@ -59,6 +59,9 @@ class TcpCommunicator:
         self._view = view
         self._abort = abort
         self._aborted = False
+        self._lock = threading.Lock()
+        """Makes ``start`` and ``abort`` atomic: a collective started after an abort (the
+        manager aborted between choosing the epoch and starting) would run on unseen."""
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.uid = uid
@@ -95,11 +98,14 @@ class TcpCommunicator:
 
     def start(self, op: CollectiveOp) -> None:
         ring, view = self._ring, self._view
-        if op.kind is Kind.ALLREDUCE:
-            self._spawn(lambda: ring.allreduce(view, op.buffer, op.op))
-        else:
-            root = view.members[op.root].node_id
-            self._spawn(lambda: ring.broadcast(view, op.buffer, root))
+        with self._lock:
+            if self._aborted:  # as NCCL refuses a collective on an aborted communicator
+                raise CommFailure(-2, "communicator aborted")
+            if op.kind is Kind.ALLREDUCE:
+                self._spawn(lambda: ring.allreduce(view, op.buffer, op.op))
+            else:
+                root = view.members[op.root].node_id
+                self._spawn(lambda: ring.broadcast(view, op.buffer, root))
 
     def done(self) -> bool:
         return self._poll()
@@ -107,10 +113,13 @@ class TcpCommunicator:
     def abort(self) -> None:
         """Fail the TCP collective in flight, if any: that aborts the ring's epoch on this
         member (shared with the control channel and staging), so only then."""
-        if not self._aborted:
+        with self._lock:
+            if self._aborted:
+                return
             self._aborted = True
-            if self._thread is not None and self._thread.is_alive():
-                self._abort()
+            running = self._thread is not None and self._thread.is_alive()
+        if running:
+            self._abort()
 
 
 class TcpFactory:
