@@ -27,7 +27,7 @@ from ..compression import as_compression
 from ..errors import LocalUsageError
 from ..security import MeshAuth
 from ..stats import CollectiveStatistics
-from . import compressed, schedule
+from . import compressed, schedule, shared_scale
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline, abort_error
 from .errors import RingPeerLostError
@@ -219,7 +219,7 @@ class DataPlane:
         if comp is not None:
             return self._plan_compressed(view, x, op, st, comp)
         red, scale = self._reducers(op, st.dtype, view.size)
-        sched = self._ring_schedule(view, st, first=0, last=2 * view.size - 3)
+        sched = self._ring_schedule(view, st.flat.size, st.flat.itemsize)
 
         def finish() -> T:
             if view.size == 1 and scale is not None:
@@ -241,6 +241,9 @@ class DataPlane:
         )
 
     def _plan_compressed(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
+        quantized = int(st.flat.size) - comp.exact_tail
+        if shared_scale.use_shared_scale(comp, quantized, view.size):
+            return self._plan_shared_scale(view, x, op, st, comp)
         rank = view.rank_of(self.node_id)
         ratio = compressed.wire_ratio(view.size, comp.codec.block_size)
         if ratio < 1 and view.size not in self._warned_sizes:
@@ -248,7 +251,8 @@ class DataPlane:
             log.warning(
                 "int8 compression on a view of %d members moves %.2fx the bytes of an "
                 "uncompressed allreduce (its ring carries every encoded shard hop by hop, "
-                "which pays off below 14 members): turn compression off for a mesh this big",
+                "which pays off below 14 members): turn compression off for a mesh this big, "
+                "or lower Int8Compression.shared_scale_from",
                 view.size,
                 1 / ratio,
             )
@@ -262,13 +266,39 @@ class DataPlane:
         plan.codec = compressed.codec_header(comp)
         return plan
 
+    def _plan_shared_scale(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
+        """Two rounds (``shared_scale``): the scales (and exact tail), then the integers."""
+        compressed.check_compressible(op, st.dtype)
+        run = shared_scale.SharedScaleRun(comp, st, op, view.size)
+
+        def ring_plan(wire: Any, phase: str, red: Any, finish: Callable[[], Any]) -> Plan[Any]:
+            sched = self._ring_schedule(view, wire.size, wire.itemsize)
+            plan = Plan(
+                view, "allreduce", op, st.dtype, st.shape, None, sched,
+                Buffers(wire, wire, red), finish,
+            )  # fmt: skip
+            plan.codec = shared_scale.codec_header(comp, view.size, phase)
+            return plan
+
+        def finish() -> T:
+            run.finish()
+            return x
+
+        def integers() -> Plan[T]:
+            run.quantize()
+            return ring_plan(run.ints, "ints", reducer("sum", run.lane.name), finish)
+
+        scales = ring_plan(run.scales_wire, "scales", run.reduce_scales, lambda: None)
+        scales.then = integers
+        return scales
+
     def plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:
         st = stage(x, writable=False)
         red, scale = self._reducers(op, st.dtype, view.size)
         bounds = schedule.segment_bounds(st.flat.size, view.size)
         rank = view.rank_of(self.node_id)
         acc = np.empty_like(st.flat) if view.size > 1 else st.flat.copy()
-        sched = self._ring_schedule(view, st, first=0, last=view.size - 2)
+        sched = self._ring_schedule(view, st.flat.size, st.flat.itemsize, last=view.size - 2)
 
         def finish() -> T:
             if view.size == 1 and scale is not None:
@@ -372,13 +402,17 @@ class DataPlane:
             raise LocalUsageError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
         return reducer(op, dtype), (scaler(dtype, size) if op == "avg" else None)
 
-    def _ring_schedule(self, view: RingView, st: Staged, *, first: int, last: int) -> Any:
+    def _ring_schedule(
+        self, view: RingView, n: int, itemsize: int, *, first: int = 0, last: int | None = None
+    ) -> Any:
+        """The ring schedule of ``n`` elements (steps ``first..last``; by default the whole
+        allreduce: reduce-scatter and allgather)."""
         return schedule.ring(
-            schedule.segment_bounds(st.flat.size, view.size),
+            schedule.segment_bounds(n, view.size),
             view.rank_of(self.node_id),
             first_step=first,
-            last_step=last,
-            itemsize=st.flat.itemsize,
+            last_step=2 * view.size - 3 if last is None else last,
+            itemsize=itemsize,
             chunk_bytes=self.config.chunk_bytes,
         )
 
@@ -410,7 +444,7 @@ class DataPlane:
             ring = await self._open_ring(plan.view)
             if plan.view.size > 1:
                 try:
-                    await trio.to_thread.run_sync(
+                    plan = await trio.to_thread.run_sync(
                         self._run_pipeline, ring, plan, abandon_on_cancel=True
                     )
                 except trio.Cancelled:
@@ -421,6 +455,7 @@ class DataPlane:
                     raise
             else:
                 await trio.lowlevel.checkpoint()
+                plan = _last_round(plan)
         return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
 
     def run_plan_blocking(self, ring: Ring, plan: Plan[T]) -> CollectiveResult[T]:
@@ -428,8 +463,7 @@ class DataPlane:
         thread: no thread hand-off at all. Collectives from several threads take turns (one
         drives the sockets at a time) but their order is the callers' business."""
         with self._recorder.timed(plan.kind, "tcp", plan.nbytes):
-            if plan.view.size > 1:
-                self._run_pipeline(ring, plan)
+            plan = self._run_pipeline(ring, plan) if plan.view.size > 1 else _last_round(plan)
             return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
 
     def _pipeline(self, ring: Ring, plan: Plan[Any]) -> Pipeline:
@@ -466,20 +500,27 @@ class DataPlane:
             poll_interval=self.config.poll_interval,
         )
 
-    def _run_pipeline(self, ring: Ring, plan: Plan[Any]) -> None:
+    def _run_pipeline(self, ring: Ring, plan: Plan[T]) -> Plan[T]:
+        """Run ``plan``'s rounds on ``ring``, in one turn of the engine (no other collective
+        between them); returns the last round's plan."""
         with self._engine_lock:
             try:
-                self._check_aborted(ring.view.epoch)
-                pipe = self._pipeline(ring, plan)
-                try:
-                    pipe.run_blocking()
-                except BaseException:
-                    self._observe_failure(ring, pipe.abort)
-                    raise
-                if not ring.worked:
-                    ring.worked = True
-                    peers = (ring.left.node_id, ring.right.node_id)
-                    self._transport.observe(RingWorked(time.monotonic(), peers))
+                for _ in range(MAX_ROUNDS):
+                    self._check_aborted(ring.view.epoch)
+                    pipe = self._pipeline(ring, plan)
+                    try:
+                        pipe.run_blocking()
+                    except BaseException:
+                        self._observe_failure(ring, pipe.abort)
+                        raise
+                    if not ring.worked:
+                        ring.worked = True
+                        peers = (ring.left.node_id, ring.right.node_id)
+                        self._transport.observe(RingWorked(time.monotonic(), peers))
+                    if plan.then is None:
+                        return plan
+                    plan = plan.then()
+                raise AssertionError(f"a collective of more than {MAX_ROUNDS} rounds")
             finally:
                 if ring.broken:
                     self._transport.drop_ring(ring)
@@ -524,6 +565,10 @@ class Plan(Generic[T]):
     """Raises the config's ``io_timeout`` for this collective (never lowers it)."""
     codec: str | None = None
     """The compression the data travels in (``int8/256``), compared with the neighbours'."""
+    then: Callable[[], Plan[T]] | None = None
+    """The collective's next round, if it has two (``shared_scale``): called once this one
+    completed, on the same ring and under the same engine turn; the last round's ``finish``
+    gives the output (earlier rounds' are not called)."""
 
     @property
     def nbytes(self) -> int:
@@ -532,6 +577,19 @@ class Plan(Generic[T]):
             return 0
         itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
         return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+
+
+MAX_ROUNDS = 2
+"""Rounds of one collective (``Plan.then``): the shared-scale allreduce has two."""
+
+
+def _last_round(plan: Plan[T]) -> Plan[T]:
+    """On a view of one member nothing travels: run the rounds' steps in turn."""
+    for _ in range(MAX_ROUNDS):
+        if plan.then is None:
+            return plan
+        plan = plan.then()
+    raise AssertionError(f"a collective of more than {MAX_ROUNDS} rounds")
 
 
 @asynccontextmanager

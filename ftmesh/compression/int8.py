@@ -115,23 +115,52 @@ class Int8Codec:
         m = np.max(np.abs(xb), axis=1)  # a NaN anywhere makes the block's max NaN
         scale = np.divide(m, _Q_MAX, dtype=np.float32)
         scales[...] = scale
-        ok = np.isfinite(scale) & (scale > 0)
-        safe = np.where(ok, scale, np.float32(1.0))[:, None]
-        with np.errstate(invalid="ignore", over="ignore"):
-            t = np.divide(xb, safe, dtype=np.float32)
-            np.rint(t, out=t)
-            np.clip(t, -_Q_MAX, _Q_MAX, out=t)
-        if not ok.all():
-            t[~ok] = 0.0
-        qb[...] = t.astype(np.int8)
-        if rb is not None:
-            # decode(q) = float32(q) * scale, then residual = x - decode(q)
+        _quantize_blocks(xb, scale, _Q_MAX, qb, rb)
+
+    # -- shared scales (``ftmesh.collective.shared_scale``) -----------------------------------
+    def block_maxabs_into(self, x: F32, out: F32) -> None:
+        """``out[b] = max|x|`` over block ``b`` of the flat float32 run ``x`` (NaN if the
+        block holds one): what members max-reduce to agree on shared scales."""
+        for k0, k1, e0, e1, width in self._parts(int(x.size)):
+            np.max(np.abs(x[e0:e1].reshape(k1 - k0, width)), axis=1, out=out[k0:k1])
+
+    @staticmethod
+    def shared_scales(maxabs: F32, levels: int) -> F32:
+        """The scales of blocks whose largest value over all members is ``maxabs``, for
+        integers in ``-levels..levels`` (``float32(maxabs) / levels``, IEEE division)."""
+        return np.divide(maxabs, np.float32(levels), dtype=np.float32)
+
+    def quantize_into(
+        self, x: F32, scales: F32, levels: int, q: npt.NDArray[Any], residual: F32 | None
+    ) -> None:
+        """``q = clip(rint(x / scale), -levels, levels)`` per block with the given ``scales``
+        (0 where a scale is 0 or not finite), into the integer array ``q``; with
+        ``residual``, also ``x - float32(q) * scale`` (0 in non-finite blocks)."""
+        qmax = np.float32(levels)
+        for k0, k1, e0, e1, width in self._parts(int(x.size)):
+            _quantize_blocks(
+                x[e0:e1].reshape(k1 - k0, width),
+                scales[k0:k1],
+                qmax,
+                q[e0:e1].reshape(k1 - k0, width),
+                None if residual is None else residual[e0:e1].reshape(k1 - k0, width),
+            )
+
+    def dequantize_into(self, q: npt.NDArray[Any], scales: F32, out: F32) -> None:
+        """``out = float32(q) * scale`` per block: one float32 multiplication per value."""
+        for k0, k1, e0, e1, width in self._parts(int(out.size)):
+            qb, ob = q[e0:e1].reshape(k1 - k0, width), out[e0:e1].reshape(k1 - k0, width)
             with np.errstate(invalid="ignore", over="ignore"):
-                np.multiply(t, scale[:, None], out=t)
-                np.subtract(xb, t, out=rb)
-            bad = ~np.isfinite(scale)
-            if bad.any():
-                rb[bad] = 0.0
+                np.multiply(qb, scales[k0:k1, None], out=ob, dtype=np.float32)
+
+    def _parts(self, n: int) -> list[tuple[int, int, int, int, int]]:
+        """``(first block, end block, first element, end element, width)`` of the full blocks
+        and of the short last block, if any, of a run of ``n`` values."""
+        b, full = self.block_size, n // self.block_size
+        parts = [(0, full, 0, full * b, b)] if full else []
+        if full * b < n:
+            parts.append((full, full + 1, full * b, n, n - full * b))
+        return parts
 
     def encode(self, x: F32) -> U8:
         """``x`` encoded into a new byte array."""
@@ -173,3 +202,25 @@ class Int8Codec:
     def block_scales(self, buf: U8, n: int) -> F32:
         """The scales of the encoded run of ``n`` values in ``buf`` (a copy)."""
         return buf[: 4 * self.blocks(n)].view("<f4").astype(np.float32)
+
+
+def _quantize_blocks(xb: Any, scale: Any, qmax: np.float32, qb: Any, rb: Any) -> None:
+    """``xb``: (blocks, width) float32, ``scale``: (blocks,); writes the integers ``qb`` and,
+    with ``rb``, the residual ``xb - float32(qb) * scale`` (0 in non-finite blocks)."""
+    ok = np.isfinite(scale) & (scale > 0)
+    safe = np.where(ok, scale, np.float32(1.0))[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = np.divide(xb, safe, dtype=np.float32)
+        np.rint(t, out=t)
+        np.clip(t, -qmax, qmax, out=t)
+    if not ok.all():
+        t[~ok] = 0.0
+    qb[...] = t.astype(qb.dtype)
+    if rb is not None:
+        # decode(q) = float32(q) * scale, then residual = x - decode(q)
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.multiply(t, scale[:, None], out=t)
+            np.subtract(xb, t, out=rb)
+        bad = ~np.isfinite(scale)
+        if bad.any():
+            rb[bad] = 0.0
