@@ -5,8 +5,11 @@ value ``x`` but ``c = x + r``, where ``r`` is what earlier rounds lost to quanti
 keeps ``r' = c - decode(encode(c))`` for the next round. Over T rounds the decoded values add
 up to ``sum(x) + r_0 - r_T``: the accumulated error is one round's residual, whatever T.
 
-A compressed allreduce quantizes twice (``ftmesh.collective.compressed``): a member's share of
-every other member's shard, and, as a shard's owner, the sum of its shard. Both errors go to
+The shared-scale allreduce (``ftmesh.collective.shared_scale``) quantizes once, with scales
+all members agreed on, and adds the integers exactly: its error is the member's own, kept in
+its residual. The one-shot allreduce quantizes twice (``ftmesh.collective.compressed``): a
+member's share of every other member's shard, and, as a shard's owner, the sum of its
+shard. Both errors go to
 the same per-element residual of that member: a worker residual where it sent a shard, an
 owner residual where it reduced one. The next round adds the whole residual to the member's
 contribution, so each error reaches the sum once, through whichever member owns the element

@@ -48,8 +48,9 @@ that is outside the ring, waiting, or whose announcing step failed leaves at onc
 spare computes the leaver's share from the next step; a cold spare takes its slot.
 
 With ``compression="int8"`` the gradient buckets' float32 host buffers travel as blockwise
-int8 with error feedback (``ftmesh.collective.compressed``; one residual per bucket, kept
-across steps); the header slots of the last bucket (counters, leave bits, checks) are its
+int8 with error feedback (``ftmesh.collective.compressed``, and ``shared_scale`` for buckets
+of 2**18 values and more on 3+ members; one residual per bucket, kept across steps); the
+header slots of the last bucket (counters, leave bits, checks) are its
 exact tail (unquantized). Every member must use the same setting: it is compared in the
 sync like ``shard_optimizer`` (``ConfigError`` naming who has which).
 

@@ -79,8 +79,9 @@ class TrainerConfig:
     """Copies of each optimizer shard in sharded mode. Mesh-wide."""
     compression: str | None = None
     """``"int8"``: the gradient buckets travel as blockwise int8 with error feedback (one
-    residual per bucket, kept across steps; ``ftmesh.collective.compressed``); the header
-    slots are sent exact. ``None``: float32. Mesh-wide."""
+    residual per bucket, kept across steps; ``ftmesh.collective.compressed``, or for buckets
+    of 2**18 values and more on 3+ members ``ftmesh.collective.shared_scale``);
+    the header slots are sent exact. ``None``: float32. Mesh-wide."""
     data_seed: int = 0
     """Seed of the data order when the trainer is given a ``DataLoader`` (an
     ``ElasticSampler`` has its own). Mesh-wide."""
