@@ -93,20 +93,12 @@ class Int8Codec:
         nb = self.blocks(n)
         scales = out[: 4 * nb].view("<f4")
         q = out[4 * nb :].view(np.int8)
-        full, b = n // self.block_size, self.block_size
-        if full:
+        for k0, k1, e0, e1, width in self._parts(n):
             self._encode_blocks(
-                x[: full * b].reshape(full, b),
-                scales[:full],
-                q[: full * b].reshape(full, b),
-                None if residual is None else residual[: full * b].reshape(full, b),
-            )
-        if full < nb:
-            self._encode_blocks(
-                x[full * b :].reshape(1, -1),
-                scales[full:],
-                q[full * b :].reshape(1, -1),
-                None if residual is None else residual[full * b :].reshape(1, -1),
+                x[e0:e1].reshape(k1 - k0, width),
+                scales[k0:k1],
+                q[e0:e1].reshape(k1 - k0, width),
+                None if residual is None else residual[e0:e1].reshape(k1 - k0, width),
             )
 
     @staticmethod
@@ -179,14 +171,8 @@ class Int8Codec:
         nb = self.blocks(n)
         scales = buf[: 4 * nb].view("<f4")
         q = buf[4 * nb :].view(np.int8)
-        full, b = n // self.block_size, self.block_size
-        parts = [(0, full, b), (full, nb, n - full * b)] if full < nb else [(0, full, b)]
-        for k0, k1, width in parts:
-            if k1 <= k0:
-                continue
-            e0, e1 = k0 * b, k0 * b + (k1 - k0) * width
-            qb = q[e0:e1].reshape(k1 - k0, width)
-            ob = out[e0:e1].reshape(k1 - k0, width)
+        for k0, k1, e0, e1, width in self._parts(n):
+            qb, ob = q[e0:e1].reshape(k1 - k0, width), out[e0:e1].reshape(k1 - k0, width)
             with np.errstate(invalid="ignore", over="ignore"):
                 if add:
                     ob += np.multiply(qb, scales[k0:k1, None], dtype=np.float32)
