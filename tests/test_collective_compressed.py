@@ -227,12 +227,15 @@ async def test_members_must_agree_on_compression_and_a_failed_round_keeps_the_re
             await dps[0].allreduce(view, np.zeros(3, np.int64), "sum", "int8")
 
 
-async def test_a_round_aborted_by_a_loss_keeps_residuals_and_the_retry_succeeds() -> None:
-    """m2 agrees on the view and then never takes part (a SIGSTOPped peer); the survivors'
-    compressed round is aborted (``abort_view``), raises ``RingPeerLostError`` and leaves their
+@pytest.mark.parametrize("stall", ["one-shot", "shared: scales round", "shared: integer round"])
+async def test_a_round_aborted_by_a_loss_keeps_residuals_and_the_retry_succeeds(stall: str) -> None:
+    """m2 agrees on the view and then never takes part (a SIGSTOPped peer), or on the
+    shared-scale path it runs the scales round and then freezes; the survivors' compressed
+    allreduce is aborted (``abort_view``), raises ``RingPeerLostError`` and leaves their
     residuals as they were; the retry on the view without m2 gives identical bits."""
+    shared = {"shared_scale_from": 0 if stall.startswith("shared") else 1 << 18}
     async with ring_of(4) as (dps, view):
-        comps = [Int8Compression() for _ in range(4)]
+        comps = [Int8Compression(**shared) for _ in range(4)]
         size = 20_000
         warm = [np.random.default_rng(i).uniform(-1, 1, size).astype(np.float32) for i in range(4)]
         res = await on_all(dps, lambda i, dp: dp.allreduce(view, warm[i], "sum", comps[i]))
@@ -248,9 +251,17 @@ async def test_a_round_aborted_by_a_loss_keeps_residuals_and_the_retry_succeeds(
             except Exception as exc:
                 out[i] = exc
 
+        async def frozen_after_scales() -> None:
+            plan = dps[2].plan_allreduce(view, np.zeros(size, np.float32), "sum", comps[2])
+            plan.then = None  # run the scales round, never the integer one
+            await dps[2].run_plan(plan)
+
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(dps[2].open_ring, view)  # agrees, then never takes part
+                if stall.endswith("integer round"):
+                    nursery.start_soon(frozen_after_scales)
+                else:
+                    nursery.start_soon(dps[2].open_ring, view)  # agrees, never takes part
                 for i in survivors:
                     nursery.start_soon(member, i)
                 await trio.sleep(0.5)  # let them block on the stalled member
