@@ -95,6 +95,8 @@ class SharedScaleRun:
         self.codec.block_maxabs_into(self.contrib, self.scales_wire[:nb])
         self.scales_wire[nb:] = self.xf[m:]  # the exact tail (its residual is always 0)
         self.ints: npt.NDArray[np.signedinteger] = comp.workspace("ints", m, self.lane)
+        self.scales: F32 = np.empty(0, np.float32)
+        """The agreed scales (``quantize``)."""
         self._base = _address(self.scales_wire)
 
     def reduce_scales(self, a: Array, b: Array, out: Array) -> None:
@@ -109,10 +111,9 @@ class SharedScaleRun:
         """After the scales round: quantize the contribution with the agreed scales into the
         integer wire, its error into the new residual."""
         m = self.quantized
-        scales = self.codec.shared_scales(self.scales_wire[: self.blocks], self.levels)
-        self.scales = scales
+        self.scales = self.codec.shared_scales(self.scales_wire[: self.blocks], self.levels)
         res = None if self.new_residual is None else self.new_residual[:m]
-        self.codec.quantize_into(self.contrib, scales, self.levels, self.ints, res)
+        self.codec.quantize_into(self.contrib, self.scales, self.levels, self.ints, res)
         if self.new_residual is not None:
             self.new_residual[m:] = 0.0
 
