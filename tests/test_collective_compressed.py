@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -175,7 +175,7 @@ def _digest(a: Any) -> str:
 async def test_compressed_allreduce_on_a_ring(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Awkward sizes and all three float dtypes: identical results on every member, within the
     bound, with the residuals carried from one call to the next."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     monkeypatch.setattr(comp_mod, "PIECE_ELEMS", 4096)  # several pieces per shard
     async with ring_of(n) as (dps, view):
         for size in (0, 1, n + 1, 257, 5003, 70_001):  # 70,001: many pieces
@@ -192,18 +192,30 @@ async def test_compressed_allreduce_on_a_ring(n: int, monkeypatch: pytest.Monkey
                 assert all(not isinstance(r, Exception) for r in res), res
                 assert len({_digest(a) for a in arrs}) == 1
                 assert float(np.abs(arrs[0] - exact).max(initial=0)) <= limit
-        # half precision travels as float32 values; bfloat16 through torch tensors
-        for dtype in ("float16", "bfloat16"):
-            base = [np.random.default_rng(i).uniform(-1, 1, 3001) for i in range(n)]
-            if dtype == "float16":
-                xs: list[Any] = [b.astype(np.float16) for b in base]
-            else:
-                xs = [torch.tensor(b, dtype=torch.bfloat16) for b in base]
-            res = await on_all(dps, lambda i, dp, xs=xs: dp.allreduce(view, xs[i], "avg", "int8"))
-            assert all(not isinstance(r, Exception) for r in res), res
-            outs = [np.asarray(x.float() if dtype == "bfloat16" else x, np.float64) for x in xs]
-            assert len({o.tobytes() for o in outs}) == 1
-            assert np.abs(outs[0] - np.mean(base, axis=0)).max() < 0.03
+        await half_precision_avg(dps, view, lambda: "int8", 0.03)
+
+
+async def half_precision_avg(
+    dps: list[Any], view: RingView, compression: Callable[[], Any], tol: float
+) -> None:
+    """A compressed ``avg`` of float16 arrays (they travel as float32 values) and of bfloat16
+    torch tensors: identical on every member and within ``tol`` of the mean."""
+    torch = pytest.importorskip("torch")
+    n = len(dps)
+    for dtype in ("float16", "bfloat16"):
+        base = [np.random.default_rng(i).uniform(-1, 1, 3001) for i in range(n)]
+        if dtype == "float16":
+            xs: list[Any] = [b.astype(np.float16) for b in base]
+        else:
+            xs = [torch.tensor(b, dtype=torch.bfloat16) for b in base]
+        comps = [compression() for _ in range(n)]
+        res = await on_all(
+            dps, lambda i, dp, xs=xs, c=comps: dp.allreduce(view, xs[i], "avg", c[i])
+        )
+        assert all(not isinstance(r, Exception) for r in res), res
+        outs = [np.asarray(x.float() if dtype == "bfloat16" else x, np.float64) for x in xs]
+        assert len({o.tobytes() for o in outs}) == 1
+        assert np.abs(outs[0] - np.mean(base, axis=0)).max() < tol
 
 
 async def test_members_must_agree_on_compression_and_a_failed_round_keeps_the_residual() -> None:

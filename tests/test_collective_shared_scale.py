@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_collective_compressed import half_precision_avg
 from test_collective_inproc import on_all, ring_of
 
 from ftmesh.collective import InputMismatchError, shared_scale
@@ -90,7 +91,7 @@ def test_lanes_widen_when_int8_levels_run_out() -> None:
 async def test_shared_scale_allreduce_on_a_ring(n: int) -> None:
     """Awkward sizes, a tail and all three float dtypes: identical bits on every member, the
     tail exact, within the bound, with the residuals carried from one call to the next."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     _, levels = shared_scale.lanes(n)
     async with ring_of(n) as (dps, view):
         for size, tail in ((1, 0), (n + 1, 1), (257, 3), (5003, 0), (70_001, 2)):
@@ -111,20 +112,7 @@ async def test_shared_scale_allreduce_on_a_ring(n: int) -> None:
                 if tail:
                     np.testing.assert_allclose(got[-tail:], exact[-tail:], rtol=1e-5, atol=1e-6 * n)
                 assert np.abs(got - exact).max() <= n * top / (2 * levels) * 1.01 + 1e-5
-        for dtype in ("float16", "bfloat16"):
-            base = [np.random.default_rng(i).uniform(-1, 1, 3001) for i in range(n)]
-            if dtype == "float16":
-                xs: list[Any] = [b.astype(np.float16) for b in base]
-            else:
-                xs = [torch.tensor(b, dtype=torch.bfloat16) for b in base]
-            comps = [Int8Compression(**SHARED) for _ in range(n)]
-            res = await on_all(
-                dps, lambda i, dp, xs=xs, c=comps: dp.allreduce(view, xs[i], "avg", c[i])
-            )
-            assert all(not isinstance(r, Exception) for r in res), res
-            outs = [np.asarray(x.float() if dtype == "bfloat16" else x, np.float64) for x in xs]
-            assert len({o.tobytes() for o in outs}) == 1
-            assert np.abs(outs[0] - np.mean(base, axis=0)).max() < 1.0 / levels + 0.01
+        await half_precision_avg(dps, view, lambda: Int8Compression(**SHARED), 1.0 / levels + 0.01)
 
 
 async def test_a_non_finite_block_stays_non_finite_everywhere() -> None:
