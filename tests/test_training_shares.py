@@ -174,7 +174,7 @@ def test_the_machine_splits_by_the_agreed_speeds_identically_everywhere() -> Non
     assert len({a.weights for a in actions}) == 1
 
 
-def test_a_disagreeing_split_is_caught_and_a_sync_resets_to_equal() -> None:
+def test_a_disagreeing_split_is_caught_and_the_retry_splits_as_the_sync_says() -> None:
     view = _view("a", "b")
     machines = [_machine(n, shares="speed") for n in "ab"]
     actions = [_alone_until_compute(m, view) for m in machines]
@@ -187,7 +187,8 @@ def test_a_disagreeing_split_is_caught_and_a_sync_resets_to_equal() -> None:
     verdict = machines[0].check_reduction(actions[0], header, None)
     assert isinstance(verdict, Failed) and verdict.kind is Failure.DESYNC
     assert "split tag" in verdict.detail
-    # the failed attempt syncs again, and the retry starts from equal shares
+    # the failed attempt syncs again, and the retry starts from the speeds the sync carried
+    # (here every other member is a twin that knows none: equal shares)
     m, a = machines[0], machines[0].feed(1.0, verdict)
     while not isinstance(a, Compute):
         if isinstance(a, Sync):

@@ -192,6 +192,24 @@ def _sync_to_compute(machines: list[StepMachine], view: RingView) -> list[Comput
     return actions  # type: ignore[return-value]
 
 
+def test_speed_shares_start_from_the_carried_speeds_after_a_sync() -> None:
+    """Before, every sync split the next step equally (a 20x member then took a whole equal
+    share); now the sync carries the members' last speeds and every member, the joiner too,
+    starts from them, the joiner at the median speed."""
+    cfg = {"shares": "speed", "straggler_factor": 0}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    view = _view("a", "b", "c")
+    speeds = [FAST, FAST / 4, FAST]
+    for _ in range(2):
+        actions = [_alone_until_compute(m, view) for m in machines]
+        _commit(machines, actions, speeds)
+    machines.append(_machine("d", **cfg))
+    actions = _sync_to_compute(machines, _view("a", "b", "c", "d"))
+    assert len({(a.workers, a.weights) for a in actions}) == 1
+    w = actions[0].weights
+    assert w is not None and w == pytest.approx((4 / 13, 1 / 13, 4 / 13, 4 / 13), rel=1e-3)
+
+
 def test_a_join_keeps_a_straggler_out() -> None:
     """Before, every sync put the straggler back to compute for a whole new streak; now the
     sync carries who sits out, since when and its failed trials, and the joiner learns it."""
@@ -241,6 +259,42 @@ def test_a_straggler_away_for_a_view_is_still_out_when_it_is_back() -> None:
     claims[4 + 1] = 1 << 60  # failed trials
     a.adopt(claims, full, 3)
     assert a.out == {"b": 3} and a.sits_out("b") == 5 << 3
+
+
+def test_a_sync_carries_a_streak_and_a_trial() -> None:
+    """A sync in the middle of b's slow streak, then in the middle of its trial: the streak
+    goes on where it was, the trial is judged at the next step (at the normal split: a
+    confirm), on the members that stayed and on a joiner alike."""
+    rule = _rule(steps=3, readmit=2)
+    a, c = (Stragglers(rule, False, SHARE_FLOOR) for _ in "ac")
+    speeds = {"a": FAST, "b": 100.0, "c": FAST}
+    for s in (a, c):
+        assert _observe(s, range(2), speeds) == ["", ""]  # a streak of 2 of 3
+    full = ("a", "b", "c", "d")
+    d = Stragglers(rule, False, SHARE_FLOOR)
+    claims = _claims(a, c, d, view=full)
+    for s in (a, c, d):
+        s.adopt(claims, full, 2)
+        assert _observe(s, range(2, 3), {**speeds, "d": FAST}) == ["b"]  # one more step
+    for s in (a, c, d):  # out for 2 steps, then its probe step passes (judged as split)
+        assert _observe(s, range(3, 6), {**speeds, "d": FAST}) == ["", "", ""]
+        assert not s.out
+    claims = _claims(a, c, d, view=full)
+    for s in (a, c, d):
+        s.adopt(claims, full, 6)
+        assert _observe(s, range(6, 7), {**speeds, "d": FAST}) == ["b"]  # a failed confirm
+        assert s.sits_out("b") == 4
+
+
+def test_a_stale_streak_of_a_member_that_is_not_slow_ends_at_once() -> None:
+    s = Stragglers(_rule(steps=3), False, SHARE_FLOOR)
+    view = ("a", "b", "c")
+    claims = s.sync_slots(view)
+    claims[3 * 3 + 1] = 2  # somebody claims b is 2 steps into a slow streak
+    s.adopt(claims, view, 10)
+    even = {"a": FAST, "b": FAST, "c": FAST}
+    assert _observe(s, range(10, 11), even) == [""] and not s._streak
+    assert _observe(s, range(11, 13), {**even, "b": 100.0}) == ["", ""] and not s.out
 
 
 def test_a_planned_departure_keeps_a_straggler_out() -> None:

@@ -278,7 +278,7 @@ class StepMachine:
         """``shares="speed"``: this member's smoothed compute speed (samples/s; 0: none yet)."""
         self._weights: dict[str, float] = {}
         """``shares="speed"``: the split's weights by member, agreed from the last committed
-        step's speeds ({}: equal shares; reset by every sync)."""
+        step's speeds, or after a sync from the speeds it carried ({}: equal shares)."""
         self._remeasure = False
         """We sat out (a straggler or a hot spare): our next measurement replaces the
         smoothed speed, so a member that recovered meanwhile is judged on its speed now."""
@@ -491,15 +491,19 @@ class StepMachine:
             weights = speed_weights(measured, counts, action.weights)
             self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
         after = sorted(self.compute_set(view))
-        known = self.stragglers.known
         retried = [w for w in after if w not in workers]
-        if retried and all(w in known for w in after):
+        if retried and all(w in self.stragglers.known for w in after):
             # Back on trial, with equal shares too: for one step, the share of its last known
             # speed (a member still slow costs that step little, and is sent back).
-            filled = filled_speeds([known.get(w, 0.0) for w in after])
-            if filled is not None:
-                fresh = proportional_weights(filled, SHARE_FLOOR)
-                self._weights = dict(zip(after, fresh, strict=True))
+            self._weights = self._known_weights(after)
+
+    def _known_weights(self, workers: Sequence[str]) -> dict[str, float]:
+        """Weights proportional to the last agreed speeds of ``workers`` (one not measured
+        counts at the median of the others), with the floor ({}: none measured)."""
+        filled = filled_speeds([self.stragglers.known.get(w, 0.0) for w in workers])
+        if filled is None:
+            return {}
+        return dict(zip(workers, proportional_weights(filled, SHARE_FLOOR), strict=True))
 
     def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
         """The members that announced in ``action``'s reduced header (checked with
@@ -916,9 +920,6 @@ class StepMachine:
             self.last_sync_bytes += _fetched(out)
         self._stats.state_transfer_bytes += self.last_sync_bytes
         self.last_sync_seconds = now - started
-        # Every member of the view ran this sync: all start its steps from equal shares
-        # (the speeds of the steps before may differ between them, and joiners have none).
-        self._weights = {}
         now = yield from self._settle_on(now, view, carried)
         return now, None
 
@@ -933,8 +934,15 @@ class StepMachine:
             self.stragglers.keep_only(view.node_ids)
         else:
             self.stragglers.adopt(carried, view.node_ids, self.committed)
+        computing = self.compute_set(view)
+        if carried is not None:
+            # Every member of the view ran this sync and holds the same carried speeds (the
+            # weights each had before may differ, and joiners have none): shares="speed"
+            # starts its steps from them, a joiner at the median speed.
+            speed = self.config.shares == "speed"
+            self._weights = self._known_weights(sorted(computing)) if speed else {}
         self.last_view = view.node_ids
-        world = len(self.compute_set(view))
+        world = len(computing)
         if self.world != world:
             if self.world:
                 now, _ = yield WorldChanged(self.world, world)

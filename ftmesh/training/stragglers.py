@@ -28,12 +28,16 @@ Every member computes the same decisions because every input is agreed: the spee
 reduced header and the committed step count. A view change keeps who sits out: after a
 planned departure the members that stay saw the same steps and keep everything (the
 leavers' entries dropped); a sync (a join, a lost member, a false suspicion) carries each
-member's exclusions, failed trials and last speeds in the sync vector (:meth:`sync_slots`,
-``SYNC_FIELDS`` slots per member of the new view, reduced with max like the rest of it), and
-every member adopts the same reduced claims (:meth:`adopt`): a straggler still sits out and
-is retried when it would have been, and a joiner learns it. Streaks and trials in progress
-start again. The split tag of every step catches members that disagree anyway (the round is
-a desync, retried from a sync). FTLib calls this setting ``straggler-detection``.
+member's exclusions, failed trials, last speeds, slow streak and trial in the sync vector
+(:meth:`sync_slots`, ``SYNC_FIELDS`` slots per member of the new view, reduced with max like
+the rest of it), and every member adopts the same reduced claims (:meth:`adopt`): a
+straggler still sits out and is retried when it would have been, a streak goes on where it
+was, a member on trial is judged at its next step as a *confirm* (the first step after a sync
+is at the normal split, not the probe's), and a joiner learns it all. A stale claim (of a
+member that was away while the others went on) costs little: a streak or a trial of a member
+that is not slow ends at the next step. The split tag of every step catches members that
+disagree anyway (the round is a desync, retried from a sync). FTLib calls this setting
+``straggler-detection``.
 """
 
 from __future__ import annotations
@@ -53,10 +57,11 @@ PROBE = "probe"
 CONFIRM = "confirm"
 MAX_BACKOFF_DOUBLINGS = 3
 """A member whose trials keep failing sits out at most ``2**3 = 8`` times ``readmit``."""
-SYNC_FIELDS = 3
+SYNC_FIELDS = 5
 """Sync vector slots per member of the view: the committed step count when it sat out,
-its failed trials in a row, its last agreed speed (in milli-samples/s); ``FRESH`` when not
-known. Every member writes its claims about every member: max() gives each the latest."""
+its failed trials in a row, its last agreed speed (in milli-samples/s), its slow steps in a
+row, whether it is on trial (1); ``FRESH`` when not known. Every member writes its claims
+about every member: max() gives each the latest."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,10 @@ class Stragglers:
                 v[size + j] = self._failed[n]
             if n in self.known:
                 v[2 * size + j] = round(self.known[n] * 1000)
+            if n in self._streak:
+                v[3 * size + j] = self._streak[n]
+            if n in self._trial:
+                v[4 * size + j] = 1
         return v
 
     def adopt(self, reduced: np.ndarray, node_ids: Sequence[str], committed: int) -> None:
@@ -148,13 +157,21 @@ class Stragglers:
                 del d[m]
         size = len(node_ids)
         for j, n in enumerate(node_ids):
-            since, failed, speed = (int(reduced[k * size + j]) for k in range(SYNC_FIELDS))
+            since, failed, speed, streak, trial = (
+                int(reduced[k * size + j]) for k in range(SYNC_FIELDS)
+            )
             if since >= 0:
                 self.out[n] = min(since, max(committed, 0))
             if failed > 0:
                 self._failed[n] = min(failed, MAX_BACKOFF_DOUBLINGS)
             if speed > 0:
                 self.known[n] = speed / 1000
+            if n in self.out:
+                continue
+            if streak > 0:
+                self._streak[n] = min(streak, self.rule.steps)
+            if trial > 0:  # (the step after a sync is at the normal split)
+                self._trial[n] = CONFIRM
         if self.out:
             log.info("members sitting out the compute set, carried by the sync: %s", self.out)
 
