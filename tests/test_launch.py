@@ -111,7 +111,11 @@ def test_launch_module_respawn_slots_and_a_late_joiner(tmp_path: Path) -> None:
     ), out[-3000:]
     records = progress(tmp_path)
     total = int(records["w0"][0]["total"])  # type: ignore[call-overload]
-    assert 3 < int(records["w2"][0]["step"]) < total and records["w2"][0]["synced"]  # type: ignore[call-overload]
+    # It entered mid-run with the survivor's state: at the kill's step when it arrived while
+    # the survivor still waited for a quorum (one of two, for ``quorum_grace``), else later.
+    first = records["w2"][0]
+    assert 3 <= int(first["step"]) < total and first["synced"], first  # type: ignore[call-overload]
+    assert any(int(r.get("share", 0)) > 0 for r in records["w2"][1:]), records["w2"][:3]  # type: ignore[call-overload]
     finishers = [r[-1] for r in records.values() if r and r[-1].get("done")]
     assert len(finishers) == 2 and len({str(r["digest"]) for r in finishers}) == 1
     # The late joiner never trained (it exited cleanly, or launch stopped it).
