@@ -62,8 +62,10 @@ GLOBAL_BATCH = 256
 member's measured speed follows its share (the fixed cost per step), and an unthrottled
 member's share drifts to 2-5 of 32 by itself (seen on this 2-core host), which no throttle
 window can be told apart from."""
-EPOCHS = 12
-"""60 steps (5 per epoch)."""
+EPOCHS = 24
+"""120 steps (5 per epoch): unthrottled, steps take ~0.1 s and the test's polls see step
+``WARM`` as late as step 40 (seen on a quiet 2-core host); at 60 steps the run sometimes ended
+before the throttle window did."""
 WARM = 10
 """Steps trained before the throttle."""
 THROTTLED_STEPS = 20
@@ -196,8 +198,10 @@ EVICT_ARGS = (
 speed shares it would take its floor share); a factor of 3, which the load of a shared
 2-core host does not reach but a twelve-fold slowdown does; short streaks, so that the
 test's steps see it sit out and come back."""
-EVICT_EPOCHS = 16
-"""80 steps: room for a trial sent back (a loaded host), retried ``--readmit-steps`` later."""
+EVICT_EPOCHS = 28
+"""140 steps: the throttle can start as late as step 40 (see ``EPOCHS``), the rule takes ~18
+steps to see it (smoothed speeds, then ``--straggler-steps``), and then room for a trial sent
+back (a loaded host), retried ``--readmit-steps`` later."""
 
 
 def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:

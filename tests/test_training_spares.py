@@ -77,7 +77,10 @@ def test_unneeded_cold_spare_exits_cleanly(tmp_path: Path) -> None:
     assert len(trained) == 2, {n: len(r) for n, r in steps.items()}
     assert all(int(r["members"]) <= 2 for recs in steps.values() for r in recs)  # type: ignore[call-overload]
     for spare in set(steps) - set(trained):
-        assert "the training finished without needing us" in (logs / f"{spare}.log").read_text()
+        # It saw the end itself, or launch stopped it (the trainers had exited before the
+        # spare read their "done"): a clean exit either way (returncode 0 above).
+        said = "the training finished without needing us" in (logs / f"{spare}.log").read_text()
+        assert said or f"{spare} arrived after the training ended: stopped" in res.stdout, spare
 
 
 def test_hot_spare_is_up_to_date_and_takes_over_at_once(tmp_path: Path) -> None:

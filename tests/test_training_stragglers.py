@@ -152,6 +152,40 @@ def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
     assert sets[6] == ("a", "c")
 
 
+def test_a_member_stalled_on_most_steps_is_judged_on_its_throughput() -> None:
+    """A member fast on one step in four and 20x slower on the others (a CPU quota whose
+    period is longer than its compute, as in the lab) runs at about a 15th of the speed over
+    them: it goes out after the streak. (An EWMA of samples per second jumped back at each
+    fast step, the streak restarted, and it never went out.)"""
+    view = _view("a", "b", "c")
+    cfg = {"shares": "equal", "straggler_factor": 3.0, "straggler_steps": 5, "readmit_steps": 50}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    sets = []
+    for k in range(16):
+        actions = [_alone_until_compute(m, view) for m in machines]
+        sets.append(actions[0].workers)
+        b = FAST if k < 2 or k % 4 == 1 else FAST / 20
+        _commit(machines, actions, [FAST, b, FAST])
+    assert ("a", "c") in sets, sets
+    assert machines[1].speed < FAST / 8
+
+
+def test_a_trial_is_judged_on_its_step_at_the_normal_split() -> None:
+    """The probe's small share mostly times the step's fixed cost (here it measures a 10th of
+    the speed): the confirm step's measurement replaces it, so a member that recovered stays.
+    (Smoothed with the probe's, it was judged at about a 7th of its speed and sent back.)"""
+    view = _view("a", "b", "c")
+    cfg = {"shares": "equal", "straggler_factor": 3.0, "straggler_steps": 1, "readmit_steps": 2}
+    machines = [_machine(n, **cfg) for n in "abc"]
+    sets = []
+    for b in [FAST / 20] * 3 + [FAST / 10] + [FAST] * 3:  # out at step 1; probe; recovered
+        actions = [_alone_until_compute(m, view) for m in machines]
+        sets.append(actions[0].workers)
+        _commit(machines, actions, [FAST, b, FAST])
+    assert sets[1:3] == [("a", "c")] * 2
+    assert sets[3:] == [("a", "b", "c")] * 4, sets
+
+
 def test_speed_shares_give_a_retried_member_the_share_of_its_last_speed() -> None:
     view = _view("a", "b", "c")
     cfg = {"shares": "speed", "straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}

@@ -218,8 +218,12 @@ SPEED_SLOTS = SPEED_RANKS + 1
 """The speed part of the header (``shares="speed"`` only): one compute speed per rank, then
 the split tag (:func:`split_tag`)."""
 SHARE_SMOOTHING = 0.3
-"""Weight of the newest step in a member's smoothed compute speed (an EWMA of samples per
-second of its own forward and backward)."""
+"""Weight of the newest step in a member's smoothed compute speed: an EWMA of its seconds per
+sample (of its own forward and backward), so the speed is a harmonic mean of its steps'. A
+member fast on some steps and stalled on others (a CPU quota whose period is longer than its
+compute) counts at its throughput over them, which is what the steps it slows see; an EWMA of
+samples per second let one fast step in four hide a 20x throttle from the straggler rule
+(seen in the lab)."""
 SHARE_FLOOR = 0.1
 """A member's weight is at least this fraction of an equal share (a slowed member keeps
 measuring, and comes back when it speeds up)."""

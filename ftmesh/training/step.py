@@ -280,8 +280,9 @@ class StepMachine:
         """``shares="speed"``: the split's weights by member, agreed from the last committed
         step's speeds, or after a sync from the speeds it carried ({}: equal shares)."""
         self._remeasure = False
-        """We sat out (a straggler or a hot spare): our next measurement replaces the
-        smoothed speed, so a member that recovered meanwhile is judged on its speed now."""
+        """We sat out (a straggler or a hot spare), or were just probed: our next measurement
+        replaces the smoothed speed, so a member that recovered meanwhile is judged on its
+        speed now."""
         self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
         """Whether we froze in each of the last committed steps (``ftmesh.freezes``)."""
         self._sit_out = False
@@ -454,10 +455,14 @@ class StepMachine:
         if self.me not in action.workers:
             self._remeasure = True  # our speed may have changed meanwhile
         elif share > 0 and seconds > 0:
-            rate = share / seconds
-            smoothed = self.speed + SHARE_SMOOTHING * (rate - self.speed)
-            self.speed = rate if self.speed == 0 or self._remeasure else smoothed
-            self._remeasure = False
+            if self.speed == 0 or self._remeasure:
+                self.speed = share / seconds
+            else:  # (the EWMA is of seconds per sample: see SHARE_SMOOTHING)
+                pace = 1 / self.speed
+                self.speed = 1 / (pace + SHARE_SMOOTHING * (seconds / share - pace))
+            # A probe's small share mostly times the step's fixed cost: the trial's second
+            # step, at the normal split, replaces what it measured.
+            self._remeasure = self.stragglers.probing(self.me)
         slots = np.zeros(SPEED_SLOTS, dtype=np.float32)
         rank = action.view.rank_of(self.me)
         if self.me in action.workers and rank < SPEED_RANKS:

@@ -108,6 +108,10 @@ class Stragglers:
         self._failed: dict[str, int] = {}
         """Failed trials in a row, by member (each doubles the next time out)."""
 
+    def probing(self, member: str) -> bool:
+        """Whether ``member``'s next step is its probe (its first back, at a small share)."""
+        return self._trial.get(member) == PROBE
+
     def reset(self) -> None:
         """A new view: everyone computes, and what we knew is forgotten (a member that joined
         has not seen it: every decision comes from speeds agreed since the view began)."""
