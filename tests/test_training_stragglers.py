@@ -135,17 +135,25 @@ def test_the_rule_is_checked_and_shared() -> None:
 # -- the step machine --------------------------------------------------------------------------
 
 
-def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
+def _sets_with_b_at(
+    b_speeds: list[float], **cfg: object
+) -> tuple[list[tuple[str, ...]], list[StepMachine]]:
+    """Machines a, b, c commit one step per entry of ``b_speeds``, a and c at ``FAST`` and b
+    at its entry: the compute set of each step (identical on every member), and the machines."""
     view = _view("a", "b", "c")
-    cfg = {"shares": "equal", "straggler_factor": 1.5, "straggler_steps": 2, "readmit_steps": 3}
     machines = [_machine(n, **cfg) for n in "abc"]
-    slow = [FAST, 50.0, FAST]
     sets = []
-    for _ in range(7):
+    for b in b_speeds:
         actions = [_alone_until_compute(m, view) for m in machines]
         assert len({a.workers for a in actions}) == 1
         sets.append(actions[0].workers)
-        _commit(machines, actions, slow)
+        _commit(machines, actions, [FAST, b, FAST])
+    return sets, machines
+
+
+def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
+    cfg = {"straggler_factor": 1.5, "straggler_steps": 2, "readmit_steps": 3}
+    sets, _ = _sets_with_b_at([50.0] * 7, shares="equal", **cfg)
     assert sets[:2] == [("a", "b", "c")] * 2
     assert sets[2:5] == [("a", "c")] * 3  # out for readmit_steps
     assert sets[5] == ("a", "b", "c")  # on trial, still slow
@@ -157,15 +165,9 @@ def test_a_member_stalled_on_most_steps_is_judged_on_its_throughput() -> None:
     period is longer than its compute, as in the lab) runs at about a 15th of the speed over
     them: it goes out after the streak. (An EWMA of samples per second jumped back at each
     fast step, the streak restarted, and it never went out.)"""
-    view = _view("a", "b", "c")
-    cfg = {"shares": "equal", "straggler_factor": 3.0, "straggler_steps": 5, "readmit_steps": 50}
-    machines = [_machine(n, **cfg) for n in "abc"]
-    sets = []
-    for k in range(16):
-        actions = [_alone_until_compute(m, view) for m in machines]
-        sets.append(actions[0].workers)
-        b = FAST if k < 2 or k % 4 == 1 else FAST / 20
-        _commit(machines, actions, [FAST, b, FAST])
+    b = [FAST if k < 2 or k % 4 == 1 else FAST / 20 for k in range(16)]
+    cfg = {"straggler_factor": 3.0, "straggler_steps": 5, "readmit_steps": 50}
+    sets, machines = _sets_with_b_at(b, shares="equal", **cfg)
     assert ("a", "c") in sets, sets
     assert machines[1].speed < FAST / 8
 
@@ -174,14 +176,9 @@ def test_a_trial_is_judged_on_its_step_at_the_normal_split() -> None:
     """The probe's small share mostly times the step's fixed cost (here it measures a 10th of
     the speed): the confirm step's measurement replaces it, so a member that recovered stays.
     (Smoothed with the probe's, it was judged at about a 7th of its speed and sent back.)"""
-    view = _view("a", "b", "c")
-    cfg = {"shares": "equal", "straggler_factor": 3.0, "straggler_steps": 1, "readmit_steps": 2}
-    machines = [_machine(n, **cfg) for n in "abc"]
-    sets = []
-    for b in [FAST / 20] * 3 + [FAST / 10] + [FAST] * 3:  # out at step 1; probe; recovered
-        actions = [_alone_until_compute(m, view) for m in machines]
-        sets.append(actions[0].workers)
-        _commit(machines, actions, [FAST, b, FAST])
+    b = [FAST / 20] * 3 + [FAST / 10] + [FAST] * 3  # out at step 1; probe; recovered
+    cfg = {"straggler_factor": 3.0, "straggler_steps": 1, "readmit_steps": 2}
+    sets, _ = _sets_with_b_at(b, shares="equal", **cfg)
     assert sets[1:3] == [("a", "c")] * 2
     assert sets[3:] == [("a", "b", "c")] * 4, sets
 
@@ -357,12 +354,6 @@ def test_a_member_20x_slower_sits_out_and_comes_back() -> None:
 def test_a_recovered_straggler_is_judged_on_its_speed_now() -> None:
     """Its smoothed speed is of the slow days: the trial's measurement replaces it (else a
     recovered member at 4x its old speed would still look 2x too slow and go back out)."""
-    view = _view("a", "b", "c")
-    cfg = {"shares": "equal", "straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}
-    machines = [_machine(n, **cfg) for n in "abc"]
-    sets = []
-    for k in range(6):
-        actions = [_alone_until_compute(m, view) for m in machines]
-        sets.append(actions[0].workers)
-        _commit(machines, actions, [FAST, 50.0 if k < 2 else FAST, FAST])
+    cfg = {"straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}
+    sets, _ = _sets_with_b_at([50.0] * 2 + [FAST] * 4, shares="equal", **cfg)
     assert sets == [("a", "b", "c"), ("a", "c"), ("a", "c")] + [("a", "b", "c")] * 3
