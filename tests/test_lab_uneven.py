@@ -199,7 +199,7 @@ speed shares it would take its floor share); a factor of 3, which the load of a 
 2-core host does not reach but a twelve-fold slowdown does; short streaks, so that the
 test's steps see it sit out and come back."""
 EVICT_EPOCHS = 28
-"""140 steps: the throttle can start as late as step 40 (see ``EPOCHS``), the rule takes ~18
+"""140 steps: the throttle can start as late as step 40 (see ``EPOCHS``), the rule takes ~7
 steps to see it (smoothed speeds, then ``--straggler-steps``), and then room for a trial sent
 back (a loaded host), retried ``--readmit-steps`` later."""
 
