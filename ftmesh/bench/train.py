@@ -59,15 +59,19 @@ DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
 def _scrape_while(
     address: tuple[str, int] | None, on: Any, stop: Any, interval: float, count: list[int]
 ) -> None:
-    """Scrape ``/metrics`` every ``interval`` s while ``on`` is set, until ``stop``."""
+    """Scrape ``/metrics`` every ``interval`` s while ``on`` is set, until ``stop``: the first
+    scrape at once when ``on`` is set (a scraped block of a few short steps can be shorter
+    than ``interval``, and then it was never scraped)."""
     import urllib.request
 
-    while address is not None and not stop.wait(interval):
-        if on.is_set():
-            url = f"http://{address[0]}:{address[1]}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as r:
-                r.read()
-            count[0] += 1
+    while address is not None and not stop.is_set():
+        if not on.wait(0.05):
+            continue
+        url = f"http://{address[0]}:{address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            r.read()
+        count[0] += 1
+        stop.wait(interval)
 
 
 def _worker(
