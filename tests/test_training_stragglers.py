@@ -138,10 +138,11 @@ def test_the_rule_is_checked_and_shared() -> None:
 def _sets_with_b_at(
     b_speeds: list[float], **cfg: object
 ) -> tuple[list[tuple[str, ...]], list[StepMachine]]:
-    """Machines a, b, c commit one step per entry of ``b_speeds``, a and c at ``FAST`` and b
-    at its entry: the compute set of each step (identical on every member), and the machines."""
+    """Machines a, b, c (equal shares unless ``cfg`` says) commit one step per entry of
+    ``b_speeds``, a and c at ``FAST`` and b at its entry: the compute set of each step
+    (identical on every member), and the machines."""
     view = _view("a", "b", "c")
-    machines = [_machine(n, **cfg) for n in "abc"]
+    machines = [_machine(n, **{"shares": "equal", **cfg}) for n in "abc"]
     sets = []
     for b in b_speeds:
         actions = [_alone_until_compute(m, view) for m in machines]
@@ -153,7 +154,7 @@ def _sets_with_b_at(
 
 def test_the_machine_moves_a_straggler_out_identically_everywhere() -> None:
     cfg = {"straggler_factor": 1.5, "straggler_steps": 2, "readmit_steps": 3}
-    sets, _ = _sets_with_b_at([50.0] * 7, shares="equal", **cfg)
+    sets, _ = _sets_with_b_at([50.0] * 7, **cfg)
     assert sets[:2] == [("a", "b", "c")] * 2
     assert sets[2:5] == [("a", "c")] * 3  # out for readmit_steps
     assert sets[5] == ("a", "b", "c")  # on trial, still slow
@@ -167,7 +168,7 @@ def test_a_member_stalled_on_most_steps_is_judged_on_its_throughput() -> None:
     fast step, the streak restarted, and it never went out.)"""
     b = [FAST if k < 2 or k % 4 == 1 else FAST / 20 for k in range(16)]
     cfg = {"straggler_factor": 3.0, "straggler_steps": 5, "readmit_steps": 50}
-    sets, machines = _sets_with_b_at(b, shares="equal", **cfg)
+    sets, machines = _sets_with_b_at(b, **cfg)
     assert ("a", "c") in sets, sets
     assert machines[1].speed < FAST / 8
 
@@ -178,7 +179,7 @@ def test_a_trial_is_judged_on_its_step_at_the_normal_split() -> None:
     (Smoothed with the probe's, it was judged at about a 7th of its speed and sent back.)"""
     b = [FAST / 20] * 3 + [FAST / 10] + [FAST] * 3  # out at step 1; probe; recovered
     cfg = {"straggler_factor": 3.0, "straggler_steps": 1, "readmit_steps": 2}
-    sets, _ = _sets_with_b_at(b, shares="equal", **cfg)
+    sets, _ = _sets_with_b_at(b, **cfg)
     assert sets[1:3] == [("a", "c")] * 2
     assert sets[3:] == [("a", "b", "c")] * 4, sets
 
@@ -355,5 +356,5 @@ def test_a_recovered_straggler_is_judged_on_its_speed_now() -> None:
     """Its smoothed speed is of the slow days: the trial's measurement replaces it (else a
     recovered member at 4x its old speed would still look 2x too slow and go back out)."""
     cfg = {"straggler_factor": 1.5, "straggler_steps": 1, "readmit_steps": 2}
-    sets, _ = _sets_with_b_at([50.0] * 2 + [FAST] * 4, shares="equal", **cfg)
+    sets, _ = _sets_with_b_at([50.0] * 2 + [FAST] * 4, **cfg)
     assert sets == [("a", "b", "c"), ("a", "c"), ("a", "c")] + [("a", "b", "c")] * 3
