@@ -16,11 +16,11 @@ from .errors import (
     TrainingFinishedError,
 )
 from .membership.config import MembershipConfig
-from .mesh import Mesh, MeshConfig, open_mesh
-from .mesh_meta import Progress
+from .mesh.blocking import SyncMesh, connect
+from .mesh.core import Mesh, MeshConfig, open_mesh
+from .mesh.meta import Progress
 from .net.node import Node, NodeConfig, open_node
 from .state import State
-from .sync import SyncMesh, connect
 
 __version__ = "0.1.0"
 

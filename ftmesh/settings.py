@@ -50,7 +50,7 @@ from .discovery.seeds import parse_seed
 from .errors import ConfigError
 from .membership.config import PRESETS, MembershipConfig
 from .membership.messages import Meta, MetaValue
-from .mesh import MeshConfig
+from .mesh.core import MeshConfig
 from .net.node import NodeConfig
 from .security import MeshAuth, load_secrets
 from .training.start import DEFAULT_START_TIMEOUT, StartConfig

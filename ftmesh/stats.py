@@ -122,4 +122,4 @@ class TrainerStatistics:
     straggler_steps_total: int = 0
     """Steps this member sat out of the compute set as a straggler (a hot spare)."""
     failslow_pauses_total: int = 0
-    """Times this member stepped out of the ring as fail-slow (``ftmesh.freezes``)."""
+    """Times this member stepped out of the ring as fail-slow (``ftmesh.torch.freezes``)."""

@@ -18,7 +18,7 @@ from tests_support import local_mesh_config
 
 from ftmesh.collective.shared_scale import SharedScaleRun
 from ftmesh.compression.feedback import SHARED_SCALE_FROM
-from ftmesh.sync import SyncMesh
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.torch import ElasticSampler, ElasticTrainer
 
 pytestmark = pytest.mark.timeout(180)

@@ -20,8 +20,8 @@ from tests_support import local_mesh_config
 from ftmesh.collective.aborts import GpuPeerLostError
 from ftmesh.collective.backend import Backend, DeviceInfo
 from ftmesh.collective.epochs import EpochConfig
-from ftmesh.gpu_mesh import GpuCollectives
-from ftmesh.sync import SyncMesh
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.mesh.gpu import GpuCollectives
 
 GPU = DeviceInfo(1, 23203)
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ftmesh.errors import MeshClosedError
-from ftmesh.job_thread import JobThread
+from ftmesh.mesh.jobs import JobThread
 
 
 def test_jobs_run_in_order_one_at_a_time_and_run_waits_for_them() -> None:

@@ -17,11 +17,11 @@ from typing import Any, cast
 
 import pytest
 
+from ftmesh.bench.plots import chaos_series
 from ftmesh.lab.chaos import KINDS, WORKLOAD_KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
 from ftmesh.lab.netns import LabError
 from ftmesh.lab.procs import SeenRecord
 from ftmesh.lab.training import TrainingWorkload
-from ftmesh.plots import chaos_series
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None,

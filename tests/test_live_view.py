@@ -22,7 +22,7 @@ import pytest
 from tests_support import ROOT, local_mesh_config
 
 from ftmesh import Progress, SyncMesh
-from ftmesh.mesh_meta import PROGRESS_KEY, read_member
+from ftmesh.mesh.meta import PROGRESS_KEY, read_member
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SILENT = str(ROOT / "tests" / "scripts" / "silent_worker.py")

@@ -1,4 +1,4 @@
-"""Member metadata from the network (``ftmesh.mesh_meta``): every key the mesh reads, fuzzed
+"""Member metadata from the network (``ftmesh.mesh.meta``): every key the mesh reads, fuzzed
 at the decode boundary (a sealed gossip packet carrying an ``Alive``), then read the way the
 mesh reads it (view, state servers, size hints, roles). Whatever a member publishes, the
 outcome is a usable member or one counted as unusable: never an exception."""
@@ -18,8 +18,8 @@ from ftmesh.discovery.mdns import parse_txt
 from ftmesh.errors import ConfigError, RemoteProtocolError
 from ftmesh.membership.messages import Alive, MemberSnapshot, MemberState
 from ftmesh.membership.wire import PacketCodec
-from ftmesh.mesh import view_of
-from ftmesh.mesh_meta import (
+from ftmesh.mesh.core import view_of
+from ftmesh.mesh.meta import (
     DATA_KEY,
     MAX_FAULT,
     MAX_STEP,

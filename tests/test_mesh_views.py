@@ -16,7 +16,7 @@ import trio
 from tests_support import local_mesh_config
 
 from ftmesh.collective import ViewSupersededError
-from ftmesh.mesh import STATE_BYTES_KEY, Mesh, MeshConfig, open_mesh
+from ftmesh.mesh.core import STATE_BYTES_KEY, Mesh, MeshConfig, open_mesh
 
 NO_HANG = 20.0
 """Far below the data plane's io_timeout here (60 s): a round that ends within it was ended by

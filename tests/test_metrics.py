@@ -23,10 +23,10 @@ from tests_support import local_mesh_config
 
 from ftmesh.lab.junk import JunkFactory, flood
 from ftmesh.lab.procs import NodeGroup
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.metrics import server as metrics_server
 from ftmesh.metrics.collector import METRICS
 from ftmesh.stats import Histogram, TrainerStatistics
-from ftmesh.sync import SyncMesh
 
 GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "ftmesh_info": ("gauge", frozenset({"mesh", "node", "name", "version"})),

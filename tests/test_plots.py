@@ -1,4 +1,4 @@
-"""``--plot FILE.png`` (``ftmesh.plots``): the series behind each plot, from results built the
+"""``--plot FILE.png`` (``ftmesh.bench.plots``): the series behind each plot, from results built the
 way the commands build them (``summarise``, ``_stats``, ``ChaosSummary``/``FaultRecord``,
 ``chaos_timeline`` over member records), the series the PNG carries, one real
 ``ftmesh bench allreduce --plot`` run, and the one-line errors given before a run starts."""
@@ -17,13 +17,7 @@ from typing import Any
 import pytest
 
 from ftmesh.bench.allreduce import summarise
-from ftmesh.bench.recovery import _stats
-from ftmesh.errors import ConfigError
-from ftmesh.lab.chaos import ChaosSummary, FaultRecord
-from ftmesh.lab.mesh import HostSlot
-from ftmesh.lab.procs import NodeProcess, SeenRecord
-from ftmesh.lab.timeline import COMMIT_POINTS, chaos_timeline
-from ftmesh.plots import (
+from ftmesh.bench.plots import (
     busbw_series,
     chaos_series,
     check_plot_path,
@@ -35,6 +29,12 @@ from ftmesh.plots import (
     recovery_series,
     stragglers_series,
 )
+from ftmesh.bench.recovery import _stats
+from ftmesh.errors import ConfigError
+from ftmesh.lab.chaos import ChaosSummary, FaultRecord
+from ftmesh.lab.mesh import HostSlot
+from ftmesh.lab.procs import NodeProcess, SeenRecord
+from ftmesh.lab.timeline import COMMIT_POINTS, chaos_timeline
 
 
 def _lists(x: Any) -> Any:

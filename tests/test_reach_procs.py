@@ -23,7 +23,7 @@ from reach_support import commits, log_lines, on_view, rate, stop_all, wait_comm
 from ftmesh.collective.reach import ReachConfig
 from ftmesh.lab.netns import VirtualLan
 from ftmesh.lab.procs import NodeProcess
-from ftmesh.mesh_reach import REACH_TICK
+from ftmesh.mesh.reach import REACH_TICK
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

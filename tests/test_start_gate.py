@@ -1,4 +1,4 @@
-"""Starting together (``ftmesh.training.start``, ``ftmesh.starting``), below the torch layer.
+"""Starting together (``ftmesh.training.start``, ``ftmesh.torch.starting``), below the torch layer.
 
 The start race of issue #12: the first member to see ``start_peers`` ready enters the ring
 (role ``train``) at once, so a member that counts only ``starting`` members never counts it
@@ -20,8 +20,8 @@ import pytest
 import ftmesh
 from ftmesh.cli.main import run
 from ftmesh.errors import MeshNotFormedError, TrainingFinishedError
-from ftmesh.starting import wait_to_start
-from ftmesh.sync import SyncMesh
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.torch.starting import wait_to_start
 from ftmesh.training import start
 from ftmesh.training.start import Decision, Peer, StartConfig, StartGate
 

@@ -19,8 +19,8 @@ import pytest
 from tests_support import local_mesh_config
 
 from ftmesh.collective import RingView, ViewSupersededError
-from ftmesh.mesh import MeshConfig
-from ftmesh.sync import SyncMesh
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.mesh.core import MeshConfig
 
 NO_HANG = 20.0
 """Far below io_timeout (60 s): a round that ends within it was ended by the view change."""

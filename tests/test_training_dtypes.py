@@ -33,7 +33,7 @@ from trainer_sim import (
 )
 
 from ftmesh.errors import LocalUsageError
-from ftmesh.sync import SyncMesh
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.torch import ElasticSampler, ElasticTrainer, Step
 from ftmesh.torch.buckets import GradBuckets
 

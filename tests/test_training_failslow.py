@@ -1,4 +1,4 @@
-"""Fail-slow members (#15 item 4): ``ftmesh.freezes.FreezeWatch`` notices a process that was
+"""Fail-slow members (#15 item 4): ``ftmesh.torch.freezes.FreezeWatch`` notices a process that was
 stopped and continued (a real SIGSTOP/SIGCONT of a real process), and the step machine makes
 a member that froze in ``failslow_freezes`` of its last ``straggler_steps`` steps step out of
 the ring as a spare for ``failslow_pause``, then join again (and sync); the others' quorum
@@ -40,7 +40,7 @@ from ftmesh.training.actions import (
 
 WATCHER = """
 import json, sys, time
-from ftmesh.freezes import FreezeWatch
+from ftmesh.torch.freezes import FreezeWatch
 w = FreezeWatch(0.2).start()
 print("ready", flush=True)
 sys.stdin.readline()

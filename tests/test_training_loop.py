@@ -36,8 +36,8 @@ from trainer_sim import (
 )
 
 from ftmesh.errors import LocalUsageError
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.state import latest_valid_checkpoint
-from ftmesh.sync import SyncMesh
 from ftmesh.torch import ElasticSampler, ElasticTrainer, StateDivergedError, Step
 
 pytestmark = pytest.mark.timeout(60)

@@ -34,8 +34,8 @@ from trainer_sim import (
 )
 
 from ftmesh.errors import ConfigError, LocalUsageError, PeerLostError
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.state import State, StateLostError, latest_valid_checkpoint
-from ftmesh.sync import SyncMesh
 from ftmesh.torch.trainer import ElasticTrainer, StepReport
 
 pytestmark = pytest.mark.timeout(60)

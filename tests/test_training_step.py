@@ -250,7 +250,7 @@ def test_without_quorum_an_isolated_member_waits() -> None:
 
 def test_a_fresh_mesh_passes_the_start_gate_before_it_enters() -> None:
     """``start_peers`` > 1 (or ``join_running``): the driver waits at the start gate
-    (``ftmesh.starting``) before the member enters the ring; with 1, no gate at all."""
+    (``ftmesh.torch.starting``) before the member enters the ring; with 1, no gate at all."""
     cfg = TrainerConfig.of(join_settle=0.0)
     m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
     assert isinstance(m.begin(0.0), Settle)

@@ -20,7 +20,7 @@ from ftmesh.collective import CollectiveConfig
 from ftmesh.lab import VirtualLan, slowness
 from ftmesh.lab.netns import LabError
 from ftmesh.membership.config import MembershipConfig
-from ftmesh.mesh import MeshConfig
+from ftmesh.mesh.core import MeshConfig
 from ftmesh.net.node import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from ftmesh.collective.view import Peer, RingView
 from ftmesh.errors import CollectiveError, DeadlineExceeded, Departed, PeerLostError
 from ftmesh.membership.messages import MemberState
-from ftmesh.mesh_meta import DATA_KEY, ROLE_KEY
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.mesh.meta import DATA_KEY, ROLE_KEY
 from ftmesh.state import Snapshot
 from ftmesh.state.errors import StateTransferError
-from ftmesh.sync import SyncMesh
 from ftmesh.torch import Step
 from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.torch.trainer import ElasticTrainer, StepReport

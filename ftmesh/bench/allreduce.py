@@ -62,8 +62,8 @@ import numpy as np
 from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ..collective.schedule import chunks_per_segment, segment_bounds
 from ..compression import Int8Compression
-from ..plots import plot_allreduce, plot_path_error
 from ..security import MeshAuth
+from .plots import plot_allreduce, plot_path_error
 
 IMPLS = ("ftmesh", "gloo", "ceiling")
 ENC = "ftmesh_enc"

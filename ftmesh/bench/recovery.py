@@ -52,7 +52,7 @@ record that shows X (so it includes the record's trip through the pipe, well und
 
 Per round: ``kill_breakdowns_s``, ``leave_breakdowns_s`` and ``sigstop_breakdowns_s`` hold
 the milestones above for every kill, SIGTERM and SIGSTOP round, and each ``*_to_step_s`` its
-``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.plots``).
+``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.bench.plots``).
 
 Everything runs on 127.0.0.1; OMP_NUM_THREADS is the CPU count divided by N (at least 1).
 """
@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 
 from ..membership.config import MembershipConfig
-from ..plots import plot_path_error, plot_recovery
+from .plots import plot_path_error, plot_recovery
 
 PROGRESS_PREFIX = "FTMESH "
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

@@ -45,7 +45,7 @@ repeat, and reports medians (each run under ``runs``, each repeat's ratios under
 ``repeat_ratios``); the JSON carries the load average before and after. A worker that
 dies, or a run past ``--timeout``, ends the bench with a one-line error and exit status 1,
 every process killed. ``--plot FILE.png`` also draws, per policy, the slow member's share of
-each step and each step's time (``ftmesh.plots.plot_stragglers``).
+each step and each step's time (``ftmesh.bench.plots.plot_stragglers``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import FtmeshError
-from ..plots import plot_path_error, plot_stragglers
+from .plots import plot_path_error, plot_stragglers
 
 POLICIES = ("equal", "proportional", "evicted", "default")
 DATASET_STEPS = 64

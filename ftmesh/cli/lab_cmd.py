@@ -326,7 +326,7 @@ def _number(text: str, what: str) -> float:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from ..plots import check_plot_path, plot_chaos
+    from ..bench.plots import check_plot_path, plot_chaos
 
     if args.plot:
         check_plot_path(args.plot)  # before the run, not after it

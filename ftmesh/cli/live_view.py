@@ -7,7 +7,7 @@ metadata included, and does not add the observer to it. :class:`MeshReader` repe
 after the first answer it asks the alive members of the last list (a random one first), and
 goes back to discovery only when none of them answers. What each member shows (step, step
 time, share, samples/s, world, backend, last fault) is the ``progress`` it publishes in its
-metadata (``ftmesh.mesh_meta.Progress``), validated by ``read_member`` like every other key:
+metadata (``ftmesh.mesh.meta.Progress``), validated by ``read_member`` like every other key:
 a member whose metadata does not parse is shown as unusable, never a crash.
 """
 
@@ -28,7 +28,7 @@ from ..discovery import make_discovery
 from ..errors import ConfigError, FtmeshError, RemoteProtocolError
 from ..membership.messages import Address, MemberSnapshot, MemberState, PushPull
 from ..membership.wire import PacketCodec
-from ..mesh_meta import BadMetadataError, MemberInfo, read_member
+from ..mesh.meta import BadMetadataError, MemberInfo, read_member
 from ..net.frames import exchange_push_pull
 from ..security import MeshAuth
 from ..settings import Settings

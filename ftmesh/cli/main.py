@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 from ..errors import FtmeshError, LocalUsageError
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..membership.config import PRESETS
+from ..mesh.blocking import root_cause
 from ..settings import DISCOVERY_KINDS, Settings, parse_meta
-from ..sync import root_cause
 
 
 class Parser(argparse.ArgumentParser):

@@ -27,7 +27,7 @@ import trio
 
 from ..errors import ConfigError, FtmeshError
 from ..membership.messages import MemberSnapshot, MemberState
-from ..mesh_meta import BadMetadataError, read_member, role_of
+from ..mesh.meta import BadMetadataError, read_member, role_of
 from ..settings import DEFAULT_MESH, EXPECT_KEY
 from .live_view import (
     MemberRow,

@@ -1,7 +1,7 @@
 """What the data plane counts about its collectives, for ``DataPlane.statistics()``.
 
 Collectives run in the trio thread, in the caller's thread or on the job thread
-(``ftmesh.sync``), so the recorder takes a lock: once per collective, not per chunk, which
+(``ftmesh.mesh.blocking``), so the recorder takes a lock: once per collective, not per chunk, which
 costs well under a microsecond next to the collective itself.
 """
 

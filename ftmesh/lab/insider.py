@@ -33,10 +33,10 @@ from typing import Any
 
 from ..collective import wire
 from ..collective.engine import Pipeline
-from ..mesh_meta import DATA_KEY
+from ..mesh.blocking import SyncMesh
+from ..mesh.meta import DATA_KEY
 from ..state import transfer
 from ..state.transfer import StateServer
-from ..sync import SyncMesh
 
 FAULTS = ("bad-data-addr", "bad-frames", "flip-state", "clock-step")
 

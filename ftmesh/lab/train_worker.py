@@ -56,11 +56,11 @@ from torch import nn
 
 from ..cli.node_cmd import event_record
 from ..membership.config import MembershipConfig
-from ..mesh import MeshConfig
+from ..mesh.blocking import SyncMesh
+from ..mesh.core import MeshConfig
 from ..net.node import Node, NodeConfig
 from ..security import MeshAuth, load_secrets
 from ..state import Snapshot, TransferStats
-from ..sync import SyncMesh
 from ..torch import ElasticSampler, ElasticTrainer
 from . import insider
 

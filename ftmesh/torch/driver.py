@@ -6,7 +6,7 @@ and views, the sync allreduce (a snapshot of the committed state and the machine
 vector), fetching the newest state into the receive buffer a joiner mapped while the ring
 formed, barriers, re-sharding, reconnecting a ring, checkpoint fall-backs and writes
 (``CheckpointWriter``: a failed save is logged and counted, training goes on), the start gate
-(``ftmesh.starting``) and a planned departure (:meth:`MeshDriver.depart`). Every exception of
+(``ftmesh.torch.starting``) and a planned departure (:meth:`MeshDriver.depart`). Every exception of
 the mesh that stands for a failed step becomes a ``Failed`` outcome here, in one place
 (:func:`failure_of`); anything else propagates.
 """
@@ -32,11 +32,10 @@ from ..errors import (
     PeerLostError,
 )
 from ..membership.messages import MemberSnapshot
-from ..mesh_meta import advertises_state, role_of
-from ..starting import wait_to_start
+from ..mesh.blocking import SyncMesh
+from ..mesh.meta import advertises_state, role_of
 from ..state import CheckpointWriter, Snapshot, StateLostError, latest_valid_checkpoint
 from ..state.memory import prepared_zeros
-from ..sync import SyncMesh
 from ..training.actions import (
     Action,
     Advertise,
@@ -73,6 +72,7 @@ from ..training.config import TrainerConfig
 from ..training.protocol import FRESH
 from ..training.shards import round_id
 from ..training.step import StepMachine
+from .starting import wait_to_start
 from .state import TrainingState
 from .zero import ShardedOptimizer
 

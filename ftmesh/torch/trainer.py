@@ -31,7 +31,7 @@ Everything registered (model, optimizer, ``register()``-ed schedulers, scalers a
 ``scalars``, the data position) is one committed state (``ftmesh.torch.state``) that joiners,
 spares and checkpoint resumes restore, and that members compare every ``check_every`` steps.
 
-Starting together (``ftmesh.training.start``, driven by ``ftmesh.starting``): before it
+Starting together (``ftmesh.training.start``, driven by ``ftmesh.torch.starting``): before it
 enters the ring, a member of a mesh that has not started waits until ``start_peers`` members
 are ready, at most ``start_timeout``; then more than half of them go ahead and fewer give up
 with ``MeshNotFormedError`` (no silent split into separate meshes). Not given, ``start_peers``
@@ -91,10 +91,9 @@ import torch.utils.data as tud
 from ..collective import RingView
 from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
-from ..freezes import FreezeWatch
+from ..mesh.blocking import SyncMesh
 from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
-from ..sync import SyncMesh
 from ..training.actions import (
     Action,
     Compute,
@@ -123,6 +122,7 @@ from ..training.step import (
 from .buckets import GradBuckets, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
 from .driver import MeshDriver, failure_of
+from .freezes import FreezeWatch
 from .loop import StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .state import TrainingState

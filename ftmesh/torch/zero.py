@@ -53,7 +53,7 @@ from ..training.shards import (
 )
 
 if TYPE_CHECKING:
-    from ..sync import SyncMesh
+    from ..mesh.blocking import SyncMesh
 
 StateDict = dict[str, torch.Tensor]
 

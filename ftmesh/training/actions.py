@@ -110,7 +110,7 @@ class Computed:
     (:meth:`StepMachine.speeds`); the split of the next step is made from them."""
     frozen: float = 0.0
     """Seconds this member's process stood still since its last committed step
-    (``ftmesh.freezes``)."""
+    (``ftmesh.torch.freezes``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,7 @@ class SetRole:
 
 @dataclass(frozen=True, slots=True)
 class WaitToStart:
-    """Wait as the start gate says (``ftmesh.starting.wait_to_start`` with the machine's
+    """Wait as the start gate says (``ftmesh.torch.starting.wait_to_start`` with the machine's
     ``StartConfig``), at most ``timeout``. The gate's verdicts that end the run are the
     driver's to raise (``MeshNotFormedError``, ``TrainingFinishedError``); it returns at once
     when a leave is requested -> Done. ``rejoin``: as a member that only joins a running mesh

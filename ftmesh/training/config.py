@@ -108,7 +108,7 @@ class TrainerConfig:
     once, for twice as long each time (at most 8x). Mesh-wide."""
     failslow_freezes: int = 3
     """A member whose whole process stood still for more than ``failslow_freeze`` seconds
-    (``ftmesh.freezes``) in this many of its last ``straggler_steps`` committed steps is
+    (``ftmesh.torch.freezes``) in this many of its last ``straggler_steps`` committed steps is
     fail-slow: it steps out of the ring (role ``spare``; its freezes would stop every
     collective) for ``failslow_pause`` seconds, then joins again and fetches the state. Its
     own decision: the others see it leave as in a departure. 0: never."""

@@ -68,7 +68,7 @@ from ..errors import (
     TrainingFinishedError,
 )
 from ..membership.messages import MemberState
-from ..mesh_meta import Progress
+from ..mesh.meta import Progress
 from ..stats import Histogram, TrainerStatistics
 from .actions import (
     EXPECTS,
@@ -284,7 +284,7 @@ class StepMachine:
         replaces the smoothed speed, so a member that recovered meanwhile is judged on its
         speed now."""
         self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
-        """Whether we froze in each of the last committed steps (``ftmesh.freezes``)."""
+        """Whether we froze in each of the last committed steps (``ftmesh.torch.freezes``)."""
         self._sit_out = False
         """Fail-slow: step out of the ring before the next attempt (:meth:`_pause`)."""
         self._pause_doublings = 0

@@ -36,11 +36,11 @@ from ftmesh.collective import CollectiveConfig
 from ftmesh.collective.backend import DeviceInfo, local_devices
 from ftmesh.collective.epochs import EpochConfig
 from ftmesh.errors import CollectiveError, PeerLostError
-from ftmesh.gpu_mesh import GpuCollectives, MeshRing
 from ftmesh.membership.config import MembershipConfig
-from ftmesh.mesh import MeshConfig
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.mesh.core import MeshConfig
+from ftmesh.mesh.gpu import GpuCollectives, MeshRing
 from ftmesh.net.node import NodeConfig
-from ftmesh.sync import SyncMesh
 
 MIB = 1 << 20
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
-from .errors import MeshNotFormedError, TrainingFinishedError
-from .membership.messages import MemberSnapshot, MemberState
-from .mesh_meta import advertises_state, role_of
-from .sync import SyncMesh
-from .training.start import Decision, Peer, StartConfig, StartGate, StartStatus
+from ..errors import MeshNotFormedError, TrainingFinishedError
+from ..membership.messages import MemberSnapshot, MemberState
+from ..mesh.blocking import SyncMesh
+from ..mesh.meta import advertises_state, role_of
+from ..training.start import Decision, Peer, StartConfig, StartGate, StartStatus
 
 log = logging.getLogger("ftmesh.start")
 

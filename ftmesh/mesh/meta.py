@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from .errors import ConfigError, RemoteProtocolError
-from .membership.messages import Address, MemberSnapshot, MemberState, Meta
+from ..errors import ConfigError, RemoteProtocolError
+from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 
 log = logging.getLogger("ftmesh.mesh")
 

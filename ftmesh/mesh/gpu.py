@@ -28,8 +28,8 @@ from typing import Any
 
 import trio
 
-from .collective import CollectiveResult, RingView
-from .collective.backend import (
+from ..collective import CollectiveResult, RingView
+from ..collective.backend import (
     DEVICES_KEY,
     Backend,
     DeviceInfo,
@@ -38,10 +38,10 @@ from .collective.backend import (
     parse_devices,
     view_backend,
 )
-from .collective.epochs import CollectiveOp, CommFactory, EpochConfig, EpochManager, Kind
-from .collective.tcp_backend import TcpControl
-from .net.node import Node
-from .sync import SyncMesh
+from ..collective.epochs import CollectiveOp, CommFactory, EpochConfig, EpochManager, Kind
+from ..collective.tcp_backend import TcpControl
+from ..net.node import Node
+from .blocking import SyncMesh
 
 
 def is_device_buffer(x: Any) -> bool:
@@ -118,7 +118,7 @@ class GpuCollectives:
         """Advertise ``devices`` (default: probed), build the manager on ``factory``
         (default: NCCL, which must then be loadable) and follow membership."""
         if factory is None:
-            from .collective.nccl import NcclFactory
+            from ..collective.nccl import NcclFactory
 
             factory = NcclFactory()
         info = devices if devices is not None else local_devices()

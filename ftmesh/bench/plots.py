@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Series = dict[str, list[tuple[float, float]]]
 """label -> points (x, y), sorted by x."""

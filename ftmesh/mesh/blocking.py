@@ -1,4 +1,4 @@
-"""Blocking facade over :class:`ftmesh.mesh.Mesh` for training loops not written in trio.
+"""Blocking facade over :class:`ftmesh.mesh.core.Mesh` for training loops not written in trio.
 
 Theory of operation: :meth:`SyncMesh.start` runs ``open_mesh`` inside ``trio.run`` on a private
 daemon thread and waits until the member has joined. Each blocking call is handed to that
@@ -38,16 +38,16 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from .collective import CollectiveResult, RingPeerLostError, RingView
-from .collective.reach import Exclusion
-from .errors import FtmeshError, MeshClosedError
-from .job_thread import JobThread
-from .membership.messages import MemberSnapshot, Meta
-from .mesh import Mesh, MeshConfig, open_mesh
-from .mesh_meta import Progress
-from .settings import Settings
-from .state import Lookup, Snapshot, TransferStats
-from .training.start import StartConfig
+from ..collective import CollectiveResult, RingPeerLostError, RingView
+from ..collective.reach import Exclusion
+from ..errors import FtmeshError, MeshClosedError
+from ..membership.messages import MemberSnapshot, Meta
+from ..settings import Settings
+from ..state import Lookup, Snapshot, TransferStats
+from ..training.start import StartConfig
+from .core import Mesh, MeshConfig, open_mesh
+from .jobs import JobThread
+from .meta import Progress
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
-from .errors import MeshClosedError
+from ..errors import MeshClosedError
 
 T = TypeVar("T")
 _Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .collective import Peer, reach
-from .collective.reach import Exclusion, ReachConfig, ReachEvent, ReachTracker
-from .errors import ConfigError
-from .membership.messages import MemberSnapshot, MemberState
-from .net.node import parse_hostport
+from ..collective import Peer, reach
+from ..collective.reach import Exclusion, ReachConfig, ReachEvent, ReachTracker
+from ..errors import ConfigError
+from ..membership.messages import MemberSnapshot, MemberState
+from ..net.node import parse_hostport
 
 if TYPE_CHECKING:
-    from .collective import DataPlane
-    from .net.node import Node
+    from ..collective import DataPlane
+    from ..net.node import Node
 
 log = logging.getLogger("ftmesh.mesh")
 

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from .collective import (
+from ..collective import (
     CollectiveConfig,
     CollectiveResult,
     DataPlane,
@@ -50,12 +50,23 @@ from .collective import (
     open_data_plane,
     reach,
 )
-from .collective.reach import Exclusion, ReachConfig, ReachEvent
-from .collective.transport import Ring
-from .errors import ConfigError, DeadlineExceeded, LocalUsageError
-from .membership.messages import MemberSnapshot, MemberState
-from .membership.swim import MemberEvent
-from .mesh_meta import (
+from ..collective.reach import Exclusion, ReachConfig, ReachEvent
+from ..collective.transport import Ring
+from ..errors import ConfigError, DeadlineExceeded, LocalUsageError
+from ..membership.messages import MemberSnapshot, MemberState
+from ..membership.swim import MemberEvent
+from ..net.node import Node, NodeConfig, open_node
+from ..state import (
+    Lookup,
+    Snapshot,
+    StateServer,
+    StateTransferError,
+    TransferConfig,
+    TransferStats,
+    fetch_state,
+    serve_state,
+)
+from .meta import (
     DATA_KEY,
     PROGRESS_KEY,
     ROLE_KEY,
@@ -66,18 +77,7 @@ from .mesh_meta import (
     MetadataGate,
     Progress,
 )
-from .mesh_reach import BAD_STATE_REASONS, REACH_KEY, ReachDriver, describe_exclusion, new_queue
-from .net.node import Node, NodeConfig, open_node
-from .state import (
-    Lookup,
-    Snapshot,
-    StateServer,
-    StateTransferError,
-    TransferConfig,
-    TransferStats,
-    fetch_state,
-    serve_state,
-)
+from .reach import BAD_STATE_REASONS, REACH_KEY, ReachDriver, describe_exclusion, new_queue
 
 T = TypeVar("T")
 log = logging.getLogger("ftmesh.mesh")
@@ -193,7 +193,7 @@ class Mesh:
         self.data_plane = dp
         self._nursery = nursery
         self.reach = ReachDriver(node, dp, config.reach, ring_exclusions, DATA_KEY, reach_events)
-        """Our reachability judgements and their log (``ftmesh.mesh_reach``)."""
+        """Our reachability judgements and their log (``ftmesh.mesh.reach``)."""
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._seen: dict[str, tuple[str, MemberState, dict[str, Any]]] = {}  # see _material
@@ -224,7 +224,7 @@ class Mesh:
         return ring_exclusions(self.node.members())
 
     def usable_members(self) -> list[MemberInfo]:
-        """Every known member whose metadata parses (see ``ftmesh.mesh_meta``)."""
+        """Every known member whose metadata parses (see ``ftmesh.mesh.meta``)."""
         return self.metadata.usable(self.node.members())
 
     async def wait_view(
