@@ -47,7 +47,7 @@ def correctness(dp: SyncDataPlane, view: RingView, rank: int) -> None:
                 st = np.stack(allx) if size else np.zeros((n, 0))
                 want = {"sum": st.sum(0), "avg": st.mean(0), "min": st.min(0), "max": st.max(0)}
                 x = member_input(dtype, size, rank, seed)
-                res = dp.allreduce(view, x, op=op)
+                res = dp.session(view).allreduce(x, op=op)
                 err = float(np.abs(x.astype(np.float64) - want[op]).max()) if size else 0.0
                 ok = err <= TOL.get(dtype, 0.0) * n and res.members == view.node_ids
                 emit(
@@ -61,11 +61,11 @@ def correctness(dp: SyncDataPlane, view: RingView, rank: int) -> None:
     for size in sizes:
         allx = [member_input("float32", size, r, size) for r in range(n)]
         x = allx[rank]
-        rs = dp.reduce_scatter(view, x).output
+        rs = dp.session(view).reduce_scatter(x).output
         part = np.array_split(np.sum([a.astype(np.float64) for a in allx], 0), n)[rank]
         ok = rs.shape == part.shape and bool(np.allclose(rs, part, atol=1e-5 * n))
         emit({"case": f"reduce_scatter/{size}/{rank}", "ok": ok, "hash": ""})
-        ag = dp.allgather(view, x).output
+        ag = dp.session(view).allgather(x).output
         ok = bool(np.array_equal(ag, np.stack(allx)))
         emit(
             {
@@ -75,12 +75,12 @@ def correctness(dp: SyncDataPlane, view: RingView, rank: int) -> None:
             }
         )
         b = x.copy()
-        dp.broadcast(view, b, root=view.node_ids[0])
+        dp.session(view).broadcast(b, root=view.node_ids[0])
         ok = bool(np.array_equal(b, allx[0]))
         emit(
             {"case": f"broadcast/{size}", "ok": ok, "hash": hashlib.sha256(b.tobytes()).hexdigest()}
         )
-    dp.barrier(view)
+    dp.session(view).barrier()
     emit({"case": "done", "ok": True, "hash": ""})
 
 
@@ -88,7 +88,7 @@ def until_lost(dp: SyncDataPlane, view: RingView) -> None:
     x = np.ones(4 << 20, np.float32)  # 16 MiB
     for i in range(500):  # bounded: the parent kills a member long before
         try:
-            dp.allreduce(view, x)
+            dp.session(view).allreduce(x)
         except PeerLostError as exc:
             emit(
                 {

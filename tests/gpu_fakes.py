@@ -11,7 +11,7 @@ from typing import Any
 from ftmesh.collective import RingView
 from ftmesh.collective.aborts import CommFailure
 from ftmesh.collective.backend import Backend
-from ftmesh.collective.epochs import SETUP_BYTES, CollectiveOp, SetupRecord
+from ftmesh.collective.epochs import SETUP_BYTES, GpuCall, SetupRecord
 
 
 class FakeClock:
@@ -38,7 +38,7 @@ class FakeComm:
             raise CommFailure(self.factory.init_error, "init failed")
         return not self.factory.init_hangs
 
-    def start(self, op: CollectiveOp) -> None:
+    def start(self, op: GpuCall) -> None:
         self.factory.events.append(f"start {op.kind.value}")
         self.factory.started.set()
 

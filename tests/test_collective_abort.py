@@ -153,7 +153,7 @@ def test_abort_view_unblocks_the_sync_api() -> None:
 
         def go(i: int) -> None:
             try:
-                dps[i].allreduce(view, np.ones(1 << 20, np.float32))
+                dps[i].session(view).allreduce(np.ones(1 << 20, np.float32))
                 results[i] = None
             except BaseException as exc:  # reported below
                 results[i] = exc

@@ -18,7 +18,7 @@ from test_collective_inproc import on_all, ring_of
 
 from ftmesh.collective import InputMismatchError, Peer, RingPeerLostError, RingView
 from ftmesh.collective import compressed as comp_mod
-from ftmesh.collective.ops import stage
+from ftmesh.collective.ops import CollectiveOp, stage
 from ftmesh.compression import Int8Compression
 from ftmesh.errors import LocalUsageError
 
@@ -264,7 +264,9 @@ async def test_a_round_aborted_by_a_loss_keeps_residuals_and_the_retry_succeeds(
                 out[i] = exc
 
         async def frozen_after_scales() -> None:
-            plan = dps[2].plan_allreduce(view, np.zeros(size, np.float32), "sum", comps[2])
+            plan = dps[2].plan(
+                view, CollectiveOp.allreduce("sum", comps[2]), np.zeros(size, np.float32)
+            )
             plan.then = None  # run the scales round, never the integer one
             await dps[2].run_plan(plan)
 

@@ -266,8 +266,8 @@ def test_sync_facade() -> None:
         def go(i: int) -> None:
             try:
                 for _ in range(3):
-                    dps[i].allreduce(view, arrs[i], op="max")
-                dps[i].barrier(view)
+                    dps[i].session(view).allreduce(arrs[i], op="max")
+                dps[i].session(view).barrier()
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
@@ -348,7 +348,7 @@ def test_a_round_interrupted_in_the_callers_thread_breaks_the_ring() -> None:
         opener.join(10)
         timer.start()
         with pytest.raises(Interrupted):
-            dps[0].allreduce(view, np.ones(1 << 16, np.float32))
+            dps[0].session(view).allreduce(np.ones(1 << 16, np.float32))
         assert dps[0].dp.whole_ring(view.epoch) is None
     finally:
         timer.cancel()

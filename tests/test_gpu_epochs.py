@@ -35,12 +35,13 @@ from ftmesh.collective.aborts import (
 from ftmesh.collective.backend import Backend
 from ftmesh.collective.epochs import (
     SETUP_BYTES,
-    CollectiveOp,
     EpochConfig,
     EpochManager,
+    GpuCall,
     Kind,
     SetupRecord,
 )
+from ftmesh.collective.session import SessionRing
 from ftmesh.collective.tcp_backend import TcpControl, TcpFactory
 from ftmesh.errors import MeshClosedError
 
@@ -244,8 +245,9 @@ def tcp_members(n: int) -> Iterator[tuple[list[SyncDataPlane], RingView]]:
 
 
 def tcp_manager(dp: SyncDataPlane, factory: Any = None, **kw: Any) -> EpochManager:
-    factory = factory or TcpFactory(dp, lambda ep: dp.abort_view(ep, "", "GPU epoch aborted"))
-    return EpochManager(dp.node_id, factory, TcpControl(dp), **kw)
+    ring = SessionRing(dp.session)
+    factory = factory or TcpFactory(ring, lambda ep: dp.abort_view(ep, "", "GPU epoch aborted"))
+    return EpochManager(dp.node_id, factory, TcpControl(ring), **kw)
 
 
 def on_each(fns: Sequence[Callable[[], Any]], timeout: float = 60) -> list[Any]:
@@ -308,8 +310,8 @@ class NoNcclFactory(TcpFactory):
 def test_tcp_one_member_without_nccl_sends_the_whole_view_to_staging() -> None:
     with tcp_members(3) as (dps, view):
 
-        def staging(dp: SyncDataPlane) -> Callable[[RingView, CollectiveOp], None]:
-            return lambda v, op: dp.allreduce(v, op.buffer, op.op)
+        def staging(dp: SyncDataPlane) -> Callable[[RingView, GpuCall], None]:
+            return lambda v, op: dp.session(v).allreduce(op.buffer, op.op)
 
         mgrs = [
             tcp_manager(
@@ -326,7 +328,7 @@ def test_tcp_one_member_without_nccl_sends_the_whole_view_to_staging() -> None:
 
 def test_tcp_agreement_needs_every_vote_and_one_token() -> None:
     with tcp_members(3) as (dps, view):
-        ctl = [TcpControl(d) for d in dps]
+        ctl = [TcpControl(SessionRing(d.session)) for d in dps]
         same = bytes(range(16))
         assert on_each([lambda i=i: ctl[i].agree(view, True, same) for i in range(3)]) == [True] * 3
         assert (

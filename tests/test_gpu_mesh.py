@@ -1,5 +1,6 @@
-"""``GpuCollectives`` on real meshes in one process (SWIM over loopback, same-host
-discovery, the data-plane ring as the control channel), with the injected backend of
+"""The GPU path of ``ViewSession`` (``SyncMesh.enable_gpu``) on real meshes in one process
+(SWIM over loopback, same-host discovery, the data-plane ring as the control channel), with
+the injected backend of
 ``gpu_fakes`` standing in for NCCL: the root's choice from every member's advertised devices
 (a mixed mesh stages, and its results are right), the set-up record over the mesh's ring, and
 membership -- a member leaving -- aborting a GPU collective that waits for it."""
@@ -20,15 +21,14 @@ from tests_support import local_mesh_config
 from ftmesh.collective.aborts import GpuPeerLostError
 from ftmesh.collective.backend import Backend, DeviceInfo
 from ftmesh.collective.epochs import EpochConfig
+from ftmesh.collective.session import GpuPath
 from ftmesh.mesh.blocking import SyncMesh
-from ftmesh.mesh.gpu import GpuCollectives
 
 GPU = DeviceInfo(1, 23203)
 
 
-def attach(m: SyncMesh, devices: DeviceInfo, factory: FakeFactory) -> GpuCollectives:
-    return GpuCollectives.attach(
-        m,
+def attach(m: SyncMesh, devices: DeviceInfo, factory: FakeFactory) -> GpuPath:
+    return m.enable_gpu(
         factory=factory,
         devices=devices,
         config=EpochConfig(op_timeout=120.0),
@@ -56,7 +56,7 @@ def test_backend_choice_setup_over_the_mesh_and_membership_aborts(tmp_path: Path
 
         # one member without a GPU: the root chooses staging, and staging is right
         xs = [np.full(100, i + 1.0, np.float32) for i in range(3)]
-        results = in_threads(ms, lambda m: gpus[ms.index(m)].allreduce(view, xs[ms.index(m)]))
+        results = in_threads(ms, lambda m: m.session(view).allreduce(xs[ms.index(m)]))
         assert not [r for r in results if isinstance(r, BaseException)], results
         assert all((x == 6).all() for x in xs)
         assert [g.manager.backend_of(view) for g in gpus] == [Backend.STAGING] * 3
@@ -65,9 +65,7 @@ def test_backend_choice_setup_over_the_mesh_and_membership_aborts(tmp_path: Path
         # the GPU member without a GPU leaves: the two left set up "NCCL" over the mesh
         ms[2].close()
         pair = common_view(ms[:2], 2)
-        results = in_threads(
-            ms[:2], lambda m: gpus[ms.index(m)].allreduce(pair, np.ones(4, np.float32))
-        )
+        results = in_threads(ms[:2], lambda m: m.session(pair).allreduce(np.ones(4, np.float32)))
         assert not [r for r in results if isinstance(r, BaseException)], results
         assert [g.manager.backend_of(pair) for g in gpus[:2]] == [Backend.NCCL] * 2
         assert all(f.events.count(f"create {pair.epoch}") == 1 for f in factories[:2])
@@ -76,12 +74,10 @@ def test_backend_choice_setup_over_the_mesh_and_membership_aborts(tmp_path: Path
         # op_timeout (120 s)
         factories[0].op_hangs = True
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(gpus[0].allreduce, pair, np.ones(4, np.float32))
+            fut = pool.submit(ms[0].session(pair).allreduce, np.ones(4, np.float32))
             assert factories[0].started.wait(20)
             ms[1].close()
             with pytest.raises(GpuPeerLostError) as info:
                 fut.result(timeout=30)
         assert info.value.peer == pair.members[1 - pair.rank_of(ms[0].node_id)].node_id
         assert gpus[0].manager.wait_aborts(10) and factories[0].groups[-1] == [pair.epoch]
-        for g in gpus:
-            g.close()

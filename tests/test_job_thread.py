@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from ftmesh.collective.jobs import JobThread
 from ftmesh.errors import MeshClosedError
-from ftmesh.mesh.jobs import JobThread
 
 
 def test_jobs_run_in_order_one_at_a_time_and_run_waits_for_them() -> None:

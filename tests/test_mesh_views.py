@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import trio
 from tests_support import local_mesh_config
 
 from ftmesh.collective import ViewSupersededError
+from ftmesh.collective.ops import CollectiveOp, Kind
 from ftmesh.mesh.core import STATE_BYTES_KEY, Mesh, MeshConfig, open_mesh
 
 NO_HANG = 20.0
@@ -52,12 +54,14 @@ async def test_a_joiner_ends_rounds_waiting_on_the_old_view(tmp_path: Path) -> N
         assert old is not None
         async with trio.open_nursery() as nursery:  # everyone has used the old view
             for m in ms:
-                nursery.start_soon(m.on_view, old, "allreduce", np.ones(8))
+                nursery.start_soon(partial(m.run, CollectiveOp.allreduce(), np.ones(8), view=old))
         out: dict[int, Any] = {}
 
         async def waiter(i: int) -> None:
             try:
-                out[i] = await ms[i].on_view(old, "allreduce", np.ones(1 << 16, np.float32))
+                out[i] = await ms[i].run(
+                    CollectiveOp.allreduce(), np.ones(1 << 16, np.float32), view=old
+                )
             except Exception as exc:
                 out[i] = exc
 
@@ -96,7 +100,7 @@ async def test_a_view_that_is_no_longer_current_fails_at_once(tmp_path: Path) ->
         await stack.enter_async_context(open_mesh(config(tmp_path)))
         await views_of(ms, 3)
         with trio.fail_after(1.0), pytest.raises(ViewSupersededError):
-            await ms[0].on_view(old, "barrier", None)
+            await ms[0].run(CollectiveOp(kind=Kind.BARRIER), None, view=old)
 
 
 async def test_state_sizes_are_advertised_by_gossip_and_bounded(tmp_path: Path) -> None:

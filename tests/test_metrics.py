@@ -108,7 +108,7 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
         view = a.view()
         assert view is not None
         with ThreadPoolExecutor(2) as pool:
-            outs = list(pool.map(lambda m: m.allreduce_on(view, np.ones(1000)).output, (a, b)))
+            outs = list(pool.map(lambda m: m.session(view).allreduce(np.ones(1000)).output, (a, b)))
         assert all(np.array_equal(o, np.full(1000, 2.0)) for o in outs)
         a.register_statistics("trainer", _trainer_snapshot)
         addr = a.mesh.node.metrics_address

@@ -19,6 +19,7 @@ import pytest
 from tests_support import local_mesh_config
 
 from ftmesh.collective import RingView, ViewSupersededError
+from ftmesh.collective.ops import CollectiveOp
 from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.mesh.core import MeshConfig
 
@@ -68,15 +69,15 @@ def test_collectives_on_an_open_ring_skip_trio(tmp_path: Path) -> None:
     with meshes(3, tmp_path) as (_, ms):
         view = common_view(ms, 3)
         calls = [0] * len(ms)
-        for i, m in enumerate(ms):  # count the collectives that go through trio
-            orig = m.mesh.on_view
+        for i, m in enumerate(ms):  # count the trips to trio (to open a ring)
+            orig = m.mesh.open_ring
 
             async def counted(*a: Any, _orig: Any = orig, _i: int = i) -> Any:
                 calls[_i] += 1
                 return await _orig(*a)
 
-            m.mesh.on_view = counted  # type: ignore[method-assign]
-        first = in_threads(ms, lambda m: m.allreduce_on(view, np.ones(4)).output)
+            m.mesh.open_ring = counted  # type: ignore[method-assign]
+        first = in_threads(ms, lambda m: m.session(view).allreduce(np.ones(4)).output)
         assert all(np.array_equal(x, np.full(4, 3.0)) for x in first), first
         assert calls == [1, 1, 1]  # the first opens the ring, in trio
         assert all(m.mesh.ring_in_use(view) is not None for m in ms)
@@ -84,8 +85,9 @@ def test_collectives_on_an_open_ring_skip_trio(tmp_path: Path) -> None:
         def step(m: SyncMesh) -> list[np.ndarray]:
             rank = view.rank_of(m.node_id)
             bufs = [np.full(1000 * (k + 1), float(rank + k), np.float32) for k in range(3)]
-            futures = [m.submit_on_view(view, "allreduce", b) for b in bufs[:2]]
-            m.allreduce_on(view, bufs[2])  # runs here, after the two submitted
+            ring = m.session(view)
+            futures = [ring.submit(CollectiveOp.allreduce(), b) for b in bufs[:2]]
+            ring.allreduce(bufs[2])  # runs here, after the two submitted
             for f in futures:
                 f.result(NO_HANG)
             return bufs
@@ -102,13 +104,13 @@ def test_a_new_member_ends_a_round_running_outside_trio(tmp_path: Path) -> None:
     never enters; a fourth member's arrival ends it at once with ``ViewSupersededError``."""
     with meshes(3, tmp_path) as (stack, ms):
         view = common_view(ms, 3)
-        in_threads(ms, lambda m: m.barrier_on(view))
+        in_threads(ms, lambda m: m.session(view).barrier())
         assert all(m.mesh.ring_in_use(view) is not None for m in ms)
         out: list[Any] = []
 
         def waiter() -> None:
             def wait(m: SyncMesh) -> Any:
-                return m.allreduce_on(view, np.ones(1 << 16, np.float32))
+                return m.session(view).allreduce(np.ones(1 << 16, np.float32))
 
             out.extend(in_threads(ms[:2], wait))
 
@@ -123,12 +125,12 @@ def test_a_new_member_ends_a_round_running_outside_trio(tmp_path: Path) -> None:
             assert isinstance(exc, ViewSupersededError), exc
             assert exc.epoch == view.epoch
         new = common_view(ms, 4)
-        sums = in_threads(ms, lambda m: m.allreduce_on(new, np.ones(10)).output)
+        sums = in_threads(ms, lambda m: m.session(new).allreduce(np.ones(10)).output)
         assert all(np.array_equal(s, np.full(10, 4.0)) for s in sums), sums
 
 
-def test_an_unknown_collective_is_refused(tmp_path: Path) -> None:
+def test_an_unknown_reduction_is_refused(tmp_path: Path) -> None:
     with meshes(1, tmp_path) as (_, ms):
         view = common_view(ms, 1)
-        with pytest.raises(ValueError, match="unknown collective"):
-            ms[0].submit_on_view(view, "bogus", np.ones(1)).result(NO_HANG)
+        with pytest.raises(ValueError, match="unknown reduce op"):
+            ms[0].session(view).allreduce(np.ones(1), "bogus")

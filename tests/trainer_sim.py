@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ftmesh.collective.ops import CollectiveOp, Kind
 from ftmesh.collective.view import Peer, RingView
 from ftmesh.errors import CollectiveError, DeadlineExceeded, Departed, PeerLostError
 from ftmesh.membership.messages import MemberState
@@ -258,6 +259,41 @@ class Hub:
         self.history.append(RoundRecord(kind, r.dtype, r.members, frozenset(errors)))
 
 
+class FakeSession:
+    """The part of ``ViewSession`` that ``ElasticTrainer`` uses, on the hub."""
+
+    def __init__(self, mesh: FakeMesh, view: RingView) -> None:
+        self.hub, self.node_id, self.view = mesh.hub, mesh.node_id, view
+
+    def run(self, op: CollectiveOp, x: np.ndarray) -> Any:
+        assert op.compression is None, "the fake mesh does not compress"
+        if op.kind is Kind.BARRIER:
+            self.hub.collective(self.node_id, self.view, "allgather", np.zeros(1), "")
+            return SimpleNamespace(output=None)
+        out = self.hub.collective(self.node_id, self.view, op.kind.value, x, op.op)
+        if op.kind is Kind.ALLREDUCE:
+            x[...] = out
+            out = x
+        return SimpleNamespace(output=out)
+
+    def submit(self, op: CollectiveOp, x: np.ndarray) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(self.run(op, x))
+        except Exception as exc:  # a failed collective: the future carries it
+            fut.set_exception(exc)
+        return fut
+
+    def allreduce(self, x: np.ndarray, op: str = "sum", compression: Any = None) -> Any:
+        return self.run(CollectiveOp.allreduce(op, compression), x)
+
+    def allgather(self, x: np.ndarray) -> Any:
+        return self.run(CollectiveOp(kind=Kind.ALLGATHER), x)
+
+    def barrier(self, io_timeout: float | None = None) -> Any:
+        return self.run(CollectiveOp(kind=Kind.BARRIER, io_timeout=io_timeout), None)
+
+
 class FakeMesh:
     """One member's handle on the hub: the part of ``SyncMesh`` that ``ElasticTrainer``
     uses."""
@@ -267,7 +303,6 @@ class FakeMesh:
     def __init__(self, hub: Hub, node_id: str) -> None:
         self.hub = hub
         self.node_id = node_id
-        self.mesh = SimpleNamespace(on_view=None)
         self.progress: Any = None  # the last report_progress
         self._leave = False
         hub.add(node_id)
@@ -341,30 +376,8 @@ class FakeMesh:
                 for m, role in self.hub.roles.items()
             ]
 
-    def allreduce_on(
-        self, view: RingView, x: np.ndarray, op: str = "sum", compression: Any = None
-    ) -> Any:
-        assert compression is None, "the fake mesh does not compress"
-        x[...] = self.hub.collective(self.node_id, view, "allreduce", x, op)
-        return SimpleNamespace(output=x)
-
-    def allgather_on(self, view: RingView, x: np.ndarray) -> Any:
-        return SimpleNamespace(output=self.hub.collective(self.node_id, view, "allgather", x, ""))
-
-    def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
-        self.hub.collective(self.node_id, view, "allgather", np.zeros(1), "")
-
-    def submit_on_view(
-        self, view: RingView, kind: str, buf: np.ndarray, op: str, compression: Any = None
-    ) -> Future[Any]:
-        assert compression is None, "the fake mesh does not compress"
-        fut: Future[Any] = Future()
-        try:
-            buf[...] = self.hub.collective(self.node_id, view, kind, buf, op)
-            fut.set_result(None)
-        except Exception as exc:  # a failed collective: the future carries it
-            fut.set_exception(exc)
-        return fut
+    def session(self, view: RingView) -> FakeSession:
+        return FakeSession(self, view)
 
     def drop_view(self, view: RingView) -> None:
         pass

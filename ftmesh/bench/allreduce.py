@@ -197,13 +197,14 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
                 continue
             bufs = {k: np.zeros(elems, np.float32) for k in impls}
             fns: dict[str, Callable[[], object]] = {}
+            session = dp.session(view)
             if "ftmesh" in bufs:
-                fns["ftmesh"] = functools.partial(dp.allreduce, view, bufs["ftmesh"])
+                fns["ftmesh"] = functools.partial(session.allreduce, bufs["ftmesh"])
             if dp_enc is not None and enc_view is not None:
-                fns[ENC] = functools.partial(dp_enc.allreduce, enc_view, bufs[ENC])
+                fns[ENC] = functools.partial(dp_enc.session(enc_view).allreduce, bufs[ENC])
             if INT8 in bufs:  # one residual per buffer, carried from repetition to repetition
                 comp = Int8Compression(cfg["block_size"])
-                fns[INT8] = functools.partial(dp.allreduce, view, bufs[INT8], "sum", comp)
+                fns[INT8] = functools.partial(session.allreduce, bufs[INT8], "sum", comp)
             if "gloo" in bufs:
                 fns["gloo"] = functools.partial(dist.all_reduce, torch.from_numpy(bufs["gloo"]))
             if "ceiling" in bufs:

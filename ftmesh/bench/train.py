@@ -83,7 +83,9 @@ def _worker(
     from torch.nn.parallel import DistributedDataParallel
 
     import ftmesh
+    from ftmesh.bench.sessions import time_sessions
     from ftmesh.bench.workloads import make_data, make_model, make_optimizer, param_count
+    from ftmesh.collective.ops import CollectiveOp, Kind
     from ftmesh.torch import ElasticSampler, ElasticTrainer
     from ftmesh.torch.buckets import micro_batches
 
@@ -155,11 +157,13 @@ def _worker(
                 # from the first bucket submitted to the last one done.
                 spans: list[tuple[float, float]] = []
 
-                def timed(orig: Any, spans: list[tuple[float, float]] = spans) -> Any:
-                    def call(*args: Any, **kw: Any) -> Any:
+                def timed(_method: str, orig: Any, spans: list[tuple[float, float]] = spans) -> Any:
+                    def call(op: CollectiveOp, buf: Any) -> Any:
+                        if op.kind is not Kind.ALLREDUCE:
+                            return orig(op, buf)
                         t = time.perf_counter()
                         try:
-                            out = orig(*args, **kw)
+                            out = orig(op, buf)
                         except BaseException:
                             spans.append((t, time.perf_counter()))
                             raise
@@ -171,8 +175,7 @@ def _worker(
 
                     return call
 
-                for name in ("allreduce_on", "submit_on_view"):
-                    setattr(mesh, name, timed(getattr(mesh, name)))
+                time_sessions(mesh, timed)
                 grads = torch.zeros(param_count(model_f) + 2)
 
                 in_ar = [0.0]

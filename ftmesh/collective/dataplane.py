@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import trio
 
-from ..compression import as_compression
+from ..compression import Int8Compression
 from ..errors import LocalUsageError
 from ..security import MeshAuth
 from ..stats import CollectiveStatistics
@@ -31,7 +31,16 @@ from . import compressed, schedule, shared_scale
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline, abort_error
 from .errors import RingPeerLostError
-from .ops import REDUCE_OPS, Staged, empty_like_input, reducer, scaler, stage
+from .ops import (
+    REDUCE_OPS,
+    CollectiveOp,
+    Kind,
+    Staged,
+    empty_like_input,
+    reducer,
+    scaler,
+    stage,
+)
 from .reach import RingFailed, RingWorked
 from .statistics import CollectiveRecorder
 from .transport import Observer, Ring, Transport, tune_socket
@@ -150,71 +159,66 @@ class DataPlane:
         """Inbound connections refused, by reason (``bad_mac``, ``wrong_mesh``...)."""
         return dict(self._transport.dropped)
 
-    # -- public collectives -----------------------------------------------------------------
+    # -- async collectives (inside trio) -------------------------------------------------------
+    async def run(self, view: RingView, op: CollectiveOp, x: T) -> CollectiveResult[T]:
+        """Run collective ``op`` on ``x`` over ``view`` (see ``plan`` for what each kind does),
+        opening the view's ring first if needed; the engine runs in a worker thread."""
+        return await self.run_plan(self.plan(view, op, x))
+
     async def allreduce(
         self, view: RingView, x: T, op: str = "sum", compression: Any = None
     ) -> CollectiveResult[T]:
-        """Reduce ``x`` elementwise over all members, in place. ``avg`` divides by view size.
-
-        ``compression``: None (default), ``"int8"`` or an ``ftmesh.compression.Int8Compression``
-        (which keeps the error-feedback residual from one call to the next): ``x`` travels as
-        blockwise int8 (``ftmesh.collective.compressed``), for float16, bfloat16 and float32
-        with ``sum`` or ``avg``; every member must pass the same setting."""
-        return await self.run_plan(self.plan_allreduce(view, x, op, compression))
+        """``run`` of an allreduce; ``compression``: None, ``"int8"`` or an
+        ``Int8Compression`` (see ``plan``)."""
+        return await self.run(view, CollectiveOp.allreduce(op, compression), x)
 
     async def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        """Reduce ``x`` over all members and return this member's block of the flattened
-        result: blocks are ``np.array_split(x.ravel(), N)`` in ring order. ``x`` is untouched."""
-        return await self.run_plan(self.plan_reduce_scatter(view, x, op))
+        return await self.run(view, CollectiveOp(kind=Kind.REDUCE_SCATTER, op=op), x)
 
     async def allgather(self, view: RingView, x: T) -> CollectiveResult[T]:
-        """Gather every member's ``x`` (same dtype and shape everywhere) into a new array of
-        shape ``(N, *x.shape)``, in ring (sorted node id) order."""
-        return await self.run_plan(self.plan_allgather(view, x))
+        return await self.run(view, CollectiveOp(kind=Kind.ALLGATHER), x)
 
     async def broadcast(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
-        """Overwrite ``x`` on every member with the root member's ``x`` (in place)."""
-        return await self.run_plan(self.plan_broadcast(view, x, root))
+        return await self.run(view, CollectiveOp(kind=Kind.BROADCAST, root=root), x)
 
     async def barrier(
         self, view: RingView, io_timeout: float | None = None
     ) -> CollectiveResult[None]:
-        """Return once every member of the view has entered the barrier. ``io_timeout``
-        (never below the config's) bounds the wait for a neighbour to enter: raise it where
-        members legitimately arrive far apart, e.g. after one fetched a large state. A member
-        that dies meanwhile is still noticed at once (closed sockets, or ``abort_view``)."""
-        return await self.run_plan(self.plan_on(view, "barrier", None, io_timeout=io_timeout))
+        return await self.run(view, CollectiveOp(kind=Kind.BARRIER, io_timeout=io_timeout), None)
 
-    # -- plans: everything but the I/O (shared by the async and the sync API) -------------------
-    def plan_on(
-        self,
-        view: RingView,
-        kind: str,
-        x: Any,
-        op: str = "sum",
-        root: str = "",
-        io_timeout: float | None = None,
-        compression: Any = None,
-    ) -> Plan[Any]:
-        """The plan of collective ``kind``: ``allreduce`` (``op``, ``compression``),
-        ``allgather``, ``broadcast`` (from ``root``) or ``barrier`` (``x`` unused;
-        ``io_timeout``: see ``barrier``)."""
-        if kind == "allreduce":
-            return self.plan_allreduce(view, x, op, compression)
-        if compression is not None:
-            raise LocalUsageError(f"compression applies to allreduce, not {kind}")
-        if kind == "allgather":
-            return self.plan_allgather(view, x)
-        if kind == "broadcast":
-            return self.plan_broadcast(view, x, root)
-        if kind == "barrier":
-            plan = self.plan_barrier(view)
-            plan.io_timeout = io_timeout
-            return plan
-        raise LocalUsageError(f"unknown collective {kind!r}")
+    # -- the planner: everything but the I/O (shared by the async and the blocking paths) -------
+    def plan(self, view: RingView, op: CollectiveOp, x: Any) -> Plan[Any]:
+        """The plan of collective ``op`` on this member's ``x``:
 
-    def plan_allreduce(self, view: RingView, x: T, op: str, compression: Any = None) -> Plan[T]:
-        comp = as_compression(compression)
+        - ``ALLREDUCE``: reduce ``x`` elementwise over all members, in place (``avg`` divides
+          by the view's size). With ``op.compression`` (float16, bfloat16 and float32, ``sum``
+          or ``avg``) ``x`` travels as blockwise int8 (``compressed``, ``shared_scale``); every
+          member must pass the same setting.
+        - ``REDUCE_SCATTER``: this member's block of the reduced, flattened ``x`` (blocks are
+          ``np.array_split(x.ravel(), N)`` in ring order); ``x`` is untouched.
+        - ``ALLGATHER``: every member's ``x`` (same dtype and shape everywhere) in a new array
+          of shape ``(N, *x.shape)``, in ring (sorted node id) order.
+        - ``BROADCAST``: overwrite ``x`` with the root member's ``x``, in place.
+        - ``BARRIER``: ``x`` unused; done once every member entered it. ``op.io_timeout``
+          (never below the config's) bounds the wait for a neighbour to enter; a member that
+          dies meanwhile is still noticed at once (closed sockets, or ``abort_view``).
+        """
+        if op.kind is Kind.ALLREDUCE:
+            plan = self._plan_allreduce(view, x, op.op, op.compression)
+        elif op.kind is Kind.REDUCE_SCATTER:
+            plan = self._plan_reduce_scatter(view, x, op.op)
+        elif op.kind is Kind.ALLGATHER:
+            plan = self._plan_allgather(view, x)
+        elif op.kind is Kind.BROADCAST:
+            plan = self._plan_broadcast(view, x, op.root)
+        else:
+            plan = self._plan_barrier(view)
+        plan.io_timeout = op.io_timeout
+        return plan
+
+    def _plan_allreduce(
+        self, view: RingView, x: T, op: str, comp: Int8Compression | None
+    ) -> Plan[T]:
         st = stage(x, writable=True)
         if comp is not None:
             return self._plan_compressed(view, x, op, st, comp)
@@ -229,18 +233,13 @@ class DataPlane:
             return x
 
         return Plan(
-            view,
-            "allreduce",
-            op,
-            st.dtype,
-            st.shape,
-            None,
-            sched,
-            Buffers(st.flat, st.flat, red, scale),
-            finish,
-        )
+            view=view, kind="allreduce", op=op, dtype=st.dtype, shape=st.shape, sched=sched,
+            bufs=Buffers(st.flat, st.flat, red, scale), finish=finish,
+        )  # fmt: skip
 
-    def _plan_compressed(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
+    def _plan_compressed(
+        self, view: RingView, x: T, op: str, st: Staged, comp: Int8Compression
+    ) -> Plan[T]:
         quantized = int(st.flat.size) - comp.exact_tail
         if shared_scale.use_shared_scale(comp, quantized, view.size):
             return self._plan_shared_scale(view, x, op, st, comp)
@@ -262,23 +261,25 @@ class DataPlane:
             done()
             return x
 
-        plan = Plan(view, "allreduce", op, st.dtype, st.shape, None, sched, bufs, finish)
-        plan.codec = compressed.codec_header(comp)
-        return plan
+        return Plan(
+            view=view, kind="allreduce", op=op, dtype=st.dtype, shape=st.shape, sched=sched,
+            bufs=bufs, finish=finish, codec=compressed.codec_header(comp),
+        )  # fmt: skip
 
-    def _plan_shared_scale(self, view: RingView, x: T, op: str, st: Staged, comp: Any) -> Plan[T]:
+    def _plan_shared_scale(
+        self, view: RingView, x: T, op: str, st: Staged, comp: Int8Compression
+    ) -> Plan[T]:
         """Two rounds (``shared_scale``): the scales (and exact tail), then the integers."""
         compressed.check_compressible(op, st.dtype)
         run = shared_scale.SharedScaleRun(comp, st, op, view.size)
 
         def ring_plan(wire: Any, phase: str, red: Any, finish: Callable[[], Any]) -> Plan[Any]:
             sched = self._ring_schedule(view, wire.size, wire.itemsize)
-            plan = Plan(
-                view, "allreduce", op, st.dtype, st.shape, None, sched,
-                Buffers(wire, wire, red), finish,
+            return Plan(
+                view=view, kind="allreduce", op=op, dtype=st.dtype, shape=st.shape, sched=sched,
+                bufs=Buffers(wire, wire, red), finish=finish,
+                codec=shared_scale.codec_header(comp, view.size, phase),
             )  # fmt: skip
-            plan.codec = shared_scale.codec_header(comp, view.size, phase)
-            return plan
 
         def finish() -> T:
             run.finish()
@@ -292,7 +293,7 @@ class DataPlane:
         scales.then = integers
         return scales
 
-    def plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:
+    def _plan_reduce_scatter(self, view: RingView, x: T, op: str) -> Plan[T]:
         st = stage(x, writable=False)
         red, scale = self._reducers(op, st.dtype, view.size)
         bounds = schedule.segment_bounds(st.flat.size, view.size)
@@ -311,18 +312,11 @@ class DataPlane:
             return out  # type: ignore[return-value]
 
         return Plan(
-            view,
-            "reduce_scatter",
-            op,
-            st.dtype,
-            st.shape,
-            None,
-            sched,
-            Buffers(acc, st.flat, red, scale),
-            finish,
-        )
+            view=view, kind="reduce_scatter", op=op, dtype=st.dtype, shape=st.shape, sched=sched,
+            bufs=Buffers(acc, st.flat, red, scale), finish=finish,
+        )  # fmt: skip
 
-    def plan_allgather(self, view: RingView, x: T) -> Plan[T]:
+    def _plan_allgather(self, view: RingView, x: T) -> Plan[T]:
         st = stage(x, writable=False)
         nm, n = view.size, st.flat.size
         rank = view.rank_of(self.node_id)
@@ -343,18 +337,11 @@ class DataPlane:
             return out  # type: ignore[return-value]
 
         return Plan(
-            view,
-            "allgather",
-            None,
-            st.dtype,
-            st.shape,
-            None,
-            sched,
-            Buffers(out_st.flat, out_st.flat),
-            finish,
-        )
+            view=view, kind="allgather", dtype=st.dtype, shape=st.shape, sched=sched,
+            bufs=Buffers(out_st.flat, out_st.flat), finish=finish,
+        )  # fmt: skip
 
-    def plan_broadcast(self, view: RingView, x: T, root: str) -> Plan[T]:
+    def _plan_broadcast(self, view: RingView, x: T, root: str) -> Plan[T]:
         st = stage(x, writable=True)
         sched = schedule.chain(
             st.flat.size,
@@ -371,18 +358,11 @@ class DataPlane:
             return x
 
         return Plan(
-            view,
-            "broadcast",
-            None,
-            st.dtype,
-            st.shape,
-            root,
-            sched,
-            Buffers(st.flat, st.flat),
-            finish,
-        )
+            view=view, kind="broadcast", dtype=st.dtype, shape=st.shape, root=root, sched=sched,
+            bufs=Buffers(st.flat, st.flat), finish=finish,
+        )  # fmt: skip
 
-    def plan_barrier(self, view: RingView) -> Plan[None]:
+    def _plan_barrier(self, view: RingView) -> Plan[None]:
         empty = np.empty(0, np.uint8)
         sched = schedule.ring(
             [0] * (view.size + 1),
@@ -393,7 +373,13 @@ class DataPlane:
             chunk_bytes=self.config.chunk_bytes,
         )
         return Plan(
-            view, "barrier", None, "uint8", (0,), None, sched, Buffers(empty, empty), lambda: None
+            view=view,
+            kind="barrier",
+            dtype="uint8",
+            shape=(0,),
+            sched=sched,
+            bufs=Buffers(empty, empty),
+            finish=lambda: None,
         )
 
     # -- execution ------------------------------------------------------------------------
@@ -548,19 +534,19 @@ class DataPlane:
         return await self._transport.probe(peer, timeout)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Plan(Generic[T]):
     """A collective ready to run: its schedule, buffers and how to produce the output."""
 
     view: RingView
     kind: str
-    op: str | None
     dtype: str
     shape: tuple[int, ...]
-    root: str | None
     sched: schedule.Schedule
     bufs: Buffers
     finish: Callable[[], T]
+    op: str | None = None
+    root: str | None = None
     io_timeout: float | None = None
     """Raises the config's ``io_timeout`` for this collective (never lowers it)."""
     codec: str | None = None

@@ -49,7 +49,6 @@ through the factory and the control channel.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import logging
 import queue
@@ -61,7 +60,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..errors import ConfigError, FtmeshError, MeshClosedError
+from ..errors import ConfigError, FtmeshError, LocalUsageError, MeshClosedError
 from .aborts import (
     AbortReason,
     CommFailed,
@@ -77,24 +76,32 @@ from .aborts import (
 from .backend import Backend
 from .dataplane import CollectiveResult
 from .errors import RingPeerLostError, ViewSupersededError
+from .ops import CollectiveOp, Kind
 from .view import RingView
 
 log = logging.getLogger(__name__)
 
 
-class Kind(enum.Enum):
-    ALLREDUCE = "allreduce"
-    BROADCAST = "broadcast"
+GPU_KINDS = (Kind.ALLREDUCE, Kind.BROADCAST)
+"""The collectives a GPU communicator runs (the others stage through the TCP ring)."""
 
 
 @dataclass(frozen=True)
-class CollectiveOp:
-    """One collective on one buffer, in place. ``root`` is a rank (broadcast)."""
+class GpuCall:
+    """One collective (``ops.CollectiveOp``) bound to its buffer, in place, as a communicator
+    runs it: ``root`` is a rank (broadcast)."""
 
     kind: Kind
     buffer: Any
     op: str = "sum"
     root: int = 0
+
+    @classmethod
+    def of(cls, view: RingView, op: CollectiveOp, buffer: Any) -> GpuCall:
+        if op.kind not in GPU_KINDS or op.compression is not None:
+            raise LocalUsageError(f"no GPU communicator runs {op}: stage it")
+        root = view.rank_of(op.root) if op.kind is Kind.BROADCAST else 0
+        return cls(op.kind, buffer, op.op, root)
 
 
 # -- the seams ----------------------------------------------------------------------------------
@@ -107,7 +114,7 @@ class Communicator(Protocol):
     def ready(self) -> bool:
         """Whether the (non-blocking) init has finished."""
 
-    def start(self, op: CollectiveOp) -> None:
+    def start(self, op: GpuCall) -> None:
         """Enqueue ``op`` (after ``ready``, one at a time)."""
 
     def done(self) -> bool:
@@ -325,7 +332,7 @@ class _Reaper:
 
 
 Chooser = Callable[[RingView], Backend]
-Fallback = Callable[[RingView, CollectiveOp], None]
+Fallback = Callable[[RingView, GpuCall], None]
 
 
 class EpochManager:
@@ -366,12 +373,12 @@ class EpochManager:
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, view: RingView, x: Any, op: str = "sum") -> CollectiveResult[Any]:
-        return self.run(view, CollectiveOp(Kind.ALLREDUCE, x, op))
+        return self.run(view, GpuCall(Kind.ALLREDUCE, x, op))
 
     def broadcast(self, view: RingView, x: Any, root: str) -> CollectiveResult[Any]:
-        return self.run(view, CollectiveOp(Kind.BROADCAST, x, root=view.rank_of(root)))
+        return self.run(view, GpuCall(Kind.BROADCAST, x, root=view.rank_of(root)))
 
-    def run(self, view: RingView, op: CollectiveOp) -> CollectiveResult[Any]:
+    def run(self, view: RingView, op: GpuCall) -> CollectiveResult[Any]:
         """Run ``op`` in place on ``view`` (set up first if the view is new), on NCCL or, if
         the view fell back, through ``fallback``. Raises the error of an abort reason."""
         view.rank_of(self.node_id)  # LocalUsageError if we are not a member

@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 from ..errors import FtmeshError, LocalUsageError
 from .aborts import CommFailure
-from .epochs import CollectiveOp, Kind
+from .epochs import GpuCall
+from .ops import Kind
 from .view import RingView
 
 NCCL_DTYPES = {
@@ -131,7 +132,7 @@ class NcclDriver(Protocol):
     def init(self, nranks: int, rank: int, uid: bytes) -> Any: ...
     def async_error(self, handle: Any) -> int: ...
     def error_string(self, handle: Any, code: int) -> str: ...
-    def collective(self, handle: Any, op: CollectiveOp, buf: DeviceBuffer) -> None: ...
+    def collective(self, handle: Any, op: GpuCall, buf: DeviceBuffer) -> None: ...
     def abort_group(self, handles: Sequence[Any]) -> None: ...
 
 
@@ -167,7 +168,7 @@ class Nccl4pyDriver:
             return str(handle.get_last_error())
         return f"NCCL error {code}"
 
-    def collective(self, handle: Any, op: CollectiveOp, buf: DeviceBuffer) -> None:
+    def collective(self, handle: Any, op: GpuCall, buf: DeviceBuffer) -> None:
         if op.kind is Kind.ALLREDUCE:
             red = self._nc.NcclRedOp(NCCL_OPS[op.op])
             handle.allreduce(buf.obj, buf.obj, red, stream=buf.stream)
@@ -263,7 +264,7 @@ class CupyDriver:
             return repr(handle.error)
         return f"NCCL error {code}"
 
-    def collective(self, handle: Any, op: CollectiveOp, buf: DeviceBuffer) -> None:
+    def collective(self, handle: Any, op: GpuCall, buf: DeviceBuffer) -> None:
         dt = NCCL_DTYPES[buf.dtype]
         if op.kind is Kind.ALLREDUCE:
             handle.allReduce(buf.ptr, buf.ptr, buf.count, dt, NCCL_OPS[op.op], buf.stream)
@@ -324,7 +325,7 @@ class NcclCommunicator:
                 self.handle = self.handle.comm
             return True
 
-    def start(self, op: CollectiveOp) -> None:
+    def start(self, op: GpuCall) -> None:
         buf = device_buffer(op.buffer)
         if not nccl_supports(buf.dtype, op.op):
             raise LocalUsageError(f"NCCL cannot {op.op} {buf.dtype}: use staging")

@@ -1,4 +1,7 @@
-"""Array adapters and reduction kernels.
+"""What a collective is (``Kind``, ``CollectiveOp``), array adapters and reduction kernels.
+
+``CollectiveOp`` is the one description of a collective that every layer passes around: the
+session (``session``), the planner (``DataPlane.plan``) and the GPU epochs (``epochs``).
 
 Theory of operation: the ring engine only sees flat, C-contiguous NumPy arrays and raw byte
 views of them. ``stage()`` turns what the user passed (a NumPy array or a torch tensor, any
@@ -15,6 +18,7 @@ ring, so every member ends with the same bits whatever the kernel.
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +27,54 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..compression import Int8Compression, as_compression
 from ..errors import LocalUsageError
 
 Array = npt.NDArray[Any]
 Reducer = Callable[[Array, Array, Array], None]
 
 REDUCE_OPS = ("sum", "avg", "min", "max")
+
+
+class Kind(enum.Enum):
+    """The collectives every backend offers."""
+
+    ALLREDUCE = "allreduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    BARRIER = "barrier"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveOp:
+    """One collective, without its buffer: what every member of the view must call alike.
+
+    ``op``: the reduction (``REDUCE_OPS``) of an allreduce or reduce-scatter. ``root``: the
+    node id whose buffer a broadcast sends. ``compression``: an ``Int8Compression`` (allreduce
+    only; it carries the error-feedback residual from one call to the next). ``io_timeout``:
+    raises the data plane's for this collective (never lowers it), where members legitimately
+    arrive far apart (a barrier after a long state fetch)."""
+
+    kind: Kind
+    op: str = "sum"
+    root: str = ""
+    compression: Int8Compression | None = None
+    io_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER) and self.op not in REDUCE_OPS:
+            raise LocalUsageError(f"unknown reduce op {self.op!r}; use one of {REDUCE_OPS}")
+        if self.compression is not None and self.kind is not Kind.ALLREDUCE:
+            raise LocalUsageError(f"compression applies to allreduce, not {self.kind.value}")
+        if self.kind is Kind.BROADCAST and not self.root:
+            raise LocalUsageError("a broadcast needs its root's node id")
+
+    @classmethod
+    def allreduce(cls, op: str = "sum", compression: Any = None) -> CollectiveOp:
+        """``compression`` as callers give it: None, ``"int8"`` or an ``Int8Compression``."""
+        return cls(kind=Kind.ALLREDUCE, op=op, compression=as_compression(compression))
+
 
 _NUMPY_DTYPES = {
     "float16": np.float16,

@@ -1,11 +1,11 @@
 """Blocking facade for training loops that are not written in trio.
 
 Theory of operation: ``SyncDataPlane.start`` runs ``open_data_plane`` inside ``trio.run`` on a
-private daemon thread and waits until the listener is bound. A collective on a view whose ring is
-already open runs straight in the caller's thread (the engine is blocking-socket code, see
-``engine``); opening a ring for a new view is handed to the trio thread with
-``trio.from_thread.run``. Calls are serialised; the arrays are shared, not copied. Don't use the
-underlying async ``dp`` concurrently with this facade. ``close()`` (or leaving the ``with``
+private daemon thread and waits until the listener is bound. Collectives run on a
+``ViewSession`` (``session(view)``) like a mesh member's: on a view whose ring is open straight
+in the caller's thread, a new view's ring opened first by the trio thread. Calls are
+serialised; the arrays are shared, not copied. Don't use the underlying async ``dp``
+concurrently with this facade. ``close()`` (or leaving the ``with``
 block) cancels the trio run and joins the thread, bounded by ``join_timeout``.
 """
 
@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 
 from ..errors import FtmeshError, MeshClosedError
 from ..security import MeshAuth
 from .config import CollectiveConfig
-from .dataplane import CollectiveResult, DataPlane, Plan, open_data_plane
+from .dataplane import DataPlane, open_data_plane
+from .jobs import JobThread
+from .session import Host, ViewSession
+from .transport import Ring
 from .view import RingView
 
 T = TypeVar("T")
 
 
 class SyncDataPlane:
-    """Same collectives as ``DataPlane``, as blocking calls. Use ``SyncDataPlane.start``."""
+    """A data plane outside a mesh (benchmarks, tests), in a trio thread of its own; its
+    collectives run on ``session(view)``. Use ``SyncDataPlane.start``."""
 
     def __init__(self) -> None:
         self._dp: DataPlane | None = None
@@ -36,7 +40,8 @@ class SyncDataPlane:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._call_lock = threading.Lock()
+        self._jobs = JobThread("ftmesh-dp-collectives")
+        self._host: Host | None = None
 
     @classmethod
     def start(
@@ -94,39 +99,21 @@ class SyncDataPlane:
     def node_id(self) -> str:
         return self.dp.node_id
 
-    def _run(self, plan: Plan[T]) -> CollectiveResult[T]:
-        dp, token = self.dp, self._token
-        with self._call_lock:
-            ring = dp.cached_ring(plan.view)
-            if ring is None:
-                ring = trio.from_thread.run(dp.open_ring, plan.view, trio_token=token)
-            return dp.run_plan_blocking(ring, plan)
+    def _open_ring(self, view: RingView) -> Ring:
+        return trio.from_thread.run(self.dp.open_ring, view, trio_token=self._token)
 
     def open_ring(self, view: RingView) -> None:
         """Connect to the view's neighbours and agree on its epoch now (the first collective on
         a view does it otherwise)."""
-        dp, token = self.dp, self._token
-        with self._call_lock:
-            if dp.cached_ring(view) is None:
-                trio.from_thread.run(dp.open_ring, view, trio_token=token)
+        if self.dp.cached_ring(view) is None:
+            self._open_ring(view)
 
-    def allreduce(
-        self, view: RingView, x: T, op: str = "sum", compression: Any = None
-    ) -> CollectiveResult[T]:
-        """See ``DataPlane.allreduce`` (``compression``: ``"int8"``, an ``Int8Compression``)."""
-        return self._run(self.dp.plan_allreduce(view, x, op, compression))
-
-    def reduce_scatter(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self._run(self.dp.plan_reduce_scatter(view, x, op))
-
-    def allgather(self, view: RingView, x: T) -> CollectiveResult[T]:
-        return self._run(self.dp.plan_allgather(view, x))
-
-    def broadcast(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
-        return self._run(self.dp.plan_broadcast(view, x, root))
-
-    def barrier(self, view: RingView) -> CollectiveResult[None]:
-        return self._run(self.dp.plan_barrier(view))
+    def session(self, view: RingView) -> ViewSession:
+        """The collectives of ``view`` (``ViewSession``): the only way to run one here."""
+        if self._host is None:
+            dp = self.dp
+            self._host = Host(dp, self._jobs, dp.cached_ring, self._open_ring)
+        return ViewSession(view, self._host)
 
     def abort_view(self, epoch: str, peer: str, reason: str) -> None:
         """``DataPlane.abort_view`` from any thread (it hops to the trio thread); a collective
@@ -135,6 +122,7 @@ class SyncDataPlane:
         trio.from_thread.run_sync(dp.abort_view, epoch, peer, reason, trio_token=token)
 
     def close(self, join_timeout: float = 10.0) -> None:
+        self._jobs.close(0)
         token, stop = self._token, self._stop
         self._dp = None
         self._token = None

@@ -20,8 +20,9 @@ import numpy as np
 
 from ..errors import FtmeshError
 from .aborts import NCCL_REMOTE_ERROR, CommFailure
-from .epochs import CollectiveOp, Kind
+from .epochs import GpuCall
 from .errors import RingPeerLostError
+from .ops import Kind
 from .view import RingView
 
 
@@ -96,7 +97,7 @@ class TcpCommunicator:
     def ready(self) -> bool:
         return self._poll()
 
-    def start(self, op: CollectiveOp) -> None:
+    def start(self, op: GpuCall) -> None:
         ring, view = self._ring, self._view
         with self._lock:
             if self._aborted:  # as NCCL refuses a collective on an aborted communicator

@@ -3,9 +3,10 @@
 Theory of operation: :meth:`SyncMesh.start` runs ``open_mesh`` inside ``trio.run`` on a private
 daemon thread and waits until the member has joined. Each blocking call is handed to that
 thread with ``trio.from_thread.run`` and waits for its result; exceptions travel back
-unchanged. Collectives on a given view (``*_on``, ``submit_on_view``) skip trio once their
-ring is open (``Mesh.ring_in_use``): they drive the ring's sockets straight from the caller's
-thread, or, when submitted, from one job thread that runs them in submission order.
+unchanged. Collectives on a given view run on its ``ViewSession`` (``session(view)``,
+``ftmesh.collective.session``), which skips trio once the view's ring is open
+(``Mesh.ring_in_use``): it drives the ring's sockets straight from the caller's thread, or,
+when submitted, from one job thread that runs them in submission order.
 ``close()`` (or leaving the ``with`` block) leaves the mesh gracefully and joins the thread,
 bounded by a timeout.
 
@@ -38,15 +39,20 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from ..collective import CollectiveResult, RingPeerLostError, RingView
+from ..collective import CollectiveResult, RingView
+from ..collective.backend import DeviceInfo
+from ..collective.epochs import CommFactory, EpochConfig
+from ..collective.jobs import JobThread
 from ..collective.reach import Exclusion
-from ..errors import FtmeshError, MeshClosedError
+from ..collective.session import GpuPath, Host, ViewSession, is_device_buffer
+from ..collective.transport import Ring
+from ..errors import ConfigError, FtmeshError, LocalUsageError, MeshClosedError
 from ..membership.messages import MemberSnapshot, Meta
 from ..settings import Settings
 from ..state import Lookup, Snapshot, TransferStats
 from ..training.start import StartConfig
 from .core import Mesh, MeshConfig, open_mesh
-from .jobs import JobThread
+from .gpu import enable_gpu
 from .meta import Progress
 
 T = TypeVar("T")
@@ -79,6 +85,8 @@ class SyncMesh:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._jobs = JobThread("ftmesh-collectives")
+        self._host: Host | None = None
+        self._gpu: GpuPath | None = None
         self._leave_flag = False
         self._waking_progress = False  # a wake-up of the progress publisher is on its way
         self._leave_event = threading.Event()  # set from the trio thread (signal safety)
@@ -158,34 +166,45 @@ class SyncMesh:
         self.mesh  # noqa: B018 - raises if closed
         return self._jobs.submit(self.call, fn, *args)
 
-    def submit_on_view(
-        self, view: RingView, kind: str, x: T, op: str = "sum", compression: Any = None
-    ) -> Future[CollectiveResult[T]]:
-        """``Mesh.on_view`` without waiting (in order with ``submit``): e.g. a gradient
-        bucket's allreduce launched during backward."""
-        self.mesh  # noqa: B018 - raises if closed
-        return self._jobs.submit(self._on_view, view, kind, x, op, "", None, compression)
+    def session(self, view: RingView | None = None) -> ViewSession:
+        """The collectives of ``view`` (default: the current view), as a ``ViewSession``:
+        blocking calls and ``submit``, on the backend the view and each buffer call for. The
+        one way to run a collective on exactly a given view from a thread."""
+        if view is None:
+            view = self.view()
+            if view is None or self.node_id not in view:
+                raise ConfigError(f"{self.node_id} is not a training member of the mesh")
+        return ViewSession(view, self._session_host(), self._gpu)
 
-    def _on_view(
+    def _session_host(self) -> Host:
+        if self._host is None:
+            mesh = self.mesh
+
+            def open_ring(view: RingView) -> Ring:
+                return self.call(mesh.open_ring, view)
+
+            def peer_lost(peer: str) -> None:
+                self.call_sync(mesh.node.report_unreachable, peer)
+
+            self._host = Host(mesh.data_plane, self._jobs, mesh.ring_in_use, open_ring, peer_lost)
+        return self._host
+
+    def enable_gpu(
         self,
-        view: RingView,
-        kind: str,
-        x: T,
-        op: str,
-        root: str,
-        io_timeout: float | None,
-        compression: Any = None,
-    ) -> CollectiveResult[T]:
-        mesh = self.mesh
-        ring = mesh.ring_in_use(view)
-        if ring is None:  # a new view (or a broken ring): trio opens it
-            return self.call(mesh.on_view, view, kind, x, op, root, io_timeout, compression)
-        plan = mesh.data_plane.plan_on(view, kind, x, op, root, io_timeout, compression)
-        try:
-            return mesh.data_plane.run_plan_blocking(ring, plan)
-        except RingPeerLostError as exc:
-            self.call_sync(mesh.node.report_unreachable, exc.peer)
-            raise
+        *,
+        factory: CommFactory | None = None,
+        devices: DeviceInfo | None = None,
+        config: EpochConfig | None = None,
+        is_device: Callable[[Any], bool] = is_device_buffer,
+    ) -> GpuPath:
+        """Give this member's sessions a GPU path: advertise ``devices`` (default: probed),
+        build one communicator per view epoch on ``factory`` (default: NCCL, which must then
+        be loadable), chosen per view by its root from every member's devices, and follow
+        membership (a member suspected or gone aborts the GPU collectives that wait for it)."""
+        if self._gpu is not None:
+            raise LocalUsageError("the GPU path is enabled already")
+        self._gpu = enable_gpu(self, factory, devices, config, is_device)
+        return self._gpu
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the non-blocking ``fn(*args)`` in the mesh's trio thread."""
@@ -270,25 +289,6 @@ class SyncMesh:
     def barrier(self) -> CollectiveResult[None]:
         return self._jobs.run(self.call, self.mesh.barrier)
 
-    def allreduce_on(
-        self, view: RingView, x: T, op: str = "sum", compression: Any = None
-    ) -> CollectiveResult[T]:
-        """Allreduce on exactly ``view``; see :meth:`Mesh.on_view`. Runs in this thread, after
-        the collectives submitted before it."""
-        return self._jobs.run(self._on_view, view, "allreduce", x, op, "", None, compression)
-
-    def broadcast_on(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
-        """Broadcast from ``root`` on exactly ``view``; see :meth:`allreduce_on`."""
-        return self._jobs.run(self._on_view, view, "broadcast", x, "sum", root, None)
-
-    def allgather_on(self, view: RingView, x: T) -> CollectiveResult[T]:
-        """``allgather`` on exactly ``view``; see :meth:`allreduce_on`."""
-        return self._jobs.run(self._on_view, view, "allgather", x, "sum", "", None)
-
-    def barrier_on(self, view: RingView, io_timeout: float | None = None) -> None:
-        """``barrier`` on exactly ``view``; see :meth:`allreduce_on`."""
-        self._jobs.run(self._on_view, view, "barrier", None, "sum", "", io_timeout)
-
     def serve_state(self, source: Lookup) -> tuple[str, int]:
         """See :meth:`Mesh.serve_state`; ``source`` is called from the mesh's thread."""
         return self.call(self.mesh.serve_state, source)
@@ -366,6 +366,8 @@ class SyncMesh:
         if self._thread is not None:
             self._thread.join(join_timeout)
         self._jobs.close(join_timeout)
+        if self._gpu is not None:
+            self._gpu.manager.close()
         restore, self._restore_signals = self._restore_signals, None
         if restore is not None:
             restore()

@@ -30,7 +30,7 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -50,6 +50,7 @@ from ..collective import (
     open_data_plane,
     reach,
 )
+from ..collective.ops import CollectiveOp, Kind
 from ..collective.reach import Exclusion, ReachConfig, ReachEvent
 from ..collective.transport import Ring
 from ..errors import ConfigError, DeadlineExceeded, LocalUsageError
@@ -337,48 +338,55 @@ class Mesh:
         """Return after the next membership event (the view may or may not have changed)."""
         await self._view_changed.wait()
 
+    # -- the async face of the collectives (the blocking one is ``ViewSession``) -------------------
+    async def run(
+        self, op: CollectiveOp, x: T, *, view: RingView | None = None
+    ) -> CollectiveResult[T]:
+        """Run collective ``op`` on ``x`` (``DataPlane.plan`` says what each kind does).
+
+        ``view=None``: on the current view, retried on a view its neighbours do not share yet
+        until ``agree_timeout`` (gossip converging). A ``view``: on exactly that view, never
+        retried -- for protocols that must know which view a round ran on. A lost peer is
+        reported to membership (the fast path to its suspicion) before the error is raised."""
+        deadline = trio.current_time() + self.config.agree_timeout
+        while True:
+            on = view if view is not None else self.view()
+            if on is None or self.node_id not in on:
+                raise ConfigError(f"{self.node_id} is not a training member of the mesh")
+            self._in_use(on)
+            try:
+                return await self.data_plane.run(on, op, x)
+            except ViewMismatchError:
+                if view is not None or trio.current_time() >= deadline:
+                    raise
+            except RingPeerLostError as exc:
+                self.node.report_unreachable(exc.peer)
+                raise
+
     async def allreduce(
         self, x: T, op: str = "sum", compression: Any = None
     ) -> CollectiveResult[T]:
         """Reduce ``x`` in place over the view; ``avg`` divides by the members that ran.
-        ``compression``: see ``DataPlane.allreduce`` (``"int8"``, an ``Int8Compression``)."""
-        return await self._run(lambda v: self.data_plane.allreduce(v, x, op, compression))
+        ``compression``: ``"int8"`` or an ``Int8Compression`` (see ``DataPlane.plan``)."""
+        return await self.run(CollectiveOp.allreduce(op, compression), x)
 
     async def reduce_scatter(self, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return await self._run(lambda v: self.data_plane.reduce_scatter(v, x, op))
+        return await self.run(CollectiveOp(kind=Kind.REDUCE_SCATTER, op=op), x)
 
     async def allgather(self, x: T) -> CollectiveResult[T]:
-        return await self._run(lambda v: self.data_plane.allgather(v, x))
+        return await self.run(CollectiveOp(kind=Kind.ALLGATHER), x)
 
     async def broadcast(self, x: T, root: str) -> CollectiveResult[T]:
-        return await self._run(lambda v: self.data_plane.broadcast(v, x, root))
+        return await self.run(CollectiveOp(kind=Kind.BROADCAST, root=root), x)
 
     async def barrier(self) -> CollectiveResult[None]:
-        return await self._run(self.data_plane.barrier)
+        return await self.run(CollectiveOp(kind=Kind.BARRIER), None)
 
-    async def on_view(
-        self,
-        view: RingView,
-        kind: str,
-        x: T,
-        op: str = "sum",
-        root: str = "",
-        io_timeout: float | None = None,
-        compression: Any = None,
-    ) -> CollectiveResult[T]:
-        """Run one collective on exactly ``view`` (no retry on another view): the building block
-        of protocols that must know which view a round ran on (``ftmesh.training``).
-        ``kind`` is ``allreduce`` (``compression``: see ``DataPlane.allreduce``),
-        ``allgather``, ``broadcast`` or ``barrier`` (``x`` unused; ``io_timeout``: see
-        ``DataPlane.barrier``). A lost peer is reported to membership."""
+    async def open_ring(self, view: RingView) -> Ring:
+        """Open ``view``'s ring for a ``ViewSession`` (``ring_in_use`` finds it from then on):
+        remembered as in use, so a loss from it or our moving on aborts its collectives."""
         self._in_use(view)
-        plan = self.data_plane.plan_on(view, kind, x, op, root, io_timeout, compression)
-        try:
-            done: CollectiveResult[T] = await self.data_plane.run_plan(plan)
-        except RingPeerLostError as exc:
-            self.node.report_unreachable(exc.peer)
-            raise
-        return done
+        return await self.data_plane.open_ring(view)
 
     def view_in_use(self) -> RingView | None:
         """The view as of the last membership event handled, if collectives already run on it
@@ -399,31 +407,6 @@ class Mesh:
         if view.epoch not in self._views:
             return None
         return self.data_plane.whole_ring(view.epoch)
-
-    async def run_on_view(
-        self, fn: Callable[[RingView], Awaitable[CollectiveResult[T]]]
-    ) -> CollectiveResult[T]:
-        """Run ``fn(view)`` on the current view, retrying on view disagreement; see the module
-        docstring. For collectives the ``Mesh`` methods do not cover."""
-        return await self._run(fn)
-
-    async def _run(
-        self, fn: Callable[[RingView], Awaitable[CollectiveResult[T]]]
-    ) -> CollectiveResult[T]:
-        deadline = trio.current_time() + self.config.agree_timeout
-        while True:
-            view = self.view()
-            if view is None or self.node_id not in view:
-                raise ConfigError(f"{self.node_id} is not a training member of the mesh")
-            self._in_use(view)
-            try:
-                return await fn(view)
-            except ViewMismatchError:
-                if trio.current_time() >= deadline:
-                    raise
-            except RingPeerLostError as exc:
-                self.node.report_unreachable(exc.peer)
-                raise
 
     async def serve_state(self, source: Lookup) -> tuple[str, int]:
         """Serve ``source(step, digest)`` (the snapshot asked for, or None) to members that

@@ -229,7 +229,7 @@ class MeshDriver:
     def _sync_allreduce(self, view: RingView) -> Reduced:
         snap = self.state.commit(max(self.machine.committed, 0))
         vec = self.machine.sync_vector(view, snap.nbytes, snap.digest)
-        self.mesh.allreduce_on(view, vec, "max")
+        self.mesh.session(view).allreduce(vec, "max")
         # The buffer prepared while joining serves the fetch of this sync, if any: used once.
         self._fetch_buffer, self._receive_buffer = self._receive_buffer, None
         return Reduced(vec)
@@ -248,7 +248,7 @@ class MeshDriver:
     def _barrier(self, view: RingView) -> Done:
         # A large state takes longer than io_timeout to fetch: the fetchers' liveness is
         # membership's to judge meanwhile (a dead or frozen one aborts the barrier).
-        self.mesh.barrier_on(view, io_timeout=self.config.step_timeout)
+        self.mesh.session(view).barrier(io_timeout=self.config.step_timeout)
         return _DONE
 
     def lookup_state(self, step: int, digest: str) -> Snapshot | None:

@@ -89,6 +89,7 @@ import torch
 import torch.utils.data as tud
 
 from ..collective import RingView
+from ..collective.ops import CollectiveOp
 from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
 from ..mesh.blocking import SyncMesh
@@ -547,15 +548,14 @@ class ElasticTrainer:
         if self._current is not None and not self._current.exited:
             raise LocalUsageError("one step at a time")
         self._current = step
-        view = step.action.view
-
+        ring = self.mesh.session(step.action.view)
         comps = self._compression
 
         def launch(buf: np.ndarray) -> Future[Any]:
-            return self.mesh.submit_on_view(view, "allreduce", buf, "sum", comps[id(buf)])
+            return ring.submit(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
         def run(buf: np.ndarray) -> object:
-            return self.mesh.allreduce_on(view, buf, "sum", comps[id(buf)])
+            return ring.run(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
         buckets.start(launch, run)
         header = buckets.header
@@ -604,7 +604,8 @@ class ElasticTrainer:
         view = step.action.view
         detail = ""
         try:
-            rows = self.mesh.allgather_on(view, np.array(step.checks, dtype=np.int64)).output
+            checks = np.array(step.checks, dtype=np.int64)
+            rows = self.mesh.session(view).allgather(checks).output
             groups = diverged_members(names, view.node_ids, rows.tolist())
             detail = "; ".join(
                 f"{part}: " + " vs ".join("{" + ", ".join(g) + "}" for g in gs)
@@ -664,7 +665,7 @@ class ElasticTrainer:
         zero.update(flat_grad, (step.number, round_id(view.epoch)))
         with_state = self.config.checkpoint_due(step.number)
         try:
-            gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
+            gathered = self.mesh.session(view).allgather(zero.gather_input(with_state)).output
         except FtmeshError as exc:
             failure = failure_of(exc)
             if failure is None:

@@ -214,7 +214,8 @@ class ShardedOptimizer:
         self.served = served
         max_pieces = 2 * self.replicas  # held shards, and those held before a re-shard
         record = holdings_record(versions, max_pieces)
-        holdings = read_holdings(mesh.allgather_on(view, record).output, max_pieces)
+        session = mesh.session(view)
+        holdings = read_holdings(session.allgather(record).output, max_pieces)
         needed = [[layout.shard_range(j) for j in layout.held_by(m)] for m in view.node_ids]
         rank = view.rank_of(me)
         plan = plan_shard_sync(holdings, step, candidates, rank, needed[rank], self.length)
@@ -228,7 +229,7 @@ class ShardedOptimizer:
             fetched += snap.nbytes
         if anyone_fetches(holdings, step, candidates, needed, self.length):
             # Nobody moves on (and, at the end, leaves) while others still pull from it.
-            mesh.barrier_on(view, io_timeout=wait)
+            session.barrier(io_timeout=wait)
         mine = next((v for v in versions if (v.step, v.round) == (step, plan.round)), None)
         keep = [pieces[p.digest] for p in mine.pieces] if mine else []
         self.rebuild(layout, me, plan.segments, pieces, (step, plan.round), keep)

@@ -1,8 +1,9 @@
 """One member of the device check's multi-process phases (started by run_device_check.py).
 
 Each worker joins a real mesh (SWIM over loopback, same-host discovery in ``--registry``),
-attaches ``GpuCollectives`` (NCCL on the GPU; in ``--backend tcp`` the TCP ring stands in
-for it, host buffers, so the plumbing runs on a CPU machine) and runs, in order:
+enables its sessions' GPU path (``SyncMesh.enable_gpu``: NCCL on the GPU; in ``--backend tcp``
+the TCP ring stands in for it, host buffers, so the plumbing runs on a CPU machine) and runs,
+in order:
 
 1. ``correct``: an allreduce per dtype on random data (never zeros); the parent checks every
    member's digest is the same and the values match the float64 sum of all inputs;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -35,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ftmesh.collective import CollectiveConfig
 from ftmesh.collective.backend import DeviceInfo, local_devices
 from ftmesh.collective.epochs import EpochConfig
+from ftmesh.collective.ops import CollectiveOp
+from ftmesh.collective.session import GpuPath, SessionRing
 from ftmesh.errors import CollectiveError, PeerLostError
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.mesh.core import MeshConfig
-from ftmesh.mesh.gpu import GpuCollectives, MeshRing
 from ftmesh.net.node import NodeConfig
 
 MIB = 1 << 20
@@ -102,7 +105,7 @@ STAND_IN = {"nccl": "tcp-for-nccl"}
 """What the view's backend is called when the TCP ring stands in for NCCL (--backend tcp)."""
 
 
-def backend_name(gpu: GpuCollectives, view: Any, stand_in: bool) -> str:
+def backend_name(gpu: GpuPath, view: Any, stand_in: bool) -> str:
     chosen = gpu.manager.backend_of(view)
     name = chosen.value if chosen is not None else "none"
     return STAND_IN.get(name, name) if stand_in else name
@@ -157,14 +160,14 @@ def run_collectives(args: argparse.Namespace) -> None:
             def abort(epoch: str) -> None:
                 mesh.call_sync(dp.abort_view, epoch, "", "GPU epoch aborted")
 
-            factory = TcpFactory(MeshRing(mesh), abort)
+            factory = TcpFactory(SessionRing(mesh.session), abort)
             devices = DeviceInfo(1, 1)  # the TCP ring stands in for NCCL
             is_device = lambda _x: True  # noqa: E731
         cfg = EpochConfig(init_timeout=args.init_timeout, op_timeout=args.op_timeout)
         kw: dict[str, Any] = {"factory": factory, "devices": devices, "config": cfg}
         if is_device is not None:
             kw["is_device"] = is_device
-        gpu = GpuCollectives.attach(mesh, **kw)
+        gpu = mesh.enable_gpu(**kw)
         view = mesh.wait_view(min_members=args.world, settle=1.0, timeout=60)
         rank = view.rank_of(mesh.node_id)
         emit("view", rank=rank, size=view.size, devices=devices.to_meta(), pid=os.getpid())
@@ -180,7 +183,7 @@ def run_collectives(args: argparse.Namespace) -> None:
 
                 def once(v: Any, x: Any = x, x0: Any = x0) -> None:
                     x[...] = x0  # an aborted in-place collective may have written part of x
-                    gpu.allreduce(v, x)
+                    mesh.session(v).allreduce(x)
                     bufs.sync()
 
                 robust(mesh, args.world, once, f"correct {dtype}")
@@ -215,13 +218,15 @@ def run_collectives(args: argparse.Namespace) -> None:
             host = a if gpu_mode else a.numpy()
             res: dict[str, list[float]] = {"ftmesh": [], "torch": []}
             try:
-                robust(mesh, args.world, lambda v, h=host: gpu.allreduce(v, h), "warm-up")
+                robust(mesh, args.world, lambda v, h=host: mesh.session(v).allreduce(h), "warm-up")
                 dist.all_reduce(a)
                 for _ in range(2):
                     sec = robust(
                         mesh,
                         args.world,
-                        lambda v, h=host: timed(lambda: gpu.allreduce(v, h), bufs, args.iters),
+                        lambda v, h=host: timed(
+                            lambda: mesh.session(v).allreduce(h), bufs, args.iters
+                        ),
                         f"busbw {mib}",
                     )
                     res["ftmesh"].append(sec)
@@ -243,8 +248,9 @@ def run_collectives(args: argparse.Namespace) -> None:
             n = args.staging_mib * MIB // 4
             t = bufs.torch.ones(n, dtype=bufs.torch.float32, device=bufs.device)
             try:
-                mesh.allreduce_on(view, t)
-                sec = timed(lambda: mesh.allreduce_on(view, t), bufs, 3)
+                staged = functools.partial(mesh.session(view).run_on_ring, CollectiveOp.allreduce())
+                staged(t)
+                sec = timed(lambda: staged(t), bufs, 3)
                 emit("staging", mib=args.staging_mib, seconds=sec, size=view.size)
             except Exception as exc:
                 emit("staging", error=f"{type(exc).__name__}: {exc}"[:300])
@@ -258,7 +264,7 @@ def run_collectives(args: argparse.Namespace) -> None:
         lost = False
         while time.monotonic() < end and not lost:
             try:
-                gpu.allreduce(view, x)
+                mesh.session(view).allreduce(x)
                 bufs.sync()
                 continue
             except RETRYABLE as exc:
@@ -282,7 +288,7 @@ def run_collectives(args: argparse.Namespace) -> None:
                 time.sleep(0.002)
                 continue
             try:
-                gpu.allreduce(new, x)
+                mesh.session(new).allreduce(x)
                 bufs.sync()
                 emit(
                     "kill-recovered",
@@ -302,7 +308,6 @@ def run_collectives(args: argparse.Namespace) -> None:
         end = time.monotonic() + 60
         while not done.exists() and time.monotonic() < end:  # the others may still recover
             time.sleep(0.05)
-        gpu.close()
 
 
 def train(mesh: SyncMesh, args: argparse.Namespace, world: int) -> None:

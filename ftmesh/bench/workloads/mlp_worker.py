@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ftmesh  # noqa: E402
+from ftmesh.bench.sessions import time_sessions  # noqa: E402
 from ftmesh.bench.workloads import (  # noqa: E402
     make_data,
     make_model,
@@ -42,6 +43,7 @@ from ftmesh.bench.workloads import (  # noqa: E402
     param_count,
     progress,
 )
+from ftmesh.collective.ops import CollectiveOp, Kind  # noqa: E402
 from ftmesh.torch import ElasticSampler, ElasticTrainer  # noqa: E402
 
 T_IMPORTED = time.monotonic()
@@ -119,25 +121,25 @@ def main() -> int:
         # Wrap the instances the trainer calls (not the classes: nothing else changes).
         monitor_wait = mesh.wait_view_change
         for name, kind in (
-            ("allreduce_on", "ar"),
-            ("broadcast_on", "bc"),
             ("fetch_state", "ft"),
-            ("barrier_on", "bar"),
             ("wait_view", "wv"),
             ("wait_view_change", "wvc"),
             ("wait_quiet", "wq"),
         ):
             setattr(mesh, name, tl.wrap(kind, getattr(mesh, name)))
-        if hasattr(mesh, "submit_on_view"):  # asynchronous (bucketed) collectives
-            mesh_submit = mesh.submit_on_view
+        kinds = {Kind.ALLREDUCE: "ar", Kind.BROADCAST: "bc", Kind.BARRIER: "bar"}
 
-            def submit(*a: Any) -> Any:
+        def timed(method: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def call(op: CollectiveOp, x: Any) -> Any:
+                kind = kinds.get(op.kind, op.kind.value)
+                if method == "run":
+                    return tl.wrap(kind, fn)(op, x)
                 t0 = time.monotonic()
-                fut = mesh_submit(*a)
-                n = next((int(x.nbytes) for x in a if hasattr(x, "nbytes")), 0)
+                fut = fn(op, x)
+                n = int(x.nbytes) if hasattr(x, "nbytes") else 0
 
                 def done(f: Any) -> None:
-                    span: dict[str, Any] = {"k": "ar", "a": t0, "b": time.monotonic(), "n": n}
+                    span: dict[str, Any] = {"k": kind, "a": t0, "b": time.monotonic(), "n": n}
                     exc = None if f.cancelled() else f.exception()
                     if f.cancelled() or exc is not None:
                         span["err"] = type(exc).__name__ if exc else "cancelled"
@@ -146,7 +148,9 @@ def main() -> int:
                 fut.add_done_callback(done)
                 return fut
 
-            setattr(mesh, "submit_on_view", submit)  # noqa: B010
+            return call
+
+        time_sessions(mesh, timed)
         for name, kind in (
             ("snapshot", "sb"),
             ("load_snapshot", "ld"),
