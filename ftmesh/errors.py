@@ -14,6 +14,10 @@ from __future__ import annotations
 class FtmeshError(Exception):
     """Base class of every error ftmesh raises on purpose."""
 
+    abort: object = None
+    """Why a collective failed, where this is a collective's error: its
+    ``ftmesh.collective.aborts.Abort`` (the same type whatever the backend)."""
+
 
 class LocalUsageError(FtmeshError, ValueError):
     """The API was used wrongly: invalid configuration, argument or call order."""

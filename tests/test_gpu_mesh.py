@@ -18,9 +18,10 @@ from gpu_fakes import FakeFactory
 from test_sync_mesh import common_view, in_threads
 from tests_support import local_mesh_config
 
-from ftmesh.collective.aborts import GpuPeerLostError
+from ftmesh.collective.aborts import AbortKind
 from ftmesh.collective.backend import Backend, DeviceInfo
 from ftmesh.collective.epochs import EpochConfig
+from ftmesh.collective.errors import RingPeerLostError
 from ftmesh.collective.session import GpuPath
 from ftmesh.mesh.blocking import SyncMesh
 
@@ -77,7 +78,8 @@ def test_backend_choice_setup_over_the_mesh_and_membership_aborts(tmp_path: Path
             fut = pool.submit(ms[0].session(pair).allreduce, np.ones(4, np.float32))
             assert factories[0].started.wait(20)
             ms[1].close()
-            with pytest.raises(GpuPeerLostError) as info:
+            with pytest.raises(RingPeerLostError) as info:
                 fut.result(timeout=30)
         assert info.value.peer == pair.members[1 - pair.rank_of(ms[0].node_id)].node_id
+        assert getattr(info.value.abort, "kind", None) is AbortKind.PEER_LOST
         assert gpus[0].manager.wait_aborts(10) and factories[0].groups[-1] == [pair.epoch]

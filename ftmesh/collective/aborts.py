@@ -1,114 +1,149 @@
-"""Why a GPU collective was aborted: typed reasons, and the error each one raises.
+"""Why a collective was aborted: one typed reason for every backend, and the error it raises.
 
-Every abort of a GPU communicator (``ftmesh.collective.epochs``) carries one of these frozen
-reasons; ``error_for`` turns it into the exception the collective raises, a subclass of the
-data plane's error for the same situation (``RingPeerLostError``, ``PeerStalledError``,
-``ViewSupersededError``), so the training loop's retry logic needs no new case. The first
-reason recorded for an epoch wins (a suspicion, then the view change it causes, reads as the
-suspicion).
+Every abort -- of a TCP ring round (``engine``, ``transport``, ``dataplane``) or of a GPU
+communicator (``epochs``) -- carries one frozen ``Abort``: its ``kind``, the ``peer`` it
+blames (if any), the member that first saw it (``origin``) and a human ``detail``. On the TCP
+ring it also travels as the body of an ``ABORT`` frame (``to_wire``/``from_wire``: a msgpack
+map ``kind/peer/origin/msg``, the wire format of earlier versions); a reason from the network
+is validated (``from_wire``) before anything acts on it.
+
+``error_for`` turns a reason into the exception the collective raises -- the data plane's
+error for that situation (``RingPeerLostError``, ``PeerStalledError``, ``ViewSupersededError``,
+``InputMismatchError``, ``CollectiveError``, ``MeshClosedError``) with the reason attached as
+``.abort`` -- so the training loop's retry logic is the same for every backend.
+
+Glossary. A ring is *broken* when its byte streams are out of sync (it is dropped and reopened);
+*killed* when the mesh aborted its view (nothing may start on it again); a collective is
+*aborted* when it ends with a reason; a view is *superseded* when a member moved on to a newer
+one; a *loss* (``PEER_LOST``, ``STALLED``) names a member to report to membership; a *fatal*
+abort (the losses and ``SUPERSEDED``) ends the ring for every member, so it is sent both ways
+round it. The first reason recorded wins, except that a later loss replaces a supersession (a
+loss says who to report).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any
 
 from ..errors import CollectiveError, FtmeshError, MeshClosedError
-from .errors import PeerStalledError, RingPeerLostError, ViewSupersededError
+from .errors import InputMismatchError, PeerStalledError, RingPeerLostError, ViewSupersededError
+
+DETAIL_CAP = 2000
+"""Characters of an abort's detail kept (a peer's text included): bounds what a peer can make
+us store and log."""
+
+
+class AbortKind(enum.Enum):
+    """What went wrong. The values are the wire's ``kind`` strings (append-only)."""
+
+    PEER_LOST = "lost"
+    """A member of the view died, closed its connection, or membership suspects it."""
+    STALLED = "stalled"
+    """A peer (or a GPU call) made no progress within its deadline."""
+    SUPERSEDED = "superseded"
+    """A member moved on to another view; nobody was lost."""
+    MISMATCH = "mismatch"
+    """Members called different collectives (kind, dtype, shape, op, root, compression)."""
+    DESYNC = "protocol"
+    """A frame failed to parse or authenticate: the stream is out of sync."""
+    COMM_FAILED = "comm_failed"
+    """The collective library failed, naming no peer (or an unknown kind from the wire)."""
+    CLOSED = "closed"
+    """This member's collectives were closed."""
+
+
+LOSSES = frozenset({AbortKind.PEER_LOST, AbortKind.STALLED})
+"""Aborts that name a member to report to membership."""
+FATAL = LOSSES | {AbortKind.SUPERSEDED}
+"""Aborts that end the ring for everyone: sent both ways round it, the ring is dropped."""
 
 
 @dataclass(frozen=True)
-class PeerSuspected:
-    """Membership suspects (or declared dead) a member of the view."""
+class Abort:
+    """Why one collective (or every collective of a view) was aborted; see the module doc."""
 
-    peer: str
-    why: str
+    kind: AbortKind
+    peer: str = ""
+    origin: str = ""
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.detail) > DETAIL_CAP:
+            object.__setattr__(self, "detail", self.detail[:DETAIL_CAP])
+
+    @property
+    def fatal(self) -> bool:
+        return self.kind in FATAL
+
+    @property
+    def loss(self) -> bool:
+        return self.kind in LOSSES
+
+    def to_wire(self) -> dict[str, str]:
+        return {
+            "kind": self.kind.value,
+            "peer": self.peer,
+            "origin": self.origin,
+            "msg": self.detail,
+        }
+
+    @classmethod
+    def from_wire(cls, msg: dict[str, Any]) -> Abort | None:
+        """The reason a peer sent, or None if it is not one (``kind`` and ``msg`` strings;
+        ``peer`` and ``origin`` strings or absent). An unknown kind (a newer peer) reads as
+        ``COMM_FAILED``: the round ends, nobody is blamed."""
+        kind, detail = msg.get("kind"), msg.get("msg")
+        peer, origin = msg.get("peer", ""), msg.get("origin", "")
+        if not all(isinstance(v, str) for v in (kind, detail, peer, origin)):
+            return None
+        try:
+            k = AbortKind(kind)
+        except ValueError:
+            k = AbortKind.COMM_FAILED
+            detail = f"{str(kind)[:40]}: {detail}"
+        return cls(k, str(peer)[:200], str(origin)[:200], str(detail))
 
 
-@dataclass(frozen=True)
-class ViewChanged:
-    """This member moved on to another view (``None``: it is in no view)."""
-
-    new_epoch: str | None
-
-
-@dataclass(frozen=True)
-class DeadlineExpired:
-    """``phase`` (``init`` or a collective's kind) took more than ``seconds``."""
-
-    phase: str
-    seconds: float
-
-
-@dataclass(frozen=True)
-class CommFailed:
-    """The library reported an error (``code``: NCCL's ``ncclResult_t``)."""
-
-    code: int
-    message: str
-
-
-@dataclass(frozen=True)
-class ManagerClosed:
-    pass
-
-
-AbortReason: TypeAlias = PeerSuspected | ViewChanged | DeadlineExpired | CommFailed | ManagerClosed
 NCCL_REMOTE_ERROR = 6
 """``ncclRemoteError``: a peer went away (NCCL saw a socket or a flag of a dead rank)."""
 
 
-class _ReasonMixin:
-    reason: AbortReason
+def comm_failed(code: int, message: str, origin: str = "") -> Abort:
+    """The reason for a library error ``code``: NCCL's remote error is a loss (of a peer it
+    does not name), anything else a failure."""
+    kind = AbortKind.PEER_LOST if code == NCCL_REMOTE_ERROR else AbortKind.COMM_FAILED
+    return Abort(kind, "", origin, f"{message} (code {code})")
 
 
-class GpuPeerLostError(RingPeerLostError, _ReasonMixin):
-    """A member of the view was suspected, or NCCL reported a remote error."""
-
-    def __init__(self, msg: str, *, peer: str, epoch: str, reason: AbortReason) -> None:
-        super().__init__(msg, peer=peer, epoch=epoch)
-        self.reason = reason
-
-
-class GpuStalledError(PeerStalledError, _ReasonMixin):
-    """A GPU collective or init passed its deadline; the communicator was aborted."""
-
-    def __init__(self, msg: str, *, epoch: str, reason: AbortReason) -> None:
-        super().__init__(msg, peer="", epoch=epoch)
-        self.reason = reason
-
-
-class GpuViewSupersededError(ViewSupersededError, _ReasonMixin):
-    def __init__(self, msg: str, *, epoch: str, reason: AbortReason) -> None:
-        super().__init__(msg, epoch=epoch)
-        self.reason = reason
-
-
-class GpuCommError(CollectiveError, _ReasonMixin):
-    """The GPU library failed for a reason that names no lost peer."""
-
-    def __init__(self, msg: str, *, reason: AbortReason) -> None:
-        super().__init__(msg)
-        self.reason = reason
+def error_for(reason: Abort, epoch: str, node_id: str = "") -> FtmeshError:
+    """The exception a collective on ``epoch`` raises when aborted for ``reason`` (``node_id``:
+    this member, so that an abort another member reported says who); ``.abort`` holds it."""
+    msg = reason.detail
+    if reason.origin and node_id and reason.origin != node_id:
+        msg = f"{msg} (reported by {reason.origin})"
+    err: FtmeshError
+    if reason.kind is AbortKind.STALLED:
+        err = PeerStalledError(msg, peer=reason.peer, epoch=epoch)
+    elif reason.kind is AbortKind.PEER_LOST:
+        err = RingPeerLostError(msg, peer=reason.peer, epoch=epoch)
+    elif reason.kind is AbortKind.SUPERSEDED:
+        err = ViewSupersededError(msg, epoch=epoch)
+    elif reason.kind is AbortKind.MISMATCH:
+        err = InputMismatchError(msg)
+    elif reason.kind is AbortKind.CLOSED:
+        err = MeshClosedError(msg or f"the collectives of view {epoch} were closed")
+    else:
+        err = CollectiveError(f"collective aborted: {msg}")
+    err.abort = reason
+    return err
 
 
-def error_for(reason: AbortReason, epoch: str) -> FtmeshError:
-    """The exception a collective on ``epoch`` raises when aborted for ``reason``."""
-    if isinstance(reason, PeerSuspected):
-        msg = f"GPU collective on view {epoch} aborted: {reason.peer} suspected ({reason.why})"
-        return GpuPeerLostError(msg, peer=reason.peer, epoch=epoch, reason=reason)
-    if isinstance(reason, DeadlineExpired):
-        msg = f"GPU {reason.phase} on view {epoch} passed its {reason.seconds:g}s deadline"
-        return GpuStalledError(msg, epoch=epoch, reason=reason)
-    if isinstance(reason, ViewChanged):
-        msg = f"view {epoch} was left for {reason.new_epoch}"
-        return GpuViewSupersededError(msg, epoch=epoch, reason=reason)
-    if isinstance(reason, CommFailed):
-        msg = f"GPU collective on view {epoch} failed: {reason.message} (code {reason.code})"
-        if reason.code == NCCL_REMOTE_ERROR:
-            return GpuPeerLostError(msg, peer="", epoch=epoch, reason=reason)
-        return GpuCommError(msg, reason=reason)
-    return MeshClosedError(f"the GPU collectives of view {epoch} were closed")
+def abort_of(exc: BaseException) -> Abort | None:
+    """The abort behind a collective's error, if it carries one."""
+    reason = getattr(exc, "abort", None)
+    return reason if isinstance(reason, Abort) else None
 
 
 class CommFailure(FtmeshError):

@@ -28,8 +28,9 @@ from ..errors import LocalUsageError
 from ..security import MeshAuth
 from ..stats import CollectiveStatistics
 from . import compressed, schedule, shared_scale
+from .aborts import Abort, AbortKind, error_for
 from .config import CollectiveConfig
-from .engine import Buffers, Pipeline, abort_error
+from .engine import Buffers, Pipeline
 from .errors import RingPeerLostError
 from .ops import (
     REDUCE_OPS,
@@ -75,7 +76,7 @@ class DataPlane:
         """Held while a collective drives the ring's sockets, from whichever thread."""
         host, port = transport.listener.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
-        self._aborted: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._aborted: OrderedDict[str, Abort] = OrderedDict()
         self._opening: dict[str, set[trio.CancelScope]] = {}
         self._recorder = CollectiveRecorder()
         self._warned_sizes: set[int] = set()  # views too big for the compressed allreduce
@@ -95,7 +96,7 @@ class DataPlane:
         for the membership layer, when it declares a member of a running view dead (a crash is
         noticed by the sockets already; a stalled peer, e.g. SIGSTOPped, is not)."""
         msg = f"{peer} was declared dead: {reason}"
-        self._abort(epoch, {"kind": "lost", "peer": peer, "origin": self.node_id, "msg": msg})
+        self._abort(epoch, Abort(AbortKind.PEER_LOST, peer, self.node_id, msg))
 
     def supersede_view(self, epoch: str, reason: str) -> None:
         """This member moved on from view ``epoch`` (a member joined or came back): like
@@ -104,12 +105,9 @@ class DataPlane:
         this one. Does nothing to an epoch already aborted (a loss says more)."""
         if epoch not in self._aborted:
             msg = f"{self.node_id} moved on from view {epoch}: {reason}"
-            self._abort(
-                epoch, {"kind": "superseded", "peer": "", "origin": self.node_id, "msg": msg}
-            )
+            self._abort(epoch, Abort(AbortKind.SUPERSEDED, "", self.node_id, msg))
 
-    def _abort(self, epoch: str, reason: dict[str, Any]) -> None:
-        reason["msg"] = reason["msg"][:1000]
+    def _abort(self, epoch: str, reason: Abort) -> None:
         self._aborted[epoch] = reason
         self._aborted.move_to_end(epoch)
         while len(self._aborted) > MAX_ABORTED_VIEWS:
@@ -134,7 +132,7 @@ class DataPlane:
     def _check_aborted(self, epoch: str) -> None:
         reason = self._aborted.get(epoch)
         if reason is not None:
-            raise abort_error(reason, epoch, self.node_id)
+            raise error_for(reason, epoch, self.node_id)
 
     async def _open_ring(self, view: RingView) -> Ring:
         """``transport.open_ring``, cancelled by ``abort_view`` of the view's epoch."""
@@ -511,20 +509,16 @@ class DataPlane:
                 if ring.broken:
                     self._transport.drop_ring(ring)
 
-    def _observe_failure(self, ring: Ring, reason: dict[str, Any] | None) -> None:
+    def _observe_failure(self, ring: Ring, reason: Abort | None) -> None:
         """Report a round that this member aborted because of one of its neighbours (stalled,
         closed, sent bytes that failed verification) to ``reach``. Aborts that other members
         started, or that name no neighbour, say nothing about our connections."""
-        if reason is None or reason.get("origin") != self.node_id:
+        if reason is None or reason.origin != self.node_id:
             return
-        peer = reason.get("peer")
+        peer = reason.peer
         if peer in (ring.left.node_id, ring.right.node_id) and peer != self.node_id:
             ev = RingFailed(
-                time.monotonic(),
-                str(peer),
-                str(reason.get("kind")),
-                ring.worked,
-                str(reason.get("msg"))[:300],
+                time.monotonic(), peer, reason.kind.value, ring.worked, reason.detail[:300]
             )
             self._transport.observe(ev)
 

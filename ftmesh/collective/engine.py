@@ -71,21 +71,16 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveError, RemoteProtocolError
+from ..errors import RemoteProtocolError
 from . import wire
-from .errors import InputMismatchError, PeerStalledError, RingPeerLostError, ViewSupersededError
+from .aborts import Abort, AbortKind, error_for
 from .ops import Array, Reducer
 from .schedule import Schedule
 from .secure import FrameOpener
 from .transport import Ring
 
-_ABORT_MSG_CAP = 2000
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
-_LOSSES = ("lost", "stalled")
-"""Aborts that name a member to report to membership."""
-_FATAL = (*_LOSSES, "superseded")
-"""Aborts that end the ring for everyone: sent both ways round it, the ring is dropped."""
 _KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
 _DONE_FRAME = wire.FRAME.pack(wire.DONE, 0)
 _JUNK = 1 << 16
@@ -147,7 +142,7 @@ class Pipeline:
         self.scratch = np.empty(chunk_bytes // self.isz + 1 if need else 1, bufs.acc.dtype)
         self.scratch_b = self.scratch.view(np.uint8).data
         self.lock = threading.Lock()
-        self.abort: dict[str, Any] | None = None
+        self.abort: Abort | None = None
         self.fatal = False
         self.broken = False
         # transmit side
@@ -172,46 +167,40 @@ class Pipeline:
         self.junk = memoryview(bytearray(0))
 
     # -- abort state ----------------------------------------------------------------------
-    def _set_abort(
-        self, reason: dict[str, Any], *, override: bool = False, from_left: bool = False
-    ) -> None:
-        fatal = reason.get("kind") in _FATAL
+    def _set_abort(self, reason: Abort, *, override: bool = False, from_left: bool = False) -> None:
+        fatal = reason.fatal
         with self.lock:
             held = self.abort
-            # A loss says who to report; a later "superseded" must not hide it.
-            hides_loss = (
-                held is not None
-                and held.get("kind") in _LOSSES
-                and reason.get("kind") == "superseded"
-            )
+            # A loss says who to report; a later supersession must not hide it.
+            hides_loss = held is not None and held.loss and reason.kind is AbortKind.SUPERSEDED
             if held is None or (override and not hides_loss):
                 self.abort = reason
             if fatal:
                 self.fatal = self.broken = True
-            elif reason.get("kind") == "protocol":
+            elif reason.kind is AbortKind.DESYNC:
                 # The member that saw a bad frame drops its ring (its stream is out of sync),
                 # so the ring is over for everyone: drop ours too rather than fail next time.
                 self.broken = True
         if fatal:
             self._notify_left(reason, from_left=from_left)
-            self.ring.shutdown_towards(str(reason.get("peer")))
+            self.ring.shutdown_towards(reason.peer)
 
-    def abort_from_outside(self, reason: dict[str, Any]) -> None:
+    def abort_from_outside(self, reason: Abort) -> None:
         """``Ring.kill``: a member of the view is dead; end this round with ``reason``. Any
         thread; the loop sees it within ``poll_interval``."""
         self._set_abort(reason, override=True)
 
-    def _reason(self, kind: str, peer: str, msg: str) -> dict[str, Any]:
-        return {"kind": kind, "peer": peer, "origin": self.node_id, "msg": msg}
+    def _reason(self, kind: AbortKind, peer: str, msg: str) -> Abort:
+        return Abort(kind, peer, self.node_id, msg)
 
-    def _notify_left(self, reason: dict[str, Any], *, from_left: bool) -> None:
+    def _notify_left(self, reason: Abort, *, from_left: bool) -> None:
         """Write the abort once on the reverse direction of the connection from the left (the
         left neighbour reads it while blocked; see the module doc). Skipped when the abort came
         from the left, or names it."""
         ring = self.ring
-        body = wire.pack_control(reason)[4:]
+        body = wire.pack_control(reason.to_wire())[4:]
         with ring.lock:
-            if ring.notice_sent or from_left or reason.get("peer") == ring.left.node_id:
+            if ring.notice_sent or from_left or reason.peer == ring.left.node_id:
                 return
             ring.notice_sent = True
             sock = ring.recv_sock
@@ -238,12 +227,16 @@ class Pipeline:
             return
         except RemoteProtocolError as exc:  # a reverse frame failed authentication
             self.right_closed = self.broken = True  # stop polling that direction
-            self._set_abort(self._reason("protocol", right, f"bad notice from {right}: {exc}"))
+            self._set_abort(
+                self._reason(AbortKind.DESYNC, right, f"bad notice from {right}: {exc}")
+            )
             return
         if not data:
             self.right_closed = self.broken = True
             if not (self.tx_closed and not self.tx_pending):  # else it has all it needs from us
-                self._set_abort(self._reason("lost", right, f"{right} closed the connection"))
+                self._set_abort(
+                    self._reason(AbortKind.PEER_LOST, right, f"{right} closed the connection")
+                )
             return
         back = self.ring.back
         back += data
@@ -263,11 +256,11 @@ class Pipeline:
             body = bytes(back[wire.FRAME.size : wire.FRAME.size + length])
             del back[: wire.FRAME.size + length]
             try:
-                reason = wire.unpack_control(body)
+                notice = Abort.from_wire(wire.unpack_control(body))
             except RemoteProtocolError:
                 continue
-            if isinstance(reason.get("kind"), str) and isinstance(reason.get("msg"), str):
-                self._set_abort(reason)
+            if notice is not None:
+                self._set_abort(notice)
 
     def _send_ready(self) -> None:
         """Tell the left neighbour we have started this collective (it holds its ``HEADER``
@@ -306,9 +299,9 @@ class Pipeline:
         reason = self.abort
         if reason is not None:
             self.tx_closed = True
-            if self.fatal and reason.get("peer") == self.ring.right.node_id:
+            if self.fatal and reason.peer == self.ring.right.node_id:
                 return None  # no one to tell there
-            return self._frame(wire.ABORT, wire.pack_control(reason)[4:])
+            return self._frame(wire.ABORT, wire.pack_control(reason.to_wire())[4:])
         if not self.header_sent:
             if self.ring.peer_ready < self.seq:
                 return None  # the right neighbour has not started this collective yet
@@ -481,9 +474,10 @@ class Pipeline:
         msg = wire.unpack_control(bytes(self.control))
         left = self.ring.left.node_id
         if self.control_kind == wire.ABORT:
-            if not isinstance(msg.get("kind"), str) or not isinstance(msg.get("msg"), str):
+            notice = Abort.from_wire(msg)
+            if notice is None:
                 raise RemoteProtocolError("malformed", "abort frame without kind/msg")
-            self._set_abort(msg, from_left=True)
+            self._set_abort(notice, from_left=True)
             self._expect(_FINISHED, memoryview(self.fhead))
             return
         self.got_header = True
@@ -494,7 +488,7 @@ class Pipeline:
                 f"{self.node_id} called {_describe(mine)} but its left neighbour {left} "
                 f"called {_describe(theirs)}"
             )
-            self._set_abort(self._reason("mismatch", left, text))
+            self._set_abort(self._reason(AbortKind.MISMATCH, left, text))
             frames = msg.get("frames")
             self.drain_frames = (frames if isinstance(frames, int) else 1 << 30) + 1
         self._expect(_HEAD, memoryview(self.fhead))
@@ -509,7 +503,7 @@ class Pipeline:
         left, right = ring.left.node_id, ring.right.node_id
         if tx is None or rx is None:
             who = right if tx is None else left
-            raise _Stop(self._reason("lost", who, f"connection with {who} is closed"))
+            raise _Stop(self._reason(AbortKind.PEER_LOST, who, f"connection with {who} is closed"))
         self._send_ready()
         poller = select.poll()
         txfd, rxfd = tx.fileno(), rx.fileno()
@@ -532,7 +526,7 @@ class Pipeline:
             except OSError as exc:
                 self._poll_back()  # a notice sent before the connection broke names the culprit
                 msg = f"connection to {right} broke: {exc!r}"
-                raise _Stop(self._reason("lost", right, msg)) from None
+                raise _Stop(self._reason(AbortKind.PEER_LOST, right, msg)) from None
             # Nothing to write until more arrives: block on the left (no poll, no busy loop),
             # unless we wait for the right neighbour's READY, which comes on the other socket.
             waiting = self._waiting_ready()
@@ -542,11 +536,14 @@ class Pipeline:
             except (EOFError, OSError) as exc:
                 self._poll_back()
                 what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
-                raise _Stop(self._reason("lost", left, f"connection from {left} {what}")) from None
+                msg = f"connection from {left} {what}"
+                raise _Stop(self._reason(AbortKind.PEER_LOST, left, msg)) from None
             except RemoteProtocolError as exc:
                 # The left stream is out of sync: stop reading it, still tell the right.
                 self.broken = True
-                self._set_abort(self._reason("protocol", left, f"bad frame from {left}: {exc}"))
+                self._set_abort(
+                    self._reason(AbortKind.DESYNC, left, f"bad frame from {left}: {exc}")
+                )
                 self.rx_state = _FINISHED
                 got = True
             if self._finished():
@@ -590,12 +587,12 @@ class Pipeline:
             now = time.monotonic()
             if self.rx_state != _FINISHED and now - last_rx >= self.io_timeout:
                 msg = f"no data from {left} for {self.io_timeout}s"
-                raise _Stop(self._reason("stalled", left, msg))
+                raise _Stop(self._reason(AbortKind.STALLED, left, msg))
             if self.tx_pending and now - last_tx >= self.io_timeout:
-                raise _Stop(self._reason("stalled", right, f"{right} stopped reading"))
+                raise _Stop(self._reason(AbortKind.STALLED, right, f"{right} stopped reading"))
             if waiting and now - last_tx >= self.io_timeout:
                 msg = f"{right} did not start the collective within {self.io_timeout}s"
-                raise _Stop(self._reason("stalled", right, msg))
+                raise _Stop(self._reason(AbortKind.STALLED, right, msg))
             if not self.tx_pending and not waiting:
                 last_tx = now  # not waiting on the right neighbour
                 if not self.tx_closed and now - last_sent >= self.poll_interval:
@@ -634,7 +631,7 @@ class Pipeline:
         reason = self.abort
         if reason is None:
             return
-        raise abort_error(reason, ring.view.epoch, self.node_id)
+        raise error_for(reason, ring.view.epoch, self.node_id)
 
     def _forward_abort(self) -> None:
         """After a fatal abort: pass it to the right neighbour if we are at a frame boundary
@@ -643,9 +640,9 @@ class Pipeline:
         if self.tx_closed or self.tx_off or reason is None or sock is None:
             return
         self.tx_closed = True
-        if reason.get("peer") == self.ring.right.node_id:
+        if reason.peer == self.ring.right.node_id:
             return
-        body = wire.pack_control(reason)[4:]
+        body = wire.pack_control(reason.to_wire())[4:]
         crypto = self.ring.crypto
         with contextlib.suppress(OSError):
             if crypto is not None and self.tx_pending:
@@ -657,24 +654,6 @@ class Pipeline:
                 crypto.fwd_tx.send_nowait(sock, wire.ABORT, body)
             else:
                 sock.send(wire.FRAME.pack(wire.ABORT, len(body)) + body, _DONTWAIT)
-
-
-def abort_error(reason: dict[str, Any], epoch: str, node_id: str) -> Exception:
-    """The exception a collective on ``epoch`` raises for abort ``reason`` (``node_id``: this
-    member, so that an abort another member reported says who)."""
-    kind, msg = str(reason.get("kind")), str(reason.get("msg"))[:_ABORT_MSG_CAP]
-    origin, peer = str(reason.get("origin")), str(reason.get("peer"))
-    if origin != node_id:
-        msg = f"{msg} (reported by {origin})"
-    if kind == "stalled":
-        return PeerStalledError(msg, peer=peer, epoch=epoch)
-    if kind == "lost":
-        return RingPeerLostError(msg, peer=peer, epoch=epoch)
-    if kind == "mismatch":
-        return InputMismatchError(msg)
-    if kind == "superseded":
-        return ViewSupersededError(msg, epoch=epoch)
-    return CollectiveError(f"collective aborted: {msg}")
 
 
 def _describe(h: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ tested without a GPU.
    back.
 3. *Collectives with a deadline.* A collective is enqueued on the caller's stream and polled
    until done, until ``op_timeout`` passes (the communicator is aborted and
-   ``GpuStalledError`` raised), or until an abort arrives.
+   ``PeerStalledError`` raised), or until an abort arrives.
 4. *Aborts.* ``peer_suspected`` (membership's suspicion, from any thread) aborts at once the
    communicator of every view holding that peer, so a collective waiting for a frozen or dead
    peer fails in the next poll (sub-millisecond), not at a timeout, and later collectives on
@@ -38,9 +38,10 @@ tested without a GPU.
    (it has hung in the wild, NVIDIA/nccl#863); a new communicator is only built once the
    old ones are gone (``abort_timeout``).
 
-Every abort has a typed reason (``ftmesh.collective.aborts``); the error raised for it is a
-subclass of the data plane's (``RingPeerLostError``, ``PeerStalledError``,
-``ViewSupersededError``), so the training loop's retry logic needs no new case.
+Every abort has the typed reason of every backend (``ftmesh.collective.aborts.Abort``); the
+error raised for it is the data plane's (``RingPeerLostError``, ``PeerStalledError``,
+``ViewSupersededError``, ...) with the reason as ``.abort``, so the training loop's retry
+logic needs no new case.
 
 "sans-IO-ish": the manager owns no thread and never sleeps on its own -- time and waiting
 come in through ``clock``/``sleep`` (a fake clock makes the deadline tests instant), I/O
@@ -61,18 +62,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..errors import ConfigError, FtmeshError, LocalUsageError, MeshClosedError
-from .aborts import (
-    AbortReason,
-    CommFailed,
-    CommFailure,
-    DeadlineExpired,
-    GpuCommError,
-    GpuStalledError,
-    ManagerClosed,
-    PeerSuspected,
-    ViewChanged,
-    error_for,
-)
+from .aborts import Abort, AbortKind, CommFailure, abort_of, comm_failed, error_for
 from .backend import Backend
 from .dataplane import CollectiveResult
 from .errors import RingPeerLostError, ViewSupersededError
@@ -81,6 +71,9 @@ from .view import RingView
 
 log = logging.getLogger(__name__)
 
+
+_ENDS_SETUP = (AbortKind.PEER_LOST, AbortKind.SUPERSEDED, AbortKind.CLOSED)
+"""Aborts that end a view's set-up for this member too (the others fall back alone)."""
 
 GPU_KINDS = (Kind.ALLREDUCE, Kind.BROADCAST)
 """The collectives a GPU communicator runs (the others stage through the TCP ring)."""
@@ -235,7 +228,7 @@ class EpochConfig:
     """Seconds a new communicator waits for the aborts of the old ones (never build one on a
     GPU where another is still being torn down, pytorch#119797). Aborts run in their own
     thread, so a caller never waits for one otherwise; one that does not finish in time (an
-    NCCL bug seen in the wild, NVIDIA/nccl#863) makes the set-up raise ``GpuStalledError``."""
+    NCCL bug seen in the wild, NVIDIA/nccl#863) makes the set-up raise ``PeerStalledError``."""
     max_aborted_views: int = 64
     """Views whose abort is remembered (a collective on one fails at once); caps memory."""
 
@@ -267,10 +260,10 @@ class _Epoch:
     backend: Backend
     serial: int
     comm: Communicator | None = None
-    reason: AbortReason | None = None
+    reason: Abort | None = None
     aborted: bool = False
 
-    def take(self, reason: AbortReason) -> list[Communicator]:
+    def take(self, reason: Abort) -> list[Communicator]:
         """Mark aborted for ``reason`` (the first reason wins); the communicator to abort."""
         if self.reason is None:
             self.reason = reason
@@ -365,7 +358,7 @@ class EpochManager:
         self._lock = threading.Lock()
         self._run_lock = threading.Lock()
         self._epoch: _Epoch | None = None
-        self._aborted: OrderedDict[str, AbortReason] = OrderedDict()
+        self._aborted: OrderedDict[str, Abort] = OrderedDict()
         self._serial = 0
         self._closed = False
         self._stats = EpochStats()
@@ -388,10 +381,8 @@ class EpochManager:
             ep = self._epoch_for(view)
             if ep.backend is Backend.STAGING:
                 if self._fallback is None:
-                    raise GpuCommError(
-                        f"view {view.epoch} fell back to staging and no fallback is set",
-                        reason=CommFailed(-1, "no fallback"),
-                    )
+                    detail = f"view {view.epoch} fell back to staging and no fallback is set"
+                    raise error_for(self._reason(AbortKind.COMM_FAILED, detail), view.epoch)
                 self._fallback(view, op)
             else:
                 comm = ep.comm
@@ -417,7 +408,8 @@ class EpochManager:
             ep = self._epoch
             if ep is None or peer not in ep.view:
                 return
-            reason = PeerSuspected(peer, why)
+            detail = f"GPU collective on view {ep.view.epoch} aborted: {peer} suspected ({why})"
+            reason = self._reason(AbortKind.PEER_LOST, detail, peer)
             self._remember(ep.view.epoch, reason)
             comms = ep.take(reason)
         self._abort(comms, reason)
@@ -428,12 +420,12 @@ class EpochManager:
             ep = self._epoch
             if ep is None or (view is not None and ep.view.epoch == view.epoch):
                 return
-            reason = ViewChanged(view.epoch if view is not None else None)
+            reason = self._left_for(ep.view, view)
             self._remember(ep.view.epoch, reason)
             comms = ep.take(reason)
         self._abort(comms, reason)
 
-    def aborted(self, epoch: str) -> AbortReason | None:
+    def aborted(self, epoch: str) -> Abort | None:
         """Why collectives on ``epoch`` fail at once (see ``clear_abort``), if they do."""
         with self._lock:
             return self._aborted.get(epoch)
@@ -448,8 +440,9 @@ class EpochManager:
         with self._lock:
             self._closed = True
             ep = self._epoch
-            comms = ep.take(ManagerClosed()) if ep is not None else []
-        self._abort(comms, ManagerClosed())
+            closed = self._reason(AbortKind.CLOSED, "the GPU collectives were closed")
+            comms = ep.take(closed) if ep is not None else []
+        self._abort(comms, closed)
         self.wait_aborts(self.config.abort_timeout)
 
     def statistics(self) -> EpochStats:
@@ -460,7 +453,8 @@ class EpochManager:
     def _epoch_for(self, view: RingView) -> _Epoch:
         with self._lock:
             if self._closed:
-                raise error_for(ManagerClosed(), view.epoch)
+                detail = f"the GPU collectives of view {view.epoch} were closed"
+                raise error_for(self._reason(AbortKind.CLOSED, detail), view.epoch)
             reason = self._aborted.get(view.epoch)
             if reason is not None:
                 raise error_for(reason, view.epoch)
@@ -468,15 +462,15 @@ class EpochManager:
             if ep is not None and ep.view.epoch == view.epoch and ep.reason is None:
                 return ep
             old = []
-            if ep is not None and ep.view.epoch != view.epoch:
-                self._remember(ep.view.epoch, ViewChanged(view.epoch))
-            if ep is not None:
-                old = ep.take(ViewChanged(view.epoch))
+            left = self._left_for(ep.view, view) if ep is not None else None
+            if ep is not None and left is not None and ep.view.epoch != view.epoch:
+                self._remember(ep.view.epoch, left)
+            if ep is not None and left is not None:
+                old = ep.take(left)
             self._epoch = None
-        self._abort(old, ViewChanged(view.epoch))
+        self._abort(old, left)
         if not self.wait_aborts(self.config.abort_timeout):  # before the new view is built
-            reason = DeadlineExpired("abort", self.config.abort_timeout)
-            raise error_for(reason, view.epoch)
+            raise error_for(self._deadline("abort", self.config.abort_timeout), view.epoch)
         return self._setup(view)
 
     def _setup(self, view: RingView) -> _Epoch:
@@ -494,7 +488,8 @@ class EpochManager:
         try:
             record = SetupRecord.decode(raw, view.epoch)
         except CommFailure as exc:  # another version of ftmesh, or not a record at all
-            raise GpuCommError(str(exc), reason=CommFailed(exc.code, exc.message)) from exc
+            failed = Abort(AbortKind.COMM_FAILED, "", self.node_id, str(exc))
+            raise error_for(failed, view.epoch) from exc
         ep = _Epoch(view, record.backend, record.serial)
         with self._lock:
             self._serial = max(self._serial, record.serial)
@@ -508,13 +503,18 @@ class EpochManager:
             with self._lock:
                 ep.comm = comm
                 late = ep.take(ep.reason) if ep.reason is not None else []
-            self._abort(late, ep.reason or ManagerClosed())  # aborted while being created
+            self._abort(late, ep.reason)  # aborted while being created
             self._wait(ep, "init", comm.ready, self.config.init_timeout)
             ok = True
-        except (CommFailure, GpuStalledError, GpuCommError) as exc:
-            log.warning("%s: NCCL init of view %s failed: %s", self.node_id, view.epoch, exc)
         except (FtmeshError, ImportError, OSError) as exc:
-            if isinstance(exc, RingPeerLostError | ViewSupersededError | MeshClosedError):
+            # A loss, our moving on or closing ends the set-up; a failed or stalled init of
+            # our own falls back to staging with the others (the agreement below).
+            why = abort_of(exc)
+            if why is not None and why.kind in _ENDS_SETUP:
+                raise
+            if why is None and isinstance(exc, RingPeerLostError | ViewSupersededError):
+                raise
+            if isinstance(exc, MeshClosedError):
                 raise
             log.warning("%s: no NCCL communicator for view %s: %s", self.node_id, view.epoch, exc)
         if self._control.agree(view, ok, record.token()):
@@ -523,7 +523,7 @@ class EpochManager:
                 self._stats = replace(self._stats, last_setup_seconds=self._clock() - started)
             return ep
         with self._lock:
-            comms = ep.take(CommFailed(-1, "a member could not set up NCCL"))
+            comms = ep.take(self._reason(AbortKind.COMM_FAILED, "a member could not set up NCCL"))
             ep.backend, ep.reason, ep.comm = Backend.STAGING, None, None
             self._count("fallbacks")
         self._abort(comms, None)
@@ -534,7 +534,7 @@ class EpochManager:
         try:
             return fn()
         except CommFailure as exc:
-            self._fail(ep, CommFailed(exc.code, exc.message))
+            self._fail(ep, comm_failed(exc.code, exc.message, self.node_id))
         return None
 
     def _wait(self, ep: _Epoch, phase: str, cond: Callable[[], bool], timeout: float) -> None:
@@ -546,20 +546,20 @@ class EpochManager:
             if self._call(ep, cond):
                 return
             if self._clock() >= deadline:
-                self._fail(ep, DeadlineExpired(phase, timeout))
+                self._fail(ep, self._deadline(phase, timeout))
             self._sleep(pause)
             pause = min(pause * 2, self.config.poll_max)
 
-    def _fail(self, ep: _Epoch, reason: AbortReason) -> None:
+    def _fail(self, ep: _Epoch, reason: Abort) -> None:
         with self._lock:
             comms = ep.take(reason)
         self._abort(comms, reason)
         raise error_for(ep.reason or reason, ep.view.epoch)
 
-    def _abort(self, comms: list[Communicator], reason: AbortReason | None) -> None:
+    def _abort(self, comms: list[Communicator], reason: Abort | None) -> None:
         """Hand ``comms`` to the aborting thread; returns at once."""
         if comms:
-            key = type(reason).__name__ if reason is not None else "fallback"
+            key = reason.kind.value if reason is not None else "fallback"
             self._reaper.submit(comms, key)
 
     def _aborted_one(self, key: str, seconds: float) -> None:
@@ -572,7 +572,17 @@ class EpochManager:
         """Wait until every abort handed over so far has finished; False after ``timeout``."""
         return self._reaper.wait_idle(timeout)
 
-    def _remember(self, epoch: str, reason: AbortReason) -> None:
+    def _reason(self, kind: AbortKind, detail: str, peer: str = "") -> Abort:
+        return Abort(kind, peer, self.node_id, detail)
+
+    def _deadline(self, phase: str, seconds: float) -> Abort:
+        return self._reason(AbortKind.STALLED, f"GPU {phase} passed its {seconds:g}s deadline")
+
+    def _left_for(self, old: RingView, new: RingView | None) -> Abort:
+        detail = f"view {old.epoch} was left for {new.epoch if new is not None else 'no view'}"
+        return self._reason(AbortKind.SUPERSEDED, detail)
+
+    def _remember(self, epoch: str, reason: Abort) -> None:
         self._aborted[epoch] = reason
         self._aborted.move_to_end(epoch)
         while len(self._aborted) > self.config.max_aborted_views:

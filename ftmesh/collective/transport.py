@@ -49,6 +49,7 @@ from ..errors import CollectiveError, FtmeshError, RemoteProtocolError
 from ..net.admission import Admission, accept_loop
 from ..security import MeshAuth
 from . import wire
+from .aborts import Abort
 from .config import CollectiveConfig
 from .errors import RingPeerLostError, ViewMismatchError
 from .reach import Connected, ConnectEnded, ConnectFailed, Connecting, ReachEvent
@@ -144,7 +145,7 @@ class Ring:
     sync caller's thread all touch them)."""
     active: Any = None
     """The engine ``Pipeline`` running on this ring, if any."""
-    killed: dict[str, Any] | None = None
+    killed: Abort | None = None
     """Abort reason set by ``kill``: no collective may start on this ring any more."""
     notice_sent: bool = False
     """An abort notice went out on this ring already (each ring sends at most one each way)."""
@@ -157,7 +158,7 @@ class Ring:
     worked: bool = False
     """A collective completed on this ring (both connections carry data)."""
 
-    def kill(self, reason: dict[str, Any]) -> None:
+    def kill(self, reason: Abort) -> None:
         """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``).
         Sync and non-blocking; callable from any thread."""
         with self.lock:
@@ -169,7 +170,7 @@ class Ring:
                 # Nothing runs here: tell both neighbours ourselves. No engine thread can be
                 # writing (none is active and none may start once ``killed`` is set).
                 self.notice_sent = True
-                body = wire.pack_control(reason)[4:]
+                body = wire.pack_control(reason.to_wire())[4:]
                 frame = wire.FRAME.pack(wire.ABORT, len(body)) + body
                 crypto = self.crypto
                 for s, sealer in (
@@ -184,7 +185,7 @@ class Ring:
                                 s.send(frame, _stdsocket.MSG_DONTWAIT)
         if pipe is not None:
             pipe.abort_from_outside(reason)
-        self.shutdown_towards(str(reason.get("peer")))
+        self.shutdown_towards(reason.peer)
 
     def shutdown_towards(self, peer: str) -> None:
         """Fail the socket(s) to ``peer`` if it is a neighbour: a thread blocked writing to or
@@ -271,7 +272,7 @@ class Transport:
         """Inbound connections still in their handshake (see ``ftmesh.net.admission``)."""
         self._poll = min(config.poll_interval, config.io_timeout)
 
-    def kill_ring(self, epoch: str, reason: dict[str, Any]) -> None:
+    def kill_ring(self, epoch: str, reason: Abort) -> None:
         """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it. An idle ring's
         sockets are closed only at the next ``open_ring``: ``kill`` has just written the abort
         notices, and closing a socket with the left neighbour's unread data queued resets the

@@ -322,11 +322,12 @@ def check_nccl_solo(t: Table) -> None:
 def check_tcp_solo(t: Table) -> None:
     """--dry-run: the N=1 lifecycle on the TCP ring behind the same interfaces."""
     from ftmesh.collective import SyncDataPlane
+    from ftmesh.collective.session import SessionRing
     from ftmesh.collective.tcp_backend import TcpFactory
 
     with SyncDataPlane.start("solo") as dp:
         view = RingView.of([Peer("solo", *dp.address)])
-        factory = TcpFactory(dp, lambda ep: dp.abort_view(ep, "", "aborted"))
+        factory = TcpFactory(SessionRing(dp.session), lambda ep: dp.abort_view(ep, "", "aborted"))
         m = EpochManager("solo", factory, SoloControl())
         x = np.arange(1, 5, dtype=np.float32)
         t0 = time.perf_counter()
