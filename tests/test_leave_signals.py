@@ -1,6 +1,8 @@
 """SIGTERM / SIGINT to a process that joined with ``ftmesh.connect()``: the first asks the
-mesh to leave (``leave_requested()``, ``wait_leave_requested()``), a second exits at once with
-128 + the signal number; ``close()`` puts the previous handlers back. Real processes, a
+mesh to leave (``leave_requested()``, ``wait_leave_requested()``) and then calls the program's
+own handler; a second leaves at once through normal unwinding (``SystemExit(128 + the signal
+number)``, the ``finally`` blocks run); ``close()`` puts the previous handlers back;
+``connect(handle_signals=False)`` leaves the host's handlers alone. Real processes, a
 same-host mesh (no network beyond loopback)."""
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ with ftmesh.connect(preset="local") as mesh:
     assert mesh.wait_leave_requested(timeout=60), "no leave request"
     print("leave requested", flush=True)
     if sys.argv[1] == "twice":
-        time.sleep(60)  # the second signal ends us here
-        print("still alive", flush=True)
+        try:
+            time.sleep(60)  # the second signal ends us here
+            print("still alive", flush=True)
+        finally:
+            print("unwound", flush=True)
 assert signal.getsignal(signal.SIGTERM) is before, "handlers not restored"
 print("restored", flush=True)
 """
@@ -87,6 +92,51 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 128 + signal.SIGTERM
         assert time.monotonic() - t0 < 5
-        assert proc.stdout is not None and "still alive" not in proc.stdout.read()
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        assert "still alive" not in out and "unwound" in out, out
+    finally:
+        proc.kill()
+
+
+HOST = """
+import os, signal, sys
+import ftmesh
+
+seen = []
+signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+mesh = ftmesh.connect(preset="local", handle_signals=sys.argv[1] == "on")
+print("ready", flush=True)
+left = mesh.wait_leave_requested(timeout=3)
+print(f"host handler ran: {seen == [signal.SIGTERM]}; mesh asked to leave: {left}", flush=True)
+mesh.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "left"), [("on", True), ("off", False)], ids=["chained", "handle_signals=False"]
+)
+def test_the_hosts_own_handler_still_runs(tmp_path: Path, mode: str, left: bool) -> None:
+    """An embedding host's SIGTERM handler runs whether ftmesh handles the signal (after
+    asking the mesh to leave) or not (``handle_signals=False``: the mesh is not told)."""
+    env = {
+        **os.environ,
+        "FTMESH_REGISTRY_DIR": str(tmp_path / "registry"),
+        "FTMESH_MESH": f"host-{os.getpid()}-{mode}",
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOST, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        _expect(proc, "ready")
+        proc.send_signal(signal.SIGTERM)
+        _expect(proc, f"host handler ran: True; mesh asked to leave: {left}")
+        assert proc.wait(30) == 0
     finally:
         proc.kill()

@@ -20,8 +20,9 @@ Planned departures: ``request_leave()`` only raises a flag (safe from signal han
 thread); whoever drives the training loop reads ``leave_requested()`` at its step boundaries
 and leaves (``ElasticTrainer`` does, see ``ftmesh.torch.trainer``). :func:`connect`, called
 from the main thread, installs SIGTERM/SIGINT handlers that request it
-(:func:`handle_leave_signals`): a worker that is PID 1 of a container, where signals without
-a handler are ignored, leaves as well as any other; a second signal exits at once.
+(:func:`handle_leave_signals`, chained to the program's own; ``handle_signals=False`` leaves
+them alone): a worker that is PID 1 of a container, where signals without a handler are
+ignored, leaves as well as any other; a second signal leaves at once, unwinding normally.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -385,24 +385,31 @@ FLAG_POLL_S = 0.25
 
 
 def handle_leave_signals(mesh: SyncMesh) -> bool:
-    """Make SIGTERM and SIGINT ask ``mesh`` to leave (``request_leave``); a second one exits
-    the process at once with status 128 + the signal number. ``mesh.close()`` puts the
-    previous handlers back. Only from the main thread (Python delivers signals there):
-    returns whether the handlers were installed."""
+    """Make SIGTERM and SIGINT ask ``mesh`` to leave (``request_leave``), then call the handler
+    that was there before if it is the program's own (a callable other than Python's
+    ``KeyboardInterrupt`` default): a host's SLURM requeue or cleanup handler still runs. A
+    second one leaves through normal unwinding, at once: ``KeyboardInterrupt`` for SIGINT,
+    ``SystemExit(128 + signal number)`` for SIGTERM, raised in the main thread, so the
+    program's ``finally`` and ``with`` blocks run. ``mesh.close()`` puts the previous handlers
+    back. Only from the main thread (Python delivers signals there): returns whether the
+    handlers were installed."""
     if threading.current_thread() is not threading.main_thread():
         return False
     previous = {sig: signal.getsignal(sig) for sig in LEAVE_SIGNALS}
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if mesh.leave_requested():
-            os.write(2, f"ftmesh: {name} again: exiting now\n".encode())
-            with contextlib.suppress(Exception):  # (a signal may interrupt a write)
-                sys.stdout.flush()
-            os._exit(128 + signum)
+            os.write(2, f"ftmesh: {name} again: leaving now\n".encode())
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
         mesh.request_leave()
-        note = f"ftmesh: {name}: leaving the mesh at the next step ({name} again: exit now)\n"
+        note = f"ftmesh: {name}: leaving the mesh at the next step ({name} again: leave now)\n"
         os.write(2, note.encode())
+        chained = previous[signal.Signals(signum)]
+        if callable(chained) and chained is not signal.default_int_handler:
+            chained(signum, frame)
 
     for sig in LEAVE_SIGNALS:
         signal.signal(sig, on_signal)
@@ -440,6 +447,7 @@ def connect(
     role: str = "train",
     open_timeout: float = 30.0,
     environ: Mapping[str, str] | None = None,
+    handle_signals: bool = True,
 ) -> SyncMesh:
     """Join a training mesh from a plain (non-trio) program; the usual entry point of a
     training script started by ``ftmesh launch`` or ``ftmesh worker``.
@@ -459,8 +467,11 @@ def connect(
     Raises the ``FtmeshError`` that keeps the mesh from starting (a ``ConfigError`` naming
     the setting at fault and the fix).
 
-    Called from the main thread, it also makes SIGTERM and SIGINT a planned departure
-    (:func:`handle_leave_signals`, undone by ``close()``).
+    Called from the main thread with ``handle_signals`` (the default), it also makes SIGTERM
+    and SIGINT a planned departure (:func:`handle_leave_signals`, undone by ``close()``),
+    calling the program's own handlers after it. ``handle_signals=False`` leaves every signal
+    handler alone, for a host that owns them (Lightning, Ray, a notebook): call
+    ``mesh.request_leave()`` from its handler for a planned departure.
     """
     settings = Settings.from_env(os.environ if environ is None else environ).replace(
         mesh=mesh,
@@ -487,5 +498,6 @@ def connect(
     start = settings.start_config()
     synced = SyncMesh.start(settings.mesh_config(role), start_timeout=open_timeout)
     synced.start_config = start
-    handle_leave_signals(synced)
+    if handle_signals:
+        handle_leave_signals(synced)
     return synced
