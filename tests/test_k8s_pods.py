@@ -5,19 +5,21 @@ IP, each worker PID 1 of its own PID namespace, with the manifest's env, Secret 
 checkpoint volume). One mesh forms; SIGTERM to one pod's PID 1 makes it leave and exit 0
 within the grace period while no survivor retries a step; a fifth pod joins and trains; the
 others finish, on one model; a finished pod that the StatefulSet restarts does not train
-again. Root only (namespaces, mounts)."""
+again. The pods run the image's install, not this tree's: exactly what
+``examples/k8s/Dockerfile`` installs (parsed from it), in a fresh virtual environment. Root
+only (namespaces, mounts)."""
 
 from __future__ import annotations
 
 import json
 import secrets
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from install_support import build_wheel, dockerfile_requirements, fresh_env, run
 from tests_support import ROOT
 
 from ftmesh.lab import is_root
@@ -31,6 +33,7 @@ pytestmark = [
 ]
 
 MANIFEST = ROOT / "examples" / "k8s" / "ftmesh-train.yaml"
+DOCKERFILE = ROOT / "examples" / "k8s" / "Dockerfile"
 WAIT_S = 400.0  # generous: four pods import torch at once on a shared 2-core host
 
 
@@ -64,13 +67,25 @@ def _nspid(pid: int) -> list[str]:
     return next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
 
 
+def _image(tmp: Path) -> Path:
+    """The bin folder of an environment with exactly what the Dockerfile installs."""
+    env = fresh_env(tmp / "image")
+    run(
+        ["pip", "install", "-q", *dockerfile_requirements(DOCKERFILE, build_wheel(tmp))],
+        tmp,
+        env,
+        600,
+    )
+    return tmp / "image" / "bin"
+
+
 def test_the_statefulset_as_written(tmp_path: Path) -> None:
     docs = load_manifest(MANIFEST)
     key = secrets.token_hex(16).encode()
     with PodLab(
         docs,
         image_dir=ROOT,
-        image_path=[str(Path(sys.executable).parent)],  # the image's ftmesh
+        image_path=[str(_image(tmp_path))],  # the image's ftmesh
         secrets={"ftmesh-mesh-secret": {"secret": key}},
         pods=6,
     ) as lab:

@@ -12,6 +12,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 import traceback
@@ -131,9 +132,20 @@ def settings_from_args(
     return Settings(**defaults).over(Settings.from_env(environ)).replace(**explicit)
 
 
+def installed_version() -> str:
+    """The version of the installed distribution (the package's own when not installed)."""
+    try:
+        return importlib.metadata.version("ftmesh")
+    except importlib.metadata.PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="ftmesh", description="Peer-to-peer fault-tolerant training mesh.")
     parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("--version", action="version", version=f"ftmesh {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     node = sub.add_parser("node", help="run a mesh member until SIGINT/SIGTERM")

@@ -1,15 +1,16 @@
 """CUDA kernels of ``native/`` and their NumPy references.
 
 Theory of operation: the kernel sources live in ``native/*.cu`` at the root of the source
-tree (one concern per file, each with its definition in its header). ``kernels()`` compiles
+tree (one concern per file, each with its definition in its header); ``ftmesh/native/cuda``
+links to them, so the wheel carries them as package data. ``kernels()`` compiles
 them with CuPy's ``RawModule`` on first use, with ``KERNEL_OPTIONS``, and returns launchers
 that take CuPy arrays (torch CUDA tensors go through ``cupy.asarray``/DLPack, zero-copy).
 CuPy is imported there and only there: ``import ftmesh``, ``ftmesh.native.reference`` (the
 NumPy references, which are the CPU path and the test oracle) and ``ftmesh.native.nvrtc``
 (the compile check CI runs without a GPU) all work without it.
 
-The sources are read from the source tree, so the kernels need a checkout (or an editable
-install); a wheel without ``native/`` raises ``NativeUnavailableError`` with that reason.
+The sources are read from ``ftmesh/native/cuda`` (a checkout, an editable install or a
+wheel alike); an install without them raises ``NativeUnavailableError`` with that reason.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class NativeUnavailableError(FtmeshError):
 
 
 def source_dir() -> Path:
-    """``native/`` of the source tree this package was loaded from."""
-    return Path(__file__).resolve().parents[2] / "native"
+    """The kernel sources of this install: ``ftmesh/native/cuda`` (in a checkout, a link to
+    ``native/``)."""
+    return Path(__file__).resolve().parent / "cuda"
 
 
 def read_source(name: str) -> str:
