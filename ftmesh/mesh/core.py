@@ -593,8 +593,19 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
                 yield mesh
             finally:
                 mesh.flush_progress()  # the last step, reported while throttled
+                if mesh._progress is not None:
+                    _closed_progress[:] = [mesh._progress]
                 await mesh._let_metadata_spread()
                 nursery.cancel_scope.cancel()
+
+
+_closed_progress: list[Progress] = []
+
+
+def last_progress() -> Progress | None:
+    """The progress the last mesh closed in this process published last (``ftmesh worker``
+    hands it to ``ftmesh launch`` as it exits), or None."""
+    return _closed_progress[-1] if _closed_progress else None
 
 
 def _free_memory() -> int:
