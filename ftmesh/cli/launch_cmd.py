@@ -509,12 +509,6 @@ class Launcher:
         live = self._current()
         return max(live, key=lambda w: w.step).members if live else 0
 
-    def step_now(self) -> int:
-        """The newest committed step a running worker published (the view's step); once
-        none runs, the run's."""
-        live = self._current()
-        return max(w.step for w in live) if live else self.committed()
-
     def render(self) -> Any:
         from rich.console import Group
         from rich.table import Table
@@ -542,9 +536,9 @@ class Launcher:
             )
             table.add_row(*(Text(shown(c)) for c in cells))  # (member text: never markup)
         elapsed = time.monotonic() - self.t0
-        rate = self.step_now() / elapsed if elapsed > 0 else 0.0
+        rate = self.committed() / elapsed if elapsed > 0 else 0.0
         head = Text(
-            f"mesh {self.settings.mesh}  committed steps {self.step_now()}  ({rate:.1f} steps/s)"
+            f"mesh {self.settings.mesh}  committed steps {self.committed()}  ({rate:.1f} steps/s)"
             f"  world {self.world()}"
         )
         return Group(head, table, Text("\n".join(self.events)))
@@ -563,7 +557,7 @@ class Launcher:
         losses = [w for w in live if w.loss is not None]
         loss = max(losses, key=lambda w: w.step).loss if losses else None
         return (
-            f"  step {self.step_now()}  world {self.world()}  [{each}]  live workers "
+            f"  step {self.committed()}  world {self.world()}  [{each}]  live workers "
             f"{len(running)}  loss {'-' if loss is None else f'{loss:.4f}'}"
         )
 
