@@ -31,6 +31,21 @@ the view when it happens, and in the final summary), warns about a ``--kill-at``
 ``--join-at`` that never fired, runs until the workers are done (``--timeout``: a limit, none
 by default) and exits non-zero, naming the worker and showing its traceback, when a worker it
 did not kill fails.
+
+The numbers are the mesh's: the view shows the running workers' published steps, worlds and
+losses (a dead worker's leave the view), one plain line whenever it changes; the summary
+gives each worker's last step as it published it (each ``ftmesh worker`` writes its mesh's
+last published progress to ``<log dir>/wN.final.json`` as it exits, ``--final-report``, since
+the reads a few times a second may miss the last ones) and the run's committed steps; a
+``--kill-at``/``--join-at`` that never fired says why (the run ended first, the workers
+failed, the launcher was stopped). SIGTERM (``timeout``, systemd, Docker, Kubernetes) and
+SIGINT are a planned departure for every worker (SIGTERM to each), waited for up to
+``LEAVE_GRACE_S`` (then SIGKILL; a second signal: at once); the launcher exits with status
+128 + the signal and says how each worker ended. With local discovery the workers use the
+default registry (``/tmp/ftmesh-$UID``, or ``--registry-dir``) as mesh ``launch-PID-RANDOM``
+(``--mesh`` names it), printed at the start, so ``ftmesh status`` on the same host finds it
+(by that name, or alone with no mesh named); the launcher removes its workers' entries and
+the mesh's directory when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -65,11 +80,13 @@ MAX_FRUITLESS_RESPAWNS = 3
 is not respawned again: a script that cannot start would otherwise restart forever."""
 STOP_GRACE_S = 5.0
 """Seconds a worker the launcher stops gets between SIGTERM and SIGKILL."""
-LEAVE_GRACE_S = 10.0
+LEAVE_GRACE_S = 20.0
 """Seconds the workers get to leave after the launcher is asked to stop (SIGTERM or SIGINT):
-each is sent SIGTERM (a planned departure at its next step boundary), and the ones still
-running after this bound are killed with SIGKILL. So the launcher exits within this bound
-(and a moment to reap) of the signal, and no worker outlives it."""
+each is sent SIGTERM (a planned departure at its next step boundary: the rest of the step,
+one more at most, the leave, the process' exit; see the README), and the ones still running
+after this bound are killed with SIGKILL. So the launcher exits within this bound (and a
+moment to reap) of the signal, and no worker outlives it. Under Kubernetes' default grace
+(30 s); Docker's (10 s) ends the whole container anyway."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.25
 """Seconds between two reads of the workers' member list (one observer push-pull each)."""
