@@ -646,7 +646,7 @@ class Launcher:
                 os.killpg(w.proc.pid, signal.SIGTERM)
 
     def _loop(self, refresh: Any) -> int:
-        shown = ""
+        shown, last_line = "", 0.0
         leaving = False
         while any(w.running for w in self.workers):
             if time.monotonic() > self.deadline:
@@ -674,9 +674,9 @@ class Launcher:
             self.reap()
             if refresh is not None:
                 refresh()
-            elif (line := self.line()) != shown:  # (a line when something changed)
-                shown = line
-                print(line, file=self.out, flush=True)
+            elif (line := self.line()) != shown and time.monotonic() - last_line >= 1.0:
+                shown, last_line = line, time.monotonic()  # (at most a line a second, and
+                print(line, file=self.out, flush=True)  # only when something changed)
             time.sleep(0.05)
         self.observe()
         self.reap()  # the exits of the last tick

@@ -136,6 +136,7 @@ def _mesh_to_read(settings: Settings) -> str:
 
 async def _amain(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, os.environ)
+    settings.auth()  # (every setting checked before the registry is looked at)
     mesh = _mesh_to_read(settings)
     reader = MeshReader(settings, mesh, args.timeout)
     if args.watch:
