@@ -7,7 +7,7 @@ the mesh's). After each committed step it reports ``Progress`` to the mesh and a
 ``{"step", "world"}`` to its own record file ``$LEAVING_RECORDS/<name>.jsonl``; a failed round
 is retried on the next view. At a step boundary where a leave was requested it writes
 ``{"left": step}`` and leaves the mesh (a planned departure, exit status 0). It ends at step
-``LEAVING_STEPS``.
+``LEAVING_STEPS``. A joiner waits for a view with another member before its first step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ DEADLINE_S = 120.0
 with ftmesh.connect() as mesh:
     name = mesh.mesh.config.node.name
     records = Path(os.environ["LEAVING_RECORDS"]) / f"{name}.jsonl"
-    mesh.wait_view(min_members=max(1, mesh.start_config.start_peers), timeout=60)
+    # A joiner (``join_running``) waits for a member to join: with a view of itself alone it
+    # would "train" on its own before discovery finds the others.
+    start = mesh.start_config
+    least = 2 if start.join_running else max(1, start.start_peers)
+    mesh.wait_view(min_members=least, settle=0.5 if start.join_running else 0.0, timeout=60)
     deadline = time.monotonic() + DEADLINE_S
     step = 0
     fault = ""
