@@ -23,6 +23,7 @@ deleted (only well-formed entries of dead processes are).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import stat
@@ -373,10 +374,13 @@ def remove_entries(registry_dir: Path, mesh: str, pids: set[int]) -> None:
     directory if nothing else is left in it."""
     mesh_dir = registry_dir / mesh
     try:
-        entries = list(os.scandir(mesh_dir))[:MAX_ENTRIES]
+        with os.scandir(mesh_dir) as it:
+            entries = list(itertools.islice(it, MAX_ENTRIES))
     except OSError:
         return
     for de in entries:
+        if not de.is_file(follow_symlinks=False):
+            continue
         try:
             with open(de.path, "rb") as f:
                 entry = _parse_entry(f.read(MAX_FILE_BYTES + 1), de.name)
@@ -395,7 +399,9 @@ def live_meshes(registry_dir: Path | None = None) -> dict[str, int]:
     base = registry_dir if registry_dir is not None else default_registry_dir()
     out: dict[str, int] = {}
     try:
-        dirs = [de for de in list(os.scandir(base))[:MAX_MESHES] if de.is_dir()]
+        with os.scandir(base) as it:
+            listed = list(itertools.islice(it, MAX_MESHES))
+        dirs = [de for de in listed if de.is_dir(follow_symlinks=False)]
     except OSError:
         return out
     for de in dirs:
