@@ -31,6 +31,21 @@ the view when it happens, and in the final summary), warns about a ``--kill-at``
 ``--join-at`` that never fired, runs until the workers are done (``--timeout``: a limit, none
 by default) and exits non-zero, naming the worker and showing its traceback, when a worker it
 did not kill fails.
+
+The numbers are the mesh's: the view shows the running workers' published steps, worlds and
+losses (a dead worker's leave the view), one plain line whenever it changes; the summary
+gives each worker's last step as it published it (each ``ftmesh worker`` writes its mesh's
+last published progress to ``<log dir>/wN.final.json`` as it exits, ``--final-report``, since
+the reads a few times a second may miss the last ones) and the run's committed steps; a
+``--kill-at``/``--join-at`` that never fired says why (the run ended first, the workers
+failed, the launcher was stopped). SIGTERM (``timeout``, systemd, Docker, Kubernetes) and
+SIGINT are a planned departure for every worker (SIGTERM to each), waited for up to
+``LEAVE_GRACE_S`` (then SIGKILL; a second signal: at once); the launcher exits with status
+128 + the signal and says how each worker ended. With local discovery the workers use the
+default registry (``/tmp/ftmesh-$UID``, or ``--registry-dir``) as mesh ``launch-PID-RANDOM``
+(``--mesh`` names it), printed at the start, so ``ftmesh status`` on the same host finds it
+(by that name, or alone with no mesh named); the launcher removes its workers' entries and
+the mesh's directory when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -39,12 +54,10 @@ import argparse
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -52,11 +65,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..discovery.local import default_registry_dir, remove_entries
 from ..errors import ConfigError
 from ..membership.messages import MemberState
 from ..settings import DEFAULT_MESH, ENV, Settings
 from .devices import free_slot, visible_gpus, worker_env
-from .live_view import BackgroundReader, MemberRow, MeshReader, live_view_available
+from .live_view import BackgroundReader, MemberRow, MeshReader, live_view_available, shown
 from .main import MEMBER_FLAGS, add_settings_args, settings_from_args
 from .worker_cmd import Target, add_target_args, add_worker_parser
 
@@ -66,6 +80,14 @@ MAX_FRUITLESS_RESPAWNS = 3
 is not respawned again: a script that cannot start would otherwise restart forever."""
 STOP_GRACE_S = 5.0
 """Seconds a worker the launcher stops gets between SIGTERM and SIGKILL."""
+LEAVE_GRACE_S = 20.0
+"""Seconds the workers get to leave after the launcher is asked to stop (SIGTERM or SIGINT):
+each is sent SIGTERM (a planned departure at its next step boundary: the rest of the step,
+one more at most, the leave, the process' exit; see the README), and the ones still running
+after this bound are killed with SIGKILL. So the launcher exits within this bound (and a
+moment to reap) of the signal, and no worker outlives it. Under Kubernetes' default grace
+(30 s); Docker's (10 s) ends the whole container anyway."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.25
 """Seconds between two reads of the workers' member list (one observer push-pull each)."""
 READ_TIMEOUT_S = 1.0
@@ -84,7 +106,10 @@ class Worker:
     """Started to join the running mesh (``--join-at``, ``--respawn``)."""
     killed: bool = False
     stopped_at: float | None = None
-    """When the launcher stopped it: it arrived after training ended (it held no state)."""
+    """When the launcher stopped it (SIGTERM): it arrived after training ended (it held no
+    state), or the launcher was asked to stop."""
+    stop_grace: float = STOP_GRACE_S
+    """Seconds from ``stopped_at`` to SIGKILL."""
     replaced: bool = False
     """It died and ``--respawn`` started another worker in its slot."""
     step: int = 0
@@ -101,6 +126,9 @@ class Worker:
     joined: bool = False
     """A joiner whose first committed step the view has shown."""
     reported: bool = False
+    final: Path | None = None
+    """Where its ``ftmesh worker`` writes the last progress its mesh published, as it exits
+    (``--final-report``): the summary's numbers for a worker that ended on its own."""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
     output: list[str] = field(default_factory=list)
     reader: threading.Thread | None = None
@@ -146,6 +174,25 @@ class Worker:
             self.spare = p.share == 0
         if row.info is not None and row.info.role == "done":
             self.done = True
+
+    def read_final(self) -> None:
+        """Take the worker's own last published progress (``--final-report``), written as it
+        exited: the publications the view reads a few times a second may have missed the
+        last ones."""
+        if self.final is None:
+            return
+        try:
+            rec = json.loads(self.final.read_text())
+        except (OSError, ValueError):
+            return  # killed, or it never published progress
+        if not isinstance(rec, dict):
+            return
+        step, world = rec.get("step"), rec.get("world")
+        if type(step) is int and step >= self.step:
+            self.step = step
+            self.progressed = self.progressed or step > 0
+            if type(world) is int and world > 0:
+                self.members = world
 
 
 def add_launch_parser(sub: Any) -> None:
@@ -217,6 +264,9 @@ class Launcher:
         self.view: BackgroundReader | None = None
         """Reads the workers' mesh (started by ``run``)."""
         self._view_lost = False
+        self.signalled: signal.Signals | None = None
+        """The signal that asked the launcher to stop (SIGTERM, SIGINT), if one did."""
+        self._hurry = False
         self.t0 = time.monotonic()
         self.deadline = float("inf") if args.timeout is None else self.t0 + args.timeout
         """When the launcher stops every worker (``--timeout``; by default never)."""
@@ -234,7 +284,6 @@ class Launcher:
         discovery, consecutive ports and the first N workers as seeds for seeds discovery."""
         given.node_config()  # every setting checked before anything is created
         kind = given.discovery_kind("local")
-        self._private_registry = kind == "local" and given.registry_dir is None
         mesh = given.mesh
         if kind == "local" and mesh is None:
             mesh = f"launch-{os.getpid()}-{self.rng.getrandbits(32):08x}"
@@ -282,8 +331,11 @@ class Launcher:
             "FTMESH_WORKER_NAME": name,
         }
         verbose = ["-v"] * self.args.verbose
+        final = self.log_dir / f"{name}.final.json"
+        final.unlink(missing_ok=True)
+        worker = ["worker", "--final-report", str(final), *self.target.argv()]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ftmesh", *verbose, "worker", *self.target.argv()],
+            [sys.executable, "-m", "ftmesh", *verbose, *worker],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -291,6 +343,7 @@ class Launcher:
             start_new_session=True,
         )
         w = Worker(name, proc, self.log_dir / f"{name}.log", time.monotonic(), slot, joiner)
+        w.final = final
         w.reader = threading.Thread(target=self._read, args=(w,), daemon=True)
         w.reader.start()
         self.workers.append(w)
@@ -334,7 +387,13 @@ class Launcher:
             w.done = True
 
     def committed(self) -> int:
+        """The mesh's committed steps: the newest step its members published."""
         return max((w.step for w in self.workers), default=0)
+
+    def _current(self) -> list[Worker]:
+        """The workers whose numbers the live view shows: the running ones that published
+        a step (a dead worker's last numbers are history, not the mesh's state)."""
+        return [w for w in self.workers if w.running and w.progressed]
 
     def finished(self) -> bool:
         """A worker has finished the training: nobody is added any more."""
@@ -421,14 +480,22 @@ class Launcher:
             if w.name in by_name:
                 w.observe(by_name[w.name])
             if w.joiner and w.progressed and not w.joined:
-                w.joined = True
-                self.event(f"step {w.step}: {w.name} joins (world {w.members})")
+                world = w.members or self._mesh_world(rows or [])
+                if world:  # (a step from an FTMESH record without "members": from the mesh)
+                    w.joined = True
+                    self.event(f"step {w.step}: {w.name} joins (world {world})")
+
+    @staticmethod
+    def _mesh_world(rows: list[MemberRow]) -> int:
+        """The training members alive in the latest read of the mesh."""
+        alive = (r for r in rows if r.snapshot.state == MemberState.ALIVE)
+        return sum(1 for r in alive if r.info is not None and r.info.role == "train")
 
     def reap(self) -> None:
         """Report every worker that ended since the last call, however it ended."""
         for w in self.workers:
             since = w.stopped_at
-            if since is not None and w.running and time.monotonic() - since > STOP_GRACE_S:
+            if since is not None and w.running and time.monotonic() - since > w.stop_grace:
                 os.killpg(w.proc.pid, signal.SIGKILL)  # SIGTERM was not enough
             rc = w.proc.poll()
             if rc is None or w.reported:
@@ -456,7 +523,7 @@ class Launcher:
 
     def world(self) -> int:
         """The world size of the newest committed step a running worker published."""
-        live = [w for w in self.workers if w.running and w.progressed]
+        live = self._current()
         return max(live, key=lambda w: w.step).members if live else 0
 
     def render(self) -> Any:
@@ -464,13 +531,14 @@ class Launcher:
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(title=f"ftmesh launch: {' '.join(self.target.argv())}", expand=False)
+        title = Text(shown(f"ftmesh launch: {' '.join(self.target.argv())}"))
+        table = Table(title=title, expand=False)
         columns = ("worker", "pid", "state", "step", "world", "share", "step time")
         for col in (*columns, "samples/s", "backend", "loss", "last fault"):
             table.add_column(col)
         for w in self.workers:
             p = None if w.mesh is None or w.mesh.info is None else w.mesh.info.progress
-            table.add_row(
+            cells = (
                 w.name,
                 str(w.proc.pid),
                 self.state_of(w),
@@ -483,10 +551,12 @@ class Launcher:
                 "" if w.loss is None else f"{w.loss:.4f}",
                 "-" if p is None or not p.fault else p.fault,
             )
+            table.add_row(*(Text(shown(c)) for c in cells))  # (member text: never markup)
         elapsed = time.monotonic() - self.t0
         rate = self.committed() / elapsed if elapsed > 0 else 0.0
         head = Text(
-            f"committed steps {self.committed()}  ({rate:.1f} steps/s)  world {self.world()}"
+            f"mesh {self.settings.mesh}  committed steps {self.committed()}  ({rate:.1f} steps/s)"
+            f"  world {self.world()}"
         )
         return Group(head, table, Text("\n".join(self.events)))
 
@@ -494,19 +564,27 @@ class Launcher:
         """The plain view: the newest step and its world, each running worker's
         ``step/world`` as it published them, live workers, the latest loss."""
         running = [w for w in self.workers if w.running]
-        each = "  ".join(f"{w.name} {w.step}/{w.members}" for w in running if w.progressed)
-        loss = next((w.loss for w in reversed(self.workers) if w.loss is not None), None)
+        if not any(w.progressed for w in self.workers):
+            return f"  waiting for the first committed step  live workers {len(running)}"
+        live = self._current()
+        if not live:
+            return f"  step {self.committed()}  no worker training  live workers {len(running)}"
+        each = "  ".join(f"{w.name} {w.step}/{w.members}" for w in live)
+        # The loss of the newest step a running worker reported (never a dead worker's).
+        losses = [w for w in live if w.loss is not None]
+        loss = max(losses, key=lambda w: w.step).loss if losses else None
         return (
             f"  step {self.committed()}  world {self.world()}  [{each}]  live workers "
             f"{len(running)}  loss {'-' if loss is None else f'{loss:.4f}'}"
         )
 
     def run(self) -> int:
-        registry = tempfile.mkdtemp(prefix="ftmesh-launch-") if self._private_registry else None
-        self.settings = self.settings.replace(registry_dir=registry)
         mesh = self.settings.mesh or DEFAULT_MESH
         self.view = BackgroundReader(MeshReader(self.settings, mesh, READ_TIMEOUT_S), POLL_S)
+        previous = self._catch_signals()
         try:
+            if self.settings.discovery == "local":
+                self.event(f"mesh {mesh} (see it with: ftmesh status --mesh {mesh})")
             for _ in range(self.args.nprocs):
                 self.start_worker(joiner=False)
             self.view.start()
@@ -524,11 +602,52 @@ class Launcher:
                 if w.running:
                     os.killpg(w.proc.pid, signal.SIGKILL)
                     w.proc.wait()
-            if registry is not None:
-                shutil.rmtree(registry, ignore_errors=True)
+            self._clean_registry()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _catch_signals(self) -> dict[signal.Signals, Any]:
+        """SIGTERM (``timeout``, systemd, Docker, Kubernetes) and SIGINT (Ctrl-C) ask the
+        launcher to stop: ``_loop`` gives every worker a planned departure (``_leave``); a
+        second signal kills them at once. Returns the handlers to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+        def on_signal(signum: int, _frame: object) -> None:
+            if self.signalled is None:
+                self.signalled = signal.Signals(signum)
+            else:
+                self._hurry = True
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, on_signal)
+        return previous
+
+    def _clean_registry(self) -> None:
+        """Remove what the workers left in the registry (a killed worker cannot remove its
+        entry), and the mesh's directory if nothing else is in it."""
+        if self.settings.discovery != "local":
+            return
+        base = Path(self.settings.registry_dir or default_registry_dir())
+        remove_entries(base, self.settings.mesh or DEFAULT_MESH, {w.proc.pid for w in self.workers})
+
+    def _leave(self, sig: signal.Signals) -> None:
+        """Ask every running worker to leave (SIGTERM: a planned departure at its next step
+        boundary); ``reap`` kills the ones still running ``LEAVE_GRACE_S`` later."""
+        self.event(
+            f"{sig.name}: every worker leaves the mesh (SIGTERM); those still running in"
+            f" {LEAVE_GRACE_S:.0f}s are killed ({sig.name} again: kill them now)"
+        )
+        now = time.monotonic()
+        for w in self.workers:
+            if w.running and not w.stopped:
+                w.stopped_at, w.stop_grace = now, LEAVE_GRACE_S
+                os.killpg(w.proc.pid, signal.SIGTERM)
 
     def _loop(self, refresh: Any) -> int:
-        last_line = 0.0
+        shown, last_line = "", 0.0
+        leaving = False
         while any(w.running for w in self.workers):
             if time.monotonic() > self.deadline:
                 self.event(f"timeout after {self.args.timeout:.0f}s: stopping every worker")
@@ -539,26 +658,35 @@ class Launcher:
                         w.proc.wait()
                 self.reap()
                 return 124
+            if self.signalled is not None and not leaving:
+                leaving = True
+                self._leave(self.signalled)
+            if self._hurry:
+                for w in self.workers:
+                    if w.running:
+                        w.stop_grace = 0.0
             self.observe()
-            self.chaos()
-            if self.args.respawn:
-                self.respawn()
-            self.stop_latecomers()
+            if not leaving:
+                self.chaos()
+                if self.args.respawn:
+                    self.respawn()
+                self.stop_latecomers()
             self.reap()
             if refresh is not None:
                 refresh()
-            elif time.monotonic() - last_line > 1.0:
-                last_line = time.monotonic()
-                print(self.line(), file=self.out, flush=True)
+            elif (line := self.line()) != shown and time.monotonic() - last_line >= 1.0:
+                shown, last_line = line, time.monotonic()  # (at most a line a second, and
+                print(line, file=self.out, flush=True)  # only when something changed)
             time.sleep(0.05)
         self.observe()
         self.reap()  # the exits of the last tick
-        return 0
+        return 0 if self.signalled is None else 128 + self.signalled.value
 
     def _report(self, rc: int) -> int:
         for w in self.workers:
             if w.reader is not None:
                 w.reader.join(5.0)
+            w.read_final()
         ended = [w for w in self.workers if not w.killed and not w.stopped]
         failed = [w for w in ended if w.proc.returncode != 0]
         ok = [w for w in ended if w.proc.returncode == 0]
@@ -568,19 +696,27 @@ class Launcher:
             more = ", replaced" if w.replaced else ""
             ended_as = f"{w.exit_text()} at step {w.step}{more}"
             print(f"  {w.name} (pid {w.proc.pid}): {ended_as}", file=self.out)
+        print(f"committed steps: {self.committed()}", file=self.out)
         for what, pending in (("--kill-at", self.kills), ("--join-at", self.joins)):
             if pending:
-                hint = (
-                    ": no worker reported a committed step (the script neither reports"
-                    " progress to the mesh, see Mesh.report_progress, nor prints FTMESH records)"
-                    if not any(w.progressed for w in self.workers)
-                    else ""
-                )
                 print(
-                    f"warning: {what} {', '.join(map(str, pending))} never fired: the workers"
-                    f" committed {self.committed()} steps{hint}",
+                    f"warning: {what} {', '.join(map(str, pending))} never fired: "
+                    + self._why_not_fired(),
                     file=self.out,
                 )
+        if self.signalled is not None:
+            left = [w for w in self.workers if w.stopped and w.proc.returncode == 0]
+            forced = [w for w in self.workers if w.stopped and w.proc.returncode != 0]
+            print(
+                f"stopped by {self.signalled.name}: {len(left)} worker(s) left the mesh"
+                + (
+                    f", {len(forced)} did not within {LEAVE_GRACE_S:.0f}s and were killed"
+                    f" or failed ({', '.join(w.name for w in forced)})"
+                    if forced
+                    else ""
+                ),
+                file=self.out,
+            )
         for w in failed:
             what = "died and was replaced" if w.replaced else "failed"
             print(
@@ -596,6 +732,25 @@ class Launcher:
         if rc:
             return rc
         return 1 if any(not w.replaced for w in failed) or not ok else 0
+
+    def _why_not_fired(self) -> str:
+        """What happened instead of a ``--kill-at``/``--join-at`` step: the run ended before
+        it, the workers crashed first, the launcher was stopped, or nothing reported steps."""
+        step = self.committed()
+        if self.signalled is not None:
+            return f"the launcher was stopped ({self.signalled.name}) at step {step}"
+        crashed = [w for w in self.workers if w.died and not w.killed]
+        if crashed and not any(w.done for w in self.workers):
+            names = ", ".join(f"{w.name} ({w.exit_text()})" for w in crashed)
+            return f"the workers ended without finishing at step {step}: {names} failed"
+        if not any(w.progressed for w in self.workers):
+            return (
+                "no worker reported a committed step (the script neither reports progress to"
+                " the mesh, see Mesh.report_progress, nor prints FTMESH records)"
+            )
+        if self._kill_deferred:
+            return f"the kill was deferred (too few workers trained) until the end, at step {step}"
+        return f"the training ended at step {step}"
 
 
 def run_launch(args: argparse.Namespace) -> int:

@@ -184,7 +184,7 @@ class MemberRow:
         return MemberState(self.snapshot.state).name.lower()
 
     def cells(self) -> tuple[str, ...]:
-        """``COLUMNS`` as text."""
+        """``COLUMNS`` as text (what members publish with ``shown``: escaped)."""
         info = self.info
         role = "unusable" if info is None else info.role or "-"
         p = None if info is None else info.progress
@@ -197,10 +197,21 @@ class MemberRow:
                 str(p.share),
                 f"{p.sps:.1f}",
                 str(p.world),
-                p.backend,
-                p.fault or "-",
+                shown(p.backend),
+                shown(p.fault) or "-",
             )
-        return (self.name, self.state, role, *progress)
+        return (shown(self.name), self.state, shown(role), *progress)
+
+
+def shown(text: object) -> str:
+    """``text`` from the network as an observer shows it: control characters (terminal
+    escape sequences, line breaks) written as Python escapes (``\\x1b``), so a member's name
+    or progress text can neither move the cursor nor recolour the terminal. (``rich`` gets
+    it as plain ``Text``, never markup: ``[/oops]`` is shown as written.)"""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
 
 
 COLUMNS: tuple[str, ...] = ("NAME", "STATE", "ROLE", "STEP", "STEP TIME", "SHARE")
@@ -223,17 +234,18 @@ def plain_table(rows: list[MemberRow]) -> str:
     cells = [COLUMNS, *(r.cells() for r in rows)]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines += [f"{r.name}: UNUSABLE ({r.problem})" for r in rows if r.problem]
+    lines += [f"{shown(r.name)}: UNUSABLE ({shown(r.problem)})" for r in rows if r.problem]
     return "\n".join(lines)
 
 
 def rich_table(rows: list[MemberRow], title: str) -> Table:
     """``rows`` as a ``rich`` table (rich must be importable)."""
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, expand=False)
+    table = Table(title=Text(shown(title)), expand=False)
     for col in COLUMNS:
         table.add_column(col.lower())
     for r in rows:
-        table.add_row(*r.cells())
+        table.add_row(*(Text(c) for c in r.cells()))  # (Text: never read as markup)
     return table

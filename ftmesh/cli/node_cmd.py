@@ -14,6 +14,7 @@ import trio
 
 from ..membership.messages import MemberSnapshot
 from ..net.node import Node, NodeConfig, open_node
+from .live_view import shown
 from .main import settings_from_args
 
 
@@ -40,7 +41,8 @@ def _emit(fmt: str, record: dict[str, Any]) -> None:
         sys.stdout.flush()
     else:
         print(
-            f"{record['event']:>8} {record['name']} {record['addr']} inc={record['incarnation']}",
+            f"{record['event']:>8} {shown(record['name'])} {record['addr']}"
+            f" inc={record['incarnation']}",
             file=sys.stderr,
             flush=True,
         )

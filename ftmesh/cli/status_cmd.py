@@ -9,7 +9,12 @@ one of its parts.
 an observer) and redraws the table of the members' progress, as they publish it in their
 metadata (``ftmesh.cli.live_view``): a ``rich`` live table on a terminal, a block of plain
 lines per read otherwise (``--json``: one JSON object per read, a line each), until Ctrl-C
-or ``--count`` reads.
+or ``--count`` reads. A first read that finds nobody ends it like plain ``status`` (one line,
+exit status 2); after that a read nobody answers is shown and the next one tries again.
+
+With no mesh named, local discovery reads the default mesh, or the only mesh with members on
+this host if the default one has none here (``ftmesh launch`` runs its workers as mesh
+``launch-PID-...``, in the default registry, and prints that name).
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from ..discovery.local import live_meshes
 from ..errors import ConfigError, FtmeshError
 from ..membership.messages import MemberSnapshot, MemberState
 from ..mesh.meta import BadMetadataError, read_member, role_of
-from ..settings import DEFAULT_MESH, EXPECT_KEY
+from ..settings import DEFAULT_MESH, EXPECT_KEY, Settings
 from .live_view import (
     MemberRow,
     MeshReader,
@@ -36,6 +43,7 @@ from .live_view import (
     member_rows,
     plain_table,
     rich_table,
+    shown,
 )
 from .main import settings_from_args
 
@@ -73,10 +81,10 @@ def _table(members: list[MemberSnapshot]) -> str:
     order = sorted(members, key=lambda m: (m.state, m.name))
     for m in order:
         meta = ",".join(f"{k}={v}" for k, v in sorted(m.meta.items()))
-        meta = f"{meta}  {problem(m)}" if problem(m) else meta
+        meta = shown(f"{meta}  {problem(m)}" if problem(m) else meta)
         rows.append(
             (
-                m.name,
+                shown(m.name),
                 m.node[:12],
                 f"{m.addr[0]}:{m.addr[1]}",
                 MemberState(m.state).name.lower(),
@@ -105,9 +113,31 @@ def _json(members: list[MemberSnapshot]) -> list[dict[str, Any]]:
     ]
 
 
+def _mesh_to_read(settings: Settings) -> str:
+    """The mesh named (``--mesh``, ``$FTMESH_MESH``), else the default one; with local
+    discovery and no mesh named, the only mesh on this host if the default one has no member
+    here (``ftmesh launch`` names its mesh ``launch-PID-...``): more than one is an error
+    that lists them."""
+    if settings.mesh is not None:
+        return settings.mesh
+    if settings.discovery_kind("local") != "local":
+        return DEFAULT_MESH
+    registry = Path(settings.registry_dir) if settings.registry_dir else None
+    meshes = live_meshes(registry)
+    if DEFAULT_MESH in meshes or not meshes:
+        return DEFAULT_MESH
+    if len(meshes) == 1:
+        (only,) = meshes
+        print(f"note: reading mesh {only}, the only one on this host", file=sys.stderr)
+        return only
+    listed = ", ".join(f"{name} ({n} members)" for name, n in sorted(meshes.items()))
+    raise FtmeshError(f"no mesh named and several on this host: {listed}; pick one with --mesh")
+
+
 async def _amain(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, os.environ)
-    mesh = settings.mesh if settings.mesh is not None else DEFAULT_MESH
+    settings.auth()  # (every setting checked before the registry is looked at)
+    mesh = _mesh_to_read(settings)
     reader = MeshReader(settings, mesh, args.timeout)
     if args.watch:
         return await _watch(args, reader, mesh)
@@ -140,6 +170,8 @@ async def _watch(args: argparse.Namespace, reader: MeshReader, mesh: str) -> int
             try:
                 members = await reader.read()
             except FtmeshError as exc:
+                if done == 0:  # nothing there: like plain status (exit status 2)
+                    raise
                 members, error = [], str(exc)
             else:
                 error = ""
@@ -152,8 +184,9 @@ async def _watch(args: argparse.Namespace, reader: MeshReader, mesh: str) -> int
                 from rich.console import Group
                 from rich.text import Text
 
-                live.update(Group(rich_table(rows, title), Text(error)), refresh=True)
+                live.update(Group(rich_table(rows, title), Text(shown(error))), refresh=True)
             else:
+                error = shown(error)
                 print(f"{title}\n{plain_table(rows)}" + (f"\n{error}" if error else "") + "\n")
             sys.stdout.flush()
             if args.count == 0 or done < args.count:

@@ -15,7 +15,9 @@ user as one line with exit status 2 (``ftmesh -v worker`` adds the traceback);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import json
 import os
 import runpy
 import sys
@@ -46,6 +48,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def add_worker_parser(sub: Any) -> None:
     w = sub.add_parser("worker", help="run a training script as one member of a mesh")
     add_settings_args(w, WORKER_FLAGS, discovery="mdns", preset="lan", start_peers=1)
+    # (``ftmesh launch``'s channel: where to write the last progress the mesh published)
+    w.add_argument("--final-report", default=None, help=argparse.SUPPRESS)
     add_target_args(w)
 
 
@@ -114,13 +118,73 @@ def worker_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Set
     return settings.replace(discovery=settings.discovery_kind("mdns"))
 
 
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def _workers_on_host(proc: Path = Path("/proc")) -> int:
+    """``ftmesh worker`` processes running on this host (this one included), from the
+    process table (at most ``MAX_PROCS_SCANNED`` entries looked at)."""
+    n = 0
+    for i, entry in enumerate(proc.iterdir()):
+        if i >= MAX_PROCS_SCANNED:
+            break
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ftmesh" in argv and b"worker" in argv[argv.index(b"ftmesh") :]:
+            n += 1
+    return max(n, 1)
+
+
+MAX_PROCS_SCANNED = 65536
+"""Process table entries ``_workers_on_host`` reads (bounds its work on a busy host)."""
+
+
+def default_threads(environ: Mapping[str, str], cpus: int | None = None) -> int | None:
+    """Threads each worker's torch and OpenMP get when ``OMP_NUM_THREADS`` is not set: the
+    host's cores shared by the workers on it (``LOCAL_WORLD_SIZE`` if set, as torchrun sets
+    it, else the ``ftmesh worker`` processes running now), like ``ftmesh launch`` does.
+    Without it every worker starts a thread per core and N workers on one host
+    oversubscribe it N times (17 s/step instead of 1). None: set, leave it."""
+    if environ.get(THREADS_ENV):
+        return None
+    cpus = cpus or os.cpu_count() or 1
+    local = environ.get("LOCAL_WORLD_SIZE", "")
+    workers = int(local) if local.isdigit() and int(local) > 0 else _workers_on_host()
+    return max(1, cpus // workers)
+
+
+def _write_final(path: str) -> None:
+    """``--final-report``: the last progress this process's mesh published, as JSON."""
+    from ..mesh.core import last_progress
+
+    p = last_progress()
+    if p is None:
+        return
+    record = {"step": p.step, "world": p.world, "share": p.share}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def run_worker(args: argparse.Namespace) -> int:
     settings = worker_settings(args, os.environ)
     settings.node_config()  # every setting checked before the script starts
     target = Target.of(args)
     os.environ.update(settings.to_env())
+    threads = default_threads(os.environ)
+    if threads is not None:  # (before the script imports torch)
+        os.environ[THREADS_ENV] = str(threads)
     try:
         target.run()
     except TrainingFinishedError as exc:
         print(f"ftmesh: {exc}", file=sys.stderr)
+    finally:
+        if args.final_report:
+            with contextlib.suppress(OSError):
+                _write_final(args.final_report)
     return 0

@@ -22,6 +22,8 @@ deleted (only well-formed entries of dead processes are).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import stat
@@ -56,6 +58,10 @@ MAX_ENTRIES = 4096
 
 MAX_FILE_BYTES = 4096
 """Largest registry file read. A real entry is ~300 bytes; this bounds memory per entry."""
+
+MAX_MESHES = 64
+"""Mesh directories :func:`live_meshes` looks into: bounds the work of a registry full of
+meshes (each scan is bounded by :data:`MAX_ENTRIES`)."""
 
 _FORMAT = 1
 """Version of the registry file format, stored in every file as ``"format"``."""
@@ -360,3 +366,47 @@ class LocalDiscovery:
                 out.append(entry.advert)
             return out
         return []
+
+
+def remove_entries(registry_dir: Path, mesh: str, pids: set[int]) -> None:
+    """Remove the entries of ``mesh`` written by the processes ``pids`` (``ftmesh launch``,
+    after its workers ended: a killed one could not remove its own), then the mesh's
+    directory if nothing else is left in it."""
+    mesh_dir = registry_dir / mesh
+    try:
+        with os.scandir(mesh_dir) as it:
+            entries = list(itertools.islice(it, MAX_ENTRIES))
+    except OSError:
+        return
+    for de in entries:
+        if not de.is_file(follow_symlinks=False):
+            continue
+        try:
+            with open(de.path, "rb") as f:
+                entry = _parse_entry(f.read(MAX_FILE_BYTES + 1), de.name)
+        except (OSError, ValueError, TypeError, RecursionError):
+            continue
+        if entry.pid in pids:
+            with contextlib.suppress(OSError):
+                os.unlink(de.path)
+    with contextlib.suppress(OSError):  # (not empty: other members of the mesh are there)
+        mesh_dir.rmdir()
+
+
+def live_meshes(registry_dir: Path | None = None) -> dict[str, int]:
+    """The meshes with live entries in the registry (``registry_dir`` or the default) and
+    how many each has: what ``ftmesh status`` looks at when no mesh is named."""
+    base = registry_dir if registry_dir is not None else default_registry_dir()
+    out: dict[str, int] = {}
+    try:
+        with os.scandir(base) as it:
+            listed = list(itertools.islice(it, MAX_MESHES))
+        dirs = [de for de in listed if de.is_dir(follow_symlinks=False)]
+    except OSError:
+        return out
+    for de in dirs:
+        live, _, _ = _Scanner(Path(de.path)).scan("")
+        n = sum(1 for e in live if e.advert.mesh == de.name)
+        if n:
+            out[de.name] = n
+    return out

@@ -67,6 +67,7 @@ from ..state import (
     fetch_state,
     serve_state,
 )
+from ..state.transfer import bounded_state_hint
 from .meta import (
     DATA_KEY,
     PROGRESS_KEY,
@@ -436,26 +437,24 @@ class Mesh:
             self._update_meta({STATE_BYTES_KEY: nbytes})
 
     def advertised_state_bytes(self) -> int:
-        """The committed-state size the training members agree on, 0 if none: the largest
-        size that more than half of those advertising one advertise at least (so one member's
-        claim cannot raise it above what the others hold), never more than
-        ``TransferConfig.max_state_bytes`` or half the available memory. A hint from the
-        network, used to prepare a receive buffer: too small only costs an allocation."""
+        """The committed-state size the training members agree on, 0 if none: see
+        ``ftmesh.state.transfer.bounded_state_hint`` (the median of what the holders of the
+        newest step advertise, bounded by ``TransferConfig.max_state_bytes`` and half the
+        available memory; the joiner also bounds it by its own state's size, see
+        ``own_size_limit``). A hint from the network, used to prepare a receive buffer: too
+        small only costs an allocation."""
         out = self.exclusions()
-        sizes = sorted(
-            (
-                n
-                for m in self.usable_members()
-                if m.node != self.node_id
-                and m.node not in out
-                and m.state == MemberState.ALIVE
-                and m.role == "train"
-                and (n := m.state_bytes)
-            ),
-            reverse=True,
-        )
-        hint = sizes[len(sizes) // 2] if sizes else 0
-        return 0 if hint > min(self.config.transfer.max_state_bytes, _free_memory() // 2) else hint
+        holders = [
+            (0 if m.progress is None else m.progress.step, n)
+            for m in self.usable_members()
+            if m.node != self.node_id
+            and m.node not in out
+            and m.state == MemberState.ALIVE
+            and m.role == "train"
+            and (n := m.state_bytes)
+        ]
+        cap = min(self.config.transfer.max_state_bytes, _free_memory() // 2)
+        return bounded_state_hint(holders, cap=cap)
 
     async def fetch_state(
         self,
@@ -576,8 +575,19 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
                 yield mesh
             finally:
                 mesh.flush_progress()  # the last step, reported while throttled
+                if mesh._progress is not None:
+                    _closed_progress[:] = [mesh._progress]
                 await mesh._let_metadata_spread()
                 nursery.cancel_scope.cancel()
+
+
+_closed_progress: list[Progress] = []
+
+
+def last_progress() -> Progress | None:
+    """The progress the last mesh closed in this process published last (``ftmesh worker``
+    hands it to ``ftmesh launch`` as it exits), or None."""
+    return _closed_progress[-1] if _closed_progress else None
 
 
 def _free_memory() -> int:

@@ -354,6 +354,14 @@ class Node:
             self._last_log[key] = now
             log.warning(fmt, *args)
 
+    def _only_dead_at(self, addr: Address) -> bool:
+        """Whether ``addr`` is the address of members we believe dead or gone, and of no
+        live one: push-pull retries such addresses on purpose (a healed partition merges),
+        so their failures are expected, not worth a WARNING every 10 s for the rest of
+        the run."""
+        at = [m.state for m in self._swim.members() if tuple(m.addr) == tuple(addr)]
+        return bool(at) and MemberState.ALIVE not in at and MemberState.SUSPECT not in at
+
     def _drop(self, exc: RemoteProtocolError, src: object) -> None:
         self._count(f"rx_dropped_{exc.reason}")
         self._log_limited(f"rx_{exc.reason}", "dropped input from %s: %s", src, exc)
@@ -418,7 +426,10 @@ class Node:
                 return
             except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 self._count("push_pull_failed")
-                self._log_limited("pp_fail", "push-pull with %s failed: %r", dest, exc)
+                if self._only_dead_at(dest):  # (serf's reconnect: expected to fail)
+                    log.debug("push-pull with %s (a member we believe gone) failed: %r", dest, exc)
+                else:
+                    self._log_limited("pp_fail", "push-pull with %s failed: %r", dest, exc)
                 if join:
                     self._record_join(dest, _why(exc))
                 self._apply(self._swim.join_failed(trio.current_time(), dest))

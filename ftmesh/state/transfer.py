@@ -517,6 +517,35 @@ class _Job:
         return self.leaves[first * LEAF_BYTES : (first + count) * LEAF_BYTES]
 
 
+SIZE_HINT_FACTOR = 4
+"""A joiner prepares a receive buffer of at most this many times its own state's size (plus
+``SIZE_HINT_SLACK``) from the size the members advertise: the state it will fetch is the
+same model and optimizer as its own (4x covers extra optimizer state, a sharded piece and
+buffers), so a larger hint is a member's lie or a different program, and allocating it
+would be the joiner's loss (a member could advertise 1 TiB)."""
+SIZE_HINT_SLACK = 64 << 20
+"""Bytes allowed over ``SIZE_HINT_FACTOR`` times the joiner's own state (small states)."""
+
+
+def bounded_state_hint(holders: Sequence[tuple[int, int]], *, cap: int) -> int:
+    """The state size the members agree on, 0 for none: ``holders`` are ``(committed step,
+    advertised bytes)`` of the training members; of those holding the newest step, the
+    largest size more than half of them advertise at least (one member's claim cannot raise
+    it above what the others hold), and 0 if that exceeds ``cap``."""
+    if not holders:
+        return 0
+    newest = max(step for step, _ in holders)
+    sizes = sorted((n for step, n in holders if step == newest), reverse=True)
+    hint = sizes[len(sizes) // 2]
+    return 0 if hint > cap else hint
+
+
+def own_size_limit(own: int) -> int:
+    """The largest hint a joiner whose own state takes ``own`` bytes prepares a buffer for:
+    ``SIZE_HINT_FACTOR`` times it plus ``SIZE_HINT_SLACK``."""
+    return max(own, 0) * SIZE_HINT_FACTOR + SIZE_HINT_SLACK
+
+
 async def _client_handshake(
     sock: Socket, job: _Job, *, auth: MeshAuth, mesh: str, config: TransferConfig
 ) -> tuple[int, bytes]:

@@ -36,6 +36,7 @@ from ..mesh.blocking import SyncMesh
 from ..mesh.meta import advertises_state, role_of
 from ..state import CheckpointWriter, Snapshot, StateLostError, latest_valid_checkpoint
 from ..state.memory import prepared_zeros
+from ..state.transfer import SIZE_HINT_FACTOR, own_size_limit
 from ..training.actions import (
     Action,
     Advertise,
@@ -274,6 +275,14 @@ class MeshDriver:
         if self.machine.committed != FRESH or self._receive_buffer is not None:
             return
         nbytes = self.mesh.advertised_state_bytes()
+        if nbytes > own_size_limit(self.state.state.nbytes()):
+            log.warning(
+                "the members advertise a state of %d bytes, over %dx our own: no buffer"
+                " prepared (a member's claim, or a different program)",
+                nbytes,
+                SIZE_HINT_FACTOR,
+            )
+            nbytes = 0
         if nbytes:
             self._receive_buffer = prepared_zeros(nbytes + RECEIVE_BUFFER_SLACK)
 

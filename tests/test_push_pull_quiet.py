@@ -1,0 +1,59 @@
+"""After a member is killed, the survivors' periodic push-pulls to its address (serf's
+reconnect, so a healed partition merges) fail as expected: counted, logged at DEBUG, not a
+WARNING every 10 s for the rest of the run (issue #25, item 5: 34-37 of them per run)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import trio
+
+from ftmesh.membership.config import MembershipConfig
+from ftmesh.membership.messages import MemberState
+from ftmesh.net.node import NodeConfig, open_node
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+async def test_push_pulls_to_a_killed_member_are_not_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="ftmesh")
+    local = replace(MembershipConfig.preset("local"), push_pull_interval=0.3)
+    config = NodeConfig(mesh="quiet-pp", discovery="none", bind="127.0.0.1", membership=local)
+    async with open_node(config) as a:
+        host, port = a.me().addr
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTMESH_")}
+        b = subprocess.Popen(
+            [sys.executable, "-m", "ftmesh", "node", "--mesh", "quiet-pp", "--name", "b",
+             "--discovery", "none", "--join", f"{host}:{port}", "--preset", "local"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )  # fmt: skip
+        try:
+            with trio.fail_after(60):
+                while not any(m.name == "b" for m in a.alive_members()):
+                    await trio.sleep(0.05)
+            b.send_signal(signal.SIGKILL)
+            b.wait()
+            with trio.fail_after(60):  # declared dead, then push-pulled to (and failed)
+                while not any(m.name == "b" and m.state == MemberState.DEAD for m in a.members()):
+                    await trio.sleep(0.05)
+                failed = a.statistics().get("push_pull_failed", 0)
+                while a.statistics().get("push_pull_failed", 0) < failed + 2:
+                    await trio.sleep(0.05)
+        finally:
+            if b.poll() is None:
+                b.kill()
+                b.wait()
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    loud = [m for lvl, m in messages if lvl >= logging.WARNING and "push-pull with" in m]
+    assert not loud, loud
+    assert any("a member we believe gone" in m for _, m in messages), messages[-20:]
