@@ -498,6 +498,7 @@ class DataPlane:
             io_timeout=max(plan.io_timeout or 0.0, self.config.io_timeout),
             chunk_bytes=self.config.chunk_bytes,
             poll_interval=self.config.poll_interval,
+            start_wait=self.config.start_wait,
         )
 
     def _run_pipeline(self, ring: Ring, plan: Plan[T]) -> Plan[T]:

@@ -91,9 +91,12 @@ class MeshConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     collective: CollectiveConfig = field(
         default_factory=lambda: CollectiveConfig(
-            view_timeout=5.0, max_cached_views=1, io_timeout=10.0
+            view_timeout=5.0, max_cached_views=1, io_timeout=10.0, start_wait=600.0
         )
     )
+    """The data plane's settings. ``start_wait`` (600 s here, ``io_timeout`` in a bare data
+    plane): the mesh's membership judges whether a neighbour that has not started a
+    collective is alive, so a member busy between steps is waited for that long."""
     role: str = "train"
     """This member's role: ``train`` members form the ring."""
     data_port: int = 0
