@@ -91,9 +91,7 @@ def main() -> None:
     if args.single:
         single(args.total)
         return
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     leader_eval = schedule(args.leader_eval)
     all_eval = schedule(args.all_eval)
     config = MeshConfig(
