@@ -118,6 +118,9 @@ def test_evaluations_between_steps_fail_no_attempt_and_run_once(tmp_path: Path) 
                 evals.setdefault(r["step"], []).append(name)
         done[name] = recs[-1]
         assert done[name]["event"] == "done" and done[name]["committed"] == TOTAL
+    # The wait was visible: a member waiting for a busy one said whom it waited for.
+    full = {n: (tmp_path / f"{n}.log").read_text() for n in "ab"}
+    assert any("busy between steps?" in text for text in full.values()), logs
     c_evals = [r["step"] for r in runs["c"][1] if r["event"] == "eval"]
     assert c_evals == [3], c_evals  # c evaluated once, then died
     # Each evaluation ran exactly once per evaluated committed step on each member.

@@ -76,6 +76,7 @@ shards``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -119,6 +120,7 @@ from ..training.step import (
     StepMachine,
     StepReport,
 )
+from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
 from .driver import MeshDriver, failure_of
@@ -203,6 +205,8 @@ class ElasticTrainer:
             mesh, cfg, self._machine, self._state, self._zero, on_world_change
         )
         self._opened = False
+        self._between = BetweenSteps(self._publish_between)
+        """Publishes that the user's code between steps runs long (``ftmesh.torch.between``)."""
         self._freezes: FreezeWatch | None = None
         """Notices when this process stood still (fail-slow; started at the first step)."""
         self._epoch: int | None = None
@@ -433,6 +437,7 @@ class ElasticTrainer:
             self._buckets.close()
         if self._freezes is not None:
             self._freezes.stop()
+        self._between.stop()
         for h in self._hooks:
             h.remove()
 
@@ -483,6 +488,7 @@ class ElasticTrainer:
             self._reported(action.report)  # adopted (a committed one was reported by _end)
 
     def _begin(self, kind: str, timeout: float | None = None) -> Compute | Finished:
+        self._between.leave()
         self._poll_leave()
         return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
 
@@ -740,6 +746,12 @@ class ElasticTrainer:
         self.mesh.report_progress(self._machine.progress())
         for hook in self._step_hooks:
             hook(self, report)
+        self._between.enter(report.step)  # the user's time, until the next step begins
+
+    def _publish_between(self, seconds: float, step: int) -> None:
+        """(``BetweenSteps``' thread) Publish that we are busy between steps."""
+        progress = self._machine.progress()
+        self.mesh.report_progress(dataclasses.replace(progress, fault=between_text(seconds, step)))
 
     def _abandon(self, step: Step) -> None:
         """A step's body raised (not a step failure): its allreduces are out of order with
