@@ -41,21 +41,30 @@ def test_code_after_a_step_runs_once_per_committed_step_through_kills() -> None:
     after_block: Counter[tuple[str, int]] = Counter()
     after_batches: Counter[tuple[str, int]] = Counter()
     uncommitted: list[tuple[str, int]] = []
+    a_in = {s: threading.Event() for _, s in KILLS}
+    """Set when a's body of the step began: a kill then fails a's attempt (not a view change
+    a sees before it starts)."""
+
+    def die(me: str, step: int) -> None:
+        assert a_in[step].wait(20.0)
+        hub.kill(me)
 
     def body(t: ElasticTrainer, step: Step) -> None:
         me = t.mesh.node_id
+        if me == "a" and step.number in a_in:
+            a_in[step.number].set()
         where = KILLS.get((me, step.number))
         if where == "before":
-            hub.kill(me)
+            die(me, step.number)
         for k, idx in enumerate(step.indices()):
             if where == "middle" and k == 1:
-                hub.kill(me)
+                die(me, step.number)
             i = torch.as_tensor(idx)
             F.cross_entropy(t.model(DATA_X[i]), DATA_Y[i]).backward()  # type: ignore[no-untyped-call]
         with lock:
             after_batches[me, step.number] += 1
         if where == "after":
-            hub.kill(me)
+            die(me, step.number)
         t.optimizer.step()
 
     def after(m: Member, t: ElasticTrainer, step: Step) -> None:
@@ -69,8 +78,8 @@ def test_code_after_a_step_runs_once_per_committed_step_through_kills() -> None:
         wait_all(hub, 50)
         all_ok(members, "a")
         assert trainer_of(members["a"]).committed == TOTAL
-        assert trainer_of(members["a"]).recoveries >= 2  # the kills did fail attempts
         assert not uncommitted, uncommitted
+        assert trainer_of(members["a"]).recoveries >= 2  # the kills did fail a's attempts
         for name in "abcd":
             ran = sorted(s for (n, s), c in after_block.items() if n == name for _ in range(c))
             last = {"a": TOTAL, "b": 2, "c": 5, "d": 9}[name]  # d died after committing 9
