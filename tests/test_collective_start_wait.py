@@ -1,7 +1,9 @@
-"""A ring neighbour that has not *started* a collective is waited for up to ``start_wait``
-(``ftmesh.collective.engine``): in a mesh that is a member busy between steps, alive in
-membership. Past ``start_wait`` it is stalled; membership's verdict (``abort_view``) ends the
-wait at once; without ``start_wait`` the data plane behaves as before (``io_timeout``)."""
+"""A ring neighbour that has not *started* a collective and declares itself busy between
+steps (``DataPlane.busy``; a mesh reads it from the member's published progress) is waited
+for up to ``start_wait`` (``ftmesh.collective.engine``). One that does not declare it (a link
+that drops its packets, a frozen process) is stalled after ``io_timeout`` as before; past
+``start_wait`` a busy one is stalled too; membership's verdict (``abort_view``) ends the wait
+at once."""
 
 from __future__ import annotations
 
@@ -43,11 +45,16 @@ def config(start_wait: float) -> CollectiveConfig:
 
 
 @asynccontextmanager
-async def ring_of(n: int, cfg: CollectiveConfig) -> AsyncIterator[tuple[list[DataPlane], RingView]]:
+async def ring_of(
+    n: int, cfg: CollectiveConfig, busy: frozenset[str] = frozenset({"m2"})
+) -> AsyncIterator[tuple[list[DataPlane], RingView]]:
+    """``n`` data planes; ``busy``: the members that declare themselves busy between steps."""
     async with AsyncExitStack() as stack:
         dps = [
             await stack.enter_async_context(open_data_plane(f"m{i}", config=cfg)) for i in range(n)
         ]
+        for d in dps:
+            d.busy = busy.__contains__
         yield dps, RingView.of(Peer(d.node_id, *d.address) for d in dps)
 
 
@@ -83,8 +90,13 @@ async def test_a_member_that_starts_late_is_waited_for(caplog: pytest.LogCapture
         assert any("m2 started collective" in r.getMessage() for r in caplog.records)
 
 
-async def test_without_start_wait_a_late_member_is_stalled_after_io_timeout() -> None:
-    async with ring_of(3, config(start_wait=0.0)) as (dps, view):
+@pytest.mark.parametrize("start_wait", [0.0, 30.0])
+async def test_a_late_member_that_is_not_busy_is_stalled_after_io_timeout(
+    start_wait: float,
+) -> None:
+    """Not declared busy (or no ``start_wait``): ``io_timeout``, as before."""
+    busy = frozenset({"m2"}) if start_wait == 0.0 else frozenset()
+    async with ring_of(3, config(start_wait=start_wait), busy) as (dps, view):
         await _round(dps, view, 0.0)
         out = await _round(dps, view, LATE)
         stalled = [v for v in out.values() if isinstance(v, PeerStalledError)]

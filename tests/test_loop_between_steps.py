@@ -27,11 +27,12 @@ SCRIPT = str(ROOT / "tests" / "scripts" / "between_steps.py")
 TOTAL = 16
 DIE_IN = 6
 """Worker c kills itself inside this step's body: the step's first attempt fails."""
-ALL_EVAL = {3: (3.0, 5.0, 7.0), 11: (2.0, 6.0, 0.0)}
-"""Step -> seconds each member evaluates after it (uneven: a waits 4 s for c at step 4)."""
-LEADER_EVAL = {9: 5.0, 13: 5.0}
-IO_TIMEOUT = 2.0
-"""Below every wait an evaluation causes; ``start_wait`` (60 s) is above all of them."""
+ALL_EVAL = {3: (2.0, 6.0, 10.0), 11: (2.0, 7.0, 0.0)}
+"""Step -> seconds each member evaluates after it (uneven: a waits 8 s for c at step 4)."""
+LEADER_EVAL = {9: 7.0, 13: 7.0}
+IO_TIMEOUT = 4.0
+"""Below every wait an evaluation causes (and above the ~1 s a busy member takes to say so);
+``start_wait`` (60 s) is above all of them."""
 CLOSE = 1e-5
 """Mesh vs one process: equal up to summation order."""
 
@@ -120,7 +121,7 @@ def test_evaluations_between_steps_fail_no_attempt_and_run_once(tmp_path: Path) 
         assert done[name]["event"] == "done" and done[name]["committed"] == TOTAL
     # The wait was visible: a member waiting for a busy one said whom it waited for.
     full = {n: (tmp_path / f"{n}.log").read_text() for n in "ab"}
-    assert any("busy between steps?" in text for text in full.values()), logs
+    assert any("it is busy between steps" in text for text in full.values()), logs
     c_evals = [r["step"] for r in runs["c"][1] if r["event"] == "eval"]
     assert c_evals == [3], c_evals  # c evaluated once, then died
     # Each evaluation ran exactly once per evaluated committed step on each member.

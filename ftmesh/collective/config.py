@@ -20,16 +20,16 @@ class CollectiveConfig:
     aborted. It bounds every wait on a neighbour; a stalled peer is reported after this long.
     Too small aborts healthy rounds on an overloaded host; too large delays fault recovery."""
 
-    start_wait: float = 0.0
-    """Seconds a collective waits for a ring neighbour to *start* it (its first frame): a
-    member whose training thread is busy between steps (evaluating, saving, logging) while
-    its process is alive. Only a caller whose membership judges liveness meanwhile should
-    raise it above ``io_timeout`` (below, it counts as ``io_timeout``, the bare data plane's
-    behaviour): in a ``Mesh`` (600 s there, ``MeshConfig.collective``) a suspected, dead or
-    departed neighbour, or a view change, ends the wait at once and a crash closes the
-    connection, so this bounds only a member that stays alive and never comes back (a
-    deadlock in user code). Larger: longer evaluations between steps; smaller: such a member
-    is dropped from the ring sooner."""
+    start_wait: float = 600.0
+    """Seconds a collective waits for a ring neighbour that declares itself busy between
+    steps (evaluating, saving, logging: ``DataPlane.busy``, which a ``Mesh`` reads from the
+    neighbour's published progress) to *start* it. Liveness is membership's to judge
+    meanwhile: a suspected, dead or departed neighbour, or a view change, ends the wait at
+    once, and a crash closes the connection; so this bounds only a member that stays alive,
+    busy, for longer. A neighbour that does not declare itself busy keeps ``io_timeout``, and
+    so does every neighbour of a bare data plane (no ``busy``). Below ``io_timeout`` it counts
+    as ``io_timeout``. Larger: longer evaluations between steps; smaller: such a member fails
+    the others' step sooner."""
 
     poll_interval: float = 0.2
     """Seconds an engine thread blocked on a socket sleeps before it wakes to look for an abort

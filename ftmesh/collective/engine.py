@@ -38,12 +38,15 @@ Failure handling keeps every member informed without any coordinator:
   that neighbour. A member waiting on its own left neighbour sends its right one a
   ``KEEPALIVE`` every ``poll_interval``, so only the member that actually stopped is blamed;
 * a neighbour that has not *started* the collective yet (no byte from the left, no ``READY``
-  from the right) is waited for up to ``start_wait`` instead: it is typically busy between
-  steps (evaluating, saving) in its training thread while its process is alive. Whether it is
-  alive is membership's to judge meanwhile: a suspicion, a death or a view change aborts the
-  wait at once (``DataPlane.abort_view``, ``supersede_view``), and a crash closes the
-  connection. A wait past ``io_timeout`` is logged (naming the neighbour) and shown by
-  ``Pipeline.waiting_for``. Once the neighbour started, ``io_timeout`` applies again.
+  from the right) and that declares itself busy between steps (``busy``: its published
+  progress, read by the mesh from membership) is waited for up to ``start_wait`` instead: its
+  training thread evaluates or saves while its process is alive. Whether it is alive is
+  membership's to judge meanwhile: a suspicion, a death or a view change aborts the wait at
+  once (``DataPlane.abort_view``, ``supersede_view``), and a crash closes the connection. A
+  neighbour that does not declare itself busy (one whose packets a broken link drops, a
+  frozen one) keeps ``io_timeout``. A wait past ``io_timeout`` is logged (naming the
+  neighbour) and shown by ``Pipeline.waiting_for``; once the neighbour started, ``io_timeout``
+  applies again.
 
 A member sends ``DONE`` only when all its receives completed, so a mismatch, detected at the
 header, is always seen by every member.
@@ -144,6 +147,7 @@ class Pipeline:
         chunk_bytes: int,
         poll_interval: float = 0.2,
         start_wait: float = 0.0,
+        busy: Callable[[str], bool] | None = None,
     ) -> None:
         self.node_id = node_id
         self.ring = ring
@@ -154,7 +158,9 @@ class Pipeline:
         self.io_timeout = io_timeout
         self.poll_interval = min(poll_interval, io_timeout)
         self.start_wait = max(start_wait, io_timeout)
-        """Seconds to wait for a neighbour to start the collective (see the module doc)."""
+        """Seconds to wait for a neighbour busy between steps to start the collective."""
+        self.busy = busy
+        """Whether a member declares itself busy between steps (``DataPlane.busy``)."""
         self.waiting_for: tuple[str, float] | None = None
         """``(neighbour, since)`` (``time.monotonic()``) while a wait for a neighbour to start
         the collective has lasted longer than ``io_timeout``; read from any thread."""
@@ -631,16 +637,23 @@ class Pipeline:
         waited = now - started
         if waited < self.io_timeout:
             return
+        if self.waiting_for is None or self.waiting_for[0] != peer:
+            # Asked once, when io_timeout is up: the answer holds for this collective (the
+            # busy member publishes that its pause ended as it starts its next step, which
+            # may reach us before its first frame does).
+            if self.busy is None or not self.busy(peer):
+                # Running but silent (a link that drops its packets), or frozen: io_timeout's.
+                msg = f"{peer} did not start the collective within {self.io_timeout:g}s"
+                raise _Stop(self._reason("stalled", peer, msg))
+            self.waiting_for = (peer, started)
         if waited >= self.start_wait:
             msg = f"{peer} did not start the collective within {self.start_wait:g}s"
             raise _Stop(self._reason("stalled", peer, msg))
-        if self.waiting_for is None:
-            self.waiting_for = (peer, started)
         if now - self._wait_logged >= WAIT_LOG_EVERY:
             self._wait_logged = now
             log.info(
-                "waiting for %s to start collective #%d (%.0fs so far; alive in membership, "
-                "busy between steps?); giving up after %gs (CollectiveConfig.start_wait)",
+                "waiting for %s to start collective #%d (%.0fs so far): it is busy between "
+                "steps; giving up after %gs (CollectiveConfig.start_wait)",
                 peer,
                 self.seq,
                 waited,

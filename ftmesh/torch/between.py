@@ -7,8 +7,12 @@ So that ``ftmesh status --watch`` and ``ftmesh launch``'s view show why the mesh
 still, :class:`BetweenSteps`, a daemon thread started at the first step, publishes this
 member's progress with the fault text ``between steps 35s (after step 12)`` once the user's
 code between steps has run for ``after`` seconds, and again every ``every`` seconds while it
-lasts; the next committed step's progress replaces it. While steps run the thread sleeps on a
-condition: the training thread pays one lock and one notify per step.
+lasts; when the next step begins, the plain progress is published again (``resume``). That
+text is also what makes the ring neighbours wait for this member's next collective past their
+``io_timeout`` (``Mesh.busy_between_steps``, ``CollectiveConfig.start_wait``): a member that
+says nothing (a broken link, a frozen process) is judged by ``io_timeout`` as before. While
+steps run the thread sleeps on a condition: the training thread pays one lock and one notify
+per step.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ import threading
 import time
 from collections.abc import Callable
 
-BETWEEN_AFTER_S = 5.0
-"""Seconds of user code between steps before it is published (shorter pauses are normal)."""
+from ..mesh.meta import BETWEEN_STEPS
+
+BETWEEN_AFTER_S = 1.0
+"""Seconds of user code between steps before it is published: well inside the data plane's
+``io_timeout`` (10 s in a mesh), which a waiting neighbour allows before it must know; one
+more metadata change per longer pause, and one when it ends."""
 BETWEEN_EVERY_S = 15.0
 """Seconds between two publications of the same pause (each is a metadata change that every
 member gossips)."""
@@ -26,20 +34,23 @@ member gossips)."""
 
 def between_text(seconds: float, step: int) -> str:
     """The fault text a member busy between steps publishes."""
-    return f"between steps {seconds:.0f}s (after step {step})"
+    return f"{BETWEEN_STEPS} {seconds:.0f}s (after step {step})"
 
 
 class BetweenSteps:
-    """See the module docstring. ``publish(seconds, step)`` runs in this class's thread and
-    must not block (``SyncMesh.report_progress`` does not)."""
+    """See the module docstring. ``publish(seconds, step)`` runs in this class's thread,
+    ``resume()`` in the caller of :meth:`leave` after a published pause; neither may block
+    (``SyncMesh.report_progress`` does not)."""
 
     def __init__(
         self,
         publish: Callable[[float, int], None],
+        resume: Callable[[], None],
         after: float = BETWEEN_AFTER_S,
         every: float = BETWEEN_EVERY_S,
     ) -> None:
         self._publish = publish
+        self._resume = resume
         self._after = after
         self._every = every
         self._cv = threading.Condition()
@@ -65,7 +76,10 @@ class BetweenSteps:
     def leave(self) -> None:
         """The next step starts (the trainer's time)."""
         with self._cv:
+            published = self._since is not None and self._published > 0
             self._since = None
+            if published:
+                self._resume()
 
     def stop(self) -> None:
         with self._cv:

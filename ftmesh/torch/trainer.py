@@ -205,7 +205,7 @@ class ElasticTrainer:
             mesh, cfg, self._machine, self._state, self._zero, on_world_change
         )
         self._opened = False
-        self._between = BetweenSteps(self._publish_between)
+        self._between = BetweenSteps(self._publish_between, self._publish_progress)
         """Publishes that the user's code between steps runs long (``ftmesh.torch.between``)."""
         self._freezes: FreezeWatch | None = None
         """Notices when this process stood still (fail-slow; started at the first step)."""
@@ -747,6 +747,9 @@ class ElasticTrainer:
         for hook in self._step_hooks:
             hook(self, report)
         self._between.enter(report.step)  # the user's time, until the next step begins
+
+    def _publish_progress(self) -> None:
+        self.mesh.report_progress(self._machine.progress())
 
     def _publish_between(self, seconds: float, step: int) -> None:
         """(``BetweenSteps``' thread) Publish that we are busy between steps."""
