@@ -39,10 +39,11 @@ the block with ``if step.report is None: continue``. Any other exception leaves 
 block as usual (the step is not committed).
 
 Between steps is the user's time: evaluating, saving or logging on one member, for longer than
-the data plane's ``io_timeout``, does not fail the others' next attempt. Their collective waits
-for its first frame while membership holds the member alive, up to
-``CollectiveConfig.start_wait`` (``ftmesh.collective.engine``; 600 s in a mesh), and says in
-its log whom it waits for.
+the data plane's ``io_timeout``, does not fail the others' next attempt. After a second of it
+the member publishes ``between steps Ns (after step K)`` in its progress
+(``ftmesh.torch.between``); the others' collective then waits for its first frame, while
+membership holds it alive, up to ``CollectiveConfig.start_wait`` (600 s;
+``ftmesh.collective.engine``), and says in its log whom it waits for.
 """
 
 from __future__ import annotations
