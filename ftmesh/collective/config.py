@@ -20,6 +20,17 @@ class CollectiveConfig:
     aborted. It bounds every wait on a neighbour; a stalled peer is reported after this long.
     Too small aborts healthy rounds on an overloaded host; too large delays fault recovery."""
 
+    start_wait: float = 600.0
+    """Seconds a collective waits for a ring neighbour that declares itself busy between
+    steps (evaluating, saving, logging: ``DataPlane.busy``, which a ``Mesh`` reads from the
+    neighbour's published progress) to *start* it. Liveness is membership's to judge
+    meanwhile: a suspected, dead or departed neighbour, or a view change, ends the wait at
+    once, and a crash closes the connection; so this bounds only a member that stays alive,
+    busy, for longer. A neighbour that does not declare itself busy keeps ``io_timeout``, and
+    so does every neighbour of a bare data plane (no ``busy``). Below ``io_timeout`` it counts
+    as ``io_timeout``. Larger: longer evaluations between steps; smaller: such a member fails
+    the others' step sooner."""
+
     poll_interval: float = 0.2
     """Seconds an engine thread blocked on a socket sleeps before it wakes to look for an abort
     (``DataPlane.abort_view``, or a neighbour's abort notice arriving on the reverse direction of
@@ -55,6 +66,8 @@ class CollectiveConfig:
             v = getattr(self, name)
             if not v > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {v}")
+        if not 0 <= self.start_wait < float("inf"):
+            raise ConfigError(f"start_wait must be >= 0 seconds, got {self.start_wait}")
         if self.socket_buffer_bytes < 0:
             raise ConfigError("socket_buffer_bytes must be >= 0")
         if self.max_cached_views < 1:

@@ -73,6 +73,10 @@ class DataPlane:
         self.node_id = transport.node_id
         self._lock = trio.Lock()
         self._engine_lock = threading.Lock()
+        self.busy: Callable[[str], bool] | None = None
+        """Whether a member declares itself busy between steps (set by the mesh, which reads
+        membership; called from engine threads): a neighbour that has not started a
+        collective is then waited for up to ``config.start_wait`` (``engine``)."""
         """Held while a collective drives the ring's sockets, from whichever thread."""
         host, port = transport.listener.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
@@ -482,6 +486,8 @@ class DataPlane:
             io_timeout=max(plan.io_timeout or 0.0, self.config.io_timeout),
             chunk_bytes=self.config.chunk_bytes,
             poll_interval=self.config.poll_interval,
+            start_wait=self.config.start_wait,
+            busy=self.busy,
         )
 
     def _run_pipeline(self, ring: Ring, plan: Plan[T]) -> Plan[T]:

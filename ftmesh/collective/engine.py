@@ -36,7 +36,17 @@ Failure handling keeps every member informed without any coordinator:
   connections stay in sync for the next collective;
 * a direction that makes no progress for ``io_timeout`` aborts with ``PeerStalledError`` naming
   that neighbour. A member waiting on its own left neighbour sends its right one a
-  ``KEEPALIVE`` every ``poll_interval``, so only the member that actually stopped is blamed.
+  ``KEEPALIVE`` every ``poll_interval``, so only the member that actually stopped is blamed;
+* a neighbour that has not *started* the collective yet (no byte from the left, no ``READY``
+  from the right) and that declares itself busy between steps (``busy``: its published
+  progress, read by the mesh from membership) is waited for up to ``start_wait`` instead: its
+  training thread evaluates or saves while its process is alive. Whether it is alive is
+  membership's to judge meanwhile: a suspicion, a death or a view change aborts the wait at
+  once (``DataPlane.abort_view``, ``supersede_view``), and a crash closes the connection. A
+  neighbour that does not declare itself busy (one whose packets a broken link drops, a
+  frozen one) keeps ``io_timeout``. A wait past ``io_timeout`` is logged (naming the
+  neighbour) and shown by ``Pipeline.waiting_for``; once the neighbour started, ``io_timeout``
+  applies again.
 
 A member sends ``DONE`` only when all its receives completed, so a mismatch, detected at the
 header, is always seen by every member.
@@ -61,6 +71,7 @@ raises it promptly, and the ring is dropped.
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import threading
@@ -79,6 +90,10 @@ from .schedule import Schedule
 from .secure import FrameOpener
 from .transport import Ring
 
+log = logging.getLogger(__name__)
+
+WAIT_LOG_EVERY = 60.0
+"""Seconds between two log lines about the same wait for a neighbour to start a collective."""
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _KEEPALIVE_FRAME = wire.FRAME.pack(wire.KEEPALIVE, 0)
@@ -126,6 +141,8 @@ class Pipeline:
         io_timeout: float,
         chunk_bytes: int,
         poll_interval: float = 0.2,
+        start_wait: float = 0.0,
+        busy: Callable[[str], bool] | None = None,
     ) -> None:
         self.node_id = node_id
         self.ring = ring
@@ -135,6 +152,14 @@ class Pipeline:
         self.bufs = bufs
         self.io_timeout = io_timeout
         self.poll_interval = min(poll_interval, io_timeout)
+        self.start_wait = max(start_wait, io_timeout)
+        """Seconds to wait for a neighbour busy between steps to start the collective."""
+        self.busy = busy
+        """Whether a member declares itself busy between steps (``DataPlane.busy``)."""
+        self.waiting_for: tuple[str, float] | None = None
+        """``(neighbour, since)`` (``time.monotonic()``) while a wait for a neighbour to start
+        the collective has lasted longer than ``io_timeout``; read from any thread."""
+        self._wait_logged = 0.0
         self.isz = bufs.acc.itemsize
         self.acc_b = bufs.acc.view(np.uint8).data
         self.inp_b = bufs.inp.view(np.uint8).data
@@ -517,7 +542,8 @@ class Pipeline:
         poll_s = self.poll_interval
         poll_ms = max(1, int(poll_s * 1000))
         now = time.monotonic()
-        last_rx = last_tx = last_sent = now
+        last_rx = last_tx = last_sent = started = now
+        left_started = False  # a byte came from the left (its HEADER is its first)
         for _ in range(1 << 40):  # bounded in time by io_timeout per idle direction
             if self.fatal:
                 return
@@ -552,6 +578,9 @@ class Pipeline:
                 now = time.monotonic()
                 if got:
                     last_rx = now
+                    left_started = True
+                if self.waiting_for is not None and left_started and not waiting:
+                    self._wait_over(now)
                 if sent:
                     last_tx = last_sent = now
                 elif not self.tx_pending and not self.tx_closed and now - last_sent >= poll_s:
@@ -585,18 +614,54 @@ class Pipeline:
                         poller.unregister(txfd)
                         tx_reg = False
             now = time.monotonic()
-            if self.rx_state != _FINISHED and now - last_rx >= self.io_timeout:
+            if self.rx_state != _FINISHED and not left_started:
+                self._wait_start(left, started, now)
+            elif self.rx_state != _FINISHED and now - last_rx >= self.io_timeout:
                 msg = f"no data from {left} for {self.io_timeout}s"
                 raise _Stop(self._reason(AbortKind.STALLED, left, msg))
             if self.tx_pending and now - last_tx >= self.io_timeout:
                 raise _Stop(self._reason(AbortKind.STALLED, right, f"{right} stopped reading"))
-            if waiting and now - last_tx >= self.io_timeout:
-                msg = f"{right} did not start the collective within {self.io_timeout}s"
-                raise _Stop(self._reason(AbortKind.STALLED, right, msg))
+            if waiting:
+                self._wait_start(right, started, now)
             if not self.tx_pending and not waiting:
                 last_tx = now  # not waiting on the right neighbour
                 if not self.tx_closed and now - last_sent >= self.poll_interval:
                     self.tx_pending.extend(self._keepalive())
+
+    def _wait_start(self, peer: str, started: float, now: float) -> None:
+        """We wait for ``peer`` to start this collective: past ``io_timeout`` say so, past
+        ``start_wait`` give up on it (``PeerStalledError``)."""
+        waited = now - started
+        if waited < self.io_timeout:
+            return
+        if self.waiting_for is None or self.waiting_for[0] != peer:
+            # Asked once, when io_timeout is up: the answer holds for this collective (the
+            # busy member publishes that its pause ended as it starts its next step, which
+            # may reach us before its first frame does).
+            if self.busy is None or not self.busy(peer):
+                # Running but silent (a link that drops its packets), or frozen: io_timeout's.
+                msg = f"{peer} did not start the collective within {self.io_timeout:g}s"
+                raise _Stop(self._reason(AbortKind.STALLED, peer, msg))
+            self.waiting_for = (peer, started)
+        if waited >= self.start_wait:
+            msg = f"{peer} did not start the collective within {self.start_wait:g}s"
+            raise _Stop(self._reason(AbortKind.STALLED, peer, msg))
+        if now - self._wait_logged >= WAIT_LOG_EVERY:
+            self._wait_logged = now
+            log.info(
+                "waiting for %s to start collective #%d (%.0fs so far): it is busy between "
+                "steps; giving up after %gs (CollectiveConfig.start_wait)",
+                peer,
+                self.seq,
+                waited,
+                self.start_wait,
+            )
+
+    def _wait_over(self, now: float) -> None:
+        held = self.waiting_for
+        self.waiting_for = None
+        if held is not None:
+            log.info("%s started collective #%d after %.1fs", held[0], self.seq, now - held[1])
 
     # -- entry point ----------------------------------------------------------------------
     def run_blocking(self) -> None:

@@ -69,6 +69,7 @@ from ..state import (
 )
 from ..state.transfer import bounded_state_hint
 from .meta import (
+    BETWEEN_STEPS,
     DATA_KEY,
     PROGRESS_KEY,
     ROLE_KEY,
@@ -200,6 +201,8 @@ class Mesh:
         self._view_changed = trio.Event()
         self._seen: dict[str, tuple[str, MemberState, dict[str, Any]]] = {}  # see _material
         self._views: dict[str, RingView] = {}
+        self._between: frozenset[str] = frozenset()
+        """Members whose published progress says they are busy between steps."""
         self._latest_view: RingView | None = None  # as of the last event _watch handled
         self.metadata = MetadataGate()
         """Counts (``bad_meta``) and logs members whose metadata does not parse."""
@@ -508,8 +511,22 @@ class Mesh:
         while len(self._views) > MAX_VIEWS_WATCHED:
             del self._views[next(iter(self._views))]
 
+    def busy_between_steps(self, node_id: str) -> bool:
+        """Whether ``node_id`` declares itself busy between steps (its progress, as gossiped):
+        the data plane then waits for its next collective up to ``start_wait``. Any thread."""
+        return node_id in self._between
+
+    def _note_between(self, m: MemberSnapshot) -> None:
+        parts = str(m.meta.get(PROGRESS_KEY, "")).split("|", 6)  # (Progress.encode)
+        busy = (
+            m.state == MemberState.ALIVE and len(parts) == 7 and parts[6].startswith(BETWEEN_STEPS)
+        )
+        if busy != (m.node in self._between):
+            self._between = self._between | {m.node} if busy else self._between - {m.node}
+
     async def _watch(self) -> None:
         async for ev in self.node.events():
+            self._note_between(ev.member)
             if ev.kind in ("suspect", "dead", "left"):
                 # Membership no longer counts on this member: collectives waiting for it (a
                 # frozen process sends nothing and closes nothing) fail now, not at io_timeout.
@@ -567,6 +584,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             trio.open_nursery() as nursery,
         ):
             mesh = Mesh(config, node, dp, nursery, events)
+            dp.busy = mesh.busy_between_steps
             node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)

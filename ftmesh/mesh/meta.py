@@ -50,6 +50,10 @@ train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; 
 ROLES = ("train", "joining", "starting", "spare", "observer", "done")
 PROGRESS_KEY = "progress"
 """Member metadata key: the member's training progress, ``Progress.encode()``."""
+BETWEEN_STEPS = "between steps"
+"""Prefix of ``Progress.fault`` while a member's training thread is busy between steps
+(``ftmesh.torch.between``): its ring neighbours wait for its next collective past
+``io_timeout``, up to ``CollectiveConfig.start_wait`` (``Mesh.busy_between_steps``)."""
 MAX_FAULT = 80
 """Characters of a fault's text kept in ``Progress.fault``: the whole record must stay well
 inside the metadata limits (``MAX_META_BYTES``) next to the other keys."""

@@ -1,32 +1,49 @@
-"""The loop API: one attempt at one step, in ordinary PyTorch (``ElasticTrainer.steps``).
+"""The loop API: one step, attempted until it commits, in ordinary PyTorch
+(``ElasticTrainer.steps``).
 
 Theory of operation. ``for step in trainer.steps(): with step: ...`` — the iterator hands the
-loop one :class:`Step` per *attempt*; the ``with`` block is the step's body. Inside it the
-user iterates ``step.batches()`` (or ``step.indices()``): this member's share of the step's
-global batch, in micro-batches, with ``loss.backward()`` for each; when the iteration ends,
-the gradients are the mean over the whole global batch, reduced across the mesh and checked,
-and the user may clip them, unscale them (``GradScaler``), step the optimizer and the
-schedulers, log. Where each hook runs:
+loop one :class:`Step` per *step*; the ``with`` block is the step's body. Inside it the user
+iterates ``step.batches()`` (or ``step.indices()``): this member's share of the step's global
+batch, in micro-batches, with ``loss.backward()`` for each; when the iteration ends, the
+gradients are the mean over the whole global batch, reduced across the mesh and checked, and
+the user may clip them, unscale them (``GradScaler``), step the optimizer and the schedulers,
+log. Where each hook runs:
 
-* ``with step:`` (entering) — the attempt starts: gradients are zeroed (the trainer owns
+* ``with step:`` (entering) — the first attempt starts: gradients are zeroed (the trainer owns
   them: no ``zero_grad()`` needed), a state check's digests are taken;
 * each micro-batch's ``backward`` — gradients accumulate in the buckets; during the last one
   the buckets are allreduced as they complete;
-* the end of ``step.batches()`` — the last bucket is reduced and the header checked (a failure
-  here aborts the attempt, see below; a state divergence raises ``StateDivergedError``);
+* the end of ``step.batches()`` — the last bucket is reduced and the header checked (a state
+  divergence raises ``StateDivergedError``);
 * ``optimizer.step()`` — the user's, unchanged (a pre-hook refuses it before the gradients
   are reduced); in sharded mode the trainer's sharded update, which ends with an allgather;
 * the end of the ``with`` block — the step is committed: registered objects other than
   modules and optimizers are captured (``ftmesh.torch.state``), a checkpoint may be written.
-  ``step.report`` is then set; code after the block runs once per committed step.
+  ``step.report`` is then set.
 
-A failed attempt (a peer lost, the ring broke, data of another round) raises
-:class:`StepAborted` from the end of ``step.batches()`` or from a sharded ``optimizer.step()``,
-so nothing after it in the body runs; ``with step`` swallows it and the iterator hands the
-loop a new attempt at the *same* step with a new share. When the others committed the step
-meanwhile (this member failed at its very end), the step is adopted: the iterator moves on to
-the next one without running the body again. Any other exception leaves the ``with`` block
-as usual (the step is not committed).
+**Code after the ``with`` block runs once per committed step**, and so does the body's code
+after its loop over micro-batches. A failed attempt (a peer lost, the ring broke, data of
+another round) is retried *inside* ``step.batches()``: the trainer re-syncs and the loop over
+micro-batches goes on with the next attempt's share (``step.attempt``, ``step.share``,
+``step.workers``, ``step.rank`` change; the gradients start from zero again), so only the code
+inside that loop runs again. When the others committed the step meanwhile (this member failed
+at its very end), this member adopts it: ``step.batches()`` ends the body
+(:class:`StepAborted`, swallowed by ``with step``), ``step.report`` is the adopted step's
+(``report.adopted``), and the code after the block runs once for it, like the others'.
+
+Two failures cannot be retried inside the body, and hand the loop a new :class:`Step` for the
+step after the block, with ``step.report is None``: with ``shard_optimizer=True``, a failure of
+``optimizer.step()``'s allgather (after a successful reduction), and a fall-back to a disk
+checkpoint (the sharded state was lost). A loop that shards its optimizer guards code after
+the block with ``if step.report is None: continue``. Any other exception leaves the ``with``
+block as usual (the step is not committed).
+
+Between steps is the user's time: evaluating, saving or logging on one member, for longer than
+the data plane's ``io_timeout``, does not fail the others' next attempt. After a second of it
+the member publishes ``between steps Ns (after step K)`` in its progress
+(``ftmesh.torch.between``); the others' collective then waits for its first frame, while
+membership holds it alive, up to ``CollectiveConfig.start_wait`` (600 s;
+``ftmesh.collective.engine``), and says in its log whom it waits for.
 """
 
 from __future__ import annotations
@@ -52,8 +69,9 @@ if TYPE_CHECKING:
 
 
 class StepAborted(FtmeshError):
-    """This attempt failed (``failure``); ``with step:`` swallows it and the trainer hands the
-    loop the step again. Seen only by code that catches exceptions inside a step's body."""
+    """The step's body ends early (``failure``: the attempt that failed): the step was adopted,
+    or failed where it cannot be retried inside the body (see the module docstring). ``with
+    step:`` swallows it. Seen only by code that catches exceptions inside a step's body."""
 
     def __init__(self, failure: Failed) -> None:
         super().__init__(f"step attempt failed ({failure.kind.value}): {failure.detail}")
@@ -70,7 +88,7 @@ class StateDivergedError(FtmeshError):
 
 
 class Step:
-    """One attempt at one step; see the module docstring."""
+    """One step, attempted until it commits; see the module docstring."""
 
     def __init__(
         self,
@@ -80,14 +98,32 @@ class Step:
         micro: list[np.ndarray],
     ) -> None:
         self._trainer = trainer
-        self.action = action
-        view = action.view
         self.index = action.index
         """The step's 0-based index (its place in the data: ``ElasticSampler``)."""
         self.number = action.index + 1
         """The committed step count once this step commits (``StepReport.step``)."""
+        self.samples = trainer.sampler.batch_size(action.index)
+        """Samples of the step's global batch."""
+        self.epoch = trainer.sampler.epoch_of(action.index)
+        """The 0-based epoch of the step."""
+        self.report: StepReport | None = None
+        """Set when the step committed (at the end of the ``with`` block), or when this
+        member adopted it (``report.adopted``)."""
+        self._entered = False
+        self._iterated = False
+        self.exited = False
+        self.next: Compute | Finished | None = None
+        """What the trainer does after this step (set when the step committed, was adopted,
+        or, in the cases the module docstring names, when an attempt failed)."""
+        self._attempt(action, share, micro)
+
+    def _attempt(self, action: Compute, share: np.ndarray, micro: list[np.ndarray]) -> None:
+        """(Re)set what belongs to one attempt: the first, or a retry on a new view."""
+        view = action.view
+        self.action = action
         self.attempt = action.attempt
-        self.rank = view.rank_of(trainer.mesh.node_id)
+        """The attempt (1, 2, ...); a retry happens inside ``step.batches()``."""
+        self.rank = view.rank_of(self._trainer.mesh.node_id)
         """This member's place in the ring (node-id order) for this attempt."""
         self.world_size = view.size
         """Members in the ring, each applying this step (hot spares included)."""
@@ -97,18 +133,10 @@ class Step:
         """The members computing this attempt."""
         self.share = len(share)
         """Samples this member computes."""
-        self.samples = trainer.sampler.batch_size(action.index)
-        """Samples of the step's global batch."""
-        self.epoch = trainer.sampler.epoch_of(action.index)
-        """The 0-based epoch of the step."""
-        self.report: StepReport | None = None
-        """Set when the step committed (at the end of the ``with`` block)."""
         self.indices_share = share
         self._micro = micro
         self._size = 0  # samples of the micro-batch being computed
-        self._entered = False
-        self._iterated = False
-        self.exited = False
+        self._k = 0  # its place in this attempt's micro-batches
         self.reduced = False
         self.failure: Failed | None = None
         self.loss_sum = 0.0
@@ -118,11 +146,9 @@ class Step:
         self.leaving: tuple[str, ...] = ()
         """The members that announced in the step that they leave after it."""
         self.started = 0.0
-        """``time.perf_counter()`` when the ``with`` block began (the compute time's start)."""
+        """``time.perf_counter()`` when the attempt began (the compute time's start)."""
         self.speeds: tuple[float, ...] = ()
         """``shares="speed"``: the agreed speeds of the reduced header."""
-        self.next: Compute | Finished | None = None
-        """What the trainer does after this attempt (set when the ``with`` block ends)."""
 
     @property
     def micro_batches(self) -> int:
@@ -147,22 +173,32 @@ class Step:
     def indices(self) -> Iterator[np.ndarray]:
         """This member's share as micro-batches of sample indices (0-based, into the
         dataset); iterate to the end, running backward on each: the gradients are then
-        reduced."""
+        reduced. When the attempt fails, the iteration goes on with the next attempt's
+        share (the micro-batches start over); it ends once the gradients are reduced, or
+        when this member adopted the step (the body then ends: ``StepAborted``)."""
         self._running()
         if self._iterated:
             raise LocalUsageError("a step's micro-batches are iterated once")
-        self._iterated = True
-        buckets = self._trainer.buckets
-        micro = self._micro
-        for k, idx in enumerate(micro):
-            last = k == len(micro) - 1
-            self._size = len(idx)
-            buckets.micro_batch(len(idx) / self.samples, last)
-            yield idx
-            if not last:
-                buckets.between(len(idx) / len(micro[k + 1]))
-        self._size = 0
-        self._trainer._reduce(self)
+        trainer = self._trainer
+        for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
+            self._iterated = True
+            buckets = trainer.buckets
+            micro = self._micro
+            for k, idx in enumerate(micro):
+                last = k == len(micro) - 1
+                self._size, self._k = len(idx), k
+                buckets.micro_batch(len(idx) / self.samples, last)
+                yield idx
+                if not last:
+                    buckets.between(len(idx) / len(micro[k + 1]))
+            self._size = 0
+            try:
+                trainer._reduce(self)
+            except StepAborted:
+                if not trainer._retry(self):
+                    raise
+                continue
+            return
 
     def batches(self) -> Iterator[Any]:
         """This member's share as micro-batches from the trainer's ``DataLoader`` (collated as
@@ -173,8 +209,8 @@ class Step:
                 "step.batches() needs a trainer built with a DataLoader; with an "
                 "ElasticSampler, iterate step.indices()"
             )
-        for k, _ in enumerate(self.indices()):
-            yield loader.next_batch((self.index, self.workers, self.action.weights, k))
+        for _ in self.indices():
+            yield loader.next_batch((self.index, self.workers, self.action.weights, self._k))
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """Count this micro-batch's mean ``loss`` in the step's reported loss

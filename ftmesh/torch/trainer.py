@@ -76,6 +76,7 @@ shards``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -120,6 +121,7 @@ from ..training.step import (
     StepMachine,
     StepReport,
 )
+from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
 from .driver import MeshDriver, failure_of
@@ -204,6 +206,8 @@ class ElasticTrainer:
             mesh, cfg, self._machine, self._state, self._zero, on_world_change
         )
         self._opened = False
+        self._between = BetweenSteps(self._publish_between, self._publish_progress)
+        """Publishes that the user's code between steps runs long (``ftmesh.torch.between``)."""
         self._freezes: FreezeWatch | None = None
         """Notices when this process stood still (fail-slow; started at the first step)."""
         self._epoch: int | None = None
@@ -350,9 +354,11 @@ class ElasticTrainer:
     # ------------------------------------------------------------------ the loops
 
     def steps(self, total: int | None = None) -> Iterator[Step]:
-        """The loop API: one :class:`Step` per attempt, until ``total`` steps are committed;
+        """The loop API: one :class:`Step` per step, until ``total`` steps are committed;
         inside :meth:`epochs`, the rest of the current epoch's steps (``total`` ignored);
-        neither: forever. Run each one's body inside ``with step:``."""
+        neither: forever. Run each one's body inside ``with step:``; a failed attempt is
+        retried inside ``step.batches()``, so code after the block runs once per committed
+        (or adopted) step (``ftmesh.torch.loop`` names the two sharded-mode exceptions)."""
         while True:
             if self._epoch is not None:
                 end = (self._epoch + 1) * self.sampler.steps_per_epoch
@@ -432,6 +438,7 @@ class ElasticTrainer:
             self._buckets.close()
         if self._freezes is not None:
             self._freezes.stop()
+        self._between.stop()
         for h in self._hooks:
             h.remove()
 
@@ -464,7 +471,8 @@ class ElasticTrainer:
             self.checkpoints.check(self.state.nbytes())
 
     def _attempts(self) -> Iterator[Step]:
-        """One step: an attempt per yielded ``Step`` until it commits (or is adopted)."""
+        """One step: a ``Step`` whose attempts run inside its ``batches()`` until it
+        commits (or is adopted); another ``Step`` only after a failure outside them."""
         self._open()
         action = self._begin("step")
         while isinstance(action, Compute):
@@ -481,6 +489,7 @@ class ElasticTrainer:
             self._reported(action.report)  # adopted (a committed one was reported by _end)
 
     def _begin(self, kind: str, timeout: float | None = None) -> Compute | Finished:
+        self._between.leave()
         self._poll_leave()
         return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
 
@@ -542,12 +551,42 @@ class ElasticTrainer:
                 yield (index, action.workers, action.weights, k), idx.tolist()
 
     def _arm(self, step: Step) -> None:
-        """``with step:`` begins: zero the gradients, fill the header."""
-        buckets = self._buckets
-        assert buckets is not None
+        """``with step:`` begins: the first attempt starts."""
         if self._current is not None and not self._current.exited:
             raise LocalUsageError("one step at a time")
         self._current = step
+        self._start_attempt(step)
+
+    def _retry(self, step: Step) -> bool:
+        """An attempt failed inside ``step.batches()``: hand the failure to the machine and,
+        when it wants the same step computed again, start the next attempt there (``True``:
+        the body's loop over micro-batches goes on with the new share, so code after it and
+        after the ``with`` block runs once per committed step). ``False``: the step was
+        adopted (``step.report`` set) or the machine moved elsewhere (a fall-back to a
+        checkpoint); the body ends and ``with step`` hands ``step.next`` to the iterator."""
+        assert step.failure is not None
+        nxt = self._feed(step.failure)
+        if isinstance(nxt, Compute) and nxt.index == step.index:
+            me = self.mesh.node_id
+            share = (
+                self.sampler.indices(nxt.index, nxt.workers, me, nxt.weights)
+                if me in nxt.workers
+                else np.empty(0, dtype=np.int64)
+            )
+            self._view = nxt.view
+            step._attempt(nxt, share, micro_batches(share, self.config.micro_batch))
+            self._start_attempt(step)
+            return True
+        step.next = nxt
+        if isinstance(nxt, Finished) and nxt.report is not None:
+            step.report = nxt.report
+            self._reported(nxt.report)  # adopted
+        return False
+
+    def _start_attempt(self, step: Step) -> None:
+        """An attempt starts: zero the gradients, fill the header."""
+        buckets = self._buckets
+        assert buckets is not None
         ring = self.mesh.session(step.action.view)
         comps = self._compression
 
@@ -680,7 +719,8 @@ class ElasticTrainer:
         assert buckets is not None
         self._current = None
         if step.failure is not None and (error is None or isinstance(error, StepAborted)):
-            step.next = self._feed(step.failure)
+            if step.next is None:  # failed outside step.batches() (a sharded optimizer.step)
+                step.next = self._feed(step.failure)
             return True
         if error is None and not step.reduced:
             error = LocalUsageError(
@@ -707,6 +747,15 @@ class ElasticTrainer:
         self.mesh.report_progress(self._machine.progress())
         for hook in self._step_hooks:
             hook(self, report)
+        self._between.enter(report.step)  # the user's time, until the next step begins
+
+    def _publish_progress(self) -> None:
+        self.mesh.report_progress(self._machine.progress())
+
+    def _publish_between(self, seconds: float, step: int) -> None:
+        """(``BetweenSteps``' thread) Publish that we are busy between steps."""
+        progress = self._machine.progress()
+        self.mesh.report_progress(dataclasses.replace(progress, fault=between_text(seconds, step)))
 
     def _abandon(self, step: Step) -> None:
         """A step's body raised (not a step failure): its allreduces are out of order with
