@@ -52,6 +52,10 @@ MakeGroup = Callable[[Any, int, int, timedelta], Any]
 ABORTED = -2
 INTERNAL = 3
 """``ncclInternalError``: a library error that names no lost peer."""
+ROUND_INTERVAL = 0.005
+"""Seconds between the starts of two store rounds on a member: the rounds are collectives
+on the ring, and a rendezvous needs a handful; pacing them keeps a set-up from spinning the
+CPU that membership's probes need (a starved member gets suspected)."""
 _LOST_WORDS = ("connection", "closed", "reset", "remote", "peer", "broken pipe", "eof")
 
 
@@ -126,6 +130,7 @@ class TorchComm:
         self._aborted = False
         self._work: Any = None
         self._finish: Callable[[], None] | None = None
+        self._next_round = 0.0
         self._thread = threading.Thread(target=self._build, name="ftmesh-pg-init", daemon=True)
         self._thread.start()
 
@@ -151,6 +156,10 @@ class TorchComm:
     # -- the manager's polls -------------------------------------------------------------------
     def ready(self) -> bool:
         self._check()
+        now = time.monotonic()
+        if now < self._next_round:
+            return False
+        self._next_round = now + ROUND_INTERVAL
         try:
             over = self.pump.round()
         except FtmeshError as exc:  # the ring failed under the round (a member lost)
