@@ -25,7 +25,7 @@ from session_adapter import plane_sessions
 
 from ftmesh.collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ftmesh.collective.aborts import GpuPeerLostError, GpuStalledError
-from ftmesh.collective.epochs import CollectiveOp, EpochConfig, EpochManager, Kind
+from ftmesh.collective.epochs import CollectiveOp, EpochConfig, EpochManager
 from ftmesh.collective.torch_pg import SessionControl, TorchPGFactory
 
 torch = pytest.importorskip("torch")

@@ -22,16 +22,15 @@ import trio  # for seconds on a busy host, and a member that stops answering get
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from session_adapter import mesh_session  # noqa: E402
-from tests_support import local_mesh_config  # noqa: E402
+from session_adapter import mesh_session
+from tests_support import local_mesh_config
 
-from ftmesh.collective import RingView  # noqa: E402
-from ftmesh.collective.epochs import EpochConfig, EpochManager  # noqa: E402
-from ftmesh.collective.torch_pg import SessionControl, TorchPGFactory  # noqa: E402
-from ftmesh.errors import FtmeshError  # noqa: E402
-from ftmesh.mesh.blocking import SyncMesh  # noqa: E402
-from ftmesh.mesh.gpu import follow_membership  # noqa: E402
-
+from ftmesh.collective import RingView
+from ftmesh.collective.epochs import EpochConfig, EpochManager
+from ftmesh.collective.torch_pg import SessionControl, TorchPGFactory
+from ftmesh.errors import FtmeshError
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.mesh.gpu import follow_membership
 
 T0 = time.monotonic()
 
