@@ -132,6 +132,12 @@ class _Work:
     def wait(self) -> bool:
         return True
 
+    def get_future(self) -> Any:
+        fut = torch.futures.Future()
+        if self._done:
+            fut.set_result(None)
+        return fut
+
 
 def test_a_collective_that_never_completes_is_aborted_at_its_deadline() -> None:
     with tcp_members(2) as (dps, view):

@@ -15,7 +15,9 @@ the rendezvous needs no TCPStore server and no special node. The manager drives 
   constructor raised, its deadline passed, it sent a bad record).
 * ``start`` enqueues the collective on the process group (torch's ``Work``), ``done`` polls
   ``Work.is_completed`` (gloo runs in its own threads, NCCL on the caller's stream), so the
-  manager's deadline and abort paths apply to every call.
+  manager's deadline and abort paths apply to every call; between polls the manager waits in
+  ``pause``, which the work's future (or an abort) ends early, so a completion costs no
+  polling lag.
 * ``abort_group`` closes the store (waking a constructor waiting in ``get``) and calls
   ``ProcessGroup.abort()`` on each group (NCCL: ``ncclCommAbort``), from the manager's
   aborting thread. A collective hung in gloo ends at the group's own timeout (set to the
@@ -131,6 +133,7 @@ class TorchComm:
         self._work: Any = None
         self._finish: Callable[[], None] | None = None
         self._next_round = 0.0
+        self._completed = threading.Event()
         self._thread = threading.Thread(target=self._build, name="ftmesh-pg-init", daemon=True)
         self._thread.start()
 
@@ -178,6 +181,7 @@ class TorchComm:
         with self._lock:
             self._check()
             self._finish = None
+            self._completed = done = threading.Event()
             try:
                 if op.kind is Kind.ALLREDUCE:
                     opts = dist.AllreduceOptions()
@@ -190,8 +194,14 @@ class TorchComm:
                     bopts = dist.BroadcastOptions()
                     bopts.rootRank = op.root
                     self._work = self.group.broadcast([t], bopts)
+                self._work.get_future().add_done_callback(lambda _f: done.set())
             except Exception as exc:
                 raise _failure(exc) from exc
+
+    def pause(self, seconds: float) -> None:
+        """The manager's pause between polls: woken by the collective's completion (its
+        future's callback) or an abort, so neither is seen up to a poll late."""
+        self._completed.wait(seconds)
 
     def done(self) -> bool:
         self._check()
@@ -212,6 +222,7 @@ class TorchComm:
                 return
             self._aborted = True
             group = self.group
+        self._completed.set()
         self.pump.close("epoch aborted")
         if group is not None:
             group.abort()
