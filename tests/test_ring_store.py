@@ -19,6 +19,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from session_adapter import PlaneSession
 
 from ftmesh.collective import CollectiveConfig, CollectiveResult, Peer, RingView, SyncDataPlane
@@ -285,3 +287,25 @@ def test_gloo_process_group_on_the_ring_store_of_real_data_planes() -> None:
         want = torch.arange(8, dtype=torch.float32) * 6
         assert all(torch.equal(o, want) for o in outs)
         assert all(p.statistics().keys >= 3 for p in ps)  # every rank's address, everywhere
+
+
+@settings(max_examples=40, deadline=None)
+@given(junk=st.binary(min_size=1, max_size=3000))
+def test_random_bytes_from_a_member_never_crash_a_round(junk: bytes) -> None:
+    ring = LocalRing(["a", "b", "c"])
+
+    def tamper(rank: int, x: np.ndarray) -> np.ndarray:
+        if rank != 1:
+            return x
+        if x.size == 1:
+            return np.array([len(junk)], np.int64)
+        out = np.zeros_like(x)
+        out[: len(junk)] = np.frombuffer(junk, np.uint8)
+        return out
+
+    ring.tamper = tamper
+    ps = pumps(ring)
+    for p in ps:
+        p.mark_done()
+    assert rounds(ps) == [1, 1, 1]
+    assert all(p.failure is not None and p.failure.member == "b" for p in ps)
