@@ -58,6 +58,8 @@ ROUND_INTERVAL = 0.005
 """Seconds between the starts of two store rounds on a member: the rounds are collectives
 on the ring, and a rendezvous needs a handful; pacing them keeps a set-up from spinning the
 CPU that membership's probes need (a starved member gets suspected)."""
+PAUSE_MIN = 0.05
+"""Seconds at least between two polls of a started collective (see ``TorchComm.pause``)."""
 _LOST_WORDS = ("connection", "closed", "reset", "remote", "peer", "broken pipe", "eof")
 
 
@@ -200,8 +202,10 @@ class TorchComm:
 
     def pause(self, seconds: float) -> None:
         """The manager's pause between polls: woken by the collective's completion (its
-        future's callback) or an abort, so neither is seen up to a poll late."""
-        self._completed.wait(seconds)
+        future's callback) or an abort (``abort`` sets the event too), so neither is seen a
+        poll late; hence it may be long (``PAUSE_MIN``): the polls are only left to notice
+        the deadline, and each wake-up competes with the library's threads for the CPU."""
+        self._completed.wait(max(seconds, PAUSE_MIN))
 
     def done(self) -> bool:
         self._check()
