@@ -30,6 +30,12 @@ Compression: ``--compression int8`` adds ``ftmesh_int8``, the same data plane wi
 is the speed-up a caller sees. On loopback the codec's CPU time dominates; on slow links it
 is the bytes.
 
+torch process group: ``--torch-pg`` adds ``gloo_pg``, torch's gloo process group as ftmesh
+builds it for a view epoch (rendezvous on the ring store, every call through the epoch
+manager's deadline and abort polling: the path NCCL takes on a GPU), and reports per cell
+``pg_vs_gloo`` = busbw of ``gloo_pg`` / busbw of gloo called directly: the overhead of the
+session's torch-process-group path.
+
 Slow links: ``--lab`` runs the N processes on N hosts of a virtual LAN
 (``ftmesh.lab.VirtualLan``, root), each link limited with ``--link-rate`` (tc tbf, e.g.
 ``100mbit``); gloo, the store, the data planes and the raw ring all use the lab addresses. The
@@ -70,6 +76,9 @@ ENC = "ftmesh_enc"
 """The encrypted ftmesh data plane (``--encrypt``)."""
 INT8 = "ftmesh_int8"
 """ftmesh with ``compression=Int8Compression()`` (``--compression int8``)."""
+PG = "gloo_pg"
+"""torch's gloo process group built by ftmesh per view epoch on the ring store, behind the
+epoch manager (``ftmesh.collective.torch_pg``, the GPU path's CI stand-in; ``--torch-pg``)."""
 LAB_ITERS = 6
 """Default repetitions with ``--lab``: a 16 MB allreduce at 100 Mbit/s takes about 2 s."""
 
@@ -187,6 +196,7 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
         auth = MeshAuth.from_secrets([bytes.fromhex(cfg["secret"])], encrypt=True)
         dp_enc = SyncDataPlane.start(f"bench-{rank:03d}", host=me, auth=auth, config=config)
         enc_view = _publish_view(store, ENC, dp_enc, rank, nprocs)
+    pg_mgr = _pg_manager(dp) if PG in impls else None
     raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce", me)
     results = []
     try:
@@ -207,6 +217,8 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
                 fns[INT8] = functools.partial(session.allreduce, bufs[INT8], "sum", comp)
             if "gloo" in bufs:
                 fns["gloo"] = functools.partial(dist.all_reduce, torch.from_numpy(bufs["gloo"]))
+            if pg_mgr is not None:
+                fns[PG] = functools.partial(pg_mgr.allreduce, view, torch.from_numpy(bufs[PG]))
             if "ceiling" in bufs:
                 fns["ceiling"] = functools.partial(raw.allreduce, bufs["ceiling"])
             check = None
@@ -231,6 +243,8 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
             results.append({"bytes": size, "times": times, "check": check})
             del bufs, fns
     finally:
+        if pg_mgr is not None:
+            pg_mgr.close()
         dp.close()
         if dp_enc is not None:
             dp_enc.close()
@@ -238,6 +252,16 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
         dist.destroy_process_group()
     if rank == 0:
         out.put(results)
+
+
+def _pg_manager(dp: SyncDataPlane) -> Any:
+    """An epoch manager building torch's gloo process group on the ring store."""
+    from ..collective.epochs import EpochConfig, EpochManager
+    from ..collective.torch_pg import SessionControl, TorchPGFactory
+
+    factory = TorchPGFactory(dp.session, "gloo", init_timeout=100.0, op_timeout=120.0)
+    config = EpochConfig(init_timeout=110.0, op_timeout=120.0)
+    return EpochManager(dp.node_id, factory, SessionControl(dp.session), config=config)
 
 
 def _publish_view(store: Any, key: str, dp: SyncDataPlane, rank: int, nprocs: int) -> RingView:
@@ -338,18 +362,22 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
             cell["encrypted_vs_plain"] = med[ENC] / med["ftmesh"]
         if INT8 in med:
             cell["vs_uncompressed"] = med[INT8] / med["ftmesh"]
+    if PG in med and "gloo" in med:
+        cell["pg_vs_gloo"] = med[PG] / med["gloo"]
     return cell
 
 
 def _print_table(cells: list[dict[str, Any]]) -> None:
     gb = 1e9
-    extra = tuple(x for x in (ENC, INT8) if any(x in c["busbw"] for c in cells))
+    extra = tuple(x for x in (ENC, INT8, PG) if any(x in c["busbw"] for c in cells))
     impls = IMPLS + extra
     ratios = {"vs_gloo": "ftm/gloo", "vs_ceiling": "ftm/ceil"}
     if ENC in extra:
         ratios["encrypted_vs_plain"] = "enc/plain"
     if INT8 in extra:
         ratios["vs_uncompressed"] = "int8/f32"
+    if PG in extra:
+        ratios["pg_vs_gloo"] = "pg/gloo"
     width = 26 * len(impls)
     heads = " ".join(f"{h:>9}" for h in ratios.values())
     print(f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^{width}} | {heads}")
@@ -379,6 +407,8 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
         print("enc/plain = busbw of ftmesh with encryption (AES-256-GCM) / without.")
     if INT8 in extra:
         print("int8/f32 = busbw of ftmesh with int8 compression / without (float32 bytes).")
+    if PG in extra:
+        print("pg/gloo = busbw of gloo built and driven by ftmesh per view epoch / gloo direct.")
 
 
 # -- lab mode ------------------------------------------------------------------------------
@@ -474,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help=f"int8: also run ftmesh with int8 compression ({INT8}); reports vs_uncompressed",
     )
+    ap.add_argument(
+        "--torch-pg",
+        action="store_true",
+        help=f"also run torch's gloo built per view epoch on the ring store ({PG}); "
+        "reports pg_vs_gloo",
+    )
     ap.add_argument("--block-size", type=int, default=256, help="int8 elements per scale")
     ap.add_argument(
         "--lab",
@@ -509,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg["impls"] = ["ftmesh", ENC] + [i for i in cfg["impls"] if i != "ftmesh"]
     if args.compression == "int8":  # likewise ftmesh_int8, against plain ftmesh
         cfg["impls"] = ["ftmesh", INT8] + [i for i in cfg["impls"] if i != "ftmesh"]
+    if args.torch_pg:  # gloo_pg takes turns right after gloo, which is always measured with it
+        cfg["impls"] = [i for i in cfg["impls"] if i != "gloo"] + ["gloo", PG]
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:
@@ -528,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": "float32",
             "encrypt": args.encrypt,
             "compression": args.compression,
+            "torch_pg": args.torch_pg,
             "lab": args.lab,
             "link_rate": args.link_rate,
         }

@@ -113,6 +113,10 @@ class Communicator(Protocol):
     def done(self) -> bool:
         """Whether the last started collective has completed."""
 
+    # Optional: ``pause(seconds)`` -- wait up to ``seconds`` between two polls of ``done``,
+    # returning early when the collective completes (or is aborted), so a completion is not
+    # seen up to ``poll_max`` late. Without it the manager sleeps.
+
 
 class CommFactory(Protocol):
     """A collective library: makes ids and communicators, aborts them in groups."""
@@ -388,7 +392,8 @@ class EpochManager:
                 comm = ep.comm
                 assert comm is not None
                 self._call(ep, lambda: comm.start(op))
-                self._wait(ep, op.kind.value, comm.done, self.config.op_timeout)
+                pause = getattr(comm, "pause", None)  # optional: woken when the op is done
+                self._wait(ep, op.kind.value, comm.done, self.config.op_timeout, pause)
             self._count("collectives")
             return CollectiveResult(view.epoch, view.node_ids, op.buffer)
         finally:
@@ -537,7 +542,14 @@ class EpochManager:
             self._fail(ep, comm_failed(exc.code, exc.message, self.node_id))
         return None
 
-    def _wait(self, ep: _Epoch, phase: str, cond: Callable[[], bool], timeout: float) -> None:
+    def _wait(
+        self,
+        ep: _Epoch,
+        phase: str,
+        cond: Callable[[], bool],
+        timeout: float,
+        pause_fn: Callable[[float], object] | None = None,
+    ) -> None:
         deadline = self._clock() + timeout
         pause = self.config.poll_min
         while True:
@@ -547,7 +559,7 @@ class EpochManager:
                 return
             if self._clock() >= deadline:
                 self._fail(ep, self._deadline(phase, timeout))
-            self._sleep(pause)
+            (pause_fn or self._sleep)(pause)
             pause = min(pause * 2, self.config.poll_max)
 
     def _fail(self, ep: _Epoch, reason: Abort) -> None:
