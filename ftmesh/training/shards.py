@@ -63,8 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..compression import COMPRESSIONS
-from ..errors import ConfigError, FtmeshError
-from ..state.errors import StateLostError
+from ..errors import ConfigError, FtmeshError, StateLostError
 from .protocol import DIGEST_SLOTS, FRESH, SHARES, digest_of, digest_slots
 
 VERSIONS = 2
