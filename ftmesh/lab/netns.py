@@ -59,7 +59,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from . import slowness
 from .errors import LabError
 
 DEFAULT_BASE = "ftm"
@@ -190,6 +189,8 @@ def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
 
 def _remove_stale_cgroups(pattern: str) -> None:
     """CPU cgroups (``set_cpu``) of host namespaces named like ``pattern`` that are gone."""
+    from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
     slowness.cleanup_stale_cgroups(_list_netns(), pattern)
 
 
@@ -412,6 +413,8 @@ class VirtualLan:
         """``argv`` inside host ``i``, in its CPU cgroup when it is throttled."""
         full = ["ip", "netns", "exec", self.ns_name(i), *argv]
         if i in self._cpu:
+            from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
             cg, _ = slowness.host_cgroup(self.ns_name(i))
             return slowness.throttled_argv(cg, full)
         return full
@@ -608,6 +611,8 @@ class VirtualLan:
         """Throttle host ``i`` to ``share`` CPUs (0.25: a quarter of one core; None lifts
         it): a cgroup CPU quota for every process of the host, including those started later
         (``ftmesh.lab.slowness``). Needs the cgroup ``cpu`` controller."""
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
         self._check(i)
         if share is not None and not slowness.MIN_SHARE <= share <= slowness.MAX_SHARE:
             raise LabError(
@@ -626,6 +631,8 @@ class VirtualLan:
     def cpu_stats(self, i: int) -> dict[str, float]:
         """What the kernel did to host ``i``'s CPU cgroup: ``periods``, ``throttled``
         (periods that ran out of quota), ``throttled_s``. Zeros if it was never throttled."""
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
         self._check(i)
         if i not in self._cpu:
             return {"periods": 0, "throttled": 0, "throttled_s": 0.0}
@@ -635,6 +642,8 @@ class VirtualLan:
         """Freeze every process of host ``i`` (SIGSTOP) for ``stop_s`` seconds every
         ``every_s`` seconds, until called with ``stop_s=None`` (which thaws it). A pulser
         process in the root namespace does it; it outlives this object for a detached lab."""
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
         self._check(i)
         old = self._pulses.pop(i, None)
         if old is not None:
@@ -648,6 +657,8 @@ class VirtualLan:
         """What host ``i``'s pulser did: ``pulses`` and ``stopped_s`` (process-seconds kept
         stopped), with its ``stop_s``/``every_s``; empty before its first pulse or without
         one."""
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
         self._check(i)
         if i not in self._pulses:
             return {}
@@ -660,6 +671,8 @@ class VirtualLan:
 
     def down(self) -> None:
         """Kill every process in the lab and delete its namespaces. Idempotent."""
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
+
         self._closed = True
         with _live_lock:
             _live.discard(self)
