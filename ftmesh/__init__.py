@@ -1,6 +1,16 @@
-"""ftmesh: a peer-to-peer, coordinator-free, fault-tolerant training mesh."""
+"""ftmesh: a peer-to-peer, coordinator-free, fault-tolerant training mesh.
+
+The public API, re-exported lazily (PEP 562): ``import ftmesh`` loads only the error
+hierarchy, and ``ftmesh.connect`` (say) imports ``ftmesh.mesh.blocking`` on first use. So
+importing one pure part (``ftmesh.membership.swim``, ``ftmesh.training.step``) never drags in
+trio, sockets, zeroconf or torch through this package. The names, and where each one lives,
+are in ``_EXPORTS``; the imports under ``TYPE_CHECKING`` are the same, for type checkers.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from .errors import (
     CollectiveError,
@@ -15,14 +25,54 @@ from .errors import (
     RemoteProtocolError,
     TrainingFinishedError,
 )
-from .membership.config import MembershipConfig
-from .mesh.blocking import SyncMesh, connect
-from .mesh.core import Mesh, MeshConfig, open_mesh
-from .mesh.meta import Progress
-from .net.node import Node, NodeConfig, open_node
-from .state import State
+
+if TYPE_CHECKING:
+    from .membership.config import MembershipConfig
+    from .mesh.blocking import SyncMesh, connect
+    from .mesh.core import Mesh, MeshConfig, open_mesh
+    from .mesh.meta import Progress
+    from .net.node import Node, NodeConfig, open_node
+    from .state.state import State
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "MembershipConfig": ".membership.config",
+    "Mesh": ".mesh.core",
+    "MeshConfig": ".mesh.core",
+    "Node": ".net.node",
+    "NodeConfig": ".net.node",
+    "Progress": ".mesh.meta",
+    "State": ".state.state",
+    "SyncMesh": ".mesh.blocking",
+    "connect": ".mesh.blocking",
+    "open_mesh": ".mesh.core",
+    "open_node": ".net.node",
+}
+"""Lazily exported name -> the module that defines it."""
+
+
+def __getattr__(name: str) -> object:
+    """Import a lazily exported name (or a subpackage, ``ftmesh.state``) on first access."""
+    module = _EXPORTS.get(name)
+    if name.startswith("__"):  # probes such as ``__wrapped__`` never import anything
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module is not None:
+        value: object = getattr(importlib.import_module(module, __name__), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "CollectiveError",

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class FtmeshError(Exception):
     """Base class of every error ftmesh raises on purpose."""
@@ -78,3 +80,31 @@ class DeadlineExceeded(FtmeshError, TimeoutError):
 class MeshNotFormedError(DeadlineExceeded):
     """The mesh did not form as asked: a member found fewer of its ``start_peers`` than
     would let it start without splitting the mesh, or no running mesh to join."""
+
+
+class StateError(FtmeshError):
+    """Base class of the state layer's own errors (``ftmesh.state.errors``)."""
+
+
+class StateLostError(StateError):
+    """More adjacent members died than there are replicas: some shards have no surviving copy.
+
+    ``lost`` lists ``(shard_index, start, stop, holders)`` for each lost shard (element ranges
+    in the flat buffer, and the members that held it) when they are known; ``what`` describes
+    the loss instead. The caller falls back to the newest valid disk checkpoint. Defined here,
+    not in ``ftmesh.state``, because the sans-IO core (``training.shards``) raises it too.
+    """
+
+    def __init__(
+        self, lost: Sequence[tuple[int, int, int, tuple[str, ...]]], what: str = ""
+    ) -> None:
+        self.lost = tuple(lost)
+        self.what = what
+        if not what:
+            desc = ", ".join(
+                f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8]
+            )
+            more = f" (+{len(self.lost) - 8} more)" if len(self.lost) > 8 else ""
+            what = f"{len(self.lost)} shard(s) lost with no surviving replica: {desc}{more}"
+            self.what = what
+        super().__init__(f"{what}; fall back to the last disk checkpoint")

@@ -16,9 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import TextIO
+import time
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .membership.messages import MemberSnapshot
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -67,3 +71,17 @@ def configure(
     logger.setLevel(parse_level(level))
     logger.propagate = False  # ours go to our handler once, not also to the root's
     return logger
+
+
+def event_record(kind: str, m: MemberSnapshot) -> dict[str, Any]:
+    """One membership event as the JSON record ``ftmesh node --events json`` prints and the
+    lab's workers emit: ``kind`` (``"alive"``, ``"dead"``, ``"self"``...) and the member."""
+    return {
+        "event": kind,
+        "node": m.node,
+        "name": m.name,
+        "addr": f"{m.addr[0]}:{m.addr[1]}",
+        "incarnation": m.incarnation,
+        "meta": m.meta,
+        "time": round(time.time(), 6),
+    }

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from .errors import ConfigError, LocalUsageError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -122,7 +122,7 @@ class MeshAuth:
         a handshake transcript) from key ``index``. Distinct purposes or contexts give
         independent keys; none of them equals a MAC key."""
         if len(purpose) > 16:
-            raise ValueError("purpose label longer than 16 bytes")
+            raise LocalUsageError("purpose label longer than 16 bytes")
         return hashlib.blake2b(
             context,
             key=self.keys[index],

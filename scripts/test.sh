@@ -8,5 +8,6 @@ echo "== ruff"
 .venv/bin/ruff format --check ftmesh tests examples
 echo "== mypy"
 .venv/bin/mypy
+.venv/bin/lint-imports --no-logo  # the import contracts: layers and the pure core (pyproject.toml)
 echo "== pytest"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import trio
 
+from ftmesh.bench.transfer import measure_transfer
 from ftmesh.errors import LocalUsageError
 from ftmesh.security import MeshAuth
 from ftmesh.state import (
@@ -27,7 +28,6 @@ from ftmesh.state import (
     TransferConfig,
     TransferStats,
     fetch_state,
-    measure_transfer,
 )
 from ftmesh.state.transfer import _send_all
 

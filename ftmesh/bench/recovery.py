@@ -82,6 +82,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import FtmeshError
 from ..membership.config import MembershipConfig
 from .plots import plot_path_error, plot_recovery
 
@@ -91,7 +92,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 Event = tuple[float, "Proc", dict[str, Any]]
 
 
-class BenchError(RuntimeError):
+class BenchError(FtmeshError, RuntimeError):
     """A phase could not go on (a worker died on its own, or a wait timed out)."""
 
 

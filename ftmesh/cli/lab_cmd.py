@@ -26,7 +26,8 @@ from typing import Any
 
 from ..lab import state as lab_state
 from ..lab.chaos import KINDS, WORKLOAD_KINDS, ChaosRunner, parse_kinds
-from ..lab.netns import LabError, VirtualLan, cleanup_named, cleanup_stale, is_root
+from ..lab.errors import LabError
+from ..lab.netns import VirtualLan, cleanup_named, cleanup_stale, is_root
 
 DEFAULT_NAME = "ftmlab"
 """Name (namespace prefix) of the lab ``ftmesh lab`` commands act on without ``--name``."""

@@ -12,27 +12,15 @@ from typing import Any
 
 import trio
 
-from ..membership.messages import MemberSnapshot
+from ..logs import event_record
 from ..net.node import Node, NodeConfig, open_node
+from .args import settings_from_args
 from .live_view import shown
-from .main import settings_from_args
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:
     """Flags over ``FTMESH_*`` over the defaults (``local`` discovery), see ``ftmesh.settings``."""
     return settings_from_args(args, os.environ).node_config()
-
-
-def event_record(kind: str, m: MemberSnapshot) -> dict[str, Any]:
-    return {
-        "event": kind,
-        "node": m.node,
-        "name": m.name,
-        "addr": f"{m.addr[0]}:{m.addr[1]}",
-        "incarnation": m.incarnation,
-        "meta": m.meta,
-        "time": round(time.time(), 6),
-    }
 
 
 def _emit(fmt: str, record: dict[str, Any]) -> None:

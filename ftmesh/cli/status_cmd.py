@@ -36,6 +36,7 @@ from ..errors import ConfigError, FtmeshError
 from ..membership.messages import MemberSnapshot, MemberState
 from ..mesh.meta import BadMetadataError, read_member, role_of
 from ..settings import DEFAULT_MESH, EXPECT_KEY, Settings
+from .args import settings_from_args
 from .live_view import (
     MemberRow,
     MeshReader,
@@ -45,7 +46,6 @@ from .live_view import (
     rich_table,
     shown,
 )
-from .main import settings_from_args
 
 
 def formation_warnings(members: list[MemberSnapshot]) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError, TrainingFinishedError
 from ..settings import Settings
-from .main import MEMBER_FLAGS, add_settings_args, settings_from_args
+from .args import MEMBER_FLAGS, add_settings_args, settings_from_args
 
 WORKER_FLAGS = (*MEMBER_FLAGS, "name", "meta", "start_peers", "start_timeout")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from .netns import LabError, VirtualLan, cleanup_stale, is_root
+from .errors import LabError
+from .netns import VirtualLan, cleanup_stale, is_root
 
 __all__ = ["LabError", "VirtualLan", "cleanup_stale", "is_root"]

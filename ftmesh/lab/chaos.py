@@ -94,8 +94,9 @@ from ..discovery.mdns import DEFAULT_REFRESH_INTERVAL
 from ..errors import DeadlineExceeded
 from ..membership.config import MembershipConfig
 from ..net.node import JOIN_RETRY_BOUND
+from .errors import LabError
 from .mesh import LabMesh, node_argv
-from .netns import LabError, VirtualLan, _list_netns
+from .netns import VirtualLan, _list_netns
 from .procs import NodeProcess
 from .timeline import chaos_timeline
 

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Sequence
 from types import TracebackType
 
+from ..errors import LocalUsageError
+
 MAX_CONNECTIONS = 10_000
 """Most connections one flood holds."""
 CONNECT_TIMEOUT = 2.0
@@ -51,7 +53,7 @@ class IdleFlood:
         reopen_rate: float = REOPEN_RATE,
     ) -> None:
         if not 0 < n <= MAX_CONNECTIONS:
-            raise ValueError(f"n must be in 1..{MAX_CONNECTIONS}")
+            raise LocalUsageError(f"n must be in 1..{MAX_CONNECTIONS}")
         self.target = (host, port)
         self.n = n
         self.sources = tuple(sources)

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..collective import wire
 from ..collective.engine import Pipeline
+from ..errors import LocalUsageError
 from ..mesh.blocking import SyncMesh
 from ..mesh.meta import DATA_KEY
 from ..state import transfer
@@ -69,7 +70,7 @@ def install(kind: str, mesh: SyncMesh, active: threading.Event) -> Callable[[], 
     if kind == "clock-step":
         _step_clock(active)
         return lambda: f"wall clock {CLOCK_STEP if active.is_set() else 0.0:+.0f}s"
-    raise ValueError(f"unknown fault {kind!r}; choose from {FAULTS}")
+    raise LocalUsageError(f"unknown fault {kind!r}; choose from {FAULTS}")
 
 
 def _corrupt_frames(active: threading.Event) -> None:

@@ -25,7 +25,8 @@ from types import TracebackType
 
 from ..errors import DeadlineExceeded
 from ..membership.config import MembershipConfig
-from .netns import LabError, VirtualLan
+from .errors import LabError
+from .netns import VirtualLan
 from .procs import NodeProcess, member_states
 
 POLL_INTERVAL = 0.1

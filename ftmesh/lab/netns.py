@@ -59,7 +59,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from ..errors import FtmeshError
+from .errors import LabError
 
 DEFAULT_BASE = "ftm"
 """Default base of lab names. :func:`cleanup_stale` only touches names under a given base."""
@@ -90,10 +90,6 @@ def _burst_bytes(rate: str) -> int:
     assert m is not None
     bits = float(m.group(1)) * _UNIT[m.group(2)] * (8 if m.group(3) == "bps" else 1)
     return max(3200, int(bits / 8 / 100))
-
-
-class LabError(FtmeshError):
-    """The virtual lab cannot be built or driven (not root, iproute2 missing, a command failed)."""
 
 
 def is_root() -> bool:
@@ -193,7 +189,7 @@ def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
 
 def _remove_stale_cgroups(pattern: str) -> None:
     """CPU cgroups (``set_cpu``) of host namespaces named like ``pattern`` that are gone."""
-    from . import slowness  # (imports this module)
+    from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
     slowness.cleanup_stale_cgroups(_list_netns(), pattern)
 
@@ -417,7 +413,7 @@ class VirtualLan:
         """``argv`` inside host ``i``, in its CPU cgroup when it is throttled."""
         full = ["ip", "netns", "exec", self.ns_name(i), *argv]
         if i in self._cpu:
-            from . import slowness  # (imports this module)
+            from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
             cg, _ = slowness.host_cgroup(self.ns_name(i))
             return slowness.throttled_argv(cg, full)
@@ -615,7 +611,7 @@ class VirtualLan:
         """Throttle host ``i`` to ``share`` CPUs (0.25: a quarter of one core; None lifts
         it): a cgroup CPU quota for every process of the host, including those started later
         (``ftmesh.lab.slowness``). Needs the cgroup ``cpu`` controller."""
-        from . import slowness  # (imports this module)
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
         self._check(i)
         if share is not None and not slowness.MIN_SHARE <= share <= slowness.MAX_SHARE:
@@ -635,7 +631,7 @@ class VirtualLan:
     def cpu_stats(self, i: int) -> dict[str, float]:
         """What the kernel did to host ``i``'s CPU cgroup: ``periods``, ``throttled``
         (periods that ran out of quota), ``throttled_s``. Zeros if it was never throttled."""
-        from . import slowness  # (imports this module)
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
         self._check(i)
         if i not in self._cpu:
@@ -646,7 +642,7 @@ class VirtualLan:
         """Freeze every process of host ``i`` (SIGSTOP) for ``stop_s`` seconds every
         ``every_s`` seconds, until called with ``stop_s=None`` (which thaws it). A pulser
         process in the root namespace does it; it outlives this object for a detached lab."""
-        from . import slowness  # (imports this module)
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
         self._check(i)
         old = self._pulses.pop(i, None)
@@ -661,7 +657,7 @@ class VirtualLan:
         """What host ``i``'s pulser did: ``pulses`` and ``stopped_s`` (process-seconds kept
         stopped), with its ``stop_s``/``every_s``; empty before its first pulse or without
         one."""
-        from . import slowness  # (imports this module)
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
         self._check(i)
         if i not in self._pulses:
@@ -675,7 +671,7 @@ class VirtualLan:
 
     def down(self) -> None:
         """Kill every process in the lab and delete its namespaces. Idempotent."""
-        from . import slowness  # (imports this module)
+        from . import slowness  # (lazy: `-m ftmesh.lab.slowness` runs it)
 
         self._closed = True
         with _live_lock:

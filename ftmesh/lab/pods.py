@@ -54,7 +54,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from .netns import LabError, VirtualLan
+from .errors import LabError
+from .netns import VirtualLan
 
 CLUSTER_DOMAIN = "cluster.local"
 NETNS_ETC = Path("/etc/netns")

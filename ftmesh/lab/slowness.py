@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .netns import LabError
+from .errors import LabError
 
 PERIOD_US = 10_000
 """CFS period of a throttled host (10 ms): the quota is spent and refilled every period, so a

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .netns import LabError
+from .errors import LabError
 
 DIR_ENV = "FTMESH_LAB_DIR"
 

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cli.node_cmd import event_record
+from ..logs import event_record
 from ..membership.config import MembershipConfig
 from ..mesh.blocking import SyncMesh
 from ..mesh.core import MeshConfig

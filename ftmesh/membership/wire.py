@@ -46,7 +46,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import RemoteProtocolError
+from ..errors import LocalUsageError, RemoteProtocolError
 from ..security import AEAD_NONCE_BYTES, AEAD_TAG_BYTES, TAG_BYTES, MeshAuth, new_aead
 from .messages import (
     Ack,
@@ -338,7 +338,7 @@ class PacketCodec:
             head = MAGIC + bytes((PROTOCOL_VERSION, FLAG_AUTH | FLAG_ENCRYPT))
             salt = os.urandom(SALT_BYTES) if salt is None else salt
             if len(salt) != SALT_BYTES:
-                raise ValueError(f"salt must be {SALT_BYTES} bytes")
+                raise LocalUsageError(f"salt must be {SALT_BYTES} bytes")
             aead = new_aead(self.auth.derive(0, b"gossip", salt))
             return head + salt + aead.encrypt(_ZERO_NONCE, body, head + salt)
         flags = FLAG_AUTH if self.auth.enabled else 0

@@ -15,42 +15,19 @@ wheel alike); an install without them raises ``NativeUnavailableError`` with tha
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import FtmeshError
+from .sources import (
+    KERNEL_ARCHES,
+    KERNEL_OPTIONS,
+    KERNEL_SOURCES,
+    NativeUnavailableError,
+    read_source,
+    source_dir,
+)
 
 if TYPE_CHECKING:
     from .launchers import NativeKernels
-
-KERNEL_SOURCES = ("int8_codec.cu", "half_accumulate.cu")
-"""Every ``.cu`` file of ``native/``; CI compiles each one for ``KERNEL_ARCHES``."""
-KERNEL_ARCHES = ("compute_80", "compute_90")
-KERNEL_OPTIONS = ("--std=c++17", "--fmad=false")
-"""No FMA contraction (a fused multiply-add rounds once where NumPy rounds twice) and no
-fast-math: the kernels must equal their NumPy references bit for bit. The kernels also use
-explicit ``__f*_rn`` intrinsics, which hold whatever the options."""
-
-
-class NativeUnavailableError(FtmeshError):
-    """The CUDA kernels cannot run here (no CuPy, no GPU, or no kernel sources)."""
-
-
-def source_dir() -> Path:
-    """The kernel sources of this install: ``ftmesh/native/cuda`` (in a checkout, a link to
-    ``native/``)."""
-    return Path(__file__).resolve().parent / "cuda"
-
-
-def read_source(name: str) -> str:
-    path = source_dir() / name
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise NativeUnavailableError(
-            f"CUDA kernel source {path} not found: the kernels need a source checkout"
-        ) from exc
-
 
 _kernels: NativeKernels | None = None
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import LocalUsageError
-from . import KERNEL_OPTIONS, KERNEL_SOURCES, NativeUnavailableError, read_source
 from .reference import DEFAULT_BLOCK_SIZE, n_blocks
+from .sources import KERNEL_OPTIONS, KERNEL_SOURCES, NativeUnavailableError, read_source
 
 THREADS = 256
 """Threads per CUDA block; the int8 kernel's shared-memory reduction assumes exactly this."""

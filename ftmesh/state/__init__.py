@@ -4,50 +4,103 @@
 scalars); ``Snapshot`` is its immutable serialised form. ``sharding`` is the pure ZeRO-1 math
 with ring replicas, ``checkpoint`` writes and finds verified disk checkpoints, ``transfer``
 serves and fetches snapshots between peers, striped and hash-verified.
+
+This face re-exports lazily (PEP 562): ``sharding`` is part of the sans-IO core, and
+importing it must not load state transfer (trio, sockets) through this ``__init__``.
 """
 
 from __future__ import annotations
 
-from .checkpoint import (
-    Checkpoint,
-    CheckpointScan,
-    CheckpointStatistics,
-    CheckpointWriter,
-    SkippedCheckpoint,
-    latest_valid_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    scan_checkpoints,
-)
-from .errors import (
-    CheckpointFormatError,
-    NoCommittedStateError,
-    StaleSnapshotError,
-    StateError,
-    StateLostError,
-    StateMismatchError,
-    StateTransferError,
-)
-from .sharding import (
-    RecoveryPlan,
-    ShardLayout,
-    Transfer,
-    plan_recovery,
-    shard_holders,
-    shard_ranges,
-)
-from .snapshot import Snapshot
-from .state import State
-from .transfer import (
-    Lookup,
-    StateServer,
-    TransferBenchmark,
-    TransferConfig,
-    TransferStats,
-    fetch_state,
-    measure_transfer,
-    serve_state,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .checkpoint import (
+        Checkpoint,
+        CheckpointScan,
+        CheckpointStatistics,
+        CheckpointWriter,
+        SkippedCheckpoint,
+        latest_valid_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+        scan_checkpoints,
+    )
+    from .errors import (
+        CheckpointFormatError,
+        NoCommittedStateError,
+        StaleSnapshotError,
+        StateError,
+        StateLostError,
+        StateMismatchError,
+        StateTransferError,
+    )
+    from .sharding import (
+        RecoveryPlan,
+        ShardLayout,
+        Transfer,
+        plan_recovery,
+        shard_holders,
+        shard_ranges,
+    )
+    from .snapshot import Snapshot
+    from .state import State
+    from .transfer import (
+        Lookup,
+        StateServer,
+        TransferConfig,
+        TransferStats,
+        fetch_state,
+        serve_state,
+    )
+
+_EXPORTS = {
+    "Checkpoint": ".checkpoint",
+    "CheckpointFormatError": ".errors",
+    "CheckpointScan": ".checkpoint",
+    "CheckpointStatistics": ".checkpoint",
+    "CheckpointWriter": ".checkpoint",
+    "Lookup": ".transfer",
+    "NoCommittedStateError": ".errors",
+    "RecoveryPlan": ".sharding",
+    "ShardLayout": ".sharding",
+    "SkippedCheckpoint": ".checkpoint",
+    "Snapshot": ".snapshot",
+    "StaleSnapshotError": ".errors",
+    "State": ".state",
+    "StateError": ".errors",
+    "StateLostError": ".errors",
+    "StateMismatchError": ".errors",
+    "StateServer": ".transfer",
+    "StateTransferError": ".errors",
+    "Transfer": ".sharding",
+    "TransferConfig": ".transfer",
+    "TransferStats": ".transfer",
+    "fetch_state": ".transfer",
+    "latest_valid_checkpoint": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+    "plan_recovery": ".sharding",
+    "save_checkpoint": ".checkpoint",
+    "scan_checkpoints": ".checkpoint",
+    "serve_state": ".transfer",
+    "shard_holders": ".sharding",
+    "shard_ranges": ".sharding",
+}
+"""Lazily exported name -> the module that defines it."""
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "Checkpoint",
@@ -69,13 +122,11 @@ __all__ = [
     "StateServer",
     "StateTransferError",
     "Transfer",
-    "TransferBenchmark",
     "TransferConfig",
     "TransferStats",
     "fetch_state",
     "latest_valid_checkpoint",
     "load_checkpoint",
-    "measure_transfer",
     "plan_recovery",
     "save_checkpoint",
     "scan_checkpoints",

@@ -1,14 +1,11 @@
-"""Errors of the state layer. All live under ``ftmesh.errors``' hierarchy."""
+"""Errors of the state layer. All live under ``ftmesh.errors``' hierarchy (``StateError`` and
+``StateLostError`` are defined there, for the sans-IO core, and re-exported here)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from ..errors import FtmeshError, LocalUsageError, PeerLostError
-
-
-class StateError(FtmeshError):
-    """Base class of the state layer's own errors."""
+from ..errors import LocalUsageError, PeerLostError, StateError, StateLostError
 
 
 class NoCommittedStateError(LocalUsageError):
@@ -29,29 +26,6 @@ class StaleSnapshotError(LocalUsageError):
     """The snapshot's buffers were reused by a later commit. Hold a ``lease()`` to prevent it."""
 
 
-class StateLostError(StateError):
-    """More adjacent members died than there are replicas: some shards have no surviving copy.
-
-    ``lost`` lists ``(shard_index, start, stop, holders)`` for each lost shard (element ranges
-    in the flat buffer, and the members that held it) when they are known; ``what`` describes
-    the loss instead. The caller falls back to the newest valid disk checkpoint.
-    """
-
-    def __init__(
-        self, lost: Sequence[tuple[int, int, int, tuple[str, ...]]], what: str = ""
-    ) -> None:
-        self.lost = tuple(lost)
-        self.what = what
-        if not what:
-            desc = ", ".join(
-                f"shard {i} [{a}:{b}) held by {list(h)}" for i, a, b, h in self.lost[:8]
-            )
-            more = f" (+{len(self.lost) - 8} more)" if len(self.lost) > 8 else ""
-            what = f"{len(self.lost)} shard(s) lost with no surviving replica: {desc}{more}"
-            self.what = what
-        super().__init__(f"{what}; fall back to the last disk checkpoint")
-
-
 class StateTransferError(PeerLostError):
     """No set of peers could supply the requested state. ``failures`` maps each peer address
     to the reason it was given up on (``"connect"``, ``"bad_mac"``, ``"unavailable"``,
@@ -61,3 +35,14 @@ class StateTransferError(PeerLostError):
         self.failures = dict(failures)
         detail = "; ".join(f"{k}: {v}" for k, v in sorted(self.failures.items()))
         super().__init__(f"{message} ({detail})" if detail else message)
+
+
+__all__ = [
+    "CheckpointFormatError",
+    "NoCommittedStateError",
+    "StaleSnapshotError",
+    "StateError",
+    "StateLostError",
+    "StateMismatchError",
+    "StateTransferError",
+]

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import LocalUsageError
+
 MADV_POPULATE_WRITE = 23
 """Linux 5.14+: map the pages of a range writable now, as if written to."""
 MAP_MIN_BYTES = 1 << 20
@@ -61,7 +63,7 @@ def populate(buf: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
         return False
     addr, nbytes = int(buf.ctypes.data), buf.nbytes
     if addr % mmap.PAGESIZE:
-        raise ValueError("populate needs a page-aligned buffer (from mapped_zeros)")
+        raise LocalUsageError("populate needs a page-aligned buffer (from mapped_zeros)")
     for at in range(addr, addr + nbytes, POPULATE_SLICE_BYTES):
         if madvise(at, min(POPULATE_SLICE_BYTES, addr + nbytes - at), MADV_POPULATE_WRITE):
             if ctypes.get_errno() == errno.EINVAL:  # a kernel older than 5.14: don't ask again

@@ -63,8 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..compression import COMPRESSIONS
-from ..errors import ConfigError, FtmeshError
-from ..state.errors import StateLostError
+from ..errors import ConfigError, FtmeshError, LocalUsageError, StateLostError
 from .protocol import DIGEST_SLOTS, FRESH, SHARES, digest_of, digest_slots
 
 VERSIONS = 2
@@ -283,12 +282,12 @@ def record_size(max_pieces: int) -> int:
 def holdings_record(versions: Sequence[Version], max_pieces: int) -> np.ndarray:
     """This member's contribution to the holdings allgather."""
     if len(versions) > VERSIONS:
-        raise ValueError(f"at most {VERSIONS} versions, got {len(versions)}")
+        raise LocalUsageError(f"at most {VERSIONS} versions, got {len(versions)}")
     rec = np.full(record_size(max_pieces), FRESH, dtype=np.int64)
     width = _VERSION_HEAD + _PIECE_SLOTS * max_pieces
     for v, version in enumerate(versions):
         if len(version.pieces) > max_pieces:
-            raise ValueError(f"at most {max_pieces} pieces, got {len(version.pieces)}")
+            raise LocalUsageError(f"at most {max_pieces} pieces, got {len(version.pieces)}")
         base = v * width
         rec[base : base + _VERSION_HEAD] = (version.step, version.round, len(version.pieces))
         for k, piece in enumerate(version.pieces):

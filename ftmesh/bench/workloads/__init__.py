@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...errors import LocalUsageError
+
 PROGRESS_PREFIX = "FTMESH "
 IN_DIM = 256
 CLASSES = 10
@@ -88,7 +90,7 @@ def make_model(kind: str, state_mb: float = 16.0, seed: int = 0) -> nn.Module:
         )
     if kind == "digits":
         return DigitsNet()
-    raise ValueError(f"unknown model {kind!r}; use mlp, wide or digits")
+    raise LocalUsageError(f"unknown model {kind!r}; use mlp, wide or digits")
 
 
 def make_data(kind: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
