@@ -229,6 +229,12 @@ class SyncMesh:
     def role(self) -> str:
         return self.call_sync(lambda: self.mesh.role)
 
+    def report_offence(self, node: str, detail: str) -> None:
+        """Member ``node`` sent numbers that fail the step header's checks: one strike towards
+        leaving it out (``ftmesh.collective.reach``, like a frame that fails verification).
+        Never blocks (any thread)."""
+        self.mesh.reach.bad_header(node, detail)
+
     def report_progress(self, progress: Progress) -> None:
         """Publish our training progress (see :meth:`Mesh.report_progress`), e.g. after each
         committed step. Never blocks: it hands ``progress`` to the mesh's thread, from any

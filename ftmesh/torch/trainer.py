@@ -99,7 +99,6 @@ from ..training.actions import (
     Compute,
     Computed,
     Depart,
-    Failed,
     Finished,
     Outcome,
     Raise,
@@ -118,6 +117,7 @@ from ..training.start import StartConfig
 from ..training.step import (
     StepMachine,
     StepReport,
+    StepVerdict,
 )
 from .buckets import GradBuckets, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
@@ -203,6 +203,10 @@ class ElasticTrainer:
             mesh, cfg, self._machine, self._state, self._zero, on_world_change
         )
         self._opened = False
+        self._own_nonfinite = False
+        """Our own gradients of the current attempt held a NaN or an infinity."""
+        self._verdict: StepVerdict | None = None
+        """The current attempt's verdict on its header (``StepMachine.check_step``)."""
         self._freezes: FreezeWatch | None = None
         """Notices when this process stood still (fail-slow; started at the first step)."""
         self._epoch: int | None = None
@@ -445,6 +449,7 @@ class ElasticTrainer:
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
         slots = header_size(len(state.names), self.config.measures_speed)
+        self._machine.parts = len(state.names)
         self._buckets = buckets = GradBuckets(self._params, self._bucket_bytes, slots)
         self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
         cfg = self.config
@@ -550,11 +555,15 @@ class ElasticTrainer:
         view = step.action.view
 
         comps = self._compression
+        self._own_nonfinite = False
+        self._verdict = None
 
         def launch(buf: np.ndarray) -> Future[Any]:
+            self._check_own(buf)
             return self.mesh.submit_on_view(view, "allreduce", buf, "sum", comps[id(buf)])
 
         def run(buf: np.ndarray) -> object:
+            self._check_own(buf)
             return self.mesh.allreduce_on(view, buf, "sum", comps[id(buf)])
 
         buckets.start(launch, run)
@@ -565,6 +574,18 @@ class ElasticTrainer:
             step.checks = self._state.check_values()
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
         step.started = time.perf_counter()
+
+    def _check_own(self, buf: np.ndarray) -> None:
+        """Before a bucket's allreduce: are our own gradients in it finite? One float64 sum
+        (it cannot overflow on float32 values; a NaN or an infinity makes it non-finite). If
+        not, we send zeros instead (so the reduced gradients and an int8 residual stay
+        finite) and say so in our gathered row: every member then skips the update alike."""
+        assert self._buckets is not None
+        n = len(buf) - (len(self._buckets.header) if buf is self._buckets.buffers[-1] else 0)
+        grads = buf[:n]
+        if not np.isfinite(grads.sum(dtype=np.float64)):
+            self._own_nonfinite = True
+            grads.fill(0.0)
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
@@ -580,39 +601,59 @@ class ElasticTrainer:
         speeds = self._machine.speed_slots(step.action, step.share, seconds)
         if len(speeds):
             buckets.header[len(buckets.header) - len(speeds) :] = speeds
+        view = step.action.view
+        mine = buckets.header.copy()  # (reduced in place by the last bucket's allreduce)
         try:
             buckets.finish(timeout=self.config.step_timeout)
+            # (after the last bucket's check: our flag covers every bucket)
+            row = self._machine.row(mine, self._own_nonfinite)
+            # Each member's own contribution, as it says it added it: what it claims about
+            # itself is read from its row only (DESIGN-NOTES: the step header).
+            rows = np.asarray(self.mesh.allgather_on(view, row).output)
         except FtmeshError as exc:
             failure = failure_of(exc)
             if failure is None:
                 raise
             step._fail(failure)
         header = [float(v) for v in buckets.header]
-        verdict = self._machine.check_reduction(step.action, header, step.checks, step.announced)
-        if isinstance(verdict, Failed):
-            step._fail(verdict)
-        elif verdict:
-            self._diverged(step, verdict)
+        finite = all(np.isfinite(b.sum(dtype=np.float64)) for b in buckets.buffers)
+        verdict = self._machine.check_step(
+            step.action, header, rows, step.checks, step.announced, bool(finite)
+        )
+        self._report(view, verdict)
+        if verdict.failed is not None:
+            step._fail(verdict.failed)
+        if verdict.diverged:
+            self._diverged(step, verdict.diverged, verdict.rows)
+        self._verdict = verdict
         step.loss_sum = header[1]
         step.leaving = self._machine.leaving(step.action, header)
-        step.speeds = self._machine.speeds(header)
+        step.speeds = verdict.speeds
         step.reduced = True
 
-    def _diverged(self, step: Step, parts: tuple[int, ...]) -> None:
+    def _report(self, view: RingView, verdict: StepVerdict) -> None:
+        """Hand the offences of other members to the accusation path (one strike each)."""
+        me = self.mesh.node_id
+        for o in verdict.offences:
+            if 0 <= o.rank < view.size and view.node_ids[o.rank] != me:
+                node = view.node_ids[o.rank]
+                log.warning("member %s: step header %s (%s)", node, o.fault.value, o.detail)
+                self.mesh.report_offence(node, f"step header: {o.fault.value} ({o.detail})")
+
+    def _diverged(
+        self, step: Step, parts: tuple[int, ...], rows: tuple[tuple[int, ...], ...]
+    ) -> None:
+        """Our state differs from that of members we are not a strict majority with (the
+        rows are every member's own check values, gathered: a malformed contribution is a
+        ``Failure.HEADER``, never this)."""
         names = self._state.names
         differ = [names[i] for i in parts]
         view = step.action.view
-        detail = ""
-        try:
-            rows = self.mesh.allgather_on(view, np.array(step.checks, dtype=np.int64)).output
-            groups = diverged_members(names, view.node_ids, rows.tolist())
-            detail = "; ".join(
-                f"{part}: " + " vs ".join("{" + ", ".join(g) + "}" for g in gs)
-                for part, gs in groups.items()
-            )
-        except FtmeshError as exc:  # a member is gone: say what we know
-            groups = {}
-            detail = f"(could not ask the members which: {exc})"
+        groups = diverged_members(names, view.node_ids, [list(r) for r in rows])
+        detail = "; ".join(
+            f"{part}: " + " vs ".join("{" + ", ".join(g) + "}" for g in gs)
+            for part, gs in groups.items()
+        )
         raise StateDivergedError(
             f"members hold different state at step {step.index} in: {', '.join(differ)}. "
             f"{detail}. Something changed registered state on some members only (stepping a "
@@ -645,12 +686,31 @@ class ElasticTrainer:
                 zero_grad(set_to_none)
 
         opt.zero_grad = types.MethodType(zero_grad_in_step, opt)  # type: ignore[method-assign]
+        if self._zero is None:
+            step_fn = opt.step
+
+            def guarded_step(_opt: Any, closure: Any = None) -> Any:
+                if self._skipping():
+                    return None
+                return step_fn(closure)
+
+            opt.step = types.MethodType(guarded_step, opt)  # type: ignore[method-assign]
         if self._zero is not None:
 
             def sharded_step(_opt: Any, closure: Any = None) -> None:
                 self._sharded_step()
 
             opt.step = types.MethodType(sharded_step, opt)  # type: ignore[method-assign]
+
+    def _skipping(self) -> bool:
+        """Whether the current step's update is skipped by every member (non-finite
+        gradients: ``StepVerdict.skip``), checked as ``optimizer.step()`` is called."""
+        self._before_optimizer_step()
+        verdict = self._verdict
+        if verdict is None or not verdict.skip:
+            return False
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
+        return True
 
     def _sharded_step(self) -> None:
         """Step the held shards, then allgather every owner's updated parameters (and, on a
@@ -660,8 +720,11 @@ class ElasticTrainer:
         assert step is not None and zero is not None
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
         view = step.action.view
-        flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
-        zero.update(flat_grad, (step.number, round_id(view.epoch)))
+        if self._verdict is not None and self._verdict.skip:  # (every member skips alike)
+            zero.hold_still()
+        else:
+            flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
+            zero.update(flat_grad, (step.number, round_id(view.epoch)))
         with_state = self.config.checkpoint_due(step.number)
         try:
             gathered = self.mesh.allgather_on(view, zero.gather_input(with_state)).output
@@ -693,8 +756,17 @@ class ElasticTrainer:
             return False
         self._state.capture()
         frozen = self._freezes.take() if self._freezes is not None else 0.0
+        verdict = self._verdict
         step.next = self._feed(
-            Computed(step.share, step.loss_sum, step.leaving, step.speeds, frozen)
+            Computed(
+                step.share,
+                step.loss_sum,
+                step.leaving,
+                step.speeds,
+                frozen,
+                nonfinite=verdict.nonfinite if verdict is not None else (),
+                skipped=verdict is not None and verdict.skip,
+            )
         )
         if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report
