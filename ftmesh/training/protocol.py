@@ -379,7 +379,7 @@ class RowFault(enum.Enum):
     SHAPE = "shape"
     """The rows are not one per member of the view, of the header's length."""
     NOT_FINITE = "not_finite"
-    """A slot other than the loss is NaN or infinite."""
+    """A slot other than the loss is NaN, infinite, or not a float32 (the header is)."""
     SAMPLES = "samples"
     """Its sample count is not an integer in ``[0, global batch]``."""
     ROUND = "round"
@@ -438,9 +438,11 @@ def row_faults(
     if len(v) != n + ROW_FLAG:
         bad(RowFault.SHAPE, f"row of {len(v)} slots, expected {n + ROW_FLAG}")
         return found
-    odd = [i for i, x in enumerate(v) if i != 1 and not math.isfinite(x)]
+    with np.errstate(over="ignore"):
+        exact = np.asarray(v, dtype=np.float64) == np.asarray(v, dtype=np.float32)
+    odd = [i for i, x in enumerate(v) if i != 1 and not (math.isfinite(x) and exact[i])]
     if odd:
-        bad(RowFault.NOT_FINITE, f"slots {odd[:8]} not finite")
+        bad(RowFault.NOT_FINITE, f"slots {odd[:8]} not finite float32 values")
         return found
     share = v[0]
     if not (share == int(share) and 0 <= share <= batch):
@@ -469,15 +471,18 @@ def row_faults(
     return found
 
 
-def rows_mismatch(rows: np.ndarray, header: Sequence[float]) -> str:
-    """ "" when the reduced ``header`` is the sum of the gathered rows' header parts, exactly
-    (every slot but the loss holds integers below 2**24 or a single member's value, so the
-    float32 ring sums them exactly in any order), else what differs."""
+def rows_mismatch(rows: np.ndarray, header: Sequence[float], speeds: int = 0) -> str:
+    """What differs between the reduced ``header`` and the sum of the gathered rows' header
+    parts ("": nothing). Not compared: the loss (a float sum, order-dependent) and the
+    ``speeds`` speed slots before the split tag at the end (each member's speed is read from
+    its own row, never from the sum). The others hold integers below 2**24, which the
+    float32 ring sums exactly in any order."""
     sums = rows[:, : len(header)].astype(np.float64).sum(axis=0)
+    end = len(header) - 1 - speeds
     differ = [
         i
         for i, (a, b) in enumerate(zip(sums.tolist(), header, strict=True))
-        if i != 1 and a != float(np.float32(b))
+        if i != 1 and not end <= i < end + speeds and a != float(np.float32(b))
     ]
     return (
         f"reduced header slots {differ[:8]} are not the sum of the members' rows" if differ else ""

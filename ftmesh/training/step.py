@@ -511,7 +511,12 @@ class StepMachine:
         if hard:
             return self._rejected(action, hard, tuple(offences))
         width = len(header)
-        mismatch = rows_mismatch(rows[:, :width], header) if rows.shape[1] == width + 1 else "?"
+        speed_ranks = SPEED_SLOTS - 1 if tag is not None else 0
+        mismatch = (
+            rows_mismatch(rows[:, :width], header, speed_ranks)
+            if rows.shape[1] == width + 1
+            else f"rows of {rows.shape[1]} slots for a header of {width}"
+        )
         if mismatch:
             return self._rejected(action, (Offence(-1, RowFault.MISMATCH, mismatch),))
         # State check: each member's check values, compared as they are (not as a sum).
