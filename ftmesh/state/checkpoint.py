@@ -338,9 +338,12 @@ def non_finite_entries(snapshot: Snapshot) -> list[str]:
 
                 if not bool(torch.isfinite(snapshot.tensor(e.name)).all()):
                     odd.append(e.name)
-            elif e.kind == "n" and np.dtype(e.dtype).kind in "fc":
-                if not bool(np.isfinite(snapshot.numpy(e.name)).all()):
-                    odd.append(e.name)
+            elif (
+                e.kind == "n"
+                and np.dtype(e.dtype).kind in "fc"
+                and not bool(np.isfinite(snapshot.numpy(e.name)).all())
+            ):
+                odd.append(e.name)
     return odd
 
 
