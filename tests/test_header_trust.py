@@ -461,3 +461,50 @@ def test_a_member_with_non_finite_gradients_for_long_is_reported() -> None:
 
 def test_speed_slots_constant_is_the_header_tail() -> None:
     assert header_size(PARTS, speeds=True) - header_size(PARTS) == SPEED_SLOTS
+
+
+# -- a run that lost its state says so (item 5) ------------------------------------------------
+
+
+def _drive_alone(m: StepMachine, view: RingView) -> Any:
+    """Drive ``m`` alone on ``view`` until it computes or the run ends."""
+    from ftmesh.training.actions import (
+        Done,
+        Members,
+        Reduced,
+        Sync,
+        ViewSeen,
+        WaitView,
+        WaitViewChange,
+    )
+
+    a = m.begin(0.0)
+    for _ in range(50):
+        if isinstance(a, Sync):
+            a = m.feed(0.0, Reduced(m.sync_vector(view, 100, "ab" * 32)))
+        elif isinstance(a, WaitView | WaitViewChange):
+            a = m.feed(0.0, ViewSeen(view))
+        elif type(a).__name__ == "ReadMembers":
+            a = m.feed(0.0, Members(()))
+        elif type(a).__name__ in ("Compute", "Raise", "Finished"):
+            return a
+        else:
+            a = m.feed(0.0, Done())
+    raise AssertionError(f"no end: {a}")
+
+
+def test_a_fresh_member_that_finds_the_runs_state_gone_fails_loudly() -> None:
+    """A joiner that saw members publish 146 committed steps, then finds itself alone with
+    nobody holding that state (and no checkpoint: it would have resumed it), raises a
+    StateLostError naming step 146 instead of restarting the run from step 1."""
+    from ftmesh.state.errors import StateLostError
+    from ftmesh.training.actions import Raise
+
+    cfg = {"join_settle": 0.0, "quorum": "any", "straggler_factor": 0}
+    m = StepMachine(TrainerConfig.of(**cfg), "a", random.Random(0), lambda i: BATCH)
+    m.seen_step = 146
+    a = _drive_alone(m, _view("a"))
+    assert isinstance(a, Raise) and isinstance(a.error, StateLostError), a
+    assert "146" in str(a.error) and m.committed == -1
+    fresh = StepMachine(TrainerConfig.of(**cfg), "a", random.Random(0), lambda i: BATCH)
+    assert type(_drive_alone(fresh, _view("a"))).__name__ == "Compute"  # a new mesh starts

@@ -91,7 +91,9 @@ import torch.utils.data as tud
 from ..collective import RingView
 from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
+from ..membership.messages import MemberState
 from ..mesh.blocking import SyncMesh
+from ..mesh.meta import BadMetadataError, read_member
 from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
 from ..training.actions import (
@@ -106,6 +108,7 @@ from ..training.actions import (
 from ..training.config import TrainerConfig
 from ..training.protocol import (
     COUNTER_SLOTS,
+    FRESH,
     HEADER_SLOTS,
     diverged_members,
     header_size,
@@ -486,11 +489,27 @@ class ElasticTrainer:
 
     def _begin(self, kind: str, timeout: float | None = None) -> Compute | Finished:
         self._poll_leave()
+        if self._machine.committed == FRESH:  # (a run that lost its state must say so)
+            self._machine.seen_step = max(self._machine.seen_step, self._published_step())
         return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
 
     def _feed(self, outcome: Outcome) -> Compute | Finished:
         self._poll_leave()
         return self._drive(self._machine.feed(time.monotonic(), outcome))
+
+    def _published_step(self) -> int:
+        """The newest committed step that a member still training (not left, not done)
+        publishes in its progress (``-1``: none)."""
+        newest = FRESH
+        for m in self.mesh.members():
+            try:
+                info = read_member(m)
+            except BadMetadataError:
+                continue
+            if info.progress is None or info.state == MemberState.LEFT or info.role == "done":
+                continue
+            newest = max(newest, info.progress.step)
+        return newest
 
     def _poll_leave(self) -> None:
         """Tell the machine of a planned departure (``SyncMesh.request_leave``, a signal)."""

@@ -69,6 +69,7 @@ from ..errors import (
 )
 from ..membership.messages import MemberState
 from ..mesh.meta import Progress
+from ..state.errors import StateLostError
 from ..stats import Histogram, TrainerStatistics
 from .actions import (
     EXPECTS,
@@ -331,6 +332,11 @@ class StepMachine:
         views)."""
         self._own_sync: np.ndarray | None = None
         self._parts = 0
+        self.seen_step = FRESH
+        """The newest committed step a member of the mesh published (``Progress.step``) while
+        we had none; set by the driver before each run. A sync that then finds nobody in the
+        view with a committed state fails loudly instead of restarting the run from step 1
+        (issue #26 item 5)."""
         self._nonfinite_streak: dict[str, int] = {}
         """Committed steps in a row with non-finite gradients, by member."""
         self._run: _Run | None = None
@@ -1078,6 +1084,17 @@ class StepMachine:
             return now, Failed(Failure.DESYNC, what)
         plan = plan_sync(vec[:cut])
         trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
+        if not trained and self.committed == FRESH and self.seen_step > 0:
+            yield from self._step_out()
+            raise _Abort(
+                StateLostError(
+                    (),
+                    f"this mesh had committed {self.seen_step} steps, but no member of the "
+                    f"view {view.epoch} holds that state (its holders died or left) and there "
+                    "is no checkpoint to resume from: not restarting the run from step 1. "
+                    "Resume from a checkpoint (checkpoint_dir), or start a new mesh",
+                )
+            )
         problem = settings_problem(theirs, view.node_ids, rank, plan.holders if trained else ())
         if problem is not None and problem.fatal:
             # Step out of the ring first: the members that go on see a view without us at
