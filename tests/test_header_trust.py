@@ -407,8 +407,9 @@ def _skipping_reference() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
 def test_nan_gradients_from_one_member_are_skipped_alike_and_named(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, shard: bool
 ) -> None:
     """Item 4: b's gradients are NaN in 3 steps: every member skips those updates alike
     (the models equal single-process training that skips them), they stay finite, every
@@ -418,7 +419,7 @@ def test_nan_gradients_from_one_member_are_skipped_alike_and_named(
     hub = Hub(start_with=3)
     caplog.set_level("WARNING", logger="ftmesh.training")
     try:
-        members = start_loop(hub, "abc", total=TOTAL, body=_nan_body)
+        members = start_loop(hub, "abc", total=TOTAL, body=_nan_body, shard_optimizer=shard)
         wait_all(hub, 60)
         all_ok(members, "abc")
         want = _skipping_reference()

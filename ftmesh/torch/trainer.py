@@ -635,7 +635,12 @@ class ElasticTrainer:
                 raise
             step._fail(failure)
         header = [float(v) for v in buckets.header]
-        finite = all(np.isfinite(b.sum(dtype=np.float64)) for b in buckets.buffers)
+        tail = len(buckets.header)  # (the loss there may be NaN: only gradients count)
+        last = len(buckets.buffers) - 1
+        finite = all(
+            np.isfinite(b[: len(b) - (tail if i == last else 0)].sum(dtype=np.float64))
+            for i, b in enumerate(buckets.buffers)
+        )
         verdict = self._machine.check_step(
             step.action, header, rows, step.checks, step.announced, bool(finite)
         )
