@@ -293,10 +293,6 @@ def test_agreed_speeds_never_overflow_the_sync_slots(
 # -- insiders patched in their own thread of the fake mesh ----------------------------------------
 
 
-def _speeds_of(t: ElasticTrainer) -> Any:
-    return t._machine
-
-
 SPEED = 100.0
 """Every member's measured speed in the insider runs (threads on a loaded host measure
 noise; the straggler rule must only see the insider's claims)."""

@@ -53,11 +53,16 @@ reconnected and the step retried from a sync.
 
 State check. Every ``check_every`` steps the gradient allreduce also carries, per registered
 part of the state (model, optimizer, scheduler...), each member's :func:`check_value` of that
-part's digest (16 bits). After the sum, a slot holds ``size * v`` exactly when every member
-holds that part bitwise equal to ours (up to a 2^-16 chance per part and check);
-:func:`reduction_problem` reports the parts where it does not, and the caller names the
-members with one allgather (:func:`diverged_members`). This costs a few floats in a
-collective that runs anyway, and one digest of the state per check.
+part's digest (16 bits); members compare them row by row (below), so the members that differ
+are named (:func:`diverged_members`). This costs a few floats and one digest of the state per
+check.
+
+Each member's own contribution (issue #26; ``DESIGN-NOTES``: the step header). The header is
+a sum, so on its own it cannot say who put a number there. After the gradient allreduce every
+member allgathers its own contribution as a row (:func:`row_faults` checks each against its
+documented range, typed :class:`RowFault`; :func:`rows_mismatch` checks that the sum is the
+rows'); claims about a member (its speed, its state check, its non-finite flag) are read
+from its own row only, and every fault is attributed to the row's member.
 
 The invariant this rests on: two members with the same committed step hold bitwise-identical
 state, because they started identical (1) and applied the same reduced gradients, which every
