@@ -281,7 +281,7 @@ class Compute:
     """Compute step ``index`` (0-based; committing it makes ``index + 1`` steps) on ``view``:
     this member's share of the global batch split over ``workers`` (the compute set) by
     ``weights`` (``None``: equal), then the gradient allreduce and the update. The driver
-    checks the reduced header with :meth:`StepMachine.check_reduction` -> Computed | Failed.
+    judges the header with :meth:`StepMachine.check_step` -> Computed | Failed.
     ``check``: this step's allreduce carries the state digests."""
 
     view: RingView

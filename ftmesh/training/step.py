@@ -30,9 +30,10 @@ of *attempts*:
    we were computing, the run ends there: the step is *adopted*, never computed twice.
 4. **Compute**: our share of the step (equal, or by the weights the machine made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
-   micro-batches; the driver runs backward, the gradient allreduce and the optimizer, and
-   checks the reduced header with
-   :meth:`StepMachine.check_reduction`; the step is committed.
+   micro-batches; the driver runs backward, the gradient allreduce, the allgather of every
+   member's own header contribution and the optimizer (skipped alike by every member when
+   some member's gradients were not finite), and judges the header with
+   :meth:`StepMachine.check_step` (typed verdicts, offenders named); the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
    leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
