@@ -123,3 +123,6 @@ class TrainerStatistics:
     """Steps this member sat out of the compute set as a straggler (a hot spare)."""
     failslow_pauses_total: int = 0
     """Times this member stepped out of the ring as fail-slow (``ftmesh.torch.freezes``)."""
+    nonfinite_steps_total: int = 0
+    """Committed steps whose update every member skipped: some member's gradients were
+    non-finite (``ftmesh.training.step.StepVerdict``)."""

@@ -50,6 +50,7 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "ftmesh_checkpoint_step": ("gauge", frozenset()),
     "ftmesh_train_straggler_steps": ("counter", frozenset()),
     "ftmesh_train_failslow_pauses": ("counter", frozenset()),
+    "ftmesh_train_nonfinite_steps": ("counter", frozenset()),
 }
 """Every family a member exports, as the parser names them (counters without ``_total``),
 with its type and labels. Renaming or relabelling one is a visible change: dashboards,

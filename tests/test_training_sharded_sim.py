@@ -100,13 +100,16 @@ def _check_reference(
     assert worst < CLOSE, f"final model differs from single-process training by {worst}"
 
 
-def _nth(kind: str, n: int, act: Inject) -> Inject:
+def _nth(kind: str, n: int, act: Inject, dtype: str = "float32") -> Inject:
     """An ``inject`` that applies ``act`` to the ``n``-th completed float32 ``kind`` round (a
-    step's gradient allreduce, or the parameter allgather that commits a sharded step)."""
+    step's gradient allreduce, or the parameter allgather that commits a sharded step);
+    ``dtype="float64"``: of the step's gathered header rows (the barriers' single float64
+    values are not counted)."""
     seen = [0]
 
     def inject(r: Round) -> dict[str, BaseException]:
-        if r.kind == kind and r.dtype == "float32":
+        rows = dtype != "float64" or next(iter(r.contrib.values()))[2].size > 1
+        if r.kind == kind and r.dtype == dtype and rows:
             seen[0] += 1
             if seen[0] == n:
                 return act(r)
@@ -207,7 +210,7 @@ def test_members_that_miss_the_last_step_adopt_it(
     make_hub: Callable[..., Hub], shard: bool
 ) -> None:
     """The round that commits the last step (the parameter allgather when sharded, the
-    gradient allreduce when replicated) completes on a and b and stalls on c and d (nobody
+    gathered header rows when replicated) completes on a and b and stalls on c and d (nobody
     dies). a and b finish and leave; c and d must take the committed step from them (state
     fetches take a moment), not train it again alone."""
     total = 8
@@ -219,7 +222,7 @@ def test_members_that_miss_the_last_step_adopt_it(
         stalled.extend(["c", "d"])
         return {m: PeerLostError("stall") for m in ("c", "d")}
 
-    hub.inject = _nth("allgather" if shard else "allreduce", total, stall)
+    hub.inject = _nth("allgather", total, stall, "float32" if shard else "float64")
     members = run_members(hub, "abcd", opt="adam", total=total, shard=shard)
     assert stalled == ["c", "d"], "the stall was not injected"
     _check_converged(members, list("abcd"), total)

@@ -117,6 +117,8 @@ class Hub:
         self.fetch_fail: Callable[[str, bool], bool] | None = None
         """``(member, is_piece) -> fail?``, asked for each fetch that would succeed."""
         self.threads: list[threading.Thread] = []
+        self.offences: list[tuple[str, str, str]] = []
+        """``(reporter, accused, detail)`` of every ``report_offence`` (the step header)."""
         self.closed = False
         self._started = False
 
@@ -322,6 +324,10 @@ class FakeMesh:
 
     def report_progress(self, progress: Any) -> None:
         self.progress = progress
+
+    def report_offence(self, node: str, detail: str) -> None:
+        with self.hub.cv:
+            self.hub.offences.append((self.node_id, node, detail))
 
     def set_role(self, role: str) -> None:
         self._check()

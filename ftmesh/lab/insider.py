@@ -18,6 +18,15 @@ mesh before, during and after the fault:
 ``clock-step``     our wall clock jumps ``CLOCK_STEP`` seconds ahead (``time.time`` of the whole
                    process: what the replay check of a mesh with a secret reads, log stamps too);
                    cleared, it jumps back (a host whose clock was stepped, then corrected)
+``header-nan``     our round tag in the step header is NaN (what we add and what we say we
+                   added): before #26 every attempt of everyone failed, silently
+``header-speeds``  we claim a speed of 3e38 for ourselves and write ``-SPEED_LIE`` into every
+                   other member's speed slot (before #26: a crash at the next sync, honest
+                   members evicted as stragglers)
+``header-check``   our first state-check value is one more than our state's (before #26: every
+                   member exited with ``StateDivergedError`` at the next check step)
+``nan-grads``      our gradients are NaN (a bad batch, an fp16 overflow): before #26 every model
+                   became NaN, silently
 =================  ===============================================================================
 
 Nothing here runs unless a worker asks for it; the library has no such switch.
@@ -25,6 +34,7 @@ Nothing here runs unless a worker asks for it; the library has no such switch.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -39,7 +49,19 @@ from ..mesh.meta import DATA_KEY
 from ..state import transfer
 from ..state.transfer import StateServer
 
-FAULTS = ("bad-data-addr", "bad-frames", "flip-state", "clock-step")
+FAULTS = (
+    "bad-data-addr",
+    "bad-frames",
+    "flip-state",
+    "clock-step",
+    "header-nan",
+    "header-speeds",
+    "header-check",
+    "nan-grads",
+)
+
+SPEED_LIE = 1e6
+"""What ``header-speeds`` subtracts from every other member's speed slot."""
 
 CLOCK_STEP = 90.0
 """Seconds the ``clock-step`` fault moves the wall clock: three times the default
@@ -70,6 +92,9 @@ def install(kind: str, mesh: SyncMesh, active: threading.Event) -> Callable[[], 
     if kind == "clock-step":
         _step_clock(active)
         return lambda: f"wall clock {CLOCK_STEP if active.is_set() else 0.0:+.0f}s"
+    if kind in ("header-nan", "header-speeds", "header-check", "nan-grads"):
+        _patch_header(kind, active)
+        return lambda: ""
     raise LocalUsageError(f"unknown fault {kind!r}; choose from {FAULTS}")
 
 
@@ -124,6 +149,55 @@ def _bad_data_addr(mesh: SyncMesh, active: threading.Event) -> Callable[[], str]
         return f"data address {addr}"
 
     return apply
+
+
+def _patch_header(kind: str, active: threading.Event) -> None:
+    """The step header faults of issue #26: what this member adds to the gradient
+    allreduce's header (and so, its gathered row too) is wrong while ``active``."""
+    from ..torch import trainer
+    from ..torch.state import TrainingState
+    from ..training import protocol
+    from ..training.step import StepMachine
+
+    if kind == "header-nan":
+        honest_tag = protocol.round_tag
+
+        def tag(step: int) -> float:
+            return math.nan if active.is_set() else honest_tag(step)
+
+        setattr(trainer, "round_tag", tag)  # noqa: B010 - (the name the trainer calls)
+    elif kind == "header-speeds":
+        honest_slots = StepMachine.speed_slots
+
+        def slots(self: StepMachine, action: Any, share: int, seconds: float) -> Any:
+            out = honest_slots(self, action, share, seconds)
+            if active.is_set() and len(out):
+                rank = action.view.rank_of(self.me)
+                out[: action.view.size] = -SPEED_LIE
+                out[rank] = 3e38
+            return out
+
+        StepMachine.speed_slots = slots  # type: ignore[method-assign]
+    elif kind == "header-check":
+        honest_checks = TrainingState.check_values
+
+        def checks(self: TrainingState) -> list[int]:
+            values = honest_checks(self)
+            if active.is_set() and values:
+                values[0] += 1
+            return values
+
+        TrainingState.check_values = checks  # type: ignore[method-assign]
+    else:  # nan-grads
+        honest_check = trainer.ElasticTrainer._check_own
+
+        def poisoned(self: trainer.ElasticTrainer, buf: Any) -> None:
+            if active.is_set():
+                tail = len(self.buckets.header) if buf is self.buckets.buffers[-1] else 0
+                buf[: len(buf) - tail] = math.nan
+            honest_check(self, buf)
+
+        trainer.ElasticTrainer._check_own = poisoned  # type: ignore[method-assign]
 
 
 def _step_clock(active: threading.Event) -> None:

@@ -161,7 +161,7 @@ class SyncMesh:
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Queue ``await fn(*args)`` in the mesh's trio thread without waiting; the returned
         future completes with its result or exception. Submitted calls (these and
-        ``submit_on_view``) run one at a time, in submission order: members must issue their
+        ``ViewSession.submit``) run one at a time, in submission order: members must issue their
         collectives in the same order."""
         self.mesh  # noqa: B018 - raises if closed
         return self._jobs.submit(self.call, fn, *args)
@@ -247,6 +247,12 @@ class SyncMesh:
     @property
     def role(self) -> str:
         return self.call_sync(lambda: self.mesh.role)
+
+    def report_offence(self, node: str, detail: str) -> None:
+        """Member ``node`` sent numbers that fail the step header's checks: one strike towards
+        leaving it out (``ftmesh.collective.reach``, like a frame that fails verification).
+        Never blocks (any thread)."""
+        self.mesh.reach.bad_header(node, detail)
 
     def report_progress(self, progress: Progress) -> None:
         """Publish our training progress (see :meth:`Mesh.report_progress`), e.g. after each

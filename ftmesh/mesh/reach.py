@@ -100,6 +100,11 @@ class ReachDriver:
         """State bytes from ``node`` failed verification (``Mesh.fetch_state``)."""
         self.events.append(reach.BadBytes(time.monotonic(), node, reach.BAD_STATE, detail))
 
+    def bad_header(self, node: str, detail: str) -> None:
+        """``node``'s own contribution to a step's header failed its checks
+        (``ftmesh.training.step.StepVerdict.offences``): one strike, like a bad frame."""
+        self.events.append(reach.BadBytes(time.monotonic(), node, reach.BAD_FRAMES, detail))
+
     async def run(self, nursery: trio.Nursery) -> None:
         """Tick for as long as the mesh runs; probes run as tasks of ``nursery``."""
         while True:

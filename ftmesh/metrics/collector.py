@@ -50,6 +50,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ftmesh_checkpoint_step": ("gauge", ()),
     "ftmesh_train_straggler_steps_total": ("counter", ()),
     "ftmesh_train_failslow_pauses_total": ("counter", ()),
+    "ftmesh_train_nonfinite_steps_total": ("counter", ()),
 }
 """Every metric family: its type and label names. The training families appear once a
 trainer runs on the member, the collective ones once a data plane does."""
@@ -221,4 +222,9 @@ def _training(s: TrainerStatistics) -> Iterator[Metric]:
         "ftmesh_train_failslow_pauses",
         "Times this member stepped out of the ring as fail-slow (it kept freezing).",
         value=s.failslow_pauses_total,
+    )
+    yield CounterMetricFamily(
+        "ftmesh_train_nonfinite_steps",
+        "Committed steps whose update every member skipped (non-finite gradients).",
+        value=s.nonfinite_steps_total,
     )

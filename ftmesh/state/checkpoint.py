@@ -314,11 +314,37 @@ class CheckpointStatistics:
     last_error: str
     """Why the last failed save failed (``""`` if none failed, or it was followed by a good
     save)."""
+    refused: int = 0
+    """Saves refused because the state held non-finite values (each logged at ERROR): a
+    non-finite checkpoint never pushes a finite one out."""
 
 
 def _why(exc: OSError) -> str:
     name = errno.errorcode.get(exc.errno or 0, "")
     return f"{name}: {exc.strerror or exc}" if name else str(exc)
+
+
+_FLOAT_TENSORS = ("float16", "bfloat16", "float32", "float64")
+
+
+def non_finite_entries(snapshot: Snapshot) -> list[str]:
+    """The floating-point entries of ``snapshot`` that hold a NaN or an infinity (one pass
+    over them; torch entries through torch, which reads bfloat16)."""
+    odd: list[str] = []
+    with snapshot.lease():
+        for e in snapshot.entries:
+            if e.kind == "t" and e.dtype in _FLOAT_TENSORS:
+                import torch
+
+                if not bool(torch.isfinite(snapshot.tensor(e.name)).all()):
+                    odd.append(e.name)
+            elif (
+                e.kind == "n"
+                and np.dtype(e.dtype).kind in "fc"
+                and not bool(np.isfinite(snapshot.numpy(e.name)).all())
+            ):
+                odd.append(e.name)
+    return odd
 
 
 class CheckpointWriter:
@@ -340,6 +366,7 @@ class CheckpointWriter:
         self._failed = 0
         self._last_step = -1
         self._last_error = ""
+        self._refused = 0
 
     def check(self, nbytes: int) -> str:
         """Whether checkpoints of ``nbytes`` can be written: ``""`` or the problem (also
@@ -369,7 +396,20 @@ class CheckpointWriter:
         return problem
 
     def save(self, snapshot: Snapshot) -> Path | None:
-        """Write ``snapshot``; the path, or None when the disk refused (logged, counted)."""
+        """Write ``snapshot``; the path, or None when the disk refused (logged, counted), or
+        when the state holds a NaN or an infinity (not written: logged at ERROR, counted)."""
+        odd = non_finite_entries(snapshot)
+        if odd:
+            self._refused += 1
+            newest = f"step {self._last_step}" if self._last_step >= 0 else "none from this run"
+            log.error(
+                "checkpoint of step %d not written: %s hold non-finite values (NaN or "
+                "infinity); the finite checkpoints stay (newest written: %s)",
+                snapshot.step,
+                ", ".join(odd[:4]) + (f" and {len(odd) - 4} more" if len(odd) > 4 else ""),
+                newest,
+            )
+            return None
         try:
             path = save_checkpoint(
                 self.directory, snapshot, keep=self.keep, verified=self._verified
@@ -398,4 +438,6 @@ class CheckpointWriter:
         return path
 
     def statistics(self) -> CheckpointStatistics:
-        return CheckpointStatistics(self._saved, self._failed, self._last_step, self._last_error)
+        return CheckpointStatistics(
+            self._saved, self._failed, self._last_step, self._last_error, self._refused
+        )

@@ -93,7 +93,9 @@ from ..collective import RingView
 from ..collective.ops import CollectiveOp
 from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
+from ..membership.messages import MemberState
 from ..mesh.blocking import SyncMesh
+from ..mesh.meta import BadMetadataError, read_member
 from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
 from ..training.actions import (
@@ -101,7 +103,6 @@ from ..training.actions import (
     Compute,
     Computed,
     Depart,
-    Failed,
     Finished,
     Outcome,
     Raise,
@@ -109,6 +110,7 @@ from ..training.actions import (
 from ..training.config import TrainerConfig
 from ..training.protocol import (
     COUNTER_SLOTS,
+    FRESH,
     HEADER_SLOTS,
     diverged_members,
     header_size,
@@ -120,6 +122,7 @@ from ..training.start import StartConfig
 from ..training.step import (
     StepMachine,
     StepReport,
+    StepVerdict,
 )
 from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, check_bucketable, micro_batches
@@ -208,6 +211,10 @@ class ElasticTrainer:
         self._opened = False
         self._between = BetweenSteps(self._publish_between, self._publish_progress)
         """Publishes that the user's code between steps runs long (``ftmesh.torch.between``)."""
+        self._own_nonfinite = False
+        """Our own gradients of the current attempt held a NaN or an infinity."""
+        self._verdict: StepVerdict | None = None
+        """The current attempt's verdict on its header (``StepMachine.check_step``)."""
         self._freezes: FreezeWatch | None = None
         """Notices when this process stood still (fail-slow; started at the first step)."""
         self._epoch: int | None = None
@@ -453,6 +460,7 @@ class ElasticTrainer:
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
         slots = header_size(len(state.names), self.config.measures_speed)
+        self._machine.parts = len(state.names)
         self._buckets = buckets = GradBuckets(self._params, self._bucket_bytes, slots)
         self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
         cfg = self.config
@@ -491,11 +499,27 @@ class ElasticTrainer:
     def _begin(self, kind: str, timeout: float | None = None) -> Compute | Finished:
         self._between.leave()
         self._poll_leave()
+        if self._machine.committed == FRESH:  # (a run that lost its state must say so)
+            self._machine.seen_step = max(self._machine.seen_step, self._published_step())
         return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
 
     def _feed(self, outcome: Outcome) -> Compute | Finished:
         self._poll_leave()
         return self._drive(self._machine.feed(time.monotonic(), outcome))
+
+    def _published_step(self) -> int:
+        """The newest committed step that a member still training (not left, not done)
+        publishes in its progress (``-1``: none)."""
+        newest = FRESH
+        for m in self.mesh.members():
+            try:
+                info = read_member(m)
+            except BadMetadataError:
+                continue
+            if info.progress is None or info.state == MemberState.LEFT or info.role == "done":
+                continue
+            newest = max(newest, info.progress.step)
+        return newest
 
     def _poll_leave(self) -> None:
         """Tell the machine of a planned departure (``SyncMesh.request_leave``, a signal)."""
@@ -589,11 +613,15 @@ class ElasticTrainer:
         assert buckets is not None
         ring = self.mesh.session(step.action.view)
         comps = self._compression
+        self._own_nonfinite = False
+        self._verdict = None
 
         def launch(buf: np.ndarray) -> Future[Any]:
+            self._check_own(buf)
             return ring.submit(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
         def run(buf: np.ndarray) -> object:
+            self._check_own(buf)
             return ring.run(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
         buckets.start(launch, run)
@@ -604,6 +632,18 @@ class ElasticTrainer:
             step.checks = self._state.check_values()
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
         step.started = time.perf_counter()
+
+    def _check_own(self, buf: np.ndarray) -> None:
+        """Before a bucket's allreduce: are our own gradients in it finite? One float64 sum
+        (it cannot overflow on float32 values; a NaN or an infinity makes it non-finite). If
+        not, we send zeros instead (so the reduced gradients and an int8 residual stay
+        finite) and say so in our gathered row: every member then skips the update alike."""
+        assert self._buckets is not None
+        n = len(buf) - (len(self._buckets.header) if buf is self._buckets.buffers[-1] else 0)
+        grads = buf[:n]
+        if not np.isfinite(grads.sum(dtype=np.float64)):
+            self._own_nonfinite = True
+            grads.fill(0.0)
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
@@ -619,40 +659,64 @@ class ElasticTrainer:
         speeds = self._machine.speed_slots(step.action, step.share, seconds)
         if len(speeds):
             buckets.header[len(buckets.header) - len(speeds) :] = speeds
+        view = step.action.view
+        mine = buckets.header.copy()  # (reduced in place by the last bucket's allreduce)
         try:
             buckets.finish(timeout=self.config.step_timeout)
+            # (after the last bucket's check: our flag covers every bucket)
+            row = self._machine.row(mine, self._own_nonfinite)
+            # Each member's own contribution, as it says it added it: what it claims about
+            # itself is read from its row only (DESIGN-NOTES: the step header).
+            rows = np.asarray(self.mesh.session(view).allgather(row).output)
         except FtmeshError as exc:
             failure = failure_of(exc)
             if failure is None:
                 raise
             step._fail(failure)
         header = [float(v) for v in buckets.header]
-        verdict = self._machine.check_reduction(step.action, header, step.checks, step.announced)
-        if isinstance(verdict, Failed):
-            step._fail(verdict)
-        elif verdict:
-            self._diverged(step, verdict)
+        tail = len(buckets.header)  # (the loss there may be NaN: only gradients count)
+        last = len(buckets.buffers) - 1
+        finite = all(
+            np.isfinite(b[: len(b) - (tail if i == last else 0)].sum(dtype=np.float64))
+            for i, b in enumerate(buckets.buffers)
+        )
+        verdict = self._machine.check_step(
+            step.action, header, rows, step.checks, step.announced, bool(finite)
+        )
+        self._report(view, verdict)
+        if verdict.failed is not None:
+            step._fail(verdict.failed)
+        if verdict.diverged:
+            self._diverged(step, verdict.diverged, verdict.rows)
+        self._verdict = verdict
         step.loss_sum = header[1]
         step.leaving = self._machine.leaving(step.action, header)
-        step.speeds = self._machine.speeds(header)
+        step.speeds = verdict.speeds
         step.reduced = True
 
-    def _diverged(self, step: Step, parts: tuple[int, ...]) -> None:
+    def _report(self, view: RingView, verdict: StepVerdict) -> None:
+        """Hand the offences of other members to the accusation path (one strike each)."""
+        me = self.mesh.node_id
+        for o in verdict.offences:
+            if 0 <= o.rank < view.size and view.node_ids[o.rank] != me:
+                node = view.node_ids[o.rank]
+                log.warning("member %s: step header %s (%s)", node, o.fault.value, o.detail)
+                self.mesh.report_offence(node, f"step header: {o.fault.value} ({o.detail})")
+
+    def _diverged(
+        self, step: Step, parts: tuple[int, ...], rows: tuple[tuple[int, ...], ...]
+    ) -> None:
+        """Our state differs from that of members we are not a strict majority with (the
+        rows are every member's own check values, gathered: a malformed contribution is a
+        ``Failure.HEADER``, never this)."""
         names = self._state.names
         differ = [names[i] for i in parts]
         view = step.action.view
-        detail = ""
-        try:
-            checks = np.array(step.checks, dtype=np.int64)
-            rows = self.mesh.session(view).allgather(checks).output
-            groups = diverged_members(names, view.node_ids, rows.tolist())
-            detail = "; ".join(
-                f"{part}: " + " vs ".join("{" + ", ".join(g) + "}" for g in gs)
-                for part, gs in groups.items()
-            )
-        except FtmeshError as exc:  # a member is gone: say what we know
-            groups = {}
-            detail = f"(could not ask the members which: {exc})"
+        groups = diverged_members(names, view.node_ids, [list(r) for r in rows])
+        detail = "; ".join(
+            f"{part}: " + " vs ".join("{" + ", ".join(g) + "}" for g in gs)
+            for part, gs in groups.items()
+        )
         raise StateDivergedError(
             f"members hold different state at step {step.index} in: {', '.join(differ)}. "
             f"{detail}. Something changed registered state on some members only (stepping a "
@@ -685,12 +749,31 @@ class ElasticTrainer:
                 zero_grad(set_to_none)
 
         opt.zero_grad = types.MethodType(zero_grad_in_step, opt)  # type: ignore[method-assign]
+        if self._zero is None:
+            step_fn = opt.step
+
+            def guarded_step(_opt: Any, closure: Any = None) -> Any:
+                if self._skipping():
+                    return None
+                return step_fn(closure)
+
+            opt.step = types.MethodType(guarded_step, opt)  # type: ignore[method-assign]
         if self._zero is not None:
 
             def sharded_step(_opt: Any, closure: Any = None) -> None:
                 self._sharded_step()
 
             opt.step = types.MethodType(sharded_step, opt)  # type: ignore[method-assign]
+
+    def _skipping(self) -> bool:
+        """Whether the current step's update is skipped by every member (non-finite
+        gradients: ``StepVerdict.skip``), checked as ``optimizer.step()`` is called."""
+        self._before_optimizer_step()
+        verdict = self._verdict
+        if verdict is None or not verdict.skip:
+            return False
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
+        return True
 
     def _sharded_step(self) -> None:
         """Step the held shards, then allgather every owner's updated parameters (and, on a
@@ -700,8 +783,11 @@ class ElasticTrainer:
         assert step is not None and zero is not None
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
         view = step.action.view
-        flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
-        zero.update(flat_grad, (step.number, round_id(view.epoch)))
+        if self._verdict is not None and self._verdict.skip:  # (every member skips alike)
+            zero.hold_still()
+        else:
+            flat_grad = torch.cat([p.grad.reshape(-1) for p in zero.params])  # type: ignore[union-attr]
+            zero.update(flat_grad, (step.number, round_id(view.epoch)))
         with_state = self.config.checkpoint_due(step.number)
         try:
             gathered = self.mesh.session(view).allgather(zero.gather_input(with_state)).output
@@ -734,8 +820,17 @@ class ElasticTrainer:
             return False
         self._state.capture()
         frozen = self._freezes.take() if self._freezes is not None else 0.0
+        verdict = self._verdict
         step.next = self._feed(
-            Computed(step.share, step.loss_sum, step.leaving, step.speeds, frozen)
+            Computed(
+                step.share,
+                step.loss_sum,
+                step.leaving,
+                step.speeds,
+                frozen,
+                nonfinite=verdict.nonfinite if verdict is not None else (),
+                skipped=verdict is not None and verdict.skip,
+            )
         )
         if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report

@@ -309,6 +309,16 @@ class ShardedOptimizer:
         # the pieces from before it any more.
         self._previous, self.served = [], {}
 
+    def hold_still(self) -> None:
+        """A step whose update every member skips (non-finite gradients): the held shards
+        take the current parameters, unchanged, for the step's allgather."""
+        if self._live is None:
+            raise LocalUsageError("the sharded optimizer holds no shards: sync first")
+        flat = self.flat_params()
+        with torch.no_grad():
+            for a, b, w in self._shards:
+                w.copy_(flat[a:b])
+
     def commit(self) -> None:
         """The step's allgather completed: drop the state kept aside."""
         self._backup = None

@@ -55,6 +55,10 @@ class Failure(enum.Enum):
     """Members of the view run with other settings; we wait for them to leave."""
     STATE_LOST = "state_lost"
     """Sharded optimizer state with no surviving copy: fall back to the checkpoint."""
+    HEADER = "header"
+    """A member's own contribution to the step's header is out of its range, or the reduced
+    header is not the sum of what the members say they added (``protocol.RowFault``; the
+    detail names the member where it can): never used; the attempt is retried."""
 
 
 # -- outcomes (what the driver feeds back) ------------------------------------------------------
@@ -111,6 +115,10 @@ class Computed:
     frozen: float = 0.0
     """Seconds this member's process stood still since its last committed step
     (``ftmesh.torch.freezes``)."""
+    nonfinite: tuple[str, ...] = ()
+    """Members whose own gradients were non-finite in this step (``StepVerdict.nonfinite``)."""
+    skipped: bool = False
+    """Every member skipped this step's update (non-finite gradients)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +281,7 @@ class Compute:
     """Compute step ``index`` (0-based; committing it makes ``index + 1`` steps) on ``view``:
     this member's share of the global batch split over ``workers`` (the compute set) by
     ``weights`` (``None``: equal), then the gradient allreduce and the update. The driver
-    checks the reduced header with :meth:`StepMachine.check_reduction` -> Computed | Failed.
+    judges the header with :meth:`StepMachine.check_step` -> Computed | Failed.
     ``check``: this step's allreduce carries the state digests."""
 
     view: RingView

@@ -53,11 +53,16 @@ reconnected and the step retried from a sync.
 
 State check. Every ``check_every`` steps the gradient allreduce also carries, per registered
 part of the state (model, optimizer, scheduler...), each member's :func:`check_value` of that
-part's digest (16 bits). After the sum, a slot holds ``size * v`` exactly when every member
-holds that part bitwise equal to ours (up to a 2^-16 chance per part and check);
-:func:`reduction_problem` reports the parts where it does not, and the caller names the
-members with one allgather (:func:`diverged_members`). This costs a few floats in a
-collective that runs anyway, and one digest of the state per check.
+part's digest (16 bits); members compare them row by row (below), so the members that differ
+are named (:func:`diverged_members`). This costs a few floats and one digest of the state per
+check.
+
+Each member's own contribution (issue #26; ``DESIGN-NOTES``: the step header). The header is
+a sum, so on its own it cannot say who put a number there. After the gradient allreduce every
+member allgathers its own contribution as a row (:func:`row_faults` checks each against its
+documented range, typed :class:`RowFault`; :func:`rows_mismatch` checks that the sum is the
+rows'); claims about a member (its speed, its state check, its non-finite flag) are read
+from its own row only, and every fault is attributed to the row's member.
 
 The invariant this rests on: two members with the same committed step hold bitwise-identical
 state, because they started identical (1) and applied the same reduced gradients, which every
@@ -66,6 +71,7 @@ ring member receives bitwise identical (``ftmesh.collective``).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import math
@@ -194,6 +200,8 @@ def leavers(reduced: np.ndarray, size: int) -> tuple[int, ...] | None:
     for word, value in enumerate(reduced[:LEAVE_SLOTS].tolist()):
         if value == 0:
             continue
+        if not (math.isfinite(value) and 0 < value < 1 << LEAVE_BITS):
+            return None
         bits = int(value)
         if bits != value or not 0 < bits < 1 << LEAVE_BITS:
             return None
@@ -249,13 +257,20 @@ def split_tag(workers: Sequence[str], counts: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=2).digest(), "big") + 1
 
 
+MAX_SPEED = 1e9
+"""The highest compute speed (samples/s) a member may claim: far above any real forward and
+backward (a tiny model on a fast GPU does about 1e6), far below where the arithmetic on
+speeds (sums of 256, ``* 1000`` into an int64 sync slot) could overflow. A claim above it
+is an offence of its member (``RowFault.SPEED``)."""
+
+
 def speeds_problem(speeds: Sequence[float], size: int, tag: int) -> str:
     """What is wrong with the reduced speed slots of a view of ``size`` ("" when sound):
-    the split tag must be ``size * tag``, every speed finite and >= 0."""
+    the split tag must be ``size * tag``, every speed finite and in ``[0, MAX_SPEED]``."""
     if len(speeds) != SPEED_SLOTS or speeds[-1] != size * tag:
         return f"split tag {speeds[-1] if speeds else None}, expected {size * tag}"
-    if not all(math.isfinite(v) and v >= 0 for v in speeds[:-1]):
-        return "speed slots not finite and >= 0"
+    if not all(math.isfinite(v) and 0 <= v <= MAX_SPEED for v in speeds[:-1]):
+        return f"speed slots not finite and in [0, {MAX_SPEED:g}]"
     return ""
 
 
@@ -351,6 +366,132 @@ def reduction_problem(
     if diverged and own_checks is None:
         return ReductionProblem(desync=f"step {step + 1}: check slots set on a non-check step")
     return ReductionProblem(diverged=diverged) if diverged else None
+
+
+# -- each member's own contribution, gathered (``DESIGN-NOTES``: the step header) ------------
+
+ROW_FLAG = 1
+"""Slots a member's gathered row has after its header contribution: its non-finite flag (1:
+its own gradients held a NaN or an infinity, so it sent zeros instead)."""
+
+
+class RowFault(enum.Enum):
+    """What is wrong with one member's own contribution to a step's header (its gathered
+    row, :func:`row_faults`), or with the rows together. The value is the name logged and
+    counted. ``SPEED`` and ``OTHERS_SLOT`` are *soft*: the member's speed is not used (it
+    counts as unmeasured) and the step goes on; the others fail the attempt."""
+
+    SHAPE = "shape"
+    """The rows are not one per member of the view, of the header's length."""
+    NOT_FINITE = "not_finite"
+    """A slot other than the loss is NaN, infinite, or not a float32 (the header is)."""
+    SAMPLES = "samples"
+    """Its sample count is not an integer in ``[0, global batch]``."""
+    ROUND = "round"
+    """Its round tag is not the step's (:func:`round_tag`)."""
+    LEAVE = "leave"
+    """Its leave slots hold anything but nothing or its own bit (:func:`leave_slots`)."""
+    CHECKS = "checks"
+    """Its check slots are not 0 (no check step) or integers in ``[1, 2**CHECK_BITS]``."""
+    SPLIT = "split"
+    """Its split tag is not the step's (:func:`split_tag`)."""
+    FLAG = "flag"
+    """Its non-finite flag is not 0 or 1."""
+    SPEED = "speed"
+    """Its own speed is out of ``[0, MAX_SPEED]``, or 0 although it computed samples."""
+    OTHERS_SLOT = "others_slot"
+    """It wrote into another member's speed slot (a claim about another member)."""
+    MISMATCH = "mismatch"
+    """The reduced header is not the sum of the rows: some member reported a row that is not
+    what it added (which one, nobody can say)."""
+
+    @property
+    def soft(self) -> bool:
+        return self in (RowFault.SPEED, RowFault.OTHERS_SLOT)
+
+
+@dataclass(frozen=True, slots=True)
+class Offence:
+    """One member's fault in one step's header (``rank`` in the view; -1: not attributable)."""
+
+    rank: int
+    fault: RowFault
+    detail: str
+
+
+def row_faults(
+    row: Sequence[float],
+    *,
+    step: int,
+    rank: int,
+    batch: int,
+    parts: int,
+    check: bool,
+    tag: int | None,
+) -> list[Offence]:
+    """The faults of the gathered ``row`` of the member at ``rank`` (its header contribution,
+    then its non-finite flag) for computing ``step`` (0-based) of ``batch`` samples with
+    ``parts`` check slots (``check``: a check step), ``tag``: the split tag (``None``: no
+    speed slots). Never raises, whatever the values: every read is range-checked first."""
+    found: list[Offence] = []
+
+    def bad(fault: RowFault, detail: str) -> None:
+        found.append(Offence(rank, fault, detail))
+
+    v = [float(x) for x in row]
+    n = HEADER_SLOTS + parts + (SPEED_SLOTS if tag is not None else 0)
+    if len(v) != n + ROW_FLAG:
+        bad(RowFault.SHAPE, f"row of {len(v)} slots, expected {n + ROW_FLAG}")
+        return found
+    with np.errstate(over="ignore"):
+        exact = np.asarray(v, dtype=np.float64) == np.asarray(v, dtype=np.float32)
+    odd = [i for i, x in enumerate(v) if i != 1 and not (math.isfinite(x) and exact[i])]
+    if odd:
+        bad(RowFault.NOT_FINITE, f"slots {odd[:8]} not finite float32 values")
+        return found
+    share = v[0]
+    if not (share == int(share) and 0 <= share <= batch):
+        bad(RowFault.SAMPLES, f"{share:g} samples of a step of {batch}")
+    if v[2] != round_tag(step):
+        bad(RowFault.ROUND, f"round tag {v[2]:g}, expected {round_tag(step):g}")
+    leave = v[COUNTER_SLOTS:HEADER_SLOTS]
+    if any(leave) and leave != leave_slots(rank).tolist():
+        bad(RowFault.LEAVE, f"leave slots {leave}")
+    checks = v[HEADER_SLOTS : HEADER_SLOTS + parts]
+    top = 1 << CHECK_BITS
+    if not all((c == int(c) and 1 <= c <= top) if check else c == 0 for c in checks):
+        bad(RowFault.CHECKS, f"check slots {checks} on a{'' if check else ' non'}-check step")
+    if tag is not None:
+        speeds = v[HEADER_SLOTS + parts : n - 1]
+        own = speeds[rank] if rank < SPEED_RANKS else 0.0
+        others = [i for i, x in enumerate(speeds) if x != 0 and i != rank]
+        if others:
+            bad(RowFault.OTHERS_SLOT, f"wrote into the speed slots of ranks {others[:8]}")
+        if not 0 <= own <= MAX_SPEED or (own == 0 and share > 0 and rank < SPEED_RANKS):
+            bad(RowFault.SPEED, f"speed {own:g} samples/s with {share:g} samples computed")
+        if v[n - 1] != tag:
+            bad(RowFault.SPLIT, f"split tag {v[n - 1]:g}, expected {tag}")
+    if v[n] not in (0.0, 1.0):
+        bad(RowFault.FLAG, f"non-finite flag {v[n]:g}")
+    return found
+
+
+def rows_mismatch(rows: np.ndarray, header: Sequence[float], speeds: int = 0) -> str:
+    """What differs between the reduced ``header`` and the sum of the gathered rows' header
+    parts ("": nothing). Not compared: the loss (a float sum, order-dependent) and the
+    ``speeds`` speed slots before the split tag at the end (each member's speed is read from
+    its own row, never from the sum). The others hold integers below 2**24, which the
+    float32 ring sums exactly in any order."""
+    sums = rows[:, : len(header)].astype(np.float64).sum(axis=0)
+    end = len(header) - 1 - speeds
+    differ = [
+        i
+        for i, (a, b) in enumerate(zip(sums.tolist(), header, strict=True))
+        if i != 1 and not end <= i < end + speeds and a != float(np.float32(b))
+    ]
+    return (
+        f"reduced header slots {differ[:8]} are not the sum of the members' rows" if differ else ""
+    )
 
 
 def diverged_members(

@@ -30,9 +30,10 @@ of *attempts*:
    we were computing, the run ends there: the step is *adopted*, never computed twice.
 4. **Compute**: our share of the step (equal, or by the weights the machine made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
-   micro-batches; the driver runs backward, the gradient allreduce and the optimizer, and
-   checks the reduced header with
-   :meth:`StepMachine.check_reduction`; the step is committed.
+   micro-batches; the driver runs backward, the gradient allreduce, the allgather of every
+   member's own header contribution and the optimizer (skipped alike by every member when
+   some member's gradients were not finite), and judges the header with
+   :meth:`StepMachine.check_step` (typed verdicts, offenders named); the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
    leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
@@ -65,6 +66,7 @@ from ..errors import (
     DeadlineExceeded,
     FtmeshError,
     LocalUsageError,
+    StateLostError,
     TrainingFinishedError,
 )
 from ..membership.messages import MemberState
@@ -117,6 +119,8 @@ from .protocol import (
     SHARES,
     SPEED_RANKS,
     SPEED_SLOTS,
+    Offence,
+    RowFault,
     filled_speeds,
     has_quorum,
     leavers,
@@ -124,6 +128,8 @@ from .protocol import (
     plan_sync,
     proportional_weights,
     reduction_problem,
+    row_faults,
+    rows_mismatch,
     speed_weights,
     speeds_problem,
     split_share,
@@ -196,6 +202,33 @@ class StepReport:
     ``max_peers``, or sitting out as stragglers); ``()`` for an adopted step."""
 
 
+NONFINITE_LIMIT = 5
+"""Committed steps in a row with non-finite gradients from one member after which each
+further one is an offence of that member (``StepVerdict.offences``), as a malformed header
+is: a member whose gradients stay non-finite is broken or hostile, and the accusation path
+leaves it out (``ftmesh.collective.reach``: ``bad_bytes_strikes`` offences)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepVerdict:
+    """What :meth:`StepMachine.check_step` says of a step's reduced header and gathered rows.
+
+    ``failed``: the attempt fails (feed it back); ``diverged``: the parts whose digests differ
+    while we are not in a strict majority (a fatal ``StateDivergedError``; ``rows`` holds every
+    member's check values to name them); else the step goes on, with ``speeds`` (one per
+    view rank; 0: unmeasured or not believed), and ``skip``: every member skips the update
+    (non-finite gradients: ``nonfinite`` names the members that said so). ``offences``: the
+    members' faults to report (``SyncMesh.report_offence``), soft ones included."""
+
+    failed: Failed | None = None
+    diverged: tuple[int, ...] = ()
+    rows: tuple[tuple[int, ...], ...] = ()
+    offences: tuple[Offence, ...] = ()
+    speeds: tuple[float, ...] = ()
+    skip: bool = False
+    nonfinite: tuple[str, ...] = ()
+
+
 @dataclass(slots=True)
 class _Counters:
     step_seconds: Histogram = field(default_factory=Histogram)
@@ -213,6 +246,10 @@ class _Counters:
     last_fault: str = ""
     straggler_steps: int = 0
     failslow_pauses: int = 0
+    nonfinite_steps: int = 0
+    """Committed steps whose update every member skipped (non-finite gradients)."""
+    header_faults: int = 0
+    """Faults found in members' header contributions (``protocol.RowFault``)."""
 
 
 SPS_SMOOTHING = 0.2
@@ -295,6 +332,14 @@ class StepMachine:
         """Who sits out the compute set (``ftmesh.training.stragglers``; carried across
         views)."""
         self._own_sync: np.ndarray | None = None
+        self._parts = 0
+        self.seen_step = FRESH
+        """The newest committed step a member of the mesh published (``Progress.step``) while
+        we had none; set by the driver before each run. A sync that then finds nobody in the
+        view with a committed state fails loudly instead of restarting the run from step 1
+        (issue #26 item 5)."""
+        self._nonfinite_streak: dict[str, int] = {}
+        """Committed steps in a row with non-finite gradients, by member."""
         self._run: _Run | None = None
         self._pending: Action | None = None
         self._stats = _Counters()
@@ -429,6 +474,141 @@ class StepMachine:
             return Failed(Failure.DESYNC, problem.desync)
         return problem.diverged
 
+    def row(self, header: np.ndarray, nonfinite: bool) -> np.ndarray:
+        """Our row for the step's gathered claims: our own header contribution as we added
+        it, then our non-finite flag (``protocol.row_faults``); float64, which holds the
+        float32 header exactly."""
+        return np.append(np.asarray(header, dtype=np.float64), float(nonfinite))
+
+    def check_step(
+        self,
+        action: Compute,
+        header: Sequence[float],
+        rows: np.ndarray,
+        own_checks: Sequence[int] | None,
+        announced: bool = False,
+        reduced_finite: bool = True,
+    ) -> StepVerdict:
+        """Judge a step from its reduced ``header`` and every member's gathered ``rows`` (its
+        own contribution and non-finite flag, ``row``; a row is written by its member only,
+        so what it says is attributable): the step goes on, or fails with a typed reason, or
+        our state differs from the majority's. ``reduced_finite``: whether the reduced
+        gradients are all finite. Never raises, whatever the numbers (``DESIGN-NOTES``: the
+        step header)."""
+        view, index = action.view, action.index
+        names = view.node_ids
+        parts = len(own_checks) if own_checks is not None else self.parts
+        tag = self._split_tag(action) if self.config.measures_speed else None
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[0] != view.size:
+            offence = Offence(-1, RowFault.SHAPE, f"gathered rows of shape {rows.shape}")
+            return self._rejected(action, (offence,))
+        offences: list[Offence] = []
+        for r in range(view.size):
+            offences += row_faults(
+                rows[r].tolist(),
+                step=index,
+                rank=r,
+                batch=self.batch_size(index),
+                parts=parts,
+                check=own_checks is not None,
+                tag=tag,
+            )
+        hard = tuple(o for o in offences if not o.fault.soft)
+        if hard:
+            return self._rejected(action, hard, tuple(offences))
+        width = len(header)
+        speed_ranks = SPEED_SLOTS - 1 if tag is not None else 0
+        mismatch = (
+            rows_mismatch(rows[:, :width], header, speed_ranks)
+            if rows.shape[1] == width + 1
+            else f"rows of {rows.shape[1]} slots for a header of {width}"
+        )
+        if mismatch:
+            return self._rejected(action, (Offence(-1, RowFault.MISMATCH, mismatch),))
+        # State check: each member's check values, compared as they are (not as a sum).
+        if own_checks is not None:
+            checks = [
+                tuple(int(c) for c in rows[r, HEADER_SLOTS : HEADER_SLOTS + parts])
+                for r in range(view.size)
+            ]
+            mine = tuple(int(c) for c in own_checks)
+            same = [r for r in range(view.size) if checks[r] == mine]
+            if len(same) < view.size:
+                diverged = tuple(i for i in range(parts) if any(c[i] != mine[i] for c in checks))
+                if 2 * len(same) <= view.size:  # we are not in a strict majority: stop
+                    return StepVerdict(diverged=diverged, rows=tuple(checks))
+                odd = tuple(
+                    Offence(r, RowFault.CHECKS, "holds other state than the majority")
+                    for r in range(view.size)
+                    if r not in same
+                )
+                return self._rejected(action, odd, tuple(offences) + odd)
+        problem = reduction_problem(
+            index,
+            view.size,
+            self.batch_size(index),
+            header[: len(header) - SPEED_SLOTS] if tag is not None else header,
+            own_checks,
+            view.rank_of(self.me),
+            announced,
+        )
+        if problem is not None and problem.desync:
+            return StepVerdict(failed=Failed(Failure.DESYNC, problem.desync))
+        speeds: tuple[float, ...] = ()
+        if tag is not None:
+            soft = {o.rank for o in offences}
+            base = HEADER_SLOTS + parts
+            speeds = tuple(
+                0.0 if r in soft or r >= SPEED_RANKS else float(rows[r, base + r])
+                for r in range(view.size)
+            )
+        flagged = tuple(names[r] for r in range(view.size) if rows[r, -1] == 1.0)
+        skip = bool(flagged) or not reduced_finite
+        offences += self._nonfinite_offences(names, flagged)
+        if skip:
+            log.warning(
+                "step %d: non-finite gradients from %s: every member skips the update",
+                index + 1,
+                ", ".join(flagged)
+                if flagged
+                else "no member that says so (the reduced gradients are not finite)",
+            )
+        return StepVerdict(offences=tuple(offences), speeds=speeds, skip=skip, nonfinite=flagged)
+
+    @property
+    def parts(self) -> int:
+        """Check slots of the header (the registered parts; set by the driver)."""
+        return self._parts
+
+    @parts.setter
+    def parts(self, n: int) -> None:
+        self._parts = n
+
+    def _rejected(
+        self, action: Compute, hard: tuple[Offence, ...], every: tuple[Offence, ...] = ()
+    ) -> StepVerdict:
+        names = action.view.node_ids
+        detail = "; ".join(
+            f"{names[o.rank] if 0 <= o.rank < len(names) else 'a member'}: {o.fault.value} "
+            f"({o.detail})"
+            for o in hard[:4]
+        )
+        self._stats.header_faults += len(hard)
+        return StepVerdict(
+            failed=Failed(Failure.HEADER, f"step {action.index + 1}: {detail}"),
+            offences=every or hard,
+        )
+
+    def _nonfinite_offences(self, names: Sequence[str], flagged: Sequence[str]) -> list[Offence]:
+        """Members whose gradients were non-finite in ``NONFINITE_LIMIT`` committed steps in a
+        row, counting this one: treated as insiders (an offence each step from then on)."""
+        return [
+            Offence(r, RowFault.FLAG, f"non-finite gradients {n + 1} steps in a row")
+            for r, m in enumerate(names)
+            if m in flagged and (n := self._nonfinite_streak.get(m, 0)) + 1 >= NONFINITE_LIMIT
+        ]
+
     # -- speed-proportional shares (``shares="speed"``) -------------------------------------
 
     def split_weights(self, workers: Sequence[str]) -> tuple[float, ...] | None:
@@ -544,6 +724,7 @@ class StepMachine:
             checkpoint_step=s.checkpoint_step,
             straggler_steps_total=s.straggler_steps,
             failslow_pauses_total=s.failslow_pauses,
+            nonfinite_steps_total=s.nonfinite_steps,
         )
 
     # -- a run -----------------------------------------------------------------------------
@@ -614,6 +795,7 @@ class StepMachine:
                 now, out = yield action
                 if isinstance(out, Computed):
                     self.committed = index + 1
+                    self._count_nonfinite(out.nonfinite, out.skipped)
                     self._reweigh(action, out.speeds)
                     self._count_freeze(out.frozen, view)
                     if synced:  # the first step on a view made whatever state it makes
@@ -637,6 +819,8 @@ class StepMachine:
                     "collective data from another round on view %s: %s", view.epoch, failure.detail
                 )
                 now, _ = yield DropRing(view)
+            elif failure.kind is Failure.HEADER:
+                log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
             self.synced_epoch = ""  # whatever happened, agree on state again first
             if failure.kind is Failure.STATE_LOST:
                 now, loaded = yield FallBack(failure)
@@ -674,6 +858,22 @@ class StepMachine:
                     now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
             elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
                 now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+            elif failure.kind is Failure.HEADER:
+                # Until the accusation path leaves the offender out (a few strikes): retry at
+                # a bounded rate, or when the view changes.
+                now, _ = yield WaitViewChange(
+                    view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
+                )
+
+    def _count_nonfinite(self, members: Sequence[str], skipped: bool) -> None:
+        """After committing a step: count it if its update was skipped, and each member's
+        streak of steps with non-finite gradients."""
+        if skipped:
+            self._stats.nonfinite_steps += 1
+        for m in [m for m in self._nonfinite_streak if m not in members]:
+            del self._nonfinite_streak[m]
+        for m in members:
+            self._nonfinite_streak[m] = self._nonfinite_streak.get(m, 0) + 1
 
     def _done(
         self,
@@ -885,6 +1085,17 @@ class StepMachine:
             return now, Failed(Failure.DESYNC, what)
         plan = plan_sync(vec[:cut])
         trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
+        if not trained and self.committed == FRESH and self.seen_step > 0:
+            yield from self._step_out()
+            raise _Abort(
+                StateLostError(
+                    (),
+                    f"this mesh had committed {self.seen_step} steps, but no member of the "
+                    f"view {view.epoch} holds that state (its holders died or left) and there "
+                    "is no checkpoint to resume from: not restarting the run from step 1. "
+                    "Resume from a checkpoint (checkpoint_dir), or start a new mesh",
+                )
+            )
         problem = settings_problem(theirs, view.node_ids, rank, plan.holders if trained else ())
         if problem is not None and problem.fatal:
             # Step out of the ring first: the members that go on see a view without us at

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .protocol import FRESH, filled_speeds, proportional_weights, split_share
+from .protocol import FRESH, MAX_SPEED, filled_speeds, proportional_weights, split_share
 
 log = logging.getLogger("ftmesh.training")
 
@@ -62,6 +63,19 @@ SYNC_FIELDS = 5
 its failed trials in a row, its last agreed speed (in milli-samples/s), its slow steps in a
 row, whether it is on trial (1); ``FRESH`` when not known. Every member writes its claims
 about every member: max() gives each the latest."""
+
+
+MAX_MILLI_SPEED = round(MAX_SPEED * 1000)
+"""The largest speed slot of the sync vector (milli-samples/s) that is believed."""
+
+
+def milli_speed(speed: float) -> int:
+    """``speed`` (samples/s) as a sync slot: milli-samples/s, bounded to ``[0,
+    MAX_MILLI_SPEED]`` (a non-finite or huge agreed speed must not overflow the int64 slot:
+    issue #26 item 1); ``FRESH`` for a speed that is not a number."""
+    if not math.isfinite(speed):
+        return FRESH if math.isnan(speed) else MAX_MILLI_SPEED
+    return min(max(round(speed * 1000), 0), MAX_MILLI_SPEED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +153,7 @@ class Stragglers:
             if n in self._failed:
                 v[size + j] = self._failed[n]
             if n in self.known:
-                v[2 * size + j] = round(self.known[n] * 1000)
+                v[2 * size + j] = milli_speed(self.known[n])
             if n in self._streak:
                 v[3 * size + j] = self._streak[n]
             if n in self._trial:
@@ -168,7 +182,7 @@ class Stragglers:
                 self.out[n] = min(since, max(committed, 0))
             if failed > 0:
                 self._failed[n] = min(failed, MAX_BACKOFF_DOUBLINGS)
-            if speed > 0:
+            if 0 < speed <= MAX_MILLI_SPEED:  # (a bigger claim is nobody's honest one)
                 self.known[n] = speed / 1000
             if n in self.out:
                 continue

@@ -1,0 +1,111 @@
+"""Issue #26 with real training processes on loopback (``ftmesh.lab.train_worker``): an
+insider patched in its own process (``ftmesh.lab.insider``) that puts a NaN in its step
+header is named and left out through the accusation path, nobody crashes and no honest
+member is left out; a member whose gradients turn NaN for a few steps makes every member skip
+those steps alike, and is named."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from reach_support import commits, log_lines, on_view, stop_all, wait_commit, worker_argv
+
+from ftmesh.collective.reach import ReachConfig
+from ftmesh.lab.procs import NodeProcess
+from ftmesh.mesh.reach import REACH_TICK
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+START = 90.0
+"""Seconds a worker may take to import torch and join (several start at once on 2 cores)."""
+LEFT_OUT_BOUND = 2 * 0.4 * ReachConfig().bad_bytes_strikes + REACH_TICK + 1.0 + 10.0
+"""Seconds from the fault to the first commit without the insider: ``bad_bytes_strikes``
+failed attempts (each followed by a wait of at most 0.4 s, twice for slack), the tracker's
+tick, gossip of the accusation (~1 s), plus 10 s for a loaded 2-core host."""
+
+
+def _start(tmp_path: Path, name: str, *extra: str) -> NodeProcess:
+    argv = worker_argv(name, *extra, registry=tmp_path / "reg")
+    return NodeProcess(argv, stderr_path=tmp_path / f"{name}.stderr", start_timeout=START)
+
+
+def _warnings(procs: list[NodeProcess], text: str, timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [line for p in procs for line in log_lines(Path(str(p.stderr_path)), "WARNING")]
+        hits = [line for line in found if text in line]
+        if hits:
+            return hits
+        assert time.monotonic() < deadline, f"no WARNING with {text!r} within {timeout}s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("fault", "named_as"),
+    [("header-nan", "step header not_finite"), ("header-speeds", "step header speed")],
+)
+def test_a_header_insider_is_named_and_left_out(tmp_path: Path, fault: str, named_as: str) -> None:
+    """A NaN round tag (before: every attempt of everyone failed until ``step_timeout``), or a
+    speed of 3e38 for itself and huge negative speeds for the others (before: a crash at the
+    next sync, honest members evicted): the others fail at most a few attempts (NaN) or none
+    (speeds), name h2, and train without it."""
+    procs: list[NodeProcess] = []
+    try:
+        honest = [_start(tmp_path, n) for n in ("h0", "h1")]
+        procs += honest
+        bad = _start(tmp_path, "h2", "--fault", fault)
+        procs.append(bad)
+        pair = {p.node_id for p in honest}
+        trio = pair | {bad.node_id}
+        wait_commit(procs, on_view(trio), timeout=120.0)
+        high = max(int(c["step"]) for c in commits(honest[0]))
+        bad.signal(signal.SIGUSR1)
+        on = bad.wait_seen(lambda r: r.get("event") == "fault" and r["on"], 10.0)
+        back = wait_commit(honest, on_view(pair, high), timeout=90.0)
+        print(f"{fault}: trained without h2 {back - on.mono:.1f}s after the fault")
+        assert back - on.mono <= LEFT_OUT_BOUND, f"took {back - on.mono:.1f}s"
+        named = _warnings(honest, named_as, timeout=10.0)
+        assert all(bad.node_id in w for w in named), named
+        _warnings(honest, "the ring leaves out h2", timeout=10.0)
+        time.sleep(2.0)
+        assert all(p.proc.poll() is None for p in procs), "a member exited"
+        assert all(set(c["members"]) == pair for c in commits(honest[0], back))
+    finally:
+        stop_all(procs)
+
+
+def test_nan_gradients_from_one_member_are_skipped_alike(tmp_path: Path) -> None:
+    procs: list[NodeProcess] = []
+    try:
+        procs = [_start(tmp_path, n) for n in ("h0", "h1")]
+        bad = _start(tmp_path, "h2", "--fault", "nan-grads")
+        procs.append(bad)
+        trio = {p.node_id for p in procs}
+        wait_commit(procs, on_view(trio), timeout=120.0)
+        high = max(int(c["step"]) for c in commits(procs[0]))
+        bad.signal(signal.SIGUSR1)
+        bad.wait_seen(lambda r: r.get("event") == "fault" and r["on"], 10.0)
+        wait_commit(procs, on_view(trio, high + 3), timeout=60.0)
+        bad.signal(signal.SIGUSR2)
+        bad.wait_seen(lambda r: r.get("event") == "fault" and not r["on"], 10.0)
+        end = max(int(c["step"]) for c in commits(procs[0])) + 5
+        wait_commit(procs, on_view(trio, end), timeout=60.0)
+        # Every member on one state at every step (digests), still finite (losses).
+        by_step: dict[int, set[str]] = {}
+        for p in procs:
+            for c in commits(p):
+                by_step.setdefault(int(c["step"]), set()).add(str(c["digest"]))
+                if c["loss"] is not None:
+                    assert math.isfinite(float(c["loss"])) or int(c["step"]) > high, c
+        assert all(len(d) == 1 for d in by_step.values()), by_step
+        last = [c for c in commits(procs[0]) if int(c["step"]) > end - 3]
+        assert last and all(math.isfinite(float(c["loss"])) for c in last if c["loss"])
+        named = _warnings(procs, "non-finite gradients from", timeout=10.0)
+        assert all(bad.node_id in w for w in named), named
+        assert all(p.proc.poll() is None for p in procs), "a member exited"
+    finally:
+        stop_all(procs)
