@@ -123,3 +123,6 @@ class TrainerStatistics:
     """Steps this member sat out of the compute set as a straggler (a hot spare)."""
     failslow_pauses_total: int = 0
     """Times this member stepped out of the ring as fail-slow (``ftmesh.torch.freezes``)."""
+    loss: float = float("nan")
+    """Mean loss of the last committed step over its global batch (``StepReport.loss``);
+    ``nan`` before the first step and after an adopted one."""

@@ -51,6 +51,7 @@ attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -213,6 +214,8 @@ class _Counters:
     last_fault: str = ""
     straggler_steps: int = 0
     failslow_pauses: int = 0
+    loss: float = math.nan
+    """Loss of the last committed step (``StepReport.loss``)."""
 
 
 SPS_SMOOTHING = 0.2
@@ -544,6 +547,7 @@ class StepMachine:
             checkpoint_step=s.checkpoint_step,
             straggler_steps_total=s.straggler_steps,
             failslow_pauses_total=s.failslow_pauses,
+            loss=s.loss,
         )
 
     # -- a run -----------------------------------------------------------------------------
@@ -694,6 +698,7 @@ class StepMachine:
         if computed is None:  # adopted
             s.world_size = len(self.compute_set(view))
             s.share = 0
+            s.loss = math.nan
             return StepReport(
                 step=self.committed,
                 loss=float("nan"),
@@ -710,11 +715,12 @@ class StepMachine:
         s.world_size = len(action.workers)
         s.share = out.share
         s.samples_total += out.share
+        s.loss = out.loss_sum / samples
         rate = out.share / max(s.last_step_s, 1e-6)
         s.sps = rate if s.steps_total == 1 else s.sps + SPS_SMOOTHING * (rate - s.sps)
         return StepReport(
             step=self.committed,
-            loss=out.loss_sum / samples,
+            loss=s.loss,
             samples=samples,
             members=view.node_ids,
             epoch=view.epoch,
