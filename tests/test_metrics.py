@@ -67,6 +67,9 @@ with its type and labels. Renaming or relabelling one is a visible change: dashb
 alerts and the Kubernetes autoscaling example depend on these."""
 
 
+TRAFFIC = ("tx_packets", "rx_packets")
+
+
 def _get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
@@ -123,6 +126,11 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
             outs = list(pool.map(lambda m: m.session(view).allreduce(np.ones(1000)).output, (a, b)))
         assert all(np.array_equal(o, np.full(1000, 2.0)) for o in outs)
         a.register_statistics("trainer", _trainer_snapshot)
+        # The view formed by TCP joins; wait for gossip datagrams both ways (under load the
+        # first probe round can come after the allreduce).
+        while not all(a.call_sync(a.mesh.node.statistics).get(k) for k in TRAFFIC):
+            assert time.monotonic() < deadline, "no gossip datagram sent and received"
+            time.sleep(0.05)
         addr = a.mesh.node.metrics_address
         assert addr is not None
         status, text = _get(f"http://{addr[0]}:{addr[1]}/metrics")
