@@ -126,3 +126,6 @@ class TrainerStatistics:
     nonfinite_steps_total: int = 0
     """Committed steps whose update every member skipped: some member's gradients were
     non-finite (``ftmesh.training.step.StepVerdict``)."""
+    loss: float = float("nan")
+    """Mean loss of the last committed step over its global batch (``StepReport.loss``);
+    ``nan`` before the first step and after an adopted one."""

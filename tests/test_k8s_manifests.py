@@ -149,12 +149,17 @@ def test_the_images_hold_what_the_manifest_runs(train: dict[str, Any], name: str
     assert workdir == train["container"]["workingDir"]
     assert re.search(r"^COPY examples \./examples$", text, re.M)
     assert re.search(r"^COPY ftmesh \./ftmesh$", text, re.M)
-    torch_pin = re.search(r'"torch==([\d.]+)"', (ROOT / "pyproject.toml").read_text())
-    assert torch_pin and f"torch=={torch_pin.group(1)}" in text  # the project's pin
+    assert re.search(r"^COPY native \./native$", text, re.M)  # the kernel sources, packaged
+    torch_pin = re.search(
+        r"^torch==([\d.]+)$", (ROOT / "scripts/constraints.txt").read_text(), re.M
+    )
+    assert torch_pin and f"torch=={torch_pin.group(1)}" in text  # the build CI tests
     assert f"docker build -f examples/k8s/{name} " in text
+    # What the manifest runs: the examples' imports, and the metrics it serves
+    assert re.search(r'"\.\[torch,(gpu,)?metrics,examples\]"', text)
     if name == "Dockerfile.gpu":
         assert re.search(r"^FROM nvidia/cuda:\S+$", text, re.M)
-        assert "[torch,gpu]" in text
+        assert "[torch,gpu," in text
 
 
 def test_the_autoscaler_reads_an_agreed_metric_served_on_the_pods_port(

@@ -51,10 +51,24 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "ftmesh_train_straggler_steps": ("counter", frozenset()),
     "ftmesh_train_failslow_pauses": ("counter", frozenset()),
     "ftmesh_train_nonfinite_steps": ("counter", frozenset()),
+    "ftmesh_train_loss": ("gauge", frozenset()),
+    "process_virtual_memory_bytes": ("gauge", frozenset()),
+    "process_resident_memory_bytes": ("gauge", frozenset()),
+    "process_start_time_seconds": ("gauge", frozenset()),
+    "process_cpu_seconds": ("counter", frozenset()),
+    "process_open_fds": ("gauge", frozenset()),
+    "process_max_fds": ("gauge", frozenset()),
+    "python_info": (
+        "gauge",
+        frozenset({"implementation", "major", "minor", "patchlevel", "version"}),
+    ),
 }
 """Every family a member exports, as the parser names them (counters without ``_total``),
 with its type and labels. Renaming or relabelling one is a visible change: dashboards,
 alerts and the Kubernetes autoscaling example depend on these."""
+
+
+TRAFFIC = ("tx_packets", "rx_packets")
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -93,6 +107,7 @@ def _trainer_snapshot() -> TrainerStatistics:
         recovery_seconds=recoveries.snapshot(),
         state_transfer_bytes_total=1024,
         checkpoint_step=-1,
+        loss=0.75,
     )
 
 
@@ -112,6 +127,11 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
             outs = list(pool.map(lambda m: m.session(view).allreduce(np.ones(1000)).output, (a, b)))
         assert all(np.array_equal(o, np.full(1000, 2.0)) for o in outs)
         a.register_statistics("trainer", _trainer_snapshot)
+        # The view formed by TCP joins; wait for gossip datagrams both ways (under load the
+        # first probe round can come after the allreduce).
+        while not all(a.call_sync(a.mesh.node.statistics).get(k) for k in TRAFFIC):
+            assert time.monotonic() < deadline, "no gossip datagram sent and received"
+            time.sleep(0.05)
         addr = a.mesh.node.metrics_address
         assert addr is not None
         status, text = _get(f"http://{addr[0]}:{addr[1]}/metrics")
@@ -132,6 +152,7 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
     assert (buckets["0.005"], buckets["0.01"], buckets["0.025"], buckets["0.5"]) == (0, 1, 2, 3)
     assert buckets["+Inf"] == 3.0
     assert [s.value for s in samples if s.name.endswith("_sum")] == [pytest.approx(0.53)]
+    assert [s.value for s in fams["ftmesh_train_loss"].samples] == [0.75]
     packets = {s.labels["direction"]: s.value for s in fams["ftmesh_gossip_packets"].samples}
     assert packets["tx"] > 0 and packets["rx"] > 0
 
@@ -156,8 +177,12 @@ def test_a_training_member_exports_its_trainer_statistics(tmp_path: Path) -> Non
         for step in trainer.steps(3):
             with step:
                 for idx in step.indices():
-                    torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                    loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+                    step.record_loss(loss)
+                    loss.backward()
                 opt.step()
+        assert trainer.last_report is not None
+        last_loss = trainer.last_report.loss
         addr = mesh.mesh.node.metrics_address
         assert addr is not None
         status, text = _get(f"http://{addr[0]}:{addr[1]}/metrics")
@@ -165,6 +190,10 @@ def test_a_training_member_exports_its_trainer_statistics(tmp_path: Path) -> Non
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert [s.value for s in fams["ftmesh_train_committed_step"].samples] == [3.0]
     assert [s.value for s in fams["ftmesh_train_samples"].samples] == [48.0]
+    assert last_loss > 0
+    assert [s.value for s in fams["ftmesh_train_loss"].samples] == [pytest.approx(last_loss)]
+    rss = [s.value for s in fams["process_resident_memory_bytes"].samples]
+    assert len(rss) == 1 and rss[0] > 0
 
 
 def test_the_server_answers_only_get_metrics_and_sheds_idle_connections(tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ from ftmesh.collective.reach import (
 )
 from ftmesh.errors import ConfigError
 from ftmesh.membership.messages import MemberSnapshot, MemberState
-from ftmesh.mesh.core import ring_exclusions, ring_members, view_of
+from ftmesh.mesh.core import ring_members, view_of
+from ftmesh.mesh.meta import ring_exclusions
 
 B = "b" * 32
 ADDR = "10.0.0.2:4000"

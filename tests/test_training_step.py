@@ -180,8 +180,9 @@ def test_a_step_others_committed_is_adopted_not_computed() -> None:
     m = _machine()
     view = _view("a", "b")
     a = _alone_until_compute(m, view)
-    assert isinstance(m.feed(0.0, Computed(4)), Advertise)
+    assert isinstance(m.feed(0.0, Computed(4, loss_sum=2.0 * BATCH)), Advertise)
     assert isinstance(m.feed(0.0, Done()), Finished)
+    assert m.statistics().loss == 2.0  # (the metrics' loss gauge: the step's mean)
     a = m.begin(1.0)
     a = m.feed(1.0, ViewSeen(view))
     assert isinstance(a, Compute) and a.index == 1
@@ -201,6 +202,7 @@ def test_a_step_others_committed_is_adopted_not_computed() -> None:
     assert isinstance(done, Finished) and done.report is not None
     assert done.report.adopted and done.report.step == 2 and done.report.sync_bytes == 120
     assert m.committed == 2
+    assert np.isnan(m.statistics().loss)  # an adopted step's loss is not known here
 
 
 def test_the_deadline_ends_a_step_that_keeps_failing() -> None:

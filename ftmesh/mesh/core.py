@@ -48,7 +48,6 @@ from ..collective import (
     ViewMismatchError,
     ViewSupersededError,
     open_data_plane,
-    reach,
 )
 from ..collective.ops import CollectiveOp, Kind
 from ..collective.reach import Exclusion, ReachConfig, ReachEvent
@@ -79,8 +78,9 @@ from .meta import (
     MemberInfo,
     MetadataGate,
     Progress,
+    ring_exclusions,
 )
-from .reach import BAD_STATE_REASONS, REACH_KEY, ReachDriver, describe_exclusion, new_queue
+from .reach import BAD_STATE_REASONS, ReachDriver, describe_exclusion, new_queue
 
 T = TypeVar("T")
 log = logging.getLogger("ftmesh.mesh")
@@ -144,33 +144,6 @@ def _view(members: list[MemberInfo], suspects: bool) -> RingView | None:
         if m.state in live and m.role == "train" and m.data is not None
     ]
     return RingView.of(peers) if peers else None
-
-
-def ring_exclusions(members: Sequence[MemberSnapshot]) -> dict[str, Exclusion]:
-    """The training members the ring leaves out (``reach.exclusions``), computed from the
-    accusations they publish under ``REACH_KEY``: the same for every member that holds the same
-    membership. Accusations count while their reporter is alive or suspect (a suspicion, as
-    a one-way link causes now and then, must not take an accused member back for a moment).
-    A member whose accusations do not parse is left out (reason ``bad_meta``)."""
-    candidates: list[str] = []
-    reports: dict[str, dict[str, str]] = {}
-    bad: dict[str, Exclusion] = {}
-    for m in members:
-        if m.state not in _COUNTED or m.meta.get(ROLE_KEY) != "train":
-            continue
-        try:
-            found = reach.parse_reports(m.meta.get(REACH_KEY))
-        except ValueError:
-            bad[m.node] = Exclusion(m.node, "bad_meta", ())
-            continue
-        candidates.append(m.node)
-        if found:
-            reports[m.node] = found
-    out = reach.exclusions(reports, candidates) if reports else {}
-    return {**out, **bad}
-
-
-_COUNTED = (MemberState.ALIVE, MemberState.SUSPECT)
 
 
 def ring_members(members: list[MemberSnapshot]) -> list[MemberSnapshot]:

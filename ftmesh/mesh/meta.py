@@ -26,10 +26,12 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+from ..collective import reach as _reach
+from ..collective.reach import Exclusion
 from ..errors import ConfigError, RemoteProtocolError
 from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 
@@ -277,3 +279,35 @@ class MetadataGate:
                 exc,
                 self.bad_meta,
             )
+
+
+REACH_KEY = "reach"
+"""Our accusations of ring neighbours (``ftmesh.collective.reach``), published for every
+member to compute the same exclusions (``ring_exclusions``)."""
+
+
+def ring_exclusions(members: Sequence[MemberSnapshot]) -> dict[str, Exclusion]:
+    """The training members the ring leaves out (``_reach.exclusions``), computed from the
+    accusations they publish under ``REACH_KEY``: the same for every member that holds the same
+    membership. Accusations count while their reporter is alive or suspect (a suspicion, as
+    a one-way link causes now and then, must not take an accused member back for a moment).
+    A member whose accusations do not parse is left out (reason ``bad_meta``)."""
+    candidates: list[str] = []
+    reports: dict[str, dict[str, str]] = {}
+    bad: dict[str, Exclusion] = {}
+    for m in members:
+        if m.state not in _COUNTED or m.meta.get(ROLE_KEY) != "train":
+            continue
+        try:
+            found = _reach.parse_reports(m.meta.get(REACH_KEY))
+        except ValueError:
+            bad[m.node] = Exclusion(m.node, "bad_meta", ())
+            continue
+        candidates.append(m.node)
+        if found:
+            reports[m.node] = found
+    out = _reach.exclusions(reports, candidates) if reports else {}
+    return {**out, **bad}
+
+
+_COUNTED = (MemberState.ALIVE, MemberState.SUSPECT)

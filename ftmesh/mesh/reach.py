@@ -25,6 +25,7 @@ from ..collective.reach import Exclusion, ReachConfig, ReachEvent, ReachTracker
 from ..errors import ConfigError
 from ..membership.messages import MemberSnapshot, MemberState
 from ..net.node import parse_hostport
+from .meta import REACH_KEY
 
 if TYPE_CHECKING:
     from ..collective import DataPlane
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftmesh.mesh")
 
-REACH_KEY = "reach"
 """Member metadata key: the members this one accuses of being unreachable or of sending bytes
 that fail verification (``reach.format_reports``); the ring leaves them out."""
 REACH_TICK = 0.25

@@ -2,7 +2,9 @@
 
 ``NodeConfig(metrics_port=P)`` (``--metrics-port P``, ``connect(metrics_port=P)``,
 ``FTMESH_METRICS_PORT``) makes a member serve ``/metrics`` on its gossip bind address; off by
-default, and then nothing here is imported. See ``collector`` for the metric families.
+default, and then nothing here is imported. See ``collector`` for the metric families (with
+prometheus_client's ``process_*`` and ``python_info``), ``probes`` for ``/healthz`` and
+``/readyz``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ def renderer(node: Node) -> Callable[[], bytes]:
     """A function returning the node's metrics in Prometheus' text format; raises
     ``ConfigError`` if ``prometheus_client`` is not installed."""
     try:
-        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client import (
+            CollectorRegistry,
+            PlatformCollector,
+            ProcessCollector,
+            generate_latest,
+        )
 
         from .collector import MeshCollector
     except ImportError:
@@ -30,6 +37,8 @@ def renderer(node: Node) -> Callable[[], bytes]:
         ) from None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MeshCollector(node))
+    ProcessCollector(registry=registry)  # process_*: CPU, memory, descriptors (Linux)
+    PlatformCollector(registry=registry)  # python_info
 
     def render() -> bytes:
         return bytes(generate_latest(registry))

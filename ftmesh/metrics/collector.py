@@ -51,9 +51,19 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ftmesh_train_straggler_steps_total": ("counter", ()),
     "ftmesh_train_failslow_pauses_total": ("counter", ()),
     "ftmesh_train_nonfinite_steps_total": ("counter", ()),
+    "ftmesh_train_loss": ("gauge", ()),
+    # prometheus_client's ProcessCollector (Linux: read from /proc) and PlatformCollector
+    "process_virtual_memory_bytes": ("gauge", ()),
+    "process_resident_memory_bytes": ("gauge", ()),
+    "process_start_time_seconds": ("gauge", ()),
+    "process_cpu_seconds_total": ("counter", ()),
+    "process_open_fds": ("gauge", ()),
+    "process_max_fds": ("gauge", ()),
+    "python_info": ("gauge", ("implementation", "major", "minor", "patchlevel", "version")),
 }
 """Every metric family: its type and label names. The training families appear once a
-trainer runs on the member, the collective ones once a data plane does."""
+trainer runs on the member, the collective ones once a data plane does; the ``process_*``
+ones on Linux only (they read ``/proc``)."""
 
 _STATES = {
     MemberState.ALIVE: "alive",
@@ -217,6 +227,12 @@ def _training(s: TrainerStatistics) -> Iterator[Metric]:
         "ftmesh_train_straggler_steps",
         "Steps this member sat out of the compute set as a straggler.",
         value=s.straggler_steps_total,
+    )
+    yield GaugeMetricFamily(
+        "ftmesh_train_loss",
+        "Mean loss of the last committed step over its global batch (NaN: not known, as "
+        "before the first step or after a step adopted from a peer).",
+        value=s.loss,
     )
     yield CounterMetricFamily(
         "ftmesh_train_failslow_pauses",

@@ -1,8 +1,11 @@
-"""A minimal HTTP server for ``GET /metrics``, on trio, in the node's nursery.
+"""A minimal HTTP server for ``GET /metrics``, ``/healthz`` and ``/readyz``, on trio, in the
+node's nursery.
 
 Theory of operation: Prometheus scrapes each member every few seconds with one short
-``GET /metrics``. The server answers that and nothing else (``/`` gets a pointer to it, any
-other path 404, any other method 405) and closes each connection after one response. It
+``GET /metrics``; the kubelet probes ``/healthz`` (liveness) and ``/readyz`` (readiness,
+``ftmesh.metrics.probes``: 200 in the ring, 503 otherwise, with a one-line reason). The
+server answers those and nothing else (``/`` gets a pointer to them, any other path 404, any
+other method 405) and closes each connection after one response. It
 runs in the node's trio thread, so the collector reads membership with no locks and the
 listener lives under the node's structured concurrency like the gossip sockets. Bounds
 below keep a scanner or a flood from holding the member's descriptors or memory: at most
@@ -14,11 +17,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from ..errors import ConfigError
 from ..net.admission import Admission, Ticket, accept_loop, peer_host
+
+if TYPE_CHECKING:
+    from .probes import Readiness
 
 log = logging.getLogger("ftmesh.metrics")
 
@@ -37,9 +44,11 @@ is closed (an idle connection cannot hold a slot longer)."""
 MAX_REQUEST_BYTES = 8192
 """Largest request head read; bounds the memory one client can make us hold."""
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+PLAIN = b"text/plain; charset=utf-8"
+PATHS = b"metrics at /metrics, liveness at /healthz, readiness at /readyz"
 
 
-def _response(status: bytes, body: bytes, ctype: bytes = b"text/plain; charset=utf-8") -> bytes:
+def _response(status: bytes, body: bytes, ctype: bytes = PLAIN) -> bytes:
     head = b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
     return head % (status, ctype, len(body)) + body
 
@@ -50,10 +59,12 @@ async def serve_metrics(
     port: int,
     *,
     counters: dict[str, int],
+    ready: Callable[[], Readiness] | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``render()`` at ``http://host:port/metrics`` until cancelled; reports the bound
-    address through ``task_status``. Refusals are counted in ``counters``
+    """Serve ``render()`` at ``http://host:port/metrics`` until cancelled, ``/healthz`` and
+    ``/readyz`` (``ready()``; without it, always 503); reports the bound address through
+    ``task_status``. Refusals are counted in ``counters``
     (``metrics_refused_busy``: closed to make room; ``metrics_bad_request``: malformed or
     too slow; ``metrics_accept_errors``)."""
     try:
@@ -88,7 +99,7 @@ async def serve_metrics(
                     if head is None:
                         count("metrics_bad_request")
                         return
-                    await stream.send_all(_answer(head, render))
+                    await stream.send_all(_answer(head, render, ready))
         except (trio.BrokenResourceError, OSError):
             count("metrics_bad_request")
 
@@ -114,7 +125,9 @@ async def _read_head(stream: trio.SocketStream) -> bytes | None:
     return data
 
 
-def _answer(head: bytes, render: Callable[[], bytes]) -> bytes:
+def _answer(
+    head: bytes, render: Callable[[], bytes], ready: Callable[[], Readiness] | None
+) -> bytes:
     parts = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0].split()
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
         return _response(b"400 Bad Request", b"bad request\n")
@@ -122,9 +135,21 @@ def _answer(head: bytes, render: Callable[[], bytes]) -> bytes:
     if method not in (b"GET", b"HEAD"):
         return _response(b"405 Method Not Allowed", b"only GET\n")
     if target == b"/metrics":
-        body = render()
-        out = _response(b"200 OK", body, CONTENT_TYPE)
-        return out[: len(out) - len(body)] if method == b"HEAD" else out
-    if target == b"/":
-        return _response(b"200 OK", b"ftmesh member: metrics at /metrics\n")
-    return _response(b"404 Not Found", b"not found; metrics at /metrics\n")
+        status, body, ctype = b"200 OK", render(), CONTENT_TYPE
+    elif target == b"/healthz":
+        status, body, ctype = b"200 OK", b"ok: the member's mesh thread answers\n", PLAIN
+    elif target == b"/readyz":
+        answer = ready() if ready is not None else None
+        if answer is None:
+            status, body = b"503 Service Unavailable", b"not ready: no mesh on this node\n"
+        else:
+            status = b"200 OK" if answer.ready else b"503 Service Unavailable"
+            word = "ready" if answer.ready else "not ready"
+            body = f"{word}: {' '.join(answer.reason.split())}\n".encode()
+        ctype = PLAIN
+    elif target == b"/":
+        status, body, ctype = b"200 OK", b"ftmesh member: " + PATHS + b"\n", PLAIN
+    else:
+        status, body, ctype = b"404 Not Found", b"not found; " + PATHS + b"\n", PLAIN
+    out = _response(status, body, ctype)
+    return out[: len(out) - len(body)] if method == b"HEAD" else out

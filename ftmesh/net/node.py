@@ -651,6 +651,7 @@ async def open_node(
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
             if render is not None and config.metrics_port is not None:
+                from ..metrics.probes import readiness
                 from ..metrics.server import serve_metrics
 
                 node.metrics_address = await nursery.start(
@@ -660,6 +661,7 @@ async def open_node(
                         config.bind,
                         config.metrics_port,
                         counters=node.counters,
+                        ready=partial(readiness, node),
                     )
                 )
             node._started = trio.current_time()

@@ -52,6 +52,7 @@ attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -250,6 +251,8 @@ class _Counters:
     """Committed steps whose update every member skipped (non-finite gradients)."""
     header_faults: int = 0
     """Faults found in members' header contributions (``protocol.RowFault``)."""
+    loss: float = math.nan
+    """Loss of the last committed step (``StepReport.loss``)."""
 
 
 SPS_SMOOTHING = 0.2
@@ -725,6 +728,7 @@ class StepMachine:
             straggler_steps_total=s.straggler_steps,
             failslow_pauses_total=s.failslow_pauses,
             nonfinite_steps_total=s.nonfinite_steps,
+            loss=s.loss,
         )
 
     # -- a run -----------------------------------------------------------------------------
@@ -894,6 +898,7 @@ class StepMachine:
         if computed is None:  # adopted
             s.world_size = len(self.compute_set(view))
             s.share = 0
+            s.loss = math.nan
             return StepReport(
                 step=self.committed,
                 loss=float("nan"),
@@ -910,11 +915,12 @@ class StepMachine:
         s.world_size = len(action.workers)
         s.share = out.share
         s.samples_total += out.share
+        s.loss = out.loss_sum / samples
         rate = out.share / max(s.last_step_s, 1e-6)
         s.sps = rate if s.steps_total == 1 else s.sps + SPS_SMOOTHING * (rate - s.sps)
         return StepReport(
             step=self.committed,
-            loss=out.loss_sum / samples,
+            loss=s.loss,
             samples=samples,
             members=view.node_ids,
             epoch=view.epoch,
