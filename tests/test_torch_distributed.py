@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests_support import launch
 
 from ftmesh.collective import CollectiveResult, Peer, RingPeerLostError, RingView
 
@@ -188,3 +189,29 @@ def test_metric_sync_and_eval_gather_on_three_processes_with_a_kill(tmp_path: Pa
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+def test_the_trainer_binds_torch_distributed_inside_each_step(tmp_path: Path) -> None:
+    """``ElasticTrainer`` (``TrainerConfig.torch_distributed``, on by default): a script whose
+    step body syncs a metric with ``dist.all_reduce`` and gathers an evaluation with
+    ``dist.all_gather_object``, unchanged, on 3 workers with a kill -- every committed step
+    saw the whole global batch, with the view's world size, the same on every worker."""
+    res = launch(tmp_path, "-n", "3", "--kill-at", "8", str(ROOT / "tests/scripts/dist_in_step.py"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for log in sorted(tmp_path.glob("w*.log")):
+        for line in log.read_text().splitlines():
+            if line.startswith("DIST "):
+                rec = json.loads(line[len("DIST ") :])
+                by_step.setdefault(rec["step"], []).append(rec)
+    assert len(by_step) == 60 and all(len(v) >= 2 for v in by_step.values()), by_step.keys()
+    worlds = set()
+    for step, recs in by_step.items():
+        for rec in recs:
+            assert rec["initialized"] and rec["metric"] == 24.0, (step, rec)
+            assert rec["world"] == len(rec["gathered"]), (step, rec)
+            assert sum(g["seen"] for g in rec["gathered"]) == 24, (step, rec)
+            assert sorted(g["rank"] for g in rec["gathered"]) == list(range(rec["world"]))
+            worlds.add(rec["world"])
+        assert len({json.dumps(r["gathered"], sort_keys=True) for r in recs}) == 1, recs
+    assert worlds == {2, 3}  # before and after the kill

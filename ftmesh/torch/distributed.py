@@ -112,6 +112,18 @@ def release() -> None:
         dist.destroy_process_group()
 
 
+def available() -> str:
+    """Why ``bound`` cannot take the default group now ("" if it can): the program
+    initialised ``torch.distributed`` itself, or another session is bound (one default group
+    per process)."""
+    with _BINDING.lock:
+        if _BINDING.session is not None:
+            return "another trainer of this process holds torch.distributed"
+        if dist.is_initialized() and _BINDING.epoch is None:
+            return "the program initialised torch.distributed itself"
+    return ""
+
+
 def current() -> ViewCollectives | None:
     """The bound session, if any."""
     return _BINDING.session

@@ -76,6 +76,7 @@ shards``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -91,6 +92,7 @@ import torch.utils.data as tud
 
 from ..collective import RingView
 from ..collective.ops import CollectiveOp
+from ..collective.session import ViewSession
 from ..compression import Int8Compression, per_stream
 from ..errors import FtmeshError, LocalUsageError
 from ..membership.messages import MemberState
@@ -213,6 +215,10 @@ class ElasticTrainer:
         """Publishes that the user's code between steps runs long (``ftmesh.torch.between``)."""
         self._own_nonfinite = False
         """Our own gradients of the current attempt held a NaN or an infinity."""
+        self._dist = contextlib.ExitStack()
+        """``torch.distributed`` bound to the current attempt's session, if it is."""
+        self._dist_bound = False
+        self._dist_warned = False
         self._verdict: StepVerdict | None = None
         """The current attempt's verdict on its header (``StepMachine.check_step``)."""
         self._freezes: FreezeWatch | None = None
@@ -446,6 +452,11 @@ class ElasticTrainer:
         if self._freezes is not None:
             self._freezes.stop()
         self._between.stop()
+        self._dist.close()
+        if self._dist_bound:
+            from . import distributed
+
+            distributed.release()
         for h in self._hooks:
             h.remove()
 
@@ -607,11 +618,32 @@ class ElasticTrainer:
             self._reported(nxt.report)  # adopted
         return False
 
+    def _bind_torch_distributed(self, ring: ViewSession) -> None:
+        """For the attempt, ``torch.distributed`` runs on ``ring`` (``ftmesh.torch.distributed``,
+        ``TrainerConfig.torch_distributed``); unbound when the step ends."""
+        self._dist.close()
+        if not self.config.torch_distributed:
+            return
+        from . import distributed
+
+        why = distributed.available()
+        if not why:
+            try:
+                self._dist.enter_context(distributed.bound(ring))
+                self._dist_bound = True
+                return
+            except LocalUsageError as exc:  # (another trainer took it meanwhile)
+                why = str(exc)
+        if not self._dist_warned:
+            self._dist_warned = True
+            log.warning("torch.distributed inside steps is off for this trainer: %s", why)
+
     def _start_attempt(self, step: Step) -> None:
         """An attempt starts: zero the gradients, fill the header."""
         buckets = self._buckets
         assert buckets is not None
         ring = self.mesh.session(step.action.view)
+        self._bind_torch_distributed(ring)
         comps = self._compression
         self._own_nonfinite = False
         self._verdict = None
@@ -803,6 +835,7 @@ class ElasticTrainer:
         """``with step:`` ends; returns whether to swallow ``error``."""
         buckets = self._buckets
         assert buckets is not None
+        self._dist.close()
         self._current = None
         if step.failure is not None and (error is None or isinstance(error, StepAborted)):
             if step.next is None:  # failed outside step.batches() (a sharded optimizer.step)

@@ -119,6 +119,12 @@ class TrainerConfig:
     that only joins a running mesh: it stops with ``TrainingFinishedError`` if the others
     finished meanwhile). Fail-slow again within ``readmit_steps`` steps of its return, it
     stays out twice as long each time (at most 8x)."""
+    torch_distributed: bool = True
+    """Inside a step, ``torch.distributed`` runs on the step's view (``ftmesh.torch.distributed``:
+    ``dist.is_initialized()`` true, rank and world size the view's, ``dist.all_reduce`` &
+    co. on its collective session, a failure failing the attempt). Left alone when the
+    program initialised ``torch.distributed`` itself, or another trainer of this process
+    holds it (one default group per process; a WARNING says so)."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
