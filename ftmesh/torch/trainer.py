@@ -94,7 +94,7 @@ from ..collective import RingView
 from ..collective.ops import CollectiveOp
 from ..collective.session import ViewSession
 from ..compression import Int8Compression, per_stream
-from ..errors import FtmeshError, LocalUsageError
+from ..errors import FtmeshError, LocalUsageError, MeshClosedError
 from ..membership.messages import MemberState
 from ..mesh.blocking import SyncMesh
 from ..mesh.meta import BadMetadataError, read_member
@@ -883,7 +883,11 @@ class ElasticTrainer:
     def _publish_between(self, seconds: float, step: int) -> None:
         """(``BetweenSteps``' thread) Publish that we are busy between steps."""
         progress = self._machine.progress()
-        self.mesh.report_progress(dataclasses.replace(progress, fault=between_text(seconds, step)))
+        try:
+            fault = between_text(seconds, step)
+            self.mesh.report_progress(dataclasses.replace(progress, fault=fault))
+        except MeshClosedError:  # the mesh closed before the trainer: no one left to tell
+            return
 
     def _abandon(self, step: Step) -> None:
         """A step's body raised (not a step failure): its allreduces are out of order with
