@@ -21,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from tests_support import ROOT
+from tests_support import ROOT, References
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,15 +49,11 @@ def test_the_port_changes_at_most_15_lines() -> None:
 
 
 @pytest.fixture(scope="module")
-def single() -> float:
+def single(references: References) -> float:
     """The plain script's accuracy, in one process (one thread, as each ``ftmesh launch``
-    worker on this 2-core host: several spinning torch threads only slow a loaded host)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        [sys.executable, str(PLAIN)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return _accuracy(res.stdout)
+    worker on this 2-core host: several spinning torch threads only slow a loaded host),
+    cached with the session's other references."""
+    return _accuracy(references.run(script=str(PLAIN), timeout=300).out)
 
 
 def _accuracy(text: str) -> float:
