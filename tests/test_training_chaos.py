@@ -7,8 +7,9 @@ trains as well as a single process.
 The default run is 5 kills 15 steps apart on 4 workers, 10 epochs at full speed
 (``--step-delay 0``): ``--min-peers 3`` (one fewer than started) makes the survivors of a
 kill wait for the previous kill's joiner when it has not arrived yet, so every joiner lands
-mid-run however slowly it starts, without a fixed floor. ``FTMESH_TWENTY_KILLS=1`` runs issue
-4's full acceptance run instead: 20 kills 40 steps apart, on 4 and on 5 workers, at 0.1 s a step."""
+mid-run however slowly it starts, without a fixed floor. ``FTMESH_TWENTY_KILLS=1`` (or
+``FTMESH_NIGHTLY=1``) runs issue 4's full acceptance run instead: 20 kills 40 steps apart,
+on 4 and on 5 workers, at 0.1 s a step."""
 
 from __future__ import annotations
 
@@ -16,9 +17,17 @@ import os
 from pathlib import Path
 
 import pytest
-from tests_support import EXAMPLE, References, accuracy, check_consistency, launch, progress
+from tests_support import (
+    EXAMPLE,
+    NIGHTLY,
+    References,
+    accuracy,
+    check_consistency,
+    launch,
+    progress,
+)
 
-FULL = os.environ.get("FTMESH_TWENTY_KILLS") == "1"
+FULL = NIGHTLY or os.environ.get("FTMESH_TWENTY_KILLS") == "1"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800 if FULL else 300)]
 
 KILLS = 20 if FULL else 5

@@ -37,7 +37,7 @@ def test_cold_spare_steps_in_after_a_kill(tmp_path: Path) -> None:
         "--spares",
         "cold",
         "--epochs",
-        "5",
+        "4",
         "--step-delay",
         "0.05",
         "--digest-every",
