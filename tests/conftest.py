@@ -3,6 +3,10 @@
 - ``node_group``: ``ftmesh node`` processes on this host, killed after the test.
 - ``references`` / ``single_run``: single-process reference runs of the examples, one per
   argument set, cached on disk keyed by the code (``tests_support.References``).
+- xdist groups (``scripts/test.sh`` runs ``-n 3 --dist loadgroup``): every ``netns`` test
+  in group ``lab`` (namespaces, cgroup throttles and timing share the host: one at a time),
+  the heaviest CPU trainings (``TRAIN_FILES``) in group ``train``; the rest spreads over the
+  workers, mostly waiting, so three workers overlap it on two cores.
 - The leak check (every test): a test errors at teardown when, once its
   fixtures are torn down, a thread, a live child process or a lab network namespace is left
   that was not there when its set-up ended (what module and session fixtures start belongs
@@ -49,8 +53,31 @@ LAB_NS = re.compile(r"^ftm(\d+)x")
 """A lab namespace's name starts with ``ftm<pid of its creator>x`` (``ftmesh.lab.netns``)."""
 
 
+TRAIN_FILES = frozenset(
+    {
+        "test_training_chaos.py",
+        "test_training_sharded.py",
+        "test_training_spares.py",
+        "test_training_port.py",
+        "test_compression_training.py",
+        "test_launch.py",
+        "test_bench_stragglers.py",
+    }
+)
+"""Multi-process trainings that keep both cores busy: run one after another (xdist group
+``train``), so that their step-gated chaos is not starved by each other."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "leaks_ok: the leak check does not apply to this test")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.xdist_group("lab"))
+        elif item.path.name in TRAIN_FILES:
+            item.add_marker(pytest.mark.xdist_group("train"))
 
 
 @pytest.fixture
@@ -89,6 +116,9 @@ def _children() -> dict[int, str]:
             if state != "Z":
                 out[pid] = cmd.strip()[:200]
     return out
+
+
+NO_NAMESPACES: set[str] = set()
 
 
 def _lab_namespaces() -> set[str]:
@@ -131,7 +161,12 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     result = yield
     base = item.stash.get(SNAPSHOT, None)
     if base is not None and not item.get_closest_marker("leaks_ok"):
-        leaked = _leaks(*base)
+        threads, children, namespaces = base
+        if not item.get_closest_marker("netns"):
+            # only netns tests make labs (one at a time, in xdist group "lab"): the others
+            # would see the lab worker's namespaces come and go
+            namespaces = NO_NAMESPACES
+        leaked = _leaks(threads, children, namespaces)
         if leaked:
             pytest.fail(f"{item.nodeid} leaked: " + "; ".join(leaked), pytrace=False)
     return result
@@ -173,7 +208,8 @@ def _leftovers(
             break
         time.sleep(0.05)
     leaked += [f"child process {pid}: {cmd}" for pid, cmd in sorted(procs.items())]
-    leaked += [
-        f"network namespace {ns}" for ns in sorted(_lab_namespaces() - namespaces) if _ours(ns)
-    ]
+    if namespaces is not NO_NAMESPACES:
+        leaked += [
+            f"network namespace {ns}" for ns in sorted(_lab_namespaces() - namespaces) if _ours(ns)
+        ]
     return leaked
