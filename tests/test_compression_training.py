@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tests_support import EXAMPLE, References, check_consistency, launch, progress
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 LAST = 9
 
@@ -33,6 +33,7 @@ def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(
     res = launch(
         tmp_path / "mesh",
         *("-n", "3", EXAMPLE, "--compression", "int8", "--eval-every", "15", "--step-delay", "0"),
+        timeout=400,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = progress(tmp_path / "mesh")

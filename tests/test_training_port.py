@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from tests_support import ROOT, References
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(450)]
 
 PLAIN = ROOT / "examples" / "mnist_plain.py"
 PORT = ROOT / "examples" / "mnist_port.py"
@@ -94,7 +94,7 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
     }
     cmd = [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(logs)]
     cmd += ["-n", "3", "--seed", "1", "--kill-at", "100", "--join-at", "101", str(PORT)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("kill -9") == 1, res.stdout[-3000:]
 
