@@ -62,16 +62,19 @@ TRAIN_FILES = frozenset(
         "test_compression_training.py",
         "test_launch.py",
         "test_bench_stragglers.py",
+        "test_bench_smoke.py",
     }
 )
-"""Multi-process trainings that keep both cores busy: run one after another (xdist group
-``train``), so that their step-gated chaos is not starved by each other."""
+"""Multi-process trainings and benches that keep both cores busy: run one after another
+(xdist group ``train``), so that their step-gated chaos and the benches' no-retry asserts
+are not starved by each other (seen: 4 retries in the train bench's smoke beside them)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "leaks_ok: the leak check does not apply to this test")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("netns"):
