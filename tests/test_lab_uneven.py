@@ -16,15 +16,15 @@ kernel's counters show that the quota bit.
 
 The per-step shares are printed (``-s``), one column per host, so a failure can be read.
 
-The default run keeps the stragglers test (the one lab run of a throttled member); the others
-run with ``FTMESH_NIGHTLY=1``, their properties decided in the default run by seeded sans-IO
-worlds and real-process unit tests:
-``test_training_shares.py::test_a_throttled_members_share_falls_and_rises_back`` (shares),
-``test_training_failslow.py::test_a_member_that_keeps_freezing_steps_out_and_comes_back`` and
-``::test_the_watch_notices_a_stopped_process_and_nothing_else`` (fail-slow: the rule, the
-freeze watch on a real SIGSTOPped process; the return goes through the start
-gate), ``test_start_gate.py::test_a_late_joiner_finds_the_training_over`` (back after the
-end).
+The default run keeps the stragglers test (the one lab run of a throttled member) and the
+fail-slow step-out (the only multi-process run of it); the others run with
+``FTMESH_NIGHTLY=1``, their properties decided in the default run by seeded sans-IO worlds
+and real processes elsewhere:
+``test_training_shares.py::test_a_throttled_members_share_falls_and_rises_back`` and
+``test_shares_training.py::test_digits_with_speed_shares`` (speed shares);
+``test_training_failslow.py::test_a_member_that_keeps_freezing_steps_out_and_comes_back`` (a
+return goes through the start gate) and
+``test_start_gate.py::test_a_late_joiner_finds_the_training_over`` (back after the end).
 """
 
 from __future__ import annotations
@@ -292,7 +292,6 @@ def _failslow_run(
     return ms, records
 
 
-@nightly
 def test_a_fail_slow_member_steps_out_and_rejoins(tmp_path: Path) -> None:
     """Frozen again and again, a member steps out of the ring (the others train on as two,
     without waiting for it), then joins again, fetches the state and computes; one model."""
