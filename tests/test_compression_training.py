@@ -11,14 +11,12 @@ plateau is what compression could degrade."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from tests_support import EXAMPLE, ROOT, check_consistency, launch, progress
+from tests_support import EXAMPLE, References, check_consistency, launch, progress
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 LAST = 9
 
@@ -29,10 +27,13 @@ def _plateau(records: list[dict[str, object]]) -> float:
     return sum(accs[-LAST:]) / LAST
 
 
-def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(tmp_path: Path) -> None:
+def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(
+    tmp_path: Path, references: References
+) -> None:
     res = launch(
         tmp_path / "mesh",
         *("-n", "3", EXAMPLE, "--compression", "int8", "--eval-every", "15", "--step-delay", "0"),
+        timeout=400,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = progress(tmp_path / "mesh")
@@ -41,17 +42,10 @@ def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(tmp_path
     check_consistency(records, total)  # the same digest everywhere: identical decoded bytes
     assert len({_plateau(r) for r in records.values()}) == 1  # the same model everywhere
     # the uncompressed reference: the same training in one process (what a mesh computes)
-    single = subprocess.run(
-        [sys.executable, EXAMPLE, "--single", "--eval-every", "15"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        check=True,
-    )
+    single = references.run("--single", "--eval-every", "15")
     reference = [
         json.loads(line[len("FTMESH ") :])
-        for line in single.stdout.splitlines()
+        for line in single.out.splitlines()
         if line.startswith("FTMESH ")
     ]
     compressed, plain = _plateau(records["w0"]), _plateau(reference)

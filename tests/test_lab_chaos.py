@@ -1,9 +1,13 @@
-"""Chaos soak: three minutes of random faults on a 5-host mesh with a fixed seed, zero
-violations (root only); two minutes of them on 4 hosts that train a model with
-``ElasticTrainer`` (``--workload train``, the fault kinds of issue 17 among them), zero
-violations with digests compared at every step. Plus the runner's planning and plug-in
-interface without a lab. (The training invariants themselves are tested on fabricated records
-in ``test_lab_training.py``.)"""
+"""Chaos soak: random faults on a 5-host mesh with a fixed seed, zero violations (root only);
+and on 4 hosts that train a model with ``ElasticTrainer`` (``--workload train``, the fault
+kinds of issue 17 among them), zero violations with digests compared at every step.
+
+Each soak is sized to what it shows: it ends after the fault that completes its seed's set
+of kinds (``SOAK_FAULTS``, ``TRAIN_SOAK_FAULTS``: the plans are a function of the seed),
+within a time cap. ``FTMESH_SOAK_SECONDS`` / ``FTMESH_TRAIN_SOAK_SECONDS`` (or
+``FTMESH_NIGHTLY=1``: 180 s and 120 s) run them for that long instead, whatever the count.
+Plus the runner's planning and plug-in interface without a lab. (The training invariants
+themselves are tested on fabricated records in ``test_lab_training.py``.)"""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from tests_support import NIGHTLY
 
 from ftmesh.bench.plots import chaos_series
+from ftmesh.lab import chaos
 from ftmesh.lab.chaos import KINDS, WORKLOAD_KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
 from ftmesh.lab.netns import LabError
 from ftmesh.lab.procs import SeenRecord
@@ -28,15 +34,36 @@ needs_root = pytest.mark.skipif(
     reason="needs root to create network namespaces (and iproute2, nftables); CI runs as root",
 )
 
+TIMED = NIGHTLY or "FTMESH_SOAK_SECONDS" in os.environ
 SOAK_SECONDS = float(os.environ.get("FTMESH_SOAK_SECONDS", "180"))
 SOAK_SEED = 20240611
+SOAK_FAULTS = 10
+"""Its seed's first 10 faults hold 6 kinds (loss, one_way, junk, kill, freeze, partition)."""
+TRAIN_TIMED = NIGHTLY or "FTMESH_TRAIN_SOAK_SECONDS" in os.environ
 TRAIN_SOAK_SECONDS = float(os.environ.get("FTMESH_TRAIN_SOAK_SECONDS", "120"))
 TRAIN_SOAK_SEED = 3142
+TRAIN_SOAK_FAULTS = 16
 """Its schedule has, within two minutes, every kind of issue 17 (a rogue member with garbage
 metadata, an idle-connection flood, one-way links, a blocked data port, a clock step), a kill
 (a fresh worker joins and catches up) and a 2+2 partition (no side has a majority). (The
 membership soak above covers freezes, link flaps and junk.)"""
 NEW_KINDS = {"bad_meta", "conn_flood", "one_way", "unreachable", "clock_step"}
+"""(The 16th fault of its plan is the first clock step: ``TRAIN_SOAK_FAULTS``.)"""
+
+
+def _first_kinds(runner: ChaosRunner, count: int) -> set[str]:
+    return {runner.plan().kind for _ in range(count)}
+
+
+def test_the_counted_soaks_hold_their_kinds() -> None:
+    """What the soaks below assert of their kinds holds of their first faults by plan."""
+    membership = _first_kinds(ChaosRunner(hosts=5, seed=SOAK_SEED), SOAK_FAULTS)
+    assert len(membership) >= 5, membership
+    workload = TrainingWorkload(seed=TRAIN_SOAK_SEED)
+    train = _first_kinds(
+        ChaosRunner(hosts=4, seed=TRAIN_SOAK_SEED, workload=workload), TRAIN_SOAK_FAULTS
+    )
+    assert train >= NEW_KINDS | {"kill", "partition"}, train
 
 
 def test_plan_is_a_function_of_the_seed() -> None:
@@ -91,7 +118,11 @@ class CountPhases:
 @pytest.mark.netns
 @needs_root
 @pytest.mark.timeout(SOAK_SECONDS + 240)
-def test_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> None:
+def test_chaos_soak_fixed_seed_has_no_violations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not TIMED:
+        monkeypatch.setattr(chaos, "MAX_FAULTS", SOAK_FAULTS)
     plugin = CountPhases()
     runner = ChaosRunner(
         hosts=5,
@@ -121,8 +152,12 @@ def test_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> None:
 @pytest.mark.netns
 @needs_root
 @pytest.mark.timeout(TRAIN_SOAK_SECONDS + 240)
-def test_training_chaos_soak_fixed_seed_has_no_violations(tmp_path: Path) -> None:
+def test_training_chaos_soak_fixed_seed_has_no_violations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("torch")
+    if not TRAIN_TIMED:
+        monkeypatch.setattr(chaos, "MAX_FAULTS", TRAIN_SOAK_FAULTS)
     workload = TrainingWorkload(seed=TRAIN_SOAK_SEED)
     runner = ChaosRunner(
         hosts=4,

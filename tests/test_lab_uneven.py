@@ -15,6 +15,16 @@ kernel's counters show that the quota bit.
   training the rest alone.
 
 The per-step shares are printed (``-s``), one column per host, so a failure can be read.
+
+The default run keeps the stragglers test (the one lab run of a throttled member) and the
+fail-slow step-out (the only multi-process run of it); the others run with
+``FTMESH_NIGHTLY=1``, their properties decided in the default run by seeded sans-IO worlds
+and real processes elsewhere:
+``test_training_shares.py::test_a_throttled_members_share_falls_and_rises_back`` and
+``test_shares_training.py::test_digits_with_speed_shares`` (speed shares);
+``test_training_failslow.py::test_a_member_that_keeps_freezing_steps_out_and_comes_back`` (a
+return goes through the start gate) and
+``test_start_gate.py::test_a_late_joiner_finds_the_training_over`` (back after the end).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import pytest
 from tests_support import (
     EXAMPLE,
     FTMESH,
+    NIGHTLY,
     Machine,
     check_consistency,
     cpu_cgroups_available,
@@ -73,6 +84,15 @@ THROTTLED_STEPS = 20
 LAG = 8
 """Steps the smoothed speeds take to follow a change (``SHARE_SMOOTHING`` 0.3 per step: 94 %
 after 8); the medians skip them."""
+
+
+nightly = pytest.mark.skipif(
+    not NIGHTLY,
+    reason="FTMESH_NIGHTLY=1: the seeded sans-IO worlds decide this property in the default run "
+    "(see the test's docstring); the throttled straggler is this file's default lab run",
+)
+"""The lab runs whose properties the seeded worlds prove (``StepMachine``/``Pace`` with the
+trainer's rules, deterministic): they run with ``FTMESH_NIGHTLY=1``."""
 
 
 def _run(tmp_path: Path, lan: VirtualLan, epochs: int, *script_args: str) -> list[Machine]:
@@ -159,6 +179,7 @@ SHARES_ONLY = ("--straggler-factor", "0", *NOT_FAILSLOW)
 (``test_a_throttled_straggler_sits_out_and_comes_back``)."""
 
 
+@nightly
 def test_shares_follow_a_cpu_throttle(tmp_path: Path) -> None:
     with VirtualLan(hosts=HOSTS) as lan:
         ms = _run(tmp_path, lan, EPOCHS, "--shares", "speed", *SHARES_ONLY)
@@ -290,6 +311,7 @@ def test_a_fail_slow_member_steps_out_and_rejoins(tmp_path: Path) -> None:
     assert len({str(m.records[-1]["digest"]) for m in ms}) == 1, "final models differ"
 
 
+@nightly
 def test_a_fail_slow_member_back_after_the_end_does_not_train_alone(tmp_path: Path) -> None:
     """It comes back after the others finished: it stops (the example says the training
     finished without it) instead of training the rest of the run alone from its stale state

@@ -22,7 +22,7 @@ from tests_support import (
     progress,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # the slowest ~130 s on a loaded host
 
 
 def test_launch_kill_and_join_trains_digits(tmp_path: Path, single_run: SingleRun) -> None:
@@ -83,12 +83,14 @@ def test_cold_restart_resumes_from_newest_checkpoint(tmp_path: Path) -> None:
 def test_launch_module_respawn_slots_and_a_late_joiner(tmp_path: Path) -> None:
     """``-m``, ``--respawn`` (a killed worker is replaced by a new member in its slot, with
     its GPU), and a ``--join-at`` worker that arrives when training is over: it must not
-    train the whole run alone; launch still succeeds. The run lasts about a minute (the step
-    delay), so that the replacement, importing torch on a busy host, arrives while it runs."""
+    train the whole run alone; launch still succeeds. ``--min-peers 2`` holds the survivor
+    after the kill until the replacement (importing torch on a busy host) is in, so that it
+    arrives mid-run however long it takes to start; the run is at full speed otherwise."""
     res = subprocess.run(
         [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp_path),
          "-n", "2", "--respawn", "--kill-at", "3", "--join-at", "172",
-         "-m", "examples.train_digits", "--epochs", "4", "--step-delay", "0.3"],
+         "-m", "examples.train_digits", "--epochs", "4", "--step-delay", "0",
+         "--min-peers", "2"],
         capture_output=True,
         text=True,
         timeout=600,

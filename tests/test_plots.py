@@ -326,6 +326,7 @@ README_CHAOS = "lab chaos --hosts 3 --duration 30 --workload train --plot chaos.
 
 
 @pytest.mark.slow
+@pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
 def test_lab_chaos_plot_runs_as_written(tmp_path: Path) -> None:
     """The README's chaos line, as written: a training soak on three lab hosts, a timeline

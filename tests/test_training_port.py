@@ -21,9 +21,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from tests_support import ROOT
+from tests_support import ROOT, References
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(450)]
 
 PLAIN = ROOT / "examples" / "mnist_plain.py"
 PORT = ROOT / "examples" / "mnist_port.py"
@@ -49,15 +49,11 @@ def test_the_port_changes_at_most_15_lines() -> None:
 
 
 @pytest.fixture(scope="module")
-def single() -> float:
+def single(references: References) -> float:
     """The plain script's accuracy, in one process (one thread, as each ``ftmesh launch``
-    worker on this 2-core host: several spinning torch threads only slow a loaded host)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        [sys.executable, str(PLAIN)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return _accuracy(res.stdout)
+    worker on this 2-core host: several spinning torch threads only slow a loaded host),
+    cached with the session's other references."""
+    return _accuracy(references.run(script=str(PLAIN), timeout=300).out)
 
 
 def _accuracy(text: str) -> float:
@@ -98,7 +94,7 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
     }
     cmd = [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(logs)]
     cmd += ["-n", "3", "--seed", "1", "--kill-at", "100", "--join-at", "101", str(PORT)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("kill -9") == 1, res.stdout[-3000:]
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_digits.py")
 FTMESH = str(Path(sys.executable).parent / "ftmesh")
 """The ``ftmesh`` command, as a user runs it."""
+NIGHTLY = os.environ.get("FTMESH_NIGHTLY") == "1"
+"""``FTMESH_NIGHTLY=1``: the long versions of the end-to-end runs (twenty kills on two mesh
+sizes, full-length soaks, the minute of loss, the lab runs whose properties the seeded
+sans-IO worlds decide); the default run keeps one run per property, sized to show it."""
 
 
 def cpu_cgroups_available() -> bool:
@@ -111,31 +119,84 @@ def local_mesh_config(registry: Path, mesh: str, **collective: Any) -> MeshConfi
     )
 
 
-class SingleRun:
-    """``examples/train_digits.py --single`` (the baseline accuracy), started in the
-    background when a test asks for it and shared by every test of the session."""
+def code_hash() -> str:
+    """A digest of every file under ``examples/`` and ``ftmesh/`` (paths and contents): a
+    cached reference run is valid while it is unchanged."""
+    h = hashlib.sha256()
+    for top in ("examples", "ftmesh"):
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, EXAMPLE, "--single"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        self._out: str | None = None
+
+@dataclass(frozen=True)
+class Reference:
+    """One finished single-process run: its output (stdout and stderr) and, when it was
+    asked for with ``save_model``, the final weights (``model``)."""
+
+    out: str
+    model: Path | None
 
     def accuracy(self) -> float:
-        if self._out is None:
-            self._out, _ = self._proc.communicate(timeout=600)
-            assert self._proc.returncode == 0, self._out[-3000:]
-        return accuracy(self._out)
+        return accuracy(self.out)
 
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+
+class References:
+    """Single-process reference runs (``python SCRIPT *ARGS``, one torch thread), one per
+    argument set, cached on disk in ``cache`` under a key of the script, the arguments and
+    :func:`code_hash`: every test that compares against a single process shares one run, in
+    this session and the next ones while the code is unchanged. A file lock per key makes
+    parallel pytest workers (xdist) run each reference once."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self._code = code_hash()
+
+    def run(
+        self, *args: str, script: str = EXAMPLE, save_model: bool = False, timeout: float = 600
+    ) -> Reference:
+        key_src = json.dumps([script, list(args), save_model, self._code])
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        out_path, model_path = self.cache / f"{key}.out", self.cache / f"{key}.pt"
+        with open(self.cache / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not out_path.exists():
+                argv = [sys.executable, script, *args]
+                if save_model:
+                    argv += ["--save-model", str(model_path)]
+                res = subprocess.run(
+                    argv,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    cwd=ROOT,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+                assert res.returncode == 0, f"reference {argv} failed:\n{res.stderr[-3000:]}"
+                tmp = out_path.with_suffix(".tmp")
+                tmp.write_text(res.stdout + res.stderr)
+                tmp.replace(out_path)  # written last: its presence means the run is complete
+        return Reference(out_path.read_text(), model_path if save_model else None)
+
+
+def references_dir() -> Path:
+    """Where :class:`References` caches (``FTMESH_REFERENCE_CACHE``, else a directory in the
+    system's temporary directory)."""
+    default = Path(tempfile.gettempdir()) / "ftmesh-test-references"
+    return Path(os.environ.get("FTMESH_REFERENCE_CACHE", default))
+
+
+class SingleRun:
+    """``examples/train_digits.py --single`` (the baseline accuracy), from the session's
+    :class:`References` (run once, cached on disk)."""
+
+    def __init__(self, refs: References) -> None:
+        self._refs = refs
+
+    def accuracy(self) -> float:
+        return self._refs.run("--single").accuracy()
 
 
 class Worker:
