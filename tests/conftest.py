@@ -63,6 +63,11 @@ TRAIN_FILES = frozenset(
         "test_launch.py",
         "test_bench_stragglers.py",
         "test_bench_smoke.py",
+        "test_install.py",
+        "test_header_procs.py",
+        "test_loop_between_steps.py",
+        "test_torch_distributed.py",
+        "test_torch_pg.py",
     }
 )
 """Multi-process trainings and benches that keep both cores busy: run one after another
