@@ -39,8 +39,9 @@ GRACE_S = 5.0
 IGNORED_THREADS = re.compile(
     r"^(Trio thread \d+|pytest_timeout .*|ThreadPoolExecutor-.*|ftmesh-gpu-abort"
     # Known leak, allowed until fixed: the sim and loop tests drop ElasticTrainers without
-    # ElasticTrainer.close(), which stops their freeze watch (ftmesh.torch.freezes).
-    r"|ftmesh-freezes)$"
+    # ElasticTrainer.close(), which stops their freeze watch (ftmesh.torch.freezes) and their
+    # between-steps publisher (ftmesh.torch.between).
+    r"|ftmesh-freezes|ftmesh-between)$"
 )
 """Threads that outlive tests by design: trio's and concurrent.futures' idle worker caches,
 the GPU abort thread (it exits after ``IDLE_EXIT`` idle seconds); and the known leak above."""

@@ -642,16 +642,19 @@ def run_loop_member(
             cast(SyncMesh, mesh), model, make_optimizer("sgd", model), data(), **config
         )
         member.trainer = t
-        if setup is not None:
-            setup(t)
-        for step in t.steps(total):
-            with step:
-                body(t, step)
-            if step.report is not None:
-                member.reports.append(step.report)
-            if after_step is not None:
-                after_step(member, t, step)
-        t.finish(timeout=20.0)
+        try:
+            if setup is not None:
+                setup(t)
+            for step in t.steps(total):
+                with step:
+                    body(t, step)
+                if step.report is not None:
+                    member.reports.append(step.report)
+                if after_step is not None:
+                    after_step(member, t, step)
+            t.finish(timeout=20.0)
+        finally:
+            t.close()  # (a killed member's too: its threads and loader workers)
 
 
 def start_loop(hub: Hub, names: str, **kwargs: Any) -> dict[str, Member]:

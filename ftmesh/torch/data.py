@@ -127,5 +127,13 @@ class ElasticLoader:
         raise FtmeshError(f"the trainer's data plan does not start at the current attempt {key}")
 
     def close(self) -> None:
-        """Drop the iterator (and its worker processes, unless persistent)."""
-        self._it = None
+        """Drop the iterator and end its worker processes, persistent ones too (the
+        ``DataLoader`` keeps those in its private ``_iterator``; torch has no public way)."""
+        it, self._it = self._it, None
+        kept = getattr(self.loader, "_iterator", None)
+        for x in (it, kept):
+            shutdown = getattr(x, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        if kept is not None:
+            self.loader._iterator = None

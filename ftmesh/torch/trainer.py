@@ -215,6 +215,8 @@ class ElasticTrainer:
         """Publishes that the user's code between steps runs long (``ftmesh.torch.between``)."""
         self._own_nonfinite = False
         """Our own gradients of the current attempt held a NaN or an infinity."""
+        self._published_steps: dict[str, int] = {}
+        """The newest step each member published while we had not trained (``_published_step``)."""
         self._dist = contextlib.ExitStack()
         """``torch.distributed`` bound to the current attempt's session, if it is."""
         self._dist_bound = False
@@ -452,6 +454,8 @@ class ElasticTrainer:
         if self._freezes is not None:
             self._freezes.stop()
         self._between.stop()
+        if self._loader is not None:
+            self._loader.close()  # its worker processes
         self._dist.close()
         if self._dist_bound:
             from . import distributed
@@ -511,7 +515,7 @@ class ElasticTrainer:
         self._between.leave()
         self._poll_leave()
         if self._machine.committed == FRESH:  # (a run that lost its state must say so)
-            self._machine.seen_step = max(self._machine.seen_step, self._published_step())
+            self._machine.seen_step = self._published_step()
         return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
 
     def _feed(self, outcome: Outcome) -> Compute | Finished:
@@ -519,18 +523,23 @@ class ElasticTrainer:
         return self._drive(self._machine.feed(time.monotonic(), outcome))
 
     def _published_step(self) -> int:
-        """The newest committed step that a member still training (not left, not done)
-        publishes in its progress (``-1``: none)."""
-        newest = FRESH
+        """The newest committed step that the members training (not left, not done) have
+        published in their progress (``-1``: none), remembered per member so that a holder
+        that died still counts. A member the ring leaves out (an accused insider, one nobody
+        reaches) does not count, even for what it said before: its claim must not stop the
+        others."""
+        out = self.mesh.exclusions()
+        seen = self._published_steps
         for m in self.mesh.members():
             try:
                 info = read_member(m)
             except BadMetadataError:
                 continue
             if info.progress is None or info.state == MemberState.LEFT or info.role == "done":
-                continue
-            newest = max(newest, info.progress.step)
-        return newest
+                seen.pop(info.node, None)
+            else:
+                seen[info.node] = max(seen.get(info.node, FRESH), info.progress.step)
+        return max((step for node, step in seen.items() if node not in out), default=FRESH)
 
     def _poll_leave(self) -> None:
         """Tell the machine of a planned departure (``SyncMesh.request_leave``, a signal)."""
@@ -550,6 +559,8 @@ class ElasticTrainer:
                 self._driver.depart(action.step)
             outcome = self._driver.perform(action)
             self._poll_leave()
+            if machine.committed == FRESH:  # (as of now: an insider left out meanwhile)
+                machine.seen_step = self._published_step()
             action = machine.feed(time.monotonic(), outcome)
 
     # ------------------------------------------------------------------ an attempt
