@@ -10,6 +10,7 @@ are in ``_EXPORTS``; the imports under ``TYPE_CHECKING`` are the same, for type 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import (
@@ -99,3 +100,24 @@ __all__ = [
     "open_mesh",
     "open_node",
 ]
+
+
+def _lazy_face(
+    namespace: dict[str, object], exports: dict[str, str]
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """A subpackage's lazy face (PEP 562): ``__getattr__`` and ``__dir__`` that import each
+    name of ``exports`` (name -> its module, relative to the package) on first use."""
+    package = str(namespace["__name__"])
+
+    def getattr_(name: str) -> object:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value: object = getattr(importlib.import_module(module, package), name)
+        namespace[name] = value  # later accesses skip this function
+        return value
+
+    def dir_() -> list[str]:
+        return sorted({*namespace, *exports})
+
+    return getattr_, dir_

@@ -7,8 +7,9 @@ of them must not load the data plane (trio, sockets) through this ``__init__``.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .. import _lazy_face
 
 if TYPE_CHECKING:
     from .config import CollectiveConfig
@@ -41,17 +42,7 @@ _EXPORTS = {
 """Lazily exported name -> the module that defines it."""
 
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = _lazy_face(globals(), _EXPORTS)
 
 
 __all__ = [
