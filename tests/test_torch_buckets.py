@@ -126,3 +126,42 @@ def test_micro_batches_add_up_to_the_mean_gradient(zero_grad: bool) -> None:
         assert p.grad is not None
         assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6)
     buckets.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_buckets_reduce_on_the_device_and_the_header_gets_its_own_host_bucket(
+    dtype: torch.dtype,
+) -> None:
+    """With ``direct`` (a GPU path for the parameters' device; here the CPU stands in for
+    it), every parameter bucket's allreduce runs on a float32 tensor on that device (the
+    gradient buffer itself for float32), the header rides in a host bucket of its own run
+    last, and the layout says the buckets are on the device."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    want = _reference(x)
+    model = _model().to(dtype)
+    params = list(model.parameters())
+    host = GradBuckets(params, bucket_bytes=64 * 64 * 4, header_slots=3)
+    host.close()
+    buckets = GradBuckets(params, 64 * 64 * 4, header_slots=3, direct=lambda device: True)
+    *device, header = buckets.buffers
+    assert device and all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 for b in device)
+    assert isinstance(header, np.ndarray) and len(header) == 3
+    assert buckets.on_device == len(device) and buckets.layout != host.layout
+    if dtype == torch.float32:  # .grad is a view of the very buffer the allreduce runs on
+        bucket = buckets.buckets[0]
+        p = bucket.params[0]
+        assert isinstance(bucket.wire, torch.Tensor)
+        assert buckets._views[id(p)].data_ptr() == bucket.wire.data_ptr()
+    launched: list[tuple[str, int]] = []
+    buckets.start(*_doubling_allreduce(launched, buckets.buffers))
+    buckets.header[:] = [1.0, 2.0, 3.0]
+    buckets.micro_batch(0.25, last=True)
+    model(x.to(dtype)).float().square().sum().backward()  # type: ignore[no-untyped-call]
+    buckets.finish(timeout=5)
+    assert launched == [*(("launch", i) for i in range(len(device))), ("run", len(device))]
+    assert buckets.header.tolist() == [2.0, 4.0, 6.0]
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for p, g in zip(params, want, strict=True):
+        assert p.grad is not None and p.grad.dtype == dtype
+        assert torch.allclose(p.grad.float(), g * 0.5, rtol=tol, atol=tol)
+    buckets.close()

@@ -193,8 +193,7 @@ def _patch_header(kind: str, active: threading.Event) -> None:
 
         def poisoned(self: trainer.ElasticTrainer, buf: Any) -> None:
             if active.is_set():
-                tail = len(self.buckets.header) if buf is self.buckets.buffers[-1] else 0
-                buf[: len(buf) - tail] = math.nan
+                self.buckets.gradients(buf)[:] = math.nan
             honest_check(self, buf)
 
         trainer.ElasticTrainer._check_own = poisoned  # type: ignore[method-assign]

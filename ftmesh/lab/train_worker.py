@@ -168,6 +168,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--secret-file", default=None, help="mesh secret(s), one per line")
     p.add_argument("--fault", choices=insider.FAULTS, help="be a faulty member (tests)")
     p.add_argument("--fault-on-start", action="store_true", help="the fault is on from the start")
+    p.add_argument(
+        "--gpu-standin",
+        action="store_true",
+        help="test setting: the gradient buckets take the GPU path, on torch's gloo process "
+        "group built per view on the ring store (CI's stand-in for NCCL)",
+    )
     return p.parse_args(argv)
 
 
@@ -245,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fault:
         _install_fault(args, mesh, out)
 
+    if args.gpu_standin:
+        _enable_gpu_standin(mesh)
     trainer = ElasticTrainer(mesh, model, optimizer, sampler)
 
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                     "loss": None if r.adopted else round(r.loss, 5),
                     "adopted": r.adopted,
                     "time": round(time.time(), 6),
+                    **_gpu_record(mesh, trainer),
                 }
             )
             if args.step_delay:
@@ -287,6 +296,33 @@ def main(argv: list[str] | None = None) -> int:
     finished.set()
     leave()
     return 0
+
+
+def _enable_gpu_standin(mesh: SyncMesh) -> None:
+    """``--gpu-standin``: CPU tensors count as device buffers and every member claims a GPU
+    and one NCCL version, so each view is set up on the torch process-group backend, built
+    with gloo instead of NCCL: the GPU path's code (ring store, per-epoch groups, aborts,
+    deadlines, the trainer's device buckets) runs on a CPU machine."""
+    from ..collective.backend import DeviceInfo
+    from ..collective.epochs import EpochConfig
+    from ..collective.torch_pg import TorchPGFactory
+
+    factory = TorchPGFactory(mesh.session, "gloo", init_timeout=20.0, op_timeout=60.0)
+    mesh.enable_gpu(
+        factory=factory,
+        devices=DeviceInfo(cuda=1, nccl=1),
+        config=EpochConfig(init_timeout=30.0, op_timeout=60.0),
+        is_device=lambda x: isinstance(x, torch.Tensor),
+    )
+
+
+def _gpu_record(mesh: SyncMesh, trainer: ElasticTrainer) -> dict[str, Any]:
+    """The GPU path's counters for a commit record (nothing without one)."""
+    if mesh.gpu is None:
+        return {}
+    s = mesh.gpu.manager.statistics()
+    return {"gpu": {"device_buckets": trainer.buckets.on_device, "collectives": s.collectives,
+                    "nccl_views": s.nccl_views, "fallbacks": s.fallbacks}}  # fmt: skip
 
 
 def _install_fault(args: argparse.Namespace, mesh: RecordingMesh, out: Out) -> None:

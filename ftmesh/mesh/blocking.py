@@ -189,6 +189,11 @@ class SyncMesh:
             self._host = Host(mesh.data_plane, self._jobs, mesh.ring_in_use, open_ring, peer_lost)
         return self._host
 
+    @property
+    def gpu(self) -> GpuPath | None:
+        """The GPU path of this member's sessions, once ``enable_gpu`` gave it one."""
+        return self._gpu
+
     def enable_gpu(
         self,
         *,

@@ -33,6 +33,18 @@ model) is ready only when backward ends, so it is not handed off: ``finish`` run
 allreduce in the calling thread, after the others. The last bucket's float32 buffer carries
 the header slots (``ftmesh.training.protocol``): the member's sample count, its summed loss,
 a round check, the leave bits of a planned departure and the state-check values.
+
+*Device buckets.* When the member's collective sessions have a GPU path (``SyncMesh.gpu``:
+NCCL per view epoch through torch's process group) and ``direct`` says so for a bucket's
+device, the bucket's allreduce runs on the device: on the gradient buffer itself for float32
+parameters, on a float32 buffer on the same device for bfloat16 and float16 ones (one device
+copy each way, no host memory). Which backend then carries it is the session's choice for the
+view (NCCL when every member can, else staged through the TCP ring by the session). The
+header cannot ride in a device buffer (its slots are read on the host and travel exact), so
+when the last bucket is on the device the header gets a host buffer of its own, allreduced on
+the TCP ring after the device buckets: one more small collective per step. Whether buckets
+are on the device is part of ``layout``, so members that would issue different collectives
+never share a step.
 """
 
 from __future__ import annotations
@@ -48,27 +60,37 @@ import torch
 from ..errors import LocalUsageError
 from ..training.shards import LAYOUT_BITS
 
+Wire = np.ndarray | torch.Tensor
+"""What one bucket's allreduce runs on: a float32 host array, or a float32 device tensor."""
+
 
 class _Bucket:
     """One bucket: its parameters, the gradient buffer ``.grad`` views point into (the
-    parameters' dtype and device) and the float32 host buffer its allreduce runs on (the
-    same memory for float32 CPU parameters; else a staging copy, pinned where torch can pin)."""
+    parameters' dtype and device) and the float32 buffer its allreduce runs on: in host
+    memory (the same memory for float32 CPU parameters; else a staging copy, pinned where
+    torch can pin), or with ``direct`` on the parameters' device (the gradient buffer itself
+    for float32). A bucket without parameters holds only the header."""
 
-    def __init__(self, params: list[torch.nn.Parameter], extra: int) -> None:
-        first = params[0]
+    def __init__(self, params: list[torch.nn.Parameter], extra: int, direct: bool) -> None:
+        assert not (direct and extra), "the header lives in host memory"
+        first = params[0] if params else None
         self.params = params
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype = first.dtype if first is not None else torch.float32
+        self.device = first.device if first is not None else torch.device("cpu")
         self.n = sum(p.numel() for p in params)
-        self.staged = self.dtype != torch.float32 or self.device.type != "cpu"
-        pin = self.device.type == "cuda"
-        wire = torch.zeros(self.n + extra, dtype=torch.float32, pin_memory=pin)
-        self.wire: np.ndarray = wire.numpy()
-        """What the allreduce reduces: float32 in host memory, header slots at its end."""
-        self._wire_t = wire
+        self.direct = direct
+        self.staged = self.dtype != torch.float32 or (self.device.type != "cpu" and not direct)
+        if direct:
+            self._wire_t = torch.zeros(self.n, dtype=torch.float32, device=self.device)
+            self.wire: Wire = self._wire_t
+        else:
+            pin = self.device.type == "cuda"
+            self._wire_t = torch.zeros(self.n + extra, dtype=torch.float32, pin_memory=pin)
+            self.wire = self._wire_t.numpy()
         if self.staged:
             self.grads = torch.zeros(self.n, dtype=self.dtype, device=self.device)
         else:
-            self.grads = wire[: self.n]
+            self.grads = self._wire_t[: self.n]
         self.views: dict[int, torch.Tensor] = {}
         offset = 0
         for p in params:
@@ -76,7 +98,7 @@ class _Bucket:
             offset += p.numel()
 
     def zero(self) -> None:
-        self.wire.fill(0.0)
+        self._wire_t.zero_()
         if self.staged:
             self.grads.zero_()
 
@@ -84,21 +106,17 @@ class _Bucket:
         """Multiply the gradients (not the header) by ``factor``."""
         if factor == 1.0:
             return
-        if self.staged:
-            self.grads.mul_(factor)
-        else:
-            np.multiply(self.wire[: self.n], np.float32(factor), out=self.wire[: self.n])
+        with torch.no_grad():
+            (self.grads if self.staged else self._wire_t[: self.n]).mul_(factor)
 
-    def outgoing(self, weight: float) -> np.ndarray:
+    def outgoing(self, weight: float) -> Wire:
         """The wire buffer holding ``weight`` times the gradients (accumulated in float32)."""
-        if self.staged:
-            wire = self._wire_t[: self.n]
-            with torch.no_grad():
-                wire.copy_(self.grads)  # to host (and float32)
+        wire = self._wire_t[: self.n]
+        with torch.no_grad():
+            if self.staged:
+                wire.copy_(self.grads)  # to host (or to the device's float32 buffer)
             if weight != 1.0:
                 wire.mul_(weight)
-        elif weight != 1.0:
-            np.multiply(self.wire[: self.n], np.float32(weight), out=self.wire[: self.n])
         return self.wire
 
     def incoming(self) -> None:
@@ -113,8 +131,14 @@ class GradBuckets:
     """A trainer's gradient buckets; see the module docstring."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], bucket_bytes: int, header_slots: int
+        self,
+        params: list[torch.nn.Parameter],
+        bucket_bytes: int,
+        header_slots: int,
+        direct: Callable[[torch.device], bool] = lambda device: False,
     ) -> None:
+        """``direct(device)``: whether buckets of parameters on ``device`` allreduce there
+        (the member has a GPU path for it; see the module docstring)."""
         check_bucketable(params)
         self.params = params
         groups: list[list[torch.nn.Parameter]] = [[]]
@@ -128,20 +152,27 @@ class GradBuckets:
                 size = 0
             groups[-1].append(p)
             size += nbytes
+        on_device = [bool(g) and direct(g[0].device) for g in groups]
+        if on_device[-1]:  # the header gets a host bucket of its own
+            groups.append([])
+            on_device.append(False)
         self.groups = groups
         self.header_slots = header_slots
+        header_at = len(groups) - 1
         self.buckets = [
-            _Bucket(g, header_slots if b == len(groups) - 1 else 0) for b, g in enumerate(groups)
+            _Bucket(g, header_slots if b == header_at else 0, on_device[b])
+            for b, g in enumerate(groups)
         ]
-        self.buffers: list[np.ndarray] = [bk.wire for bk in self.buckets]
-        """The float32 host buffers the allreduces run on, one per bucket."""
+        self.buffers: list[Wire] = [bk.wire for bk in self.buckets]
+        """The float32 buffers the allreduces run on, one per bucket (the last one, in host
+        memory, ends with the header)."""
         self.slot = {id(p): b for b, g in enumerate(groups) for p in g}  # id(param) -> bucket
         self._views = {i: v for bk in self.buckets for i, v in bk.views.items()}
         self._pending: list[int] = []
         self._launched = 0
         self._futures: list[Future[Any]] = []
-        self._launch: Callable[[np.ndarray], Future[Any]] | None = None
-        self._run: Callable[[np.ndarray], object] | None = None
+        self._launch: Callable[[Wire], Future[Any]] | None = None
+        self._run: Callable[[Wire], object] | None = None
         self._last = False
         self._weight = 1.0
         self._hooks = [
@@ -153,13 +184,25 @@ class GradBuckets:
     def header(self) -> np.ndarray:
         """The header slots at the end of the last bucket (``ftmesh.training.protocol``)."""
         wire = self.buckets[-1].wire
+        assert isinstance(wire, np.ndarray)
         return wire[len(wire) - self.header_slots :]
+
+    @property
+    def on_device(self) -> int:
+        """How many buckets allreduce on their device."""
+        return sum(bk.direct for bk in self.buckets)
+
+    def gradients(self, buf: Wire) -> Wire:
+        """The gradient part of one of ``buffers`` (all of it but the last one's header)."""
+        return buf[: self.buckets[-1].n] if buf is self.buffers[-1] else buf
 
     @property
     def layout(self) -> int:
         """A hash of the buckets' sizes, dtypes and device kinds (every member must have
         the same)."""
-        text = ",".join(f"{bk.n}:{bk.dtype}:{bk.device.type}" for bk in self.buckets)
+        text = ",".join(
+            f"{bk.n}:{bk.dtype}:{bk.device.type}:{'d' if bk.direct else 'h'}" for bk in self.buckets
+        )
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") >> (64 - LAYOUT_BITS)
 
@@ -168,9 +211,7 @@ class GradBuckets:
         """Between ``start`` and the end of ``finish``."""
         return self._launch is not None
 
-    def start(
-        self, launch: Callable[[np.ndarray], Future[Any]], run: Callable[[np.ndarray], object]
-    ) -> None:
+    def start(self, launch: Callable[[Wire], Future[Any]], run: Callable[[Wire], object]) -> None:
         """Zero the gradients (the buckets, header included) for one attempt of a step;
         ``launch(buffer)`` starts an allreduce, ``run(buffer)`` runs one (after those
         launched before it). Then ``micro_batch`` for each micro-batch, and ``finish``."""
@@ -264,6 +305,14 @@ class GradBuckets:
         """Remove the hooks from the parameters."""
         for h in self._hooks:
             h.remove()
+
+
+def all_finite(x: Wire) -> bool:
+    """No NaN or infinity in ``x``: one float64 sum (it cannot overflow on float32 values; a
+    NaN or an infinity makes it non-finite). On a device, one small copy to the host."""
+    if isinstance(x, torch.Tensor):
+        return bool(torch.isfinite(x.sum(dtype=torch.float64)).item())
+    return bool(np.isfinite(x.sum(dtype=np.float64)))
 
 
 def check_bucketable(params: Sequence[torch.nn.Parameter]) -> None:

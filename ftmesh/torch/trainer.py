@@ -127,7 +127,7 @@ from ..training.step import (
     StepVerdict,
 )
 from .between import BetweenSteps, between_text
-from .buckets import GradBuckets, check_bucketable, micro_batches
+from .buckets import GradBuckets, Wire, all_finite, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
@@ -476,7 +476,9 @@ class ElasticTrainer:
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
         slots = header_size(len(state.names), self.config.measures_speed)
         self._machine.parts = len(state.names)
-        self._buckets = buckets = GradBuckets(self._params, self._bucket_bytes, slots)
+        self._buckets = buckets = GradBuckets(
+            self._params, self._bucket_bytes, slots, self._device_buckets()
+        )
         self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
         cfg = self.config
         # compression="int8": one error-feedback residual per bucket; the header: exact
@@ -492,6 +494,27 @@ class ElasticTrainer:
                 log.info("resumed from checkpoint at step %d", self.committed)
         if self.checkpoints is not None and cfg.checkpoint_every > 0:
             self.checkpoints.check(self.state.nbytes())
+
+    def _device_buckets(self) -> Callable[[torch.device], bool]:
+        """Which parameters' buckets allreduce on their device (``GradBuckets``): those the
+        mesh's GPU path takes (``SyncMesh.gpu``; enabled here for CUDA parameters unless
+        ``gpu_collectives`` is off). int8 compression stages CUDA gradients through host
+        memory (its kernels run on the host side of the TCP ring), and says so once."""
+        cfg = self.config
+        cuda = any(p.is_cuda for p in self._params)
+        if cfg.compression not in (None, "none"):
+            if cuda:
+                log.info(
+                    "compression=%r: CUDA gradients stage through host memory", cfg.compression
+                )
+            return lambda device: False
+        gpu = self.mesh.gpu
+        if gpu is None and cuda and cfg.gpu_collectives:
+            gpu = self.mesh.enable_gpu()
+        if gpu is None:
+            return lambda device: False
+        is_device = gpu.is_device
+        return lambda device: bool(is_device(torch.empty(0, device=device)))
 
     def _attempts(self) -> Iterator[Step]:
         """One step: a ``Step`` whose attempts run inside its ``batches()`` until it
@@ -659,11 +682,11 @@ class ElasticTrainer:
         self._own_nonfinite = False
         self._verdict = None
 
-        def launch(buf: np.ndarray) -> Future[Any]:
+        def launch(buf: Wire) -> Future[Any]:
             self._check_own(buf)
             return ring.submit(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
-        def run(buf: np.ndarray) -> object:
+        def run(buf: Wire) -> object:
             self._check_own(buf)
             return ring.run(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
@@ -676,17 +699,15 @@ class ElasticTrainer:
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
         step.started = time.perf_counter()
 
-    def _check_own(self, buf: np.ndarray) -> None:
-        """Before a bucket's allreduce: are our own gradients in it finite? One float64 sum
-        (it cannot overflow on float32 values; a NaN or an infinity makes it non-finite). If
-        not, we send zeros instead (so the reduced gradients and an int8 residual stay
-        finite) and say so in our gathered row: every member then skips the update alike."""
+    def _check_own(self, buf: Wire) -> None:
+        """Before a bucket's allreduce: are our own gradients in it finite? If not, we send
+        zeros instead (so the reduced gradients and an int8 residual stay finite) and say so
+        in our gathered row: every member then skips the update alike."""
         assert self._buckets is not None
-        n = len(buf) - (len(self._buckets.header) if buf is self._buckets.buffers[-1] else 0)
-        grads = buf[:n]
-        if not np.isfinite(grads.sum(dtype=np.float64)):
+        grads = self._buckets.gradients(buf)
+        if not all_finite(grads):
             self._own_nonfinite = True
-            grads.fill(0.0)
+            grads[:] = 0.0
 
     def _reduce(self, step: Step) -> None:
         """The end of a step's micro-batches: finish the allreduce, check the header."""
@@ -717,12 +738,8 @@ class ElasticTrainer:
                 raise
             step._fail(failure)
         header = [float(v) for v in buckets.header]
-        tail = len(buckets.header)  # (the loss there may be NaN: only gradients count)
-        last = len(buckets.buffers) - 1
-        finite = all(
-            np.isfinite(b[: len(b) - (tail if i == last else 0)].sum(dtype=np.float64))
-            for i, b in enumerate(buckets.buffers)
-        )
+        # (the loss in the header may be NaN: only gradients count)
+        finite = all(all_finite(buckets.gradients(b)) for b in buckets.buffers)
         verdict = self._machine.check_step(
             step.action, header, rows, step.checks, step.announced, bool(finite)
         )

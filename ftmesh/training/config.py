@@ -82,6 +82,12 @@ class TrainerConfig:
     residual per bucket, kept across steps; ``ftmesh.collective.compressed``, or for buckets
     of 2**18 values and more on 3+ members ``ftmesh.collective.shared_scale``);
     the header slots are sent exact. ``None``: float32. Mesh-wide."""
+    gpu_collectives: bool = True
+    """CUDA parameters' gradient buckets allreduce on the GPU: through NCCL (torch's
+    process group, one per view, built on the mesh's ring store) when every member of the
+    view has a GPU and the same NCCL, else staged by the session through the TCP ring.
+    ``False``: staged through host memory always (as with ``compression="int8"``).
+    Mesh-wide (the buckets' layout differs)."""
     data_seed: int = 0
     """Seed of the data order when the trainer is given a ``DataLoader`` (an
     ``ElasticSampler`` has its own). Mesh-wide."""
