@@ -12,6 +12,7 @@ trains, the rest tests.
 import argparse
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
@@ -46,6 +47,18 @@ class Net(nn.Module):
         return output
 
 
+def synced(output, target, loss):
+    """The batch's accuracy over every process and each process's loss, as a metric's
+    ``sync_dist`` and a logging gather compute them when the script runs distributed."""
+    counts = torch.tensor([float(output.argmax(dim=1).eq(target).sum()), float(len(target))])
+    losses = [loss.item()]
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+        losses = [None] * dist.get_world_size()
+        dist.all_gather_object(losses, loss.item())
+    return (counts[0] / counts[1]).item(), sum(losses) / len(losses)
+
+
 def train(args, model, device, train_loader, optimizer, epoch):
     model.train()
     for batch_idx, (data, target) in enumerate(train_loader):
@@ -55,10 +68,11 @@ def train(args, model, device, train_loader, optimizer, epoch):
         loss = F.nll_loss(output, target)
         loss.backward()
         optimizer.step()
+        accuracy, mean_loss = synced(output, target, loss)
         if batch_idx % args.log_interval == 0:
             print(
                 f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)}]"
-                f"\tLoss: {loss.item():.6f}"
+                f"\tLoss: {loss.item():.6f}\tAll: {accuracy:.4f} {mean_loss:.6f}"
             )
             if args.dry_run:
                 break

@@ -109,3 +109,35 @@ def test_nan_gradients_from_one_member_are_skipped_alike(tmp_path: Path) -> None
         assert all(p.proc.poll() is None for p in procs), "a member exited"
     finally:
         stop_all(procs)
+
+
+def test_a_state_check_insider_stops_alone_and_the_others_train_on(tmp_path: Path) -> None:
+    """One float added to an insider's first state-check slot (before: every member exited
+    with ``StateDivergedError`` at the next check step, the message naming nobody). Now each
+    member's own check values are gathered: the honest majority sees its states agree and
+    trains on; the insider, alone with its values, stops with ``StateDivergedError`` naming
+    the groups, and the others then train without it."""
+    procs: list[NodeProcess] = []
+    try:
+        honest = [_start(tmp_path, n) for n in ("h0", "h1")]
+        procs += honest
+        bad = _start(tmp_path, "h2", "--fault", "header-check")
+        procs.append(bad)
+        pair = {p.node_id for p in honest}
+        wait_commit(procs, on_view(pair | {bad.node_id}), timeout=120.0)
+        bad.signal(signal.SIGUSR1)
+        bad.wait_seen(lambda r: r.get("event") == "fault" and r["on"], 10.0)
+        high = max(int(c["step"]) for c in commits(honest[0]))
+        check_every = 100  # TrainerConfig.check_every's default: two check steps after it
+        wait_commit(honest, on_view(pair, high + 2 * check_every), timeout=150.0)
+        assert bad.proc.wait(30.0) != 0
+        stderr = Path(str(bad.stderr_path)).read_text(errors="replace")
+        assert "StateDivergedError" in stderr and bad.node_id in stderr, stderr[-2000:]
+        assert all(p.proc.poll() is None for p in honest), "an honest member exited"
+        by_step: dict[int, set[str]] = {}
+        for p in honest:
+            for c in commits(p):
+                by_step.setdefault(int(c["step"]), set()).add(str(c["digest"]))
+        assert all(len(d) == 1 for d in by_step.values())
+    finally:
+        stop_all(procs)

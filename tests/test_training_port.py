@@ -104,6 +104,7 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
     committed: set[int] = set()
     finals = {}
     firsts = {}
+    synced: dict[int, set[str]] = defaultdict(set)  # step -> the metrics the script printed
     for log in sorted(logs.glob("w*.log")):
         text = log.read_text()
         records = [
@@ -111,6 +112,7 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
             for line in text.splitlines()
             if line.startswith("FTMESH ")
         ]
+        synced_metrics(text, synced)
         steps = [r["step"] for r in records]
         assert steps == sorted(set(steps)), f"{log.name} repeated a step"
         for r in records:
@@ -126,7 +128,26 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
     assert not {s: v for s, v in lrs.items() if len(v) > 1}, "members disagree on the lr"
     for step, (lr,) in lrs.items():  # StepLR(step_size=1): stepped once per epoch, everywhere
         assert lr == pytest.approx(GAMMA ** ((step - 1) // STEPS_PER_EPOCH)), step
+    # The script's dist.all_reduce'd accuracy and all_gather_object'ed mean loss, printed
+    # after a computed step: the same numbers on every worker that printed them.
+    assert len(synced) >= total // 10 - 3, sorted(synced)
+    assert not {s: v for s, v in synced.items() if len(v) > 1}, "workers disagree on a metric"
+    assert any(len(v) == 1 for v in synced.values())
     joiner = firsts["w3"]
     assert joiner["step"] > 101, joiner  # it joined mid-run and went on from where the mesh was
     assert len(finals) == 3 and len(set(finals.values())) == 1, finals  # 2 survivors, 1 joiner
     assert abs(next(iter(finals.values())) - single) <= 0.02, (finals, single)
+
+
+def synced_metrics(text: str, into: dict[int, set[str]]) -> None:
+    """The ``All: <accuracy> <mean loss>`` of each ``Train Epoch`` line, by the step whose
+    progress line precedes it, for steps this worker computed (not adopted ones: the script's
+    values are then those of its failed attempt)."""
+    record: dict[str, object] | None = None
+    for line in text.splitlines():
+        if line.startswith("FTMESH "):
+            record = json.loads(line[len("FTMESH ") :])
+        elif line.startswith("Train Epoch") and record is not None and not record["adopted"]:
+            found = re.search(r"All: (\S+ \S+)$", line)
+            assert found, line
+            into.setdefault(int(str(record["step"])), set()).add(found[1])
