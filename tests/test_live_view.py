@@ -22,6 +22,7 @@ import pytest
 from tests_support import ROOT, local_mesh_config
 
 from ftmesh import Progress, SyncMesh
+from ftmesh.collective.backend import DEVICES_KEY
 from ftmesh.mesh.meta import PROGRESS_KEY, read_member
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -144,9 +145,102 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
         rows = {line.split()[0]: line.split() for line in block.splitlines()[1:]}
         assert rows["NAME"][:4] == ["NAME", "STATE", "ROLE", "STEP"], block
         assert rows["m0"][:4] == ["m0", "alive", "train", "50"], block
-        assert rows["m0"][6:9] == ["400.0", "2", "tcp"], block
+        assert rows["m0"][6:10] == ["400.0", "2", "tcp", "cpu"], block
         assert rows["m1"][:4] == ["m1", "alive", "train", "7"], block
-        assert " ".join(rows["m1"][9:]) == "peer lost 3f2a", block
+        assert " ".join(rows["m1"][10:]) == "peer lost 3f2a", block
+
+
+def _set_devices(mesh: SyncMesh, entry: str) -> None:
+    """Publish ``entry`` as this member's devices, as ``enable_gpu`` does with its own."""
+    node = mesh.mesh.node
+    mesh.call_sync(lambda: node.update_meta({**node.me().meta, DEVICES_KEY: entry}))
+
+
+def _status(registry: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ftmesh", "status", "--mesh", "gpus",
+         "--registry-dir", str(registry), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_status_shows_devices_and_the_view_backend(tmp_path: Path) -> None:
+    """Three members: one advertises a GPU with NCCL 2.21.5, one publishes a devices entry
+    that does not parse, one none. ``status`` shows each member's devices (``?`` for the
+    bad one, warned about) and the view's backend as the members derive it: staged, with
+    why; once all three advertise the same NCCL, nccl."""
+    registry = tmp_path / "registry"
+    base = local_mesh_config(registry, "gpus")
+    cfgs = [replace(base, node=replace(base.node, name=n)) for n in ("g0", "g1", "g2")]
+    with (
+        SyncMesh.start(cfgs[0]) as g0,
+        SyncMesh.start(cfgs[1]) as g1,
+        SyncMesh.start(cfgs[2]) as g2,
+    ):
+        g0.wait_view(min_members=3, timeout=30)
+        _set_devices(g0, "cuda=1,nccl=22105")
+        _set_devices(g1, "cuda=1;nccl=22105")
+
+        def entries() -> dict[str, object] | None:
+            """The entries every member sees, if they all see the same (status may ask any)."""
+            seen = [{m.name: m.meta.get(DEVICES_KEY) for m in g.members()} for g in (g0, g1, g2)]
+            return seen[0] if all(s == seen[0] for s in seen) else None
+
+        want = {"g0": "cuda=1,nccl=22105", "g1": "cuda=1;nccl=22105", "g2": None}
+        _until(lambda: entries() == want or None, 10, "every member sees both entries")
+        table = _status(registry)
+        as_json = _status(registry, "--json")
+        watch = _status(registry, "--watch", "--count", "1")
+        watch_json = _status(registry, "--watch", "--count", "1", "--json")
+        _set_devices(g1, "cuda=2,nccl=22105")
+        _set_devices(g2, "cuda=1,nccl=22105")
+        done = {"g0": "cuda=1,nccl=22105", "g1": "cuda=2,nccl=22105", "g2": "cuda=1,nccl=22105"}
+        _until(lambda: entries() == done or None, 10, "every member sees every GPU")
+        nccl = _status(registry)
+    for res in (table, as_json, watch, watch_json, nccl):
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    staged = (
+        "view backend (3 members): tcp ring (host buffers; GPU buffers staged: "
+        "g1: devices entry does not parse; g2: no GPU)"
+    )
+    # Plain status: a DEVICES column, the backend line last, the bad entry warned about.
+    lines = table.stdout.splitlines()
+    header = lines[0].split()
+    assert header[5:] == ["DEVICES", "META"], table.stdout
+    cells = {ln.split()[0]: ln.split()[5] for ln in lines[1:-1]}
+    assert cells == {"g0": "cuda=1,nccl=2.21.5", "g1": "?", "g2": "cpu"}, table.stdout
+    assert lines[-1] == staged, table.stdout
+    assert "warning: g1: devices does not parse: 'cuda=1;nccl=22105'" in table.stderr
+    # --json: still a list of members, each with its devices.
+    by_name = {m["name"]: m for m in json.loads(as_json.stdout)}
+    assert by_name["g0"]["devices"] == {"cuda": 1, "nccl": 22105, "nccl_version": "2.21.5"}
+    assert by_name["g1"]["devices"] is None and "does not parse" in by_name["g1"]["devices_problem"]
+    assert by_name["g2"]["devices"] is None and "devices_problem" not in by_name["g2"]
+    # --watch: the DEVICES column (before LAST FAULT) and the backend line under the table.
+    block = watch.stdout.strip().splitlines()
+    watch_rows = {ln.split()[0]: ln.split() for ln in block[1:-1]}
+    columns = watch_rows["NAME"][10:]  # (the header's STEP TIME is two words)
+    assert columns == ["DEVICES", "LAST", "FAULT"], watch.stdout
+    got = {n: watch_rows[n][9] for n in ("g0", "g1", "g2")}
+    assert got == {"g0": "cuda=1,nccl=2.21.5", "g1": "?", "g2": "cpu"}, watch.stdout
+    assert block[-1] == staged, watch.stdout
+    # --watch --json: each member's devices and the read's backend.
+    (read,) = [json.loads(line) for line in watch_json.stdout.splitlines()]
+    backend = read["backend"]
+    assert backend["gpu_buffers"] == "staging" and backend["host_buffers"] == "tcp"
+    assert sorted(backend["members"]) == ["g0", "g1", "g2"] and backend["line"] == staged
+    assert backend["staged_because"] == ["g1: devices entry does not parse", "g2: no GPU"]
+    watch_by_name = {m["name"]: m for m in read["members"]}
+    assert watch_by_name["g0"]["devices"]["nccl_version"] == "2.21.5"
+    assert "devices_problem" in watch_by_name["g1"]
+    # Every member on NCCL 2.21.5: the view takes it for GPU buffers.
+    assert nccl.stdout.splitlines()[-1] == (
+        "view backend (3 members): nccl (NCCL 2.21.5 on every member; host buffers: tcp ring)"
+    ), nccl.stdout
+    assert "devices" not in nccl.stderr, nccl.stderr
 
 
 def _records(path: Path) -> dict[str, dict[int, int]]:

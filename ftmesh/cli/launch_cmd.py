@@ -71,7 +71,8 @@ from ..membership.messages import MemberState
 from ..settings import DEFAULT_MESH, ENV, Settings
 from .args import MEMBER_FLAGS, add_settings_args, settings_from_args
 from .devices import free_slot, visible_gpus, worker_env
-from .live_view import BackgroundReader, MemberRow, MeshReader, live_view_available, shown
+from .escape import shown
+from .live_view import BackgroundReader, MemberRow, MeshReader, live_view_available
 from .worker_cmd import Target, add_target_args, add_worker_parser
 
 PROGRESS_PREFIX = "FTMESH "

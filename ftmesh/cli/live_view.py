@@ -8,7 +8,9 @@ after the first answer it asks the alive members of the last list (a random one 
 goes back to discovery only when none of them answers. What each member shows (step, step
 time, share, samples/s, world, backend, last fault) is the ``progress`` it publishes in its
 metadata (``ftmesh.mesh.meta.Progress``), validated by ``read_member`` like every other key:
-a member whose metadata does not parse is shown as unusable, never a crash.
+a member whose metadata does not parse is shown as unusable, never a crash. Its devices are
+its ``devices`` entry (``ftmesh.cli.gpu_view``: ``cpu`` without one, ``?`` for one that does
+not parse). What members publish is shown through ``escape.shown``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from ..mesh.meta import BadMetadataError, MemberInfo, read_member
 from ..net.frames import exchange_push_pull
 from ..security import MeshAuth
 from ..settings import Settings
+from .escape import shown
+from .gpu_view import devices_cell
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -188,8 +192,9 @@ class MemberRow:
         info = self.info
         role = "unusable" if info is None else info.role or "-"
         p = None if info is None else info.progress
+        devices = devices_cell(self.snapshot.meta)
         if p is None:
-            progress: tuple[str, ...] = ("-",) * 7
+            progress: tuple[str, ...] = ("-",) * 6 + (devices, "-")
         else:
             progress = (
                 str(p.step),
@@ -198,24 +203,14 @@ class MemberRow:
                 f"{p.sps:.1f}",
                 str(p.world),
                 shown(p.backend),
+                devices,
                 shown(p.fault) or "-",
             )
         return (shown(self.name), self.state, shown(role), *progress)
 
 
-def shown(text: object) -> str:
-    """``text`` from the network as an observer shows it: control characters (terminal
-    escape sequences, line breaks) written as Python escapes (``\\x1b``), so a member's name
-    or progress text can neither move the cursor nor recolour the terminal. (``rich`` gets
-    it as plain ``Text``, never markup: ``[/oops]`` is shown as written.)"""
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
-
-
 COLUMNS: tuple[str, ...] = ("NAME", "STATE", "ROLE", "STEP", "STEP TIME", "SHARE")
-COLUMNS += ("SAMPLES/S", "WORLD", "BACKEND", "LAST FAULT")
+COLUMNS += ("SAMPLES/S", "WORLD", "BACKEND", "DEVICES", "LAST FAULT")
 
 
 def member_rows(members: list[MemberSnapshot]) -> list[MemberRow]:

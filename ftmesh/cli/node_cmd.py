@@ -15,7 +15,7 @@ import trio
 from ..logs import event_record
 from ..net.node import Node, NodeConfig, open_node
 from .args import settings_from_args
-from .live_view import shown
+from .escape import shown
 
 
 def node_config_from_args(args: argparse.Namespace) -> NodeConfig:

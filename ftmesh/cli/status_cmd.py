@@ -5,6 +5,14 @@ told: a member that expects more members (``--start-peers``, metadata ``expect``
 mesh holds, and members still waiting to start. That is what a split looks like from inside
 one of its parts.
 
+Each member's devices (the ``devices`` entry a member with the GPU path enabled publishes:
+``cpu`` without one, ``?`` for one that does not parse, which is also warned about) are a
+column, and a last line says which backend the current view's collectives take, as every
+member derives it from that metadata (``ftmesh.cli.gpu_view``): ``nccl`` when every member of
+the view has a GPU and the same NCCL, else GPU buffers staged over the TCP ring, with the
+reason. ``--json`` keeps its shape (a list of members: scripts read it) and gives each member
+its ``devices``; ``--watch --json`` also gives each read's ``backend``.
+
 ``--watch`` reads the member list again every ``--interval`` seconds (``MeshReader``, still as
 an observer) and redraws the table of the members' progress, as they publish it in their
 metadata (``ftmesh.cli.live_view``): a ``rich`` live table on a terminal, a block of plain
@@ -37,6 +45,8 @@ from ..membership.messages import MemberSnapshot, MemberState
 from ..mesh.meta import BadMetadataError, read_member, role_of
 from ..settings import DEFAULT_MESH, EXPECT_KEY, Settings
 from .args import settings_from_args
+from .escape import shown
+from .gpu_view import UNREADABLE, ViewBackend, describe_view, devices_cell, devices_json
 from .live_view import (
     MemberRow,
     MeshReader,
@@ -44,7 +54,6 @@ from .live_view import (
     member_rows,
     plain_table,
     rich_table,
-    shown,
 )
 
 
@@ -67,6 +76,21 @@ def formation_warnings(members: list[MemberSnapshot]) -> list[str]:
     return out
 
 
+def devices_warnings(members: list[MemberSnapshot]) -> list[str]:
+    """Members whose ``devices`` entry does not parse (shown as ``?``)."""
+    out = []
+    for m in sorted(members, key=lambda m: m.name):
+        why = devices_json(m.meta).get("devices_problem")
+        if why:
+            out.append(f"{shown(m.name)}: {why}; shown as {UNREADABLE}, counted as no GPU")
+    return out
+
+
+def backend_line(view: ViewBackend | None) -> str:
+    """The view's backend for a person."""
+    return "view backend: none (no alive training member, no view)" if view is None else view.line()
+
+
 def problem(m: MemberSnapshot) -> str:
     """Why the mesh leaves ``m`` out (its metadata does not parse), or ``""``."""
     try:
@@ -77,7 +101,7 @@ def problem(m: MemberSnapshot) -> str:
 
 
 def _table(members: list[MemberSnapshot]) -> str:
-    rows = [("NAME", "ID", "ADDRESS", "STATE", "INC", "META")]
+    rows = [("NAME", "ID", "ADDRESS", "STATE", "INC", "DEVICES", "META")]
     order = sorted(members, key=lambda m: (m.state, m.name))
     for m in order:
         meta = ",".join(f"{k}={v}" for k, v in sorted(m.meta.items()))
@@ -89,6 +113,7 @@ def _table(members: list[MemberSnapshot]) -> str:
                 f"{m.addr[0]}:{m.addr[1]}",
                 MemberState(m.state).name.lower(),
                 str(m.incarnation),
+                devices_cell(m.meta),
                 meta,
             )
         )
@@ -107,6 +132,7 @@ def _json(members: list[MemberSnapshot]) -> list[dict[str, Any]]:
             "state": MemberState(m.state).name.lower(),
             "incarnation": m.incarnation,
             "meta": m.meta,
+            **devices_json(m.meta),
             **({"problem": p} if (p := problem(m)) else {}),
         }
         for m in members
@@ -146,7 +172,8 @@ async def _amain(args: argparse.Namespace) -> int:
         print(json.dumps(_json(members), indent=2))
     else:
         print(_table(members))
-    for warning in formation_warnings(members):
+        print(backend_line(describe_view(members)))
+    for warning in [*formation_warnings(members), *devices_warnings(members)]:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
 
@@ -178,16 +205,19 @@ async def _watch(args: argparse.Namespace, reader: MeshReader, mesh: str) -> int
             done += 1
             title = f"mesh {mesh} at {time.strftime('%H:%M:%S')}: {len(members)} members"
             rows = member_rows(members)
+            view = describe_view(members)
+            below = shown(error) if error else backend_line(view)
             if args.json:
-                print(json.dumps({"time": time.time(), "members": _watch_json(rows)}))
+                backend = None if view is None else view.as_json()
+                read = {"time": time.time(), "members": _watch_json(rows), "backend": backend}
+                print(json.dumps(read))
             elif live is not None:
                 from rich.console import Group
                 from rich.text import Text
 
-                live.update(Group(rich_table(rows, title), Text(shown(error))), refresh=True)
+                live.update(Group(rich_table(rows, title), Text(below)), refresh=True)
             else:
-                error = shown(error)
-                print(f"{title}\n{plain_table(rows)}" + (f"\n{error}" if error else "") + "\n")
+                print(f"{title}\n{plain_table(rows)}\n{below}\n")
             sys.stdout.flush()
             if args.count == 0 or done < args.count:
                 await trio.sleep_until(started + args.interval)
@@ -206,6 +236,7 @@ def _watch_json(rows: list[MemberRow]) -> list[dict[str, Any]]:
                 "state": row.state,
                 "role": None if row.info is None else row.info.role,
                 "progress": None if p is None else dataclasses.asdict(p),
+                **devices_json(row.snapshot.meta),
                 **({"problem": row.problem} if row.problem else {}),
             }
         )
