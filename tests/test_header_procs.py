@@ -78,11 +78,17 @@ def test_a_header_insider_is_named_and_left_out(tmp_path: Path, fault: str, name
         stop_all(procs)
 
 
-def test_nan_gradients_from_one_member_are_skipped_alike(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_nan_gradients_from_one_member_are_skipped_alike(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """With int8 too: the NaN member sends zeros (so the error-feedback residuals of every
+    member stay finite) and says so in its row."""
+    extra = ("--compression", compression) if compression else ()
     procs: list[NodeProcess] = []
     try:
-        procs = [_start(tmp_path, n) for n in ("h0", "h1")]
-        bad = _start(tmp_path, "h2", "--fault", "nan-grads")
+        procs = [_start(tmp_path, n, *extra) for n in ("h0", "h1")]
+        bad = _start(tmp_path, "h2", "--fault", "nan-grads", *extra)
         procs.append(bad)
         trio = {p.node_id for p in procs}
         wait_commit(procs, on_view(trio), timeout=120.0)

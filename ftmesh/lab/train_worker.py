@@ -168,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--secret-file", default=None, help="mesh secret(s), one per line")
     p.add_argument("--fault", choices=insider.FAULTS, help="be a faulty member (tests)")
     p.add_argument("--fault-on-start", action="store_true", help="the fault is on from the start")
+    p.add_argument("--compression", choices=["int8"], default=None, help="gradient compression")
     p.add_argument(
         "--gpu-standin",
         action="store_true",
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gpu_standin:
         _enable_gpu_standin(mesh)
-    trainer = ElasticTrainer(mesh, model, optimizer, sampler)
+    trainer = ElasticTrainer(mesh, model, optimizer, sampler, compression=args.compression)
 
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
         i = torch.from_numpy(idx)
