@@ -128,6 +128,49 @@ def test_collective_deadline_aborts_and_the_next_call_rebuilds() -> None:
     assert f.events.count(f"create {v.epoch}") == 2  # a fresh communicator, fresh id
 
 
+def test_a_collective_waits_for_a_member_busy_between_steps_up_to_start_wait() -> None:
+    """While ``b`` declares itself busy between steps (an evaluation), the collective waiting
+    for it outlives ``op_timeout`` (7 s here) and completes when ``b`` comes; busy for longer
+    than ``start_wait`` past it, or not busy at all, the deadline stands."""
+    f, clock = FakeFactory(), FakeClock()
+    busy: list[str] = []
+    m = EpochManager(
+        "a",
+        f,
+        FakeControl(),
+        config=EpochConfig(init_timeout=5.0, op_timeout=7.0, start_wait=60.0),
+        busy=lambda view: [n for n in busy if n in view],
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    v = view_of("a", "b")
+    m.allreduce(v, np.ones(2, np.float32))
+    f.op_hangs, busy[:] = True, ["b"]
+    start = clock.now
+
+    def comes_back(dt: float) -> None:  # b ends its evaluation 40 s after the call began
+        FakeClock.sleep(clock, dt)
+        if clock.now - start >= 40.0:
+            f.op_hangs = False
+            busy.clear()
+
+    m._sleep = comes_back
+    m.allreduce(v, np.ones(2, np.float32))
+    assert 40.0 <= clock.now - start < 41.0 and f.groups == []
+    m._sleep = clock.sleep
+    f.op_hangs, busy[:] = True, ["b"]
+    start = clock.now
+    with pytest.raises(PeerStalledError):
+        m.allreduce(v, np.ones(2, np.float32))
+    assert 67.0 <= clock.now - start < 68.0  # op_timeout + start_wait
+    assert m.wait_aborts(10)
+    f.op_hangs, busy[:] = True, []
+    start = clock.now
+    with pytest.raises(PeerStalledError):
+        m.allreduce(v, np.ones(2, np.float32))
+    assert 7.0 <= clock.now - start < 7.5
+
+
 @pytest.mark.parametrize(
     ("code", "error", "kind"),
     [(6, RingPeerLostError, AbortKind.PEER_LOST), (3, CollectiveError, AbortKind.COMM_FAILED)],

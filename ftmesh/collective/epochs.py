@@ -24,7 +24,9 @@ tested without a GPU.
    back.
 3. *Collectives with a deadline.* A collective is enqueued on the caller's stream and polled
    until done, until ``op_timeout`` passes (the communicator is aborted and
-   ``PeerStalledError`` raised), or until an abort arrives.
+   ``PeerStalledError`` raised), or until an abort arrives. While a member of the view
+   declares itself busy between steps (``busy``: evaluating, saving), the deadline moves on,
+   up to ``start_wait`` more, so the user's time between steps fails no attempt.
 4. *Aborts.* ``peer_suspected`` (membership's suspicion, from any thread) aborts at once the
    communicator of every view holding that peer, so a collective waiting for a frozen or dead
    peer fails in the next poll (sub-millisecond), not at a timeout, and later collectives on
@@ -228,6 +230,13 @@ class EpochConfig:
     """Bounds of the pause between two polls of a pending init or collective (seconds; the
     pause doubles from ``poll_min``). The maximum bounds the latency an abort or a completed
     collective waits for; the minimum keeps a short collective from paying a full pause."""
+    start_wait: float = 600.0
+    """Seconds a collective may wait past ``op_timeout`` while a member of its view declares
+    itself busy between steps (evaluating, saving: ``busy``), as the TCP ring's
+    ``CollectiveConfig.start_wait``: the user's time between steps fails nobody's attempt.
+    Membership still ends the wait at once for a member suspected, dead or gone. A library
+    with a timeout of its own (torch's process groups) must allow ``op_timeout +
+    start_wait``."""
     abort_timeout: float = 30.0
     """Seconds a new communicator waits for the aborts of the old ones (never build one on a
     GPU where another is still being torn down, pytorch#119797). Aborts run in their own
@@ -240,6 +249,8 @@ class EpochConfig:
         for name in ("init_timeout", "op_timeout", "poll_min", "poll_max", "abort_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds")
+        if not 0 <= self.start_wait < float("inf"):
+            raise ConfigError(f"start_wait must be >= 0 seconds, got {self.start_wait}")
         if self.poll_min > self.poll_max or self.max_aborted_views < 1:
             raise ConfigError("poll_min must be <= poll_max and max_aborted_views >= 1")
 
@@ -348,15 +359,19 @@ class EpochManager:
         choose: Chooser | None = None,
         fallback: Fallback | None = None,
         config: EpochConfig | None = None,
+        busy: Callable[[RingView], list[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """``busy(view)``: the other members of ``view`` that declare themselves busy between
+        steps now (a collective waits for them up to ``start_wait`` past ``op_timeout``)."""
         self.node_id = node_id
         self.config = config or EpochConfig()
         self._factory = factory
         self._control = control
         self._choose = choose or (lambda _view: Backend.NCCL)
         self._fallback = fallback
+        self._busy = busy
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
@@ -393,7 +408,7 @@ class EpochManager:
                 assert comm is not None
                 self._call(ep, lambda: comm.start(op))
                 pause = getattr(comm, "pause", None)  # optional: woken when the op is done
-                self._wait(ep, op.kind.value, comm.done, self.config.op_timeout, pause)
+                self._wait(ep, op.kind.value, comm.done, self.config.op_timeout, pause, True)
             self._count("collectives")
             return CollectiveResult(view.epoch, view.node_ids, op.buffer)
         finally:
@@ -549,16 +564,34 @@ class EpochManager:
         cond: Callable[[], bool],
         timeout: float,
         pause_fn: Callable[[float], object] | None = None,
+        may_wait_busy: bool = False,
     ) -> None:
-        deadline = self._clock() + timeout
+        """Poll ``cond`` until it holds, ``ep`` is aborted or ``timeout`` passes; with
+        ``may_wait_busy``, the deadline moves on (at most ``start_wait`` in all) while a member
+        of the view is busy between steps."""
+        now = self._clock()
+        deadline, latest = now + timeout, now + timeout + self.config.start_wait
         pause = self.config.poll_min
+        waited_for: list[str] = []
         while True:
             if ep.reason is not None:
                 raise error_for(ep.reason, ep.view.epoch)
             if self._call(ep, cond):
                 return
-            if self._clock() >= deadline:
-                self._fail(ep, self._deadline(phase, timeout))
+            now = self._clock()
+            if now >= deadline:
+                busy = self._busy(ep.view) if may_wait_busy and self._busy is not None else []
+                if not busy or now >= latest:
+                    self._fail(ep, self._deadline(phase, timeout))
+                if busy != waited_for:
+                    waited_for = busy
+                    log.info(
+                        "GPU %s on view %s waits for %s: busy between steps",
+                        phase,
+                        ep.view.epoch,
+                        ", ".join(busy),
+                    )
+                deadline = min(now + self.config.poll_max * 100, latest)
             (pause_fn or self._sleep)(pause)
             pause = min(pause * 2, self.config.poll_max)
 

@@ -308,11 +308,13 @@ def _enable_gpu_standin(mesh: SyncMesh) -> None:
     from ..collective.epochs import EpochConfig
     from ..collective.torch_pg import TorchPGFactory
 
-    factory = TorchPGFactory(mesh.session, "gloo", init_timeout=20.0, op_timeout=60.0)
+    config = EpochConfig(init_timeout=30.0, op_timeout=60.0)
+    waits = config.op_timeout + config.start_wait  # (the group's own timeout: see EpochConfig)
+    factory = TorchPGFactory(mesh.session, "gloo", init_timeout=20.0, op_timeout=waits)
     mesh.enable_gpu(
         factory=factory,
         devices=DeviceInfo(cuda=1, nccl=1),
-        config=EpochConfig(init_timeout=30.0, op_timeout=60.0),
+        config=config,
         is_device=lambda x: isinstance(x, torch.Tensor),
     )
 

@@ -9,6 +9,9 @@ pieces of ``ftmesh.collective``:
   view's session (``SessionRing``: authenticated, ordered with the view's other
   collectives), whose root chooses the view's backend from every member's validated metadata
   (``backend.view_backend``) and whose fallback is host staging on that ring;
+* the members of a view that declare themselves busy between steps (``Mesh``'s reading of
+  their published progress), for which a GPU collective waits up to
+  ``EpochConfig.start_wait`` as the TCP ring does;
 * ``follow_membership``, a task in the mesh's trio thread that forwards membership's
   verdicts: a member suspected, dead or gone aborts the GPU collectives of its views at once,
   and every view change aborts the communicator of the view left.
@@ -79,11 +82,21 @@ def enable_gpu(
         infos = [parse_devices(metas.get(nid, {})) for nid in view.node_ids]
         return view_backend(infos)
 
+    inner = mesh.mesh
+
+    def busy(view: RingView) -> list[str]:
+        return [n for n in view.node_ids if n != mesh.node_id and inner.busy_between_steps(n)]
+
     manager = EpochManager(
-        mesh.node_id, factory, TcpControl(ring), choose=choose, fallback=staging, config=config
+        mesh.node_id,
+        factory,
+        TcpControl(ring),
+        choose=choose,
+        fallback=staging,
+        config=config,
+        busy=busy,
     )
     info = devices if devices is not None else local_devices()
-    inner = mesh.mesh
     node = inner.node
     mesh.call_sync(lambda: node.update_meta({**node.me().meta, DEVICES_KEY: info.to_meta()}))
     mesh.call_sync(trio.lowlevel.spawn_system_task, follow_membership, node, manager, inner.view)
