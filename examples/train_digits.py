@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="report the state digest every N steps (tests compare members)",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model trains: cpu, or cuda (each worker of `ftmesh launch` sees its own "
+        "GPU; the gradients then reduce on the GPU through NCCL when every worker has one)",
+    )
     p.add_argument("--single", action="store_true", help="train in one process, no mesh")
     p.add_argument(
         "--shard-optimizer",
@@ -194,8 +200,9 @@ def main() -> int:
     )
 
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_data(args.seed)
-    model = DigitsNet()
+    device = torch.device(args.device)
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
+    model = DigitsNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = ElasticSampler(len(x_train), args.global_batch, seed=args.seed)
     total = args.epochs * sampler.steps_per_epoch
@@ -205,7 +212,7 @@ def main() -> int:
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
         if args.log_indices:
             trained.append(idx)
-        i = torch.from_numpy(idx)
+        i = torch.from_numpy(idx).to(device)
         return F.cross_entropy(model(x_train[i]), y_train[i])
 
     started = time.monotonic()

@@ -90,7 +90,7 @@ def test_launch_module_respawn_slots_and_a_late_joiner(tmp_path: Path) -> None:
         [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp_path),
          "-n", "2", "--respawn", "--kill-at", "3", "--join-at", "172",
          "-m", "examples.train_digits", "--epochs", "4", "--step-delay", "0",
-         "--min-peers", "2"],
+         "--min-peers", "2", "--device", "cpu"],
         capture_output=True,
         text=True,
         timeout=600,
