@@ -6,9 +6,13 @@ pieces of ``ftmesh.collective``:
 
 * it advertises this member's devices (``backend.local_devices``) in its member metadata;
 * an ``epochs.EpochManager`` whose control channel is the view's TCP ring, reached through the
-  view's session (``SessionRing``: authenticated, ordered with the view's other
-  collectives), whose root chooses the view's backend from every member's validated metadata
-  (``backend.view_backend``) and whose fallback is host staging on that ring;
+  view's session (authenticated, on the view's agreed ring), whose root chooses the view's
+  backend from every member's validated metadata (``backend.view_backend``), whose library is
+  torch's ``ProcessGroupNCCL`` per view epoch, rendezvousing on that ring
+  (``torch_pg.TorchPGFactory``: ftmesh's one NCCL binding), and whose fallback is host
+  staging on that ring. All three -- control channel, store rounds, staging -- run inside a
+  collective of this member (the session's call that reached the GPU path), so they use the
+  sessions through ``session.nested_sessions``, outside the order of ``ViewSession.run``;
 * ``follow_membership``, a task in the mesh's trio thread that forwards membership's
   verdicts: a member suspected, dead or gone aborts the GPU collectives of its views at once,
   and every view change aborts the communicator of the view left.
@@ -35,7 +39,7 @@ from ..collective.backend import (
 )
 from ..collective.epochs import CommFactory, EpochConfig, EpochManager, GpuCall
 from ..collective.ops import Kind
-from ..collective.session import GpuPath, SessionRing
+from ..collective.session import GpuPath, NestedSession, SessionRing, nested_sessions
 from ..collective.tcp_backend import TcpControl
 from ..net.node import Node
 
@@ -54,6 +58,22 @@ async def follow_membership(
         manager.view_changed(current_view())
 
 
+def torch_factory(
+    sessions: Callable[[RingView], NestedSession], config: EpochConfig, backend: str = "nccl"
+) -> CommFactory:
+    """The default library: torch's process group per view epoch (``"gloo"`` only in tests),
+    its rendezvous deadline inside the manager's (``TorchPGFactory.init_timeout``) and its own
+    collective timeout the manager's. Imported here, so ``import ftmesh`` loads no torch."""
+    from ..collective.torch_pg import TorchPGFactory
+
+    return TorchPGFactory(
+        sessions,
+        backend,
+        init_timeout=config.init_timeout * 5 / 6,
+        op_timeout=config.op_timeout,
+    )
+
+
 def enable_gpu(
     mesh: SyncMesh,
     factory: CommFactory | None,
@@ -62,11 +82,11 @@ def enable_gpu(
     is_device: Callable[[Any], bool],
 ) -> GpuPath:
     """See ``SyncMesh.enable_gpu``."""
+    config = config or EpochConfig()
+    sessions = nested_sessions(mesh.session)
     if factory is None:
-        from ..collective.nccl import NcclFactory
-
-        factory = NcclFactory()
-    ring = SessionRing(mesh.session)
+        factory = torch_factory(sessions, config)
+    ring = SessionRing(sessions)
 
     def staging(view: RingView, call: GpuCall) -> None:
         if call.kind is Kind.ALLREDUCE:
@@ -90,4 +110,4 @@ def enable_gpu(
     return GpuPath(manager, is_device, mesh.view)
 
 
-__all__ = ["enable_gpu", "follow_membership"]
+__all__ = ["enable_gpu", "follow_membership", "torch_factory"]
