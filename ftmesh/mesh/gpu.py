@@ -59,18 +59,15 @@ async def follow_membership(
 
 
 def torch_factory(
-    sessions: Callable[[RingView], NestedSession], config: EpochConfig, backend: str = "nccl"
+    sessions: Callable[[RingView], NestedSession], config: EpochConfig
 ) -> CommFactory:
-    """The default library: torch's process group per view epoch (``"gloo"`` only in tests),
-    its rendezvous deadline inside the manager's (``TorchPGFactory.init_timeout``) and its own
-    collective timeout the manager's. Imported here, so ``import ftmesh`` loads no torch."""
+    """The default library: torch's ``ProcessGroupNCCL`` per view epoch, its rendezvous
+    deadline inside the manager's (``TorchPGFactory.init_timeout``), its own collective timeout
+    the manager's. ``torch_pg`` is imported here, when a member enables its GPU path."""
     from ..collective.torch_pg import TorchPGFactory
 
     return TorchPGFactory(
-        sessions,
-        backend,
-        init_timeout=config.init_timeout * 5 / 6,
-        op_timeout=config.op_timeout,
+        sessions, "nccl", init_timeout=config.init_timeout * 5 / 6, op_timeout=config.op_timeout
     )
 
 
