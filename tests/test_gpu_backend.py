@@ -1,39 +1,33 @@
-"""Backend selection from member metadata, and the NCCL layer's logic without a GPU: the
-communicator's polls and grouped aborts on a scripted driver, CuPy's blocking init in its
-helper thread, and that nothing imports CuPy or NCCL unless asked."""
+"""Backend selection from member metadata, the dtypes that run on NCCL, and what a member
+advertises: its CUDA devices and the NCCL version of torch's ``ProcessGroupNCCL`` (the one
+NCCL binding), probed without importing anything at ``import ftmesh``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import threading
-from collections.abc import Sequence
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftmesh.collective.aborts import CommFailure
 from ftmesh.collective.backend import (
     DEVICES_KEY,
+    NCCL_DTYPES,
     Backend,
     DeviceInfo,
     call_backend,
     local_devices,
+    nccl_version_code,
     parse_devices,
     view_backend,
 )
-from ftmesh.collective.nccl import (
-    ABORTED,
-    IN_PROGRESS,
-    NcclCommunicator,
-    NcclFactory,
-    NcclUnavailableError,
-    _code_of,
-    _PendingInit,
-    load_driver,
-)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_parse_devices_accepts_only_well_formed_entries() -> None:
@@ -80,6 +74,29 @@ def test_call_backend() -> None:
     assert call_backend(Backend.NCCL, on_gpu=True, dtype="bfloat16") is Backend.NCCL
     assert call_backend(Backend.NCCL, on_gpu=True, dtype="int16") is Backend.STAGING
     assert call_backend(Backend.STAGING, on_gpu=True, dtype="float32") is Backend.STAGING
+    # NCCL has uint32/uint64, torch's ProcessGroupNCCL does not map them: they stage
+    for dtype in ("uint32", "uint64", "bool", "complex64", ""):
+        assert call_backend(Backend.NCCL, on_gpu=True, dtype=dtype) is Backend.STAGING, dtype
+
+
+TORCH_NCCL_TABLE = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64", "bfloat16")
+"""torch's ``ncclDataType`` map (c10d's NCCLUtils.hpp, torch 2.4-2.11), less ``bool`` (summed as
+max) and float8 (sent as uint8): the dtypes ftmesh may hand to ``ProcessGroupNCCL``."""
+
+
+def test_the_nccl_dtypes_are_torch_processgroupnccls() -> None:
+    torch = pytest.importorskip("torch")
+    assert set(TORCH_NCCL_TABLE) == NCCL_DTYPES
+    for name in NCCL_DTYPES:  # the names GpuPath reads off a tensor's dtype
+        assert str(getattr(torch, name)).removeprefix("torch.") == name
+
+
+def test_nccl_version_code_is_ncclGetVersions() -> None:
+    assert nccl_version_code((2, 21, 5)) == 22105
+    assert nccl_version_code((2, 32, 3)) == 23203
+    assert nccl_version_code((2, 9, 6)) == 20906  # the new encoding starts at 2.9
+    assert nccl_version_code((2, 8, 4)) == 2804  # NCCL_VERSION before 2.9: major*1000 + ...
+    assert nccl_version_code([3, 0, 1, "+cuda12"]) == 30001
 
 
 def test_this_machine_has_no_gpu_and_says_so() -> None:
@@ -87,95 +104,89 @@ def test_this_machine_has_no_gpu_and_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CPU machine's answer; tests/gpu/run_device_check.py covers a GPU's")
     assert local_devices() == DeviceInfo(0, 0)
-    with pytest.raises(NcclUnavailableError, match=r"nccl4py.*cupy"):
-        load_driver()
 
 
-def test_importing_ftmesh_and_the_gpu_modules_imports_neither_cupy_nor_nccl() -> None:
+def test_importing_ftmesh_and_the_gpu_modules_imports_neither_torch_nor_cupy() -> None:
     code = (
         "import sys, ftmesh, ftmesh.native, ftmesh.native.reference, ftmesh.native.nvrtc\n"
-        "import ftmesh.native.launchers, ftmesh.collective.nccl, ftmesh.collective.epochs\n"
-        "import ftmesh.collective.tcp_backend\n"
+        "import ftmesh.native.launchers, ftmesh.collective.epochs, ftmesh.collective.backend\n"
+        "import ftmesh.collective.tcp_backend, ftmesh.collective.torch_pg, ftmesh.mesh.gpu\n"
+        "bad = [m for m in ('torch', 'cupy', 'nccl') if m in sys.modules]\n"
+        "assert not bad, bad\n"
         "from ftmesh.collective.backend import local_devices; local_devices()\n"
-        "bad = [m for m in ('cupy', 'nccl') if m in sys.modules]\n"
+        "bad = [m for m in ('cupy', 'nccl') if m in sys.modules]\n"  # torch: it asks torch
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
 
 
-class ScriptedDriver:
-    """An ``NcclDriver`` that returns the codes it is given, one per poll."""
-
-    nonblocking = True
-
-    def __init__(self, codes: list[int]) -> None:
-        self.codes = codes
-        self.groups: list[list[Any]] = []
-
-    def version(self) -> int:
-        return 23203
-
-    def unique_id(self) -> bytes:
-        return b"i" * 128
-
-    def init(self, nranks: int, rank: int, uid: bytes) -> Any:
-        return ("comm", nranks, rank)
-
-    def async_error(self, handle: Any) -> int:
-        return self.codes.pop(0) if len(self.codes) > 1 else self.codes[0]
-
-    def error_string(self, handle: Any, code: int) -> str:
-        return f"scripted error {code}"
-
-    def collective(self, handle: Any, op: Any, buf: Any) -> None:
-        raise AssertionError("not on CPU")
-
-    def abort_group(self, handles: Sequence[Any]) -> None:
-        self.groups.append(list(handles))
-
-
-def test_communicator_polls_errors_and_grouped_abort() -> None:
-    from ftmesh.collective.view import Peer, RingView
-
-    view = RingView.of([Peer("a", "h", 1), Peer("b", "h", 2)])
-    driver = ScriptedDriver([IN_PROGRESS, IN_PROGRESS, 0])
-    factory = NcclFactory(driver)
-    comm = factory.create(view, "b", b"i" * 128)
-    assert comm.handle == ("comm", 2, 1)
-    assert [comm.ready(), comm.ready(), comm.ready()] == [False, False, True]
-    assert comm.done()  # nothing started
-    driver.codes = [6]
-    with pytest.raises(CommFailure, match="scripted error 6") as info:
-        comm.ready()
-    assert info.value.code == 6
-    other = NcclCommunicator(driver, "second")
-    factory.abort_group([comm, other])
-    factory.abort_group([comm, other])  # idempotent
-    assert driver.groups == [[("comm", 2, 1), "second"]]  # one group, both handles
-    with pytest.raises(CommFailure) as info:
-        comm.done()
-    assert info.value.code == ABORTED
+# A stand-in for a CUDA build of torch (what ``local_devices`` reads of it, nothing else), on
+# the path of a child interpreter only: how a GPU machine's answers turn into metadata.
+FAKE_TORCH = {
+    "torch/__init__.py": "from . import cuda, distributed\n",
+    "torch/cuda/__init__.py": textwrap.dedent(
+        """\
+        import os
+        from . import nccl
+        def is_available():
+            return os.environ["FAKE_CUDA"] != "0"
+        def device_count():
+            if os.environ["FAKE_CUDA"] == "broken":
+                raise RuntimeError("CUDA driver initialization failed")
+            return 2
+        """
+    ),
+    "torch/cuda/nccl.py": textwrap.dedent(
+        """\
+        import os
+        def version():
+            if os.environ["FAKE_NCCL"] == "broken":
+                raise RuntimeError("libnccl.so.2: cannot open shared object file")
+            return tuple(int(v) for v in os.environ["FAKE_NCCL"].split("."))
+        """
+    ),
+    "torch/distributed/__init__.py": textwrap.dedent(
+        """\
+        import os
+        def is_available():
+            return True
+        def is_nccl_available():
+            return os.environ["FAKE_NCCL"] != "none"
+        """
+    ),
+}
 
 
-def test_cupy_style_blocking_init_is_abandoned_and_cleaned_up() -> None:
-    release, made = threading.Event(), []
+def advertised(tmp_path: Path, cuda: str, nccl: str) -> tuple[str, str]:
+    """``local_devices()`` in a child whose torch answers ``cuda``/``nccl``; its warnings."""
+    for rel, text in FAKE_TORCH.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    code = (
+        "import logging; logging.basicConfig(format='%(levelname)s %(message)s')\n"
+        "from ftmesh.collective.backend import local_devices\n"
+        "print(local_devices().to_meta())\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+        "FAKE_CUDA": cuda,
+        "FAKE_NCCL": nccl,
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip(), res.stderr
 
-    class Comm:
-        aborted = False
 
-        def abort(self) -> None:
-            self.aborted = True
-
-    class BlockingNccl:
-        @staticmethod
-        def NcclCommunicator(n: int, uid: Any, rank: int) -> Comm:
-            release.wait(10)
-            made.append(Comm())
-            return made[-1]
-
-    pending = _PendingInit(BlockingNccl, 2, 0, b"x")
-    assert pending.comm is None and not pending.abandon()  # still in ncclCommInitRank
-    release.set()
-    pending._thread.join(10)
-    assert made and made[0].aborted and pending.comm is None  # the late comm was aborted
-    assert _code_of(KeyError(7)) == 7 and _code_of(RuntimeError("x")) == 3
+def test_local_devices_reads_cuda_and_nccl_through_torch(tmp_path: Path) -> None:
+    assert advertised(tmp_path, "2", "2.21.5") == ("cuda=2,nccl=22105", "")
+    assert advertised(tmp_path, "0", "2.21.5") == ("cuda=0,nccl=0", "")  # no GPU: no NCCL
+    assert advertised(tmp_path, "2", "none") == ("cuda=2,nccl=0", "")  # torch without NCCL
+    meta, err = advertised(tmp_path, "2", "broken")  # a broken libnccl: none, loudly, once
+    assert meta == "cuda=2,nccl=0"
+    assert err.count("WARNING") == 1 and "no usable NCCL" in err and "libnccl" in err
+    meta, err = advertised(tmp_path, "broken", "2.21.5")  # a broken driver: no GPU, loudly
+    assert meta == "cuda=0,nccl=0"
+    assert err.count("WARNING") == 1 and "CUDA driver initialization failed" in err

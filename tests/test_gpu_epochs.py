@@ -34,7 +34,7 @@ from ftmesh.collective.epochs import (
     SetupRecord,
 )
 from ftmesh.collective.errors import PeerStalledError, ViewSupersededError
-from ftmesh.collective.session import SessionRing
+from ftmesh.collective.session import SessionRing, nested_sessions
 from ftmesh.collective.tcp_backend import TcpControl, TcpFactory
 from ftmesh.errors import CollectiveError, MeshClosedError
 
@@ -289,7 +289,7 @@ def tcp_members(n: int) -> Iterator[tuple[list[SyncDataPlane], RingView]]:
 
 
 def tcp_manager(dp: SyncDataPlane, factory: Any = None, **kw: Any) -> EpochManager:
-    ring = SessionRing(dp.session)
+    ring = SessionRing(nested_sessions(dp.session))
     factory = factory or TcpFactory(ring, lambda ep: dp.abort_view(ep, "", "GPU epoch aborted"))
     return EpochManager(dp.node_id, factory, TcpControl(ring), **kw)
 
@@ -372,7 +372,7 @@ def test_tcp_one_member_without_nccl_sends_the_whole_view_to_staging() -> None:
 
 def test_tcp_agreement_needs_every_vote_and_one_token() -> None:
     with tcp_members(3) as (dps, view):
-        ctl = [TcpControl(SessionRing(d.session)) for d in dps]
+        ctl = [TcpControl(SessionRing(nested_sessions(d.session))) for d in dps]
         same = bytes(range(16))
         assert on_each([lambda i=i: ctl[i].agree(view, True, same) for i in range(3)]) == [True] * 3
         assert (

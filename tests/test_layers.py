@@ -51,11 +51,7 @@ IO_MODULES = ("ftmesh.net", "ftmesh.discovery", "ftmesh.mesh.core", "ftmesh.mesh
 THREADING_IMPORTERS = ("logging",)
 """Who may import ``threading`` on the way to a pure module: ``logging`` does at load."""
 
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    # Function-local imports between the NCCL backend's parts; the collective-session
-    # refactor (#28 / the collective-session issue, the lead's) reshapes these files.
-    frozenset({"ftmesh.collective.backend", "ftmesh.collective.epochs", "ftmesh.collective.nccl"}),
-)
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 """Cycles that remain, each with its reason. This list only shrinks."""
 
 # Runs in a fresh interpreter: records which module asked for ``threading`` first.

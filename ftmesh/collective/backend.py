@@ -5,7 +5,8 @@ Theory of operation: every member advertises its devices in its member metadata 
 it can load, 0 for none). A view's GPU collectives run on NCCL only when *every* member
 advertises a GPU and the *same* NCCL version (ranks of one communicator must run one NCCL
 version); otherwise GPU buffers are staged through host memory over the TCP ring, and host
-buffers always use TCP. NCCL also has no ``int16``, which therefore always stages.
+buffers always use TCP. A dtype NCCL does not reduce through torch's ``ProcessGroupNCCL``
+(``NCCL_DTYPES``: no ``int16``, no unsigned beyond ``uint8``) always stages.
 
 The decision is made by the view's root (``epochs``) and broadcast with the NCCL id, so
 members that see different metadata for a moment still follow one decision; a member that
@@ -37,6 +38,15 @@ MAX_NCCL_VERSION = 10**7
 """Largest NCCL version code accepted (2.32.3 is 23203)."""
 
 
+NCCL_DTYPES = frozenset(
+    {"int8", "uint8", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
+)
+"""The dtypes (NumPy/torch names) a GPU collective runs on NCCL for; the others stage. The
+NCCL binding is torch's ``ProcessGroupNCCL`` (``torch_pg``), whose dtype table maps exactly
+these (plus ``bool`` and float8, which ftmesh does not send there): NCCL's own ``uint32`` and
+``uint64`` have no entry in it, so they stage too."""
+
+
 class Backend(enum.Enum):
     TCP = "tcp"
     STAGING = "staging"
@@ -48,7 +58,7 @@ class DeviceInfo:
     cuda: int = 0
     """CUDA devices this member can use."""
     nccl: int = 0
-    """NCCL version code it can load (``ncclGetVersion``), 0 for none."""
+    """NCCL version code (as ``ncclGetVersion``'s) of its torch's NCCL, 0 for none."""
 
     def to_meta(self) -> str:
         return f"cuda={self.cuda},nccl={self.nccl}"
@@ -82,36 +92,59 @@ def view_backend(devices: Iterable[DeviceInfo | None]) -> Backend:
 def call_backend(view: Backend, on_gpu: bool, dtype: str) -> Backend:
     """The backend of one collective: TCP for host buffers, NCCL where the view chose it and
     NCCL has the dtype, else staging."""
-    from .nccl import NCCL_DTYPES
-
     if not on_gpu:
         return Backend.TCP
     return Backend.NCCL if view is Backend.NCCL and dtype in NCCL_DTYPES else Backend.STAGING
 
 
 def local_devices() -> DeviceInfo:
-    """This process's devices: CUDA devices through torch or CuPy (whichever is already
-    installed), the NCCL version through the binding ``ftmesh.collective.nccl`` would use.
-    Imports them lazily; anything missing counts as none."""
-    cuda = 0
+    """This process's devices: the CUDA devices torch sees (CuPy's count if torch is not
+    installed) and the NCCL version of torch's ``ProcessGroupNCCL`` -- the one NCCL binding
+    (``torch_pg``), so without torch there is no NCCL. Imports torch lazily; anything missing
+    counts as none, a broken install warns once and counts as none."""
     try:
         import torch
-
-        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
-        try:
-            import cupy
-
-            cuda = int(cupy.cuda.runtime.getDeviceCount())
-        except Exception:  # no CuPy, no driver, no device
-            cuda = 0
+        return DeviceInfo(_cupy_device_count(), 0)
+    try:
+        cuda = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception as exc:  # a broken driver or CUDA install: "no GPU", loudly
+        log.warning("torch cannot count CUDA devices (%s): GPU views will stage", exc)
+        return DeviceInfo(0, 0)
     if cuda == 0:
         return DeviceInfo(0, 0)
-    from .nccl import NcclUnavailableError, load_driver
-
     try:
-        version = int(load_driver().version())
-    except (NcclUnavailableError, Exception) as exc:  # a broken binding: "no NCCL", loudly
+        version = _torch_nccl_version()
+    except Exception as exc:  # a broken binding: "no NCCL", loudly
         log.warning("%d CUDA device(s) but no usable NCCL (%s): GPU views will stage", cuda, exc)
         version = 0
-    return DeviceInfo(cuda, max(0, min(version, MAX_NCCL_VERSION)))
+    return DeviceInfo(min(cuda, MAX_DEVICES), max(0, min(version, MAX_NCCL_VERSION)))
+
+
+def _torch_nccl_version() -> int:
+    """The version code (as ``ncclGetVersion``'s) of the NCCL torch's ``ProcessGroupNCCL`` runs
+    on, 0 if this torch has none (a CPU build, or one without ``torch.distributed``)."""
+    import torch.cuda.nccl
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return 0
+    return nccl_version_code(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+
+
+def nccl_version_code(version: Any) -> int:
+    """``torch.cuda.nccl.version()`` (a tuple such as ``(2, 21, 5)``) as NCCL's own version
+    code (``NCCL_VERSION(major, minor, patch)``: 22105; before 2.9 it was ``major*1000 + ...``)."""
+    major, minor, patch = (int(v) for v in tuple(version)[:3])
+    if (major, minor) < (2, 9):
+        return major * 1000 + minor * 100 + patch
+    return major * 10000 + minor * 100 + patch
+
+
+def _cupy_device_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device
+        return 0

@@ -2,9 +2,9 @@
 
 Theory of operation. A GPU collective runs on a communicator (NCCL's) that belongs to one view
 epoch. ``EpochManager`` holds the communicator of the view in use on one member and drives
-its life; the library behind it is a ``CommFactory`` (NCCL through ``ftmesh.collective.nccl``,
-the TCP ring in tests, or an injected one that hangs or fails on cue), so every path below is
-tested without a GPU.
+its life; the library behind it is a ``CommFactory`` (NCCL through torch's
+``ProcessGroupNCCL``, ``ftmesh.collective.torch_pg``; the TCP ring in tests, or an injected
+one that hangs or fails on cue), so every path below is tested without a GPU.
 
 1. *Set up, no coordinator.* The first member of the view in ring order (its root) decides
    the backend of the view (``choose``: NCCL when every member can, see

@@ -44,6 +44,7 @@ from .view import RingView
 
 if TYPE_CHECKING:
     from .epochs import EpochManager
+    from .ring_store import ViewCollectives
 
 T = TypeVar("T")
 
@@ -175,8 +176,9 @@ class ViewSession:
         return self.run_on_ring(op, x)
 
     def run_on_ring(self, op: CollectiveOp, x: T) -> CollectiveResult[T]:
-        """The TCP ring's path, whatever the buffer (device buffers are staged). For the GPU
-        epochs' control channel, which runs inside a collective of this member already."""
+        """The TCP ring's path, whatever the buffer (device buffers are staged), outside the
+        order of ``run``: for the GPU path's set-up and staging, which run inside a collective
+        of this member already (``NestedSession``)."""
         host, view = self._host, self.view
         ring = host.ring_in_use(view) or host.open_ring(view)
         plan = host.plane.plan(view, op, x)
@@ -188,17 +190,58 @@ class ViewSession:
             raise
 
 
-class SessionRing:
-    """``tcp_backend.RingOps`` on a member's sessions (``sessions``: ``mesh.session``): the
-    TCP ring of exactly the view given, for the GPU epochs' control channel and their TCP
-    stand-in. It runs inside collectives of the member already, so it bypasses the order of
-    ``run`` (``ViewSession.run_on_ring``)."""
+class NestedSession:
+    """One view's collectives on its TCP ring *outside* the order of ``ViewSession.run``
+    (``ViewSession.run_on_ring``), for code that runs inside a collective of this member
+    already: the GPU path's set-up -- the epoch manager's control channel and the store
+    rounds of torch's process group (``torch_pg``) -- and its host staging. Through ``run``
+    they would queue behind the very collective they run in: ``JobThread.run`` waits for the
+    last job submitted, and one submitted meanwhile (a gradient bucket) waits for the running
+    one, which waits for this call. Satisfies ``ring_store.ViewCollectives``."""
 
-    def __init__(self, sessions: Callable[[RingView], ViewSession]) -> None:
+    def __init__(self, session: ViewSession) -> None:
+        self._session = session
+
+    @property
+    def view(self) -> RingView:
+        return self._session.view
+
+    @property
+    def node_id(self) -> str:
+        return self._session.node_id
+
+    def allreduce(self, x: T, op: str = "sum") -> CollectiveResult[T]:
+        return self._session.run_on_ring(CollectiveOp(kind=Kind.ALLREDUCE, op=op), x)
+
+    def allgather(self, x: T) -> CollectiveResult[T]:
+        return self._session.run_on_ring(CollectiveOp(kind=Kind.ALLGATHER), x)
+
+    def broadcast(self, x: T, root: str) -> CollectiveResult[T]:
+        return self._session.run_on_ring(CollectiveOp(kind=Kind.BROADCAST, root=root), x)
+
+    def barrier(self) -> CollectiveResult[None]:
+        return self._session.run_on_ring(CollectiveOp(kind=Kind.BARRIER), None)
+
+
+def nested_sessions(
+    sessions: Callable[[RingView], ViewSession],
+) -> Callable[[RingView], NestedSession]:
+    """``sessions`` (``mesh.session``) as ``NestedSession``s."""
+    return lambda view: NestedSession(sessions(view))
+
+
+class SessionRing:
+    """``tcp_backend.RingOps`` (collectives that name their view) on a member's sessions:
+    ``sessions(view)`` runs them. The one adapter between the GPU epochs' interfaces and the
+    sessions, for every caller: the mesh's GPU path gives it ``nested_sessions(mesh.session)``
+    (it runs inside collectives); a caller outside any collective (a test, a benchmark, the
+    device check driving an ``EpochManager`` itself) may give it ``mesh.session`` as it is."""
+
+    def __init__(self, sessions: Callable[[RingView], ViewCollectives]) -> None:
         self._sessions = sessions
 
     def allreduce(self, view: RingView, x: T, op: str = "sum") -> CollectiveResult[T]:
-        return self._sessions(view).run_on_ring(CollectiveOp(kind=Kind.ALLREDUCE, op=op), x)
+        return self._sessions(view).allreduce(x, op)
 
     def broadcast(self, view: RingView, x: T, root: str) -> CollectiveResult[T]:
-        return self._sessions(view).run_on_ring(CollectiveOp(kind=Kind.BROADCAST, root=root), x)
+        return self._sessions(view).broadcast(x, root)

@@ -1,9 +1,11 @@
 """torch's process groups per view epoch, built on the ring store: an ``epochs.CommFactory``.
 
 Theory of operation. ``TorchPGFactory`` is the library behind ``EpochManager`` for GPU
-buffers: per view epoch it builds torch's ``ProcessGroupNCCL`` (or, as the CI stand-in and
-only as a test setting, ``ProcessGroupGloo``) on a ``ring_store.StorePump`` of that epoch, so
-the rendezvous needs no TCPStore server and no special node. The manager drives it:
+buffers: per view epoch it builds torch's ``ProcessGroupNCCL`` -- ftmesh's one NCCL binding
+(docs/DESIGN-NOTES.md says why), the default of ``SyncMesh.enable_gpu`` -- (or, as the CI
+stand-in and only as a test setting, ``ProcessGroupGloo``) on a ``ring_store.StorePump`` of
+that epoch, so the rendezvous needs no TCPStore server and no special node. The manager
+drives it:
 
 * ``create`` starts the constructor in a worker thread (it blocks in rendezvous: gloo sets
   its address and gets the others'; NCCL's rank 0 sets the unique id) and returns at once.
@@ -44,11 +46,14 @@ from .epochs import GpuCall
 from .errors import RingPeerLostError
 from .ops import Kind
 from .ring_store import StorePump, ViewCollectives, ring_store
+from .session import SessionRing
 from .tcp_backend import TcpControl
 from .view import RingView
 
 Sessions = Callable[[RingView], ViewCollectives]
-"""The session (collectives) of a view: ``mesh.session(view)``."""
+"""The session (collectives) of a view: ``mesh.session(view)`` for a manager driven from
+outside any collective, ``session.nested_sessions(mesh.session)`` inside the mesh's GPU path
+(whose set-up runs inside a collective: see ``session.NestedSession``)."""
 MakeGroup = Callable[[Any, int, int, timedelta], Any]
 """``(store, rank, size, timeout) -> torch ProcessGroup`` (a test may inject one that hangs)."""
 
@@ -71,6 +76,8 @@ def make_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
 
 
 def make_nccl(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """torch's ``ProcessGroupNCCL`` with torch's own init mode (blocking unless the user sets
+    ``TORCH_NCCL_USE_COMM_NONBLOCKING=1``; see docs/DESIGN-NOTES.md, "One NCCL binding")."""
     import torch.distributed as dist
 
     opts = dist.ProcessGroupNCCL.Options()
@@ -78,24 +85,13 @@ def make_nccl(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
-class _SessionRing:
-    """``tcp_backend.RingOps`` on sessions."""
-
-    def __init__(self, sessions: Sessions) -> None:
-        self._sessions = sessions
-
-    def allreduce(self, view: RingView, x: Any, op: str = "sum") -> Any:
-        return self._sessions(view).allreduce(x, op)
-
-    def broadcast(self, view: RingView, x: Any, root: str) -> Any:
-        return self._sessions(view).broadcast(x, root)
-
-
 class SessionControl(TcpControl):
-    """``epochs.ControlChannel`` on the views' sessions."""
+    """``epochs.ControlChannel`` on the views' sessions (``session.SessionRing``, the one
+    adapter from sessions to ``tcp_backend.RingOps``). Give it the same ``sessions`` as the
+    factory: inside the mesh's GPU path both are ``session.nested_sessions(mesh.session)``."""
 
     def __init__(self, sessions: Sessions) -> None:
-        super().__init__(_SessionRing(sessions))
+        super().__init__(SessionRing(sessions))
 
 
 def _failure(exc: BaseException) -> CommFailure:

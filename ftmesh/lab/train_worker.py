@@ -306,11 +306,13 @@ def _enable_gpu_standin(mesh: SyncMesh) -> None:
     deadlines, the trainer's device buckets) runs on a CPU machine."""
     from ..collective.backend import DeviceInfo
     from ..collective.epochs import EpochConfig
+    from ..collective.session import nested_sessions
     from ..collective.torch_pg import TorchPGFactory
 
     config = EpochConfig(init_timeout=30.0, op_timeout=60.0)
     waits = config.op_timeout + config.start_wait  # (the group's own timeout: see EpochConfig)
-    factory = TorchPGFactory(mesh.session, "gloo", init_timeout=20.0, op_timeout=waits)
+    sessions = nested_sessions(mesh.session)  # (the rendezvous runs inside a collective)
+    factory = TorchPGFactory(sessions, "gloo", init_timeout=20.0, op_timeout=waits)
     mesh.enable_gpu(
         factory=factory,
         devices=DeviceInfo(cuda=1, nccl=1),

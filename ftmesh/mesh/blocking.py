@@ -203,8 +203,9 @@ class SyncMesh:
         is_device: Callable[[Any], bool] = is_device_buffer,
     ) -> GpuPath:
         """Give this member's sessions a GPU path: advertise ``devices`` (default: probed),
-        build one communicator per view epoch on ``factory`` (default: NCCL, which must then
-        be loadable), chosen per view by its root from every member's devices, and follow
+        build one communicator per view epoch on ``factory`` (default: torch's
+        ``ProcessGroupNCCL``, ``mesh.gpu.torch_factory``; a view whose members cannot all
+        run it stages), chosen per view by its root from every member's devices, and follow
         membership (a member suspected or gone aborts the GPU collectives that wait for it)."""
         if self._gpu is not None:
             raise LocalUsageError("the GPU path is enabled already")

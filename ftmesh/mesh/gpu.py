@@ -6,9 +6,13 @@ pieces of ``ftmesh.collective``:
 
 * it advertises this member's devices (``backend.local_devices``) in its member metadata;
 * an ``epochs.EpochManager`` whose control channel is the view's TCP ring, reached through the
-  view's session (``SessionRing``: authenticated, ordered with the view's other
-  collectives), whose root chooses the view's backend from every member's validated metadata
-  (``backend.view_backend``) and whose fallback is host staging on that ring;
+  view's session (authenticated, on the view's agreed ring), whose root chooses the view's
+  backend from every member's validated metadata (``backend.view_backend``), whose library is
+  torch's ``ProcessGroupNCCL`` per view epoch, rendezvousing on that ring
+  (``torch_pg.TorchPGFactory``: ftmesh's one NCCL binding), and whose fallback is host
+  staging on that ring. All three -- control channel, store rounds, staging -- run inside a
+  collective of this member (the session's call that reached the GPU path), so they use the
+  sessions through ``session.nested_sessions``, outside the order of ``ViewSession.run``;
 * the members of a view that declare themselves busy between steps (``Mesh``'s reading of
   their published progress), for which a GPU collective waits up to
   ``EpochConfig.start_wait`` as the TCP ring does;
@@ -38,7 +42,7 @@ from ..collective.backend import (
 )
 from ..collective.epochs import CommFactory, EpochConfig, EpochManager, GpuCall
 from ..collective.ops import Kind
-from ..collective.session import GpuPath, SessionRing
+from ..collective.session import GpuPath, NestedSession, SessionRing, nested_sessions
 from ..collective.tcp_backend import TcpControl
 from ..net.node import Node
 
@@ -57,6 +61,24 @@ async def follow_membership(
         manager.view_changed(current_view())
 
 
+def torch_factory(
+    sessions: Callable[[RingView], NestedSession], config: EpochConfig
+) -> CommFactory:
+    """The default library: torch's ``ProcessGroupNCCL`` per view epoch, its rendezvous
+    deadline inside the manager's (``TorchPGFactory.init_timeout``), its own collective timeout
+    the longest the manager may wait (``op_timeout`` plus ``start_wait`` for a member busy
+    between steps): the manager aborts first. ``torch_pg`` is imported here, when a member
+    enables its GPU path."""
+    from ..collective.torch_pg import TorchPGFactory
+
+    return TorchPGFactory(
+        sessions,
+        "nccl",
+        init_timeout=config.init_timeout * 5 / 6,
+        op_timeout=config.op_timeout + config.start_wait,  # the manager's deadline is tighter
+    )
+
+
 def enable_gpu(
     mesh: SyncMesh,
     factory: CommFactory | None,
@@ -65,11 +87,11 @@ def enable_gpu(
     is_device: Callable[[Any], bool],
 ) -> GpuPath:
     """See ``SyncMesh.enable_gpu``."""
+    config = config or EpochConfig()
+    sessions = nested_sessions(mesh.session)
     if factory is None:
-        from ..collective.nccl import NcclFactory
-
-        factory = NcclFactory()
-    ring = SessionRing(mesh.session)
+        factory = torch_factory(sessions, config)
+    ring = SessionRing(sessions)
 
     def staging(view: RingView, call: GpuCall) -> None:
         if call.kind is Kind.ALLREDUCE:
@@ -103,4 +125,4 @@ def enable_gpu(
     return GpuPath(manager, is_device, mesh.view)
 
 
-__all__ = ["enable_gpu", "follow_membership"]
+__all__ = ["enable_gpu", "follow_membership", "torch_factory"]

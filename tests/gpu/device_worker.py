@@ -1,9 +1,9 @@
 """One member of the device check's multi-process phases (started by run_device_check.py).
 
 Each worker joins a real mesh (SWIM over loopback, same-host discovery in ``--registry``),
-enables its sessions' GPU path (``SyncMesh.enable_gpu``: NCCL on the GPU; in ``--backend tcp``
-the TCP ring stands in for it, host buffers, so the plumbing runs on a CPU machine) and runs,
-in order:
+enables its sessions' GPU path (``SyncMesh.enable_gpu``: its default on the GPU, torch's
+``ProcessGroupNCCL`` per view epoch; in ``--backend tcp`` the TCP ring stands in for it, host
+buffers, so the plumbing runs on a CPU machine) and runs, in order:
 
 1. ``correct``: an allreduce per dtype on random data (never zeros); the parent checks every
    member's digest is the same and the values match the float64 sum of all inputs;
@@ -38,7 +38,7 @@ from ftmesh.collective import CollectiveConfig
 from ftmesh.collective.backend import DeviceInfo, local_devices
 from ftmesh.collective.epochs import EpochConfig
 from ftmesh.collective.ops import CollectiveOp
-from ftmesh.collective.session import GpuPath, SessionRing
+from ftmesh.collective.session import GpuPath, SessionRing, nested_sessions
 from ftmesh.errors import CollectiveError, PeerLostError
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.mesh.blocking import SyncMesh
@@ -160,7 +160,7 @@ def run_collectives(args: argparse.Namespace) -> None:
             def abort(epoch: str) -> None:
                 mesh.call_sync(dp.abort_view, epoch, "", "GPU epoch aborted")
 
-            factory = TcpFactory(SessionRing(mesh.session), abort)
+            factory = TcpFactory(SessionRing(nested_sessions(mesh.session)), abort)
             devices = DeviceInfo(1, 1)  # the TCP ring stands in for NCCL
             is_device = lambda _x: True  # noqa: E731
         cfg = EpochConfig(init_timeout=args.init_timeout, op_timeout=args.op_timeout)

@@ -2,8 +2,8 @@
 # Download, into .whl/, the wheels the device check needs on the GPU machine (which has no
 # network and whose python3 is 3.12 with torch, CuPy, NCCL, msgpack and hypothesis, but not
 # trio, zeroconf, blake3 or cryptography). Versions are those of this checkout's .venv, so
-# the GPU machine runs what CI tested. nccl4py goes in too; its cuda-core/cuda-pathfinder go
-# in .whl/extra/, installed there only if the machine's own do not let nccl4py import.
+# the GPU machine runs what CI tested. NCCL comes with the machine's torch (ProcessGroupNCCL
+# is ftmesh's one NCCL binding), so no NCCL binding is fetched.
 # Run here, once per checkout; then name .whl in the device tool's carry.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,11 +24,9 @@ get() {  # DIR SPEC...
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${PLATFORMS[@]}" -d "$dir" "$@"
 }
-rm -rf .whl && mkdir -p .whl/extra
+rm -rf .whl && mkdir -p .whl
 for name in trio outcome sniffio zeroconf ifaddr blake3 cryptography cffi pycparser; do
   get .whl "$(pin "$name")"
 done
-get .whl "nccl4py==0.6.0"
-get .whl/extra "cuda-core>=1.0,<2" "cuda-pathfinder>=1.5.4,<2"
 du -sh .whl
-ls .whl .whl/extra
+ls .whl

@@ -4,10 +4,13 @@ On a one-GPU machine (``tests/gpu/run_device_check.sh`` installs the carried whe
 this) it checks, in under 8 minutes:
 
 * every ``native/`` kernel against its NumPy reference(s), bit for bit, on random data;
-* NCCL at N=1 for each dtype, and the epoch lifecycle at N=1 (set up, allreduce, abort of a
-  collective in flight, rebuild, a grouped abort of two communicators), with latencies;
+* NCCL at N=1 through the one binding, torch's ``ProcessGroupNCCL`` per view epoch on the
+  ring store (``torch_pg.TorchPGFactory(sessions, "nccl")``), for each dtype, and the epoch
+  lifecycle at N=1 (set up, allreduce, abort of a collective in flight, rebuild, the abort of
+  two process groups), with latencies;
 * ``NCCL_MULTI_RANK_GPU_ENABLE=1`` with ``--world`` processes on the one GPU, each a real
-  mesh member: ring correctness, busbw of ftmesh's NCCL path vs ``torch.distributed`` NCCL
+  mesh member whose sessions' GPU path is ``SyncMesh.enable_gpu``'s default (that same
+  binding): ring correctness, busbw of ftmesh's NCCL path vs ``torch.distributed`` NCCL
   in the same processes, the staged path's busbw, and ``kill -9`` of one process
   mid-allreduce (survivors abort and run their next collective on the new view), timed;
 * a CUDA model trained elastically through ``ElasticTrainer`` by the survivors;
@@ -210,20 +213,40 @@ def solo_view(node: str) -> RingView:
 
 
 def check_nccl_solo(t: Table) -> None:
+    from ftmesh.collective import SyncDataPlane
+
+    with SyncDataPlane.start("solo") as dp:
+        nccl_solo(t, dp)
+
+
+def nccl_solo(t: Table, dp: Any) -> None:
+    """NCCL at N=1 through the one binding, torch's ``ProcessGroupNCCL`` per view epoch on the
+    ring store (``TorchPGFactory(sessions, "nccl")``), the store rounds on a one-member ring."""
     import torch
 
-    from ftmesh.collective.nccl import NCCL_DTYPES, NcclFactory
+    from ftmesh.collective.backend import NCCL_DTYPES, local_devices
+    from ftmesh.collective.torch_pg import TorchPGFactory
 
-    factory = NcclFactory()
-    driver = type(factory.driver).__name__
-    t.add("NCCL binding", "ok", driver, f"NCCL version {factory.driver.version()}")
-    view = solo_view("solo")
-    m = EpochManager("solo", factory, SoloControl(), config=EpochConfig(op_timeout=20))
+    factory = TorchPGFactory(dp.session, "nccl", init_timeout=20.0, op_timeout=20.0)
+    t.add(
+        "NCCL binding",
+        "ok",
+        "torch ProcessGroupNCCL",
+        f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "
+        f"advertised {local_devices().to_meta()}",
+    )
+    view = RingView.of([Peer("solo", *dp.address)])
+    cfg = EpochConfig(init_timeout=30, op_timeout=20)
+    m = EpochManager("solo", factory, SoloControl(), config=cfg)
     t0 = time.perf_counter()
     m.allreduce(view, torch.ones(4, device="cuda"))
-    t.add("lifecycle N=1: set up (unique id + init)", "ok", f"{time.perf_counter() - t0:.3f} s")
+    t.add(
+        "lifecycle N=1: set up (store rounds + ProcessGroupNCCL + first allreduce)",
+        "ok",
+        f"{time.perf_counter() - t0:.3f} s",
+    )
     bad = []
-    for dtype in NCCL_DTYPES:
+    for dtype in sorted(NCCL_DTYPES):
         try:
             tdt = getattr(torch, dtype)
             if dtype.startswith(("int", "uint")):
@@ -282,7 +305,7 @@ def check_nccl_solo(t: Table) -> None:
     m.view_changed(None)  # what membership does on a view change
     done.wait(30)
     t_abort = time.perf_counter() - t0  # until the caller's collective raised
-    m.wait_aborts(30)  # NCCL's abort itself runs in the manager's aborting thread
+    m.wait_aborts(30)  # ProcessGroup.abort() itself runs in the manager's aborting thread
     torch.cuda.synchronize()
     t.add(
         "lifecycle N=1: abort mid-collective",
@@ -302,19 +325,18 @@ def check_nccl_solo(t: Table) -> None:
         f"setups={m.statistics().setups}",
     )
 
-    # two communicators on one GPU (idle, the stream held by a sleeping kernel), one group
-    m2 = EpochManager("solo", factory, SoloControl(), config=EpochConfig(op_timeout=20))
-    v2 = solo_view("solo")
-    m2.allreduce(v2, small)
+    # two process groups on one GPU (idle, the stream held by a sleeping kernel), one call
+    m2 = EpochManager("solo", factory, SoloControl(), config=cfg)
+    m2.allreduce(view, small)
     comms = [ep.comm for ep in (m._epoch, m2._epoch) if ep is not None and ep.comm is not None]
     torch.cuda._sleep(int(1e9))
     t0 = time.perf_counter()
     factory.abort_group(comms)
     t.add(
-        "grouped abort of 2 idle communicators on one GPU",
+        "abort of 2 idle process groups on one GPU",
         ok(len(comms) == 2),
         f"{(time.perf_counter() - t0) * 1e3:.1f} ms",
-        "group when NCCL >= 2.22 (GROUP_ABORT_VERSION, assumed)",
+        "ProcessGroup.abort() of each, one after the other (torch has no grouped abort)",
     )
     torch.cuda.synchronize()
 
@@ -322,12 +344,13 @@ def check_nccl_solo(t: Table) -> None:
 def check_tcp_solo(t: Table) -> None:
     """--dry-run: the N=1 lifecycle on the TCP ring behind the same interfaces."""
     from ftmesh.collective import SyncDataPlane
-    from ftmesh.collective.session import SessionRing
+    from ftmesh.collective.session import SessionRing, nested_sessions
     from ftmesh.collective.tcp_backend import TcpFactory
 
     with SyncDataPlane.start("solo") as dp:
         view = RingView.of([Peer("solo", *dp.address)])
-        factory = TcpFactory(SessionRing(dp.session), lambda ep: dp.abort_view(ep, "", "aborted"))
+        ring = SessionRing(nested_sessions(dp.session))
+        factory = TcpFactory(ring, lambda ep: dp.abort_view(ep, "", "aborted"))
         m = EpochManager("solo", factory, SoloControl())
         x = np.arange(1, 5, dtype=np.float32)
         t0 = time.perf_counter()

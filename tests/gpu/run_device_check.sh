@@ -2,7 +2,8 @@
 # The GPU device check, as one command on the one-GPU machine (see run_device_check.py):
 #   device run, carry [".whl"]:  bash tests/gpu/run_device_check.sh
 # Installs the wheels carried in .whl/ (tests/gpu/fetch_wheels.sh), runs the check under a
-# 470 s limit and leaves the table, the rows (JSON) and the worker logs in $OUT.
+# 470 s limit and leaves the table, the rows (JSON) and the worker logs in $OUT. NCCL is the
+# machine's torch's own (ProcessGroupNCCL, ftmesh's one NCCL binding): nothing to install.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ftmesh-devcheck}
@@ -12,14 +13,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH
-  if ! python3 -c "import nccl.core" 2>"$OUT/logs/nccl4py-import.txt"; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site-extra .whl/extra/*.whl \
-      && PYTHONPATH=/tmp/site-extra:$PYTHONPATH python3 -c "import nccl.core" \
-           2>>"$OUT/logs/nccl4py-import.txt" \
-      && export PYTHONPATH=/tmp/site-extra:$PYTHONPATH \
-      || echo "nccl4py does not import here: CuPy's NCCL binding will be used" >&2
-  fi
 fi
 { nvidia-smi -L; python3 -c "import torch, cupy; print('torch', torch.__version__, \
   'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'cupy', cupy.__version__)"; \
