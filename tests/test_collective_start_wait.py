@@ -54,7 +54,7 @@ async def ring_of(
             await stack.enter_async_context(open_data_plane(f"m{i}", config=cfg)) for i in range(n)
         ]
         for d in dps:
-            d.busy = busy.__contains__
+            d.busy = lambda peer: peer if peer in busy else None
         yield dps, RingView.of(Peer(d.node_id, *d.address) for d in dps)
 
 

@@ -73,7 +73,7 @@ class DataPlane:
         self.node_id = transport.node_id
         self._lock = trio.Lock()
         self._engine_lock = threading.Lock()
-        self.busy: Callable[[str], bool] | None = None
+        self.busy: Callable[[str], str | None] | None = None
         """Whether a member declares itself busy between steps (set by the mesh, which reads
         membership; called from engine threads): a neighbour that has not started a
         collective is then waited for up to ``config.start_wait`` (``engine``)."""

@@ -142,7 +142,7 @@ class Pipeline:
         chunk_bytes: int,
         poll_interval: float = 0.2,
         start_wait: float = 0.0,
-        busy: Callable[[str], bool] | None = None,
+        busy: Callable[[str], str | None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.ring = ring
@@ -155,10 +155,13 @@ class Pipeline:
         self.start_wait = max(start_wait, io_timeout)
         """Seconds to wait for a neighbour busy between steps to start the collective."""
         self.busy = busy
-        """Whether a member declares itself busy between steps (``DataPlane.busy``)."""
+        """If a member declares itself busy between steps, how to name it in a log line, else
+        None (``DataPlane.busy``)."""
         self.waiting_for: tuple[str, float] | None = None
         """``(neighbour, since)`` (``time.monotonic()``) while a wait for a neighbour to start
         the collective has lasted longer than ``io_timeout``; read from any thread."""
+        self._waiting_name = ""
+        """The neighbour waited for, as ``busy`` names it (for the log line)."""
         self._wait_logged = 0.0
         self.isz = bufs.acc.itemsize
         self.acc_b = bufs.acc.view(np.uint8).data
@@ -638,11 +641,13 @@ class Pipeline:
             # Asked once, when io_timeout is up: the answer holds for this collective (the
             # busy member publishes that its pause ended as it starts its next step, which
             # may reach us before its first frame does).
-            if self.busy is None or not self.busy(peer):
+            named = self.busy(peer) if self.busy is not None else None
+            if named is None:
                 # Running but silent (a link that drops its packets), or frozen: io_timeout's.
                 msg = f"{peer} did not start the collective within {self.io_timeout:g}s"
                 raise _Stop(self._reason(AbortKind.STALLED, peer, msg))
             self.waiting_for = (peer, started)
+            self._waiting_name = named
         if waited >= self.start_wait:
             msg = f"{peer} did not start the collective within {self.start_wait:g}s"
             raise _Stop(self._reason(AbortKind.STALLED, peer, msg))
@@ -651,7 +656,7 @@ class Pipeline:
             log.info(
                 "waiting for %s to start collective #%d (%.0fs so far): it is busy between "
                 "steps; giving up after %gs (CollectiveConfig.start_wait)",
-                peer,
+                self._waiting_name,
                 self.seq,
                 waited,
                 self.start_wait,

@@ -174,8 +174,9 @@ class Mesh:
         self._view_changed = trio.Event()
         self._seen: dict[str, tuple[str, MemberState, dict[str, Any]]] = {}  # see _material
         self._views: dict[str, RingView] = {}
-        self._between: frozenset[str] = frozenset()
-        """Members whose published progress says they are busy between steps."""
+        self._between: dict[str, str] = {}
+        """Members whose published progress says they are busy between steps -> their names
+        (replaced whole on change: read from any thread)."""
         self._latest_view: RingView | None = None  # as of the last event _watch handled
         self.metadata = MetadataGate()
         """Counts (``bad_meta``) and logs members whose metadata does not parse."""
@@ -484,10 +485,11 @@ class Mesh:
         while len(self._views) > MAX_VIEWS_WATCHED:
             del self._views[next(iter(self._views))]
 
-    def busy_between_steps(self, node_id: str) -> bool:
-        """Whether ``node_id`` declares itself busy between steps (its progress, as gossiped):
-        the data plane then waits for its next collective up to ``start_wait``. Any thread."""
-        return node_id in self._between
+    def busy_between_steps(self, node_id: str) -> str | None:
+        """If ``node_id`` declares itself busy between steps (its progress, as gossiped), how
+        to name it in a log line (its name and id), else None: the data plane then waits for
+        its next collective up to ``start_wait``. Any thread."""
+        return self._between.get(node_id)
 
     def _note_between(self, m: MemberSnapshot) -> None:
         parts = str(m.meta.get(PROGRESS_KEY, "")).split("|", 6)  # (Progress.encode)
@@ -495,7 +497,8 @@ class Mesh:
             m.state == MemberState.ALIVE and len(parts) == 7 and parts[6].startswith(BETWEEN_STEPS)
         )
         if busy != (m.node in self._between):
-            self._between = self._between | {m.node} if busy else self._between - {m.node}
+            rest = {n: v for n, v in self._between.items() if n != m.node}
+            self._between = {**rest, m.node: f"{m.name} ({m.node})"} if busy else rest
 
     async def _watch(self) -> None:
         async for ev in self.node.events():

@@ -107,7 +107,8 @@ def enable_gpu(
     inner = mesh.mesh
 
     def busy(view: RingView) -> list[str]:
-        return [n for n in view.node_ids if n != mesh.node_id and inner.busy_between_steps(n)]
+        named = (inner.busy_between_steps(n) for n in view.node_ids if n != mesh.node_id)
+        return [name for name in named if name is not None]
 
     manager = EpochManager(
         mesh.node_id,
