@@ -23,7 +23,12 @@ variable) and the fix:
   address must be one the seeds can reach: loopback only when every seed is loopback, else
   the LAN address chosen as for mDNS. ``local`` binds loopback. A member never advertises an
   address its peers cannot reach: a loopback address towards remote seeds, or another one
-  than the interface mDNS announces, is refused.
+  than the interface mDNS announces, is refused. Binding and advertising are separate: with
+  ``seeds`` or ``local`` discovery ``advertise`` may be an address this machine does not own
+  (a NAT's, a port forward's); the listeners still bind ``bind``.
+* Ports: ``port`` (gossip, UDP and TCP), ``data_port`` (the data plane) and ``state_port``
+  (the state server), each 0 (any free one) by default; fixed ones are what a port forward,
+  a firewall rule or a Kubernetes NetworkPolicy can name.
 * The secret: ``secret_file`` (one per line), else ``secret`` (``$FTMESH_SECRET``).
 
 Only the CLI and ``connect()`` call :meth:`Settings.from_env`: library constructors never read
@@ -70,6 +75,8 @@ ENV = {
     "bind": "FTMESH_BIND",
     "advertise": "FTMESH_ADVERTISE",
     "port": "FTMESH_PORT",
+    "data_port": "FTMESH_DATA_PORT",
+    "state_port": "FTMESH_STATE_PORT",
     "preset": "FTMESH_PRESET",
     "secret_file": "FTMESH_SECRET_FILE",
     "secret": "FTMESH_SECRET",
@@ -86,6 +93,8 @@ ENV = {
 }
 """The environment variable of every setting. Lists (``join``, ``meta``) are comma-separated;
 booleans are ``1/true/yes/on`` or ``0/false/no/off``."""
+PORT_SETTINGS = ("port", "data_port", "state_port", "metrics_port")
+"""A member's TCP listeners' port settings (gossip first): fixed ones must differ."""
 _NO_FLAG = ("secret", "join_running")  # set through the environment (or connect()) only
 
 
@@ -142,9 +151,14 @@ class Settings:
     bind: str | None = None
     """Address gossip, the data plane and the state server bind (``0.0.0.0``: all)."""
     advertise: str | None = None
-    """Address peers reach this member on (default: the bound one)."""
+    """Address peers reach this member on (default: the bound one); with ``seeds`` or
+    ``local`` discovery it may be one this machine does not own (NAT, port forwarding)."""
     port: int | None = None
     """Gossip port, UDP and TCP (0: any free one)."""
+    data_port: int | None = None
+    """Data-plane (collectives) TCP port (0, the default: any free one)."""
+    state_port: int | None = None
+    """State-transfer server TCP port (0, the default: any free one)."""
     preset: str | None = None
     """Membership timing: ``local``, ``lan`` (default) or ``wan``."""
     secret_file: str | None = None
@@ -191,7 +205,7 @@ class Settings:
                 values[name] = parse_meta([m for m in raw.split(",") if m], name)
             elif name in ("encrypt", "join_running"):
                 values[name] = _parse_bool(name, raw)
-            elif name in ("port", "start_peers", "metrics_port"):
+            elif name in ("port", "data_port", "state_port", "start_peers", "metrics_port"):
                 values[name] = _parse_number(name, raw, int)
             elif name == "start_timeout":
                 values[name] = _parse_number(name, raw, float)
@@ -287,13 +301,7 @@ class Settings:
             raise ConfigError(
                 f"{label('preset')} must be one of {', '.join(PRESETS)}, got {preset!r}"
             )
-        port = 0 if self.port is None else self.port
-        if not 0 <= port < 65536:
-            raise ConfigError(f"{label('port')} must be within 0..65535, got {port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ConfigError(
-                f"{label('metrics_port')} must be within 0..65535, got {self.metrics_port}"
-            )
+        port = self._ports()
         kind = self.discovery_kind(default_discovery)
         join = self.seeds()
         auth = self.auth()
@@ -330,8 +338,30 @@ class Settings:
             raise ConfigError(f"{label(name)}: {exc}") from None
 
     def mesh_config(self, role: str = "train", default_discovery: str = "local") -> MeshConfig:
-        """The member's mesh config (its node config, and ``role``)."""
-        return MeshConfig(node=self.node_config(default_discovery), role=role)
+        """The member's mesh config (its node config, its data and state ports, ``role``)."""
+        return MeshConfig(
+            node=self.node_config(default_discovery),
+            role=role,
+            data_port=self.data_port or 0,
+            state_port=self.state_port or 0,
+        )
+
+    def _ports(self) -> int:
+        """Check every port setting; the gossip port (0 when not given)."""
+        names = PORT_SETTINGS
+        given: dict[str, int] = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        for name, value in given.items():
+            if not 0 <= value < 65536:
+                raise ConfigError(f"{label(name)} must be within 0..65535, got {value}")
+        fixed = [n for n in names if given.get(n)]  # 0 picks a free port: never a clash
+        for i, a in enumerate(fixed):
+            for b in fixed[i + 1 :]:
+                if given[a] == given[b]:
+                    raise ConfigError(
+                        f"{label(a)} and {label(b)} are both {given[a]}: each listener needs "
+                        "a port of its own"
+                    )
+        return given.get("port", 0)
 
     # ------------------------------------------------------------------ addresses
 

@@ -18,6 +18,7 @@ from ftmesh.cli.main import run
 
 ROOT = Path(__file__).resolve().parent.parent
 CONNECT = str(ROOT / "tests" / "scripts" / "connect_only.py")
+SERVE_STATE = str(ROOT / "tests" / "scripts" / "serve_state_only.py")
 MISSING = "/nonexistent/mesh.secret"
 
 CASES = [
@@ -40,6 +41,9 @@ CASES = [
     (["worker", "--secret-file", MISSING, CONNECT], "--secret-file"),
     (["worker", "--join", "10.0.0.4:7946", "--bind", "127.0.0.1", CONNECT], "--bind"),
     (["worker", "--start-peers", "-1", CONNECT], "--start-peers"),
+    (["worker", "--data-port", "70000", CONNECT], "--data-port"),
+    (["worker", "--data-port", "7947", "--state-port", "7947", CONNECT], "--state-port"),
+    (["launch", "-n", "3", "--data-port", "7947", "--state-port", "7949", CONNECT], "overlap"),
     (["launch", "-n", "0", CONNECT], "-n"),
     (["launch", "-n", "2", "--timeout", "0", CONNECT], "--timeout"),
     (["launch", "-n", "2", "examples/no_such_script.py"], "no such script"),
@@ -89,6 +93,8 @@ def test_as_processes_bad_flags_and_environment_are_one_line_and_exit_2() -> Non
     assert_one_line(ftmesh("node", "--port", "70000"), "--port")
     assert_one_line(ftmesh("launch", "-n", "2", "--timeout", "0", CONNECT), "--timeout")
     assert_one_line(ftmesh("worker", CONNECT, env={"FTMESH_PORT": "abc"}), "$FTMESH_PORT")
+    res = ftmesh("worker", CONNECT, env={"FTMESH_DATA_PORT": "any"})
+    assert_one_line(res, "$FTMESH_DATA_PORT")
     assert_one_line(ftmesh("status", env={"FTMESH_ENCRYPT": "maybe"}), "$FTMESH_ENCRYPT")
 
 
@@ -112,3 +118,33 @@ def test_a_port_in_use_is_one_line_from_node_and_from_a_workers_script(
     # The flag is passed on, not dropped: the worker binds the port it was given.
     ok = ftmesh("worker", "--discovery", "local", *reg, "--port", "0", "--name", "w-9", CONNECT)
     assert ok.returncode == 0 and "as w-9" in ok.stdout, ok.stderr[-2000:]
+
+
+@pytest.fixture
+def taken_tcp_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_data_or_state_port_in_use_is_one_line_from_a_workers_script(
+    taken_tcp_port: int, tmp_path: Path
+) -> None:
+    """The data plane binds in ``connect()``, the state server when the script (its trainer)
+    serves state: either way one line naming the flag. And a free fixed port is bound."""
+    port = str(taken_tcp_port)
+    base = ["worker", "--discovery", "local", "--registry-dir", str(tmp_path), "--bind"]
+    base.append("127.0.0.1")
+    res = ftmesh(*base, "--data-port", port, CONNECT)
+    assert_one_line(res, "--data-port")
+    assert "in use" in res.stderr
+    res = ftmesh(*base, "--state-port", port, SERVE_STATE)
+    assert_one_line(res, "--state-port")
+    assert "in use" in res.stderr
+    with socket.socket() as s:  # free now (the race with another process is negligible)
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    ok = ftmesh(*base, "--state-port", str(free), SERVE_STATE)
+    assert ok.returncode == 0 and f"state 127.0.0.1:{free}" in ok.stdout, ok.stderr

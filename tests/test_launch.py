@@ -139,3 +139,37 @@ def test_launch_has_no_default_time_limit(tmp_path: Path) -> None:
     args = build_parser().parse_args(["launch", "-n", "2", "--log-dir", str(tmp_path), EXAMPLE])
     assert args.timeout is None
     assert Launcher(args, sys.stdout).deadline - time.monotonic() > 15 * 60
+
+
+def _free_run(n: int) -> int:
+    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 right now."""
+    import contextlib
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + n > 65536:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(first, first + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def test_launch_gives_worker_k_the_fixed_data_and_state_ports_plus_k(tmp_path: Path) -> None:
+    """``--data-port P --state-port Q``: worker k binds and publishes P+k and Q+k."""
+    data = _free_run(4)
+    state = data + 2
+    script = str(ROOT / "tests" / "scripts" / "serve_state_only.py")
+    res = launch(tmp_path, "-n", "2", "--data-port", str(data), "--state-port", str(state), script)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for k in range(2):
+        log = (tmp_path / f"w{k}.log").read_text()
+        want = f"published data 127.0.0.1:{data + k} state 127.0.0.1:{state + k}"
+        assert want in log, log[-2000:]

@@ -33,6 +33,8 @@ def test_environment_then_explicit_values() -> None:
         "FTMESH_MESH": "lab",
         "FTMESH_JOIN": "10.0.0.4:7946, seed.example:7946,",
         "FTMESH_PORT": "7946",
+        "FTMESH_DATA_PORT": "7947",
+        "FTMESH_STATE_PORT": "7948",
         "FTMESH_ENCRYPT": "yes",
         "FTMESH_SECRET": SECRET,
         "FTMESH_START_PEERS": "4",
@@ -47,6 +49,7 @@ def test_environment_then_explicit_values() -> None:
         4,
     )
     assert s.meta == {"rack": 3, "zone": "b"}
+    assert (s.data_port, s.state_port) == (7947, 7948)
     assert SECRET not in repr(s)
     # Explicit values win; None is "not given"; an empty list and "" are values.
     t = s.replace(mesh="other", port=None, join=(), encrypt=False)
@@ -62,6 +65,8 @@ def test_environment_then_explicit_values() -> None:
     [
         ({"FTMESH_PORT": "abc"}, "$FTMESH_PORT"),
         ({"FTMESH_PORT": ""}, "$FTMESH_PORT"),
+        ({"FTMESH_DATA_PORT": "any"}, "$FTMESH_DATA_PORT"),
+        ({"FTMESH_STATE_PORT": "7948/tcp"}, "$FTMESH_STATE_PORT"),
         ({"FTMESH_ENCRYPT": "maybe"}, "$FTMESH_ENCRYPT"),
         ({"FTMESH_START_TIMEOUT": "soon"}, "$FTMESH_START_TIMEOUT"),
         ({"FTMESH_META": "novalue"}, "$FTMESH_META"),
@@ -79,6 +84,12 @@ def test_bad_environment_names_the_variable(env: dict[str, str], named: str) -> 
         ({"mesh": "a/b"}, "--mesh"),
         ({"bind": ""}, "--bind"),
         ({"port": 70000}, "--port"),
+        ({"data_port": 70000}, "--data-port"),
+        ({"state_port": -1}, "--state-port"),
+        # Two listeners, one fixed port: refused before either binds (0 is never a clash).
+        ({"port": 7946, "data_port": 7946}, "--port.*--data-port.*each listener"),
+        ({"data_port": 7947, "state_port": 7947}, "--data-port.*--state-port"),
+        ({"state_port": 9464, "metrics_port": 9464}, "--state-port.*--metrics-port"),
         ({"preset": "fast"}, "--preset"),
         ({"discovery": "carrier-pigeon"}, "--discovery"),
         ({"join": ("nonsense",)}, "--join"),
@@ -157,6 +168,20 @@ def test_seeds_bind_where_the_seeds_can_reach(host: dict[str, Any]) -> None:
     # Never advertise an address the seeds cannot reach.
     with pytest.raises(ConfigError, match="loopback"):
         Settings(join=("10.0.0.4:7946",), bind="127.0.0.1").node_config()
+
+
+def test_advertise_may_name_an_address_this_host_does_not_own(host: dict[str, Any]) -> None:
+    """Behind NAT or a port forward: bind here, advertise the public address (no interface
+    of this host holds 203.0.113.9)."""
+    seeds = ("10.0.0.4:7946",)
+    assert addrs(Settings(join=seeds, advertise="203.0.113.9")) == ("", "10.1.0.5", "203.0.113.9")
+    nat = Settings(join=seeds, bind="0.0.0.0", advertise="203.0.113.9")
+    assert addrs(nat) == ("", "0.0.0.0", "203.0.113.9")
+    assert addrs(Settings(advertise="192.0.2.1")) == ("", "127.0.0.1", "192.0.2.1")  # local
+    # Its ports can be fixed, so that the NAT can forward them: the mesh config has them.
+    mc = nat.replace(port=7946, data_port=7947, state_port=7948).mesh_config()
+    assert (mc.node.port, mc.data_port, mc.state_port) == (7946, 7947, 7948)
+    assert (Settings().mesh_config().data_port, Settings().mesh_config().state_port) == (0, 0)
 
 
 def test_local_binds_loopback(host: dict[str, Any]) -> None:

@@ -48,8 +48,23 @@ _FLAGS: dict[str, dict[str, Any]] = {
         "interface; for seeds the LAN address, loopback when every seed is loopback; for "
         "local 127.0.0.1); 0.0.0.0 binds all and advertises the default",
     },
-    "advertise": {"metavar": "IP", "help": "address peers reach us on (default: the bound one)"},
+    "advertise": {
+        "metavar": "IP",
+        "help": "address peers reach us on, published for gossip, data plane and state "
+        "server (default: the bound one); may be one this machine does not own (NAT, port "
+        "forwarding): the listeners bind --bind",
+    },
     "port": {"type": int, "metavar": "PORT", "help": "gossip port, UDP and TCP (default: any)"},
+    "data_port": {
+        "type": int,
+        "metavar": "PORT",
+        "help": "data-plane (collectives) TCP port (default: any; launch: worker k gets PORT+k)",
+    },
+    "state_port": {
+        "type": int,
+        "metavar": "PORT",
+        "help": "state-transfer TCP port (default: any; launch: worker k gets PORT+k)",
+    },
     "preset": {"choices": PRESETS, "help": "membership timing preset (default: %s)"},
     "secret_file": {
         "metavar": "FILE",
@@ -100,6 +115,9 @@ MESH_FLAGS = (
 """What every command that talks to a mesh takes."""
 MEMBER_FLAGS = (*MESH_FLAGS, "bind", "advertise", "port", "preset", "metrics_port")
 """What a member of a mesh takes besides."""
+TRAINER_FLAGS = (*MEMBER_FLAGS, "data_port", "state_port")
+"""What a member that trains (``worker``, ``launch``) takes besides: the ports of its data
+plane and state server (``ftmesh node`` runs gossip only)."""
 
 
 def add_settings_args(p: argparse.ArgumentParser, names: tuple[str, ...], **defaults: Any) -> None:

@@ -8,7 +8,9 @@ settings in its environment (``ftmesh.settings``), ``LOCAL_RANK`` (its slot) and
 with GPUs, ``CUDA_VISIBLE_DEVICES`` (the slot's GPU, see ``ftmesh.cli.devices``). Worker
 ``k`` binds gossip port ``--port`` + ``k`` when a port is given (with seeds always, from a
 free one), and with seeds the first N workers' addresses are every worker's seeds, so other
-hosts can join through the first one.
+hosts can join through the first one; likewise data-plane port ``--data-port`` + ``k``,
+state port ``--state-port`` + ``k`` and metrics port ``--metrics-port`` + ``k`` when given
+(ranges that overlap are refused before any worker starts).
 
 The launcher follows the training from the mesh itself: it reads the workers' member list
 as an observer (``ftmesh.cli.live_view.BackgroundReader``: an observer push-pull a few times a
@@ -51,6 +53,7 @@ the mesh's directory when it ends, however it ends.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -68,8 +71,8 @@ from typing import Any, TextIO
 from ..discovery.local import default_registry_dir, remove_entries
 from ..errors import ConfigError
 from ..membership.messages import MemberState
-from ..settings import DEFAULT_MESH, ENV, Settings
-from .args import MEMBER_FLAGS, add_settings_args, settings_from_args
+from ..settings import DEFAULT_MESH, ENV, PORT_SETTINGS, Settings, label
+from .args import TRAINER_FLAGS, add_settings_args, settings_from_args
 from .devices import free_slot, visible_gpus, worker_env
 from .escape import shown
 from .live_view import BackgroundReader, MemberRow, MeshReader, live_view_available
@@ -222,7 +225,7 @@ def add_launch_parser(sub: Any) -> None:
         help="replace a worker that dies (a new member in its slot) while training runs",
     )
     add_settings_args(
-        p, (*MEMBER_FLAGS, "start_peers", "start_timeout"), discovery="local", preset="local",
+        p, (*TRAINER_FLAGS, "start_peers", "start_timeout"), discovery="local", preset="local",
         start_peers="-n",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed for choosing whom to kill")
@@ -296,12 +299,28 @@ class Launcher:
         self.base_port = given.port
         if kind == "seeds":
             node = settings.node_config()  # the address the seeds are reached on
-            host = node.advertise or node.bind
+            host = node.advertised_host
             if self.base_port is None:
                 self.base_port = _free_port(node.bind)
             first = [f"{host}:{self.base_port + i}" for i in range(self.args.nprocs)]
             settings = settings.replace(join=(*settings.seeds(), *first))
+        self._check_port_ranges(settings)
         return settings
+
+    def _check_port_ranges(self, settings: Settings) -> None:
+        """Worker ``k`` takes each fixed port + ``k`` (``_port``): the ranges of the first N
+        workers must not overlap, or two of them would bind one port."""
+        n = self.args.nprocs
+        bases = {"port": self.base_port}
+        bases |= {name: getattr(settings, name) for name in PORT_SETTINGS[1:]}
+        fixed = sorted((base, name) for name, base in bases.items() if base)
+        for (a, name_a), (b, name_b) in itertools.pairwise(fixed):
+            if b < a + n:
+                raise ConfigError(
+                    f"{label(name_a)} {a} and {label(name_b)} {b}: worker k takes each port "
+                    f"+ k, so with -n {n} they overlap; leave {n} ports between them (more for "
+                    "workers added later: --join-at, --respawn)"
+                )
 
     def event(self, text: str) -> None:
         line = f"[{time.monotonic() - self.t0:6.1f}s] {text}"
@@ -309,9 +328,10 @@ class Launcher:
         if self.args.no_live or not self.out.isatty():
             print(line, file=self.out, flush=True)
 
-    def _metrics_port(self, index: int) -> int | None:
-        """Worker ``index`` serves metrics on ``--metrics-port`` + ``index`` (0: any port)."""
-        base = self.settings.metrics_port
+    def _port(self, name: str, index: int) -> int | None:
+        """Worker ``index``'s port setting ``name`` (``data_port``...): the given port +
+        ``index``; 0 (any port) and not given stay so."""
+        base: int | None = getattr(self.settings, name)
         return base + index if base else base
 
     def start_worker(self, *, joiner: bool) -> Worker:
@@ -321,7 +341,7 @@ class Launcher:
         settings = self.settings.replace(
             name=name,
             port=None if self.base_port is None else self.base_port + index,
-            metrics_port=self._metrics_port(index),
+            **{key: self._port(key, index) for key in PORT_SETTINGS[1:]},
             join_running=joiner or None,
             start_peers=1 if joiner else None,
         )

@@ -28,9 +28,9 @@ from typing import Any
 
 from ..errors import ConfigError, TrainingFinishedError
 from ..settings import Settings
-from .args import MEMBER_FLAGS, add_settings_args, settings_from_args
+from .args import TRAINER_FLAGS, add_settings_args, settings_from_args
 
-WORKER_FLAGS = (*MEMBER_FLAGS, "name", "meta", "start_peers", "start_timeout")
+WORKER_FLAGS = (*TRAINER_FLAGS, "name", "meta", "start_peers", "start_timeout")
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ import trio
 
 from ..compression import Int8Compression
 from ..errors import LocalUsageError
+from ..net.ports import bind_error
 from ..security import MeshAuth
 from ..stats import CollectiveStatistics
 from . import compressed, schedule, shared_scale
@@ -590,14 +591,22 @@ async def open_data_plane(
     observe: Observer | None = None,
 ) -> AsyncIterator[DataPlane]:
     """Bind the data-plane listener on ``host:port`` (0: any free port) and serve it until the
-    block exits. ``dp.address`` is what to publish in member metadata. ``observe`` receives
-    the outcomes of connections and rounds (``reach`` events), from any thread."""
+    block exits. ``dp.address`` is the bound address: its port is what to publish in member
+    metadata, with the host peers reach us on (``NodeConfig.advertised_host``), which need not
+    be ``host``. ``observe`` receives the outcomes of connections and rounds (``reach``
+    events), from any thread. A port that cannot be bound (in use, or ``host`` not an address
+    of this machine) is a ``ConfigError`` naming ``--data-port``."""
     config = config or CollectiveConfig()
     listener = trio.socket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_STREAM)
     try:
         listener.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_REUSEADDR, 1)
         tune_socket(listener, config)
-        await listener.bind((host, port))
+        try:
+            await listener.bind((host, port))
+        except OSError as exc:
+            raise bind_error(
+                "data-plane", host, port, "--data-port ($FTMESH_DATA_PORT)", exc
+            ) from None
         listener.listen(128)
     except BaseException:
         listener.close()

@@ -3,6 +3,10 @@ current view.
 
 Theory of operation: a member runs a SWIM node (``ftmesh.net``) and a data plane
 (``ftmesh.collective``). It publishes its data-plane address and role in its member metadata.
+Its listeners (gossip, data plane, state server) bind ``NodeConfig.bind`` on their ports
+(``NodeConfig.port``, ``MeshConfig.data_port``, ``MeshConfig.state_port``; 0: any free one),
+and every address it publishes names the advertised host (``NodeConfig.advertised_host``),
+which may be a NAT's or a port forward's rather than this machine's (``ftmesh.net.node``).
 The *view* is the sorted list of members whose role is ``train`` and that membership holds
 ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out
 because their neighbours cannot reach them or their bytes fail verification
@@ -100,7 +104,12 @@ class MeshConfig:
     role: str = "train"
     """This member's role: ``train`` members form the ring."""
     data_port: int = 0
-    """Data-plane TCP port (0: any free one). It binds the gossip bind address."""
+    """Data-plane TCP port (0: any free one). It binds the gossip bind address; the published
+    address is the advertised host and this port (fix it to forward it, or to write a
+    firewall rule for it)."""
+    state_port: int = 0
+    """State-server TCP port (``serve_state``; 0: any free one), bound and published like
+    ``data_port``."""
     suspects_in_view: bool = False
     """Whether SUSPECT members stay in the ring. No (default): a member stops being waited for
     as soon as it is suspected, which is what makes recovery from a crash take well under a
@@ -126,6 +135,9 @@ class MeshConfig:
             raise ConfigError("agree_timeout must be positive")
         if not self.progress_interval > 0:
             raise ConfigError("progress_interval must be positive")
+        for name in ("data_port", "state_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name} out of range: {getattr(self, name)}")
 
 
 def view_of(
@@ -389,7 +401,8 @@ class Mesh:
     async def serve_state(self, source: Lookup) -> tuple[str, int]:
         """Serve ``source(step, digest)`` (the snapshot asked for, or None) to members that
         fetch state (``fetch_state``), for as long as the mesh is open, and publish the
-        server's address in our metadata. One server per member; a second call replaces it."""
+        server's address (the advertised host, the bound port) in our metadata; it is
+        returned. One server per member; a second call replaces it."""
         if self._state_server is not None:
             self._state_server.close()
         nc = self.config.node
@@ -399,12 +412,13 @@ class Mesh:
                 source,
                 auth=nc.auth,
                 mesh=nc.mesh,
-                host=self.data_plane.address[0],
+                host=nc.bind,
+                port=self.config.state_port,
                 config=self.config.transfer,
             )
         )
         self._state_server = server
-        host, port = server.address
+        host, port = nc.advertised_host, server.port
         self._update_meta({STATE_KEY: f"{host}:{port}"})
         return host, port
 
@@ -543,18 +557,19 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
     config = config or MeshConfig()
     node_id = os.urandom(16).hex()
     nc = config.node
+    advertised = nc.advertised_host  # (a ConfigError before anything binds)
     events = new_queue()
     async with open_data_plane(
         node_id,
-        host=nc.advertise or nc.bind,
+        host=nc.bind,
         port=config.data_port,
         auth=nc.auth,
         mesh=nc.mesh,
         config=config.collective,
         observe=events.append,
     ) as dp:
-        host, port = dp.address
-        meta: dict[str, Any] = {**nc.meta, DATA_KEY: f"{host}:{port}", ROLE_KEY: config.role}
+        data = f"{advertised}:{dp.address[1]}"
+        meta: dict[str, Any] = {**nc.meta, DATA_KEY: data, ROLE_KEY: config.role}
         async with (
             open_node(replace(nc, meta=meta), node_id=node_id) as node,
             trio.open_nursery() as nursery,

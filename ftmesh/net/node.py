@@ -20,6 +20,12 @@ Effects come back from every machine call and are applied at once: datagrams are
 blocking (a full socket buffer drops the datagram, as the network might, and counts it);
 push-pulls run as short tasks with a deadline; member events go to every subscriber's bounded
 channel (a subscriber that does not keep up loses events and the loss is counted).
+
+Bind and advertise are separate: every listener of a member (gossip here, the data plane and
+the state server in ``ftmesh.mesh``) binds ``NodeConfig.bind``, a local address or
+``0.0.0.0``, and every address the member publishes names ``NodeConfig.advertised_host``. The
+advertised host need not be an address of this machine: behind NAT or a port forward it is
+the public address whose ports lead here (fixed ports make that forwarding possible).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from .frames import (
     send_challenge,
     write_push_pull,
 )
+from .ports import bind_error
 from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
@@ -146,7 +153,8 @@ class NodeConfig:
     port: int = 0
     """Gossip port (UDP and TCP); 0 picks a free one."""
     advertise: str = ""
-    """Address peers use to reach us; default ``bind`` (required when binding 0.0.0.0)."""
+    """Address peers use to reach us; default ``bind`` (required when binding 0.0.0.0). It may
+    be an address this machine does not own (a NAT's, a port forward's): nothing binds it."""
     discovery: str = "local"
     """``local`` (same host, no multicast), ``seeds`` (the ``join`` list), ``mdns`` (LAN
     multicast) or ``none`` (only ``join``)."""
@@ -174,6 +182,16 @@ class NodeConfig:
             raise ConfigError(f"metrics port out of range: {self.metrics_port}")
         for j in self.join:
             parse_hostport(j)
+
+    @property
+    def advertised_host(self) -> str:
+        """The host every address this member publishes names (gossip, data plane, state):
+        ``advertise``, else the bound address, which must then not be all interfaces."""
+        if self.advertise:
+            return self.advertise
+        if self.bind in ("0.0.0.0", ""):
+            raise ConfigError("binding to all interfaces needs an explicit advertise address")
+        return self.bind
 
 
 class Node:
@@ -596,11 +614,8 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
         except OSError as exc:
             udp.close()
             last = exc
-    why = last.strerror.lower() if last is not None and last.strerror else str(last)
-    raise ConfigError(
-        f"cannot bind gossip port {port} on {host}: {why}; pick another --port "
-        "($FTMESH_PORT), or 0 for any free one"
-    )
+    assert last is not None
+    raise bind_error("gossip", host, port, "--port ($FTMESH_PORT)", last)
 
 
 def default_name() -> str:
@@ -618,10 +633,9 @@ async def open_node(
     ``async with open_node(NodeConfig(mesh="lab")) as node: ...``
     """
     config = config or NodeConfig()
-    if config.bind in ("0.0.0.0", "") and not config.advertise:
-        raise ConfigError("binding to all interfaces needs an explicit advertise address")
+    host = config.advertised_host
     udp, tcp = _bind_udp_tcp(config.bind, config.port)
-    advertise = (config.advertise or config.bind, udp.getsockname()[1])
+    advertise = (host, udp.getsockname()[1])
     node_id = node_id or os.urandom(16).hex()
     swim = Swim(
         node_id=node_id,

@@ -56,6 +56,7 @@ import trio
 
 from ..errors import ConfigError, LocalUsageError, RemoteProtocolError
 from ..net.admission import Admission, accept_loop, peer_host
+from ..net.ports import bind_error
 from ..security import MeshAuth
 from .errors import StaleSnapshotError, StateTransferError
 from .memory import prepared_zeros
@@ -236,6 +237,7 @@ class StateServer:
         self.config = config or TransferConfig()
         self.host = ""
         self.port = 0
+        self._listeners: list[trio.SocketListener] = []
         self.dropped: dict[str, int] = {}
         """Refused or failed sessions by reason (``bad_mac``, ``wrong_mesh``, ``timeout``...)."""
         self.sessions_served = 0
@@ -250,7 +252,12 @@ class StateServer:
         return self.host, self.port
 
     def close(self) -> None:
+        """Stop serving. The listening socket is closed now, not when the server's task next
+        runs, so a replacement can bind the same fixed port (``--state-port``) at once."""
         self._cancel.cancel()
+        for lst in self._listeners:
+            with contextlib.suppress(OSError):
+                lst.socket.close()
 
     async def serve(
         self,
@@ -259,8 +266,16 @@ class StateServer:
         port: int = 0,
         task_status: trio.TaskStatus[StateServer] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Bind ``host:port`` (0: any free port) and serve until ``close()``. A port that
+        cannot be bound is a ``ConfigError`` naming ``--state-port``."""
         with self._cancel:
-            listeners = await trio.open_tcp_listeners(port, host=host)
+            try:
+                listeners = await trio.open_tcp_listeners(port, host=host)
+            except OSError as exc:
+                raise bind_error(
+                    "state", host, port, "--state-port ($FTMESH_STATE_PORT)", exc
+                ) from None
+            self._listeners = listeners
             try:
                 sockname = listeners[0].socket.getsockname()
                 self.host, self.port = str(sockname[0]), int(sockname[1])
