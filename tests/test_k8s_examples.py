@@ -149,7 +149,14 @@ def test_the_kustomization_builds_and_every_resource_validates() -> None:
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "PodDisruptionBudget", "PodMonitor", "Service", "StatefulSet"]
+    assert kinds == [
+        "ConfigMap",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "PodMonitor",
+        "Service",
+        "StatefulSet",
+    ]
     for doc in docs:
         if not doc["apiVersion"].startswith(CRD_GROUPS):
             _validate(doc)

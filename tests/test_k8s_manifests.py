@@ -54,6 +54,7 @@ def train() -> dict[str, Any]:
     return {
         "service": _kind(docs, "Service"),
         "pdb": _kind(docs, "PodDisruptionBudget"),
+        "policy": _kind(docs, "NetworkPolicy"),
         "sts": sts,
         "pod": pod,
         "container": pod["containers"][0],
@@ -112,6 +113,36 @@ def test_the_worker_command_parses_and_agrees_with_the_manifest(train: dict[str,
     assert args.start_peers == train["sts"]["spec"]["replicas"]
     # Nothing depends on the number of replicas: scaling restarts no pod.
     assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK"} & set(env)
+
+
+def test_the_network_policy_opens_exactly_the_members_fixed_ports(train: dict[str, Any]) -> None:
+    """Gossip (UDP and TCP), data plane and state server, between the StatefulSet's pods and
+    from nowhere else; the metrics port from anywhere (scrapes, probes); nothing else. The
+    ports are the worker's own flags (fixed, not random), so the rule is the one that holds."""
+    args = _worker_args(train)
+    policy, c = train["policy"]["spec"], train["container"]
+    labels = train["sts"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    members = {(args.port, "UDP"), (args.port, "TCP")}
+    members |= {(args.data_port, "TCP"), (args.state_port, "TCP")}
+    assert all(p for p, _ in members) and len({p for p, _ in members}) == 3  # fixed, distinct
+    metrics = int(_env(c)["FTMESH_METRICS_PORT"]["value"])
+    opened: dict[str, set[tuple[int, str]]] = {}
+    for rule in policy["ingress"]:
+        ports = {(p["port"], p["protocol"]) for p in rule["ports"]}
+        if "from" in rule:
+            (peer,) = rule["from"]
+            assert set(peer) == {"podSelector"}  # this namespace's pods, no other
+            assert peer["podSelector"]["matchLabels"].items() <= labels.items()
+            opened.setdefault("members", set()).update(ports)
+        else:
+            opened.setdefault("anyone", set()).update(ports)
+    assert opened == {"members": members, "anyone": {(metrics, "TCP")}}
+    # The container declares the same ports, by name.
+    declared = {p["name"]: (p["containerPort"], p["protocol"]) for p in c["ports"]}
+    assert declared["data"] == (args.data_port, "TCP")
+    assert declared["state"] == (args.state_port, "TCP")
 
 
 def test_the_script_arguments_parse_and_checkpoint_to_the_claim(train: dict[str, Any]) -> None:

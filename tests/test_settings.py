@@ -262,6 +262,7 @@ def test_the_k8s_worker_command_passes_every_flag_on() -> None:
         "digits",
     )
     assert handed.join == ("ftmesh.ml.svc.cluster.local:7946",)
+    assert (handed.data_port, handed.state_port) == (7947, 7948)  # the NetworkPolicy's
     assert handed.secret_file == "/var/run/secrets/ftmesh/secret" and handed.start_peers == 4
 
 
