@@ -486,7 +486,9 @@ class ReachTracker:
 @dataclass(frozen=True, slots=True)
 class Exclusion:
     """A member the ring leaves out: ``reason`` (an accusation reason, ``accuses`` or
-    ``cycle``) and the reporters whose accusations decided it (itself for ``accuses``)."""
+    ``cycle``) and the reporters whose accusations decided it (itself for ``accuses``). The
+    mesh adds ``bad_meta`` (no reporters) and ``release`` (``by``: the release it runs,
+    ``ftmesh.mesh.meta.ring_exclusions``)."""
 
     node: str
     reason: str

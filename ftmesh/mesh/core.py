@@ -75,6 +75,8 @@ from .meta import (
     BETWEEN_STEPS,
     DATA_KEY,
     PROGRESS_KEY,
+    RELEASE,
+    RELEASE_KEY,
     ROLE_KEY,
     ROLES,
     STATE_BYTES_KEY,
@@ -569,7 +571,12 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
         observe=events.append,
     ) as dp:
         data = f"{advertised}:{dp.address[1]}"
-        meta: dict[str, Any] = {**nc.meta, DATA_KEY: data, ROLE_KEY: config.role}
+        meta: dict[str, Any] = {
+            **nc.meta,
+            DATA_KEY: data,
+            ROLE_KEY: config.role,
+            RELEASE_KEY: RELEASE,
+        }
         async with (
             open_node(replace(nc, meta=meta), node_id=node_id) as node,
             trio.open_nursery() as nursery,

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+from .. import __version__
 from ..collective import reach as _reach
 from ..collective.reach import Exclusion
 from ..errors import ConfigError, RemoteProtocolError
@@ -45,6 +46,12 @@ STATE_KEY = "state"
 STATE_BYTES_KEY = "state_bytes"
 """Member metadata key: the size of the member's committed state (``Mesh.advertise_state``),
 so that a member about to fetch it can prepare its receive buffer while it waits to join."""
+RELEASE_KEY = "release"
+"""Member metadata key: the member's ftmesh release, ``major.minor`` (``RELEASE``). Members of
+one mesh must share it (CHANGELOG.md): the ring leaves out a training member of another
+release (reason ``release``), loudly, on both sides."""
+RELEASE = ".".join(__version__.split(".")[:2])
+"""This process's release (``ftmesh.__version__`` without its patch number)."""
 ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others not (``joining``: about to
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
@@ -286,17 +293,25 @@ REACH_KEY = "reach"
 member to compute the same exclusions (``ring_exclusions``)."""
 
 
-def ring_exclusions(members: Sequence[MemberSnapshot]) -> dict[str, Exclusion]:
+def ring_exclusions(
+    members: Sequence[MemberSnapshot], release: str = RELEASE
+) -> dict[str, Exclusion]:
     """The training members the ring leaves out (``_reach.exclusions``), computed from the
     accusations they publish under ``REACH_KEY``: the same for every member that holds the same
     membership. Accusations count while their reporter is alive or suspect (a suspicion, as
     a one-way link causes now and then, must not take an accused member back for a moment).
-    A member whose accusations do not parse is left out (reason ``bad_meta``)."""
+    A member whose accusations do not parse is left out (reason ``bad_meta``), and so is one
+    that publishes a ``RELEASE_KEY`` other than ``release`` (reason ``release``: members of
+    two releases never share a ring; one that publishes none predates the key)."""
     candidates: list[str] = []
     reports: dict[str, dict[str, str]] = {}
     bad: dict[str, Exclusion] = {}
     for m in members:
         if m.state not in _COUNTED or m.meta.get(ROLE_KEY) != "train":
+            continue
+        theirs = m.meta.get(RELEASE_KEY, release)
+        if theirs != release:
+            bad[m.node] = Exclusion(m.node, "release", (str(theirs)[:16],))
             continue
         try:
             found = _reach.parse_reports(m.meta.get(REACH_KEY))

@@ -25,7 +25,7 @@ from ..collective.reach import Exclusion, ReachConfig, ReachEvent, ReachTracker
 from ..errors import ConfigError
 from ..membership.messages import MemberSnapshot, MemberState
 from ..net.node import parse_hostport
-from .meta import REACH_KEY
+from .meta import REACH_KEY, RELEASE
 
 if TYPE_CHECKING:
     from ..collective import DataPlane
@@ -70,6 +70,12 @@ def describe_exclusion(ex: Exclusion, names: Mapping[str, str]) -> str:
         return f"it and {by} accuse each other"
     if ex.reason == "bad_meta":
         return f"its {REACH_KEY!r} metadata does not parse"
+    if ex.reason == "release":
+        theirs = ex.by[0] if ex.by else "?"
+        return (
+            f"it runs ftmesh {theirs}.x and this member {RELEASE}.x: members of one mesh must "
+            "run one minor release (CHANGELOG.md)"
+        )
     return f"{_ACCUSED.get(ex.reason, ex.reason)}, says {by}"
 
 

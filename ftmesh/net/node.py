@@ -47,7 +47,13 @@ from ..errors import ConfigError, RemoteProtocolError
 from ..membership.config import MembershipConfig
 from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
-from ..membership.wire import MAX_DATAGRAM, MAX_MESH_NAME, PacketCodec, StaleError
+from ..membership.wire import (
+    MAX_DATAGRAM,
+    MAX_MESH_NAME,
+    PROTOCOL_VERSION,
+    PacketCodec,
+    StaleError,
+)
 from ..security import MeshAuth
 from .admission import Admission, accept_loop, peer_host
 from .clocks import PeerClocks
@@ -382,6 +388,16 @@ class Node:
 
     def _drop(self, exc: RemoteProtocolError, src: object) -> None:
         self._count(f"rx_dropped_{exc.reason}")
+        if exc.reason == "bad_version":  # another release: say so, it is no attack
+            self._log_limited(
+                "rx_bad_version",
+                "dropped input from %s: %s; this member speaks wire protocol %d: members of "
+                "different ftmesh releases cannot share a mesh (CHANGELOG.md)",
+                src,
+                exc,
+                PROTOCOL_VERSION,
+            )
+            return
         self._log_limited(f"rx_{exc.reason}", "dropped input from %s: %s", src, exc)
 
     # ------------------------------------------------------------------ tasks
