@@ -142,7 +142,9 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
 def synced_metrics(text: str, into: dict[int, set[str]]) -> None:
     """The ``All: <accuracy> <mean loss>`` of each ``Train Epoch`` line, by the step whose
     progress line precedes it, for steps this worker computed (not adopted ones: the script's
-    values are then those of its failed attempt)."""
+    values are then those of its failed attempt). Only the first line after a progress line:
+    a second one comes from an attempt whose ``dist`` call failed (the loop runs the code
+    after the block for it, ``step.report is None``, and the port has no guard)."""
     record: dict[str, object] | None = None
     for line in text.splitlines():
         if line.startswith("FTMESH "):
@@ -151,3 +153,4 @@ def synced_metrics(text: str, into: dict[int, set[str]]) -> None:
             found = re.search(r"All: (\S+ \S+)$", line)
             assert found, line
             into.setdefault(int(str(record["step"])), set()).add(found[1])
+            record = None

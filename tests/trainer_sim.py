@@ -301,6 +301,7 @@ class FakeMesh:
     uses."""
 
     start_config = StartConfig()
+    gpu = None  # no GPU path: the buckets stay in host memory (SyncMesh.gpu)
 
     def __init__(self, hub: Hub, node_id: str) -> None:
         self.hub = hub

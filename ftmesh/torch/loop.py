@@ -31,12 +31,14 @@ at its very end), this member adopts it: ``step.batches()`` ends the body
 (:class:`StepAborted`, swallowed by ``with step``), ``step.report`` is the adopted step's
 (``report.adopted``), and the code after the block runs once for it, like the others'.
 
-Two failures cannot be retried inside the body, and hand the loop a new :class:`Step` for the
+Three failures cannot be retried inside the body, and hand the loop a new :class:`Step` for the
 step after the block, with ``step.report is None``: with ``shard_optimizer=True``, a failure of
 ``optimizer.step()``'s allgather (after a successful reduction), and a fall-back to a disk
-checkpoint (the sharded state was lost). A loop that shards its optimizer guards code after
-the block with ``if step.report is None: continue``. Any other exception leaves the ``with``
-block as usual (the step is not committed).
+checkpoint (the sharded state was lost); and a failed ``torch.distributed`` collective called
+by the body itself (a metric's sync: ``ftmesh.torch.distributed``). A loop that shards its
+optimizer or syncs through ``torch.distributed`` in its body guards code after the block with
+``if step.report is None: continue``. Any other exception leaves the ``with`` block as usual
+(the step is not committed).
 
 Between steps is the user's time: evaluating, saving or logging on one member, for longer than
 the data plane's ``io_timeout``, does not fail the others' next attempt. After a second of it

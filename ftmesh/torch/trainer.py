@@ -865,9 +865,17 @@ class ElasticTrainer:
         assert buckets is not None
         self._dist.close()
         self._current = None
-        if step.failure is not None and (error is None or isinstance(error, StepAborted)):
-            if step.next is None:  # failed outside step.batches() (a sharded optimizer.step)
-                step.next = self._feed(step.failure)
+        failed = failure_of(error) if step.failure is None and error is not None else None
+        if failed is not None:
+            # A collective of the body itself failed (``torch.distributed`` on the step's view,
+            # ``ftmesh.torch.distributed``): the attempt fails like any collective of the step.
+            self._abandon(step)
+            step.failure = failed
+        if step.failure is not None and (
+            error is None or isinstance(error, StepAborted) or failed is not None
+        ):
+            if step.next is None:  # failed outside step.batches() (a sharded optimizer.step,
+                step.next = self._feed(step.failure)  # a torch.distributed call of the body)
             return True
         if error is None and not step.reduced:
             error = LocalUsageError(
