@@ -168,12 +168,35 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     assert stats.recovery_seconds.total == pytest.approx(0.6)
 
 
-def test_a_live_peer_is_retried_after_a_random_pause() -> None:
-    m = _machine()
-    a = _alone_until_compute(m, _view("a", "b"))
-    a = m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b"))
-    a = m.feed(0.0, Members((MemberInfo("b", MemberState.ALIVE, "train"),)))
-    assert isinstance(a, Sleep) and 0.0 <= a.seconds <= 0.2
+def _wait_after_losing_live(seed: int, view: RingView) -> tuple[StepMachine, Action]:
+    """A machine (rng ``seed``) whose step on ``view`` failed with the loss of b, which
+    membership still holds alive: its next action."""
+    cfg = TrainerConfig.of(join_settle=0.0, quorum="any", straggler_factor=0)
+    m = StepMachine(cfg, "a", random.Random(seed), lambda _: BATCH)
+    _alone_until_compute(m, view)
+    assert m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b")) == ReadMembers()
+    return m, m.feed(0.0, Members((MemberInfo("b", MemberState.ALIVE, "train"),)))
+
+
+def test_a_live_peer_is_retried_when_the_view_changes_or_after_a_random_pause() -> None:
+    view = _view("a", "b", "c")
+    m, a = _wait_after_losing_live(0, view)
+    # Not a sleep: the wait ends the moment membership drops a peer that really died.
+    assert isinstance(a, WaitViewChange) and a.epoch == view.epoch
+    assert 0.0 < a.timeout <= 0.2
+    # The pause is drawn, so that members that failed together do not retry in lockstep.
+    timeouts = set()
+    for seed in range(4):
+        _, w = _wait_after_losing_live(seed, view)
+        assert isinstance(w, WaitViewChange) and 0.0 < w.timeout <= 0.2
+        timeouts.add(w.timeout)
+    assert len(timeouts) == 4
+    # The view without c (c died; b only gave up the ring) arrives within the wait: the
+    # retry goes on at once, on that view.
+    smaller = _view("a", "b")
+    a = m.feed(0.05, ViewSeen(smaller))
+    assert isinstance(a, WaitView)
+    assert m.feed(0.05, ViewSeen(smaller)) == Sync(smaller)
 
 
 def test_a_step_others_committed_is_adopted_not_computed() -> None:

@@ -157,8 +157,11 @@ SLOT_POLL_S = 1.0
 QUORUM_POLL_S = 1.0
 """The longest a member without quorum waits for another view before looking again."""
 RETRY_JITTER_S = 0.2
-"""Retry after a loss of a peer that is still alive within this many seconds, at random, so
-that members that failed together do not retry in lockstep."""
+"""After a loss of a peer that membership still holds alive, wait for the view to change at
+most this many seconds (drawn at random, so that members that failed together do not retry
+in lockstep on an unchanged view): a peer that really died is dropped by membership within
+the wait, and the retry starts the moment the view without it arrives, not after a sleep
+(issue #30)."""
 LOSS_WAIT_S = 0.5
 """After a loss of a peer that membership no longer holds alive, how long to wait for the
 view to drop it; short, so that we are back before neighbours that wait for us give up."""
@@ -856,8 +859,10 @@ class StepMachine:
                 now, members = yield ReadMembers()
                 states = {m.node: m.state for m in _members(members)}
                 if states.get(failure.peer) == MemberState.ALIVE:
-                    # Typically a neighbour that gave up a ring and is forming the next one.
-                    now, _ = yield Sleep(self.rng.uniform(0.0, RETRY_JITTER_S))
+                    # A neighbour that gave up a ring and forms the next one, or a peer that
+                    # died and is not suspected yet: the view change ends the wait.
+                    jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
+                    now, _ = yield WaitViewChange(view.epoch, jitter)
                 else:
                     now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
             elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
