@@ -265,6 +265,37 @@ def test_a_loss_where_states_may_differ_syncs() -> None:
     assert a == Sync(_view("a", "b"))
 
 
+def test_a_view_is_taken_without_a_sync_at_most_once_until_a_step_commits() -> None:
+    """A member of the view may sync while we compute (it missed a step's end): where the
+    mismatch of the two comes back as any failure, not as ``INPUT_MISMATCH``, we must not
+    take that view without a sync again, or neither side would ever give way."""
+    m = _machine()
+    three, two = _view("a", "b", "c"), _view("a", "b")
+    assert _lost_c(m, three, row_out=False, kind=Failure.PEER_LOST) == WorldChanged(3, 2)
+    a = m.feed(1.2, Done())
+    assert isinstance(a, Compute) and a.view == two
+    assert isinstance(m.feed(1.3, Failed(Failure.VIEW, "mismatched contributions")), WaitView)
+    assert m.feed(1.3, ViewSeen(two)) == Sync(two)
+    # The old view, still shown after a lost peer's wait: a sync on it (failing at its
+    # agreement, where nothing of our state changed) keeps what we hold for the next view.
+    m = _machine()
+    a = _alone_until_compute(m, three)
+    m.feed(0.0, Computed(3))
+    m.feed(0.0, Done())
+    m.begin(1.0)
+    assert isinstance(m.feed(1.0, ViewSeen(three)), Compute)
+    assert m.feed(1.1, Failed(Failure.PEER_LOST, "c died", peer="c")) == ReadMembers()
+    a = m.feed(1.1, Members((MemberInfo("c", MemberState.ALIVE, "train"),)))
+    assert isinstance(a, WaitViewChange)
+    assert isinstance(m.feed(1.3, ViewSeen(three)), WaitView)  # (unchanged within the wait)
+    assert m.feed(1.3, ViewSeen(three)) == Sync(three)
+    assert m.feed(1.4, Failed(Failure.PEER_LOST, "c died", peer="c")) == ReadMembers()
+    a = m.feed(1.4, Members((MemberInfo("c", MemberState.SUSPECT, "train"),)))
+    assert a == WaitViewChange(three.epoch, 0.5)
+    assert isinstance(m.feed(1.5, ViewSeen(two)), WaitView)
+    assert m.feed(1.5, ViewSeen(two)) == WorldChanged(3, 2)
+
+
 def test_a_failed_sync_or_a_state_set_from_outside_syncs_again() -> None:
     three, two = _view("a", "b", "c"), _view("a", "b")
     # A sync that failed (here: its fetch) may have changed our state.
@@ -584,6 +615,9 @@ class World:
         self.rng = random.Random(seed)
         self.total = total
         self.partial = partial
+        self.mismatch = Failure.INPUT_MISMATCH if seed % 2 else Failure.VIEW
+        """How members whose collectives differ learn of it: the collective layer says
+        ``INPUT_MISMATCH``; other paths (a GPU process group's set-up) may say anything."""
         self.now = 0.0
         self.members: dict[str, SimMember] = {}
         self.history: list[str] = []
@@ -693,7 +727,7 @@ class World:
         assert len(steps) <= 1, f"{epoch}: steps {steps} computed together: {self.history}"
         if len(kinds) > 1:
             for m in waiting:
-                self._answer(m, Failed(Failure.INPUT_MISMATCH, "different collectives"))
+                self._answer(m, Failed(self.mismatch, "different collectives"))
             return
         waiting.sort(key=lambda m: m.name)
         if isinstance(first, Sync):

@@ -171,6 +171,10 @@ the wait, and the retry starts the moment the view without it arrives, not after
 LOSS_WAIT_S = 0.5
 """After a loss of a peer that membership no longer holds alive, how long to wait for the
 view to drop it; short, so that we are back before neighbours that wait for us give up."""
+LOSSES = (Failure.PEER_LOST, Failure.VIEW)
+"""The failures of a collective that a lost member or a changed view explain: struck before
+our row of a step went out, they leave the state where it was
+(:meth:`StepMachine._sync_needless`)."""
 DEPARTURE_WAIT_S = 2.0
 """How long the members that stay wait for membership to show the view without the members
 that announced their departure (their graceful leave reaches everyone in milliseconds; after
@@ -314,6 +318,9 @@ class StepMachine:
         self._held: frozenset[str] = frozenset()
         """The members of the view we last settled on, while no member can have committed a
         step without us since (:meth:`_sync_needless`; empty: the next view change syncs)."""
+        self._tried: set[str] = set()
+        """Epochs of the views an attempt of ours failed on since our last committed step or
+        sync: not taken without a sync again (:meth:`_sync_needless`)."""
         self._row_out = False
         """The row of the pending ``Compute`` went out (:meth:`row`): from then on others can
         commit its step without us."""
@@ -369,7 +376,7 @@ class StepMachine:
     def committed(self, step: int) -> None:
         # Set from outside (a checkpoint or snapshot loaded): that state is ours alone.
         self._committed = step
-        self._held = frozenset()
+        self._forget_held()
 
     @property
     def synced_epoch(self) -> str:
@@ -382,7 +389,7 @@ class StepMachine:
         # Set from outside ("": a step's body raised, its collectives are out of order with
         # the others'): the next attempt syncs, whatever the view.
         self._synced_epoch = epoch
-        self._held = frozenset()
+        self._forget_held()
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -804,7 +811,7 @@ class StepMachine:
             if self._over_max_peers(view):
                 log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
                 self.in_ring = False
-                self._held = frozenset()
+                self._forget_held()
                 continue
             now, quorate = yield from self._quorate(now, view)
             if not quorate:
@@ -851,6 +858,7 @@ class StepMachine:
                 now, out = yield action
                 if isinstance(out, Computed):
                     self._committed = index + 1
+                    self._tried.clear()
                     self._count_nonfinite(out.nonfinite, out.skipped)
                     self._reweigh(action, out.speeds)
                     self._count_freeze(out.frozen, view)
@@ -867,11 +875,10 @@ class StepMachine:
                         yield from self._see_off(now, view, report)
                     return report
                 failure = _failed(out)
-                if self._row_out or failure.kind not in (Failure.PEER_LOST, Failure.VIEW):
-                    self._held = frozenset()  # others may have committed it, or we differ
-            else:
-                self._held = frozenset()  # a failed sync: it may have changed our state
+                if self._row_out or failure.kind not in LOSSES:
+                    self._forget_held()  # others may have committed it, or we differ
             # -- the attempt failed
+            self._tried.add(view.epoch)
             failed_at = now if failed_at is None else failed_at
             self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
             if failure.kind is Failure.DESYNC:
@@ -1078,7 +1085,7 @@ class StepMachine:
         """Leave the ring (role ``joining``) until the next attempt enters it again."""
         yield SetRole("joining")
         self.in_ring = False
-        self._held = frozenset()
+        self._forget_held()
 
     def _over_max_peers(self, view: RingView) -> bool:
         """Cold spares: whether we, not having trained yet, are one too many: members that
@@ -1130,9 +1137,11 @@ class StepMachine:
         we take ``view`` without one, as after a planned departure (issue #30). It needs:
         ``view`` made only of members of the view we last settled on (a sync, or a
         departure), and none of our attempts since, on that view or its subsets taken so,
-        failing after our row of its step went out (:meth:`row`) or otherwise than by a lost
-        peer or a changed view; sharded optimizer state always needs the sync (it re-spreads
-        the shards).
+        failing after our row of its step went out (:meth:`row`), or after a sync's
+        agreement, or otherwise than by a lost peer or a changed view (``LOSSES``); nor a
+        view an attempt of ours already failed on since our last commit or sync
+        (``_tried``). Sharded optimizer state always needs the sync (it re-spreads the
+        shards).
 
         Why that suffices. A step commits on a member only once it has gathered every
         member's row, ours included: when all our failures came before our row went out, no
@@ -1142,14 +1151,23 @@ class StepMachine:
         it, so Y's ``_held`` is empty and Y syncs. So the members that skip all stand at our
         step, reached by the same reduced gradients from the state of the same sync; one
         that syncs meets our step's collectives with its sync's and the collective layer
-        fails both (a mismatch: no data is combined), after which everyone syncs. The round
+        fails both (a mismatch: no data is combined), after which everyone syncs: the
+        collective layer says ``INPUT_MISMATCH``, which forgets what we held, but another
+        path (a GPU process group's set-up, a test's fake mesh) may say it as any failure,
+        so a view we failed on is never taken without a sync twice (no livelock). The round
         tag in the step header stays the backstop."""
         return (
             bool(self._held)
             and not self.config.shard_optimizer
             and self.committed != FRESH
             and set(view.node_ids) <= self._held
+            and view.epoch not in self._tried
         )
+
+    def _forget_held(self) -> None:
+        """The next view change syncs (:meth:`_sync_needless`)."""
+        self._held = frozenset()
+        self._tried.clear()
 
     # -- the sync --------------------------------------------------------------------------
 
@@ -1161,7 +1179,12 @@ class StepMachine:
         rank = view.rank_of(self.me)
         now, out = yield Sync(view)
         if isinstance(out, Failed):
+            if out.kind not in LOSSES:
+                self._forget_held()
             return now, out
+        # From here our state is the sync's to set (a fetch, a re-shard): held again only if
+        # the sync ends well (``_settle_on``).
+        self._forget_held()
         vec, own = _reduced(out), self._own_sync
         assert own is not None
         cut = len(vec) - SETTINGS_SLOTS * view.size
@@ -1239,6 +1262,8 @@ class StepMachine:
         (``ftmesh.training.stragglers``)."""
         self._synced_epoch = view.epoch
         self._held = frozenset(view.node_ids)
+        if carried is not None:  # a sync: every member of the view was in it
+            self._tried.clear()
         if carried is None:
             self.stragglers.keep_only(view.node_ids)
         else:
