@@ -80,6 +80,11 @@ def test_recovery_bench_smoke() -> None:
     assert r["state_bytes"] > 1 << 20  # 1 MiB of model + momentum, serialized
     bd = r["kill_breakdown_s"]
     assert bd["commit"] is not None and bd["commit"] <= bd["received"]
+    (phases,) = r["kill_phases_s"]  # detect, drop, ... add up to the kill's time to a step
+    assert list(phases) == ["detect", "drop", "retry_wait", "sync", "step", "report"]
+    total = sum(v for v in phases.values() if v is not None)
+    assert total == pytest.approx(r["kill_to_step_s"]["samples"][0], abs=1e-3)
+    assert len(r["kill_attempts"]) == 1 and r["kill_attempts"][0] >= 1
     assert set(r["goals"]) == {
         "kill_median_under_0.5s",
         "leave_lost_p99_under_50ms",

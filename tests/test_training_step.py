@@ -40,6 +40,7 @@ from ftmesh.training.actions import (
     ReadMembers,
     ReadView,
     Reduced,
+    Reshard,
     SetRole,
     Settle,
     Sleep,
@@ -92,7 +93,7 @@ def _alone_until_compute(m: StepMachine, view: RingView, now: float = 0.0) -> Co
             a = m.feed(now, _synced(m, a.view))
         elif isinstance(a, WaitView | ReadView | WaitViewChange):
             a = m.feed(now, ViewSeen(view))
-        elif isinstance(a, Fetch):
+        elif isinstance(a, Fetch | Reshard):
             a = m.feed(now, Fetched(100))
         else:
             assert isinstance(a, Settle | SetRole | PrepareJoin | Sleep | Barrier), a
@@ -147,6 +148,8 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     a = _alone_until_compute(m, view2)
     # b's slots: it is fresh too, so rank 0 (a) is the root; nothing to fetch for a.
     assert a.index == 0
+    # b died during the gradient allreduce, before our row went out (``row`` not called):
+    # nobody can have committed the step without our row.
     a = m.feed(1.0, Failed(Failure.PEER_LOST, "b died", peer="b"))
     assert a == ReadMembers()
     dead = MemberInfo("b", MemberState.DEAD, "train")
@@ -155,25 +158,173 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     a = m.feed(1.5, ViewSeen(_view("a")))
     assert isinstance(a, WaitView)
     alone = _view("a")
-    a = m.feed(1.5, ViewSeen(alone))
-    assert a == Sync(alone)  # the failure forgot the synced view
-    assert m.feed(1.5, _synced(m, alone)) == WorldChanged(2, 1)
+    # Every member of the new view kept the state of the last sync: no sync, straight on.
+    assert m.feed(1.5, ViewSeen(alone)) == WorldChanged(2, 1)
     a = m.feed(1.5, Done())
     assert isinstance(a, Compute) and (a.index, a.attempt, a.workers) == (0, 2, ("a",))
-    assert m.feed(1.6, Computed(BATCH)) == Advertise()
+    assert m.synced_epoch == alone.epoch
+    assert m.feed(1.6, Computed(BATCH)) == Advertise()  # (this run began with a sync)
     r = m.feed(1.6, Done())
     assert isinstance(r, Finished) and r.report is not None and r.report.attempts == 2
+    assert r.report.members == ("a",)
     stats = m.statistics()
     assert m.recoveries == 1 and stats.recovery_seconds.count == 1
     assert stats.recovery_seconds.total == pytest.approx(0.6)
 
 
-def test_a_live_peer_is_retried_after_a_random_pause() -> None:
+def _wait_after_losing_live(seed: int, view: RingView) -> tuple[StepMachine, Action]:
+    """A machine (rng ``seed``) whose step on ``view`` failed with the loss of b, which
+    membership still holds alive: its next action."""
+    cfg = TrainerConfig.of(join_settle=0.0, quorum="any", straggler_factor=0)
+    m = StepMachine(cfg, "a", random.Random(seed), lambda _: BATCH)
+    _alone_until_compute(m, view)
+    assert m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b")) == ReadMembers()
+    return m, m.feed(0.0, Members((MemberInfo("b", MemberState.ALIVE, "train"),)))
+
+
+def test_a_live_peer_is_retried_when_the_view_changes_or_after_a_random_pause() -> None:
+    view = _view("a", "b", "c")
+    m, a = _wait_after_losing_live(0, view)
+    # Not a sleep: the wait ends the moment membership drops a peer that really died.
+    assert isinstance(a, WaitViewChange) and a.epoch == view.epoch
+    assert 0.0 < a.timeout <= 0.2
+    # The pause is drawn, so that members that failed together do not retry in lockstep.
+    timeouts = set()
+    for seed in range(4):
+        _, w = _wait_after_losing_live(seed, view)
+        assert isinstance(w, WaitViewChange) and 0.0 < w.timeout <= 0.2
+        timeouts.add(w.timeout)
+    assert len(timeouts) == 4
+    # The view without c (c died; b only gave up the ring) arrives within the wait: the
+    # retry goes on at once, on that view.
+    smaller = _view("a", "b")
+    a = m.feed(0.05, ViewSeen(smaller))
+    assert isinstance(a, WaitView)
+
+
+def _lost_c(m: StepMachine, three: RingView, *, row_out: bool, kind: Failure) -> Action:
+    """``m`` has committed a step on ``three``; the next one fails (after our row went out,
+    or before) and c dies: the next action once the view without c has come."""
+    a = _alone_until_compute(m, three)
+    assert isinstance(m.feed(0.0, Computed(3)), Advertise)
+    assert isinstance(m.feed(0.0, Done()), Finished)
+    a = m.begin(1.0)
+    a = m.feed(1.0, ViewSeen(three))
+    assert isinstance(a, Compute) and a.index == 1
+    if row_out:
+        m.row(np.zeros(4, dtype=np.float32), False)
+    a = m.feed(1.1, Failed(kind, "c died", peer="c"))
+    if kind is Failure.PEER_LOST:
+        assert a == ReadMembers()
+        a = m.feed(1.1, Members((MemberInfo("c", MemberState.DEAD, "train"),)))
+        assert a == WaitViewChange(three.epoch, 0.5)
+        a = m.feed(1.2, ViewSeen(_view("a", "b")))
+    assert isinstance(a, WaitView)
+    return m.feed(1.2, ViewSeen(_view("a", "b")))
+
+
+def test_a_loss_after_a_commit_skips_the_sync() -> None:
+    """c dies while the next step's gradients are reduced (our row not out): no member can
+    have committed it without our row, and b, if it committed one we did not, would have
+    sent its row of it and syncs itself; so a and b go on without a sync."""
+    for kind in (Failure.PEER_LOST, Failure.VIEW):
+        m = _machine()
+        two = _view("a", "b")
+        assert _lost_c(m, _view("a", "b", "c"), row_out=False, kind=kind) == WorldChanged(3, 2)
+        a = m.feed(1.2, Done())
+        assert isinstance(a, Compute) and (a.view, a.index, a.attempt) == (two, 1, 2)
+        assert a.workers == ("a", "b")
+        r = m.feed(1.3, Computed(4))
+        assert isinstance(r, Finished) and r.report is not None
+        assert (r.report.step, r.report.synced, r.report.attempts) == (2, False, 2)
+        # The next loss on the smaller view skips it again; a joiner's view does not.
+        a = m.begin(2.0)
+        assert isinstance(m.feed(2.0, ViewSeen(two)), Compute)
+        assert isinstance(m.feed(2.1, Failed(Failure.VIEW, "aborted")), WaitView)
+        assert m.feed(2.2, ViewSeen(_view("a"))) == WorldChanged(2, 1)
+        m.feed(2.2, Done())
+        assert isinstance(m.feed(2.3, Failed(Failure.VIEW, "aborted")), WaitView)
+        joined = _view("a", "j")
+        assert m.feed(2.4, ViewSeen(joined)) == Sync(joined)
+
+
+def test_a_loss_where_states_may_differ_syncs() -> None:
+    # Our row went out: b may have gathered every row and committed the step without us.
     m = _machine()
-    a = _alone_until_compute(m, _view("a", "b"))
-    a = m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b"))
-    a = m.feed(0.0, Members((MemberInfo("b", MemberState.ALIVE, "train"),)))
-    assert isinstance(a, Sleep) and 0.0 <= a.seconds <= 0.2
+    assert _lost_c(m, _view("a", "b", "c"), row_out=True, kind=Failure.PEER_LOST) == Sync(
+        _view("a", "b")
+    )
+    # Another failure before our row (our collectives out of order with a member that
+    # syncs, a malformed header, ...): sync.
+    m = _machine()
+    a = _lost_c(m, _view("a", "b", "c"), row_out=False, kind=Failure.INPUT_MISMATCH)
+    assert a == Sync(_view("a", "b"))
+    # Sharded optimizer state: the sync re-spreads the shards of the lost member.
+    m = _machine(shard_optimizer=True)
+    a = _lost_c(m, _view("a", "b", "c"), row_out=False, kind=Failure.PEER_LOST)
+    assert a == Sync(_view("a", "b"))
+
+
+def test_a_view_is_taken_without_a_sync_at_most_once_until_a_step_commits() -> None:
+    """A member of the view may sync while we compute (it missed a step's end): where the
+    mismatch of the two comes back as any failure, not as ``INPUT_MISMATCH``, we must not
+    take that view without a sync again, or neither side would ever give way."""
+    m = _machine()
+    three, two = _view("a", "b", "c"), _view("a", "b")
+    assert _lost_c(m, three, row_out=False, kind=Failure.PEER_LOST) == WorldChanged(3, 2)
+    a = m.feed(1.2, Done())
+    assert isinstance(a, Compute) and a.view == two
+    assert isinstance(m.feed(1.3, Failed(Failure.VIEW, "mismatched contributions")), WaitView)
+    assert m.feed(1.3, ViewSeen(two)) == Sync(two)
+    # The old view, still shown after a lost peer's wait: a sync on it (failing at its
+    # agreement, where nothing of our state changed) keeps what we hold for the next view.
+    m = _machine()
+    a = _alone_until_compute(m, three)
+    m.feed(0.0, Computed(3))
+    m.feed(0.0, Done())
+    m.begin(1.0)
+    assert isinstance(m.feed(1.0, ViewSeen(three)), Compute)
+    assert m.feed(1.1, Failed(Failure.PEER_LOST, "c died", peer="c")) == ReadMembers()
+    a = m.feed(1.1, Members((MemberInfo("c", MemberState.ALIVE, "train"),)))
+    assert isinstance(a, WaitViewChange)
+    assert isinstance(m.feed(1.3, ViewSeen(three)), WaitView)  # (unchanged within the wait)
+    assert m.feed(1.3, ViewSeen(three)) == Sync(three)
+    assert m.feed(1.4, Failed(Failure.PEER_LOST, "c died", peer="c")) == ReadMembers()
+    a = m.feed(1.4, Members((MemberInfo("c", MemberState.SUSPECT, "train"),)))
+    assert a == WaitViewChange(three.epoch, 0.5)
+    assert isinstance(m.feed(1.5, ViewSeen(two)), WaitView)
+    assert m.feed(1.5, ViewSeen(two)) == WorldChanged(3, 2)
+
+
+def test_a_failed_sync_or_a_state_set_from_outside_syncs_again() -> None:
+    three, two = _view("a", "b", "c"), _view("a", "b")
+    # A sync that failed (here: its fetch) may have changed our state.
+    m = _machine()
+    a = m.begin(0.0)
+    while not isinstance(a, Sync):
+        a = m.feed(0.0, ViewSeen(three) if isinstance(a, WaitView) else Done())
+    vecs = [m.sync_vector(three, 100, DIGEST)]
+    for peer in ("b", "c"):
+        theirs = StepMachine(m.config, peer, random.Random(1), lambda _: BATCH)
+        theirs.committed, theirs.layout = 3, m.layout
+        vecs.append(theirs.sync_vector(three, 120, "cd" * 32))
+    a = m.feed(0.0, Reduced(np.maximum.reduce(vecs)))
+    assert isinstance(a, Fetch)
+    assert isinstance(m.feed(0.1, Failed(Failure.VIEW, "holder gone")), WaitView)
+    assert m.feed(0.2, ViewSeen(two)) == Sync(two)
+    # The trainer abandons an attempt whose body raised (its collectives out of order), or
+    # loads a snapshot: the next view change syncs.
+    for outside in ("synced_epoch", "committed"):
+        m = _machine()
+        _alone_until_compute(m, three)
+        m.feed(0.0, Computed(3))
+        m.feed(0.0, Done())
+        if outside == "synced_epoch":
+            m.synced_epoch = ""
+        else:
+            m.committed = 5
+        m.begin(1.0)
+        assert m.feed(1.0, ViewSeen(two)) == Sync(two), outside
 
 
 def test_a_step_others_committed_is_adopted_not_computed() -> None:
@@ -186,7 +337,9 @@ def test_a_step_others_committed_is_adopted_not_computed() -> None:
     a = m.begin(1.0)
     a = m.feed(1.0, ViewSeen(view))
     assert isinstance(a, Compute) and a.index == 1
-    # Our allreduce failed at its very end; b's completed, so b committed step 2.
+    # Our allreduce failed at its very end (after our row went out); b's completed, so b
+    # committed step 2.
+    m.row(np.zeros(4, dtype=np.float32), False)
     a = m.feed(2.0, Failed(Failure.VIEW, "aborted"))
     assert isinstance(a, WaitView)
     a = m.feed(2.0, ViewSeen(view))
@@ -247,7 +400,10 @@ def test_without_quorum_an_isolated_member_waits() -> None:
     assert isinstance(a, WaitViewChange)  # both dead, but not for 5 s yet
     a = m.feed(7.5, ViewSeen(alone))
     a = m.feed(7.5, ViewSeen(alone))
-    assert m.feed(7.5, Members(dead)) == Sync(alone)  # past the grace: the mesh shrinks to us
+    # Past the grace: the mesh shrinks to us, without a sync (b and c cannot have committed
+    # a step without our row, nor can any member of the view lack one we committed).
+    assert m.feed(7.5, Members(dead)) == WorldChanged(3, 1)
+    assert isinstance(m.feed(7.5, Done()), Compute)
 
 
 def test_a_fresh_mesh_passes_the_start_gate_before_it_enters() -> None:
@@ -459,6 +615,9 @@ class World:
         self.rng = random.Random(seed)
         self.total = total
         self.partial = partial
+        self.mismatch = Failure.INPUT_MISMATCH if seed % 2 else Failure.VIEW
+        """How members whose collectives differ learn of it: the collective layer says
+        ``INPUT_MISMATCH``; other paths (a GPU process group's set-up) may say anything."""
         self.now = 0.0
         self.members: dict[str, SimMember] = {}
         self.history: list[str] = []
@@ -562,9 +721,13 @@ class World:
         if len(waiting) < ring.size:
             return  # the others are not there yet
         kinds = {(type(m.action), getattr(m.action, "index", None)) for m in waiting}
+        steps = {m.action.index for m in waiting if isinstance(m.action, Compute)}
+        # Members computing different steps on one view would each find the other's round
+        # tag wrong in the gathered rows: a header fault, an accusation of an honest member.
+        assert len(steps) <= 1, f"{epoch}: steps {steps} computed together: {self.history}"
         if len(kinds) > 1:
             for m in waiting:
-                self._answer(m, Failed(Failure.INPUT_MISMATCH, "different collectives"))
+                self._answer(m, Failed(self.mismatch, "different collectives"))
             return
         waiting.sort(key=lambda m: m.name)
         if isinstance(first, Sync):
@@ -586,6 +749,8 @@ class World:
         failing: set[str] = set()
         if self.rng.random() < self.partial:
             failing = {m.name for m in waiting if self.rng.random() < 0.5}
+        for m in waiting:  # as the trainer does: its row out, before the rows' allgather
+            m.machine.row(np.asarray(header, dtype=np.float32), False)
         for m, own in zip(waiting, checks, strict=True):
             action = m.action
             assert isinstance(action, Compute)

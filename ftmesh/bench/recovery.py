@@ -18,7 +18,15 @@ record that shows X (so it includes the record's trip through the pipe, well und
    ``workloads/mlp_worker.py``) give ``kill_breakdown_s``: the medians, from the kill, of the
    moment the first survivor's collective failed (EOF / abort), the moment its view dropped the
    victim (membership), the start and end of the state-agreement sync on the new view, the
-   start and end of the retried step's gradient allreduce, and its commit.
+   start and end of the retried step's gradient allreduce, and its commit. ``kill_phases_s``
+   cuts the same timeline into consecutive phases that add up to ``kill_to_step_s``
+   (:func:`kill_phases`): ``detect`` (to the first failed collective), ``drop`` (on to the
+   view without the victim), ``retry_wait`` (on to the view of the attempt that commits:
+   retry pauses, failed retries on the old ring), ``sync`` (on to the retried step's forward
+   pass: the state-agreement sync, with the new ring's connections, which then fall into
+   ``step`` when the sync is skipped: the workers record no span of their own for them),
+   ``step`` (forward, gradient allreduce, commit) and ``report``; ``kill_attempts`` counts the
+   attempts of that survivor's step (1: the first attempt committed).
 2. **ftmesh, SIGTERM (planned departure).** The same, with SIGTERM: the member announces its
    departure in its step, leaves, and exits 0. ``leave_to_step_s`` is timed like
    ``kill_to_step_s`` (it includes the rest of the victim's step, in which it announces, and
@@ -834,6 +842,40 @@ def _join_phase(
 
 
 # -- report -------------------------------------------------------------------------------
+PHASES = (
+    ("detect", "first_failure"),
+    ("drop", "view_without_victim"),
+    ("retry_wait", "retry_view_ready"),
+    ("sync", "step_start"),
+    ("step", "commit"),
+    ("report", "received"),
+)
+"""The phases of a recovery, each named with the milestone of ``FtmeshMesh.breakdown`` that
+ends it."""
+
+
+def kill_phases(milestones: dict[str, float | None]) -> dict[str, float | None]:
+    """Consecutive phases of one recovery from its milestones (seconds after the signal):
+    each phase lasts from the latest milestone before it to its own (0 when its milestone
+    came earlier, as the view without the victim may come before any collective fails;
+    ``None`` when its milestone is missing), so the phases add up to the last milestone."""
+    out: dict[str, float | None] = {}
+    at = 0.0
+    for phase, milestone in PHASES:
+        t = milestones.get(milestone)
+        if t is None:
+            out[phase] = None
+            continue
+        out[phase] = max(0.0, t - at)
+        at = max(at, t)
+    return out
+
+
+def _counts(xs: list[int]) -> dict[str, int]:
+    """How many times each value occurs, by value (JSON keys)."""
+    return {str(k): xs.count(k) for k in sorted(set(xs))}
+
+
 def _median_breakdown(rows: list[dict[str, float | None]]) -> dict[str, float | None]:
     if not rows:
         return {}
@@ -869,6 +911,8 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
             shutil.rmtree(log_dir, ignore_errors=True)
     bound = MembershipConfig.preset("local").crash_detection_bound(args.procs)
     kill = _stats(ft["kills"])
+    phases = [kill_phases(b) for b in ft["breakdowns"]]
+    attempts = [int(b["attempts"] or 0) for b in ft["breakdowns"]]
     leave = _stats(ft["leaves"])
     leave_lost = _stats([c["lost_s"] for c in ft["leave_costs"]])
     leave_redone = [c["redone"] for c in ft["leave_costs"]]
@@ -889,6 +933,10 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "kill_to_commit_s": _stats(ft["kill_commit"]),
         "kill_breakdown_s": _median_breakdown(ft["breakdowns"]),
         "kill_breakdowns_s": ft["breakdowns"],
+        "kill_phase_s": _median_breakdown(phases),
+        "kill_phases_s": phases,
+        "kill_attempts": attempts,
+        "kill_attempts_count": _counts(attempts),
         "kill_lost_s": _stats([c["lost_s"] for c in ft["kill_costs"]]),
         "kill_steps_redone": [c["redone"] for c in ft["kill_costs"]],
         "leave_to_step_s": leave,
@@ -982,6 +1030,10 @@ def format_report(r: dict[str, Any]) -> str:
         ),
         "  kill breakdown (median s after the kill): "
         + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["kill_breakdown_s"].items()),
+        "  kill phases (median s): "
+        + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["kill_phase_s"].items())
+        + "; attempts of the step (first survivor): "
+        + ", ".join(f"{n} x{c}" for n, c in r["kill_attempts_count"].items()),
         "  torchrun breakdown (median s after the kill): "
         + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["torchrun_breakdown_s"].items()),
         "  goals: " + ", ".join(f"{g} {'yes' if ok else 'NO'}" for g, ok in r["goals"].items()),

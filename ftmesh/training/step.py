@@ -27,7 +27,11 @@ of *attempts*:
 3. **Sync** (when the view differs from the one we last synced on): the sync allreduce, then
    fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
    the optimizer state in sharded mode. If the sync shows that the others committed the step
-   we were computing, the run ends there: the step is *adopted*, never computed twice.
+   we were computing, the run ends there: the step is *adopted*, never computed twice. A view
+   made only of members of the last one we settled on, after nothing but losses that struck
+   before our row of a step went out, is taken without a sync, as after a planned departure
+   (``StepMachine._sync_needless`` gives the argument: after a kill the survivors go straight
+   to the retried step).
 4. **Compute**: our share of the step (equal, or by the weights the machine made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
    micro-batches; the driver runs backward, the gradient allreduce, the allgather of every
@@ -44,8 +48,10 @@ of *attempts*:
    cold spare, while waiting for a view, or after a failed attempt it departs at once.
 
 A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
-attempt: the machine forgets the synced view (the next attempt syncs again), pauses as the
-failure calls for, and starts over at 1 or 2. The step's global batch never changes between
+attempt: the machine forgets the synced view (the next attempt syncs again, unless the sync
+is needless, as in 3), pauses as the failure calls for (a lost peer that membership still
+holds alive: until the view changes, at most a random ``RETRY_JITTER_S``), and starts over
+at 1 or 2. The step's global batch never changes between
 attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 """
 
@@ -157,11 +163,18 @@ SLOT_POLL_S = 1.0
 QUORUM_POLL_S = 1.0
 """The longest a member without quorum waits for another view before looking again."""
 RETRY_JITTER_S = 0.2
-"""Retry after a loss of a peer that is still alive within this many seconds, at random, so
-that members that failed together do not retry in lockstep."""
+"""After a loss of a peer that membership still holds alive, wait for the view to change at
+most this many seconds (drawn at random, so that members that failed together do not retry
+in lockstep on an unchanged view): a peer that really died is dropped by membership within
+the wait, and the retry starts the moment the view without it arrives, not after a sleep
+(issue #30)."""
 LOSS_WAIT_S = 0.5
 """After a loss of a peer that membership no longer holds alive, how long to wait for the
 view to drop it; short, so that we are back before neighbours that wait for us give up."""
+LOSSES = (Failure.PEER_LOST, Failure.VIEW)
+"""The failures of a collective that a lost member or a changed view explain: struck before
+our row of a step went out, they leave the state where it was
+(:meth:`StepMachine._sync_needless`)."""
 DEPARTURE_WAIT_S = 2.0
 """How long the members that stay wait for membership to show the view without the members
 that announced their departure (their graceful leave reaches everyone in milliseconds; after
@@ -299,11 +312,18 @@ class StepMachine:
         """How this member starts (``ftmesh.training.start``; the driver's ``WaitToStart``)."""
         self.leave_requested = False
         """A planned departure was asked for (:meth:`request_leave`)."""
-        self.committed = FRESH
-        """Steps committed (``FRESH``: never trained in this mesh)."""
+        self._committed = FRESH
         self.in_ring = False
-        self.synced_epoch = ""
-        """The view we last synced on ("" after a failure: sync again)."""
+        self._synced_epoch = ""
+        self._held: frozenset[str] = frozenset()
+        """The members of the view we last settled on, while no member can have committed a
+        step without us since (:meth:`_sync_needless`; empty: the next view change syncs)."""
+        self._tried: set[str] = set()
+        """Epochs of the views an attempt of ours failed on since our last committed step or
+        sync: not taken without a sync again (:meth:`_sync_needless`)."""
+        self._row_out = False
+        """The row of the pending ``Compute`` went out (:meth:`row`): from then on others can
+        commit its step without us."""
         self.last_view: tuple[str, ...] = ()
         self.world = 0
         """Members computing on the last view we synced on."""
@@ -346,6 +366,30 @@ class StepMachine:
         self._run: _Run | None = None
         self._pending: Action | None = None
         self._stats = _Counters()
+
+    @property
+    def committed(self) -> int:
+        """Steps committed (``FRESH``: never trained in this mesh)."""
+        return self._committed
+
+    @committed.setter
+    def committed(self, step: int) -> None:
+        # Set from outside (a checkpoint or snapshot loaded): that state is ours alone.
+        self._committed = step
+        self._forget_held()
+
+    @property
+    def synced_epoch(self) -> str:
+        """The view we last synced on ("" after a failure: sync again, unless the sync is
+        needless: :meth:`_sync_needless`)."""
+        return self._synced_epoch
+
+    @synced_epoch.setter
+    def synced_epoch(self, epoch: str) -> None:
+        # Set from outside ("": a step's body raised, its collectives are out of order with
+        # the others'): the next attempt syncs, whatever the view.
+        self._synced_epoch = epoch
+        self._forget_held()
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -480,7 +524,11 @@ class StepMachine:
     def row(self, header: np.ndarray, nonfinite: bool) -> np.ndarray:
         """Our row for the step's gathered claims: our own header contribution as we added
         it, then our non-finite flag (``protocol.row_faults``); float64, which holds the
-        float32 header exactly."""
+        float32 header exactly. The driver calls it for the pending ``Compute`` before the
+        row goes out (after the gradient allreduce): it tells the machine that from then on
+        the others can commit the step without us, so that a failure after it syncs on the
+        next view (:meth:`_sync_needless`)."""
+        self._row_out = True
         return np.append(np.asarray(header, dtype=np.float64), float(nonfinite))
 
     def check_step(
@@ -763,6 +811,7 @@ class StepMachine:
             if self._over_max_peers(view):
                 log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
                 self.in_ring = False
+                self._forget_held()
                 continue
             now, quorate = yield from self._quorate(now, view)
             if not quorate:
@@ -776,7 +825,16 @@ class StepMachine:
                     raise _Abort(DeadlineExceeded(f"no quorum within {cfg.step_timeout}s"))
                 continue
             failure: Failed | None = None
-            if view.epoch != self.synced_epoch:
+            if view.epoch != self.synced_epoch and self._sync_needless(view):
+                log.info(
+                    "view %s: %d members of the view we last settled on, none of which can "
+                    "have committed a step without us: no sync (step %d)",
+                    view.epoch,
+                    view.size,
+                    self.committed,
+                )
+                now = yield from self._settle_on(now, view)
+            elif view.epoch != self.synced_epoch:
                 now, failure = yield from self._sync(now, view, shards=True)
                 if failure is None:
                     synced = True
@@ -796,9 +854,11 @@ class StepMachine:
                     check=cfg.check_due(index),
                     attempt=attempts,
                 )
+                self._row_out = False
                 now, out = yield action
                 if isinstance(out, Computed):
-                    self.committed = index + 1
+                    self._committed = index + 1
+                    self._tried.clear()
                     self._count_nonfinite(out.nonfinite, out.skipped)
                     self._reweigh(action, out.speeds)
                     self._count_freeze(out.frozen, view)
@@ -815,7 +875,10 @@ class StepMachine:
                         yield from self._see_off(now, view, report)
                     return report
                 failure = _failed(out)
+                if self._row_out or failure.kind not in LOSSES:
+                    self._forget_held()  # others may have committed it, or we differ
             # -- the attempt failed
+            self._tried.add(view.epoch)
             failed_at = now if failed_at is None else failed_at
             self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
             if failure.kind is Failure.DESYNC:
@@ -825,7 +888,7 @@ class StepMachine:
                 now, _ = yield DropRing(view)
             elif failure.kind is Failure.HEADER:
                 log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
-            self.synced_epoch = ""  # whatever happened, agree on state again first
+            self._synced_epoch = ""  # agree on state again first (unless needless)
             if failure.kind is Failure.STATE_LOST:
                 now, loaded = yield FallBack(failure)
                 assert isinstance(loaded, Loaded)
@@ -856,8 +919,10 @@ class StepMachine:
                 now, members = yield ReadMembers()
                 states = {m.node: m.state for m in _members(members)}
                 if states.get(failure.peer) == MemberState.ALIVE:
-                    # Typically a neighbour that gave up a ring and is forming the next one.
-                    now, _ = yield Sleep(self.rng.uniform(0.0, RETRY_JITTER_S))
+                    # A neighbour that gave up a ring and forms the next one, or a peer that
+                    # died and is not suspected yet: the view change ends the wait.
+                    jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
+                    now, _ = yield WaitViewChange(view.epoch, jitter)
                 else:
                     now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
             elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
@@ -1020,6 +1085,7 @@ class StepMachine:
         """Leave the ring (role ``joining``) until the next attempt enters it again."""
         yield SetRole("joining")
         self.in_ring = False
+        self._forget_held()
 
     def _over_max_peers(self, view: RingView) -> bool:
         """Cold spares: whether we, not having trained yet, are one too many: members that
@@ -1066,6 +1132,43 @@ class StepMachine:
         dead = [n for n, t in self._dead_since.items() if now - t >= grace]
         return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
 
+    def _sync_needless(self, view: RingView) -> bool:
+        """Whether every member of ``view`` that would skip the sync holds our state, so that
+        we take ``view`` without one, as after a planned departure (issue #30). It needs:
+        ``view`` made only of members of the view we last settled on (a sync, or a
+        departure), and none of our attempts since, on that view or its subsets taken so,
+        failing after our row of its step went out (:meth:`row`), or after a sync's
+        agreement, or otherwise than by a lost peer or a changed view (``LOSSES``); nor a
+        view an attempt of ours already failed on since our last commit or sync
+        (``_tried``). Sharded optimizer state always needs the sync (it re-spreads the
+        shards).
+
+        Why that suffices. A step commits on a member only once it has gathered every
+        member's row, ours included: when all our failures came before our row went out, no
+        member committed a step we did not. Were some member X of ``view`` one step *ahead*
+        of us, we would have sent our row of that step: that failure clears ``_held``. Were
+        some member Y *behind* us, Y sent its row of a step we committed and failed after
+        it, so Y's ``_held`` is empty and Y syncs. So the members that skip all stand at our
+        step, reached by the same reduced gradients from the state of the same sync; one
+        that syncs meets our step's collectives with its sync's and the collective layer
+        fails both (a mismatch: no data is combined), after which everyone syncs: the
+        collective layer says ``INPUT_MISMATCH``, which forgets what we held, but another
+        path (a GPU process group's set-up, a test's fake mesh) may say it as any failure,
+        so a view we failed on is never taken without a sync twice (no livelock). The round
+        tag in the step header stays the backstop."""
+        return (
+            bool(self._held)
+            and not self.config.shard_optimizer
+            and self.committed != FRESH
+            and set(view.node_ids) <= self._held
+            and view.epoch not in self._tried
+        )
+
+    def _forget_held(self) -> None:
+        """The next view change syncs (:meth:`_sync_needless`)."""
+        self._held = frozenset()
+        self._tried.clear()
+
     # -- the sync --------------------------------------------------------------------------
 
     def _sync(
@@ -1076,7 +1179,12 @@ class StepMachine:
         rank = view.rank_of(self.me)
         now, out = yield Sync(view)
         if isinstance(out, Failed):
+            if out.kind not in LOSSES:
+                self._forget_held()
             return now, out
+        # From here our state is the sync's to set (a fetch, a re-shard): held again only if
+        # the sync ends well (``_settle_on``).
+        self._forget_held()
         vec, own = _reduced(out), self._own_sync
         assert own is not None
         cut = len(vec) - SETTINGS_SLOTS * view.size
@@ -1150,8 +1258,12 @@ class StepMachine:
     ) -> Generator[Action, tuple[float, Outcome], float]:
         """Every member of ``view`` holds our state: steps run on it without a sync. Who
         sits out the compute set comes from the sync's ``carried`` claims, or, after a
-        planned departure (no sync), stays as it was (``ftmesh.training.stragglers``)."""
-        self.synced_epoch = view.epoch
+        planned departure or a loss (no sync), stays as it was
+        (``ftmesh.training.stragglers``)."""
+        self._synced_epoch = view.epoch
+        self._held = frozenset(view.node_ids)
+        if carried is not None:  # a sync: every member of the view was in it
+            self._tried.clear()
         if carried is None:
             self.stragglers.keep_only(view.node_ids)
         else:
