@@ -28,6 +28,10 @@ over anything with i < j; Suspect(i) overrides Alive(i); Dead(i) overrides Alive
 Suspect(i); Left (a Dead whose accuser is the member itself) overrides Dead(i). Incarnations
 only grow; the member itself is the only one that raises its own incarnation.
 
+Members are kept as immutable ``MemberSnapshot`` records, replaced on every change: an event,
+``members()`` and a push-pull hand out the records themselves, so a state change costs one new
+record and reading the view costs no copy.
+
 The machine owns no socket, clock or random source: the driver passes ``now`` (monotonic
 seconds) and a seeded ``random.Random``, feeds received messages to :meth:`Swim.receive`, calls
 :meth:`Swim.tick` at :meth:`Swim.next_deadline`, and carries out the returned effects.
@@ -95,13 +99,14 @@ Effect: TypeAlias = Send | StartPushPull | MemberEvent
 
 @dataclass(slots=True)
 class _Member:
+    """This member itself (the others are immutable ``MemberSnapshot`` records)."""
+
     node: str
     name: str
     addr: Address
     incarnation: int
     state: MemberState
     meta: Meta
-    since: float
 
     def snapshot(self) -> MemberSnapshot:
         return MemberSnapshot(
@@ -153,8 +158,11 @@ class Swim:
         self.config = config
         self.node_id = node_id
         self._rng = rng
-        self._me = _Member(node_id, name, addr, 1, MemberState.ALIVE, check_meta(meta or {}), now)
-        self._members: dict[str, _Member] = {}
+        self._me = _Member(node_id, name, addr, 1, MemberState.ALIVE, check_meta(meta or {}))
+        # Other members as immutable records, replaced (never mutated) on every change: events,
+        # ``members()`` and push-pulls hand them out without copying, and a driver may share
+        # one record between many machines (the simulator does).
+        self._members: dict[str, MemberSnapshot] = {}
         self._peer_ids: list[str] = []  # every known member but us, for O(1) random picks
         self._peer_index: dict[str, int] = {}
         self._live = 0  # members (not us) ALIVE or SUSPECT
@@ -217,14 +225,14 @@ class Swim:
         return self._live + 1
 
     def members(self) -> list[MemberSnapshot]:
-        """Every known member including us (dead ones until they are forgotten)."""
-        return [self._me.snapshot()] + [m.snapshot() for m in self._members.values()]
+        """Every known member including us (dead ones until they are forgotten). The records
+        are shared, not copies: read-only."""
+        return [self._me.snapshot(), *self._members.values()]
 
     def member(self, node_id: str) -> MemberSnapshot | None:
         if node_id == self.node_id:
             return self._me.snapshot()
-        m = self._members.get(node_id)
-        return m.snapshot() if m else None
+        return self._members.get(node_id)
 
     def state_of(self, node_id: str) -> MemberState | None:
         """The state of one member (``None`` if unknown), without copying anything: for
@@ -360,7 +368,7 @@ class Swim:
         if target is not None:
             self._start_probe(now, target, indirect_now=False)
 
-    def _next_probe_target(self) -> _Member | None:
+    def _next_probe_target(self) -> MemberSnapshot | None:
         for _ in range(len(self._probe_order) + 1):
             if self._probe_pos >= len(self._probe_order):
                 self._probe_order = [n for n in self._peer_ids if self._members[n].state in _LIVE]
@@ -375,7 +383,7 @@ class Swim:
                 return m
         return None
 
-    def _start_probe(self, now: float, target: _Member, *, indirect_now: bool) -> None:
+    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> None:
         seq = self._next_seq()
         self._probes[seq] = _Probe(target.node)
         ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
@@ -404,7 +412,7 @@ class Swim:
             return
         self._send_indirect(seq, target)
 
-    def _send_indirect(self, seq: int, target: _Member) -> None:
+    def _send_indirect(self, seq: int, target: MemberSnapshot) -> None:
         probe = self._probes[seq]
         helpers = self._random_members(
             self.config.indirect_checks, exclude=target.node, states=(MemberState.ALIVE,)
@@ -504,16 +512,30 @@ class Swim:
             if len(self._members) >= MAX_MEMBERS:
                 self._count("dropped_member_cap")
                 return
-            m = _Member(a.node, a.name, a.addr, a.incarnation, MemberState.ALIVE, dict(a.meta), now)
-            self._add(m)
+            m = MemberSnapshot(
+                node=a.node,
+                name=a.name,
+                addr=a.addr,
+                incarnation=a.incarnation,
+                state=MemberState.ALIVE,
+                meta=a.meta,
+            )
+            self._add(m, now)
             self._emit("joined", m, now)
             self._broadcast(a)
             return
         before = m.state
         changed = (m.addr, m.meta, m.name) != (a.addr, a.meta, a.name)
-        m.incarnation, m.addr, m.meta, m.name = a.incarnation, a.addr, dict(a.meta), a.name
+        m = MemberSnapshot(
+            node=a.node,
+            name=a.name,
+            addr=a.addr,
+            incarnation=a.incarnation,
+            state=MemberState.ALIVE,
+            meta=a.meta,
+        )
+        self._put(m, before, now)
         if before != MemberState.ALIVE:
-            self._set_state(m, MemberState.ALIVE, now)
             self._suspicions.pop(m.node, None)
             self._emit("alive" if before == MemberState.SUSPECT else "joined", m, now)
         elif changed:
@@ -539,9 +561,8 @@ class Swim:
         # A fresh suspicion: of an alive member, or of a suspect at a newer incarnation (it
         # refuted the old suspicion in a rumour we missed and was suspected again).
         before = m.state
-        m.incarnation = s.incarnation
+        m = self._replace(m, s.incarnation, MemberState.SUSPECT, now)
         if before == MemberState.ALIVE:
-            self._set_state(m, MemberState.SUSPECT, now)
             self._emit("suspect", m, now)
         self._broadcast(s)
         n = self.num_live()
@@ -607,8 +628,7 @@ class Swim:
             return
         if m.state == MemberState.LEFT or (m.state == MemberState.DEAD and not left):
             return
-        m.incarnation = d.incarnation
-        self._set_state(m, MemberState.LEFT if left else MemberState.DEAD, now)
+        m = self._replace(m, d.incarnation, MemberState.LEFT if left else MemberState.DEAD, now)
         self._suspicions.pop(m.node, None)
         self._emit("left" if left else "dead", m, now)
         self._broadcast(d)
@@ -722,11 +742,11 @@ class Swim:
         exclude: str | None,
         states: tuple[MemberState, ...],
         now: float | None = None,
-    ) -> list[_Member]:
+    ) -> list[MemberSnapshot]:
         """Up to ``k`` distinct random members in ``states`` (dead ones only within
         ``gossip_to_dead`` of their death when ``now`` is given). Rejection sampling keeps
         this O(k) for large meshes."""
-        picked: dict[str, _Member] = {}
+        picked: dict[str, MemberSnapshot] = {}
         ids = self._peer_ids
         for _ in range(min(len(ids), 4 * k + 8)):
             if len(picked) >= k:
@@ -737,14 +757,16 @@ class Swim:
             if (
                 now is not None
                 and m.state not in _LIVE
-                and now - m.since > self.config.gossip_to_dead
+                and now - self._departed[m.node] > self.config.gossip_to_dead
             ):
                 continue
             picked[m.node] = m
         return list(picked.values())
 
-    def _add(self, m: _Member) -> None:
+    def _add(self, m: MemberSnapshot, now: float) -> None:
         self._members[m.node] = m
+        if m.state not in _LIVE:
+            self._departed[m.node] = now
         self._peer_index[m.node] = len(self._peer_ids)
         self._peer_ids.append(m.node)
         if m.state in _LIVE:
@@ -766,18 +788,36 @@ class Swim:
         self._suspicions.pop(node, None)
         self._departed.pop(node, None)
 
-    def _set_state(self, m: _Member, state: MemberState, now: float) -> None:
-        self._live += (state in _LIVE) - (m.state in _LIVE)
-        m.state = state
-        m.since = now
+    def _replace(
+        self, m: MemberSnapshot, incarnation: int, state: MemberState, now: float
+    ) -> MemberSnapshot:
+        """Store a copy of ``m`` at ``incarnation`` in ``state``; return it."""
+        new = MemberSnapshot(
+            node=m.node,
+            name=m.name,
+            addr=m.addr,
+            incarnation=incarnation,
+            state=state,
+            meta=m.meta,
+        )
+        self._put(new, m.state, now)
+        return new
+
+    def _put(self, m: MemberSnapshot, before: MemberState, now: float) -> None:
+        """Store ``m`` in place of the member's record that was in state ``before``."""
+        self._members[m.node] = m
+        state = m.state
+        if state == before:
+            return
+        self._live += (state in _LIVE) - (before in _LIVE)
         if state in _LIVE:
             self._departed.pop(m.node, None)
         else:
-            self._departed[m.node] = now
+            self._departed[m.node] = now  # since when: for gossip_to_dead and dead_reclaim
 
-    def _emit(self, kind: EventKind, m: _Member, now: float) -> None:
+    def _emit(self, kind: EventKind, m: MemberSnapshot, now: float) -> None:
         self._count(f"event_{kind}")
-        self._out.append(MemberEvent(kind, m.snapshot(), now))
+        self._out.append(MemberEvent(kind, m, now))
 
     def _arm(self, when: float, kind: str, key: object) -> None:
         self._timer_order += 1
