@@ -163,8 +163,11 @@ class Swim:
         # ``members()`` and push-pulls hand them out without copying, and a driver may share
         # one record between many machines (the simulator does).
         self._members: dict[str, MemberSnapshot] = {}
-        self._peer_ids: list[str] = []  # every known member but us, for O(1) random picks
-        self._peer_index: dict[str, int] = {}
+        # Every known member but us, for O(1) random picks. A forgotten member's id stays
+        # behind (in _stale) until a compaction or its return, so forgetting costs no search
+        # and no per-member index (which would double the memory of a large table).
+        self._peer_ids: list[str] = []
+        self._stale: set[str] = set()
         self._live = 0  # members (not us) ALIVE or SUSPECT
         self._departed: dict[str, float] = {}  # DEAD or LEFT members -> since when
         self._probe_order: list[str] = []
@@ -371,7 +374,10 @@ class Swim:
     def _next_probe_target(self) -> MemberSnapshot | None:
         for _ in range(len(self._probe_order) + 1):
             if self._probe_pos >= len(self._probe_order):
-                self._probe_order = [n for n in self._peer_ids if self._members[n].state in _LIVE]
+                get = self._members.get
+                self._probe_order = [
+                    n for n in self._peer_ids if (m := get(n)) is not None and m.state in _LIVE
+                ]
                 self._rng.shuffle(self._probe_order)
                 self._probe_pos = 0
                 if not self._probe_order:
@@ -751,8 +757,8 @@ class Swim:
         for _ in range(min(len(ids), 4 * k + 8)):
             if len(picked) >= k:
                 break
-            m = self._members[ids[self._rng.randrange(len(ids))]]
-            if m.node == exclude or m.node in picked or m.state not in states:
+            m = self._members.get(ids[self._rng.randrange(len(ids))])
+            if m is None or m.node == exclude or m.node in picked or m.state not in states:
                 continue
             if (
                 now is not None
@@ -767,8 +773,10 @@ class Swim:
         self._members[m.node] = m
         if m.state not in _LIVE:
             self._departed[m.node] = now
-        self._peer_index[m.node] = len(self._peer_ids)
-        self._peer_ids.append(m.node)
+        if m.node in self._stale:
+            self._stale.discard(m.node)  # back in the slot it left
+        else:
+            self._peer_ids.append(m.node)
         if m.state in _LIVE:
             self._live += 1
             # Insert at a random place in the current probe round so a new member is probed
@@ -780,11 +788,11 @@ class Swim:
         m = self._members.pop(node)
         if m.state in _LIVE:
             self._live -= 1
-        idx = self._peer_index.pop(node)
-        last = self._peer_ids.pop()
-        if last != node:
-            self._peer_ids[idx] = last
-            self._peer_index[last] = idx
+        self._stale.add(node)
+        if len(self._stale) > 16 + len(self._peer_ids) // 2:
+            stale = self._stale
+            self._peer_ids = [n for n in self._peer_ids if n not in stale]
+            stale.clear()
         self._suspicions.pop(node, None)
         self._departed.pop(node, None)
 

@@ -1,0 +1,89 @@
+"""What lets the simulator run 10,000 members in one process (issue 30, item 6): forgotten
+members leave no search behind, members can start from one shared member list (a batched join),
+and the simulator's queries loop in C. Each test checks the behaviour the shortcut must keep."""
+
+from __future__ import annotations
+
+import random
+
+from ftmesh.membership.config import MembershipConfig
+from ftmesh.membership.messages import Ack, Address, Alive, Dead, MemberState, Ping
+from ftmesh.membership.swim import Send, Swim
+
+LOCAL = MembershipConfig.preset("local")
+
+
+def machine(seed: int = 0) -> Swim:
+    return Swim(
+        node_id="a" * 32,
+        name="me",
+        addr=("10.0.0.1", 7946),
+        config=LOCAL,
+        rng=random.Random(seed),
+        now=0.0,
+    )
+
+
+def peer(i: int, incarnation: int = 1) -> Alive:
+    return Alive(
+        node=f"{i:032x}", name=f"n{i}", addr=("10.0.1.1", 1000 + i), incarnation=incarnation
+    )
+
+
+def run(swim: Swim, now: float, until: float, living: set[int]) -> tuple[float, set[Address]]:
+    """Tick ``swim`` every 50 ms until ``until``; members in ``living`` answer its pings.
+    Returns the time reached and the addresses it sent to."""
+    sent_to: set[Address] = set()
+    while now < until:
+        now += 0.05
+        for e in swim.tick(now):
+            if not isinstance(e, Send):
+                continue
+            sent_to.add(e.dest)
+            i = e.dest[1] - 1000
+            for m in e.msgs:
+                if isinstance(m, Ping) and i in living:
+                    swim.receive(now, e.dest, [Ack(seq=m.seq, source=f"{i:032x}")])
+    return now, sent_to
+
+
+def test_forgotten_members_are_never_picked_and_return_to_one_slot() -> None:
+    swim = machine()
+    for i in range(40):
+        swim.receive(0.0, ("h", 1), [peer(i)])
+    for i in range(30):
+        swim.receive(0.0, ("h", 1), [Dead(node=f"{i:032x}", incarnation=1, accuser="b" * 32)])
+    now, _ = run(swim, 0.0, LOCAL.dead_reclaim + 2, set(range(30, 40)))
+    assert {m.node for m in swim.members()[1:]} == {f"{i:032x}" for i in range(30, 40)}
+    # Gossip and probes went to the dead until they were forgotten; from then on only to the
+    # living.
+    for i in range(40, 45):  # news to spread, so gossip rounds send packets
+        swim.receive(now, ("h", 1), [peer(i)])
+    now, sent_to = run(swim, now, now + 5, set(range(30, 45)))
+    assert sent_to == {("10.0.1.1", 1000 + i) for i in range(30, 45)}
+    # Five of the forgotten come back: each is known once and picked like any other.
+    for i in range(5):
+        swim.receive(now, ("h", 1), [peer(i, incarnation=2)])
+    known = {m.node for m in swim.members()[1:]}
+    assert len(known) == 20 and swim.num_live() == 21
+    assert sorted(swim._peer_ids) == sorted(set(swim._peer_ids))
+    assert set(swim._peer_ids) - swim._stale == known
+    now, sent_to = run(swim, now, now + 5, set(range(5)) | set(range(30, 45)))
+    assert sent_to == {("10.0.1.1", 1000 + i) for i in [*range(5), *range(30, 45)]}
+    assert swim.num_live() == 21
+
+
+def test_forgotten_ids_are_compacted_away() -> None:
+    swim = machine()
+    for i in range(100):
+        swim.receive(0.0, ("h", 1), [peer(i)])
+    for i in range(90):
+        swim.receive(0.0, ("h", 1), [Dead(node=f"{i:032x}", incarnation=1, accuser="b" * 32)])
+    run(swim, 0.0, LOCAL.dead_reclaim + 2, set(range(90, 100)))
+    assert len(swim.members()) == 11
+    # Stale ids are bounded by half the list (plus a little): the list does not grow with
+    # every member ever forgotten.
+    assert len(swim._stale) <= 16 + len(swim._peer_ids) // 2
+    assert len(swim._peer_ids) < 100
+    assert set(swim._peer_ids) - swim._stale == {f"{i:032x}" for i in range(90, 100)}
+    assert swim.state_of(f"{95:032x}") == MemberState.ALIVE
