@@ -9,6 +9,7 @@ import random
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.membership.messages import Ack, Address, Alive, Dead, MemberState, Ping
 from ftmesh.membership.swim import Send, Swim
+from ftmesh.sim.network import SimNetwork
 
 LOCAL = MembershipConfig.preset("local")
 
@@ -87,3 +88,31 @@ def test_forgotten_ids_are_compacted_away() -> None:
     assert len(swim._peer_ids) < 100
     assert set(swim._peer_ids) - swim._stale == {f"{i:032x}" for i in range(90, 100)}
     assert swim.state_of(f"{95:032x}") == MemberState.ALIVE
+
+
+def test_converged_checks_every_view_exactly() -> None:
+    net = SimNetwork(seed=5, config=LOCAL)
+    nodes = [net.add_node()]
+    for _ in range(5):
+        nodes.append(net.add_node(join=[nodes[0].addr]))
+    net.run_until(3.0)
+    assert net.converged()
+    a, b = nodes[1], nodes[2]
+    assert a.swim.alive_among(n.swim.node_id for n in nodes) == 5
+    # A member that someone sees as dead, while that one sees a stranger alive: the number
+    # of live members is right, so only the member-by-member check can tell.
+    net.inject(a, ("h", 1), (Dead(node=b.swim.node_id, incarnation=1, accuser="x" * 32),))
+    # (The stranger's address is a member's, which answers no ping meant for another id.)
+    stranger = Alive(node="f" * 32, name="stranger", addr=nodes[5].addr, incarnation=1)
+    net.inject(a, ("h", 1), (stranger,))
+    assert a.swim.num_live() == len(nodes)
+    assert a.swim.alive_among(n.swim.node_id for n in nodes) == 4
+    assert not net.converged()
+    # A crash: not converged until every survivor has declared it dead (and the stranger,
+    # who answers no probe, is dead too).
+    net.run_until(net.now + 3 * LOCAL.crash_detection_bound(6))
+    assert net.converged()
+    net.crash(nodes[3])
+    assert not net.converged()
+    net.run_until(net.now + LOCAL.crash_detection_bound(6) + 1)
+    assert net.converged()

@@ -262,14 +262,14 @@ class SimNetwork:
         """Every running node sees exactly the running nodes as alive (and none suspect)."""
         nodes = [n for n in self.live_nodes() if not n.paused]
         running = [n.swim.node_id for n in nodes]
-        for n in nodes:
-            swim = n.swim
-            # Cheap reject first: live (alive or suspect) members must number exactly the
-            # running ones; then every running one must be alive, which leaves no room for
-            # another alive or suspect member.
-            if swim.num_live() != len(running):
-                return False
-            state_of = swim.state_of
-            if any(state_of(node) != MemberState.ALIVE for node in running):
-                return False
-        return True
+        # Cheap reject first, over all members: live (alive or suspect) members must number
+        # exactly the running ones. Then every running one must be alive, which leaves no
+        # room for another alive or suspect member (alive_among loops in C: at 10,000
+        # members this is 10^8 lookups).
+        if any(n.swim.num_live() != len(running) for n in nodes):
+            return False
+        return all(
+            n.swim.state_of(n.swim.node_id) == MemberState.ALIVE
+            and n.swim.alive_among(running) == len(running) - 1
+            for n in nodes
+        )
