@@ -6,9 +6,21 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from ftmesh.errors import LocalUsageError
 from ftmesh.membership.config import MembershipConfig
-from ftmesh.membership.messages import Ack, Address, Alive, Dead, MemberState, Ping
+from ftmesh.membership.messages import (
+    Ack,
+    Address,
+    Alive,
+    Dead,
+    MemberSnapshot,
+    MemberState,
+    Ping,
+)
 from ftmesh.membership.swim import Send, Swim
+from ftmesh.sim.bench import format_report, run_membership_bench
 from ftmesh.sim.network import SimNetwork
 
 LOCAL = MembershipConfig.preset("local")
@@ -116,3 +128,71 @@ def test_converged_checks_every_view_exactly() -> None:
     assert not net.converged()
     net.run_until(net.now + LOCAL.crash_detection_bound(6) + 1)
     assert net.converged()
+
+
+def test_settled_mesh_shares_records_and_runs_the_protocol() -> None:
+    net = SimNetwork(seed=3, config=LOCAL, loss=0.02)
+    nodes = net.add_settled(40)
+    assert net.converged() and not net.events
+    ids = [n.swim.node_id for n in nodes]
+    # Every table holds the same record objects: one per member, not one per pair.
+    first = nodes[0].swim.member(ids[5])
+    assert first is not None and first.state == MemberState.ALIVE and first.incarnation == 1
+    assert all(n.swim.member(ids[5]) is first for n in nodes if n is not nodes[5])
+    net.run_until(5.0)
+    assert net.converged()
+    assert not [e for e in net.events if e.event.kind in ("suspect", "dead")]
+    # The protocol runs as on a mesh that joined one by one: a crash is detected by all,
+    # and a joiner becomes known to all.
+    net.crash(nodes[7])
+    joiner = net.add_node(join=[nodes[0].addr])
+    net.run_until(net.now + LOCAL.crash_detection_bound(40) + 1.0)
+    assert net.converged()
+    deaths = [e for e in net.events if e.event.kind == "dead"]
+    assert {e.event.member.node for e in deaths} == {ids[7]}
+    assert {e.observer for e in deaths} >= set(ids) - {ids[7]}
+    assert all(n.swim.state_of(joiner.swim.node_id) == MemberState.ALIVE for n in nodes[8:])
+
+
+def test_adopt_adds_only_the_unknown_and_keeps_departed_ones_departed() -> None:
+    swim = machine()
+    swim.receive(0.0, ("h", 1), [peer(1, incarnation=3)])
+    records = {
+        f"{i:032x}": MemberSnapshot(
+            node=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.DEAD if i == 4 else MemberState.ALIVE,
+        )
+        for i in range(1, 6)
+    }
+    records["a" * 32] = MemberSnapshot(
+        node="a" * 32, name="me", addr=("10.0.0.1", 7946), incarnation=9, state=MemberState.DEAD
+    )
+    swim.adopt(1.0, records)
+    assert swim.incarnation == 1 and swim.state_of("a" * 32) == MemberState.ALIVE
+    kept = swim.member(f"{1:032x}")
+    assert kept is not None and kept.incarnation == 3  # known already: left as it was
+    assert swim.member(f"{2:032x}") is records[f"{2:032x}"]
+    assert swim.num_live() == 1 + 4  # us, 1, 2, 3, 5
+    assert swim.state_of(f"{4:032x}") == MemberState.DEAD
+    # The dead one is forgotten after dead_reclaim like any other departed member.
+    run(swim, 1.0, 2.0 + LOCAL.dead_reclaim, {1, 2, 3, 5})
+    assert swim.member(f"{4:032x}") is None and swim.num_live() == 5
+
+
+def test_bench_runs_either_way_of_joining() -> None:
+    bound = LOCAL.crash_detection_bound(30)
+    for joins in ("batch", "storm"):
+        r = run_membership_bench(
+            nodes=30, loss=0.01, preset="local", duration=10, crashes=3, seed=2, joins=joins
+        )
+        assert r.joins == joins and f"({joins} joins)" in format_report(r)
+        assert r.converged_after_warmup and r.crashes == 3 and r.undetected == 0
+        assert 0 < r.detect_first_p50_s <= r.detect_all_p99_s <= bound
+        assert r.false_positive_deaths == 0 and 0 < r.join_dissemination_s < 5
+    with pytest.raises(LocalUsageError, match="joins"):
+        run_membership_bench(
+            nodes=3, loss=0.0, preset="local", duration=1, crashes=0, seed=1, joins="all"
+        )

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Literal, TypeAlias
@@ -256,6 +257,40 @@ class Swim:
 
     def next_deadline(self) -> float:
         return self._timers[0][0] if self._timers else float("inf")
+
+    def adopt(self, now: float, members: Mapping[str, MemberSnapshot]) -> None:
+        """Know ``members`` (keyed by node id) from the start, without spreading them and
+        without events: for a mesh started from one member list that every member is handed
+        (a batched join: the state a join storm settles into once its rumours have drained).
+        Members already known, and we ourselves, are left as they are; the new ones are
+        probed from the next probe round on. The records are kept as given, so a driver of
+        many machines can hand them all the same ones."""
+        known = self._members
+        fresh: list[str]
+        if not known and not self._stale:
+            # The common case, a fresh machine: copy the table wholesale (no Python loop per
+            # member, which matters for thousands of machines of thousands of members).
+            if len(members) - (self.node_id in members) > MAX_MEMBERS:
+                raise LocalUsageError(f"more than {MAX_MEMBERS} members")
+            known.update(members)
+            known.pop(self.node_id, None)
+            fresh = self._peer_ids = list(known)
+        else:
+            fresh = [n for n in members if n not in known and n != self.node_id]
+            if len(known) + len(fresh) > MAX_MEMBERS:
+                raise LocalUsageError(f"more than {MAX_MEMBERS} members")
+            for node in fresh:
+                known[node] = members[node]
+                if node in self._stale:
+                    self._stale.discard(node)
+                else:
+                    self._peer_ids.append(node)
+        states = Counter(map(_STATE, map(known.__getitem__, fresh)))
+        self._live += states[MemberState.ALIVE] + states[MemberState.SUSPECT]
+        if len(fresh) > states[MemberState.ALIVE]:
+            for node in fresh:
+                if known[node].state not in _LIVE:
+                    self._departed[node] = now
 
     def join(self, now: float, addrs: Iterable[Address]) -> list[Effect]:
         """Contact ``addrs`` (seeds or discovered peers) with a joining push-pull."""
