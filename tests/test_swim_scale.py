@@ -18,8 +18,10 @@ from ftmesh.membership.messages import (
     MemberSnapshot,
     MemberState,
     Ping,
+    PushPull,
 )
 from ftmesh.membership.swim import Send, Swim
+from ftmesh.membership.wire import encoded_size
 from ftmesh.sim.bench import format_report, run_membership_bench
 from ftmesh.sim.network import SimNetwork
 
@@ -196,3 +198,17 @@ def test_bench_runs_either_way_of_joining() -> None:
         run_membership_bench(
             nodes=3, loss=0.0, preset="local", duration=1, crashes=0, seed=1, joins="all"
         )
+
+
+def test_push_pull_bytes_are_counted_as_encoded() -> None:
+    net = SimNetwork(seed=1, config=LOCAL)
+    nodes = net.add_settled(20)
+    net.run_until(1.0)
+    swim = nodes[3].swim
+    swim.update_meta(1.0, {"role": "train", "data": "10.0.0.9:29500", "n": 12345})
+    for members in (0, 1, 15, 16, 21):
+        for join in (False, True):
+            state = swim.push_pull_state(join=join)
+            pp = PushPull(source=state.source, members=state.members[:members], join=join)
+            assert net._push_pull_size(pp) == encoded_size(pp)
+            assert net._push_pull_size(pp) == encoded_size(pp)  # from the cache
