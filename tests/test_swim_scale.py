@@ -212,3 +212,24 @@ def test_push_pull_bytes_are_counted_as_encoded() -> None:
             pp = PushPull(source=state.source, members=state.members[:members], join=join)
             assert net._push_pull_size(pp) == encoded_size(pp)
             assert net._push_pull_size(pp) == encoded_size(pp)  # from the cache
+
+
+def test_each_probe_round_visits_every_live_member_once() -> None:
+    swim = machine(seed=4)
+    for i in range(30):
+        swim.receive(0.0, ("h", 1), [peer(i)])
+    for i in range(5):
+        swim.receive(0.0, ("h", 1), [Dead(node=f"{i:032x}", incarnation=1, accuser="b" * 32)])
+    living = set(range(5, 30))
+    probed: list[int] = []
+    now = 0.0
+    while len(probed) < 3 * len(living):
+        now += 0.01
+        for e in swim.tick(now):
+            for m in e.msgs if isinstance(e, Send) else ():
+                if isinstance(m, Ping):
+                    probed.append(e.dest[1] - 1000)
+                    swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
+    rounds = [probed[k : k + 25] for k in range(0, 75, 25)]
+    assert all(sorted(r) == sorted(living) for r in rounds)
+    assert rounds[0] != rounds[1]  # a new random order each round

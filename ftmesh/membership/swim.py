@@ -416,21 +416,25 @@ class Swim:
             self._start_probe(now, target, indirect_now=False)
 
     def _next_probe_target(self) -> MemberSnapshot | None:
-        for _ in range(len(self._probe_order) + 1):
-            if self._probe_pos >= len(self._probe_order):
-                get = self._members.get
-                self._probe_order = [
-                    n for n in self._peer_ids if (m := get(n)) is not None and m.state in _LIVE
-                ]
-                self._rng.shuffle(self._probe_order)
-                self._probe_pos = 0
-                if not self._probe_order:
-                    return None
-            node = self._probe_order[self._probe_pos]
-            self._probe_pos += 1
-            m = self._members.get(node)
-            if m is not None and m.state in _LIVE:
-                return m
+        """The next member of this probe round. A round visits every member in random order,
+        drawn as the round goes (a Fisher-Yates shuffle done one step per probe): shuffling
+        the whole list up front costs n random draws at each round's start, n^2 across a
+        simulated mesh. Members dead or forgotten when their turn comes are passed over."""
+        if not self._live:
+            return None
+        get = self._members.get
+        for _ in range(2):  # the rest of this round, then a new one (it has a live member)
+            order = self._probe_order
+            while self._probe_pos < len(order):
+                pos = self._probe_pos
+                pick = pos + self._rng.randrange(len(order) - pos)
+                order[pos], order[pick] = order[pick], order[pos]
+                self._probe_pos = pos + 1
+                m = get(order[pos])
+                if m is not None and m.state in _LIVE:
+                    return m
+            self._probe_order = list(self._peer_ids)
+            self._probe_pos = 0
         return None
 
     def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> None:
@@ -817,16 +821,18 @@ class Swim:
         self._members[m.node] = m
         if m.state not in _LIVE:
             self._departed[m.node] = now
-        if m.node in self._stale:
+        returning = m.node in self._stale
+        if returning:
             self._stale.discard(m.node)  # back in the slot it left
         else:
             self._peer_ids.append(m.node)
         if m.state in _LIVE:
             self._live += 1
-            # Insert at a random place in the current probe round so a new member is probed
-            # soon, not after a whole round.
-            pos = self._rng.randint(self._probe_pos, len(self._probe_order))
-            self._probe_order.insert(pos, m.node)
+            # Into the rest of the current probe round (drawn at random from it), so a new
+            # member is probed soon, not after a whole round; a returning one may still be
+            # there (a search, but only for members forgotten and back).
+            if not returning or m.node not in self._probe_order[self._probe_pos :]:
+                self._probe_order.append(m.node)
 
     def _remove(self, node: str) -> None:
         m = self._members.pop(node)
