@@ -233,3 +233,18 @@ def test_each_probe_round_visits_every_live_member_once() -> None:
     rounds = [probed[k : k + 25] for k in range(0, 75, 25)]
     assert all(sorted(r) == sorted(living) for r in rounds)
     assert rounds[0] != rounds[1]  # a new random order each round
+
+
+def test_adopt_refuses_suspects_and_changes_nothing_then() -> None:
+    swim = machine()
+    good = MemberSnapshot(
+        node="b" * 32, name="b", addr=("10.0.0.2", 1), incarnation=1, state=MemberState.ALIVE
+    )
+    bad = MemberSnapshot(
+        node="c" * 32, name="c", addr=("10.0.0.3", 1), incarnation=1, state=MemberState.SUSPECT
+    )
+    with pytest.raises(LocalUsageError, match="suspect"):
+        swim.adopt(0.0, {good.node: good, bad.node: bad})
+    assert swim.members()[1:] == [] and swim.num_live() == 1
+    swim.adopt(0.0, {good.node: good})
+    assert swim.members()[1:] == [good] and swim.num_live() == 2

@@ -262,32 +262,42 @@ class Swim:
         """Know ``members`` (keyed by node id) from the start, without spreading them and
         without events: for a mesh started from one member list that every member is handed
         (a batched join: the state a join storm settles into once its rumours have drained).
-        Members already known, and we ourselves, are left as they are; the new ones are
-        probed from the next probe round on. The records are kept as given, so a driver of
-        many machines can hand them all the same ones."""
+        Members already known, and we ourselves, are left as they are; the new ones (ALIVE,
+        DEAD or LEFT: a suspicion is the protocol's to start) are probed from the next probe
+        round on. The records are kept as given, so a driver of many machines can hand them
+        all the same ones."""
         known = self._members
-        fresh: list[str]
-        if not known and not self._stale:
-            # The common case, a fresh machine: copy the table wholesale (no Python loop per
-            # member, which matters for thousands of machines of thousands of members).
-            if len(members) - (self.node_id in members) > MAX_MEMBERS:
-                raise LocalUsageError(f"more than {MAX_MEMBERS} members")
+        me = members.get(self.node_id)
+        wholesale = not known and not self._stale  # a fresh machine, the common case
+        if wholesale:
+            fresh: list[str] = []
+            count = len(members) - (me is not None)
+            states = Counter(map(_STATE, members.values()))
+            if me is not None:
+                states[me.state] -= 1
+        else:
+            fresh = [n for n in members if n not in known and n != self.node_id]
+            count = len(fresh)
+            states = Counter(map(_STATE, map(members.__getitem__, fresh)))
+        if len(known) + count > MAX_MEMBERS:
+            raise LocalUsageError(f"more than {MAX_MEMBERS} members")
+        if states[MemberState.SUSPECT]:
+            raise LocalUsageError("adopt takes no suspects: a suspicion is the protocol's")
+        if wholesale:
+            # Copy the table wholesale: no Python loop per member, which matters for
+            # thousands of machines of thousands of members.
             known.update(members)
             known.pop(self.node_id, None)
             fresh = self._peer_ids = list(known)
         else:
-            fresh = [n for n in members if n not in known and n != self.node_id]
-            if len(known) + len(fresh) > MAX_MEMBERS:
-                raise LocalUsageError(f"more than {MAX_MEMBERS} members")
             for node in fresh:
                 known[node] = members[node]
                 if node in self._stale:
                     self._stale.discard(node)
                 else:
                     self._peer_ids.append(node)
-        states = Counter(map(_STATE, map(known.__getitem__, fresh)))
-        self._live += states[MemberState.ALIVE] + states[MemberState.SUSPECT]
-        if len(fresh) > states[MemberState.ALIVE]:
+        self._live += states[MemberState.ALIVE]
+        if count > states[MemberState.ALIVE]:
             for node in fresh:
                 if known[node].state not in _LIVE:
                     self._departed[node] = now
