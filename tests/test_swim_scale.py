@@ -19,6 +19,7 @@ from ftmesh.membership.messages import (
     MemberState,
     Ping,
     PushPull,
+    Suspect,
 )
 from ftmesh.membership.swim import Send, Swim
 from ftmesh.membership.wire import encoded_size
@@ -248,3 +249,31 @@ def test_adopt_refuses_suspects_and_changes_nothing_then() -> None:
     assert swim.members()[1:] == [] and swim.num_live() == 1
     swim.adopt(0.0, {good.node: good})
     assert swim.members()[1:] == [good] and swim.num_live() == 2
+
+
+def test_merging_shared_records_changes_nothing_but_counts_a_suspect_accuser() -> None:
+    a, b = machine(seed=1), machine(seed=2)
+    records = {
+        f"{i:032x}": MemberSnapshot(
+            node=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.ALIVE,
+        )
+        for i in range(1, 8)
+    }
+    a.adopt(0.0, records)
+    b.adopt(0.0, records)
+    a.tick(1.0)
+    assert a.merge_push_pull(1.0, b.push_pull_state()) == []  # nothing new: no event
+    # A suspicion with room for confirmations (k = suspicion_mult - 2): a peer whose table
+    # holds our very suspect record is one more accuser, as a fresh copy of it would be.
+    x = f"{3:032x}"
+    a.receive(1.0, ("h", 1), [Suspect(node=x, incarnation=1, accuser="c" * 32)])
+    mine = a.member(x)
+    assert mine is not None and mine.state == MemberState.SUSPECT
+    before = a._suspicions[x].deadline
+    a.merge_push_pull(1.0, PushPull(source="d" * 32, members=(mine,)))
+    assert a._suspicions[x].accusers == {"c" * 32, "d" * 32}
+    assert a._suspicions[x].deadline < before
