@@ -277,3 +277,34 @@ def test_merging_shared_records_changes_nothing_but_counts_a_suspect_accuser() -
     a.merge_push_pull(1.0, PushPull(source="d" * 32, members=(mine,)))
     assert a._suspicions[x].accusers == {"c" * 32, "d" * 32}
     assert a._suspicions[x].deadline < before
+
+
+def test_gossip_rounds_sleep_while_nothing_is_queued_and_resume_on_their_grid() -> None:
+    swim = machine(seed=7)
+    swim.receive(0.0, ("h", 1), [peer(i) for i in range(3)])
+    gossip_times: list[float] = []
+    deadlines: list[float] = []
+    now = 0.0
+    while now < 3.0:
+        now = swim.next_deadline()
+        for e in swim.tick(now):
+            if isinstance(e, Send) and not any(isinstance(m, Ping | Ack) for m in e.msgs):
+                gossip_times.append(now)  # a packet of rumours alone: a gossip round
+            for m in e.msgs if isinstance(e, Send) else ():
+                if isinstance(m, Ping):
+                    swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
+        deadlines.append(swim.next_deadline() - now)
+    interval = LOCAL.gossip_interval
+    g0 = gossip_times[0]
+    assert gossip_times[-1] < 1.0  # the rumours are spread, the rounds stop
+    assert all(abs((t - g0) / interval - round((t - g0) / interval)) < 1e-6 for t in gossip_times)
+    assert max(deadlines[-10:]) > interval  # no timer every gossip interval any more
+    # A rumour at an odd time goes out at the next round of the old grid.
+    at = now + 0.0123
+    swim.receive(at, ("h", 1), [peer(9)])
+    assert swim.next_deadline() <= at + interval
+    sent = swim.tick(swim.next_deadline())
+    when = swim._now
+    assert any(isinstance(e, Send) and isinstance(e.msgs[0], Alive) for e in sent)
+    k = (when - g0) / interval
+    assert abs(k - round(k)) < 1e-6 and at <= when < at + interval

@@ -141,6 +141,7 @@ class _Relay:
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
 _STATE = attrgetter("state")
 _NODE = attrgetter("node")
+_ALL_STATES = tuple(MemberState)
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
 
@@ -213,6 +214,12 @@ class Swim:
         jitter = rng.random()
         self._arm(now + config.probe_interval * jitter, "probe", None)
         self._arm(now + config.gossip_interval * jitter, "gossip", None)
+        # While nothing waits to be spread the gossip timer is not armed (at thousands of
+        # simulated members, empty gossip rounds were a third of all events): the round
+        # that found the queue empty leaves the time of the next one here, and the next
+        # rumour queued re-arms the timer on the same grid.
+        self._gossip_next: float | None = None
+        self._now = now  # time of the call being handled (for _broadcast)
         self._arm(now + 1.0, "reap", None)
         if config.push_pull_interval > 0:
             self._arm(now + config.push_pull_interval * (1 + jitter), "push_pull", None)
@@ -313,6 +320,7 @@ class Swim:
 
     def receive(self, now: float, src: Address, msgs: Sequence[Message]) -> list[Effect]:
         """Handle the messages of one datagram from ``src``."""
+        self._now = now
         handlers = self._handlers
         counters = self.counters
         known = self._members
@@ -339,8 +347,10 @@ class Swim:
     def tick(self, now: float) -> list[Effect]:
         """Fire every timer due at ``now``."""
         while self._timers and self._timers[0][0] <= now:
-            _, _, kind, key = heapq.heappop(self._timers)
+            when, _, kind, key = heapq.heappop(self._timers)
+            self._now = when  # a late tick: rumours queued by this timer go out as if on time
             self._fire[kind](now, key)
+        self._now = now
         return self._flush()
 
     def push_pull_state(self, *, join: bool = False, observer: bool = False) -> PushPull:
@@ -354,6 +364,7 @@ class Swim:
 
     def merge_push_pull(self, now: float, remote: PushPull) -> list[Effect]:
         """Merge a peer's full state (their request to us, or their reply to ours)."""
+        self._now = now
         if remote.observer:
             return self._flush()
         known = self._members
@@ -405,6 +416,7 @@ class Swim:
 
     def update_meta(self, now: float, meta: Meta) -> list[Effect]:
         """Replace our metadata; spreads as an Alive with a higher incarnation."""
+        self._now = now
         try:
             self._me.meta = check_meta(meta)
         except RemoteProtocolError as exc:
@@ -416,6 +428,7 @@ class Swim:
     def leave(self, now: float) -> list[Effect]:
         """Announce a graceful leave. The driver should keep running for about two gossip
         intervals so the news spreads, then stop."""
+        self._now = now
         self.leaving = True
         msg = Dead(node=self.node_id, incarnation=self._me.incarnation, accuser=self.node_id)
         self._broadcast(msg)
@@ -757,11 +770,12 @@ class Swim:
     # ------------------------------------------------------------------ gossip rounds
 
     def _fire_gossip(self, now: float, _key: object) -> None:
-        self._arm(now + self.config.gossip_interval, "gossip", None)
         if not len(self._queue):
+            self._gossip_next = now + self.config.gossip_interval  # idle: see __init__
             return
+        self._arm(now + self.config.gossip_interval, "gossip", None)
         for m in self._random_members(
-            self.config.gossip_nodes, exclude=None, states=tuple(MemberState), now=now
+            self.config.gossip_nodes, exclude=None, states=_ALL_STATES, now=now
         ):
             rumours = self._take_rumours(self.config.packet_budget)
             if not rumours:
@@ -821,6 +835,13 @@ class Swim:
 
     def _broadcast(self, msg: Gossip) -> None:
         self._queue.push(msg)
+        when = self._gossip_next
+        if when is not None:  # gossip rounds were idle: resume them on their grid
+            self._gossip_next = None
+            interval = self.config.gossip_interval
+            while when < self._now:
+                when += interval
+            self._arm(when, "gossip", None)
 
     def _random_members(
         self,
