@@ -17,6 +17,7 @@ def run_bench(args: argparse.Namespace) -> int:
             duration=args.duration,
             crashes=args.crashes,
             seed=args.seed,
+            joins=args.joins,
         )
         print(json.dumps(report.as_dict()) if args.json else format_report(report))
         return 0

@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--duration", type=float, default=60.0, help="simulated seconds")
     mem.add_argument("--crashes", type=int, default=10, help="members crashed during the run")
     mem.add_argument("--seed", type=int, default=1)
+    mem.add_argument(
+        "--joins",
+        choices=("batch", "storm"),
+        default="batch",
+        help="members start knowing each other (batch, default) or join one by one (storm)",
+    )
     mem.add_argument("--json", action="store_true")
     # Listed for --help only; run() hands these to their own parsers.
     bench_sub.add_parser("allreduce", help="CPU ring allreduce vs gloo and a raw TCP ring")

@@ -69,17 +69,21 @@ class BroadcastQueue:
         if budget < min_size or not self._by_key:
             return out
         by_key = self._by_key
+        buckets = self._buckets
         promoted: list[tuple[int, list[_Rumour]]] = []
-        for sent in sorted(self._buckets):
+        # (One bucket, the usual case between bursts of news, needs no sort.)
+        for sent in sorted(buckets) if len(buckets) > 1 else list(buckets):
             moved: list[_Rumour] = []
-            bucket = self._buckets[sent]
-            skipped: list[_Rumour] = []
+            bucket = buckets[sent]
+            skipped: list[_Rumour] | None = None
             while bucket:
                 rumour = bucket.pop()  # newest first
                 self._entries -= 1
                 if by_key.get(rumour.msg.node) is not rumour:
                     continue  # stale: a newer rumour about the member replaced it
                 if rumour.size > budget:
+                    if skipped is None:
+                        skipped = []
                     skipped.append(rumour)
                     if len(skipped) >= _MAX_MISSES:
                         break
@@ -98,14 +102,18 @@ class BroadcastQueue:
                 bucket.extend(skipped)
                 self._entries += len(skipped)
             if not bucket:
-                del self._buckets[sent]
+                del buckets[sent]
             if moved:
                 promoted.append((sent + 1, moved))
             if budget < min_size:
                 break
         # Only now, so that no rumour is taken twice in one call.
         for sent, moved in promoted:
-            self._buckets.setdefault(sent, []).extend(moved)
+            into = buckets.get(sent)
+            if into is None:
+                buckets[sent] = moved
+            else:
+                into.extend(moved)
             self._entries += len(moved)
         return out
 

@@ -100,7 +100,9 @@ class Dead:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemberSnapshot:
-    """One member as carried in a push-pull exchange."""
+    """One member as carried in a push-pull exchange, and as ``Swim`` keeps it: immutable and
+    shared (events, ``Swim.members()`` and push-pulls hand out the same object, and a change
+    makes a new one), so its ``meta`` must be treated as read-only."""
 
     node: str
     name: str

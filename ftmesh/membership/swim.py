@@ -28,6 +28,10 @@ over anything with i < j; Suspect(i) overrides Alive(i); Dead(i) overrides Alive
 Suspect(i); Left (a Dead whose accuser is the member itself) overrides Dead(i). Incarnations
 only grow; the member itself is the only one that raises its own incarnation.
 
+Members are kept as immutable ``MemberSnapshot`` records, replaced on every change: an event,
+``members()`` and a push-pull hand out the records themselves, so a state change costs one new
+record and reading the view costs no copy.
+
 The machine owns no socket, clock or random source: the driver passes ``now`` (monotonic
 seconds) and a seeded ``random.Random``, feeds received messages to :meth:`Swim.receive`, calls
 :meth:`Swim.tick` at :meth:`Swim.next_deadline`, and carries out the returned effects.
@@ -37,8 +41,11 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, is_not
 from typing import Any, Literal, TypeAlias
 
 from ..errors import LocalUsageError, RemoteProtocolError
@@ -95,13 +102,14 @@ Effect: TypeAlias = Send | StartPushPull | MemberEvent
 
 @dataclass(slots=True)
 class _Member:
+    """This member itself (the others are immutable ``MemberSnapshot`` records)."""
+
     node: str
     name: str
     addr: Address
     incarnation: int
     state: MemberState
     meta: Meta
-    since: float
 
     def snapshot(self) -> MemberSnapshot:
         return MemberSnapshot(
@@ -131,6 +139,9 @@ class _Relay:
 
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+_STATE = attrgetter("state")
+_NODE = attrgetter("node")
+_ALL_STATES = tuple(MemberState)
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
 
@@ -153,10 +164,16 @@ class Swim:
         self.config = config
         self.node_id = node_id
         self._rng = rng
-        self._me = _Member(node_id, name, addr, 1, MemberState.ALIVE, check_meta(meta or {}), now)
-        self._members: dict[str, _Member] = {}
-        self._peer_ids: list[str] = []  # every known member but us, for O(1) random picks
-        self._peer_index: dict[str, int] = {}
+        self._me = _Member(node_id, name, addr, 1, MemberState.ALIVE, check_meta(meta or {}))
+        # Other members as immutable records, replaced (never mutated) on every change: events,
+        # ``members()`` and push-pulls hand them out without copying, and a driver may share
+        # one record between many machines (the simulator does).
+        self._members: dict[str, MemberSnapshot] = {}
+        # Every known member but us, for O(1) random picks. A forgotten member's id stays
+        # behind (in _stale) until a compaction or its return, so forgetting costs no search
+        # and no per-member index (which would double the memory of a large table).
+        self._peer_ids: list[str] = []
+        self._stale: set[str] = set()
         self._live = 0  # members (not us) ALIVE or SUSPECT
         self._departed: dict[str, float] = {}  # DEAD or LEFT members -> since when
         self._probe_order: list[str] = []
@@ -197,6 +214,12 @@ class Swim:
         jitter = rng.random()
         self._arm(now + config.probe_interval * jitter, "probe", None)
         self._arm(now + config.gossip_interval * jitter, "gossip", None)
+        # While nothing waits to be spread the gossip timer is not armed (at thousands of
+        # simulated members, empty gossip rounds were a third of all events): the round
+        # that found the queue empty leaves the time of the next one here, and the next
+        # rumour queued re-arms the timer on the same grid.
+        self._gossip_next: float | None = None
+        self._now = now  # time of the call being handled (for _broadcast)
         self._arm(now + 1.0, "reap", None)
         if config.push_pull_interval > 0:
             self._arm(now + config.push_pull_interval * (1 + jitter), "push_pull", None)
@@ -217,14 +240,21 @@ class Swim:
         return self._live + 1
 
     def members(self) -> list[MemberSnapshot]:
-        """Every known member including us (dead ones until they are forgotten)."""
-        return [self._me.snapshot()] + [m.snapshot() for m in self._members.values()]
+        """Every known member including us (dead ones until they are forgotten). The records
+        are shared, not copies: read-only."""
+        return [self._me.snapshot(), *self._members.values()]
 
     def member(self, node_id: str) -> MemberSnapshot | None:
         if node_id == self.node_id:
             return self._me.snapshot()
-        m = self._members.get(node_id)
-        return m.snapshot() if m else None
+        return self._members.get(node_id)
+
+    def alive_among(self, node_ids: Iterable[str]) -> int:
+        """How many of ``node_ids`` other than us we see ALIVE. Loops in C: simulators ask
+        this of thousands of members about thousands of members."""
+        return list(map(_STATE, filter(None, map(self._members.get, node_ids)))).count(
+            MemberState.ALIVE
+        )
 
     def state_of(self, node_id: str) -> MemberState | None:
         """The state of one member (``None`` if unknown), without copying anything: for
@@ -237,6 +267,50 @@ class Swim:
     def next_deadline(self) -> float:
         return self._timers[0][0] if self._timers else float("inf")
 
+    def adopt(self, now: float, members: Mapping[str, MemberSnapshot]) -> None:
+        """Know ``members`` (keyed by node id) from the start, without spreading them and
+        without events: for a mesh started from one member list that every member is handed
+        (a batched join: the state a join storm settles into once its rumours have drained).
+        Members already known, and we ourselves, are left as they are; the new ones (ALIVE,
+        DEAD or LEFT: a suspicion is the protocol's to start) are probed from the next probe
+        round on. The records are kept as given, so a driver of many machines can hand them
+        all the same ones."""
+        known = self._members
+        me = members.get(self.node_id)
+        wholesale = not known and not self._stale  # a fresh machine, the common case
+        if wholesale:
+            fresh: list[str] = []
+            count = len(members) - (me is not None)
+            states = Counter(map(_STATE, members.values()))
+            if me is not None:
+                states[me.state] -= 1
+        else:
+            fresh = [n for n in members if n not in known and n != self.node_id]
+            count = len(fresh)
+            states = Counter(map(_STATE, map(members.__getitem__, fresh)))
+        if len(known) + count > MAX_MEMBERS:
+            raise LocalUsageError(f"more than {MAX_MEMBERS} members")
+        if states[MemberState.SUSPECT]:
+            raise LocalUsageError("adopt takes no suspects: a suspicion is the protocol's")
+        if wholesale:
+            # Copy the table wholesale: no Python loop per member, which matters for
+            # thousands of machines of thousands of members.
+            known.update(members)
+            known.pop(self.node_id, None)
+            fresh = self._peer_ids = list(known)
+        else:
+            for node in fresh:
+                known[node] = members[node]
+                if node in self._stale:
+                    self._stale.discard(node)
+                else:
+                    self._peer_ids.append(node)
+        self._live += states[MemberState.ALIVE]
+        if count > states[MemberState.ALIVE]:
+            for node in fresh:
+                if known[node].state not in _LIVE:
+                    self._departed[node] = now
+
     def join(self, now: float, addrs: Iterable[Address]) -> list[Effect]:
         """Contact ``addrs`` (seeds or discovered peers) with a joining push-pull."""
         for addr in addrs:
@@ -246,6 +320,7 @@ class Swim:
 
     def receive(self, now: float, src: Address, msgs: Sequence[Message]) -> list[Effect]:
         """Handle the messages of one datagram from ``src``."""
+        self._now = now
         handlers = self._handlers
         counters = self.counters
         known = self._members
@@ -272,22 +347,42 @@ class Swim:
     def tick(self, now: float) -> list[Effect]:
         """Fire every timer due at ``now``."""
         while self._timers and self._timers[0][0] <= now:
-            _, _, kind, key = heapq.heappop(self._timers)
+            when, _, kind, key = heapq.heappop(self._timers)
+            self._now = when  # a late tick: rumours queued by this timer go out as if on time
             self._fire[kind](now, key)
+        self._now = now
         return self._flush()
 
     def push_pull_state(self, *, join: bool = False, observer: bool = False) -> PushPull:
         """Our full state, to send in a push-pull exchange."""
         return PushPull(
-            source=self.node_id, members=tuple(self.members()), join=join, observer=observer
+            source=self.node_id,
+            members=(self._me.snapshot(), *self._members.values()),
+            join=join,
+            observer=observer,
         )
 
     def merge_push_pull(self, now: float, remote: PushPull) -> list[Effect]:
         """Merge a peer's full state (their request to us, or their reply to ours)."""
+        self._now = now
         if remote.observer:
             return self._flush()
         known = self._members
-        for m in remote.members:
+        members = remote.members
+        # A record we hold already (the very object: tables share records where a driver
+        # shares them, as the simulator does) changes nothing, save a suspect's, which counts
+        # the peer as one more accuser (below). Filtered out in C, so merging two agreeing
+        # tables of 10,000 members costs no Python loop.
+        if self._suspicions:
+            remote_ids = set(map(id, members))
+            shared = [
+                m
+                for node in self._suspicions
+                if (m := known.get(node)) is not None and id(m) in remote_ids
+            ]
+        else:
+            shared = []
+        for m in compress(members, map(is_not, members, map(known.get, map(_NODE, members)))):
             if m.state == MemberState.ALIVE:
                 cur = known.get(m.node)
                 if cur is not None and m.incarnation <= cur.incarnation:
@@ -309,6 +404,10 @@ class Swim:
                 self._on_suspect(
                     now, Suspect(node=m.node, incarnation=m.incarnation, accuser=remote.source)
                 )
+        for m in shared:
+            self._on_suspect(
+                now, Suspect(node=m.node, incarnation=m.incarnation, accuser=remote.source)
+            )
         return self._flush()
 
     def join_failed(self, now: float, dest: Address) -> list[Effect]:
@@ -317,6 +416,7 @@ class Swim:
 
     def update_meta(self, now: float, meta: Meta) -> list[Effect]:
         """Replace our metadata; spreads as an Alive with a higher incarnation."""
+        self._now = now
         try:
             self._me.meta = check_meta(meta)
         except RemoteProtocolError as exc:
@@ -328,6 +428,7 @@ class Swim:
     def leave(self, now: float) -> list[Effect]:
         """Announce a graceful leave. The driver should keep running for about two gossip
         intervals so the news spreads, then stop."""
+        self._now = now
         self.leaving = True
         msg = Dead(node=self.node_id, incarnation=self._me.incarnation, accuser=self.node_id)
         self._broadcast(msg)
@@ -360,22 +461,29 @@ class Swim:
         if target is not None:
             self._start_probe(now, target, indirect_now=False)
 
-    def _next_probe_target(self) -> _Member | None:
-        for _ in range(len(self._probe_order) + 1):
-            if self._probe_pos >= len(self._probe_order):
-                self._probe_order = [n for n in self._peer_ids if self._members[n].state in _LIVE]
-                self._rng.shuffle(self._probe_order)
-                self._probe_pos = 0
-                if not self._probe_order:
-                    return None
-            node = self._probe_order[self._probe_pos]
-            self._probe_pos += 1
-            m = self._members.get(node)
-            if m is not None and m.state in _LIVE:
-                return m
+    def _next_probe_target(self) -> MemberSnapshot | None:
+        """The next member of this probe round. A round visits every member in random order,
+        drawn as the round goes (a Fisher-Yates shuffle done one step per probe): shuffling
+        the whole list up front costs n random draws at each round's start, n^2 across a
+        simulated mesh. Members dead or forgotten when their turn comes are passed over."""
+        if not self._live:
+            return None
+        get = self._members.get
+        for _ in range(2):  # the rest of this round, then a new one (it has a live member)
+            order = self._probe_order
+            while self._probe_pos < len(order):
+                pos = self._probe_pos
+                pick = pos + self._rng.randrange(len(order) - pos)
+                order[pos], order[pick] = order[pick], order[pos]
+                self._probe_pos = pos + 1
+                m = get(order[pos])
+                if m is not None and m.state in _LIVE:
+                    return m
+            self._probe_order = list(self._peer_ids)
+            self._probe_pos = 0
         return None
 
-    def _start_probe(self, now: float, target: _Member, *, indirect_now: bool) -> None:
+    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> None:
         seq = self._next_seq()
         self._probes[seq] = _Probe(target.node)
         ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
@@ -404,7 +512,7 @@ class Swim:
             return
         self._send_indirect(seq, target)
 
-    def _send_indirect(self, seq: int, target: _Member) -> None:
+    def _send_indirect(self, seq: int, target: MemberSnapshot) -> None:
         probe = self._probes[seq]
         helpers = self._random_members(
             self.config.indirect_checks, exclude=target.node, states=(MemberState.ALIVE,)
@@ -504,16 +612,30 @@ class Swim:
             if len(self._members) >= MAX_MEMBERS:
                 self._count("dropped_member_cap")
                 return
-            m = _Member(a.node, a.name, a.addr, a.incarnation, MemberState.ALIVE, dict(a.meta), now)
-            self._add(m)
+            m = MemberSnapshot(
+                node=a.node,
+                name=a.name,
+                addr=a.addr,
+                incarnation=a.incarnation,
+                state=MemberState.ALIVE,
+                meta=a.meta,
+            )
+            self._add(m, now)
             self._emit("joined", m, now)
             self._broadcast(a)
             return
         before = m.state
         changed = (m.addr, m.meta, m.name) != (a.addr, a.meta, a.name)
-        m.incarnation, m.addr, m.meta, m.name = a.incarnation, a.addr, dict(a.meta), a.name
+        m = MemberSnapshot(
+            node=a.node,
+            name=a.name,
+            addr=a.addr,
+            incarnation=a.incarnation,
+            state=MemberState.ALIVE,
+            meta=a.meta,
+        )
+        self._put(m, before, now)
         if before != MemberState.ALIVE:
-            self._set_state(m, MemberState.ALIVE, now)
             self._suspicions.pop(m.node, None)
             self._emit("alive" if before == MemberState.SUSPECT else "joined", m, now)
         elif changed:
@@ -539,9 +661,8 @@ class Swim:
         # A fresh suspicion: of an alive member, or of a suspect at a newer incarnation (it
         # refuted the old suspicion in a rumour we missed and was suspected again).
         before = m.state
-        m.incarnation = s.incarnation
+        m = self._replace(m, s.incarnation, MemberState.SUSPECT, now)
         if before == MemberState.ALIVE:
-            self._set_state(m, MemberState.SUSPECT, now)
             self._emit("suspect", m, now)
         self._broadcast(s)
         n = self.num_live()
@@ -607,8 +728,7 @@ class Swim:
             return
         if m.state == MemberState.LEFT or (m.state == MemberState.DEAD and not left):
             return
-        m.incarnation = d.incarnation
-        self._set_state(m, MemberState.LEFT if left else MemberState.DEAD, now)
+        m = self._replace(m, d.incarnation, MemberState.LEFT if left else MemberState.DEAD, now)
         self._suspicions.pop(m.node, None)
         self._emit("left" if left else "dead", m, now)
         self._broadcast(d)
@@ -650,11 +770,12 @@ class Swim:
     # ------------------------------------------------------------------ gossip rounds
 
     def _fire_gossip(self, now: float, _key: object) -> None:
-        self._arm(now + self.config.gossip_interval, "gossip", None)
         if not len(self._queue):
+            self._gossip_next = now + self.config.gossip_interval  # idle: see __init__
             return
+        self._arm(now + self.config.gossip_interval, "gossip", None)
         for m in self._random_members(
-            self.config.gossip_nodes, exclude=None, states=tuple(MemberState), now=now
+            self.config.gossip_nodes, exclude=None, states=_ALL_STATES, now=now
         ):
             rumours = self._take_rumours(self.config.packet_budget)
             if not rumours:
@@ -714,6 +835,13 @@ class Swim:
 
     def _broadcast(self, msg: Gossip) -> None:
         self._queue.push(msg)
+        when = self._gossip_next
+        if when is not None:  # gossip rounds were idle: resume them on their grid
+            self._gossip_next = None
+            interval = self.config.gossip_interval
+            while when < self._now:
+                when += interval
+            self._arm(when, "gossip", None)
 
     def _random_members(
         self,
@@ -722,62 +850,86 @@ class Swim:
         exclude: str | None,
         states: tuple[MemberState, ...],
         now: float | None = None,
-    ) -> list[_Member]:
+    ) -> list[MemberSnapshot]:
         """Up to ``k`` distinct random members in ``states`` (dead ones only within
         ``gossip_to_dead`` of their death when ``now`` is given). Rejection sampling keeps
         this O(k) for large meshes."""
-        picked: dict[str, _Member] = {}
+        picked: dict[str, MemberSnapshot] = {}
         ids = self._peer_ids
         for _ in range(min(len(ids), 4 * k + 8)):
             if len(picked) >= k:
                 break
-            m = self._members[ids[self._rng.randrange(len(ids))]]
-            if m.node == exclude or m.node in picked or m.state not in states:
+            m = self._members.get(ids[self._rng.randrange(len(ids))])
+            if m is None or m.node == exclude or m.node in picked or m.state not in states:
                 continue
             if (
                 now is not None
                 and m.state not in _LIVE
-                and now - m.since > self.config.gossip_to_dead
+                and now - self._departed[m.node] > self.config.gossip_to_dead
             ):
                 continue
             picked[m.node] = m
         return list(picked.values())
 
-    def _add(self, m: _Member) -> None:
+    def _add(self, m: MemberSnapshot, now: float) -> None:
         self._members[m.node] = m
-        self._peer_index[m.node] = len(self._peer_ids)
-        self._peer_ids.append(m.node)
+        if m.state not in _LIVE:
+            self._departed[m.node] = now
+        returning = m.node in self._stale
+        if returning:
+            self._stale.discard(m.node)  # back in the slot it left
+        else:
+            self._peer_ids.append(m.node)
         if m.state in _LIVE:
             self._live += 1
-            # Insert at a random place in the current probe round so a new member is probed
-            # soon, not after a whole round.
-            pos = self._rng.randint(self._probe_pos, len(self._probe_order))
-            self._probe_order.insert(pos, m.node)
+            # Into the rest of the current probe round (drawn at random from it), so a new
+            # member is probed soon, not after a whole round; a returning one may still be
+            # there (a search, but only for members forgotten and back).
+            if not returning or m.node not in self._probe_order[self._probe_pos :]:
+                self._probe_order.append(m.node)
 
     def _remove(self, node: str) -> None:
         m = self._members.pop(node)
         if m.state in _LIVE:
             self._live -= 1
-        idx = self._peer_index.pop(node)
-        last = self._peer_ids.pop()
-        if last != node:
-            self._peer_ids[idx] = last
-            self._peer_index[last] = idx
+        self._stale.add(node)
+        if len(self._stale) > 16 + len(self._peer_ids) // 2:
+            stale = self._stale
+            self._peer_ids = [n for n in self._peer_ids if n not in stale]
+            stale.clear()
         self._suspicions.pop(node, None)
         self._departed.pop(node, None)
 
-    def _set_state(self, m: _Member, state: MemberState, now: float) -> None:
-        self._live += (state in _LIVE) - (m.state in _LIVE)
-        m.state = state
-        m.since = now
+    def _replace(
+        self, m: MemberSnapshot, incarnation: int, state: MemberState, now: float
+    ) -> MemberSnapshot:
+        """Store a copy of ``m`` at ``incarnation`` in ``state``; return it."""
+        new = MemberSnapshot(
+            node=m.node,
+            name=m.name,
+            addr=m.addr,
+            incarnation=incarnation,
+            state=state,
+            meta=m.meta,
+        )
+        self._put(new, m.state, now)
+        return new
+
+    def _put(self, m: MemberSnapshot, before: MemberState, now: float) -> None:
+        """Store ``m`` in place of the member's record that was in state ``before``."""
+        self._members[m.node] = m
+        state = m.state
+        if state == before:
+            return
+        self._live += (state in _LIVE) - (before in _LIVE)
         if state in _LIVE:
             self._departed.pop(m.node, None)
         else:
-            self._departed[m.node] = now
+            self._departed[m.node] = now  # since when: for gossip_to_dead and dead_reclaim
 
-    def _emit(self, kind: EventKind, m: _Member, now: float) -> None:
+    def _emit(self, kind: EventKind, m: MemberSnapshot, now: float) -> None:
         self._count(f"event_{kind}")
-        self._out.append(MemberEvent(kind, m.snapshot(), now))
+        self._out.append(MemberEvent(kind, m, now))
 
     def _arm(self, when: float, kind: str, key: object) -> None:
         self._timer_order += 1

@@ -285,10 +285,15 @@ def message_fields(msg: Message) -> list[Any]:
     return [
         MsgType.PUSH_PULL,
         msg.source,
-        [[m.node, m.name, list(m.addr), m.incarnation, int(m.state), m.meta] for m in msg.members],
+        [snapshot_fields(m) for m in msg.members],
         msg.join,
         msg.observer,
     ]
+
+
+def snapshot_fields(m: MemberSnapshot) -> list[Any]:
+    """The msgpack array for one member of a push-pull."""
+    return [m.node, m.name, list(m.addr), m.incarnation, int(m.state), m.meta]
 
 
 def encoded_size(msg: Message) -> int:

@@ -1,0 +1,310 @@
+"""What lets the simulator run 10,000 members in one process (issue 30, item 6): forgotten
+members leave no search behind, members can start from one shared member list (a batched join),
+and the simulator's queries loop in C. Each test checks the behaviour the shortcut must keep."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ftmesh.errors import LocalUsageError
+from ftmesh.membership.config import MembershipConfig
+from ftmesh.membership.messages import (
+    Ack,
+    Address,
+    Alive,
+    Dead,
+    MemberSnapshot,
+    MemberState,
+    Ping,
+    PushPull,
+    Suspect,
+)
+from ftmesh.membership.swim import Send, Swim
+from ftmesh.membership.wire import encoded_size
+from ftmesh.sim.bench import format_report, run_membership_bench
+from ftmesh.sim.network import SimNetwork
+
+LOCAL = MembershipConfig.preset("local")
+
+
+def machine(seed: int = 0) -> Swim:
+    return Swim(
+        node_id="a" * 32,
+        name="me",
+        addr=("10.0.0.1", 7946),
+        config=LOCAL,
+        rng=random.Random(seed),
+        now=0.0,
+    )
+
+
+def peer(i: int, incarnation: int = 1) -> Alive:
+    return Alive(
+        node=f"{i:032x}", name=f"n{i}", addr=("10.0.1.1", 1000 + i), incarnation=incarnation
+    )
+
+
+def run(swim: Swim, now: float, until: float, living: set[int]) -> tuple[float, set[Address]]:
+    """Tick ``swim`` every 50 ms until ``until``; members in ``living`` answer its pings.
+    Returns the time reached and the addresses it sent to."""
+    sent_to: set[Address] = set()
+    while now < until:
+        now += 0.05
+        for e in swim.tick(now):
+            if not isinstance(e, Send):
+                continue
+            sent_to.add(e.dest)
+            i = e.dest[1] - 1000
+            for m in e.msgs:
+                if isinstance(m, Ping) and i in living:
+                    swim.receive(now, e.dest, [Ack(seq=m.seq, source=f"{i:032x}")])
+    return now, sent_to
+
+
+def test_forgotten_members_are_never_picked_and_return_to_one_slot() -> None:
+    swim = machine()
+    for i in range(40):
+        swim.receive(0.0, ("h", 1), [peer(i)])
+    for i in range(30):
+        swim.receive(0.0, ("h", 1), [Dead(node=f"{i:032x}", incarnation=1, accuser="b" * 32)])
+    now, _ = run(swim, 0.0, LOCAL.dead_reclaim + 2, set(range(30, 40)))
+    assert {m.node for m in swim.members()[1:]} == {f"{i:032x}" for i in range(30, 40)}
+    # Gossip and probes went to the dead until they were forgotten; from then on only to the
+    # living.
+    for i in range(40, 45):  # news to spread, so gossip rounds send packets
+        swim.receive(now, ("h", 1), [peer(i)])
+    now, sent_to = run(swim, now, now + 5, set(range(30, 45)))
+    assert sent_to == {("10.0.1.1", 1000 + i) for i in range(30, 45)}
+    # Five of the forgotten come back: each is known once and picked like any other.
+    for i in range(5):
+        swim.receive(now, ("h", 1), [peer(i, incarnation=2)])
+    known = {m.node for m in swim.members()[1:]}
+    assert len(known) == 20 and swim.num_live() == 21
+    assert sorted(swim._peer_ids) == sorted(set(swim._peer_ids))
+    assert set(swim._peer_ids) - swim._stale == known
+    now, sent_to = run(swim, now, now + 5, set(range(5)) | set(range(30, 45)))
+    assert sent_to == {("10.0.1.1", 1000 + i) for i in [*range(5), *range(30, 45)]}
+    assert swim.num_live() == 21
+
+
+def test_forgotten_ids_are_compacted_away() -> None:
+    swim = machine()
+    for i in range(100):
+        swim.receive(0.0, ("h", 1), [peer(i)])
+    for i in range(90):
+        swim.receive(0.0, ("h", 1), [Dead(node=f"{i:032x}", incarnation=1, accuser="b" * 32)])
+    run(swim, 0.0, LOCAL.dead_reclaim + 2, set(range(90, 100)))
+    assert len(swim.members()) == 11
+    # Stale ids are bounded by half the list (plus a little): the list does not grow with
+    # every member ever forgotten.
+    assert len(swim._stale) <= 16 + len(swim._peer_ids) // 2
+    assert len(swim._peer_ids) < 100
+    assert set(swim._peer_ids) - swim._stale == {f"{i:032x}" for i in range(90, 100)}
+    assert swim.state_of(f"{95:032x}") == MemberState.ALIVE
+
+
+def test_converged_checks_every_view_exactly() -> None:
+    net = SimNetwork(seed=5, config=LOCAL)
+    nodes = [net.add_node()]
+    for _ in range(5):
+        nodes.append(net.add_node(join=[nodes[0].addr]))
+    net.run_until(3.0)
+    assert net.converged()
+    a, b = nodes[1], nodes[2]
+    assert a.swim.alive_among(n.swim.node_id for n in nodes) == 5
+    # A member that someone sees as dead, while that one sees a stranger alive: the number
+    # of live members is right, so only the member-by-member check can tell.
+    net.inject(a, ("h", 1), (Dead(node=b.swim.node_id, incarnation=1, accuser="x" * 32),))
+    # (The stranger's address is a member's, which answers no ping meant for another id.)
+    stranger = Alive(node="f" * 32, name="stranger", addr=nodes[5].addr, incarnation=1)
+    net.inject(a, ("h", 1), (stranger,))
+    assert a.swim.num_live() == len(nodes)
+    assert a.swim.alive_among(n.swim.node_id for n in nodes) == 4
+    assert not net.converged()
+    # A crash: not converged until every survivor has declared it dead (and the stranger,
+    # who answers no probe, is dead too).
+    net.run_until(net.now + 3 * LOCAL.crash_detection_bound(6))
+    assert net.converged()
+    net.crash(nodes[3])
+    assert not net.converged()
+    net.run_until(net.now + LOCAL.crash_detection_bound(6) + 1)
+    assert net.converged()
+
+
+def test_settled_mesh_shares_records_and_runs_the_protocol() -> None:
+    net = SimNetwork(seed=3, config=LOCAL, loss=0.02)
+    nodes = net.add_settled(40)
+    assert net.converged() and not net.events
+    ids = [n.swim.node_id for n in nodes]
+    # Every table holds the same record objects: one per member, not one per pair.
+    first = nodes[0].swim.member(ids[5])
+    assert first is not None and first.state == MemberState.ALIVE and first.incarnation == 1
+    assert all(n.swim.member(ids[5]) is first for n in nodes if n is not nodes[5])
+    net.run_until(5.0)
+    assert net.converged()
+    assert not [e for e in net.events if e.event.kind in ("suspect", "dead")]
+    # The protocol runs as on a mesh that joined one by one: a crash is detected by all,
+    # and a joiner becomes known to all.
+    net.crash(nodes[7])
+    joiner = net.add_node(join=[nodes[0].addr])
+    net.run_until(net.now + LOCAL.crash_detection_bound(40) + 1.0)
+    assert net.converged()
+    deaths = [e for e in net.events if e.event.kind == "dead"]
+    assert {e.event.member.node for e in deaths} == {ids[7]}
+    assert {e.observer for e in deaths} >= set(ids) - {ids[7]}
+    assert all(n.swim.state_of(joiner.swim.node_id) == MemberState.ALIVE for n in nodes[8:])
+
+
+def test_adopt_adds_only_the_unknown_and_keeps_departed_ones_departed() -> None:
+    swim = machine()
+    swim.receive(0.0, ("h", 1), [peer(1, incarnation=3)])
+    records = {
+        f"{i:032x}": MemberSnapshot(
+            node=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.DEAD if i == 4 else MemberState.ALIVE,
+        )
+        for i in range(1, 6)
+    }
+    records["a" * 32] = MemberSnapshot(
+        node="a" * 32, name="me", addr=("10.0.0.1", 7946), incarnation=9, state=MemberState.DEAD
+    )
+    swim.adopt(1.0, records)
+    assert swim.incarnation == 1 and swim.state_of("a" * 32) == MemberState.ALIVE
+    kept = swim.member(f"{1:032x}")
+    assert kept is not None and kept.incarnation == 3  # known already: left as it was
+    assert swim.member(f"{2:032x}") is records[f"{2:032x}"]
+    assert swim.num_live() == 1 + 4  # us, 1, 2, 3, 5
+    assert swim.state_of(f"{4:032x}") == MemberState.DEAD
+    # The dead one is forgotten after dead_reclaim like any other departed member.
+    run(swim, 1.0, 2.0 + LOCAL.dead_reclaim, {1, 2, 3, 5})
+    assert swim.member(f"{4:032x}") is None and swim.num_live() == 5
+
+
+def test_bench_runs_either_way_of_joining() -> None:
+    bound = LOCAL.crash_detection_bound(30)
+    for joins in ("batch", "storm"):
+        r = run_membership_bench(
+            nodes=30, loss=0.01, preset="local", duration=10, crashes=3, seed=2, joins=joins
+        )
+        assert r.joins == joins and f"({joins} joins)" in format_report(r)
+        assert r.converged_after_warmup and r.crashes == 3 and r.undetected == 0
+        assert 0 < r.detect_first_p50_s <= r.detect_all_p99_s <= bound
+        assert r.false_positive_deaths == 0 and 0 < r.join_dissemination_s < 5
+    with pytest.raises(LocalUsageError, match="joins"):
+        run_membership_bench(
+            nodes=3, loss=0.0, preset="local", duration=1, crashes=0, seed=1, joins="all"
+        )
+
+
+def test_push_pull_bytes_are_counted_as_encoded() -> None:
+    net = SimNetwork(seed=1, config=LOCAL)
+    nodes = net.add_settled(20)
+    net.run_until(1.0)
+    swim = nodes[3].swim
+    swim.update_meta(1.0, {"role": "train", "data": "10.0.0.9:29500", "n": 12345})
+    for members in (0, 1, 15, 16, 21):
+        for join in (False, True):
+            state = swim.push_pull_state(join=join)
+            pp = PushPull(source=state.source, members=state.members[:members], join=join)
+            assert net._push_pull_size(pp) == encoded_size(pp)
+            assert net._push_pull_size(pp) == encoded_size(pp)  # from the cache
+
+
+def test_each_probe_round_visits_every_live_member_once() -> None:
+    swim = machine(seed=4)
+    for i in range(30):
+        swim.receive(0.0, ("h", 1), [peer(i)])
+    for i in range(5):
+        swim.receive(0.0, ("h", 1), [Dead(node=f"{i:032x}", incarnation=1, accuser="b" * 32)])
+    living = set(range(5, 30))
+    probed: list[int] = []
+    now = 0.0
+    while len(probed) < 3 * len(living):
+        now += 0.01
+        for e in swim.tick(now):
+            for m in e.msgs if isinstance(e, Send) else ():
+                if isinstance(m, Ping):
+                    probed.append(e.dest[1] - 1000)
+                    swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
+    rounds = [probed[k : k + 25] for k in range(0, 75, 25)]
+    assert all(sorted(r) == sorted(living) for r in rounds)
+    assert rounds[0] != rounds[1]  # a new random order each round
+
+
+def test_adopt_refuses_suspects_and_changes_nothing_then() -> None:
+    swim = machine()
+    good = MemberSnapshot(
+        node="b" * 32, name="b", addr=("10.0.0.2", 1), incarnation=1, state=MemberState.ALIVE
+    )
+    bad = MemberSnapshot(
+        node="c" * 32, name="c", addr=("10.0.0.3", 1), incarnation=1, state=MemberState.SUSPECT
+    )
+    with pytest.raises(LocalUsageError, match="suspect"):
+        swim.adopt(0.0, {good.node: good, bad.node: bad})
+    assert swim.members()[1:] == [] and swim.num_live() == 1
+    swim.adopt(0.0, {good.node: good})
+    assert swim.members()[1:] == [good] and swim.num_live() == 2
+
+
+def test_merging_shared_records_changes_nothing_but_counts_a_suspect_accuser() -> None:
+    a, b = machine(seed=1), machine(seed=2)
+    records = {
+        f"{i:032x}": MemberSnapshot(
+            node=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.ALIVE,
+        )
+        for i in range(1, 8)
+    }
+    a.adopt(0.0, records)
+    b.adopt(0.0, records)
+    a.tick(1.0)
+    assert a.merge_push_pull(1.0, b.push_pull_state()) == []  # nothing new: no event
+    # A suspicion with room for confirmations (k = suspicion_mult - 2): a peer whose table
+    # holds our very suspect record is one more accuser, as a fresh copy of it would be.
+    x = f"{3:032x}"
+    a.receive(1.0, ("h", 1), [Suspect(node=x, incarnation=1, accuser="c" * 32)])
+    mine = a.member(x)
+    assert mine is not None and mine.state == MemberState.SUSPECT
+    before = a._suspicions[x].deadline
+    a.merge_push_pull(1.0, PushPull(source="d" * 32, members=(mine,)))
+    assert a._suspicions[x].accusers == {"c" * 32, "d" * 32}
+    assert a._suspicions[x].deadline < before
+
+
+def test_gossip_rounds_sleep_while_nothing_is_queued_and_resume_on_their_grid() -> None:
+    swim = machine(seed=7)
+    swim.receive(0.0, ("h", 1), [peer(i) for i in range(3)])
+    gossip_times: list[float] = []
+    deadlines: list[float] = []
+    now = 0.0
+    while now < 3.0:
+        now = swim.next_deadline()
+        for e in swim.tick(now):
+            if isinstance(e, Send) and not any(isinstance(m, Ping | Ack) for m in e.msgs):
+                gossip_times.append(now)  # a packet of rumours alone: a gossip round
+            for m in e.msgs if isinstance(e, Send) else ():
+                if isinstance(m, Ping):
+                    swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
+        deadlines.append(swim.next_deadline() - now)
+    interval = LOCAL.gossip_interval
+    g0 = gossip_times[0]
+    assert gossip_times[-1] < 1.0  # the rumours are spread, the rounds stop
+    assert all(abs((t - g0) / interval - round((t - g0) / interval)) < 1e-6 for t in gossip_times)
+    assert max(deadlines[-10:]) > interval  # no timer every gossip interval any more
+    # A rumour at an odd time goes out at the next round of the old grid.
+    at = now + 0.0123
+    swim.receive(at, ("h", 1), [peer(9)])
+    assert swim.next_deadline() <= at + interval
+    sent = swim.tick(swim.next_deadline())
+    when = swim._now
+    assert any(isinstance(e, Send) and isinstance(e.msgs[0], Alive) for e in sent)
+    k = (when - g0) / interval
+    assert abs(k - round(k)) < 1e-6 and at <= when < at + interval
