@@ -90,6 +90,7 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
         ),
         "FTMESH_TEST_TRACE": "1",
         "FTMESH_TEST_STEP_DELAY": "0.03",
+        "FTMESH_TEST_HOLD": "101:3",  # the joiner (started at step 101) arrives mid-run
         "OMP_NUM_THREADS": "1",
     }
     cmd = [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(logs)]

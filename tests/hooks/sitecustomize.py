@@ -4,8 +4,9 @@ loads this module at start-up when a test puts ``tests/hooks`` on ``PYTHONPATH``
 With ``FTMESH_TEST_TRACE`` set, every ``ElasticTrainer`` prints one progress line
 (``FTMESH {json}``, what ``ftmesh launch`` reads to kill and join by step) per step it commits
 or adopts: the step, the learning rate of the optimizer's first group, the state digest, the
-members and the share. ``FTMESH_TEST_STEP_DELAY`` (seconds) paces the steps, so that a
-joiner's start-up lands mid-run.
+members and the share. ``FTMESH_TEST_STEP_DELAY`` (seconds) paces the steps, and
+``FTMESH_TEST_HOLD=STEP:MEMBERS`` holds each member after step STEP until MEMBERS members are
+alive, so that a joiner's start-up lands mid-run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def _install() -> None:
     from ftmesh.torch import trainer as trainer_module
 
     delay = float(os.environ.get("FTMESH_TEST_STEP_DELAY") or 0)
+    step, _, members = os.environ.get("FTMESH_TEST_HOLD", "").partition(":")
+    hold = (int(step), int(members)) if step else None
     original = trainer_module.ElasticTrainer.__init__
 
     def trace(trainer: Any, report: Any) -> None:
@@ -40,12 +43,29 @@ def _install() -> None:
         sys.stdout.flush()
         if delay:
             time.sleep(delay)
+        if hold and report.step >= hold[0] and len(report.members) < hold[1]:
+            _hold(trainer, hold[1])
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         self.add_step_hook(trace)
 
     trainer_module.ElasticTrainer.__init__ = init  # type: ignore[method-assign]
+
+
+def _hold(trainer: Any, members: int, timeout: float = 120.0) -> None:
+    """After a step at or past ``FTMESH_TEST_HOLD``'s step on fewer members than it names, wait
+    (between steps: the user's time) until that many members are alive in the mesh, so that a
+    joiner started then (importing torch on a loaded host takes its time) lands mid-run
+    however long it takes, instead of after the end."""
+    from ftmesh.membership.messages import MemberState
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [m for m in trainer.mesh.members() if m.state == MemberState.ALIVE]
+        if len(alive) >= members:
+            return
+        time.sleep(0.1)
 
 
 if os.environ.get("FTMESH_TEST_TRACE"):
