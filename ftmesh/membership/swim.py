@@ -612,28 +612,14 @@ class Swim:
             if len(self._members) >= MAX_MEMBERS:
                 self._count("dropped_member_cap")
                 return
-            m = MemberSnapshot(
-                node=a.node,
-                name=a.name,
-                addr=a.addr,
-                incarnation=a.incarnation,
-                state=MemberState.ALIVE,
-                meta=a.meta,
-            )
+            m = _alive_record(a)
             self._add(m, now)
             self._emit("joined", m, now)
             self._broadcast(a)
             return
         before = m.state
         changed = (m.addr, m.meta, m.name) != (a.addr, a.meta, a.name)
-        m = MemberSnapshot(
-            node=a.node,
-            name=a.name,
-            addr=a.addr,
-            incarnation=a.incarnation,
-            state=MemberState.ALIVE,
-            meta=a.meta,
-        )
+        m = _alive_record(a)
         self._put(m, before, now)
         if before != MemberState.ALIVE:
             self._suspicions.pop(m.node, None)
@@ -945,3 +931,15 @@ class Swim:
     def _flush(self) -> list[Effect]:
         out, self._out = self._out, []
         return out
+
+
+def _alive_record(a: Alive) -> MemberSnapshot:
+    """The member record an ``Alive`` rumour states (a new, shared, immutable record)."""
+    return MemberSnapshot(
+        node=a.node,
+        name=a.name,
+        addr=a.addr,
+        incarnation=a.incarnation,
+        state=MemberState.ALIVE,
+        meta=a.meta,
+    )
