@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 START = 90.0
 """Seconds a worker may take to import torch and join (several start at once on 2 cores)."""
-RATE_WINDOW = 8.0
+RATE_WINDOW = 3.0
 """Seconds of training measured before the fault and after the insider is left out (the
 step-rate ratio is printed: a figure for the issue's note, not asserted on a shared host)."""
 LEFT_OUT_BOUND = 2 * 0.4 * ReachConfig().bad_bytes_strikes + REACH_TICK + 1.0 + 10.0
