@@ -234,7 +234,10 @@ def test_a_loss_after_a_commit_skips_the_sync() -> None:
         a = m.feed(1.2, Done())
         assert isinstance(a, Compute) and (a.view, a.index, a.attempt) == (two, 1, 2)
         assert a.workers == ("a", "b")
-        r = m.feed(1.3, Computed(4))
+        # The first step committed on a view advertises our state, synced or not: a
+        # joiner enters only once a training member advertises one.
+        assert m.feed(1.3, Computed(4)) == Advertise()
+        r = m.feed(1.3, Done())
         assert isinstance(r, Finished) and r.report is not None
         assert (r.report.step, r.report.synced, r.report.attempts) == (2, False, 2)
         # The next loss on the smaller view skips it again; a joiner's view does not.

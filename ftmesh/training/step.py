@@ -315,6 +315,10 @@ class StepMachine:
         self._committed = FRESH
         self.in_ring = False
         self._synced_epoch = ""
+        self._advertised_on = ""
+        """The view epoch of our last ``Advertise``: the first step we commit on a view,
+        synced or taken without a sync, publishes our state's size (a joiner waits for a
+        training member that advertises one, ``training/start.py``)."""
         self._held: frozenset[str] = frozenset()
         """The members of the view we last settled on, while no member can have committed a
         step without us since (:meth:`_sync_needless`; empty: the next view change syncs)."""
@@ -862,7 +866,8 @@ class StepMachine:
                     self._count_nonfinite(out.nonfinite, out.skipped)
                     self._reweigh(action, out.speeds)
                     self._count_freeze(out.frozen, view)
-                    if synced:  # the first step on a view made whatever state it makes
+                    if view.epoch != self._advertised_on:
+                        self._advertised_on = view.epoch
                         yield Advertise()
                     if cfg.checkpoint_due(self.committed):
                         now, saved = yield Checkpoint(self.committed)
