@@ -4,6 +4,7 @@ and the simulator's queries loop in C. Each test checks the behaviour the shortc
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -227,7 +228,9 @@ def test_each_probe_round_visits_every_live_member_once() -> None:
     while len(probed) < 3 * len(living):
         now += 0.01
         for e in swim.tick(now):
-            for m in e.msgs if isinstance(e, Send) else ():
+            if not isinstance(e, Send):
+                continue
+            for m in e.msgs:
                 if isinstance(m, Ping):
                     probed.append(e.dest[1] - 1000)
                     swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
@@ -288,9 +291,11 @@ def test_gossip_rounds_sleep_while_nothing_is_queued_and_resume_on_their_grid() 
     while now < 3.0:
         now = swim.next_deadline()
         for e in swim.tick(now):
-            if isinstance(e, Send) and not any(isinstance(m, Ping | Ack) for m in e.msgs):
+            if not isinstance(e, Send):
+                continue
+            if not any(isinstance(m, Ping | Ack) for m in e.msgs):
                 gossip_times.append(now)  # a packet of rumours alone: a gossip round
-            for m in e.msgs if isinstance(e, Send) else ():
+            for m in e.msgs:
                 if isinstance(m, Ping):
                     swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
         deadlines.append(swim.next_deadline() - now)
@@ -308,3 +313,100 @@ def test_gossip_rounds_sleep_while_nothing_is_queued_and_resume_on_their_grid() 
     assert any(isinstance(e, Send) and isinstance(e.msgs[0], Alive) for e in sent)
     k = (when - g0) / interval
     assert abs(k - round(k)) < 1e-6 and at <= when < at + interval
+
+
+def _view(swim: Swim) -> tuple[object, ...]:
+    """Everything a merge can change, in a comparable form (order aside)."""
+    members = {m.node: (m.incarnation, m.state, m.name, m.addr, m.meta) for m in swim.members()}
+    suspicions = {n: (s.incarnation, frozenset(s.accusers)) for n, s in swim._suspicions.items()}
+    queued = {
+        (type(r.msg).__name__, r.msg.node, r.msg.incarnation) for r in swim._queue._by_key.values()
+    }
+    return members, swim.num_live(), suspicions, set(swim._departed), queued, swim.incarnation
+
+
+def test_settled_push_pulls_merge_and_count_as_the_full_state() -> None:
+    """Members that adopted one table exchange only their departures from it: the outcome
+    of each merge, and the bytes counted, are those of the full exchange."""
+    net = SimNetwork(seed=11, config=LOCAL, loss=0.05)
+    nodes = net.add_settled(24)
+    rng = random.Random(5)
+    net.run_until(1.0)
+    for victim in rng.sample(nodes[1:], 4):
+        net.crash(victim)
+    net.pause(nodes[0])
+    net.add_node(join=[nodes[1].addr])
+    compared = 0
+    resurrected = False
+    for t in (3.0, 12.0, 40.0, 70.0):  # suspicions, deaths, then reaped members
+        net.run_until(t)
+        if t == 40.0:
+            net.resume(nodes[0])
+        live = [n for n in nodes if not n.crashed and not n.paused]
+        pairs = [tuple(rng.sample(live, 2)) for _ in range(6)]
+        if t == 40.0:
+            # The member back from a pause still holds the shared records of members the
+            # others have forgotten: its push-pull brings them back (as SWIM does).
+            pairs[:0] = [(nodes[0], live[1]), (live[2], nodes[0])]
+        for src, dest in pairs:
+            a, b = copy.deepcopy((src.swim, dest.swim))
+            a2, b2 = copy.deepcopy((src.swim, dest.swim))
+            req, rep = a.push_pull_state(), b.push_pull_state()
+            ev_b, ev_a = b.merge_push_pull(t, req), a.merge_push_pull(t, rep)
+            _, a_own, a_dropped = a2.shared_table()
+            _, b_own, b_dropped = b2.shared_table()
+            req2 = a2.push_pull_subset(dict.fromkeys([*a_own, *b_dropped]))
+            rep2 = b2.push_pull_subset(dict.fromkeys([*b_own, *a_dropped]))
+            ev_b2, ev_a2 = b2.merge_push_pull(t, req2), a2.merge_push_pull(t, rep2)
+            assert _view(a) == _view(a2) and _view(b) == _view(b2)
+            assert sorted(map(repr, ev_a)) == sorted(map(repr, ev_a2))
+            assert sorted(map(repr, ev_b)) == sorted(map(repr, ev_b2))
+            settled = next(iter(net._settled.values()))
+            assert net._settled_state_size(src, req2, a_own, a_dropped, settled) == encoded_size(
+                req
+            )
+            compared += bool(a_own or b_dropped)
+            resurrected |= len(b.members()) > len(dest.swim.members()) and src is nodes[0]
+    assert compared >= 10  # most exchanges had departures to carry
+    assert resurrected
+
+
+def test_a_settled_push_pull_brings_back_what_the_peer_forgot() -> None:
+    """The subset names the shared members the peer no longer holds: a member that still
+    holds one's shared ALIVE record re-announces it to a peer that forgot it, as the full
+    state would."""
+    records = {
+        f"{i:032x}": MemberSnapshot(
+            node=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.ALIVE,
+        )
+        for i in range(1, 9)
+    }
+    a, b = (
+        Swim(
+            node_id=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            config=LOCAL,
+            rng=random.Random(i),
+            now=0.0,
+        )
+        for i in (1, 2)
+    )
+    a.adopt(0.0, records)
+    b.adopt(0.0, records)
+    x = f"{5:032x}"
+    b.receive(0.0, ("h", 1), [Dead(node=x, incarnation=1, accuser="c" * 32)])
+    run(b, 0.0, LOCAL.dead_reclaim + 2, set(range(1, 9)) - {5})
+    assert b.member(x) is None and a.member(x) is records[x]
+    _, a_own, _ = a.shared_table()
+    _, _, b_dropped = b.shared_table()
+    assert x in b_dropped and x not in a_own
+    full = copy.deepcopy(b)
+    full.merge_push_pull(40.0, a.push_pull_state())
+    b.merge_push_pull(40.0, a.push_pull_subset(dict.fromkeys([*a_own, *b_dropped])))
+    assert _view(b) == _view(full)
+    assert b.state_of(x) == MemberState.ALIVE

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -174,6 +173,14 @@ class Swim:
         # and no per-member index (which would double the memory of a large table).
         self._peer_ids: list[str] = []
         self._stale: set[str] = set()
+        # The table adopted wholesale (shared with other machines, never changed) and how
+        # ours departs from it: members whose record is not the shared one, and shared
+        # members we no longer hold (us included); dicts, for a deterministic order. A
+        # simulator exchanges and sizes push-pulls between machines of one shared table from
+        # these, in O(departures) rather than O(members) (see push_pull_subset).
+        self._base: Mapping[str, MemberSnapshot] | None = None
+        self._own: dict[str, None] = {}
+        self._dropped: dict[str, None] = {}
         self._live = 0  # members (not us) ALIVE or SUSPECT
         self._departed: dict[str, float] = {}  # DEAD or LEFT members -> since when
         self._probe_order: list[str] = []
@@ -274,39 +281,45 @@ class Swim:
         Members already known, and we ourselves, are left as they are; the new ones (ALIVE,
         DEAD or LEFT: a suspicion is the protocol's to start) are probed from the next probe
         round on. The records are kept as given, so a driver of many machines can hand them
-        all the same ones."""
+        all the same ones. A fresh machine keeps a reference to ``members`` (its shared
+        table), which must not change afterwards."""
         known = self._members
         me = members.get(self.node_id)
         wholesale = not known and not self._stale  # a fresh machine, the common case
         if wholesale:
             fresh: list[str] = []
             count = len(members) - (me is not None)
-            states = Counter(map(_STATE, members.values()))
+            states = list(map(_STATE, members.values()))  # (counted in C, see below)
             if me is not None:
-                states[me.state] -= 1
+                states.remove(me.state)
         else:
             fresh = [n for n in members if n not in known and n != self.node_id]
             count = len(fresh)
-            states = Counter(map(_STATE, map(members.__getitem__, fresh)))
+            states = list(map(_STATE, map(members.__getitem__, fresh)))
         if len(known) + count > MAX_MEMBERS:
             raise LocalUsageError(f"more than {MAX_MEMBERS} members")
-        if states[MemberState.SUSPECT]:
+        if MemberState.SUSPECT in states:
             raise LocalUsageError("adopt takes no suspects: a suspicion is the protocol's")
+        alive = states.count(MemberState.ALIVE)
         if wholesale:
             # Copy the table wholesale: no Python loop per member, which matters for
             # thousands of machines of thousands of members.
             known.update(members)
             known.pop(self.node_id, None)
             fresh = self._peer_ids = list(known)
+            self._base = members
+            if me is not None:
+                self._dropped[self.node_id] = None
         else:
             for node in fresh:
                 known[node] = members[node]
+                self._track(node, members[node])
                 if node in self._stale:
                     self._stale.discard(node)
                 else:
                     self._peer_ids.append(node)
-        self._live += states[MemberState.ALIVE]
-        if count > states[MemberState.ALIVE]:
+        self._live += alive
+        if count > alive:
             for node in fresh:
                 if known[node].state not in _LIVE:
                     self._departed[node] = now
@@ -361,6 +374,23 @@ class Swim:
             join=join,
             observer=observer,
         )
+
+    def shared_table(self) -> tuple[Mapping[str, MemberSnapshot] | None, list[str], list[str]]:
+        """For simulators: the table this machine adopted wholesale (``None`` if none), the
+        members whose record is not that table's, and that table's members it no longer
+        holds (itself included)."""
+        return self._base, list(self._own), list(self._dropped)
+
+    def push_pull_subset(self, nodes: Iterable[str], *, join: bool = False) -> PushPull:
+        """Our push-pull state reduced to ``nodes`` (those we hold), us first. A simulator
+        whose machines share one adopted table hands a peer this in place of the full state,
+        naming our own records and the shared members the peer no longer holds: every
+        record left out is then the very record the peer holds, or a shared one the peer
+        replaced by a newer one (a protocol change only moves forward), and merging either
+        changes nothing."""
+        get = self._members.get
+        records = [m for node in nodes if (m := get(node)) is not None]
+        return PushPull(source=self.node_id, members=(self._me.snapshot(), *records), join=join)
 
     def merge_push_pull(self, now: float, remote: PushPull) -> list[Effect]:
         """Merge a peer's full state (their request to us, or their reply to ours)."""
@@ -873,6 +903,8 @@ class Swim:
 
     def _add(self, m: MemberSnapshot, now: float) -> None:
         self._members[m.node] = m
+        if self._base is not None:
+            self._track(m.node, m)
         if m.state not in _LIVE:
             self._departed[m.node] = now
         returning = m.node in self._stale
@@ -890,6 +922,8 @@ class Swim:
 
     def _remove(self, node: str) -> None:
         m = self._members.pop(node)
+        if self._base is not None:
+            self._track(node, None)
         if m.state in _LIVE:
             self._live -= 1
         self._stale.add(node)
@@ -918,6 +952,8 @@ class Swim:
     def _put(self, m: MemberSnapshot, before: MemberState, now: float) -> None:
         """Store ``m`` in place of the member's record that was in state ``before``."""
         self._members[m.node] = m
+        if self._base is not None:
+            self._track(m.node, m)
         state = m.state
         if state == before:
             return
@@ -926,6 +962,23 @@ class Swim:
             self._departed.pop(m.node, None)
         else:
             self._departed[m.node] = now  # since when: for gossip_to_dead and dead_reclaim
+
+    def _track(self, node: str, m: MemberSnapshot | None) -> None:
+        """Note how the member's record (``None``: forgotten) departs from the shared table."""
+        base = self._base
+        if base is None:
+            return
+        shared = base.get(node)
+        if m is None:
+            self._own.pop(node, None)
+            if shared is not None:
+                self._dropped[node] = None
+        else:
+            self._dropped.pop(node, None)
+            if shared is m:
+                self._own.pop(node, None)
+            else:
+                self._own[node] = None
 
     def _emit(self, kind: EventKind, m: MemberSnapshot, now: float) -> None:
         self._count(f"event_{kind}")

@@ -55,6 +55,24 @@ class SimNode:
     bytes_sent: int = 0
 
 
+class _Settled:
+    """A table of ALIVE members handed to a batch (add_settled), with its records' encoded
+    sizes once asked for."""
+
+    def __init__(self, records: dict[str, MemberSnapshot]) -> None:
+        self.records = records
+        self._sizes: dict[str, int] | None = None
+        self.total = 0
+
+    def sizes(self) -> dict[str, int]:
+        if self._sizes is None:
+            self._sizes = {
+                k: len(msgpack.packb(snapshot_fields(m))) for k, m in self.records.items()
+            }
+            self.total = sum(self._sizes.values())
+        return self._sizes
+
+
 @dataclass(frozen=True, slots=True)
 class SeenEvent:
     time: float
@@ -95,6 +113,7 @@ class SimNetwork:
         # records themselves (so an id is not reused while cached).
         self._record_sizes: dict[int, int] = {}
         self._records: dict[int, MemberSnapshot] = {}
+        self._settled: dict[int, _Settled] = {}  # by id of the table (kept alive by _Settled)
         self._stopped: set[Address] = set()
 
     # ------------------------------------------------------------------ topology
@@ -121,6 +140,7 @@ class SimNetwork:
         for node in nodes:
             node.swim.adopt(self.now, records)
             self._reschedule(node)
+        self._settled[id(records)] = _Settled(records)
         return nodes
 
     def _new_node(self) -> SimNode:
@@ -232,10 +252,29 @@ class SimNetwork:
         if dest is None or dest.crashed or dest.paused or not self._connected(src.addr, dest_addr):
             self._apply(src, src.swim.join_failed(self.now, dest_addr) if join else [])
             return
-        request = src.swim.push_pull_state(join=join)
-        reply = dest.swim.push_pull_state()
-        self._account(src, request)
-        self._account(dest, reply)
+        s_base, s_own, s_dropped = src.swim.shared_table()
+        d_base, d_own, d_dropped = dest.swim.shared_table()
+        settled = self._settled.get(id(s_base)) if s_base is d_base else None
+        if settled is not None and settled.records is s_base:
+            # Both adopted one table of ALIVE members (add_settled): each hands the other
+            # its own records and the shared ones the other no longer holds, which merges
+            # as the full state would (Swim.push_pull_subset); bytes are the full state's.
+            request = src.swim.push_pull_subset(dict.fromkeys([*s_own, *d_dropped]), join=join)
+            reply = dest.swim.push_pull_subset(dict.fromkeys([*d_own, *s_dropped]))
+            for node, pp, own, dropped in (
+                (src, request, s_own, s_dropped),
+                (dest, reply, d_own, d_dropped),
+            ):
+                node.msgs_sent += 1
+                if self.count_bytes:
+                    node.bytes_sent += 28 + self._settled_state_size(
+                        node, pp, own, dropped, settled
+                    )
+        else:
+            request = src.swim.push_pull_state(join=join)
+            reply = dest.swim.push_pull_state()
+            self._account(src, request)
+            self._account(dest, reply)
         self._apply(dest, dest.swim.merge_push_pull(self.now, request))
         self._reschedule(dest)
         self._apply(src, src.swim.merge_push_pull(self.now, reply))
@@ -301,6 +340,44 @@ class SimNetwork:
                 else:
                     size += encoded_size(m)  # probes and acks are made once, sent once
             node.bytes_sent += size
+
+    def _settled_state_size(
+        self,
+        node: SimNode,
+        subset: PushPull,
+        own: list[str],
+        dropped: list[str],
+        settled: _Settled,
+    ) -> int:
+        """``encoded_size(node.swim.push_pull_state(...))`` from the shared table's size and
+        the node's departures from it (``subset`` holds the node's own snapshot, first)."""
+        sizes = settled.sizes()
+        get = node.swim.member
+        total = settled.total - sum(map(sizes.__getitem__, dropped))
+        count = len(sizes) - len(dropped) + 1
+        for key in own:
+            m = get(key)
+            assert m is not None
+            shared = sizes.get(key)
+            if shared is None:
+                count += 1
+            else:
+                total -= shared
+            total += self._record_size(m)
+        total += self._record_size(subset.members[0])
+        array_header = 1 if count < 16 else 3 if count < 1 << 16 else 5
+        empty = PushPull(source=subset.source, members=(), join=subset.join)
+        return encoded_size(empty) - 1 + array_header + total
+
+    def _record_size(self, m: MemberSnapshot) -> int:
+        size = self._record_sizes.get(id(m))
+        if size is None:
+            if len(self._record_sizes) >= _SIZE_CACHE:
+                self._record_sizes.clear()
+                self._records.clear()
+            size = self._record_sizes[id(m)] = len(msgpack.packb(snapshot_fields(m)))
+            self._records[id(m)] = m
+        return size
 
     def _push_pull_size(self, pp: PushPull) -> int:
         """``encoded_size(pp)`` without encoding the member list: the list's bytes are the
