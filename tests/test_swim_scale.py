@@ -410,3 +410,48 @@ def test_a_settled_push_pull_brings_back_what_the_peer_forgot() -> None:
     b.merge_push_pull(40.0, a.push_pull_subset(dict.fromkeys([*a_own, *b_dropped])))
     assert _view(b) == _view(full)
     assert b.state_of(x) == MemberState.ALIVE
+
+
+def _converged_by_definition(net: SimNetwork) -> bool:
+    nodes = [n for n in net.live_nodes() if not n.paused]
+    running = {n.swim.node_id for n in nodes}
+    return all(
+        {m.node for m in n.swim.members() if m.state == MemberState.ALIVE} == running
+        and not any(m.state == MemberState.SUSPECT for m in n.swim.members())
+        for n in nodes
+    )
+
+
+def test_converged_on_a_settled_mesh_matches_the_definition() -> None:
+    net = SimNetwork(seed=8, config=LOCAL, loss=0.02)
+    nodes = net.add_settled(20)
+    answers = []
+    for t, action in [
+        (1.0, "crash"),
+        (1.2, "pause"),
+        (8.0, "resume"),
+        (20.0, "inject"),
+        (20.5, ""),
+        (40.0, "join"),
+        (45.0, ""),
+        (80.0, ""),
+    ]:
+        net.run_until(t)
+        if action == "crash":
+            net.crash(nodes[3])
+        elif action == "pause":
+            net.pause(nodes[4])
+        elif action == "resume":
+            net.resume(nodes[4])
+        elif action == "inject":
+            a, b = nodes[5], nodes[6]
+            net.inject(a, ("h", 1), (Dead(node=b.swim.node_id, incarnation=9, accuser="x" * 32),))
+            stranger = Alive(node="f" * 32, name="s", addr=nodes[7].addr, incarnation=1)
+            net.inject(a, ("h", 1), (stranger,))
+        elif action == "join":
+            net.add_node(join=[nodes[0].addr])
+        for dt in (0.0, 0.3, 1.0, 3.0):
+            net.run_until(net.now + dt)
+            answers.append(net.converged())
+            assert answers[-1] == _converged_by_definition(net), (t, dt)
+    assert True in answers and False in answers
