@@ -455,3 +455,39 @@ def test_converged_on_a_settled_mesh_matches_the_definition() -> None:
             answers.append(net.converged())
             assert answers[-1] == _converged_by_definition(net), (t, dt)
     assert True in answers and False in answers
+
+
+def test_a_table_counted_once_is_still_checked_for_each_machine() -> None:
+    """adopt counts a table's states once for all the machines adopting it; a suspect
+    record is refused by every machine but the suspect itself (whose own record is not
+    adopted)."""
+    ids = [f"{i:032x}" for i in range(1, 5)]
+    records = {
+        n: MemberSnapshot(
+            node=n,
+            name=n[-1],
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.SUSPECT if i == 1 else MemberState.ALIVE,
+        )
+        for i, n in enumerate(ids, start=1)
+    }
+
+    def swim(node: str) -> Swim:
+        return Swim(
+            node_id=node,
+            name="x",
+            addr=("10.0.0.9", 1),
+            config=LOCAL,
+            rng=random.Random(1),
+            now=0.0,
+        )
+
+    first = swim(ids[0])
+    first.adopt(0.0, records)  # its own (suspect) record is not adopted
+    assert first.num_live() == 4
+    for node in ids[1:]:
+        other = swim(node)
+        with pytest.raises(LocalUsageError, match="suspects"):
+            other.adopt(0.0, records)
+        assert other.num_live() == 1 and other.members()[1:] == []

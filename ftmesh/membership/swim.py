@@ -44,7 +44,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter, is_not
+from operator import attrgetter, countOf, is_not
 from typing import Any, Literal, TypeAlias
 
 from ..errors import LocalUsageError, RemoteProtocolError
@@ -141,6 +141,8 @@ _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
 _STATE = attrgetter("state")
 _NODE = attrgetter("node")
 _ALL_STATES = tuple(MemberState)
+_LAST_ADOPTED: list[tuple[Mapping[str, MemberSnapshot], int, int, int]] = []
+"""The last table adopted wholesale: its size, ALIVE and SUSPECT counts (``Swim.adopt``)."""
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
 
@@ -289,18 +291,29 @@ class Swim:
         if wholesale:
             fresh: list[str] = []
             count = len(members) - (me is not None)
-            states = list(map(_STATE, members.values()))  # (counted in C, see below)
-            if me is not None:
-                states.remove(me.state)
         else:
             fresh = [n for n in members if n not in known and n != self.node_id]
             count = len(fresh)
-            states = list(map(_STATE, map(members.__getitem__, fresh)))
         if len(known) + count > MAX_MEMBERS:
             raise LocalUsageError(f"more than {MAX_MEMBERS} members")
-        if MemberState.SUSPECT in states:
+        # States counted in C, suspects only when not all are alive; a table adopted
+        # wholesale by one machine after another (a simulator's thousands) is counted once.
+        last = _LAST_ADOPTED[0] if wholesale and _LAST_ADOPTED else None
+        if last is not None and last[0] is members and last[1] == len(members):
+            alive, suspects = last[2], last[3]
+        else:
+            pool = list(members.values()) if wholesale else [members[n] for n in fresh]
+            alive = countOf(map(_STATE, pool), MemberState.ALIVE)
+            suspects = 0
+            if alive < len(pool):
+                suspects = countOf(map(_STATE, pool), MemberState.SUSPECT)
+            if wholesale:
+                _LAST_ADOPTED[:] = [(members, len(members), alive, suspects)]
+        if wholesale and me is not None:  # (our own record is not adopted)
+            alive -= me.state == MemberState.ALIVE
+            suspects -= me.state == MemberState.SUSPECT
+        if suspects:
             raise LocalUsageError("adopt takes no suspects: a suspicion is the protocol's")
-        alive = states.count(MemberState.ALIVE)
         if wholesale:
             # Copy the table wholesale: no Python loop per member, which matters for
             # thousands of machines of thousands of members.
