@@ -138,6 +138,7 @@ class _Relay:
 
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+_GONE = (MemberState.DEAD, MemberState.LEFT)
 _STATE = attrgetter("state")
 _NODE = attrgetter("node")
 _ALL_STATES = tuple(MemberState)
@@ -350,13 +351,38 @@ class Swim:
         handlers = self._handlers
         counters = self.counters
         known = self._members
-        old_news = 0
+        old_alive = old_suspect = old_dead = 0
         for msg in msgs:
+            # Fast paths for the bulk of gossip traffic, rumours we already have: what the
+            # handlers would decide (return without effect), without calling them.
             if type(msg) is Alive:
-                # Fast path for the bulk of gossip traffic: an Alive we already have.
                 m = known.get(msg.node)
                 if m is not None and msg.incarnation <= m.incarnation:
-                    old_news += 1
+                    old_alive += 1
+                    continue
+            elif type(msg) is Suspect:
+                m = known.get(msg.node)
+                if m is not None:
+                    if msg.incarnation < m.incarnation or m.state in _GONE:
+                        old_suspect += 1
+                        continue
+                    if m.state is MemberState.SUSPECT and msg.incarnation == m.incarnation:
+                        susp = self._suspicions.get(msg.node)
+                        if (
+                            susp is None
+                            or len(susp.accusers) > susp.k
+                            or msg.accuser in susp.accusers
+                        ):
+                            old_suspect += 1  # (Suspicion.confirm would refuse it)
+                            continue
+            elif type(msg) is Dead:
+                m = known.get(msg.node)
+                if m is not None and (
+                    msg.incarnation < m.incarnation
+                    or m.state is MemberState.LEFT
+                    or (m.state is MemberState.DEAD and msg.accuser != msg.node)
+                ):
+                    old_dead += 1
                     continue
             entry = handlers.get(type(msg))
             if entry is None:
@@ -366,8 +392,12 @@ class Swim:
             key, handle = entry
             counters[key] = counters.get(key, 0) + 1
             handle(now, src, msg)
-        if old_news:
-            counters["rx_alive"] = counters.get("rx_alive", 0) + old_news
+        if old_alive:
+            counters["rx_alive"] = counters.get("rx_alive", 0) + old_alive
+        if old_suspect:
+            counters["rx_suspect"] = counters.get("rx_suspect", 0) + old_suspect
+        if old_dead:
+            counters["rx_dead"] = counters.get("rx_dead", 0) + old_dead
         return self._flush()
 
     def tick(self, now: float) -> list[Effect]:
