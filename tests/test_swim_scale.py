@@ -18,6 +18,8 @@ from ftmesh.membership.messages import (
     Dead,
     MemberSnapshot,
     MemberState,
+    Message,
+    Nack,
     Ping,
     PushPull,
     Suspect,
@@ -491,3 +493,17 @@ def test_a_table_counted_once_is_still_checked_for_each_machine() -> None:
         with pytest.raises(LocalUsageError, match="suspects"):
             other.adopt(0.0, records)
         assert other.num_live() == 1 and other.members()[1:] == []
+
+
+def test_probe_bytes_are_counted_as_encoded() -> None:
+    net = SimNetwork(seed=1, config=LOCAL)
+    msgs: list[Message] = []
+    for seq in (0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1):
+        for node in ("a" * 32, "b" * 31, "é" * 16):
+            for host in ("10.0.0.1", "192.168.100.200"):
+                msgs.append(Ping(seq=seq, target=node, source="c" * 32, source_addr=(host, 7946)))
+                msgs.append(Ping(seq=seq, target="c" * 32, source=node, source_addr=(host, 80)))
+            msgs.append(Ack(seq=seq, source=node))
+            msgs.append(Nack(seq=seq, source=node))
+    for m in msgs + msgs:  # the second time from the cache
+        assert net._probe_size(m) == encoded_size(m), m
