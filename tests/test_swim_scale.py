@@ -10,6 +10,7 @@ import random
 import pytest
 
 from ftmesh.errors import LocalUsageError
+from ftmesh.membership.broadcast import BroadcastQueue
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.membership.messages import (
     Ack,
@@ -507,3 +508,18 @@ def test_probe_bytes_are_counted_as_encoded() -> None:
             msgs.append(Nack(seq=seq, source=node))
     for m in msgs + msgs:  # the second time from the cache
         assert net._probe_size(m) == encoded_size(m), m
+
+
+def test_a_lone_rumour_is_taken_as_any_other() -> None:
+    q = BroadcastQueue(encoded_size)
+    rumour = Suspect(node="x" * 32, incarnation=1, accuser="y" * 32)
+    q.push(rumour)
+    size = encoded_size(rumour)
+    assert q.take(size - 1, limit=3) == [] and len(q) == 1  # does not fit: left as it was
+    assert q.take(size, limit=3) == [rumour]
+    assert q.take(1400, limit=3) == [rumour]
+    newer = Suspect(node="x" * 32, incarnation=2, accuser="y" * 32)
+    q.push(newer)  # replaces it, and starts its own count
+    for _ in range(3):
+        assert q.take(1400, limit=3) == [newer]
+    assert q.take(1400, limit=3) == [] and len(q) == 0 and q._entries == 0

@@ -70,6 +70,22 @@ class BroadcastQueue:
             return out
         by_key = self._by_key
         buckets = self._buckets
+        if self._entries == 1:
+            # One rumour and nothing stale: most calls, between bursts of news. The same
+            # steps as below, without the loops.
+            ((sent, bucket),) = buckets.items()
+            rumour = bucket[0]
+            if rumour.size > budget:
+                return out
+            rumour.sent += 1
+            del buckets[sent]
+            if rumour.sent >= limit:
+                del by_key[rumour.msg.node]
+                self._entries = 0
+            else:
+                buckets[sent + 1] = bucket
+            out.append(rumour.msg)
+            return out
         promoted: list[tuple[int, list[_Rumour]]] = []
         # (One bucket, the usual case between bursts of news, needs no sort.)
         for sent in sorted(buckets) if len(buckets) > 1 else list(buckets):
