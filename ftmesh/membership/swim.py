@@ -929,10 +929,20 @@ class Swim:
         this O(k) for large meshes."""
         picked: dict[str, MemberSnapshot] = {}
         ids = self._peer_ids
-        for _ in range(min(len(ids), 4 * k + 8)):
+        n = len(ids)
+        if not n:
+            return []
+        # rng.randrange(n), inlined (the same draws: Random._randbelow_with_getrandbits).
+        getrandbits = self._rng.getrandbits
+        bits = n.bit_length()
+        get = self._members.get
+        for _ in range(min(n, 4 * k + 8)):
             if len(picked) >= k:
                 break
-            m = self._members.get(ids[self._rng.randrange(len(ids))])
+            i = getrandbits(bits)
+            while i >= n:
+                i = getrandbits(bits)
+            m = get(ids[i])
             if m is None or m.node == exclude or m.node in picked or m.state not in states:
                 continue
             if (
