@@ -14,7 +14,7 @@ members: a replaced rumour is left in place and skipped later rather than search
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .messages import Gossip
@@ -37,6 +37,8 @@ class BroadcastQueue:
     def __init__(self, size_of: Callable[[Gossip], int]) -> None:
         self._size_of = size_of
         self._by_key: dict[str, _Rumour] = {}
+        self.by_key: Mapping[str, object] = self._by_key
+        """The rumours being spread, by member (read-only; empty when there is nothing)."""
         # sent count -> rumours, oldest first. A rumour replaced by a newer one about the same
         # member stays behind as a stale entry (its key maps to another object) and is skipped
         # when reached; ``_compact`` bounds how many pile up.

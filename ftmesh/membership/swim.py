@@ -139,6 +139,7 @@ class _Relay:
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
 _GONE = (MemberState.DEAD, MemberState.LEFT)
+_GOSSIP = (Alive, Suspect, Dead)
 _STATE = attrgetter("state")
 _NODE = attrgetter("node")
 _ALL_STATES = tuple(MemberState)
@@ -195,6 +196,7 @@ class Swim:
         self._timers: list[tuple[float, int, str, object]] = []  # (when, order, kind, key)
         self._timer_order = 0
         self._queue = BroadcastQueue(size_of)
+        self._rumours = self._queue.by_key  # (read-only: "anything to spread?" without a call)
         self._size_of = size_of
         self._awareness = Awareness(config.awareness_max_multiplier)
         self._out: list[Effect] = []
@@ -843,7 +845,7 @@ class Swim:
     # ------------------------------------------------------------------ gossip rounds
 
     def _fire_gossip(self, now: float, _key: object) -> None:
-        if not len(self._queue):
+        if not self._rumours:
             self._gossip_next = now + self.config.gossip_interval  # idle: see __init__
             return
         self._arm(now + self.config.gossip_interval, "gossip", None)
@@ -891,13 +893,13 @@ class Swim:
     def _send(self, dest: Address, *msgs: Message) -> None:
         budget = self.config.packet_budget - 48 * len(msgs)
         for m in msgs:
-            if isinstance(m, Alive | Suspect | Dead):
+            if isinstance(m, _GOSSIP):
                 budget -= self._size_of(m)
         rumours = self._take_rumours(budget) if budget > 32 else []
         self._out.append(Send(dest, (*msgs, *rumours)))
 
     def _take_rumours(self, budget: int) -> list[Gossip]:
-        if not len(self._queue):
+        if not self._rumours:
             return []
         n = self._live + 1
         cached_n, limit = self._limit_cache
