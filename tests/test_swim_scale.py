@@ -5,10 +5,12 @@ and the simulator's queries loop in C. Each test checks the behaviour the shortc
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
 
+from ftmesh.cli.main import run as ftmesh_cli
 from ftmesh.errors import LocalUsageError
 from ftmesh.membership.broadcast import BroadcastQueue
 from ftmesh.membership.config import MembershipConfig
@@ -523,3 +525,12 @@ def test_a_lone_rumour_is_taken_as_any_other() -> None:
     for _ in range(3):
         assert q.take(1400, limit=3) == [newer]
     assert q.take(1400, limit=3) == [] and len(q) == 0 and q._entries == 0
+
+
+def test_cli_bench_membership_takes_the_way_of_joining(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "membership", "--nodes", "12", "--preset", "local", "--duration", "4"]
+    assert ftmesh_cli([*args, "--crashes", "1", "--joins", "storm", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["joins"] == "storm" and report["nodes"] == 12 and report["crashes"] == 1
+    assert ftmesh_cli([*args, "--crashes", "1"]) == 0
+    assert "(batch joins)" in capsys.readouterr().out
