@@ -30,7 +30,12 @@ only grow; the member itself is the only one that raises its own incarnation.
 
 Members are kept as immutable ``MemberSnapshot`` records, replaced on every change: an event,
 ``members()`` and a push-pull hand out the records themselves, so a state change costs one new
-record and reading the view costs no copy.
+record and reading the view costs no copy. A machine can also start from a member list handed
+to it (``adopt``: a batched join, the state a join storm settles into); one handed the same
+list as others keeps it by reference and tracks how its own table departs from it
+(``shared_table``), which lets a simulator of thousands of members exchange push-pulls in
+O(departures) (``push_pull_subset``). Gossip rounds run only while there is something to
+spread: the timer sleeps while the queue is empty and resumes on its grid.
 
 The machine owns no socket, clock or random source: the driver passes ``now`` (monotonic
 seconds) and a seeded ``random.Random``, feeds received messages to :meth:`Swim.receive`, calls
