@@ -4,11 +4,15 @@ and the simulator's queries loop in C. Each test checks the behaviour the shortc
 
 from __future__ import annotations
 
+import copy
+import json
 import random
 
 import pytest
 
+from ftmesh.cli.main import run as ftmesh_cli
 from ftmesh.errors import LocalUsageError
+from ftmesh.membership.broadcast import BroadcastQueue
 from ftmesh.membership.config import MembershipConfig
 from ftmesh.membership.messages import (
     Ack,
@@ -17,6 +21,8 @@ from ftmesh.membership.messages import (
     Dead,
     MemberSnapshot,
     MemberState,
+    Message,
+    Nack,
     Ping,
     PushPull,
     Suspect,
@@ -227,7 +233,9 @@ def test_each_probe_round_visits_every_live_member_once() -> None:
     while len(probed) < 3 * len(living):
         now += 0.01
         for e in swim.tick(now):
-            for m in e.msgs if isinstance(e, Send) else ():
+            if not isinstance(e, Send):
+                continue
+            for m in e.msgs:
                 if isinstance(m, Ping):
                     probed.append(e.dest[1] - 1000)
                     swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
@@ -288,9 +296,11 @@ def test_gossip_rounds_sleep_while_nothing_is_queued_and_resume_on_their_grid() 
     while now < 3.0:
         now = swim.next_deadline()
         for e in swim.tick(now):
-            if isinstance(e, Send) and not any(isinstance(m, Ping | Ack) for m in e.msgs):
+            if not isinstance(e, Send):
+                continue
+            if not any(isinstance(m, Ping | Ack) for m in e.msgs):
                 gossip_times.append(now)  # a packet of rumours alone: a gossip round
-            for m in e.msgs if isinstance(e, Send) else ():
+            for m in e.msgs:
                 if isinstance(m, Ping):
                     swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
         deadlines.append(swim.next_deadline() - now)
@@ -308,3 +318,219 @@ def test_gossip_rounds_sleep_while_nothing_is_queued_and_resume_on_their_grid() 
     assert any(isinstance(e, Send) and isinstance(e.msgs[0], Alive) for e in sent)
     k = (when - g0) / interval
     assert abs(k - round(k)) < 1e-6 and at <= when < at + interval
+
+
+def _view(swim: Swim) -> tuple[object, ...]:
+    """Everything a merge can change, in a comparable form (order aside)."""
+    members = {m.node: (m.incarnation, m.state, m.name, m.addr, m.meta) for m in swim.members()}
+    suspicions = {n: (s.incarnation, frozenset(s.accusers)) for n, s in swim._suspicions.items()}
+    queued = {
+        (type(r.msg).__name__, r.msg.node, r.msg.incarnation) for r in swim._queue._by_key.values()
+    }
+    return members, swim.num_live(), suspicions, set(swim._departed), queued, swim.incarnation
+
+
+def test_settled_push_pulls_merge_and_count_as_the_full_state() -> None:
+    """Members that adopted one table exchange only their departures from it: the outcome
+    of each merge, and the bytes counted, are those of the full exchange."""
+    net = SimNetwork(seed=11, config=LOCAL, loss=0.05)
+    nodes = net.add_settled(24)
+    rng = random.Random(5)
+    net.run_until(1.0)
+    for victim in rng.sample(nodes[1:], 4):
+        net.crash(victim)
+    net.pause(nodes[0])
+    net.add_node(join=[nodes[1].addr])
+    compared = 0
+    resurrected = False
+    for t in (3.0, 12.0, 40.0, 70.0):  # suspicions, deaths, then reaped members
+        net.run_until(t)
+        if t == 40.0:
+            net.resume(nodes[0])
+        live = [n for n in nodes if not n.crashed and not n.paused]
+        pairs = [tuple(rng.sample(live, 2)) for _ in range(6)]
+        if t == 40.0:
+            # The member back from a pause still holds the shared records of members the
+            # others have forgotten: its push-pull brings them back (as SWIM does).
+            pairs[:0] = [(nodes[0], live[1]), (live[2], nodes[0])]
+        for src, dest in pairs:
+            a, b = copy.deepcopy((src.swim, dest.swim))
+            a2, b2 = copy.deepcopy((src.swim, dest.swim))
+            req, rep = a.push_pull_state(), b.push_pull_state()
+            ev_b, ev_a = b.merge_push_pull(t, req), a.merge_push_pull(t, rep)
+            _, a_own, a_dropped = a2.shared_table()
+            _, b_own, b_dropped = b2.shared_table()
+            req2 = a2.push_pull_subset(dict.fromkeys([*a_own, *b_dropped]))
+            rep2 = b2.push_pull_subset(dict.fromkeys([*b_own, *a_dropped]))
+            ev_b2, ev_a2 = b2.merge_push_pull(t, req2), a2.merge_push_pull(t, rep2)
+            assert _view(a) == _view(a2) and _view(b) == _view(b2)
+            assert sorted(map(repr, ev_a)) == sorted(map(repr, ev_a2))
+            assert sorted(map(repr, ev_b)) == sorted(map(repr, ev_b2))
+            settled = next(iter(net._settled.values()))
+            assert net._settled_state_size(src, req2, a_own, a_dropped, settled) == encoded_size(
+                req
+            )
+            compared += bool(a_own or b_dropped)
+            resurrected |= len(b.members()) > len(dest.swim.members()) and src is nodes[0]
+    assert compared >= 10  # most exchanges had departures to carry
+    assert resurrected
+
+
+def test_a_settled_push_pull_brings_back_what_the_peer_forgot() -> None:
+    """The subset names the shared members the peer no longer holds: a member that still
+    holds one's shared ALIVE record re-announces it to a peer that forgot it, as the full
+    state would."""
+    records = {
+        f"{i:032x}": MemberSnapshot(
+            node=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.ALIVE,
+        )
+        for i in range(1, 9)
+    }
+    a, b = (
+        Swim(
+            node_id=f"{i:032x}",
+            name=f"n{i}",
+            addr=("10.0.1.1", 1000 + i),
+            config=LOCAL,
+            rng=random.Random(i),
+            now=0.0,
+        )
+        for i in (1, 2)
+    )
+    a.adopt(0.0, records)
+    b.adopt(0.0, records)
+    x = f"{5:032x}"
+    b.receive(0.0, ("h", 1), [Dead(node=x, incarnation=1, accuser="c" * 32)])
+    run(b, 0.0, LOCAL.dead_reclaim + 2, set(range(1, 9)) - {5})
+    assert b.member(x) is None and a.member(x) is records[x]
+    _, a_own, _ = a.shared_table()
+    _, _, b_dropped = b.shared_table()
+    assert x in b_dropped and x not in a_own
+    full = copy.deepcopy(b)
+    full.merge_push_pull(40.0, a.push_pull_state())
+    b.merge_push_pull(40.0, a.push_pull_subset(dict.fromkeys([*a_own, *b_dropped])))
+    assert _view(b) == _view(full)
+    assert b.state_of(x) == MemberState.ALIVE
+
+
+def _converged_by_definition(net: SimNetwork) -> bool:
+    nodes = [n for n in net.live_nodes() if not n.paused]
+    running = {n.swim.node_id for n in nodes}
+    return all(
+        {m.node for m in n.swim.members() if m.state == MemberState.ALIVE} == running
+        and not any(m.state == MemberState.SUSPECT for m in n.swim.members())
+        for n in nodes
+    )
+
+
+def test_converged_on_a_settled_mesh_matches_the_definition() -> None:
+    net = SimNetwork(seed=8, config=LOCAL, loss=0.02)
+    nodes = net.add_settled(20)
+    answers = []
+    for t, action in [
+        (1.0, "crash"),
+        (1.2, "pause"),
+        (8.0, "resume"),
+        (20.0, "inject"),
+        (20.5, ""),
+        (40.0, "join"),
+        (45.0, ""),
+        (80.0, ""),
+    ]:
+        net.run_until(t)
+        if action == "crash":
+            net.crash(nodes[3])
+        elif action == "pause":
+            net.pause(nodes[4])
+        elif action == "resume":
+            net.resume(nodes[4])
+        elif action == "inject":
+            a, b = nodes[5], nodes[6]
+            net.inject(a, ("h", 1), (Dead(node=b.swim.node_id, incarnation=9, accuser="x" * 32),))
+            stranger = Alive(node="f" * 32, name="s", addr=nodes[7].addr, incarnation=1)
+            net.inject(a, ("h", 1), (stranger,))
+        elif action == "join":
+            net.add_node(join=[nodes[0].addr])
+        for dt in (0.0, 0.3, 1.0, 3.0):
+            net.run_until(net.now + dt)
+            answers.append(net.converged())
+            assert answers[-1] == _converged_by_definition(net), (t, dt)
+    assert True in answers and False in answers
+
+
+def test_a_table_counted_once_is_still_checked_for_each_machine() -> None:
+    """adopt counts a table's states once for all the machines adopting it; a suspect
+    record is refused by every machine but the suspect itself (whose own record is not
+    adopted)."""
+    ids = [f"{i:032x}" for i in range(1, 5)]
+    records = {
+        n: MemberSnapshot(
+            node=n,
+            name=n[-1],
+            addr=("10.0.1.1", 1000 + i),
+            incarnation=1,
+            state=MemberState.SUSPECT if i == 1 else MemberState.ALIVE,
+        )
+        for i, n in enumerate(ids, start=1)
+    }
+
+    def swim(node: str) -> Swim:
+        return Swim(
+            node_id=node,
+            name="x",
+            addr=("10.0.0.9", 1),
+            config=LOCAL,
+            rng=random.Random(1),
+            now=0.0,
+        )
+
+    first = swim(ids[0])
+    first.adopt(0.0, records)  # its own (suspect) record is not adopted
+    assert first.num_live() == 4
+    for node in ids[1:]:
+        other = swim(node)
+        with pytest.raises(LocalUsageError, match="suspects"):
+            other.adopt(0.0, records)
+        assert other.num_live() == 1 and other.members()[1:] == []
+
+
+def test_probe_bytes_are_counted_as_encoded() -> None:
+    net = SimNetwork(seed=1, config=LOCAL)
+    msgs: list[Message] = []
+    for seq in (0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1):
+        for node in ("a" * 32, "b" * 31, "é" * 16):
+            for host in ("10.0.0.1", "192.168.100.200"):
+                msgs.append(Ping(seq=seq, target=node, source="c" * 32, source_addr=(host, 7946)))
+                msgs.append(Ping(seq=seq, target="c" * 32, source=node, source_addr=(host, 80)))
+            msgs.append(Ack(seq=seq, source=node))
+            msgs.append(Nack(seq=seq, source=node))
+    for m in msgs + msgs:  # the second time from the cache
+        assert net._probe_size(m) == encoded_size(m), m
+
+
+def test_a_lone_rumour_is_taken_as_any_other() -> None:
+    q = BroadcastQueue(encoded_size)
+    rumour = Suspect(node="x" * 32, incarnation=1, accuser="y" * 32)
+    q.push(rumour)
+    size = encoded_size(rumour)
+    assert q.take(size - 1, limit=3) == [] and len(q) == 1  # does not fit: left as it was
+    assert q.take(size, limit=3) == [rumour]
+    assert q.take(1400, limit=3) == [rumour]
+    newer = Suspect(node="x" * 32, incarnation=2, accuser="y" * 32)
+    q.push(newer)  # replaces it, and starts its own count
+    for _ in range(3):
+        assert q.take(1400, limit=3) == [newer]
+    assert q.take(1400, limit=3) == [] and len(q) == 0 and q._entries == 0
+
+
+def test_cli_bench_membership_takes_the_way_of_joining(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "membership", "--nodes", "12", "--preset", "local", "--duration", "4"]
+    assert ftmesh_cli([*args, "--crashes", "1", "--joins", "storm", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["joins"] == "storm" and report["nodes"] == 12 and report["crashes"] == 1
+    assert ftmesh_cli([*args, "--crashes", "1"]) == 0
+    assert "(batch joins)" in capsys.readouterr().out

@@ -30,7 +30,12 @@ only grow; the member itself is the only one that raises its own incarnation.
 
 Members are kept as immutable ``MemberSnapshot`` records, replaced on every change: an event,
 ``members()`` and a push-pull hand out the records themselves, so a state change costs one new
-record and reading the view costs no copy.
+record and reading the view costs no copy. A machine can also start from a member list handed
+to it (``adopt``: a batched join, the state a join storm settles into); one handed the same
+list as others keeps it by reference and tracks how its own table departs from it
+(``shared_table``), which lets a simulator of thousands of members exchange push-pulls in
+O(departures) (``push_pull_subset``). Gossip rounds run only while there is something to
+spread: the timer sleeps while the queue is empty and resumes on its grid.
 
 The machine owns no socket, clock or random source: the driver passes ``now`` (monotonic
 seconds) and a seeded ``random.Random``, feeds received messages to :meth:`Swim.receive`, calls
@@ -41,11 +46,10 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter, is_not
+from operator import attrgetter, countOf, is_not
 from typing import Any, Literal, TypeAlias
 
 from ..errors import LocalUsageError, RemoteProtocolError
@@ -139,9 +143,13 @@ class _Relay:
 
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+_GONE = (MemberState.DEAD, MemberState.LEFT)
+_GOSSIP = (Alive, Suspect, Dead)
 _STATE = attrgetter("state")
 _NODE = attrgetter("node")
 _ALL_STATES = tuple(MemberState)
+_LAST_ADOPTED: list[tuple[Mapping[str, MemberSnapshot], int, int, int]] = []
+"""The last table adopted wholesale: its size, ALIVE and SUSPECT counts (``Swim.adopt``)."""
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
 
@@ -174,6 +182,14 @@ class Swim:
         # and no per-member index (which would double the memory of a large table).
         self._peer_ids: list[str] = []
         self._stale: set[str] = set()
+        # The table adopted wholesale (shared with other machines, never changed) and how
+        # ours departs from it: members whose record is not the shared one, and shared
+        # members we no longer hold (us included); dicts, for a deterministic order. A
+        # simulator exchanges and sizes push-pulls between machines of one shared table from
+        # these, in O(departures) rather than O(members) (see push_pull_subset).
+        self._base: Mapping[str, MemberSnapshot] | None = None
+        self._own: dict[str, None] = {}
+        self._dropped: dict[str, None] = {}
         self._live = 0  # members (not us) ALIVE or SUSPECT
         self._departed: dict[str, float] = {}  # DEAD or LEFT members -> since when
         self._probe_order: list[str] = []
@@ -185,6 +201,7 @@ class Swim:
         self._timers: list[tuple[float, int, str, object]] = []  # (when, order, kind, key)
         self._timer_order = 0
         self._queue = BroadcastQueue(size_of)
+        self._rumours = self._queue.by_key  # (read-only: "anything to spread?" without a call)
         self._size_of = size_of
         self._awareness = Awareness(config.awareness_max_multiplier)
         self._out: list[Effect] = []
@@ -274,23 +291,36 @@ class Swim:
         Members already known, and we ourselves, are left as they are; the new ones (ALIVE,
         DEAD or LEFT: a suspicion is the protocol's to start) are probed from the next probe
         round on. The records are kept as given, so a driver of many machines can hand them
-        all the same ones."""
+        all the same ones. A fresh machine keeps a reference to ``members`` (its shared
+        table), which must not change afterwards."""
         known = self._members
         me = members.get(self.node_id)
         wholesale = not known and not self._stale  # a fresh machine, the common case
         if wholesale:
             fresh: list[str] = []
             count = len(members) - (me is not None)
-            states = Counter(map(_STATE, members.values()))
-            if me is not None:
-                states[me.state] -= 1
         else:
             fresh = [n for n in members if n not in known and n != self.node_id]
             count = len(fresh)
-            states = Counter(map(_STATE, map(members.__getitem__, fresh)))
         if len(known) + count > MAX_MEMBERS:
             raise LocalUsageError(f"more than {MAX_MEMBERS} members")
-        if states[MemberState.SUSPECT]:
+        # States counted in C, suspects only when not all are alive; a table adopted
+        # wholesale by one machine after another (a simulator's thousands) is counted once.
+        last = _LAST_ADOPTED[0] if wholesale and _LAST_ADOPTED else None
+        if last is not None and last[0] is members and last[1] == len(members):
+            alive, suspects = last[2], last[3]
+        else:
+            pool = list(members.values()) if wholesale else [members[n] for n in fresh]
+            alive = countOf(map(_STATE, pool), MemberState.ALIVE)
+            suspects = 0
+            if alive < len(pool):
+                suspects = countOf(map(_STATE, pool), MemberState.SUSPECT)
+            if wholesale:
+                _LAST_ADOPTED[:] = [(members, len(members), alive, suspects)]
+        if wholesale and me is not None:  # (our own record is not adopted)
+            alive -= me.state == MemberState.ALIVE
+            suspects -= me.state == MemberState.SUSPECT
+        if suspects:
             raise LocalUsageError("adopt takes no suspects: a suspicion is the protocol's")
         if wholesale:
             # Copy the table wholesale: no Python loop per member, which matters for
@@ -298,15 +328,19 @@ class Swim:
             known.update(members)
             known.pop(self.node_id, None)
             fresh = self._peer_ids = list(known)
+            self._base = members
+            if me is not None:
+                self._dropped[self.node_id] = None
         else:
             for node in fresh:
                 known[node] = members[node]
+                self._track(node, members[node])
                 if node in self._stale:
                     self._stale.discard(node)
                 else:
                     self._peer_ids.append(node)
-        self._live += states[MemberState.ALIVE]
-        if count > states[MemberState.ALIVE]:
+        self._live += alive
+        if count > alive:
             for node in fresh:
                 if known[node].state not in _LIVE:
                     self._departed[node] = now
@@ -324,13 +358,38 @@ class Swim:
         handlers = self._handlers
         counters = self.counters
         known = self._members
-        old_news = 0
+        old_alive = old_suspect = old_dead = 0
         for msg in msgs:
+            # Fast paths for the bulk of gossip traffic, rumours we already have: what the
+            # handlers would decide (return without effect), without calling them.
             if type(msg) is Alive:
-                # Fast path for the bulk of gossip traffic: an Alive we already have.
                 m = known.get(msg.node)
                 if m is not None and msg.incarnation <= m.incarnation:
-                    old_news += 1
+                    old_alive += 1
+                    continue
+            elif type(msg) is Suspect:
+                m = known.get(msg.node)
+                if m is not None:
+                    if msg.incarnation < m.incarnation or m.state in _GONE:
+                        old_suspect += 1
+                        continue
+                    if m.state is MemberState.SUSPECT and msg.incarnation == m.incarnation:
+                        susp = self._suspicions.get(msg.node)
+                        if (
+                            susp is None
+                            or len(susp.accusers) > susp.k
+                            or msg.accuser in susp.accusers
+                        ):
+                            old_suspect += 1  # (Suspicion.confirm would refuse it)
+                            continue
+            elif type(msg) is Dead:
+                m = known.get(msg.node)
+                if m is not None and (
+                    msg.incarnation < m.incarnation
+                    or m.state is MemberState.LEFT
+                    or (m.state is MemberState.DEAD and msg.accuser != msg.node)
+                ):
+                    old_dead += 1
                     continue
             entry = handlers.get(type(msg))
             if entry is None:
@@ -340,8 +399,12 @@ class Swim:
             key, handle = entry
             counters[key] = counters.get(key, 0) + 1
             handle(now, src, msg)
-        if old_news:
-            counters["rx_alive"] = counters.get("rx_alive", 0) + old_news
+        if old_alive:
+            counters["rx_alive"] = counters.get("rx_alive", 0) + old_alive
+        if old_suspect:
+            counters["rx_suspect"] = counters.get("rx_suspect", 0) + old_suspect
+        if old_dead:
+            counters["rx_dead"] = counters.get("rx_dead", 0) + old_dead
         return self._flush()
 
     def tick(self, now: float) -> list[Effect]:
@@ -361,6 +424,23 @@ class Swim:
             join=join,
             observer=observer,
         )
+
+    def shared_table(self) -> tuple[Mapping[str, MemberSnapshot] | None, list[str], list[str]]:
+        """For simulators: the table this machine adopted wholesale (``None`` if none), the
+        members whose record is not that table's, and that table's members it no longer
+        holds (itself included)."""
+        return self._base, list(self._own), list(self._dropped)
+
+    def push_pull_subset(self, nodes: Iterable[str], *, join: bool = False) -> PushPull:
+        """Our push-pull state reduced to ``nodes`` (those we hold), us first. A simulator
+        whose machines share one adopted table hands a peer this in place of the full state,
+        naming our own records and the shared members the peer no longer holds: every
+        record left out is then the very record the peer holds, or a shared one the peer
+        replaced by a newer one (a protocol change only moves forward), and merging either
+        changes nothing."""
+        get = self._members.get
+        records = [m for node in nodes if (m := get(node)) is not None]
+        return PushPull(source=self.node_id, members=(self._me.snapshot(), *records), join=join)
 
     def merge_push_pull(self, now: float, remote: PushPull) -> list[Effect]:
         """Merge a peer's full state (their request to us, or their reply to ours)."""
@@ -756,7 +836,7 @@ class Swim:
     # ------------------------------------------------------------------ gossip rounds
 
     def _fire_gossip(self, now: float, _key: object) -> None:
-        if not len(self._queue):
+        if not self._rumours:
             self._gossip_next = now + self.config.gossip_interval  # idle: see __init__
             return
         self._arm(now + self.config.gossip_interval, "gossip", None)
@@ -804,13 +884,13 @@ class Swim:
     def _send(self, dest: Address, *msgs: Message) -> None:
         budget = self.config.packet_budget - 48 * len(msgs)
         for m in msgs:
-            if isinstance(m, Alive | Suspect | Dead):
+            if isinstance(m, _GOSSIP):
                 budget -= self._size_of(m)
         rumours = self._take_rumours(budget) if budget > 32 else []
         self._out.append(Send(dest, (*msgs, *rumours)))
 
     def _take_rumours(self, budget: int) -> list[Gossip]:
-        if not len(self._queue):
+        if not self._rumours:
             return []
         n = self._live + 1
         cached_n, limit = self._limit_cache
@@ -842,10 +922,20 @@ class Swim:
         this O(k) for large meshes."""
         picked: dict[str, MemberSnapshot] = {}
         ids = self._peer_ids
-        for _ in range(min(len(ids), 4 * k + 8)):
+        n = len(ids)
+        if not n:
+            return []
+        # rng.randrange(n), inlined (the same draws: Random._randbelow_with_getrandbits).
+        getrandbits = self._rng.getrandbits
+        bits = n.bit_length()
+        get = self._members.get
+        for _ in range(min(n, 4 * k + 8)):
             if len(picked) >= k:
                 break
-            m = self._members.get(ids[self._rng.randrange(len(ids))])
+            i = getrandbits(bits)
+            while i >= n:
+                i = getrandbits(bits)
+            m = get(ids[i])
             if m is None or m.node == exclude or m.node in picked or m.state not in states:
                 continue
             if (
@@ -859,6 +949,8 @@ class Swim:
 
     def _add(self, m: MemberSnapshot, now: float) -> None:
         self._members[m.node] = m
+        if self._base is not None:
+            self._track(m.node, m)
         if m.state not in _LIVE:
             self._departed[m.node] = now
         returning = m.node in self._stale
@@ -876,6 +968,8 @@ class Swim:
 
     def _remove(self, node: str) -> None:
         m = self._members.pop(node)
+        if self._base is not None:
+            self._track(node, None)
         if m.state in _LIVE:
             self._live -= 1
         self._stale.add(node)
@@ -904,6 +998,8 @@ class Swim:
     def _put(self, m: MemberSnapshot, before: MemberState, now: float) -> None:
         """Store ``m`` in place of the member's record that was in state ``before``."""
         self._members[m.node] = m
+        if self._base is not None:
+            self._track(m.node, m)
         state = m.state
         if state == before:
             return
@@ -912,6 +1008,23 @@ class Swim:
             self._departed.pop(m.node, None)
         else:
             self._departed[m.node] = now  # since when: for gossip_to_dead and dead_reclaim
+
+    def _track(self, node: str, m: MemberSnapshot | None) -> None:
+        """Note how the member's record (``None``: forgotten) departs from the shared table."""
+        base = self._base
+        if base is None:
+            return
+        shared = base.get(node)
+        if m is None:
+            self._own.pop(node, None)
+            if shared is not None:
+                self._dropped[node] = None
+        else:
+            self._dropped.pop(node, None)
+            if shared is m:
+                self._own.pop(node, None)
+            else:
+                self._own[node] = None
 
     def _emit(self, kind: EventKind, m: MemberSnapshot, now: float) -> None:
         self._count(f"event_{kind}")

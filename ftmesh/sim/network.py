@@ -18,18 +18,23 @@ import heapq
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from itertools import compress, repeat
+from operator import is_
+from typing import Any
 
 import msgpack
 
 from ..membership.config import MembershipConfig
 from ..membership.messages import (
+    Ack,
     Address,
     Alive,
     Dead,
     MemberSnapshot,
     MemberState,
     Message,
+    Nack,
+    Ping,
     PushPull,
     Suspect,
 )
@@ -51,6 +56,24 @@ class SimNode:
     scheduled: float = float("inf")
     msgs_sent: int = 0
     bytes_sent: int = 0
+
+
+class _Settled:
+    """A table of ALIVE members handed to a batch (add_settled), with its records' encoded
+    sizes once asked for."""
+
+    def __init__(self, records: dict[str, MemberSnapshot]) -> None:
+        self.records = records
+        self._sizes: dict[str, int] | None = None
+        self.total = 0
+
+    def sizes(self) -> dict[str, int]:
+        if self._sizes is None:
+            self._sizes = {
+                k: len(msgpack.packb(snapshot_fields(m))) for k, m in self.records.items()
+            }
+            self.total = sum(self._sizes.values())
+        return self._sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +116,8 @@ class SimNetwork:
         # records themselves (so an id is not reused while cached).
         self._record_sizes: dict[int, int] = {}
         self._records: dict[int, MemberSnapshot] = {}
+        self._probe_sizes: dict[tuple[object, ...], int] = {}
+        self._settled: dict[int, _Settled] = {}  # by id of the table (kept alive by _Settled)
         self._stopped: set[Address] = set()
 
     # ------------------------------------------------------------------ topology
@@ -119,6 +144,7 @@ class SimNetwork:
         for node in nodes:
             node.swim.adopt(self.now, records)
             self._reschedule(node)
+        self._settled[id(records)] = _Settled(records)
         return nodes
 
     def _new_node(self) -> SimNode:
@@ -230,10 +256,29 @@ class SimNetwork:
         if dest is None or dest.crashed or dest.paused or not self._connected(src.addr, dest_addr):
             self._apply(src, src.swim.join_failed(self.now, dest_addr) if join else [])
             return
-        request = src.swim.push_pull_state(join=join)
-        reply = dest.swim.push_pull_state()
-        self._account(src, request)
-        self._account(dest, reply)
+        s_base, s_own, s_dropped = src.swim.shared_table()
+        d_base, d_own, d_dropped = dest.swim.shared_table()
+        settled = self._settled.get(id(s_base)) if s_base is d_base else None
+        if settled is not None and settled.records is s_base:
+            # Both adopted one table of ALIVE members (add_settled): each hands the other
+            # its own records and the shared ones the other no longer holds, which merges
+            # as the full state would (Swim.push_pull_subset); bytes are the full state's.
+            request = src.swim.push_pull_subset(dict.fromkeys([*s_own, *d_dropped]), join=join)
+            reply = dest.swim.push_pull_subset(dict.fromkeys([*d_own, *s_dropped]))
+            for node, pp, own, dropped in (
+                (src, request, s_own, s_dropped),
+                (dest, reply, d_own, d_dropped),
+            ):
+                node.msgs_sent += 1
+                if self.count_bytes:
+                    node.bytes_sent += 28 + self._settled_state_size(
+                        node, pp, own, dropped, settled
+                    )
+        else:
+            request = src.swim.push_pull_state(join=join)
+            reply = dest.swim.push_pull_state()
+            self._account(src, request)
+            self._account(dest, reply)
         self._apply(dest, dest.swim.merge_push_pull(self.now, request))
         self._reschedule(dest)
         self._apply(src, src.swim.merge_push_pull(self.now, reply))
@@ -297,30 +342,100 @@ class SimNetwork:
                 elif isinstance(m, PushPull):
                     size += self._push_pull_size(m)
                 else:
-                    size += encoded_size(m)  # probes and acks are made once, sent once
+                    size += self._probe_size(m)
             node.bytes_sent += size
+
+    def _probe_size(self, m: Message) -> int:
+        """``encoded_size`` of a probe, ack, nack or indirect probe. Each is made once and
+        sent once, but its size depends only on the length of its (ASCII) strings and the
+        magnitude of its integers: cached by that shape, instead of encoding millions."""
+        if type(m) is Ping:
+            host, port = m.source_addr
+            shape: tuple[object, ...] = (
+                1,
+                m.seq.bit_length(),
+                len(m.target),
+                len(m.source),
+                len(host),
+                port.bit_length(),
+            )
+            ascii_only = m.target.isascii() and m.source.isascii() and host.isascii()
+        elif type(m) is Ack or type(m) is Nack:
+            shape = (type(m) is Ack, m.seq.bit_length(), len(m.source))
+            ascii_only = m.source.isascii()
+        else:
+            return encoded_size(m)
+        size = self._probe_sizes.get(shape) if ascii_only else None
+        if size is None:
+            size = encoded_size(m)
+            if ascii_only:
+                self._probe_sizes[shape] = size
+        return size
+
+    def _settled_state_size(
+        self,
+        node: SimNode,
+        subset: PushPull,
+        own: list[str],
+        dropped: list[str],
+        settled: _Settled,
+    ) -> int:
+        """``encoded_size(node.swim.push_pull_state(...))`` from the shared table's size and
+        the node's departures from it (``subset`` holds the node's own snapshot, first)."""
+        sizes = settled.sizes()
+        get = node.swim.member
+        total = settled.total - sum(map(sizes.__getitem__, dropped))
+        count = len(sizes) - len(dropped) + 1
+        for key in own:
+            m = get(key)
+            assert m is not None
+            shared = sizes.get(key)
+            if shared is None:
+                count += 1
+            else:
+                total -= shared
+            total += self._record_size(m)
+        total += self._record_size(subset.members[0])
+        array_header = 1 if count < 16 else 3 if count < 1 << 16 else 5
+        empty = PushPull(source=subset.source, members=(), join=subset.join)
+        return encoded_size(empty) - 1 + array_header + total
+
+    def _record_size(self, m: MemberSnapshot) -> int:
+        size = self._record_sizes.get(id(m))
+        if size is None:
+            if len(self._record_sizes) >= _SIZE_CACHE:
+                self._record_sizes.clear()
+                self._records.clear()
+            size = self._record_sizes[id(m)] = len(msgpack.packb(snapshot_fields(m)))
+            self._records[id(m)] = m
+        return size
 
     def _push_pull_size(self, pp: PushPull) -> int:
         """``encoded_size(pp)`` without encoding the member list: the list's bytes are the
         sum of its records' (cached: the records are shared between the members' tables, so
         a 10,000-member exchange costs 10,000 dict lookups in C, not 10,000 encodings)."""
         sizes = self._record_sizes
-        got = list(map(sizes.get, map(id, pp.members)))
+        members = pp.members
+        got = list(map(sizes.get, map(id, members)))
+        total = sum(filter(None, got))  # (every size is positive: None is a miss)
         if None in got:
             if len(sizes) >= _SIZE_CACHE:
                 sizes.clear()
                 self._records.clear()
-                got = [None] * len(got)
-            for i, m in enumerate(pp.members):
-                if got[i] is None:
-                    got[i] = sizes[id(m)] = len(msgpack.packb(snapshot_fields(m)))
-                    self._records[id(m)] = m
+                total = 0
+                missing: Iterable[MemberSnapshot] = members
+            else:
+                missing = compress(members, map(is_, got, repeat(None)))
+            for m in missing:
+                size = sizes[id(m)] = len(msgpack.packb(snapshot_fields(m)))
+                self._records[id(m)] = m
+                total += size
         n = len(pp.members)
         array_header = 1 if n < 16 else 3 if n < 1 << 16 else 5  # msgpack fixarray/16/32
         rest = encoded_size(
             PushPull(source=pp.source, join=pp.join, observer=pp.observer, members=())
         )
-        return rest - 1 + array_header + sum(cast(list[int], got))
+        return rest - 1 + array_header + total
 
     def _connected(self, a: Address, b: Address) -> bool:
         return self._group.get(a, 0) == self._group.get(b, 0)
@@ -346,12 +461,29 @@ class SimNetwork:
         running = [n.swim.node_id for n in nodes]
         # Cheap reject first, over all members: live (alive or suspect) members must number
         # exactly the running ones. Then every running one must be alive, which leaves no
-        # room for another alive or suspect member (alive_among loops in C: at 10,000
-        # members this is 10^8 lookups).
+        # room for another alive or suspect member.
         if any(n.swim.num_live() != len(running) for n in nodes):
             return False
-        return all(
-            n.swim.state_of(n.swim.node_id) == MemberState.ALIVE
-            and n.swim.alive_among(running) == len(running) - 1
-            for n in nodes
-        )
+        running_set = set(running)
+        in_table: dict[int, int] = {}  # running members in a settled table (all ALIVE there)
+        for n in nodes:
+            swim = n.swim
+            if swim.state_of(swim.node_id) != MemberState.ALIVE:
+                return False
+            table, own, dropped = swim.shared_table()
+            settled = self._settled.get(id(table))
+            if settled is None or settled.records is not table:
+                # alive_among loops in C (10^8 lookups at 10,000 members, though).
+                alive = swim.alive_among(running)
+            else:
+                # From the shared table's count and this member's departures from it.
+                alive = in_table.get(id(table), -1)
+                if alive < 0:
+                    alive = in_table[id(table)] = len(table.keys() & running_set)
+                alive -= sum(1 for k in dropped if k in running_set)
+                for k in own:
+                    if k in running_set:
+                        alive += (swim.state_of(k) == MemberState.ALIVE) - (k in table)
+            if alive != len(running) - 1:
+                return False
+        return True
