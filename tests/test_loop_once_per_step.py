@@ -6,6 +6,7 @@ after its loop over micro-batches, per step; and the result is single-process tr
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 
@@ -17,6 +18,7 @@ from trainer_sim import (
     DATA_Y,
     Hub,
     Member,
+    Round,
     all_ok,
     max_diff,
     reference,
@@ -25,6 +27,7 @@ from trainer_sim import (
     wait_all,
 )
 
+from ftmesh.errors import PeerLostError
 from ftmesh.torch import ElasticTrainer, Step
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,3 +98,51 @@ def test_code_after_a_step_runs_once_per_committed_step_through_kills() -> None:
         )
     finally:
         hub.shutdown()
+
+
+@pytest.mark.parametrize("read_report", [False, True])
+def test_a_hand_back_the_loop_does_not_look_at_is_logged(
+    caplog: pytest.LogCaptureFixture, read_report: bool
+) -> None:
+    """Sharded: step 3's parameter allgather fails on every member (nobody commits it). The
+    members cannot retry inside the body (their optimizer step ran): the step is handed back
+    after the block, and a loop that never looks at ``step.report`` ran its code after the
+    block for an attempt that did not commit, so each member says so once, naming the step
+    and the failure; a loop that looks at ``step.report`` is not told."""
+    hub = Hub(start_with=3)
+    after_block: Counter[tuple[str, int]] = Counter()
+    gathers = [0]
+
+    def stall_all(r: Round) -> dict[str, BaseException]:
+        if r.kind != "allgather" or r.dtype != "float32":
+            return {}
+        gathers[0] += 1
+        return {m: PeerLostError("stalled") for m in r.members} if gathers[0] == 3 else {}
+
+    def after(m: Member, t: ElasticTrainer, step: Step) -> None:
+        after_block[m.name, step.number] += 1  # (looks at step.report only if read_report)
+
+    hub.inject = stall_all
+    try:
+        with caplog.at_level(logging.WARNING, logger="ftmesh.torch"):
+            members = start_loop(
+                hub,
+                "abc",
+                total=5,
+                shard_optimizer=True,
+                read_report=read_report,
+                after_step=after,
+            )
+            wait_all(hub, 50)
+        all_ok(members, "abc")
+    finally:
+        hub.shutdown()
+    warned = [r for r in caplog.records if "handed back" in r.getMessage()]
+    assert all(after_block[n, 3] == 2 for n in "abc"), after_block  # failed, then committed
+    if read_report:
+        assert not warned
+        return
+    assert sorted(r.threadName for r in warned) == ["a", "b", "c"], after_block
+    for r in warned:
+        assert r.getMessage().startswith("step 3: ") and "stalled" in r.getMessage()
+        assert "if step.report is None: continue" in r.getMessage()

@@ -632,9 +632,11 @@ def run_loop_member(
     start_after: threading.Event | None = None,
     setup: Callable[[ElasticTrainer], None] | None = None,
     after_step: Callable[[Member, ElasticTrainer, Step], None] | None = None,
+    read_report: bool = True,
     **settings: Any,
 ) -> None:
-    """A member's thread (loop API): train ``total`` steps with the loop API, finish, leave."""
+    """A member's thread (loop API): train ``total`` steps with the loop API, finish, leave
+    (``read_report=False``: a loop that never looks at ``step.report``)."""
     with member_thread(hub, member, start_after):
         mesh = FakeMesh(hub, member.name)
         model = make_model()
@@ -649,7 +651,7 @@ def run_loop_member(
             for step in t.steps(total):
                 with step:
                     body(t, step)
-                if step.report is not None:
+                if read_report and step.report is not None:
                     member.reports.append(step.report)
                 if after_step is not None:
                     after_step(member, t, step)

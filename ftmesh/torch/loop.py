@@ -37,8 +37,10 @@ step after the block, with ``step.report is None``: with ``shard_optimizer=True`
 checkpoint (the sharded state was lost); and a failed ``torch.distributed`` collective called
 by the body itself (a metric's sync: ``ftmesh.torch.distributed``). A loop that shards its
 optimizer or syncs through ``torch.distributed`` in its body guards code after the block with
-``if step.report is None: continue``. Any other exception leaves the ``with`` block as usual
-(the step is not committed).
+``if step.report is None: continue``; a loop that does not look at ``step.report`` after
+such a hand-back gets a WARNING naming the step and the failure (its code after the block
+ran for an attempt that did not commit). Any other exception leaves the ``with`` block as
+usual (the step is not committed).
 
 Between steps is the user's time: evaluating, saving or logging on one member, for longer than
 the data plane's ``io_timeout``, does not fail the others' next attempt. After a second of it
@@ -108,9 +110,10 @@ class Step:
         """Samples of the step's global batch."""
         self.epoch = trainer.sampler.epoch_of(action.index)
         """The 0-based epoch of the step."""
-        self.report: StepReport | None = None
-        """Set when the step committed (at the end of the ``with`` block), or when this
-        member adopted it (``report.adopted``)."""
+        self._report: StepReport | None = None
+        self.report_read = False
+        """The code after the block looked at :attr:`report` (a hand-back it did not look at
+        is logged: see :meth:`ElasticTrainer._attempts`)."""
         self._entered = False
         self._iterated = False
         self.exited = False
@@ -151,6 +154,19 @@ class Step:
         """``time.perf_counter()`` when the attempt began (the compute time's start)."""
         self.speeds: tuple[float, ...] = ()
         """``shares="speed"``: the agreed speeds of the reduced header."""
+
+    @property
+    def report(self) -> StepReport | None:
+        """Set when the step committed (at the end of the ``with`` block), or when this
+        member adopted it (``report.adopted``); ``None`` after the block when the attempt
+        was handed back (see the module docstring)."""
+        if self.exited:
+            self.report_read = True
+        return self._report
+
+    @report.setter
+    def report(self, report: StepReport) -> None:
+        self._report = report
 
     @property
     def micro_batches(self) -> int:

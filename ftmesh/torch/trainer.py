@@ -531,6 +531,8 @@ class ElasticTrainer:
                 )
             assert attempt.next is not None
             action = attempt.next
+            if isinstance(action, Compute) and not attempt.report_read:
+                _unguarded_hand_back(attempt)
         if action.report is not None and action.report is not self.last_report:
             self._reported(action.report)  # adopted (a committed one was reported by _end)
 
@@ -903,7 +905,7 @@ class ElasticTrainer:
         )
         if isinstance(step.next, Finished) and step.next.report is not None:
             step.report = step.next.report
-            self._reported(step.report)
+            self._reported(step.next.report)
         return False
 
     def _reported(self, report: StepReport) -> None:
@@ -931,3 +933,18 @@ class ElasticTrainer:
         assert self._buckets is not None
         self._buckets.abandon(ABANDON_WAIT_S)
         self._machine.synced_epoch = ""
+
+
+def _unguarded_hand_back(step: Step) -> None:
+    """The loop came back for the next step after a hand-back (``ftmesh.torch.loop``: an
+    attempt that failed where it cannot be retried inside the body) without looking at
+    ``step.report``: its code after the block ran for an attempt that did not commit."""
+    failure = step.failure
+    what = f"{failure.kind.value}: {failure.detail}" if failure is not None else "failed"
+    log.warning(
+        "step %d: the attempt failed inside the body (%s) and was handed back after the "
+        "`with step:` block, whose code after the block then ran for an attempt that did not "
+        "commit; guard it with `if step.report is None: continue` (docs/PORTING.md)",
+        step.number,
+        what,
+    )
