@@ -422,6 +422,7 @@ class ElasticTrainer:
                     attempt.record_loss(loss)
                     loss.backward()  # type: ignore[no-untyped-call]
                 self.optimizer.step()
+            attempt.report_read = True  # no code after the block: a hand-back is retried here
         assert self.last_report is not None
         return self.last_report
 
