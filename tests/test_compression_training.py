@@ -2,11 +2,8 @@
 --eval-every 15 --step-delay 0`` trains to the accuracy of uncompressed training (within 0.01), with
 bitwise-identical state on every member at every reported step.
 
-Accuracy is compared as the mean over the last three epochs' evaluations (9 of them): with a
-constant learning rate the test accuracy of this small model moves by +-0.01 from one
-evaluation to the next, and any perturbation of the trajectory (float32 summation order
-already does it) lands the last evaluation anywhere in that band; the mean over the
-plateau is what compression could degrade."""
+Accuracy is compared as the mean over the last three epochs' evaluations
+(``tests_support.plateau``)."""
 
 from __future__ import annotations
 
@@ -14,17 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tests_support import EXAMPLE, References, check_consistency, launch, progress
+from tests_support import EXAMPLE, References, check_consistency, launch, plateau, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-LAST = 9
-
-
-def _plateau(records: list[dict[str, object]]) -> float:
-    accs = [float(r["accuracy"]) for r in records if "accuracy" in r]  # type: ignore[arg-type]
-    assert len(accs) >= LAST, records[-3:]
-    return sum(accs[-LAST:]) / LAST
 
 
 def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(
@@ -40,7 +29,7 @@ def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(
     assert len(records) == 3
     total = int(records["w0"][0]["total"])  # type: ignore[call-overload]
     check_consistency(records, total)  # the same digest everywhere: identical decoded bytes
-    assert len({_plateau(r) for r in records.values()}) == 1  # the same model everywhere
+    assert len({plateau(r) for r in records.values()}) == 1  # the same model everywhere
     # the uncompressed reference: the same training in one process (what a mesh computes)
     single = references.run("--single", "--eval-every", "15")
     reference = [
@@ -48,5 +37,5 @@ def test_digits_with_int8_compression_reaches_the_uncompressed_accuracy(
         for line in single.out.splitlines()
         if line.startswith("FTMESH ")
     ]
-    compressed, plain = _plateau(records["w0"]), _plateau(reference)
+    compressed, plain = plateau(records["w0"]), plateau(reference)
     assert compressed >= plain - 0.01, (compressed, plain)

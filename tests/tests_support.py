@@ -46,14 +46,32 @@ def cpu_cgroups_available() -> bool:
     return True
 
 
-def launch(tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp: Path, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ftmesh", "launch", "--no-live", "--log-dir", str(tmp), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
+
+
+PLATEAU = 9
+"""Evaluations averaged by :func:`plateau`: the last three epochs' at ``--eval-every 15``."""
+
+
+def plateau(records: list[dict[str, object]]) -> float:
+    """The mean test accuracy over the last :data:`PLATEAU` evaluations of a digits run. With
+    a constant learning rate this small model's accuracy moves by +-0.01 from one evaluation
+    to the next, and any perturbation of the trajectory (float32 summation order already
+    does it) lands the last evaluation anywhere in that band; the mean over the plateau is
+    what a change of the training could degrade."""
+    accs = [float(r["accuracy"]) for r in records if "accuracy" in r]  # type: ignore[arg-type]
+    assert len(accs) >= PLATEAU, records[-3:]
+    return sum(accs[-PLATEAU:]) / PLATEAU
 
 
 def progress(log_dir: Path) -> dict[str, list[dict[str, object]]]:

@@ -7,6 +7,11 @@ or adopts: the step, the learning rate of the optimizer's first group, the state
 members and the share. ``FTMESH_TEST_STEP_DELAY`` (seconds) paces the steps, and
 ``FTMESH_TEST_HOLD=STEP:MEMBERS`` holds each member after step STEP until MEMBERS members are
 alive, so that a joiner's start-up lands mid-run.
+
+``FTMESH_TEST_NAN_GRADS=WORKER:FIRST:COUNT`` (set or not, with or without the trace) makes the
+``ftmesh launch`` worker named WORKER compute NaN gradients for COUNT steps from step FIRST
+(1-based): a tensor hook on every parameter multiplies its gradient by NaN during those steps'
+backward passes, as a diverging fp16 loss or a bad batch would.
 """
 
 from __future__ import annotations
@@ -68,5 +73,29 @@ def _hold(trainer: Any, members: int, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+def _install_nan_grads(spec: str) -> None:
+    from ftmesh.torch import trainer as trainer_module
+
+    worker, first, count = spec.split(":")
+    if os.environ.get("FTMESH_WORKER_NAME") != worker:
+        return
+    steps = range(int(first), int(first) + int(count))
+    original = trainer_module.ElasticTrainer.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+
+        def poison(grad: Any) -> Any:
+            return grad * float("nan") if max(self.committed, 0) + 1 in steps else grad
+
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.register_hook(poison)
+
+    trainer_module.ElasticTrainer.__init__ = init  # type: ignore[method-assign]
+
+
 if os.environ.get("FTMESH_TEST_TRACE"):
     _install()
+if os.environ.get("FTMESH_TEST_NAN_GRADS"):
+    _install_nan_grads(os.environ["FTMESH_TEST_NAN_GRADS"])
