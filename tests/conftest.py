@@ -61,6 +61,7 @@ TRAIN_FILES = frozenset(
         "test_training_spares.py",
         "test_training_port.py",
         "test_compression_training.py",
+        "test_nonfinite_training.py",
         "test_launch.py",
         "test_bench_stragglers.py",
         "test_bench_smoke.py",
