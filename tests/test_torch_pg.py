@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -180,6 +181,80 @@ def test_an_init_that_never_finishes_falls_back_to_staging_alike() -> None:
             release.set()
         assert all((x == 3).all() for x in xs)  # on the staging fallback, right
         assert [m.statistics().fallbacks for m, _ in pairs] == [1, 1]
+
+
+class GlooOrderGroup:
+    """A process group that finishes a collective in gloo's order (torch's
+    ``ProcessGroupGloo::AsyncWork::finishWorkGloo``): in a worker thread the result is put in
+    place and the work's future completes (its callbacks run), and only a moment later is
+    the work marked completed (``finish()``); here that moment is ``LAG``, long enough for a
+    caller that polls instead of waiting to spin thousands of times."""
+
+    LAG = 0.1
+
+    def __init__(self) -> None:
+        self.works: list[_GlooOrderWork] = []
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> _GlooOrderWork:
+        self.works.append(_GlooOrderWork(tensors[0], self.LAG))
+        return self.works[-1]
+
+    def abort(self) -> None:
+        pass
+
+
+class _GlooOrderWork:
+    def __init__(self, t: Any, lag: float) -> None:
+        self.polls = 0
+        self.waited = False
+        self._future = torch.futures.Future()
+        self._completed = threading.Event()
+
+        def finish() -> None:
+            time.sleep(0.01)  # the collective's own time: the caller pauses first
+            t.mul_(2)  # the result of two members with equal inputs
+            self._future.set_result([t])
+            time.sleep(lag)
+            self._completed.set()
+
+        threading.Thread(target=finish, daemon=True).start()
+
+    def get_future(self) -> Any:
+        return self._future
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self._completed.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waited = True
+        if not self._completed.wait(timeout.total_seconds() if timeout else 30):
+            raise RuntimeError("Operation timed out!")
+        return True
+
+
+def test_a_gloo_completion_is_waited_for_not_polled() -> None:
+    """Woken by the future, the manager waits (GIL released) for the work to be marked
+    completed; it used to poll ``is_completed`` in a loop whose pauses the woken event ended
+    at once, holding the GIL that gloo's thread needs before it marks the work completed
+    (a spin of up to 5 ms per call on real gloo, ``ftmesh bench allreduce --torch-pg``)."""
+    with tcp_members(2) as (dps, view):
+        groups: list[GlooOrderGroup] = []
+
+        def make(store: Any, rank: int, size: int, timeout: timedelta) -> GlooOrderGroup:
+            groups.append(GlooOrderGroup())
+            return groups[-1]
+
+        pairs = [
+            manager(d, TorchPGFactory(plane_sessions(d), "gloo", make_group=make)) for d in dps
+        ]
+        xs = [np.full(4, 3.0, np.float32) for _ in range(2)]
+        on_each([lambda i=i: pairs[i][0].allreduce(view, xs[i]) for i in (0, 1)])
+        assert all((x == 6).all() for x in xs)
+        for g in groups:
+            work = g.works[-1]  # [0] is the factory's probe
+            assert len(g.works) == 2 and work.waited and work._completed.is_set()
+            assert work.polls <= 4, work.polls  # the spin polled thousands of times in LAG
 
 
 def _raised(fn: Callable[[], Any]) -> Any:

@@ -18,8 +18,27 @@ drives it:
 * ``start`` enqueues the collective on the process group (torch's ``Work``), ``done`` polls
   ``Work.is_completed`` (gloo runs in its own threads, NCCL on the caller's stream), so the
   manager's deadline and abort paths apply to every call; between polls the manager waits in
-  ``pause``, which the work's future (or an abort) ends early, so a completion costs no
-  polling lag.
+  ``pause``, which an abort ends early. What ends it at completion depends on the library,
+  because a work's future means different things (torch's source, 2.x):
+
+  - gloo (host buffers): the future completes in gloo's worker thread when the result is in
+    place, *just before* the work is marked completed (``finishWorkGloo``: the future's
+    callbacks run, then ``finish()``). Its callback wakes ``pause``; the next ``done`` sees
+    the future done and blocks in ``Work.wait`` (which releases the GIL) for the moment left
+    until ``finish()``. It must not go on polling: the woken event would make every later
+    ``pause`` return at once, and that spin holds the GIL the gloo thread needs to drop the
+    Python callback before it can call ``finish()`` -- the spin then ends only when Python
+    forces a GIL switch (5 ms), a cost of up to 5 ms per call (``ftmesh bench allreduce
+    --torch-pg`` at 16 MiB: gloo_pg 0.865x gloo while it polled, 0.975x now, medians of ten
+    runs; docs/DESIGN-NOTES.md).
+  - NCCL (CUDA buffers): the future completes when the collective is *enqueued* (a CUDA
+    future, stream-ordered: ``ProcessGroupNCCL::collective`` marks it completed right after
+    the launch), so it says nothing about the GPU having finished and no callback is set.
+    ``pause`` only yields the GIL (``time.sleep(0)``) between two polls of ``is_completed``
+    (a CUDA event query): the completion is seen at once, as before, when the event set at
+    enqueue made every pause return at once, but the polling thread no longer holds the GIL
+    the mesh's threads need. Not measured on a GPU yet: the device check
+    (``tests/gpu/pg_check.py``) compares this path's busbw with torch's own.
 * ``abort_group`` closes the store (waking a constructor waiting in ``get``) and calls
   ``ProcessGroup.abort()`` on each group (NCCL: ``ncclCommAbort``), from the manager's
   aborting thread. A collective hung in gloo ends at the group's own timeout (set to the
@@ -65,7 +84,8 @@ ROUND_INTERVAL = 0.005
 on the ring, and a rendezvous needs a handful; pacing them keeps a set-up from spinning the
 CPU that membership's probes need (a starved member gets suspected)."""
 PAUSE_MIN = 0.05
-"""Seconds at least between two polls of a started collective (see ``TorchComm.pause``)."""
+"""Seconds at least between two polls of a started gloo collective (see ``TorchComm.pause``:
+its completion wakes the pause, so the polls only notice the deadline)."""
 _LOST_WORDS = ("connection", "closed", "reset", "remote", "peer", "broken pipe", "eof")
 
 
@@ -130,9 +150,12 @@ class TorchComm:
         self.group: Any = None
         self._aborted = False
         self._work: Any = None
+        self._future: Any = None
+        """The work's future where its completion means the result is in place (gloo);
+        None for NCCL, whose future completes at enqueue (see the module doc)."""
         self._finish: Callable[[], None] | None = None
         self._next_round = 0.0
-        self._completed = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._build, name="ftmesh-pg-init", daemon=True)
         self._thread.start()
 
@@ -180,7 +203,8 @@ class TorchComm:
         with self._lock:
             self._check()
             self._finish = None
-            self._completed = done = threading.Event()
+            self._future = None
+            self._wake = wake = threading.Event()
             try:
                 if op.kind is Kind.ALLREDUCE:
                     opts = dist.AllreduceOptions()
@@ -193,24 +217,37 @@ class TorchComm:
                     bopts = dist.BroadcastOptions()
                     bopts.rootRank = op.root
                     self._work = self.group.broadcast([t], bopts)
-                self._work.get_future().add_done_callback(lambda _f: done.set())
+                if not _future_at_enqueue(self._device):
+                    self._future = self._work.get_future()
+                    self._future.add_done_callback(lambda _f: wake.set())
             except Exception as exc:
                 raise _failure(exc) from exc
 
     def pause(self, seconds: float) -> None:
-        """The manager's pause between polls: woken by the collective's completion (its
-        future's callback) or an abort (``abort`` sets the event too), so neither is seen a
-        poll late; hence it may be long (``PAUSE_MIN``): the polls are only left to notice
-        the deadline, and each wake-up competes with the library's threads for the CPU."""
-        self._completed.wait(max(seconds, PAUSE_MIN))
+        """The manager's pause between polls. On gloo it ends at the collective's completion
+        (its future's callback) or an abort (``abort`` sets the event too), so neither is
+        seen a poll late; hence it may be long (``PAUSE_MIN``): the polls are only left to
+        notice the deadline, and each wake-up competes with the library's threads for the
+        CPU. On NCCL nothing signals the completion: it only yields the GIL, so the next
+        poll comes at once (see the module doc)."""
+        if self._future is None:
+            time.sleep(0)
+        else:
+            self._wake.wait(max(seconds, PAUSE_MIN))
 
     def done(self) -> bool:
         self._check()
-        work = self._work
+        work, fut = self._work, self._future
         try:
             if not work.is_completed():
-                return False
-            work.wait()
+                if fut is None or not fut.done():
+                    return False
+                # gloo: the result is in place and the worker thread marks the work
+                # completed right after the future's callbacks; wait for that (GIL
+                # released) rather than poll (see the module doc). Bounded all the same.
+                work.wait(timedelta(seconds=self._op_timeout))
+            else:
+                work.wait()
         except Exception as exc:
             raise _failure(exc) from exc
         if self._finish is not None:
@@ -223,7 +260,7 @@ class TorchComm:
                 return
             self._aborted = True
             group = self.group
-        self._completed.set()
+        self._wake.set()
         self.pump.close("epoch aborted")
         if group is not None:
             group.abort()
@@ -243,6 +280,12 @@ def _tensor(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         return torch.from_numpy(x)
     return torch.utils.dlpack.from_dlpack(x)
+
+
+def _future_at_enqueue(device: str) -> bool:
+    """Whether the library completes a work's future when the collective is enqueued (NCCL's
+    CUDA futures) rather than when its result is in place (gloo)."""
+    return device.startswith("cuda")
 
 
 def _native_avg(device: str) -> bool:
