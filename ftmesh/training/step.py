@@ -32,12 +32,13 @@ of *attempts*:
    before our row of a step went out, is taken without a sync, as after a planned departure
    (``StepMachine._sync_needless`` gives the argument: after a kill the survivors go straight
    to the retried step).
-4. **Compute**: our share of the step (equal, or by the weights the machine made from the
+4. **Compute**: our share of the step (equal, or by the weights the pace made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
    micro-batches; the driver runs backward, the gradient allreduce, the allgather of every
    member's own header contribution and the optimizer (skipped alike by every member when
    some member's gradients were not finite), and judges the header with
-   :meth:`StepMachine.check_step` (typed verdicts, offenders named); the step is committed.
+   :meth:`StepMachine.check_step` (``ftmesh.training.verdicts``: typed verdicts, offenders
+   named); the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
    leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
@@ -53,6 +54,11 @@ is needless, as in 3), pauses as the failure calls for (a lost peer that members
 holds alive: until the view changes, at most a random ``RETRY_JITTER_S``), and starts over
 at 1 or 2. The step's global batch never changes between
 attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
+
+The machine owns the run; two objects of its own hold the rest of a member's step state,
+fed and read by the machine through small typed methods: the *pace*
+(``ftmesh.training.pace.Pace``: speeds, split weights, who sits out, fail-slow pauses) and
+the *judge* of step headers (``ftmesh.training.verdicts.HeaderJudge``).
 """
 
 from __future__ import annotations
@@ -60,7 +66,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeAlias
@@ -117,30 +122,13 @@ from .actions import (
     WorldChanged,
 )
 from .config import TrainerConfig
+from .pace import Pace
 from .protocol import (
-    COUNTER_SLOTS,
     FRESH,
-    HEADER_SLOTS,
-    SHARE_FLOOR,
-    SHARE_SMOOTHING,
     SHARES,
-    SPEED_RANKS,
-    SPEED_SLOTS,
-    Offence,
-    RowFault,
-    filled_speeds,
     has_quorum,
-    leavers,
     own_slots_intact,
     plan_sync,
-    proportional_weights,
-    reduction_problem,
-    row_faults,
-    rows_mismatch,
-    speed_weights,
-    speeds_problem,
-    split_share,
-    split_tag,
     sync_vector,
 )
 from .shards import (
@@ -152,7 +140,10 @@ from .shards import (
     settings_slots,
 )
 from .start import StartConfig
-from .stragglers import MAX_BACKOFF_DOUBLINGS, SYNC_FIELDS, Stragglers
+from .stragglers import SYNC_FIELDS, Stragglers
+from .verdicts import NONFINITE_LIMIT, HeaderJudge, StepVerdict, leaving
+
+__all__ = ["NONFINITE_LIMIT", "StepMachine", "StepReport", "StepVerdict"]
 
 log = logging.getLogger("ftmesh.training")
 
@@ -216,33 +207,6 @@ class StepReport:
     ``max_peers``, or sitting out as stragglers); ``()`` for an adopted step."""
 
 
-NONFINITE_LIMIT = 5
-"""Committed steps in a row with non-finite gradients from one member after which each
-further one is an offence of that member (``StepVerdict.offences``), as a malformed header
-is: a member whose gradients stay non-finite is broken or hostile, and the accusation path
-leaves it out (``ftmesh.collective.reach``: ``bad_bytes_strikes`` offences)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepVerdict:
-    """What :meth:`StepMachine.check_step` says of a step's reduced header and gathered rows.
-
-    ``failed``: the attempt fails (feed it back); ``diverged``: the parts whose digests differ
-    while we are not in a strict majority (a fatal ``StateDivergedError``; ``rows`` holds every
-    member's check values to name them); else the step goes on, with ``speeds`` (one per
-    view rank; 0: unmeasured or not believed), and ``skip``: every member skips the update
-    (non-finite gradients: ``nonfinite`` names the members that said so). ``offences``: the
-    members' faults to report (``SyncMesh.report_offence``), soft ones included."""
-
-    failed: Failed | None = None
-    diverged: tuple[int, ...] = ()
-    rows: tuple[tuple[int, ...], ...] = ()
-    offences: tuple[Offence, ...] = ()
-    speeds: tuple[float, ...] = ()
-    skip: bool = False
-    nonfinite: tuple[str, ...] = ()
-
-
 @dataclass(slots=True)
 class _Counters:
     step_seconds: Histogram = field(default_factory=Histogram)
@@ -258,12 +222,6 @@ class _Counters:
     sps: float = 0.0
     """Samples per second this member computed, smoothed (``SPS_SMOOTHING``)."""
     last_fault: str = ""
-    straggler_steps: int = 0
-    failslow_pauses: int = 0
-    nonfinite_steps: int = 0
-    """Committed steps whose update every member skipped (non-finite gradients)."""
-    header_faults: int = 0
-    """Faults found in members' header contributions (``protocol.RowFault``)."""
     loss: float = math.nan
     """Loss of the last committed step (``StepReport.loss``)."""
 
@@ -338,35 +296,18 @@ class StepMachine:
         self.layout = (0, 0, 0)
         """(state, bucket, data) layout hashes, set by the driver (``SharedSettings``)."""
         self._dead_since: dict[str, float] = {}
-        self.speed = 0.0
-        """``shares="speed"``: this member's smoothed compute speed (samples/s; 0: none yet)."""
-        self._weights: dict[str, float] = {}
-        """``shares="speed"``: the split's weights by member, agreed from the last committed
-        step's speeds, or after a sync from the speeds it carried ({}: equal shares)."""
-        self._remeasure = False
-        """We sat out (a straggler or a hot spare), or were just probed: our next measurement
-        replaces the smoothed speed, so a member that recovered meanwhile is judged on its
-        speed now."""
-        self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
-        """Whether we froze in each of the last committed steps (``ftmesh.torch.freezes``)."""
-        self._sit_out = False
-        """Fail-slow: step out of the ring before the next attempt (:meth:`_pause`)."""
-        self._pause_doublings = 0
-        """Fail-slow pauses that came soon after the one before (each doubles the next)."""
-        self._back_since: int | None = None
-        """Committed steps when we first committed again after a fail-slow pause."""
-        self.stragglers = Stragglers(config.straggler_rule, config.shares == "speed", SHARE_FLOOR)
-        """Who sits out the compute set (``ftmesh.training.stragglers``; carried across
-        views)."""
+        self.pace = Pace(config, me, batch_size)
+        """Speeds, shares, stragglers and fail-slow pauses (``ftmesh.training.pace``)."""
+        self.judge = HeaderJudge(config, me, batch_size, self.pace)
+        """Judges each step's reduced header and gathered rows (``ftmesh.training.verdicts``)."""
         self._own_sync: np.ndarray | None = None
-        self._parts = 0
+        self.parts = 0
+        """Check slots of the header (the registered parts; set by the driver)."""
         self.seen_step = FRESH
         """The newest committed step a member of the mesh published (``Progress.step``) while
         we had none; set by the driver before each run. A sync that then finds nobody in the
         view with a committed state fails loudly instead of restarting the run from step 1
         (issue #26 item 5)."""
-        self._nonfinite_streak: dict[str, int] = {}
-        """Committed steps in a row with non-finite gradients, by member."""
         self._run: _Run | None = None
         self._pending: Action | None = None
         self._stats = _Counters()
@@ -477,21 +418,12 @@ class StepMachine:
         vec = np.concatenate(
             [
                 sync_vector(rank, view.size, self.committed, nbytes, digest),
-                self.stragglers.sync_slots(view.node_ids),
+                self.pace.sync_slots(view.node_ids),
                 settings_slots(self.settings, rank, view.size),
             ]
         )
         self._own_sync = vec.copy()
         return vec
-
-    def compute_set(self, view: RingView) -> tuple[str, ...]:
-        """The members that compute on ``view``: the first ``max_peers`` (all without a
-        limit) of those not sitting out as stragglers (``ftmesh.training.stragglers``); the
-        others are hot spares."""
-        m = self.config.max_peers
-        out = self.stragglers.out
-        ids = tuple(n for n in view.node_ids if n not in out) or view.node_ids
-        return ids[:m] if m else ids
 
     def check_reduction(
         self,
@@ -500,30 +432,8 @@ class StepMachine:
         own_checks: Sequence[int] | None,
         announced: bool = False,
     ) -> Failed | tuple[int, ...] | None:
-        """Check the reduced header of ``action``: ``None`` when it is sound, a ``Failed``
-        (``DESYNC``: feed it back) when it is data of another round, or the indices of the
-        registered parts whose digests differ between members (a fatal divergence).
-        ``announced``: we set our leave bit in it."""
-        view = action.view
-        if self.config.measures_speed:
-            trouble = speeds_problem(header[-SPEED_SLOTS:], view.size, self._split_tag(action))
-            if trouble:
-                return Failed(Failure.DESYNC, f"step {action.index + 1}: {trouble}")
-            header = header[:-SPEED_SLOTS]
-        problem = reduction_problem(
-            action.index,
-            view.size,
-            self.batch_size(action.index),
-            header,
-            own_checks,
-            view.rank_of(self.me),
-            announced,
-        )
-        if problem is None:
-            return None
-        if problem.desync:
-            return Failed(Failure.DESYNC, problem.desync)
-        return problem.diverged
+        """Check the reduced header of ``action`` (:meth:`HeaderJudge.check_reduction`)."""
+        return self.judge.check_reduction(action, header, own_checks, announced)
 
     def row(self, header: np.ndarray, nonfinite: bool) -> np.ndarray:
         """Our row for the step's gathered claims: our own header contribution as we added
@@ -545,211 +455,36 @@ class StepMachine:
         reduced_finite: bool = True,
     ) -> StepVerdict:
         """Judge a step from its reduced ``header`` and every member's gathered ``rows`` (its
-        own contribution and non-finite flag, ``row``; a row is written by its member only,
-        so what it says is attributable): the step goes on, or fails with a typed reason, or
-        our state differs from the majority's. ``reduced_finite``: whether the reduced
-        gradients are all finite. Never raises, whatever the numbers (``DESIGN-NOTES``: the
-        step header)."""
-        view, index = action.view, action.index
-        names = view.node_ids
-        parts = len(own_checks) if own_checks is not None else self.parts
-        tag = self._split_tag(action) if self.config.measures_speed else None
-        rows = np.asarray(rows)
-        if rows.ndim != 2 or rows.shape[0] != view.size:
-            offence = Offence(-1, RowFault.SHAPE, f"gathered rows of shape {rows.shape}")
-            return self._rejected(action, (offence,))
-        offences: list[Offence] = []
-        for r in range(view.size):
-            offences += row_faults(
-                rows[r].tolist(),
-                step=index,
-                rank=r,
-                batch=self.batch_size(index),
-                parts=parts,
-                check=own_checks is not None,
-                tag=tag,
-            )
-        hard = tuple(o for o in offences if not o.fault.soft)
-        if hard:
-            return self._rejected(action, hard, tuple(offences))
-        width = len(header)
-        speed_ranks = SPEED_SLOTS - 1 if tag is not None else 0
-        mismatch = (
-            rows_mismatch(rows[:, :width], header, speed_ranks)
-            if rows.shape[1] == width + 1
-            else f"rows of {rows.shape[1]} slots for a header of {width}"
+        own contribution and non-finite flag, :meth:`row`): ``ftmesh.training.verdicts``."""
+        return self.judge.check_step(
+            action, header, rows, own_checks, self.parts, announced, reduced_finite
         )
-        if mismatch:
-            return self._rejected(action, (Offence(-1, RowFault.MISMATCH, mismatch),))
-        # State check: each member's check values, compared as they are (not as a sum).
-        if own_checks is not None:
-            checks = [
-                tuple(int(c) for c in rows[r, HEADER_SLOTS : HEADER_SLOTS + parts])
-                for r in range(view.size)
-            ]
-            mine = tuple(int(c) for c in own_checks)
-            same = [r for r in range(view.size) if checks[r] == mine]
-            if len(same) < view.size:
-                diverged = tuple(i for i in range(parts) if any(c[i] != mine[i] for c in checks))
-                if 2 * len(same) <= view.size:  # we are not in a strict majority: stop
-                    return StepVerdict(diverged=diverged, rows=tuple(checks))
-                odd = tuple(
-                    Offence(r, RowFault.CHECKS, "holds other state than the majority")
-                    for r in range(view.size)
-                    if r not in same
-                )
-                return self._rejected(action, odd, tuple(offences) + odd)
-        problem = reduction_problem(
-            index,
-            view.size,
-            self.batch_size(index),
-            header[: len(header) - SPEED_SLOTS] if tag is not None else header,
-            own_checks,
-            view.rank_of(self.me),
-            announced,
-        )
-        if problem is not None and problem.desync:
-            return StepVerdict(failed=Failed(Failure.DESYNC, problem.desync))
-        speeds: tuple[float, ...] = ()
-        if tag is not None:
-            soft = {o.rank for o in offences}
-            base = HEADER_SLOTS + parts
-            speeds = tuple(
-                0.0 if r in soft or r >= SPEED_RANKS else float(rows[r, base + r])
-                for r in range(view.size)
-            )
-        flagged = tuple(names[r] for r in range(view.size) if rows[r, -1] == 1.0)
-        skip = bool(flagged) or not reduced_finite
-        offences += self._nonfinite_offences(names, flagged)
-        if skip:
-            log.warning(
-                "step %d: non-finite gradients from %s: every member skips the update",
-                index + 1,
-                ", ".join(flagged)
-                if flagged
-                else "no member that says so (the reduced gradients are not finite)",
-            )
-        return StepVerdict(offences=tuple(offences), speeds=speeds, skip=skip, nonfinite=flagged)
-
-    @property
-    def parts(self) -> int:
-        """Check slots of the header (the registered parts; set by the driver)."""
-        return self._parts
-
-    @parts.setter
-    def parts(self, n: int) -> None:
-        self._parts = n
-
-    def _rejected(
-        self, action: Compute, hard: tuple[Offence, ...], every: tuple[Offence, ...] = ()
-    ) -> StepVerdict:
-        names = action.view.node_ids
-        detail = "; ".join(
-            f"{names[o.rank] if 0 <= o.rank < len(names) else 'a member'}: {o.fault.value} "
-            f"({o.detail})"
-            for o in hard[:4]
-        )
-        self._stats.header_faults += len(hard)
-        return StepVerdict(
-            failed=Failed(Failure.HEADER, f"step {action.index + 1}: {detail}"),
-            offences=every or hard,
-        )
-
-    def _nonfinite_offences(self, names: Sequence[str], flagged: Sequence[str]) -> list[Offence]:
-        """Members whose gradients were non-finite in ``NONFINITE_LIMIT`` committed steps in a
-        row, counting this one: treated as insiders (an offence each step from then on)."""
-        return [
-            Offence(r, RowFault.FLAG, f"non-finite gradients {n + 1} steps in a row")
-            for r, m in enumerate(names)
-            if m in flagged and (n := self._nonfinite_streak.get(m, 0)) + 1 >= NONFINITE_LIMIT
-        ]
 
     # -- speed-proportional shares (``shares="speed"``) -------------------------------------
 
-    def split_weights(self, workers: Sequence[str]) -> tuple[float, ...] | None:
-        """The weights of the next split among ``workers`` (in sorted order, as the sampler
-        takes them): the agreed ones, renormalized over those still computing (members that
-        left in a planned departure); ``None`` (equal) when some worker has none."""
-        if not self._weights or any(w not in self._weights for w in workers):
-            return None
-        ws = [self._weights[w] for w in sorted(workers)]
-        return tuple(w / sum(ws) for w in ws)
-
-    def _split_tag(self, action: Compute) -> int:
-        workers = sorted(action.workers)
-        counts = split_share(self.batch_size(action.index), action.weights, len(workers))
-        return split_tag(workers, counts)
-
     def speed_slots(self, action: Compute, share: int, seconds: float) -> np.ndarray:
-        """The speed part of our header for ``action`` (empty unless ``shares="speed"``),
-        after counting ``share`` samples computed in ``seconds`` (forward and backward, not
-        the waits for the allreduce) in our smoothed speed: that speed in our rank's slot,
-        the split tag in the last."""
-        if not self.config.measures_speed:
-            return np.empty(0, dtype=np.float32)
-        if self.me not in action.workers:
-            self._remeasure = True  # our speed may have changed meanwhile
-        elif share > 0 and seconds > 0:
-            if self.speed == 0 or self._remeasure:
-                self.speed = share / seconds
-            else:  # (the EWMA is of seconds per sample: see SHARE_SMOOTHING)
-                pace = 1 / self.speed
-                self.speed = 1 / (pace + SHARE_SMOOTHING * (seconds / share - pace))
-            # A probe's small share mostly times the step's fixed cost: the trial's second
-            # step, at the normal split, replaces what it measured.
-            self._remeasure = self.stragglers.probing(self.me)
-        slots = np.zeros(SPEED_SLOTS, dtype=np.float32)
-        rank = action.view.rank_of(self.me)
-        if self.me in action.workers and rank < SPEED_RANKS:
-            slots[rank] = self.speed
-        slots[-1] = self._split_tag(action)
-        return slots
+        """The speed part of our header for ``action`` (:meth:`Pace.speed_slots`)."""
+        return self.pace.speed_slots(action, share, seconds)
 
     def speeds(self, header: Sequence[float]) -> tuple[float, ...]:
         """The agreed speeds (one per view rank) in a reduced header checked with
         :meth:`check_reduction` (``()`` unless ``TrainerConfig.measures_speed``)."""
-        if not self.config.measures_speed:
-            return ()
-        return tuple(float(v) for v in header[-SPEED_SLOTS:-1])
+        return self.pace.speeds(header)
 
-    def _reweigh(self, action: Compute, speeds: Sequence[float]) -> None:
-        """After committing ``action``: the stragglers and the next split's weights from its
-        agreed speeds (every member that committed it computes the same)."""
-        if not speeds:
-            return
-        workers = sorted(action.workers)
-        view = action.view
-        ranks = [view.rank_of(w) for w in workers]
-        measured = [speeds[r] if r < SPEED_RANKS else 0.0 for r in ranks]
-        batch = self.batch_size(action.index)
-        if self.me in self.stragglers.out:  # we sat this step out
-            self._stats.straggler_steps += 1
-        self.stragglers.observe(action.index, workers, measured, batch)
-        self._weights = {}
-        if self.config.shares == "speed":
-            counts = split_share(batch, action.weights, len(workers))
-            weights = speed_weights(measured, counts, action.weights)
-            self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
-        after = sorted(self.compute_set(view))
-        retried = [w for w in after if w not in workers]
-        if retried and all(w in self.stragglers.known for w in after):
-            # Back on trial, with equal shares too: for one step, the share of its last known
-            # speed (a member still slow costs that step little, and is sent back).
-            self._weights = self._known_weights(after)
+    @property
+    def stragglers(self) -> Stragglers:
+        """Who sits out the compute set (``Pace.stragglers``)."""
+        return self.pace.stragglers
 
-    def _known_weights(self, workers: Sequence[str]) -> dict[str, float]:
-        """Weights proportional to the last agreed speeds of ``workers`` (one not measured
-        counts at the median of the others), with the floor ({}: none measured)."""
-        filled = filled_speeds([self.stragglers.known.get(w, 0.0) for w in workers])
-        if filled is None:
-            return {}
-        return dict(zip(workers, proportional_weights(filled, SHARE_FLOOR), strict=True))
+    @property
+    def speed(self) -> float:
+        """This member's smoothed compute speed (``Pace.speed``)."""
+        return self.pace.speed
 
     def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
         """The members that announced in ``action``'s reduced header (checked with
         :meth:`check_reduction`) that they leave after the step."""
-        ranks = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), action.view.size)
-        return tuple(action.view.node_ids[r] for r in ranks or ())
+        return leaving(action, header)
 
     def progress(self, backend: str = "tcp") -> Progress:
         """What the member publishes after a committed step (``SyncMesh.report_progress``)."""
@@ -777,9 +512,9 @@ class StepMachine:
             recovery_seconds=s.recovery_seconds.snapshot(),
             state_transfer_bytes_total=s.state_transfer_bytes,
             checkpoint_step=s.checkpoint_step,
-            straggler_steps_total=s.straggler_steps,
-            failslow_pauses_total=s.failslow_pauses,
-            nonfinite_steps_total=s.nonfinite_steps,
+            straggler_steps_total=self.pace.straggler_steps,
+            failslow_pauses_total=self.pace.pauses,
+            nonfinite_steps_total=self.judge.nonfinite_steps,
             loss=s.loss,
         )
 
@@ -799,7 +534,7 @@ class StepMachine:
             if self.leave_requested and (attempts > 1 or not self.in_ring):
                 self._depart()  # nothing to announce, or the announcing attempt failed
             back = False
-            if self._sit_out and self.in_ring:
+            if self.pace.sit_out and self.in_ring:
                 now = yield from self._pause(now)
                 deadline = now + cfg.step_timeout
                 back = True
@@ -853,8 +588,8 @@ class StepMachine:
                 action = Compute(
                     view=view,
                     index=index,
-                    workers=self.compute_set(view),
-                    weights=self.split_weights(self.compute_set(view)),
+                    workers=self.pace.compute_set(view),
+                    weights=self.pace.split_weights(self.pace.compute_set(view)),
                     check=cfg.check_due(index),
                     attempt=attempts,
                 )
@@ -863,9 +598,8 @@ class StepMachine:
                 if isinstance(out, Computed):
                     self._committed = index + 1
                     self._tried.clear()
-                    self._count_nonfinite(out.nonfinite, out.skipped)
-                    self._reweigh(action, out.speeds)
-                    self._count_freeze(out.frozen, view)
+                    self.judge.committed(out.nonfinite, out.skipped)
+                    self.pace.committed(action, out.speeds, out.frozen, self.committed)
                     if view.epoch != self._advertised_on:
                         self._advertised_on = view.epoch
                         yield Advertise()
@@ -939,16 +673,6 @@ class StepMachine:
                     view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
                 )
 
-    def _count_nonfinite(self, members: Sequence[str], skipped: bool) -> None:
-        """After committing a step: count it if its update was skipped, and each member's
-        streak of steps with non-finite gradients."""
-        if skipped:
-            self._stats.nonfinite_steps += 1
-        for m in [m for m in self._nonfinite_streak if m not in members]:
-            del self._nonfinite_streak[m]
-        for m in members:
-            self._nonfinite_streak[m] = self._nonfinite_streak.get(m, 0) + 1
-
     def _done(
         self,
         started: float,
@@ -966,7 +690,7 @@ class StepMachine:
             s.recovery_seconds.observe(now - failed_at)
         samples = self.batch_size(self.committed - 1)
         if computed is None:  # adopted
-            s.world_size = len(self.compute_set(view))
+            s.world_size = len(self.pace.compute_set(view))
             s.share = 0
             s.loss = math.nan
             return StepReport(
@@ -1269,17 +993,7 @@ class StepMachine:
         self._held = frozenset(view.node_ids)
         if carried is not None:  # a sync: every member of the view was in it
             self._tried.clear()
-        if carried is None:
-            self.stragglers.keep_only(view.node_ids)
-        else:
-            self.stragglers.adopt(carried, view.node_ids, self.committed)
-        computing = self.compute_set(view)
-        if carried is not None:
-            # Every member of the view ran this sync and holds the same carried speeds (the
-            # weights each had before may differ, and joiners have none): shares="speed"
-            # starts its steps from them, a joiner at the median speed.
-            speed = self.config.shares == "speed"
-            self._weights = self._known_weights(sorted(computing)) if speed else {}
+        computing = self.pace.settled(view, carried, self.committed)
         self.last_view = view.node_ids
         world = len(computing)
         if self.world != world:
@@ -1290,49 +1004,16 @@ class StepMachine:
 
     # -- fail-slow members -----------------------------------------------------------------
 
-    def _count_freeze(self, frozen: float, view: RingView) -> None:
-        """After committing a step in which we stood still ``frozen`` seconds: enough freezes
-        in the last ``straggler_steps`` make us sit out the next steps (:meth:`_pause`)."""
-        cfg = self.config
-        if self._back_since is None and self._stats.failslow_pauses:
-            self._back_since = self.committed  # our first step back after a pause
-        self._froze.append(frozen > 0)
-        if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 1:
-            # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
-            soon = self._back_since is not None and (
-                self.committed - self._back_since < cfg.readmit_steps
-            )
-            doublings = min(self._pause_doublings + 1, MAX_BACKOFF_DOUBLINGS) if soon else 0
-            self._pause_doublings = doublings
-            log.warning(
-                "this member froze (stood still for more than %.1fs) in %d of its last %d "
-                "steps: it is fail-slow and steps out of the ring for %.0fs (every freeze "
-                "in a collective stops the whole ring)",
-                cfg.failslow_freeze,
-                sum(self._froze),
-                len(self._froze),
-                self._pause_seconds(),
-            )
-            self._froze.clear()
-            self._sit_out = True
-
-    def _pause_seconds(self) -> float:
-        """This fail-slow pause: ``failslow_pause``, doubled for each pause in a row that
-        came within ``readmit_steps`` of the member's return (``MAX_BACKOFF_DOUBLINGS``)."""
-        return self.config.failslow_pause * (1 << self._pause_doublings)
-
     def _pause(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
         """Out of the ring (role ``spare``: the others' next view is without us, and they do
         not wait for us in their quorum) for ``failslow_pause`` (doubled when it comes soon
-        after the last one: :meth:`_pause_seconds`); then the attempt joins again like a
+        after the last one: :meth:`Pace.pause`); then the attempt joins again like a
         member that was away, and syncs."""
-        self._sit_out = False
-        self._stats.failslow_pauses += 1
-        self._back_since = None
+        seconds = self.pace.pause()
         yield SetRole("spare")
         self.in_ring = False
         self.synced_epoch = ""
-        end = now + self._pause_seconds()
+        end = now + seconds
         while now < end:
             if self.leave_requested:
                 self._depart()
