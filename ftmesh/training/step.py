@@ -64,10 +64,8 @@ the *judge* of step headers (``ftmesh.training.verdicts.HeaderJudge``).
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
 from typing import NoReturn, TypeAlias
 
 import numpy as np
@@ -83,7 +81,7 @@ from ..errors import (
 )
 from ..membership.messages import MemberState
 from ..mesh.meta import Progress
-from ..stats import Histogram, TrainerStatistics
+from ..stats import TrainerStatistics
 from .actions import (
     EXPECTS,
     Action,
@@ -131,6 +129,7 @@ from .protocol import (
     plan_sync,
     sync_vector,
 )
+from .reports import Counters, Ending, StepReport
 from .shards import (
     COMPRESSION_CODES,
     SETTINGS_SLOTS,
@@ -171,63 +170,6 @@ DEPARTURE_WAIT_S = 2.0
 that announced their departure (their graceful leave reaches everyone in milliseconds; after
 this the next step runs on whatever view there is, with a sync)."""
 
-
-# -- reports --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    step: int
-    """The committed step count after this step (1 after the first step)."""
-    loss: float
-    """Mean loss over the step's global batch, all members together (``nan``: not recorded,
-    or an adopted step)."""
-    samples: int
-    members: tuple[str, ...]
-    """The members of the view the step ran on (ring order)."""
-    epoch: str
-    """The view epoch the step ran on."""
-    attempts: int
-    """1 when the step ran without a failure."""
-    synced: bool
-    """Whether this step began with a state sync (view changed)."""
-    sync_bytes: int = 0
-    """State bytes this member received in the sync (0: it was not behind)."""
-    sync_seconds: float = 0.0
-    """Seconds the last sync took (agreement plus state transfer)."""
-    share: int = 0
-    """Samples this member computed (0: a hot spare, or an adopted step)."""
-    adopted: bool = False
-    """Others committed this step and we took their state in a sync (a joiner's first step,
-    or a step whose end we missed); ``loss`` is then unknown (nan)."""
-    leaving: tuple[str, ...] = ()
-    """Members that announced in this step that they leave after it (planned departures)."""
-    computing: tuple[str, ...] = ()
-    """The members that computed the step (the others of ``members`` were hot spares: over
-    ``max_peers``, or sitting out as stragglers); ``()`` for an adopted step."""
-
-
-@dataclass(slots=True)
-class _Counters:
-    step_seconds: Histogram = field(default_factory=Histogram)
-    recovery_seconds: Histogram = field(default_factory=Histogram)
-    samples_total: int = 0
-    steps_total: int = 0
-    share: int = 0
-    world_size: int = 0
-    attempts_total: int = 0
-    state_transfer_bytes: int = 0
-    checkpoint_step: int = -1
-    last_step_s: float = 0.0
-    sps: float = 0.0
-    """Samples per second this member computed, smoothed (``SPS_SMOOTHING``)."""
-    last_fault: str = ""
-    loss: float = math.nan
-    """Loss of the last committed step (``StepReport.loss``)."""
-
-
-SPS_SMOOTHING = 0.2
-"""Weight of the newest step in the published samples/s (an exponential moving average)."""
 
 _Run: TypeAlias = Generator[Action, tuple[float, Outcome], StepReport | None]
 
@@ -310,7 +252,7 @@ class StepMachine:
         (issue #26 item 5)."""
         self._run: _Run | None = None
         self._pending: Action | None = None
-        self._stats = _Counters()
+        self._stats = Counters()
 
     @property
     def committed(self) -> int:
@@ -500,23 +442,10 @@ class StepMachine:
         )
 
     def statistics(self) -> TrainerStatistics:
-        s = self._stats
-        return TrainerStatistics(
-            committed_step=max(self.committed, 0),
-            world_size=s.world_size,
-            share=s.share,
-            samples_total=s.samples_total,
-            steps_total=s.steps_total,
-            attempts_total=s.attempts_total,
-            step_seconds=s.step_seconds.snapshot(),
-            recovery_seconds=s.recovery_seconds.snapshot(),
-            state_transfer_bytes_total=s.state_transfer_bytes,
-            checkpoint_step=s.checkpoint_step,
-            straggler_steps_total=self.pace.straggler_steps,
-            failslow_pauses_total=self.pace.pauses,
-            nonfinite_steps_total=self.judge.nonfinite_steps,
-            loss=s.loss,
-        )
+        """A frozen snapshot of this member's counters (for metrics)."""
+        p = self.pace
+        nonfinite = self.judge.nonfinite_steps
+        return self._stats.statistics(self.committed, p.straggler_steps, p.pauses, nonfinite)
 
     # -- a run -----------------------------------------------------------------------------
 
@@ -682,50 +611,14 @@ class StepMachine:
         view: RingView,
         computed: tuple[Computed, bool, Compute] | None,
     ) -> StepReport:
-        s = self._stats
-        s.steps_total += 1
-        s.last_step_s = now - started
-        s.step_seconds.observe(s.last_step_s)
-        if failed_at is not None:
-            s.recovery_seconds.observe(now - failed_at)
+        self._stats.ended(started, now, failed_at)
         samples = self.batch_size(self.committed - 1)
+        sync = self.last_sync_bytes, self.last_sync_seconds
+        ending = Ending(self.committed, samples, view, attempts, *sync)
         if computed is None:  # adopted
-            s.world_size = len(self.pace.compute_set(view))
-            s.share = 0
-            s.loss = math.nan
-            return StepReport(
-                step=self.committed,
-                loss=float("nan"),
-                samples=samples,
-                members=view.node_ids,
-                epoch=view.epoch,
-                attempts=attempts,
-                synced=True,
-                sync_bytes=self.last_sync_bytes,
-                sync_seconds=self.last_sync_seconds,
-                adopted=True,
-            )
+            return self._stats.adopted(ending, len(self.pace.compute_set(view)))
         out, synced, action = computed
-        s.world_size = len(action.workers)
-        s.share = out.share
-        s.samples_total += out.share
-        s.loss = out.loss_sum / samples
-        rate = out.share / max(s.last_step_s, 1e-6)
-        s.sps = rate if s.steps_total == 1 else s.sps + SPS_SMOOTHING * (rate - s.sps)
-        return StepReport(
-            step=self.committed,
-            loss=s.loss,
-            samples=samples,
-            members=view.node_ids,
-            epoch=view.epoch,
-            attempts=attempts,
-            synced=synced,
-            sync_bytes=self.last_sync_bytes if synced else 0,
-            sync_seconds=self.last_sync_seconds if synced else 0.0,
-            share=out.share,
-            leaving=out.leaving,
-            computing=action.workers,
-        )
+        return self._stats.computed(ending, out, action.workers, synced)
 
     def _finish(self, now: float, timeout: float) -> _Run:
         """A last sync on the current view before leaving, so that a member whose final step
