@@ -66,6 +66,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
 import numpy as np
@@ -124,6 +125,7 @@ from .pace import Pace
 from .protocol import (
     FRESH,
     SHARES,
+    SyncPlan,
     has_quorum,
     own_slots_intact,
     plan_sync,
@@ -172,6 +174,35 @@ this the next step runs on whatever view there is, with a sync)."""
 
 
 _Run: TypeAlias = Generator[Action, tuple[float, Outcome], StepReport | None]
+
+
+@dataclass(slots=True)
+class _Tries:
+    """One run's bookkeeping across its attempts (``StepMachine._attempts``)."""
+
+    started: float
+    deadline: float
+    """When the run gives up (``step_timeout`` after its start, or after a pause ended)."""
+    entered_at: int
+    """The committed steps when the run began: more after a sync means the step was adopted."""
+    attempts: int = 0
+    synced: bool = False
+    """The run synced (its report says so)."""
+    failed_at: float | None = None
+    """When its first attempt failed (the recovery time runs from there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SyncRead:
+    """A reduced sync vector, read (``StepMachine._read_sync``)."""
+
+    plan: SyncPlan
+    steps: np.ndarray
+    """Each rank's committed step."""
+    theirs: list[SharedSettings]
+    """Each rank's settings."""
+    carried: np.ndarray
+    """The stragglers' claims (``Stragglers.adopt``)."""
 
 
 class _Abort(Exception):
@@ -450,175 +481,237 @@ class StepMachine:
     # -- a run -----------------------------------------------------------------------------
 
     def _attempts(self, now: float, *, compute: bool) -> _Run:
-        cfg = self.config
-        started = now
-        deadline = now + cfg.step_timeout
-        attempts = 0
-        synced = False
-        failed_at: float | None = None
-        entered_at = max(self.committed, 0)
+        """A run of attempts (the module docstring's 1 to 4), until one commits a step (or,
+        without ``compute``, settles on a view)."""
+        run = _Tries(now, now + self.config.step_timeout, max(self.committed, 0))
         while True:
-            attempts += 1
+            run.attempts += 1
             self._stats.attempts_total += 1
-            if self.leave_requested and (attempts > 1 or not self.in_ring):
-                self._depart()  # nothing to announce, or the announcing attempt failed
-            back = False
-            if self.pace.sit_out and self.in_ring:
-                now = yield from self._pause(now)
-                deadline = now + cfg.step_timeout
-                back = True
-            if not self.in_ring:
-                now, deadline = yield from self._enter(now, deadline, back)
-                settle = cfg.join_settle / 4
-            else:
-                settle = 0.0
-            now, seen = yield WaitView(cfg.min_peers, settle, max(deadline - now, 0.1))
-            if self.leave_requested and _seen(seen) is None:
-                self._depart()
-            view = _view(seen)
-            if self._over_max_peers(view):
-                log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
-                self.in_ring = False
-                self._forget_held()
+            now, view = yield from self._enter_view(now, run)
+            if view is None:
                 continue
-            now, quorate = yield from self._quorate(now, view)
+            now, quorate = yield from self._await_quorum(now, view, run)
             if not quorate:
-                log.info(
-                    "view of %d lacks a quorum of the last view of %d; waiting",
-                    view.size,
-                    len(self.last_view),
-                )
-                now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-                if now > deadline:
-                    raise _Abort(DeadlineExceeded(f"no quorum within {cfg.step_timeout}s"))
                 continue
-            failure: Failed | None = None
-            if view.epoch != self.synced_epoch and self._sync_needless(view):
-                log.info(
-                    "view %s: %d members of the view we last settled on, none of which can "
-                    "have committed a step without us: no sync (step %d)",
-                    view.epoch,
-                    view.size,
-                    self.committed,
-                )
-                now = yield from self._settle_on(now, view)
-            elif view.epoch != self.synced_epoch:
-                now, failure = yield from self._sync(now, view, shards=True)
-                if failure is None:
-                    synced = True
-                    if self.committed > entered_at:
-                        # Others committed the step we were computing (we failed at its end,
-                        # or joined): adopting it was this step.
-                        return self._done(started, now, failed_at, attempts, view, None)
+            now, settled = yield from self._sync_or_settle(now, view, run)
+            if isinstance(settled, StepReport):
+                return settled  # adopted
+            failure = settled
             if failure is None and not compute:
                 return None
             if failure is None:
-                index = self.committed
-                action = Compute(
-                    view=view,
-                    index=index,
-                    workers=self.pace.compute_set(view),
-                    weights=self.pace.split_weights(self.pace.compute_set(view)),
-                    check=cfg.check_due(index),
-                    attempt=attempts,
-                )
-                self._row_out = False
-                now, out = yield action
-                if isinstance(out, Computed):
-                    self._committed = index + 1
-                    self._tried.clear()
-                    self.judge.committed(out.nonfinite, out.skipped)
-                    self.pace.committed(action, out.speeds, out.frozen, self.committed)
-                    if view.epoch != self._advertised_on:
-                        self._advertised_on = view.epoch
-                        yield Advertise()
-                    if cfg.checkpoint_due(self.committed):
-                        now, saved = yield Checkpoint(self.committed)
-                        if isinstance(saved, Saved) and saved.written:
-                            self._stats.checkpoint_step = self.committed
-                    report = self._done(
-                        started, now, failed_at, attempts, view, (out, synced, action)
-                    )
-                    if out.leaving:
-                        yield from self._see_off(now, view, report)
-                    return report
-                failure = _failed(out)
-                if self._row_out or failure.kind not in LOSSES:
-                    self._forget_held()  # others may have committed it, or we differ
-            # -- the attempt failed
-            self._tried.add(view.epoch)
-            failed_at = now if failed_at is None else failed_at
-            self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
-            if failure.kind is Failure.DESYNC:
-                log.warning(
-                    "collective data from another round on view %s: %s", view.epoch, failure.detail
-                )
-                now, _ = yield DropRing(view)
-            elif failure.kind is Failure.HEADER:
-                log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
-            self._synced_epoch = ""  # agree on state again first (unless needless)
-            if failure.kind is Failure.STATE_LOST:
-                now, loaded = yield FallBack(failure)
-                assert isinstance(loaded, Loaded)
-                self.committed = loaded.step
-                self.fallbacks += 1
-            else:
-                self.recoveries += 1
-            if now > deadline:
-                error = DeadlineExceeded(
-                    f"step {self.committed + 1} did not commit within {cfg.step_timeout}s "
-                    f"({attempts} attempts; last: {failure.detail})"
-                )
-                raise _Abort(error, failure.error)
-            if failure.kind is Failure.STATE_LOST:
-                continue
+                now, done = yield from self._compute(now, view, run)
+                if isinstance(done, StepReport):
+                    return done
+                failure = done
+            now = yield from self._failed(now, view, failure, run)
+
+    def _enter_view(
+        self, now: float, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, RingView | None]]:
+        """Enter the ring if we are out of it (after a fail-slow pause if one is due), and
+        wait for a view; ``None``: we are one member too many (back to spare)."""
+        cfg = self.config
+        if self.leave_requested and (run.attempts > 1 or not self.in_ring):
+            self._depart()  # nothing to announce, or the announcing attempt failed
+        back = False
+        if self.pace.sit_out and self.in_ring:
+            now = yield from self._pause(now)
+            run.deadline = now + cfg.step_timeout
+            back = True
+        if not self.in_ring:
+            now, run.deadline = yield from self._enter(now, run.deadline, back)
+            settle = cfg.join_settle / 4
+        else:
+            settle = 0.0
+        now, seen = yield WaitView(cfg.min_peers, settle, max(run.deadline - now, 0.1))
+        if self.leave_requested and _seen(seen) is None:
+            self._depart()
+        view = _view(seen)
+        if self._over_max_peers(view):
+            log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
+            self.in_ring = False
+            self._forget_held()
+            return now, None
+        return now, view
+
+    def _await_quorum(
+        self, now: float, view: RingView, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, bool]]:
+        """Whether ``view`` holds a quorum of the last view; if not, wait for another view
+        (the run's deadline bounds the waiting)."""
+        now, quorate = yield from self._quorate(now, view)
+        if quorate:
+            return now, True
+        log.info(
+            "view of %d lacks a quorum of the last view of %d; waiting",
+            view.size,
+            len(self.last_view),
+        )
+        now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+        if now > run.deadline:
+            raise _Abort(DeadlineExceeded(f"no quorum within {self.config.step_timeout}s"))
+        return now, False
+
+    def _sync_or_settle(
+        self, now: float, view: RingView, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | StepReport | None]]:
+        """On a view other than the one we synced on: sync, or settle on it without a sync
+        when that is needless. A report: others committed the step we were computing, and
+        the sync adopted it (the run ends)."""
+        if view.epoch == self.synced_epoch:
+            return now, None
+        if self._sync_needless(view):
             log.info(
-                "step %d attempt %d failed (%s); retrying on the next view",
-                self.committed + 1,
-                attempts,
-                failure.detail,
+                "view %s: %d members of the view we last settled on, none of which can "
+                "have committed a step without us: no sync (step %d)",
+                view.epoch,
+                view.size,
+                self.committed,
             )
-            if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
-                # A joiner that cannot get in: step out of the ring and back in, which every
-                # member sees as a view change (and a fresh sync).
-                yield from self._step_out()
-                continue
-            if failure.kind is Failure.PEER_LOST:
-                now, members = yield ReadMembers()
-                states = {m.node: m.state for m in _members(members)}
-                if states.get(failure.peer) == MemberState.ALIVE:
-                    # A neighbour that gave up a ring and forms the next one, or a peer that
-                    # died and is not suspected yet: the view change ends the wait.
-                    jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
-                    now, _ = yield WaitViewChange(view.epoch, jitter)
-                else:
-                    now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
-            elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
-                now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-            elif failure.kind is Failure.HEADER:
-                # Until the accusation path leaves the offender out (a few strikes): retry at
-                # a bounded rate, or when the view changes.
-                now, _ = yield WaitViewChange(
-                    view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
-                )
+            now = yield from self._settle_on(now, view)
+            return now, None
+        now, failure = yield from self._sync(now, view, shards=True)
+        if failure is not None:
+            return now, failure
+        run.synced = True
+        if self.committed > run.entered_at:
+            # Others committed the step we were computing (we failed at its end, or
+            # joined): adopting it was this step.
+            return now, self._done(now, run, view, None)
+        return now, None
+
+    def _compute(
+        self, now: float, view: RingView, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, StepReport | Failed]]:
+        """Our share of the next step on ``view``: its report once committed, or the
+        failure."""
+        index = self.committed
+        computing = self.pace.compute_set(view)
+        action = Compute(
+            view=view,
+            index=index,
+            workers=computing,
+            weights=self.pace.split_weights(computing),
+            check=self.config.check_due(index),
+            attempt=run.attempts,
+        )
+        self._row_out = False
+        now, out = yield action
+        if isinstance(out, Computed):
+            return (yield from self._commit(now, action, out, run))
+        failure = _failed(out)
+        if self._row_out or failure.kind not in LOSSES:
+            self._forget_held()  # others may have committed it, or we differ
+        return now, failure
+
+    def _commit(
+        self, now: float, action: Compute, out: Computed, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, StepReport]]:
+        """``action`` committed: count it, advertise our state on a new view, checkpoint
+        when due, and see off the members that announced their departure."""
+        view = action.view
+        self._committed = action.index + 1
+        self._tried.clear()
+        self.judge.committed(out.nonfinite, out.skipped)
+        self.pace.committed(action, out.speeds, out.frozen, self.committed)
+        if view.epoch != self._advertised_on:
+            self._advertised_on = view.epoch
+            yield Advertise()
+        if self.config.checkpoint_due(self.committed):
+            now, saved = yield Checkpoint(self.committed)
+            if isinstance(saved, Saved) and saved.written:
+                self._stats.checkpoint_step = self.committed
+        report = self._done(now, run, view, (out, action))
+        if out.leaving:
+            yield from self._see_off(now, view, report)
+        return now, report
+
+    def _failed(
+        self, now: float, view: RingView, failure: Failed, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], float]:
+        """An attempt on ``view`` failed: forget the synced view, fall back to a checkpoint
+        when the state is lost, give up past the deadline, else pause before the retry."""
+        self._tried.add(view.epoch)
+        run.failed_at = now if run.failed_at is None else run.failed_at
+        self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
+        if failure.kind is Failure.DESYNC:
+            log.warning(
+                "collective data from another round on view %s: %s", view.epoch, failure.detail
+            )
+            now, _ = yield DropRing(view)
+        elif failure.kind is Failure.HEADER:
+            log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
+        self._synced_epoch = ""  # agree on state again first (unless needless)
+        if failure.kind is Failure.STATE_LOST:
+            now, loaded = yield FallBack(failure)
+            assert isinstance(loaded, Loaded)
+            self.committed = loaded.step
+            self.fallbacks += 1
+        else:
+            self.recoveries += 1
+        if now > run.deadline:
+            error = DeadlineExceeded(
+                f"step {self.committed + 1} did not commit within {self.config.step_timeout}s "
+                f"({run.attempts} attempts; last: {failure.detail})"
+            )
+            raise _Abort(error, failure.error)
+        if failure.kind is Failure.STATE_LOST:
+            return now
+        return (yield from self._before_retry(now, view, failure, run.attempts))
+
+    def _before_retry(
+        self, now: float, view: RingView, failure: Failed, attempts: int
+    ) -> Generator[Action, tuple[float, Outcome], float]:
+        """The pause the failure calls for before the next attempt (the module docstring)."""
+        log.info(
+            "step %d attempt %d failed (%s); retrying on the next view",
+            self.committed + 1,
+            attempts,
+            failure.detail,
+        )
+        if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
+            # A joiner that cannot get in: step out of the ring and back in, which every
+            # member sees as a view change (and a fresh sync).
+            yield from self._step_out()
+            return now
+        if failure.kind is Failure.PEER_LOST:
+            now, members = yield ReadMembers()
+            states = {m.node: m.state for m in _members(members)}
+            if states.get(failure.peer) == MemberState.ALIVE:
+                # A neighbour that gave up a ring and forms the next one, or a peer that
+                # died and is not suspected yet: the view change ends the wait.
+                jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
+                now, _ = yield WaitViewChange(view.epoch, jitter)
+            else:
+                now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
+        elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
+            now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+        elif failure.kind is Failure.HEADER:
+            # Until the accusation path leaves the offender out (a few strikes): retry at
+            # a bounded rate, or when the view changes.
+            now, _ = yield WaitViewChange(
+                view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
+            )
+        return now
 
     def _done(
         self,
-        started: float,
         now: float,
-        failed_at: float | None,
-        attempts: int,
+        run: _Tries,
         view: RingView,
-        computed: tuple[Computed, bool, Compute] | None,
+        computed: tuple[Computed, Compute] | None,
     ) -> StepReport:
-        self._stats.ended(started, now, failed_at)
+        """The report of the run that ends at ``now`` on ``view`` (``computed``: our
+        compute's outcome and action; ``None``: the step was adopted)."""
+        self._stats.ended(run.started, now, run.failed_at)
         samples = self.batch_size(self.committed - 1)
         sync = self.last_sync_bytes, self.last_sync_seconds
-        ending = Ending(self.committed, samples, view, attempts, *sync)
+        ending = Ending(self.committed, samples, view, run.attempts, *sync)
         if computed is None:  # adopted
             return self._stats.adopted(ending, len(self.pace.compute_set(view)))
-        out, synced, action = computed
-        return self._stats.computed(ending, out, action.workers, synced)
+        out, action = computed
+        return self._stats.computed(ending, out, action.workers, run.synced)
 
     def _finish(self, now: float, timeout: float) -> _Run:
         """A last sync on the current view before leaving, so that a member whose final step
@@ -796,6 +889,8 @@ class StepMachine:
     def _sync(
         self, now: float, view: RingView, *, shards: bool
     ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
+        """The sync on ``view`` (the module docstring's 3): agree, fetch what we lack,
+        re-shard (``shards``: the optimizer state too), and settle on the view."""
         started = now
         self.last_sync_bytes = 0
         rank = view.rank_of(self.me)
@@ -807,7 +902,22 @@ class StepMachine:
         # From here our state is the sync's to set (a fetch, a re-shard): held again only if
         # the sync ends well (``_settle_on``).
         self._forget_held()
-        vec, own = _reduced(out), self._own_sync
+        read = self._read_sync(view, rank, _reduced(out))
+        if isinstance(read, Failed):
+            return now, read
+        failure = yield from self._check_sync(view, rank, read)
+        if failure is None:
+            now, failure = yield from self._transfer(now, view, rank, read, shards)
+        if failure is not None:
+            return now, failure
+        self._stats.state_transfer_bytes += self.last_sync_bytes
+        self.last_sync_seconds = now - started
+        now = yield from self._settle_on(now, view, read.carried)
+        return now, None
+
+    def _read_sync(self, view: RingView, rank: int, vec: np.ndarray) -> _SyncRead | Failed:
+        """The reduced sync vector's parts, or a ``DESYNC`` failure when it lost ours."""
+        own = self._own_sync
         assert own is not None
         cut = len(vec) - SETTINGS_SLOTS * view.size
         theirs = read_settings(vec[cut:], view.size)
@@ -818,9 +928,16 @@ class StepMachine:
         ):
             # Every other member writes FRESH into our slots, so max() must give ours back.
             what = f"sync vector {vec.tolist()} lost our slots {own.tolist()}"
-            return now, Failed(Failure.DESYNC, what)
-        plan = plan_sync(vec[:cut])
-        trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
+            return Failed(Failure.DESYNC, what)
+        return _SyncRead(plan_sync(vec[:cut]), vec[: view.size], theirs, carried)
+
+    def _check_sync(
+        self, view: RingView, rank: int, read: _SyncRead
+    ) -> Generator[Action, tuple[float, Outcome], Failed | None]:
+        """Whether the sync may go on: a run's state that nobody holds any more, or settings
+        we cannot share, stop this member (out of the ring first); settings that others will
+        change fail the attempt."""
+        trained = int(read.steps.max()) != FRESH  # (else rank 0's state is adopted)
         if not trained and self.committed == FRESH and self.seen_step > 0:
             yield from self._step_out()
             raise _Abort(
@@ -832,21 +949,30 @@ class StepMachine:
                     "Resume from a checkpoint (checkpoint_dir), or start a new mesh",
                 )
             )
-        problem = settings_problem(theirs, view.node_ids, rank, plan.holders if trained else ())
+        holders = read.plan.holders if trained else ()
+        problem = settings_problem(read.theirs, view.node_ids, rank, holders)
         if problem is not None and problem.fatal:
             # Step out of the ring first: the members that go on see a view without us at
             # once, even if the script catches the error and stays alive.
             yield from self._step_out()
             raise _Abort(ConfigError(problem.message))
         if problem is not None:
-            return now, Failed(Failure.SETTINGS, problem.message)
+            return Failed(Failure.SETTINGS, problem.message)
+        return None
+
+    def _transfer(
+        self, now: float, view: RingView, rank: int, read: _SyncRead, shards: bool
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
+        """The sync's state transfer: fetch the newest state if we are behind, a barrier
+        while others fetch, and the re-shard of the optimizer state in sharded mode."""
+        plan = read.plan
         log.info(
             "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
             view.epoch,
             rank,
             view.size,
             self.committed,
-            vec[: view.size].tolist(),
+            read.steps.tolist(),
             plan.target_step,
             plan.root,
             plan.behind,
@@ -870,9 +996,6 @@ class StepMachine:
             if isinstance(out, Failed):
                 return now, out
             self.last_sync_bytes += _fetched(out)
-        self._stats.state_transfer_bytes += self.last_sync_bytes
-        self.last_sync_seconds = now - started
-        now = yield from self._settle_on(now, view, carried)
         return now, None
 
     def _settle_on(
