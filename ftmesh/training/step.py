@@ -78,7 +78,6 @@ from ..errors import (
     FtmeshError,
     LocalUsageError,
     StateLostError,
-    TrainingFinishedError,
 )
 from ..membership.messages import MemberState
 from ..mesh.meta import Progress
@@ -103,7 +102,6 @@ from .actions import (
     MemberInfo,
     Members,
     Outcome,
-    PrepareJoin,
     Raise,
     ReadMembers,
     ReadView,
@@ -111,27 +109,26 @@ from .actions import (
     Reshard,
     Saved,
     SetRole,
-    Settle,
     Sleep,
     Sync,
     ViewSeen,
-    WaitToStart,
     WaitView,
     WaitViewChange,
     WorldChanged,
 )
 from .config import TrainerConfig
+from .entry import QUORUM_POLL_S, SLOT_POLL_S, Ring
 from .pace import Pace
 from .protocol import (
     FRESH,
     SHARES,
     SyncPlan,
-    has_quorum,
     own_slots_intact,
     plan_sync,
     sync_vector,
 )
 from .reports import Counters, Ending, StepReport
+from .runs import Abort, Leave, Steps
 from .shards import (
     COMPRESSION_CODES,
     SETTINGS_SLOTS,
@@ -150,10 +147,6 @@ log = logging.getLogger("ftmesh.training")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
-SLOT_POLL_S = 1.0
-"""The longest a spare waits for a membership change before looking again."""
-QUORUM_POLL_S = 1.0
-"""The longest a member without quorum waits for another view before looking again."""
 RETRY_JITTER_S = 0.2
 """After a loss of a peer that membership still holds alive, wait for the view to change at
 most this many seconds (drawn at random, so that members that failed together do not retry
@@ -173,7 +166,7 @@ that announced their departure (their graceful leave reaches everyone in millise
 this the next step runs on whatever view there is, with a sync)."""
 
 
-_Run: TypeAlias = Generator[Action, tuple[float, Outcome], StepReport | None]
+_Run: TypeAlias = Steps[StepReport | None]
 
 
 @dataclass(slots=True)
@@ -205,23 +198,6 @@ class _SyncRead:
     """The stragglers' claims (``Stragglers.adopt``)."""
 
 
-class _Abort(Exception):
-    """Ends a run with a ``Raise`` action (raised inside the run's generator)."""
-
-    def __init__(self, error: BaseException, cause: BaseException | None = None) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.cause = cause
-
-
-class _Leave(Exception):
-    """Ends a run with a ``Depart`` action (raised inside the run's generator)."""
-
-    def __init__(self, action: Depart) -> None:
-        super().__init__(f"departing after step {action.step}")
-        self.action = action
-
-
 class StepMachine:
     """One member's step machine; see the module docstring. ``batch_size(index)`` gives the
     size of step ``index``'s global batch (the sampler's)."""
@@ -244,7 +220,6 @@ class StepMachine:
         self.leave_requested = False
         """A planned departure was asked for (:meth:`request_leave`)."""
         self._committed = FRESH
-        self.in_ring = False
         self._synced_epoch = ""
         self._advertised_on = ""
         """The view epoch of our last ``Advertise``: the first step we commit on a view,
@@ -259,7 +234,6 @@ class StepMachine:
         self._row_out = False
         """The row of the pending ``Compute`` went out (:meth:`row`): from then on others can
         commit its step without us."""
-        self.last_view: tuple[str, ...] = ()
         self.world = 0
         """Members computing on the last view we synced on."""
         self.recoveries = 0
@@ -268,7 +242,8 @@ class StepMachine:
         self.last_sync_seconds = 0.0
         self.layout = (0, 0, 0)
         """(state, bucket, data) layout hashes, set by the driver (``SharedSettings``)."""
-        self._dead_since: dict[str, float] = {}
+        self.ring = Ring(config, me, self.start, self._leave_if_asked)
+        """Our place in the ring: entering it, spares' slots, the quorum (``training.entry``)."""
         self.pace = Pace(config, me, batch_size)
         """Speeds, shares, stragglers and fail-slow pauses (``ftmesh.training.pace``)."""
         self.judge = HeaderJudge(config, me, batch_size, self.pace)
@@ -295,6 +270,20 @@ class StepMachine:
         # Set from outside (a checkpoint or snapshot loaded): that state is ours alone.
         self._committed = step
         self._forget_held()
+
+    @property
+    def in_ring(self) -> bool:
+        """Whether we are in the ring (``Ring.in_ring``)."""
+        return self.ring.in_ring
+
+    @property
+    def last_view(self) -> tuple[str, ...]:
+        """The members of the last view we settled on (``Ring.last_view``)."""
+        return self.ring.last_view
+
+    @last_view.setter
+    def last_view(self, members: tuple[str, ...]) -> None:
+        self.ring.last_view = members
 
     @property
     def synced_epoch(self) -> str:
@@ -354,9 +343,9 @@ class StepMachine:
             action = step()
         except StopIteration as stop:
             action = Finished(stop.value)
-        except _Abort as abort:
+        except Abort as abort:
             action = Raise(abort.error, abort.cause)
-        except _Leave as leave:
+        except Leave as leave:
             action = leave.action
         self._pending = None if isinstance(action, Finished | Depart | Raise) else action
         if self._pending is None:
@@ -490,7 +479,7 @@ class StepMachine:
             now, view = yield from self._enter_view(now, run)
             if view is None:
                 continue
-            now, quorate = yield from self._await_quorum(now, view, run)
+            now, quorate = yield from self.ring.await_quorum(now, view, run.deadline)
             if not quorate:
                 continue
             now, settled = yield from self._sync_or_settle(now, view, run)
@@ -520,7 +509,7 @@ class StepMachine:
             run.deadline = now + cfg.step_timeout
             back = True
         if not self.in_ring:
-            now, run.deadline = yield from self._enter(now, run.deadline, back)
+            now, run.deadline = yield from self.ring.enter(now, run.deadline, back)
             settle = cfg.join_settle / 4
         else:
             settle = 0.0
@@ -528,30 +517,12 @@ class StepMachine:
         if self.leave_requested and _seen(seen) is None:
             self._depart()
         view = _view(seen)
-        if self._over_max_peers(view):
+        if self.ring.over_max_peers(view, self.committed):
             log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
-            self.in_ring = False
+            self.ring.in_ring = False
             self._forget_held()
             return now, None
         return now, view
-
-    def _await_quorum(
-        self, now: float, view: RingView, run: _Tries
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, bool]]:
-        """Whether ``view`` holds a quorum of the last view; if not, wait for another view
-        (the run's deadline bounds the waiting)."""
-        now, quorate = yield from self._quorate(now, view)
-        if quorate:
-            return now, True
-        log.info(
-            "view of %d lacks a quorum of the last view of %d; waiting",
-            view.size,
-            len(self.last_view),
-        )
-        now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-        if now > run.deadline:
-            raise _Abort(DeadlineExceeded(f"no quorum within {self.config.step_timeout}s"))
-        return now, False
 
     def _sync_or_settle(
         self, now: float, view: RingView, run: _Tries
@@ -655,7 +626,7 @@ class StepMachine:
                 f"step {self.committed + 1} did not commit within {self.config.step_timeout}s "
                 f"({run.attempts} attempts; last: {failure.detail})"
             )
-            raise _Abort(error, failure.error)
+            raise Abort(error, failure.error)
         if failure.kind is Failure.STATE_LOST:
             return now
         return (yield from self._before_retry(now, view, failure, run.attempts))
@@ -732,120 +703,14 @@ class StepMachine:
             if failure.kind is Failure.DESYNC:
                 now, _ = yield DropRing(view)
             now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-        raise _Abort(DeadlineExceeded(f"final sync did not complete within {timeout}s"))
+        raise Abort(DeadlineExceeded(f"final sync did not complete within {timeout}s"))
 
-    # -- entering the ring -----------------------------------------------------------------
+    # -- the ring ---------------------------------------------------------------------------
 
-    def _enter(
-        self, now: float, deadline: float, back: bool = False
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, float]]:
-        """Into the ring; ``back`` from a fail-slow pause: only into a mesh that still trains
-        (the gate stops us with ``TrainingFinishedError`` if the others finished meanwhile,
-        instead of our training the rest alone)."""
-        cfg = self.config
-        # Let discovery and gossip settle (so we join the mesh that is there instead of
-        # starting a lonely one), then enter the ring at a step boundary.
-        now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
-        if self.start.waits or back:
-            now, _ = yield WaitToStart(max(deadline - now, 0.1), rejoin=back)
-            if self.leave_requested:
-                self._depart()
-        if cfg.max_peers and cfg.spares == "cold":
-            now = yield from self._wait_for_slot(now)
-            deadline = now + cfg.step_timeout
-        now, _ = yield PrepareJoin()
-        now, _ = yield SetRole("train")
-        self.in_ring = True
-        return now, deadline
-
-    def _wait_for_slot(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
-        """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots
-        (``max_peers`` less the members training) go to the candidates (spares and members
-        still joining) in node-id order, so every member that sees the same membership picks
-        the same ones; the choice is re-made on every membership change, so a member that
-        looked at a stale membership catches up (too many that step in at once are sorted out
-        by ``_over_max_peers``). Once a training member has finished (role ``done``) no slot
-        is taken: that is how training ends, and the run raises ``TrainingFinishedError`` when
-        none is training any more (also when the last ones left: nobody holds the state). A
-        member that left while others train (a planned departure) frees its slot."""
-        now, _ = yield SetRole("spare")
-        announced = False
-        while True:
-            if self.leave_requested:
-                self._depart()
-            now, out = yield ReadMembers()
-            members = _members(out)
-            alive = [m for m in members if m.state == MemberState.ALIVE]
-            training = [m.node for m in alive if m.role == "train"]
-            finished = any(m.role == "done" for m in members)
-            left = any(m.state == MemberState.LEFT and m.role == "train" for m in members)
-            if not training and (finished or left):
-                error = TrainingFinishedError("the training finished while we waited as a spare")
-                raise _Abort(error)
-            if not finished:
-                candidates = sorted(m.node for m in alive if m.role in ("spare", "joining"))
-                free = self.config.max_peers - len(training)
-                if free > 0 and self.me in candidates[:free]:
-                    return now
-            if not announced:
-                log.info(
-                    "%d members train (max_peers %d): waiting as a spare",
-                    len(training),
-                    self.config.max_peers,
-                )
-                announced = True
-            now, _ = yield WaitViewChange(None, SLOT_POLL_S)
-
-    def _step_out(self) -> Generator[Action, tuple[float, Outcome], None]:
-        """Leave the ring (role ``joining``) until the next attempt enters it again."""
-        yield SetRole("joining")
-        self.in_ring = False
+    def _step_out(self) -> Steps[None]:
+        """Leave the ring (``Ring.step_out``); the next view change syncs."""
+        yield from self.ring.step_out()
         self._forget_held()
-
-    def _over_max_peers(self, view: RingView) -> bool:
-        """Cold spares: whether we, not having trained yet, are one too many: members that
-        started together can all see a free slot before their roles have spread. The first
-        ``max_peers`` of the view (node-id order) stay, as every member computes alike."""
-        m = self.config.max_peers
-        return bool(
-            m
-            and self.config.spares == "cold"
-            and self.committed == FRESH
-            and view.size > m
-            and self.me not in view.node_ids[:m]
-        )
-
-    def _quorate(
-        self, now: float, view: RingView
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, bool]]:
-        if self.config.quorum == "any" or not self.last_view:
-            return now, True
-        if set(self.last_view) <= set(view.node_ids):  # all that last trained are here
-            self._dead_since.clear()
-            return now, True
-        now, out = yield ReadMembers()
-        states = {m.node: m.state for m in _members(out)}
-        gone = (MemberState.DEAD, MemberState.LEFT)
-        for node in self.last_view:
-            # Forgotten members (dead for long) count as dead.
-            if states.get(node, MemberState.DEAD) in gone:
-                self._dead_since.setdefault(node, now)
-            else:
-                self._dead_since.pop(node, None)
-        # Members that left, and members the ring leaves out (unreachable, or failing
-        # verification: every member, they included, computes them out of its view from the
-        # same gossip, as it sees a departure), do not count, at once.
-        excluded = {m.node for m in _members(out) if m.excluded}
-        # Nor do members that stepped out as spares (fail-slow: they chose to stay out).
-        spares = {m.node for m in _members(out) if m.role == "spare"}
-        left = [
-            n
-            for n in self.last_view
-            if states.get(n) == MemberState.LEFT or n in excluded or n in spares
-        ]
-        grace = self.config.quorum_grace
-        dead = [n for n, t in self._dead_since.items() if now - t >= grace]
-        return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
 
     def _sync_needless(self, view: RingView) -> bool:
         """Whether every member of ``view`` that would skip the sync holds our state, so that
@@ -940,7 +805,7 @@ class StepMachine:
         trained = int(read.steps.max()) != FRESH  # (else rank 0's state is adopted)
         if not trained and self.committed == FRESH and self.seen_step > 0:
             yield from self._step_out()
-            raise _Abort(
+            raise Abort(
                 StateLostError(
                     (),
                     f"this mesh had committed {self.seen_step} steps, but no member of the "
@@ -955,7 +820,7 @@ class StepMachine:
             # Step out of the ring first: the members that go on see a view without us at
             # once, even if the script catches the error and stays alive.
             yield from self._step_out()
-            raise _Abort(ConfigError(problem.message))
+            raise Abort(ConfigError(problem.message))
         if problem is not None:
             return Failed(Failure.SETTINGS, problem.message)
         return None
@@ -1010,7 +875,7 @@ class StepMachine:
         if carried is not None:  # a sync: every member of the view was in it
             self._tried.clear()
         computing = self.pace.settled(view, carried, self.committed)
-        self.last_view = view.node_ids
+        self.ring.last_view = view.node_ids
         world = len(computing)
         if self.world != world:
             if self.world:
@@ -1027,7 +892,7 @@ class StepMachine:
         member that was away, and syncs."""
         seconds = self.pace.pause()
         yield SetRole("spare")
-        self.in_ring = False
+        self.ring.in_ring = False
         self.synced_epoch = ""
         end = now + seconds
         while now < end:
@@ -1039,8 +904,13 @@ class StepMachine:
 
     # -- planned departures ----------------------------------------------------------------
 
+    def _leave_if_asked(self) -> None:
+        """Depart at once if this member was asked to leave (``Ring``'s ``leave``)."""
+        if self.leave_requested:
+            self._depart()
+
     def _depart(self, report: StepReport | None = None) -> NoReturn:
-        raise _Leave(Depart(max(self.committed, 0), report))
+        raise Leave(Depart(max(self.committed, 0), report))
 
     def _see_off(
         self, now: float, view: RingView, report: StepReport
