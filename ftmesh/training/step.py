@@ -30,7 +30,7 @@ of *attempts*:
    we were computing, the run ends there: the step is *adopted*, never computed twice. A view
    made only of members of the last one we settled on, after nothing but losses that struck
    before our row of a step went out, is taken without a sync, as after a planned departure
-   (``StepMachine._sync_needless`` gives the argument: after a kill the survivors go straight
+   (``ftmesh.training.held`` gives the argument: after a kill the survivors go straight
    to the retried step).
 4. **Compute**: our share of the step (equal, or by the weights the pace made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
@@ -118,6 +118,7 @@ from .actions import (
 )
 from .config import TrainerConfig
 from .entry import QUORUM_POLL_S, SLOT_POLL_S, Ring
+from .held import Held
 from .pace import Pace
 from .protocol import (
     FRESH,
@@ -159,7 +160,7 @@ view to drop it; short, so that we are back before neighbours that wait for us g
 LOSSES = (Failure.PEER_LOST, Failure.VIEW)
 """The failures of a collective that a lost member or a changed view explain: struck before
 our row of a step went out, they leave the state where it was
-(:meth:`StepMachine._sync_needless`)."""
+(``Held.needless``)."""
 DEPARTURE_WAIT_S = 2.0
 """How long the members that stay wait for membership to show the view without the members
 that announced their departure (their graceful leave reaches everyone in milliseconds; after
@@ -225,15 +226,8 @@ class StepMachine:
         """The view epoch of our last ``Advertise``: the first step we commit on a view,
         synced or taken without a sync, publishes our state's size (a joiner waits for a
         training member that advertises one, ``training/start.py``)."""
-        self._held: frozenset[str] = frozenset()
-        """The members of the view we last settled on, while no member can have committed a
-        step without us since (:meth:`_sync_needless`; empty: the next view change syncs)."""
-        self._tried: set[str] = set()
-        """Epochs of the views an attempt of ours failed on since our last committed step or
-        sync: not taken without a sync again (:meth:`_sync_needless`)."""
-        self._row_out = False
-        """The row of the pending ``Compute`` went out (:meth:`row`): from then on others can
-        commit its step without us."""
+        self.held = Held()
+        """When a view is taken without a sync (``ftmesh.training.held``)."""
         self.world = 0
         """Members computing on the last view we synced on."""
         self.recoveries = 0
@@ -269,7 +263,7 @@ class StepMachine:
     def committed(self, step: int) -> None:
         # Set from outside (a checkpoint or snapshot loaded): that state is ours alone.
         self._committed = step
-        self._forget_held()
+        self.held.forget()
 
     @property
     def in_ring(self) -> bool:
@@ -288,7 +282,7 @@ class StepMachine:
     @property
     def synced_epoch(self) -> str:
         """The view we last synced on ("" after a failure: sync again, unless the sync is
-        needless: :meth:`_sync_needless`)."""
+        needless: ``Held.needless``)."""
         return self._synced_epoch
 
     @synced_epoch.setter
@@ -296,7 +290,7 @@ class StepMachine:
         # Set from outside ("": a step's body raised, its collectives are out of order with
         # the others'): the next attempt syncs, whatever the view.
         self._synced_epoch = epoch
-        self._forget_held()
+        self.held.forget()
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -403,8 +397,8 @@ class StepMachine:
         float32 header exactly. The driver calls it for the pending ``Compute`` before the
         row goes out (after the gradient allreduce): it tells the machine that from then on
         the others can commit the step without us, so that a failure after it syncs on the
-        next view (:meth:`_sync_needless`)."""
-        self._row_out = True
+        next view (``Held.needless``)."""
+        self.held.row_out = True
         return np.append(np.asarray(header, dtype=np.float64), float(nonfinite))
 
     def check_step(
@@ -520,7 +514,7 @@ class StepMachine:
         if self.ring.over_max_peers(view, self.committed):
             log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
             self.ring.in_ring = False
-            self._forget_held()
+            self.held.forget()
             return now, None
         return now, view
 
@@ -532,7 +526,7 @@ class StepMachine:
         the sync adopted it (the run ends)."""
         if view.epoch == self.synced_epoch:
             return now, None
-        if self._sync_needless(view):
+        if self.held.needless(view, self.committed, self.config.shard_optimizer):
             log.info(
                 "view %s: %d members of the view we last settled on, none of which can "
                 "have committed a step without us: no sync (step %d)",
@@ -567,13 +561,13 @@ class StepMachine:
             check=self.config.check_due(index),
             attempt=run.attempts,
         )
-        self._row_out = False
+        self.held.row_out = False
         now, out = yield action
         if isinstance(out, Computed):
             return (yield from self._commit(now, action, out, run))
         failure = _failed(out)
-        if self._row_out or failure.kind not in LOSSES:
-            self._forget_held()  # others may have committed it, or we differ
+        if self.held.row_out or failure.kind not in LOSSES:
+            self.held.forget()  # others may have committed it, or we differ
         return now, failure
 
     def _commit(
@@ -583,7 +577,7 @@ class StepMachine:
         when due, and see off the members that announced their departure."""
         view = action.view
         self._committed = action.index + 1
-        self._tried.clear()
+        self.held.tried.clear()
         self.judge.committed(out.nonfinite, out.skipped)
         self.pace.committed(action, out.speeds, out.frozen, self.committed)
         if view.epoch != self._advertised_on:
@@ -603,7 +597,7 @@ class StepMachine:
     ) -> Generator[Action, tuple[float, Outcome], float]:
         """An attempt on ``view`` failed: forget the synced view, fall back to a checkpoint
         when the state is lost, give up past the deadline, else pause before the retry."""
-        self._tried.add(view.epoch)
+        self.held.tried.add(view.epoch)
         run.failed_at = now if run.failed_at is None else run.failed_at
         self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
         if failure.kind is Failure.DESYNC:
@@ -710,44 +704,7 @@ class StepMachine:
     def _step_out(self) -> Steps[None]:
         """Leave the ring (``Ring.step_out``); the next view change syncs."""
         yield from self.ring.step_out()
-        self._forget_held()
-
-    def _sync_needless(self, view: RingView) -> bool:
-        """Whether every member of ``view`` that would skip the sync holds our state, so that
-        we take ``view`` without one, as after a planned departure (issue #30). It needs:
-        ``view`` made only of members of the view we last settled on (a sync, or a
-        departure), and none of our attempts since, on that view or its subsets taken so,
-        failing after our row of its step went out (:meth:`row`), or after a sync's
-        agreement, or otherwise than by a lost peer or a changed view (``LOSSES``); nor a
-        view an attempt of ours already failed on since our last commit or sync
-        (``_tried``). Sharded optimizer state always needs the sync (it re-spreads the
-        shards).
-
-        Why that suffices. A step commits on a member only once it has gathered every
-        member's row, ours included: when all our failures came before our row went out, no
-        member committed a step we did not. Were some member X of ``view`` one step *ahead*
-        of us, we would have sent our row of that step: that failure clears ``_held``. Were
-        some member Y *behind* us, Y sent its row of a step we committed and failed after
-        it, so Y's ``_held`` is empty and Y syncs. So the members that skip all stand at our
-        step, reached by the same reduced gradients from the state of the same sync; one
-        that syncs meets our step's collectives with its sync's and the collective layer
-        fails both (a mismatch: no data is combined), after which everyone syncs: the
-        collective layer says ``INPUT_MISMATCH``, which forgets what we held, but another
-        path (a GPU process group's set-up, a test's fake mesh) may say it as any failure,
-        so a view we failed on is never taken without a sync twice (no livelock). The round
-        tag in the step header stays the backstop."""
-        return (
-            bool(self._held)
-            and not self.config.shard_optimizer
-            and self.committed != FRESH
-            and set(view.node_ids) <= self._held
-            and view.epoch not in self._tried
-        )
-
-    def _forget_held(self) -> None:
-        """The next view change syncs (:meth:`_sync_needless`)."""
-        self._held = frozenset()
-        self._tried.clear()
+        self.held.forget()
 
     # -- the sync --------------------------------------------------------------------------
 
@@ -762,11 +719,11 @@ class StepMachine:
         now, out = yield Sync(view)
         if isinstance(out, Failed):
             if out.kind not in LOSSES:
-                self._forget_held()
+                self.held.forget()
             return now, out
         # From here our state is the sync's to set (a fetch, a re-shard): held again only if
         # the sync ends well (``_settle_on``).
-        self._forget_held()
+        self.held.forget()
         read = self._read_sync(view, rank, _reduced(out))
         if isinstance(read, Failed):
             return now, read
@@ -871,9 +828,7 @@ class StepMachine:
         planned departure or a loss (no sync), stays as it was
         (``ftmesh.training.stragglers``)."""
         self._synced_epoch = view.epoch
-        self._held = frozenset(view.node_ids)
-        if carried is not None:  # a sync: every member of the view was in it
-            self._tried.clear()
+        self.held.settle(view.node_ids, synced=carried is not None)  # (a sync: all were in it)
         computing = self.pace.settled(view, carried, self.committed)
         self.ring.last_view = view.node_ids
         world = len(computing)
