@@ -55,10 +55,14 @@ holds alive: until the view changes, at most a random ``RETRY_JITTER_S``), and s
 at 1 or 2. The step's global batch never changes between
 attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 
-The machine owns the run; two objects of its own hold the rest of a member's step state,
-fed and read by the machine through small typed methods: the *pace*
-(``ftmesh.training.pace.Pace``: speeds, split weights, who sits out, fail-slow pauses) and
-the *judge* of step headers (``ftmesh.training.verdicts.HeaderJudge``).
+The machine owns the run, written as one generator per phase (enter and view, quorum, sync
+or settle, compute, commit, failure, retry pause). Parts of its own hold the rest of a
+member's step state, fed and read by the machine through small typed methods: its place in
+the ring (``ftmesh.training.entry.Ring``: the start gate, spares' slots, the quorum), the
+*pace* (``ftmesh.training.pace.Pace``: speeds, split weights, who sits out, fail-slow
+pauses), the *judge* of step headers (``ftmesh.training.verdicts.HeaderJudge``), what the
+others hold (``ftmesh.training.held.Held``: when a view is taken without a sync) and the
+counters and reports (``ftmesh.training.reports``).
 """
 
 from __future__ import annotations
