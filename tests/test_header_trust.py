@@ -87,7 +87,7 @@ def _honest_rows(m: StepMachine, action: Compute, check: bool) -> np.ndarray:
         if check:
             h[HEADER_SLOTS : HEADER_SLOTS + PARTS] = CHECKS
         h[HEADER_SLOTS + PARTS + r] = 100.0 + r
-        h[-1] = m._split_tag(action)
+        h[-1] = m.pace.split_tag(action)
         rows.append(m.row(h, False))
     return np.array(rows)
 

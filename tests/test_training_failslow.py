@@ -93,7 +93,7 @@ def test_a_member_that_keeps_freezing_steps_out_and_comes_back() -> None:
     view = _view("a", "b", "c")
     for frozen in (0.0, 0.4, 0.0, 0.0, 0.0, 0.3):  # two in a window of 4: not yet
         _commit(m, view, frozen)
-    assert not m._sit_out
+    assert not m.pace.sit_out
     _commit(m, view, 0.5)  # the second freeze within the last 4 steps
     a = m.begin(10.0)
     assert a == SetRole("spare")
@@ -169,7 +169,7 @@ def test_off_or_alone_never_steps_out() -> None:
     for _ in range(3):
         _commit(off, _view("a", "b"), 1.0)
         _commit(alone, _view("b"), 1.0)
-    assert not off._sit_out and not alone._sit_out
+    assert not off.pace.sit_out and not alone.pace.sit_out
 
 
 def test_the_quorum_does_not_wait_for_a_member_that_stepped_out() -> None:

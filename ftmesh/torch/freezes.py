@@ -9,7 +9,7 @@ while the process is stopped no thread runs, so the first tick after it continue
 gap (time.monotonic keeps counting). The step machine gets the freeze seconds since the
 last committed step (``Computed.frozen``: a freeze between two steps, or one noticed only
 after the step ended, counts for the next one) and decides what to do
-(``ftmesh.training.step``: a member that froze in ``failslow_freezes`` of its last
+(``ftmesh.training.pace``: a member that froze in ``failslow_freezes`` of its last
 ``straggler_steps`` steps steps out of the ring for ``failslow_pause`` seconds). A Python
 thread that holds the GIL for longer than ``threshold`` (a long pure-Python pause such as a
 large garbage collection) counts too: it stalls the member's collectives just the same.

@@ -30,14 +30,15 @@ of *attempts*:
    we were computing, the run ends there: the step is *adopted*, never computed twice. A view
    made only of members of the last one we settled on, after nothing but losses that struck
    before our row of a step went out, is taken without a sync, as after a planned departure
-   (``StepMachine._sync_needless`` gives the argument: after a kill the survivors go straight
+   (``ftmesh.training.held`` gives the argument: after a kill the survivors go straight
    to the retried step).
-4. **Compute**: our share of the step (equal, or by the weights the machine made from the
+4. **Compute**: our share of the step (equal, or by the weights the pace made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
    micro-batches; the driver runs backward, the gradient allreduce, the allgather of every
    member's own header contribution and the optimizer (skipped alike by every member when
    some member's gradients were not finite), and judges the header with
-   :meth:`StepMachine.check_step` (typed verdicts, offenders named); the step is committed.
+   :meth:`StepMachine.check_step` (``ftmesh.training.verdicts``: typed verdicts, offenders
+   named); the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
    leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
@@ -53,16 +54,23 @@ is needless, as in 3), pauses as the failure calls for (a lost peer that members
 holds alive: until the view changes, at most a random ``RETRY_JITTER_S``), and starts over
 at 1 or 2. The step's global batch never changes between
 attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
+
+The machine owns the run, written as one generator per phase (enter and view, quorum, sync
+or settle, compute, commit, failure, retry pause). Parts of its own hold the rest of a
+member's step state, fed and read by the machine through small typed methods: its place in
+the ring (``ftmesh.training.entry.Ring``: the start gate, spares' slots, the quorum), the
+*pace* (``ftmesh.training.pace.Pace``: speeds, split weights, who sits out, fail-slow
+pauses), the *judge* of step headers (``ftmesh.training.verdicts.HeaderJudge``), what the
+others hold (``ftmesh.training.held.Held``: when a view is taken without a sync) and the
+counters and reports (``ftmesh.training.reports``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
-from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NoReturn, TypeAlias
 
 import numpy as np
@@ -74,11 +82,10 @@ from ..errors import (
     FtmeshError,
     LocalUsageError,
     StateLostError,
-    TrainingFinishedError,
 )
 from ..membership.messages import MemberState
 from ..mesh.meta import Progress
-from ..stats import Histogram, TrainerStatistics
+from ..stats import TrainerStatistics
 from .actions import (
     EXPECTS,
     Action,
@@ -99,7 +106,6 @@ from .actions import (
     MemberInfo,
     Members,
     Outcome,
-    PrepareJoin,
     Raise,
     ReadMembers,
     ReadView,
@@ -107,42 +113,27 @@ from .actions import (
     Reshard,
     Saved,
     SetRole,
-    Settle,
     Sleep,
     Sync,
     ViewSeen,
-    WaitToStart,
     WaitView,
     WaitViewChange,
     WorldChanged,
 )
 from .config import TrainerConfig
+from .entry import QUORUM_POLL_S, SLOT_POLL_S, Ring
+from .held import Held
+from .pace import Pace
 from .protocol import (
-    COUNTER_SLOTS,
     FRESH,
-    HEADER_SLOTS,
-    SHARE_FLOOR,
-    SHARE_SMOOTHING,
     SHARES,
-    SPEED_RANKS,
-    SPEED_SLOTS,
-    Offence,
-    RowFault,
-    filled_speeds,
-    has_quorum,
-    leavers,
+    SyncPlan,
     own_slots_intact,
     plan_sync,
-    proportional_weights,
-    reduction_problem,
-    row_faults,
-    rows_mismatch,
-    speed_weights,
-    speeds_problem,
-    split_share,
-    split_tag,
     sync_vector,
 )
+from .reports import Counters, Ending, StepReport
+from .runs import Abort, Leave, Steps
 from .shards import (
     COMPRESSION_CODES,
     SETTINGS_SLOTS,
@@ -152,16 +143,15 @@ from .shards import (
     settings_slots,
 )
 from .start import StartConfig
-from .stragglers import MAX_BACKOFF_DOUBLINGS, SYNC_FIELDS, Stragglers
+from .stragglers import SYNC_FIELDS, Stragglers
+from .verdicts import NONFINITE_LIMIT, HeaderJudge, StepVerdict, leaving
+
+__all__ = ["NONFINITE_LIMIT", "StepMachine", "StepReport", "StepVerdict"]
 
 log = logging.getLogger("ftmesh.training")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
-SLOT_POLL_S = 1.0
-"""The longest a spare waits for a membership change before looking again."""
-QUORUM_POLL_S = 1.0
-"""The longest a member without quorum waits for another view before looking again."""
 RETRY_JITTER_S = 0.2
 """After a loss of a peer that membership still holds alive, wait for the view to change at
 most this many seconds (drawn at random, so that members that failed together do not retry
@@ -174,121 +164,43 @@ view to drop it; short, so that we are back before neighbours that wait for us g
 LOSSES = (Failure.PEER_LOST, Failure.VIEW)
 """The failures of a collective that a lost member or a changed view explain: struck before
 our row of a step went out, they leave the state where it was
-(:meth:`StepMachine._sync_needless`)."""
+(``Held.needless``)."""
 DEPARTURE_WAIT_S = 2.0
 """How long the members that stay wait for membership to show the view without the members
 that announced their departure (their graceful leave reaches everyone in milliseconds; after
 this the next step runs on whatever view there is, with a sync)."""
 
 
-# -- reports --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    step: int
-    """The committed step count after this step (1 after the first step)."""
-    loss: float
-    """Mean loss over the step's global batch, all members together (``nan``: not recorded,
-    or an adopted step)."""
-    samples: int
-    members: tuple[str, ...]
-    """The members of the view the step ran on (ring order)."""
-    epoch: str
-    """The view epoch the step ran on."""
-    attempts: int
-    """1 when the step ran without a failure."""
-    synced: bool
-    """Whether this step began with a state sync (view changed)."""
-    sync_bytes: int = 0
-    """State bytes this member received in the sync (0: it was not behind)."""
-    sync_seconds: float = 0.0
-    """Seconds the last sync took (agreement plus state transfer)."""
-    share: int = 0
-    """Samples this member computed (0: a hot spare, or an adopted step)."""
-    adopted: bool = False
-    """Others committed this step and we took their state in a sync (a joiner's first step,
-    or a step whose end we missed); ``loss`` is then unknown (nan)."""
-    leaving: tuple[str, ...] = ()
-    """Members that announced in this step that they leave after it (planned departures)."""
-    computing: tuple[str, ...] = ()
-    """The members that computed the step (the others of ``members`` were hot spares: over
-    ``max_peers``, or sitting out as stragglers); ``()`` for an adopted step."""
-
-
-NONFINITE_LIMIT = 5
-"""Committed steps in a row with non-finite gradients from one member after which each
-further one is an offence of that member (``StepVerdict.offences``), as a malformed header
-is: a member whose gradients stay non-finite is broken or hostile, and the accusation path
-leaves it out (``ftmesh.collective.reach``: ``bad_bytes_strikes`` offences)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepVerdict:
-    """What :meth:`StepMachine.check_step` says of a step's reduced header and gathered rows.
-
-    ``failed``: the attempt fails (feed it back); ``diverged``: the parts whose digests differ
-    while we are not in a strict majority (a fatal ``StateDivergedError``; ``rows`` holds every
-    member's check values to name them); else the step goes on, with ``speeds`` (one per
-    view rank; 0: unmeasured or not believed), and ``skip``: every member skips the update
-    (non-finite gradients: ``nonfinite`` names the members that said so). ``offences``: the
-    members' faults to report (``SyncMesh.report_offence``), soft ones included."""
-
-    failed: Failed | None = None
-    diverged: tuple[int, ...] = ()
-    rows: tuple[tuple[int, ...], ...] = ()
-    offences: tuple[Offence, ...] = ()
-    speeds: tuple[float, ...] = ()
-    skip: bool = False
-    nonfinite: tuple[str, ...] = ()
+_Run: TypeAlias = Steps[StepReport | None]
 
 
 @dataclass(slots=True)
-class _Counters:
-    step_seconds: Histogram = field(default_factory=Histogram)
-    recovery_seconds: Histogram = field(default_factory=Histogram)
-    samples_total: int = 0
-    steps_total: int = 0
-    share: int = 0
-    world_size: int = 0
-    attempts_total: int = 0
-    state_transfer_bytes: int = 0
-    checkpoint_step: int = -1
-    last_step_s: float = 0.0
-    sps: float = 0.0
-    """Samples per second this member computed, smoothed (``SPS_SMOOTHING``)."""
-    last_fault: str = ""
-    straggler_steps: int = 0
-    failslow_pauses: int = 0
-    nonfinite_steps: int = 0
-    """Committed steps whose update every member skipped (non-finite gradients)."""
-    header_faults: int = 0
-    """Faults found in members' header contributions (``protocol.RowFault``)."""
-    loss: float = math.nan
-    """Loss of the last committed step (``StepReport.loss``)."""
+class _Tries:
+    """One run's bookkeeping across its attempts (``StepMachine._attempts``)."""
+
+    started: float
+    deadline: float
+    """When the run gives up (``step_timeout`` after its start, or after a pause ended)."""
+    entered_at: int
+    """The committed steps when the run began: more after a sync means the step was adopted."""
+    attempts: int = 0
+    synced: bool = False
+    """The run synced (its report says so)."""
+    failed_at: float | None = None
+    """When its first attempt failed (the recovery time runs from there)."""
 
 
-SPS_SMOOTHING = 0.2
-"""Weight of the newest step in the published samples/s (an exponential moving average)."""
+@dataclass(frozen=True, slots=True)
+class _SyncRead:
+    """A reduced sync vector, read (``StepMachine._read_sync``)."""
 
-_Run: TypeAlias = Generator[Action, tuple[float, Outcome], StepReport | None]
-
-
-class _Abort(Exception):
-    """Ends a run with a ``Raise`` action (raised inside the run's generator)."""
-
-    def __init__(self, error: BaseException, cause: BaseException | None = None) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.cause = cause
-
-
-class _Leave(Exception):
-    """Ends a run with a ``Depart`` action (raised inside the run's generator)."""
-
-    def __init__(self, action: Depart) -> None:
-        super().__init__(f"departing after step {action.step}")
-        self.action = action
+    plan: SyncPlan
+    steps: np.ndarray
+    """Each rank's committed step."""
+    theirs: list[SharedSettings]
+    """Each rank's settings."""
+    carried: np.ndarray
+    """The stragglers' claims (``Stragglers.adopt``)."""
 
 
 class StepMachine:
@@ -313,22 +225,13 @@ class StepMachine:
         self.leave_requested = False
         """A planned departure was asked for (:meth:`request_leave`)."""
         self._committed = FRESH
-        self.in_ring = False
         self._synced_epoch = ""
         self._advertised_on = ""
         """The view epoch of our last ``Advertise``: the first step we commit on a view,
         synced or taken without a sync, publishes our state's size (a joiner waits for a
         training member that advertises one, ``training/start.py``)."""
-        self._held: frozenset[str] = frozenset()
-        """The members of the view we last settled on, while no member can have committed a
-        step without us since (:meth:`_sync_needless`; empty: the next view change syncs)."""
-        self._tried: set[str] = set()
-        """Epochs of the views an attempt of ours failed on since our last committed step or
-        sync: not taken without a sync again (:meth:`_sync_needless`)."""
-        self._row_out = False
-        """The row of the pending ``Compute`` went out (:meth:`row`): from then on others can
-        commit its step without us."""
-        self.last_view: tuple[str, ...] = ()
+        self.held = Held()
+        """When a view is taken without a sync (``ftmesh.training.held``)."""
         self.world = 0
         """Members computing on the last view we synced on."""
         self.recoveries = 0
@@ -337,39 +240,23 @@ class StepMachine:
         self.last_sync_seconds = 0.0
         self.layout = (0, 0, 0)
         """(state, bucket, data) layout hashes, set by the driver (``SharedSettings``)."""
-        self._dead_since: dict[str, float] = {}
-        self.speed = 0.0
-        """``shares="speed"``: this member's smoothed compute speed (samples/s; 0: none yet)."""
-        self._weights: dict[str, float] = {}
-        """``shares="speed"``: the split's weights by member, agreed from the last committed
-        step's speeds, or after a sync from the speeds it carried ({}: equal shares)."""
-        self._remeasure = False
-        """We sat out (a straggler or a hot spare), or were just probed: our next measurement
-        replaces the smoothed speed, so a member that recovered meanwhile is judged on its
-        speed now."""
-        self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
-        """Whether we froze in each of the last committed steps (``ftmesh.torch.freezes``)."""
-        self._sit_out = False
-        """Fail-slow: step out of the ring before the next attempt (:meth:`_pause`)."""
-        self._pause_doublings = 0
-        """Fail-slow pauses that came soon after the one before (each doubles the next)."""
-        self._back_since: int | None = None
-        """Committed steps when we first committed again after a fail-slow pause."""
-        self.stragglers = Stragglers(config.straggler_rule, config.shares == "speed", SHARE_FLOOR)
-        """Who sits out the compute set (``ftmesh.training.stragglers``; carried across
-        views)."""
+        self.ring = Ring(config, me, self.start, self._leave_if_asked)
+        """Our place in the ring: entering it, spares' slots, the quorum (``training.entry``)."""
+        self.pace = Pace(config, me, batch_size)
+        """Speeds, shares, stragglers and fail-slow pauses (``ftmesh.training.pace``)."""
+        self.judge = HeaderJudge(config, me, batch_size, self.pace)
+        """Judges each step's reduced header and gathered rows (``ftmesh.training.verdicts``)."""
         self._own_sync: np.ndarray | None = None
-        self._parts = 0
+        self.parts = 0
+        """Check slots of the header (the registered parts; set by the driver)."""
         self.seen_step = FRESH
         """The newest committed step a member of the mesh published (``Progress.step``) while
         we had none; set by the driver before each run. A sync that then finds nobody in the
         view with a committed state fails loudly instead of restarting the run from step 1
         (issue #26 item 5)."""
-        self._nonfinite_streak: dict[str, int] = {}
-        """Committed steps in a row with non-finite gradients, by member."""
         self._run: _Run | None = None
         self._pending: Action | None = None
-        self._stats = _Counters()
+        self._stats = Counters()
 
     @property
     def committed(self) -> int:
@@ -380,12 +267,26 @@ class StepMachine:
     def committed(self, step: int) -> None:
         # Set from outside (a checkpoint or snapshot loaded): that state is ours alone.
         self._committed = step
-        self._forget_held()
+        self.held.forget()
+
+    @property
+    def in_ring(self) -> bool:
+        """Whether we are in the ring (``Ring.in_ring``)."""
+        return self.ring.in_ring
+
+    @property
+    def last_view(self) -> tuple[str, ...]:
+        """The members of the last view we settled on (``Ring.last_view``)."""
+        return self.ring.last_view
+
+    @last_view.setter
+    def last_view(self, members: tuple[str, ...]) -> None:
+        self.ring.last_view = members
 
     @property
     def synced_epoch(self) -> str:
         """The view we last synced on ("" after a failure: sync again, unless the sync is
-        needless: :meth:`_sync_needless`)."""
+        needless: ``Held.needless``)."""
         return self._synced_epoch
 
     @synced_epoch.setter
@@ -393,7 +294,7 @@ class StepMachine:
         # Set from outside ("": a step's body raised, its collectives are out of order with
         # the others'): the next attempt syncs, whatever the view.
         self._synced_epoch = epoch
-        self._forget_held()
+        self.held.forget()
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -440,9 +341,9 @@ class StepMachine:
             action = step()
         except StopIteration as stop:
             action = Finished(stop.value)
-        except _Abort as abort:
+        except Abort as abort:
             action = Raise(abort.error, abort.cause)
-        except _Leave as leave:
+        except Leave as leave:
             action = leave.action
         self._pending = None if isinstance(action, Finished | Depart | Raise) else action
         if self._pending is None:
@@ -477,21 +378,12 @@ class StepMachine:
         vec = np.concatenate(
             [
                 sync_vector(rank, view.size, self.committed, nbytes, digest),
-                self.stragglers.sync_slots(view.node_ids),
+                self.pace.sync_slots(view.node_ids),
                 settings_slots(self.settings, rank, view.size),
             ]
         )
         self._own_sync = vec.copy()
         return vec
-
-    def compute_set(self, view: RingView) -> tuple[str, ...]:
-        """The members that compute on ``view``: the first ``max_peers`` (all without a
-        limit) of those not sitting out as stragglers (``ftmesh.training.stragglers``); the
-        others are hot spares."""
-        m = self.config.max_peers
-        out = self.stragglers.out
-        ids = tuple(n for n in view.node_ids if n not in out) or view.node_ids
-        return ids[:m] if m else ids
 
     def check_reduction(
         self,
@@ -500,30 +392,8 @@ class StepMachine:
         own_checks: Sequence[int] | None,
         announced: bool = False,
     ) -> Failed | tuple[int, ...] | None:
-        """Check the reduced header of ``action``: ``None`` when it is sound, a ``Failed``
-        (``DESYNC``: feed it back) when it is data of another round, or the indices of the
-        registered parts whose digests differ between members (a fatal divergence).
-        ``announced``: we set our leave bit in it."""
-        view = action.view
-        if self.config.measures_speed:
-            trouble = speeds_problem(header[-SPEED_SLOTS:], view.size, self._split_tag(action))
-            if trouble:
-                return Failed(Failure.DESYNC, f"step {action.index + 1}: {trouble}")
-            header = header[:-SPEED_SLOTS]
-        problem = reduction_problem(
-            action.index,
-            view.size,
-            self.batch_size(action.index),
-            header,
-            own_checks,
-            view.rank_of(self.me),
-            announced,
-        )
-        if problem is None:
-            return None
-        if problem.desync:
-            return Failed(Failure.DESYNC, problem.desync)
-        return problem.diverged
+        """Check the reduced header of ``action`` (:meth:`HeaderJudge.check_reduction`)."""
+        return self.judge.check_reduction(action, header, own_checks, announced)
 
     def row(self, header: np.ndarray, nonfinite: bool) -> np.ndarray:
         """Our row for the step's gathered claims: our own header contribution as we added
@@ -531,8 +401,8 @@ class StepMachine:
         float32 header exactly. The driver calls it for the pending ``Compute`` before the
         row goes out (after the gradient allreduce): it tells the machine that from then on
         the others can commit the step without us, so that a failure after it syncs on the
-        next view (:meth:`_sync_needless`)."""
-        self._row_out = True
+        next view (``Held.needless``)."""
+        self.held.row_out = True
         return np.append(np.asarray(header, dtype=np.float64), float(nonfinite))
 
     def check_step(
@@ -545,211 +415,36 @@ class StepMachine:
         reduced_finite: bool = True,
     ) -> StepVerdict:
         """Judge a step from its reduced ``header`` and every member's gathered ``rows`` (its
-        own contribution and non-finite flag, ``row``; a row is written by its member only,
-        so what it says is attributable): the step goes on, or fails with a typed reason, or
-        our state differs from the majority's. ``reduced_finite``: whether the reduced
-        gradients are all finite. Never raises, whatever the numbers (``DESIGN-NOTES``: the
-        step header)."""
-        view, index = action.view, action.index
-        names = view.node_ids
-        parts = len(own_checks) if own_checks is not None else self.parts
-        tag = self._split_tag(action) if self.config.measures_speed else None
-        rows = np.asarray(rows)
-        if rows.ndim != 2 or rows.shape[0] != view.size:
-            offence = Offence(-1, RowFault.SHAPE, f"gathered rows of shape {rows.shape}")
-            return self._rejected(action, (offence,))
-        offences: list[Offence] = []
-        for r in range(view.size):
-            offences += row_faults(
-                rows[r].tolist(),
-                step=index,
-                rank=r,
-                batch=self.batch_size(index),
-                parts=parts,
-                check=own_checks is not None,
-                tag=tag,
-            )
-        hard = tuple(o for o in offences if not o.fault.soft)
-        if hard:
-            return self._rejected(action, hard, tuple(offences))
-        width = len(header)
-        speed_ranks = SPEED_SLOTS - 1 if tag is not None else 0
-        mismatch = (
-            rows_mismatch(rows[:, :width], header, speed_ranks)
-            if rows.shape[1] == width + 1
-            else f"rows of {rows.shape[1]} slots for a header of {width}"
+        own contribution and non-finite flag, :meth:`row`): ``ftmesh.training.verdicts``."""
+        return self.judge.check_step(
+            action, header, rows, own_checks, self.parts, announced, reduced_finite
         )
-        if mismatch:
-            return self._rejected(action, (Offence(-1, RowFault.MISMATCH, mismatch),))
-        # State check: each member's check values, compared as they are (not as a sum).
-        if own_checks is not None:
-            checks = [
-                tuple(int(c) for c in rows[r, HEADER_SLOTS : HEADER_SLOTS + parts])
-                for r in range(view.size)
-            ]
-            mine = tuple(int(c) for c in own_checks)
-            same = [r for r in range(view.size) if checks[r] == mine]
-            if len(same) < view.size:
-                diverged = tuple(i for i in range(parts) if any(c[i] != mine[i] for c in checks))
-                if 2 * len(same) <= view.size:  # we are not in a strict majority: stop
-                    return StepVerdict(diverged=diverged, rows=tuple(checks))
-                odd = tuple(
-                    Offence(r, RowFault.CHECKS, "holds other state than the majority")
-                    for r in range(view.size)
-                    if r not in same
-                )
-                return self._rejected(action, odd, tuple(offences) + odd)
-        problem = reduction_problem(
-            index,
-            view.size,
-            self.batch_size(index),
-            header[: len(header) - SPEED_SLOTS] if tag is not None else header,
-            own_checks,
-            view.rank_of(self.me),
-            announced,
-        )
-        if problem is not None and problem.desync:
-            return StepVerdict(failed=Failed(Failure.DESYNC, problem.desync))
-        speeds: tuple[float, ...] = ()
-        if tag is not None:
-            soft = {o.rank for o in offences}
-            base = HEADER_SLOTS + parts
-            speeds = tuple(
-                0.0 if r in soft or r >= SPEED_RANKS else float(rows[r, base + r])
-                for r in range(view.size)
-            )
-        flagged = tuple(names[r] for r in range(view.size) if rows[r, -1] == 1.0)
-        skip = bool(flagged) or not reduced_finite
-        offences += self._nonfinite_offences(names, flagged)
-        if skip:
-            log.warning(
-                "step %d: non-finite gradients from %s: every member skips the update",
-                index + 1,
-                ", ".join(flagged)
-                if flagged
-                else "no member that says so (the reduced gradients are not finite)",
-            )
-        return StepVerdict(offences=tuple(offences), speeds=speeds, skip=skip, nonfinite=flagged)
-
-    @property
-    def parts(self) -> int:
-        """Check slots of the header (the registered parts; set by the driver)."""
-        return self._parts
-
-    @parts.setter
-    def parts(self, n: int) -> None:
-        self._parts = n
-
-    def _rejected(
-        self, action: Compute, hard: tuple[Offence, ...], every: tuple[Offence, ...] = ()
-    ) -> StepVerdict:
-        names = action.view.node_ids
-        detail = "; ".join(
-            f"{names[o.rank] if 0 <= o.rank < len(names) else 'a member'}: {o.fault.value} "
-            f"({o.detail})"
-            for o in hard[:4]
-        )
-        self._stats.header_faults += len(hard)
-        return StepVerdict(
-            failed=Failed(Failure.HEADER, f"step {action.index + 1}: {detail}"),
-            offences=every or hard,
-        )
-
-    def _nonfinite_offences(self, names: Sequence[str], flagged: Sequence[str]) -> list[Offence]:
-        """Members whose gradients were non-finite in ``NONFINITE_LIMIT`` committed steps in a
-        row, counting this one: treated as insiders (an offence each step from then on)."""
-        return [
-            Offence(r, RowFault.FLAG, f"non-finite gradients {n + 1} steps in a row")
-            for r, m in enumerate(names)
-            if m in flagged and (n := self._nonfinite_streak.get(m, 0)) + 1 >= NONFINITE_LIMIT
-        ]
 
     # -- speed-proportional shares (``shares="speed"``) -------------------------------------
 
-    def split_weights(self, workers: Sequence[str]) -> tuple[float, ...] | None:
-        """The weights of the next split among ``workers`` (in sorted order, as the sampler
-        takes them): the agreed ones, renormalized over those still computing (members that
-        left in a planned departure); ``None`` (equal) when some worker has none."""
-        if not self._weights or any(w not in self._weights for w in workers):
-            return None
-        ws = [self._weights[w] for w in sorted(workers)]
-        return tuple(w / sum(ws) for w in ws)
-
-    def _split_tag(self, action: Compute) -> int:
-        workers = sorted(action.workers)
-        counts = split_share(self.batch_size(action.index), action.weights, len(workers))
-        return split_tag(workers, counts)
-
     def speed_slots(self, action: Compute, share: int, seconds: float) -> np.ndarray:
-        """The speed part of our header for ``action`` (empty unless ``shares="speed"``),
-        after counting ``share`` samples computed in ``seconds`` (forward and backward, not
-        the waits for the allreduce) in our smoothed speed: that speed in our rank's slot,
-        the split tag in the last."""
-        if not self.config.measures_speed:
-            return np.empty(0, dtype=np.float32)
-        if self.me not in action.workers:
-            self._remeasure = True  # our speed may have changed meanwhile
-        elif share > 0 and seconds > 0:
-            if self.speed == 0 or self._remeasure:
-                self.speed = share / seconds
-            else:  # (the EWMA is of seconds per sample: see SHARE_SMOOTHING)
-                pace = 1 / self.speed
-                self.speed = 1 / (pace + SHARE_SMOOTHING * (seconds / share - pace))
-            # A probe's small share mostly times the step's fixed cost: the trial's second
-            # step, at the normal split, replaces what it measured.
-            self._remeasure = self.stragglers.probing(self.me)
-        slots = np.zeros(SPEED_SLOTS, dtype=np.float32)
-        rank = action.view.rank_of(self.me)
-        if self.me in action.workers and rank < SPEED_RANKS:
-            slots[rank] = self.speed
-        slots[-1] = self._split_tag(action)
-        return slots
+        """The speed part of our header for ``action`` (:meth:`Pace.speed_slots`)."""
+        return self.pace.speed_slots(action, share, seconds)
 
     def speeds(self, header: Sequence[float]) -> tuple[float, ...]:
         """The agreed speeds (one per view rank) in a reduced header checked with
         :meth:`check_reduction` (``()`` unless ``TrainerConfig.measures_speed``)."""
-        if not self.config.measures_speed:
-            return ()
-        return tuple(float(v) for v in header[-SPEED_SLOTS:-1])
+        return self.pace.speeds(header)
 
-    def _reweigh(self, action: Compute, speeds: Sequence[float]) -> None:
-        """After committing ``action``: the stragglers and the next split's weights from its
-        agreed speeds (every member that committed it computes the same)."""
-        if not speeds:
-            return
-        workers = sorted(action.workers)
-        view = action.view
-        ranks = [view.rank_of(w) for w in workers]
-        measured = [speeds[r] if r < SPEED_RANKS else 0.0 for r in ranks]
-        batch = self.batch_size(action.index)
-        if self.me in self.stragglers.out:  # we sat this step out
-            self._stats.straggler_steps += 1
-        self.stragglers.observe(action.index, workers, measured, batch)
-        self._weights = {}
-        if self.config.shares == "speed":
-            counts = split_share(batch, action.weights, len(workers))
-            weights = speed_weights(measured, counts, action.weights)
-            self._weights = dict(zip(workers, weights, strict=True)) if weights else {}
-        after = sorted(self.compute_set(view))
-        retried = [w for w in after if w not in workers]
-        if retried and all(w in self.stragglers.known for w in after):
-            # Back on trial, with equal shares too: for one step, the share of its last known
-            # speed (a member still slow costs that step little, and is sent back).
-            self._weights = self._known_weights(after)
+    @property
+    def stragglers(self) -> Stragglers:
+        """Who sits out the compute set (``Pace.stragglers``)."""
+        return self.pace.stragglers
 
-    def _known_weights(self, workers: Sequence[str]) -> dict[str, float]:
-        """Weights proportional to the last agreed speeds of ``workers`` (one not measured
-        counts at the median of the others), with the floor ({}: none measured)."""
-        filled = filled_speeds([self.stragglers.known.get(w, 0.0) for w in workers])
-        if filled is None:
-            return {}
-        return dict(zip(workers, proportional_weights(filled, SHARE_FLOOR), strict=True))
+    @property
+    def speed(self) -> float:
+        """This member's smoothed compute speed (``Pace.speed``)."""
+        return self.pace.speed
 
     def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
         """The members that announced in ``action``'s reduced header (checked with
         :meth:`check_reduction`) that they leave after the step."""
-        ranks = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), action.view.size)
-        return tuple(action.view.node_ids[r] for r in ranks or ())
+        return leaving(action, header)
 
     def progress(self, backend: str = "tcp") -> Progress:
         """What the member publishes after a committed step (``SyncMesh.report_progress``)."""
@@ -765,243 +460,227 @@ class StepMachine:
         )
 
     def statistics(self) -> TrainerStatistics:
-        s = self._stats
-        return TrainerStatistics(
-            committed_step=max(self.committed, 0),
-            world_size=s.world_size,
-            share=s.share,
-            samples_total=s.samples_total,
-            steps_total=s.steps_total,
-            attempts_total=s.attempts_total,
-            step_seconds=s.step_seconds.snapshot(),
-            recovery_seconds=s.recovery_seconds.snapshot(),
-            state_transfer_bytes_total=s.state_transfer_bytes,
-            checkpoint_step=s.checkpoint_step,
-            straggler_steps_total=s.straggler_steps,
-            failslow_pauses_total=s.failslow_pauses,
-            nonfinite_steps_total=s.nonfinite_steps,
-            loss=s.loss,
-        )
+        """A frozen snapshot of this member's counters (for metrics)."""
+        p = self.pace
+        nonfinite = self.judge.nonfinite_steps
+        return self._stats.statistics(self.committed, p.straggler_steps, p.pauses, nonfinite)
 
     # -- a run -----------------------------------------------------------------------------
 
     def _attempts(self, now: float, *, compute: bool) -> _Run:
-        cfg = self.config
-        started = now
-        deadline = now + cfg.step_timeout
-        attempts = 0
-        synced = False
-        failed_at: float | None = None
-        entered_at = max(self.committed, 0)
+        """A run of attempts (the module docstring's 1 to 4), until one commits a step (or,
+        without ``compute``, settles on a view)."""
+        run = _Tries(now, now + self.config.step_timeout, max(self.committed, 0))
         while True:
-            attempts += 1
+            run.attempts += 1
             self._stats.attempts_total += 1
-            if self.leave_requested and (attempts > 1 or not self.in_ring):
-                self._depart()  # nothing to announce, or the announcing attempt failed
-            back = False
-            if self._sit_out and self.in_ring:
-                now = yield from self._pause(now)
-                deadline = now + cfg.step_timeout
-                back = True
-            if not self.in_ring:
-                now, deadline = yield from self._enter(now, deadline, back)
-                settle = cfg.join_settle / 4
-            else:
-                settle = 0.0
-            now, seen = yield WaitView(cfg.min_peers, settle, max(deadline - now, 0.1))
-            if self.leave_requested and _seen(seen) is None:
-                self._depart()
-            view = _view(seen)
-            if self._over_max_peers(view):
-                log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
-                self.in_ring = False
-                self._forget_held()
+            now, view = yield from self._enter_view(now, run)
+            if view is None:
                 continue
-            now, quorate = yield from self._quorate(now, view)
+            now, quorate = yield from self.ring.await_quorum(now, view, run.deadline)
             if not quorate:
-                log.info(
-                    "view of %d lacks a quorum of the last view of %d; waiting",
-                    view.size,
-                    len(self.last_view),
-                )
-                now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-                if now > deadline:
-                    raise _Abort(DeadlineExceeded(f"no quorum within {cfg.step_timeout}s"))
                 continue
-            failure: Failed | None = None
-            if view.epoch != self.synced_epoch and self._sync_needless(view):
-                log.info(
-                    "view %s: %d members of the view we last settled on, none of which can "
-                    "have committed a step without us: no sync (step %d)",
-                    view.epoch,
-                    view.size,
-                    self.committed,
-                )
-                now = yield from self._settle_on(now, view)
-            elif view.epoch != self.synced_epoch:
-                now, failure = yield from self._sync(now, view, shards=True)
-                if failure is None:
-                    synced = True
-                    if self.committed > entered_at:
-                        # Others committed the step we were computing (we failed at its end,
-                        # or joined): adopting it was this step.
-                        return self._done(started, now, failed_at, attempts, view, None)
+            now, settled = yield from self._sync_or_settle(now, view, run)
+            if isinstance(settled, StepReport):
+                return settled  # adopted
+            failure = settled
             if failure is None and not compute:
                 return None
             if failure is None:
-                index = self.committed
-                action = Compute(
-                    view=view,
-                    index=index,
-                    workers=self.compute_set(view),
-                    weights=self.split_weights(self.compute_set(view)),
-                    check=cfg.check_due(index),
-                    attempt=attempts,
-                )
-                self._row_out = False
-                now, out = yield action
-                if isinstance(out, Computed):
-                    self._committed = index + 1
-                    self._tried.clear()
-                    self._count_nonfinite(out.nonfinite, out.skipped)
-                    self._reweigh(action, out.speeds)
-                    self._count_freeze(out.frozen, view)
-                    if view.epoch != self._advertised_on:
-                        self._advertised_on = view.epoch
-                        yield Advertise()
-                    if cfg.checkpoint_due(self.committed):
-                        now, saved = yield Checkpoint(self.committed)
-                        if isinstance(saved, Saved) and saved.written:
-                            self._stats.checkpoint_step = self.committed
-                    report = self._done(
-                        started, now, failed_at, attempts, view, (out, synced, action)
-                    )
-                    if out.leaving:
-                        yield from self._see_off(now, view, report)
-                    return report
-                failure = _failed(out)
-                if self._row_out or failure.kind not in LOSSES:
-                    self._forget_held()  # others may have committed it, or we differ
-            # -- the attempt failed
-            self._tried.add(view.epoch)
-            failed_at = now if failed_at is None else failed_at
-            self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
-            if failure.kind is Failure.DESYNC:
-                log.warning(
-                    "collective data from another round on view %s: %s", view.epoch, failure.detail
-                )
-                now, _ = yield DropRing(view)
-            elif failure.kind is Failure.HEADER:
-                log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
-            self._synced_epoch = ""  # agree on state again first (unless needless)
-            if failure.kind is Failure.STATE_LOST:
-                now, loaded = yield FallBack(failure)
-                assert isinstance(loaded, Loaded)
-                self.committed = loaded.step
-                self.fallbacks += 1
-            else:
-                self.recoveries += 1
-            if now > deadline:
-                error = DeadlineExceeded(
-                    f"step {self.committed + 1} did not commit within {cfg.step_timeout}s "
-                    f"({attempts} attempts; last: {failure.detail})"
-                )
-                raise _Abort(error, failure.error)
-            if failure.kind is Failure.STATE_LOST:
-                continue
-            log.info(
-                "step %d attempt %d failed (%s); retrying on the next view",
-                self.committed + 1,
-                attempts,
-                failure.detail,
-            )
-            if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
-                # A joiner that cannot get in: step out of the ring and back in, which every
-                # member sees as a view change (and a fresh sync).
-                yield from self._step_out()
-                continue
-            if failure.kind is Failure.PEER_LOST:
-                now, members = yield ReadMembers()
-                states = {m.node: m.state for m in _members(members)}
-                if states.get(failure.peer) == MemberState.ALIVE:
-                    # A neighbour that gave up a ring and forms the next one, or a peer that
-                    # died and is not suspected yet: the view change ends the wait.
-                    jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
-                    now, _ = yield WaitViewChange(view.epoch, jitter)
-                else:
-                    now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
-            elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
-                now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-            elif failure.kind is Failure.HEADER:
-                # Until the accusation path leaves the offender out (a few strikes): retry at
-                # a bounded rate, or when the view changes.
-                now, _ = yield WaitViewChange(
-                    view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
-                )
+                now, done = yield from self._compute(now, view, run)
+                if isinstance(done, StepReport):
+                    return done
+                failure = done
+            now = yield from self._failed(now, view, failure, run)
 
-    def _count_nonfinite(self, members: Sequence[str], skipped: bool) -> None:
-        """After committing a step: count it if its update was skipped, and each member's
-        streak of steps with non-finite gradients."""
-        if skipped:
-            self._stats.nonfinite_steps += 1
-        for m in [m for m in self._nonfinite_streak if m not in members]:
-            del self._nonfinite_streak[m]
-        for m in members:
-            self._nonfinite_streak[m] = self._nonfinite_streak.get(m, 0) + 1
+    def _enter_view(
+        self, now: float, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, RingView | None]]:
+        """Enter the ring if we are out of it (after a fail-slow pause if one is due), and
+        wait for a view; ``None``: we are one member too many (back to spare)."""
+        cfg = self.config
+        if self.leave_requested and (run.attempts > 1 or not self.in_ring):
+            self._depart()  # nothing to announce, or the announcing attempt failed
+        back = False
+        if self.pace.sit_out and self.in_ring:
+            now = yield from self._pause(now)
+            run.deadline = now + cfg.step_timeout
+            back = True
+        if not self.in_ring:
+            now, run.deadline = yield from self.ring.enter(now, run.deadline, back)
+            settle = cfg.join_settle / 4
+        else:
+            settle = 0.0
+        now, seen = yield WaitView(cfg.min_peers, settle, max(run.deadline - now, 0.1))
+        if self.leave_requested and _seen(seen) is None:
+            self._depart()
+        view = _view(seen)
+        if self.ring.over_max_peers(view, self.committed):
+            log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
+            self.ring.in_ring = False
+            self.held.forget()
+            return now, None
+        return now, view
+
+    def _sync_or_settle(
+        self, now: float, view: RingView, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | StepReport | None]]:
+        """On a view other than the one we synced on: sync, or settle on it without a sync
+        when that is needless. A report: others committed the step we were computing, and
+        the sync adopted it (the run ends)."""
+        if view.epoch == self.synced_epoch:
+            return now, None
+        if self.held.needless(view, self.committed, self.config.shard_optimizer):
+            log.info(
+                "view %s: %d members of the view we last settled on, none of which can "
+                "have committed a step without us: no sync (step %d)",
+                view.epoch,
+                view.size,
+                self.committed,
+            )
+            now = yield from self._settle_on(now, view)
+            return now, None
+        now, failure = yield from self._sync(now, view, shards=True)
+        if failure is not None:
+            return now, failure
+        run.synced = True
+        if self.committed > run.entered_at:
+            # Others committed the step we were computing (we failed at its end, or
+            # joined): adopting it was this step.
+            return now, self._done(now, run, view, None)
+        return now, None
+
+    def _compute(
+        self, now: float, view: RingView, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, StepReport | Failed]]:
+        """Our share of the next step on ``view``: its report once committed, or the
+        failure."""
+        index = self.committed
+        computing = self.pace.compute_set(view)
+        action = Compute(
+            view=view,
+            index=index,
+            workers=computing,
+            weights=self.pace.split_weights(computing),
+            check=self.config.check_due(index),
+            attempt=run.attempts,
+        )
+        self.held.row_out = False
+        now, out = yield action
+        if isinstance(out, Computed):
+            return (yield from self._commit(now, action, out, run))
+        failure = _failed(out)
+        if self.held.row_out or failure.kind not in LOSSES:
+            self.held.forget()  # others may have committed it, or we differ
+        return now, failure
+
+    def _commit(
+        self, now: float, action: Compute, out: Computed, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, StepReport]]:
+        """``action`` committed: count it, advertise our state on a new view, checkpoint
+        when due, and see off the members that announced their departure."""
+        view = action.view
+        self._committed = action.index + 1
+        self.held.tried.clear()
+        self.judge.committed(out.nonfinite, out.skipped)
+        self.pace.committed(action, out.speeds, out.frozen, self.committed)
+        if view.epoch != self._advertised_on:
+            self._advertised_on = view.epoch
+            yield Advertise()
+        if self.config.checkpoint_due(self.committed):
+            now, saved = yield Checkpoint(self.committed)
+            if isinstance(saved, Saved) and saved.written:
+                self._stats.checkpoint_step = self.committed
+        report = self._done(now, run, view, (out, action))
+        if out.leaving:
+            yield from self._see_off(now, view, report)
+        return now, report
+
+    def _failed(
+        self, now: float, view: RingView, failure: Failed, run: _Tries
+    ) -> Generator[Action, tuple[float, Outcome], float]:
+        """An attempt on ``view`` failed: forget the synced view, fall back to a checkpoint
+        when the state is lost, give up past the deadline, else pause before the retry."""
+        self.held.tried.add(view.epoch)
+        run.failed_at = now if run.failed_at is None else run.failed_at
+        self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
+        if failure.kind is Failure.DESYNC:
+            log.warning(
+                "collective data from another round on view %s: %s", view.epoch, failure.detail
+            )
+            now, _ = yield DropRing(view)
+        elif failure.kind is Failure.HEADER:
+            log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
+        self._synced_epoch = ""  # agree on state again first (unless needless)
+        if failure.kind is Failure.STATE_LOST:
+            now, loaded = yield FallBack(failure)
+            assert isinstance(loaded, Loaded)
+            self.committed = loaded.step
+            self.fallbacks += 1
+        else:
+            self.recoveries += 1
+        if now > run.deadline:
+            error = DeadlineExceeded(
+                f"step {self.committed + 1} did not commit within {self.config.step_timeout}s "
+                f"({run.attempts} attempts; last: {failure.detail})"
+            )
+            raise Abort(error, failure.error)
+        if failure.kind is Failure.STATE_LOST:
+            return now
+        return (yield from self._before_retry(now, view, failure, run.attempts))
+
+    def _before_retry(
+        self, now: float, view: RingView, failure: Failed, attempts: int
+    ) -> Generator[Action, tuple[float, Outcome], float]:
+        """The pause the failure calls for before the next attempt (the module docstring)."""
+        log.info(
+            "step %d attempt %d failed (%s); retrying on the next view",
+            self.committed + 1,
+            attempts,
+            failure.detail,
+        )
+        if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
+            # A joiner that cannot get in: step out of the ring and back in, which every
+            # member sees as a view change (and a fresh sync).
+            yield from self._step_out()
+            return now
+        if failure.kind is Failure.PEER_LOST:
+            now, members = yield ReadMembers()
+            states = {m.node: m.state for m in _members(members)}
+            if states.get(failure.peer) == MemberState.ALIVE:
+                # A neighbour that gave up a ring and forms the next one, or a peer that
+                # died and is not suspected yet: the view change ends the wait.
+                jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
+                now, _ = yield WaitViewChange(view.epoch, jitter)
+            else:
+                now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
+        elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
+            now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+        elif failure.kind is Failure.HEADER:
+            # Until the accusation path leaves the offender out (a few strikes): retry at
+            # a bounded rate, or when the view changes.
+            now, _ = yield WaitViewChange(
+                view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
+            )
+        return now
 
     def _done(
         self,
-        started: float,
         now: float,
-        failed_at: float | None,
-        attempts: int,
+        run: _Tries,
         view: RingView,
-        computed: tuple[Computed, bool, Compute] | None,
+        computed: tuple[Computed, Compute] | None,
     ) -> StepReport:
-        s = self._stats
-        s.steps_total += 1
-        s.last_step_s = now - started
-        s.step_seconds.observe(s.last_step_s)
-        if failed_at is not None:
-            s.recovery_seconds.observe(now - failed_at)
+        """The report of the run that ends at ``now`` on ``view`` (``computed``: our
+        compute's outcome and action; ``None``: the step was adopted)."""
+        self._stats.ended(run.started, now, run.failed_at)
         samples = self.batch_size(self.committed - 1)
+        sync = self.last_sync_bytes, self.last_sync_seconds
+        ending = Ending(self.committed, samples, view, run.attempts, *sync)
         if computed is None:  # adopted
-            s.world_size = len(self.compute_set(view))
-            s.share = 0
-            s.loss = math.nan
-            return StepReport(
-                step=self.committed,
-                loss=float("nan"),
-                samples=samples,
-                members=view.node_ids,
-                epoch=view.epoch,
-                attempts=attempts,
-                synced=True,
-                sync_bytes=self.last_sync_bytes,
-                sync_seconds=self.last_sync_seconds,
-                adopted=True,
-            )
-        out, synced, action = computed
-        s.world_size = len(action.workers)
-        s.share = out.share
-        s.samples_total += out.share
-        s.loss = out.loss_sum / samples
-        rate = out.share / max(s.last_step_s, 1e-6)
-        s.sps = rate if s.steps_total == 1 else s.sps + SPS_SMOOTHING * (rate - s.sps)
-        return StepReport(
-            step=self.committed,
-            loss=s.loss,
-            samples=samples,
-            members=view.node_ids,
-            epoch=view.epoch,
-            attempts=attempts,
-            synced=synced,
-            sync_bytes=self.last_sync_bytes if synced else 0,
-            sync_seconds=self.last_sync_seconds if synced else 0.0,
-            share=out.share,
-            leaving=out.leaving,
-            computing=action.workers,
-        )
+            return self._stats.adopted(ending, len(self.pace.compute_set(view)))
+        out, action = computed
+        return self._stats.computed(ending, out, action.workers, run.synced)
 
     def _finish(self, now: float, timeout: float) -> _Run:
         """A last sync on the current view before leaving, so that a member whose final step
@@ -1022,175 +701,49 @@ class StepMachine:
             if failure.kind is Failure.DESYNC:
                 now, _ = yield DropRing(view)
             now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-        raise _Abort(DeadlineExceeded(f"final sync did not complete within {timeout}s"))
+        raise Abort(DeadlineExceeded(f"final sync did not complete within {timeout}s"))
 
-    # -- entering the ring -----------------------------------------------------------------
+    # -- the ring ---------------------------------------------------------------------------
 
-    def _enter(
-        self, now: float, deadline: float, back: bool = False
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, float]]:
-        """Into the ring; ``back`` from a fail-slow pause: only into a mesh that still trains
-        (the gate stops us with ``TrainingFinishedError`` if the others finished meanwhile,
-        instead of our training the rest alone)."""
-        cfg = self.config
-        # Let discovery and gossip settle (so we join the mesh that is there instead of
-        # starting a lonely one), then enter the ring at a step boundary.
-        now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
-        if self.start.waits or back:
-            now, _ = yield WaitToStart(max(deadline - now, 0.1), rejoin=back)
-            if self.leave_requested:
-                self._depart()
-        if cfg.max_peers and cfg.spares == "cold":
-            now = yield from self._wait_for_slot(now)
-            deadline = now + cfg.step_timeout
-        now, _ = yield PrepareJoin()
-        now, _ = yield SetRole("train")
-        self.in_ring = True
-        return now, deadline
-
-    def _wait_for_slot(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
-        """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots
-        (``max_peers`` less the members training) go to the candidates (spares and members
-        still joining) in node-id order, so every member that sees the same membership picks
-        the same ones; the choice is re-made on every membership change, so a member that
-        looked at a stale membership catches up (too many that step in at once are sorted out
-        by ``_over_max_peers``). Once a training member has finished (role ``done``) no slot
-        is taken: that is how training ends, and the run raises ``TrainingFinishedError`` when
-        none is training any more (also when the last ones left: nobody holds the state). A
-        member that left while others train (a planned departure) frees its slot."""
-        now, _ = yield SetRole("spare")
-        announced = False
-        while True:
-            if self.leave_requested:
-                self._depart()
-            now, out = yield ReadMembers()
-            members = _members(out)
-            alive = [m for m in members if m.state == MemberState.ALIVE]
-            training = [m.node for m in alive if m.role == "train"]
-            finished = any(m.role == "done" for m in members)
-            left = any(m.state == MemberState.LEFT and m.role == "train" for m in members)
-            if not training and (finished or left):
-                error = TrainingFinishedError("the training finished while we waited as a spare")
-                raise _Abort(error)
-            if not finished:
-                candidates = sorted(m.node for m in alive if m.role in ("spare", "joining"))
-                free = self.config.max_peers - len(training)
-                if free > 0 and self.me in candidates[:free]:
-                    return now
-            if not announced:
-                log.info(
-                    "%d members train (max_peers %d): waiting as a spare",
-                    len(training),
-                    self.config.max_peers,
-                )
-                announced = True
-            now, _ = yield WaitViewChange(None, SLOT_POLL_S)
-
-    def _step_out(self) -> Generator[Action, tuple[float, Outcome], None]:
-        """Leave the ring (role ``joining``) until the next attempt enters it again."""
-        yield SetRole("joining")
-        self.in_ring = False
-        self._forget_held()
-
-    def _over_max_peers(self, view: RingView) -> bool:
-        """Cold spares: whether we, not having trained yet, are one too many: members that
-        started together can all see a free slot before their roles have spread. The first
-        ``max_peers`` of the view (node-id order) stay, as every member computes alike."""
-        m = self.config.max_peers
-        return bool(
-            m
-            and self.config.spares == "cold"
-            and self.committed == FRESH
-            and view.size > m
-            and self.me not in view.node_ids[:m]
-        )
-
-    def _quorate(
-        self, now: float, view: RingView
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, bool]]:
-        if self.config.quorum == "any" or not self.last_view:
-            return now, True
-        if set(self.last_view) <= set(view.node_ids):  # all that last trained are here
-            self._dead_since.clear()
-            return now, True
-        now, out = yield ReadMembers()
-        states = {m.node: m.state for m in _members(out)}
-        gone = (MemberState.DEAD, MemberState.LEFT)
-        for node in self.last_view:
-            # Forgotten members (dead for long) count as dead.
-            if states.get(node, MemberState.DEAD) in gone:
-                self._dead_since.setdefault(node, now)
-            else:
-                self._dead_since.pop(node, None)
-        # Members that left, and members the ring leaves out (unreachable, or failing
-        # verification: every member, they included, computes them out of its view from the
-        # same gossip, as it sees a departure), do not count, at once.
-        excluded = {m.node for m in _members(out) if m.excluded}
-        # Nor do members that stepped out as spares (fail-slow: they chose to stay out).
-        spares = {m.node for m in _members(out) if m.role == "spare"}
-        left = [
-            n
-            for n in self.last_view
-            if states.get(n) == MemberState.LEFT or n in excluded or n in spares
-        ]
-        grace = self.config.quorum_grace
-        dead = [n for n, t in self._dead_since.items() if now - t >= grace]
-        return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
-
-    def _sync_needless(self, view: RingView) -> bool:
-        """Whether every member of ``view`` that would skip the sync holds our state, so that
-        we take ``view`` without one, as after a planned departure (issue #30). It needs:
-        ``view`` made only of members of the view we last settled on (a sync, or a
-        departure), and none of our attempts since, on that view or its subsets taken so,
-        failing after our row of its step went out (:meth:`row`), or after a sync's
-        agreement, or otherwise than by a lost peer or a changed view (``LOSSES``); nor a
-        view an attempt of ours already failed on since our last commit or sync
-        (``_tried``). Sharded optimizer state always needs the sync (it re-spreads the
-        shards).
-
-        Why that suffices. A step commits on a member only once it has gathered every
-        member's row, ours included: when all our failures came before our row went out, no
-        member committed a step we did not. Were some member X of ``view`` one step *ahead*
-        of us, we would have sent our row of that step: that failure clears ``_held``. Were
-        some member Y *behind* us, Y sent its row of a step we committed and failed after
-        it, so Y's ``_held`` is empty and Y syncs. So the members that skip all stand at our
-        step, reached by the same reduced gradients from the state of the same sync; one
-        that syncs meets our step's collectives with its sync's and the collective layer
-        fails both (a mismatch: no data is combined), after which everyone syncs: the
-        collective layer says ``INPUT_MISMATCH``, which forgets what we held, but another
-        path (a GPU process group's set-up, a test's fake mesh) may say it as any failure,
-        so a view we failed on is never taken without a sync twice (no livelock). The round
-        tag in the step header stays the backstop."""
-        return (
-            bool(self._held)
-            and not self.config.shard_optimizer
-            and self.committed != FRESH
-            and set(view.node_ids) <= self._held
-            and view.epoch not in self._tried
-        )
-
-    def _forget_held(self) -> None:
-        """The next view change syncs (:meth:`_sync_needless`)."""
-        self._held = frozenset()
-        self._tried.clear()
+    def _step_out(self) -> Steps[None]:
+        """Leave the ring (``Ring.step_out``); the next view change syncs."""
+        yield from self.ring.step_out()
+        self.held.forget()
 
     # -- the sync --------------------------------------------------------------------------
 
     def _sync(
         self, now: float, view: RingView, *, shards: bool
     ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
+        """The sync on ``view`` (the module docstring's 3): agree, fetch what we lack,
+        re-shard (``shards``: the optimizer state too), and settle on the view."""
         started = now
         self.last_sync_bytes = 0
         rank = view.rank_of(self.me)
         now, out = yield Sync(view)
         if isinstance(out, Failed):
             if out.kind not in LOSSES:
-                self._forget_held()
+                self.held.forget()
             return now, out
         # From here our state is the sync's to set (a fetch, a re-shard): held again only if
         # the sync ends well (``_settle_on``).
-        self._forget_held()
-        vec, own = _reduced(out), self._own_sync
+        self.held.forget()
+        read = self._read_sync(view, rank, _reduced(out))
+        if isinstance(read, Failed):
+            return now, read
+        failure = yield from self._check_sync(view, rank, read)
+        if failure is None:
+            now, failure = yield from self._transfer(now, view, rank, read, shards)
+        if failure is not None:
+            return now, failure
+        self._stats.state_transfer_bytes += self.last_sync_bytes
+        self.last_sync_seconds = now - started
+        now = yield from self._settle_on(now, view, read.carried)
+        return now, None
+
+    def _read_sync(self, view: RingView, rank: int, vec: np.ndarray) -> _SyncRead | Failed:
+        """The reduced sync vector's parts, or a ``DESYNC`` failure when it lost ours."""
+        own = self._own_sync
         assert own is not None
         cut = len(vec) - SETTINGS_SLOTS * view.size
         theirs = read_settings(vec[cut:], view.size)
@@ -1201,12 +754,19 @@ class StepMachine:
         ):
             # Every other member writes FRESH into our slots, so max() must give ours back.
             what = f"sync vector {vec.tolist()} lost our slots {own.tolist()}"
-            return now, Failed(Failure.DESYNC, what)
-        plan = plan_sync(vec[:cut])
-        trained = int(vec[: view.size].max()) != FRESH  # (else rank 0's state is adopted)
+            return Failed(Failure.DESYNC, what)
+        return _SyncRead(plan_sync(vec[:cut]), vec[: view.size], theirs, carried)
+
+    def _check_sync(
+        self, view: RingView, rank: int, read: _SyncRead
+    ) -> Generator[Action, tuple[float, Outcome], Failed | None]:
+        """Whether the sync may go on: a run's state that nobody holds any more, or settings
+        we cannot share, stop this member (out of the ring first); settings that others will
+        change fail the attempt."""
+        trained = int(read.steps.max()) != FRESH  # (else rank 0's state is adopted)
         if not trained and self.committed == FRESH and self.seen_step > 0:
             yield from self._step_out()
-            raise _Abort(
+            raise Abort(
                 StateLostError(
                     (),
                     f"this mesh had committed {self.seen_step} steps, but no member of the "
@@ -1215,21 +775,30 @@ class StepMachine:
                     "Resume from a checkpoint (checkpoint_dir), or start a new mesh",
                 )
             )
-        problem = settings_problem(theirs, view.node_ids, rank, plan.holders if trained else ())
+        holders = read.plan.holders if trained else ()
+        problem = settings_problem(read.theirs, view.node_ids, rank, holders)
         if problem is not None and problem.fatal:
             # Step out of the ring first: the members that go on see a view without us at
             # once, even if the script catches the error and stays alive.
             yield from self._step_out()
-            raise _Abort(ConfigError(problem.message))
+            raise Abort(ConfigError(problem.message))
         if problem is not None:
-            return now, Failed(Failure.SETTINGS, problem.message)
+            return Failed(Failure.SETTINGS, problem.message)
+        return None
+
+    def _transfer(
+        self, now: float, view: RingView, rank: int, read: _SyncRead, shards: bool
+    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
+        """The sync's state transfer: fetch the newest state if we are behind, a barrier
+        while others fetch, and the re-shard of the optimizer state in sharded mode."""
+        plan = read.plan
         log.info(
             "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
             view.epoch,
             rank,
             view.size,
             self.committed,
-            vec[: view.size].tolist(),
+            read.steps.tolist(),
             plan.target_step,
             plan.root,
             plan.behind,
@@ -1253,9 +822,6 @@ class StepMachine:
             if isinstance(out, Failed):
                 return now, out
             self.last_sync_bytes += _fetched(out)
-        self._stats.state_transfer_bytes += self.last_sync_bytes
-        self.last_sync_seconds = now - started
-        now = yield from self._settle_on(now, view, carried)
         return now, None
 
     def _settle_on(
@@ -1266,21 +832,9 @@ class StepMachine:
         planned departure or a loss (no sync), stays as it was
         (``ftmesh.training.stragglers``)."""
         self._synced_epoch = view.epoch
-        self._held = frozenset(view.node_ids)
-        if carried is not None:  # a sync: every member of the view was in it
-            self._tried.clear()
-        if carried is None:
-            self.stragglers.keep_only(view.node_ids)
-        else:
-            self.stragglers.adopt(carried, view.node_ids, self.committed)
-        computing = self.compute_set(view)
-        if carried is not None:
-            # Every member of the view ran this sync and holds the same carried speeds (the
-            # weights each had before may differ, and joiners have none): shares="speed"
-            # starts its steps from them, a joiner at the median speed.
-            speed = self.config.shares == "speed"
-            self._weights = self._known_weights(sorted(computing)) if speed else {}
-        self.last_view = view.node_ids
+        self.held.settle(view.node_ids, synced=carried is not None)  # (a sync: all were in it)
+        computing = self.pace.settled(view, carried, self.committed)
+        self.ring.last_view = view.node_ids
         world = len(computing)
         if self.world != world:
             if self.world:
@@ -1290,49 +844,16 @@ class StepMachine:
 
     # -- fail-slow members -----------------------------------------------------------------
 
-    def _count_freeze(self, frozen: float, view: RingView) -> None:
-        """After committing a step in which we stood still ``frozen`` seconds: enough freezes
-        in the last ``straggler_steps`` make us sit out the next steps (:meth:`_pause`)."""
-        cfg = self.config
-        if self._back_since is None and self._stats.failslow_pauses:
-            self._back_since = self.committed  # our first step back after a pause
-        self._froze.append(frozen > 0)
-        if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 1:
-            # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
-            soon = self._back_since is not None and (
-                self.committed - self._back_since < cfg.readmit_steps
-            )
-            doublings = min(self._pause_doublings + 1, MAX_BACKOFF_DOUBLINGS) if soon else 0
-            self._pause_doublings = doublings
-            log.warning(
-                "this member froze (stood still for more than %.1fs) in %d of its last %d "
-                "steps: it is fail-slow and steps out of the ring for %.0fs (every freeze "
-                "in a collective stops the whole ring)",
-                cfg.failslow_freeze,
-                sum(self._froze),
-                len(self._froze),
-                self._pause_seconds(),
-            )
-            self._froze.clear()
-            self._sit_out = True
-
-    def _pause_seconds(self) -> float:
-        """This fail-slow pause: ``failslow_pause``, doubled for each pause in a row that
-        came within ``readmit_steps`` of the member's return (``MAX_BACKOFF_DOUBLINGS``)."""
-        return self.config.failslow_pause * (1 << self._pause_doublings)
-
     def _pause(self, now: float) -> Generator[Action, tuple[float, Outcome], float]:
         """Out of the ring (role ``spare``: the others' next view is without us, and they do
         not wait for us in their quorum) for ``failslow_pause`` (doubled when it comes soon
-        after the last one: :meth:`_pause_seconds`); then the attempt joins again like a
+        after the last one: :meth:`Pace.pause`); then the attempt joins again like a
         member that was away, and syncs."""
-        self._sit_out = False
-        self._stats.failslow_pauses += 1
-        self._back_since = None
+        seconds = self.pace.pause()
         yield SetRole("spare")
-        self.in_ring = False
+        self.ring.in_ring = False
         self.synced_epoch = ""
-        end = now + self._pause_seconds()
+        end = now + seconds
         while now < end:
             if self.leave_requested:
                 self._depart()
@@ -1342,8 +863,13 @@ class StepMachine:
 
     # -- planned departures ----------------------------------------------------------------
 
+    def _leave_if_asked(self) -> None:
+        """Depart at once if this member was asked to leave (``Ring``'s ``leave``)."""
+        if self.leave_requested:
+            self._depart()
+
     def _depart(self, report: StepReport | None = None) -> NoReturn:
-        raise _Leave(Depart(max(self.committed, 0), report))
+        raise Leave(Depart(max(self.committed, 0), report))
 
     def _see_off(
         self, now: float, view: RingView, report: StepReport

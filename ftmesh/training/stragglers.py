@@ -21,7 +21,7 @@ judged as it was split; then one step at the normal split (equal shares: its who
 Too slow in either, it goes back out at once, for twice as long each time (at most
 ``2**MAX_BACKOFF_DOUBLINGS`` times ``readmit``); otherwise it stays, and its share follows
 its measured speed. (Its first measurement back replaces its smoothed speed of the slow days:
-``StepMachine._remeasure``.) At most one member leaves per step, never the last one
+``Pace._remeasure``.) At most one member leaves per step, never the last one
 computing.
 
 Every member computes the same decisions because every input is agreed: the speeds of the

@@ -1,0 +1,202 @@
+"""Into the ring and out of it: the start gate, cold spares' slots, the quorum.
+
+Theory of operation. :class:`Ring` is the part of the step machine (``ftmesh.training.step``)
+that deals with a member's place in the ring, as generators of the machine's actions (it
+performs nothing either). A member outside the ring *enters* it (:meth:`Ring.enter`): it
+lets membership settle (``join_settle``), passes the start gate (``ftmesh.training.start``;
+back from a fail-slow pause only into a mesh that still trains), waits as a cold spare for a
+free slot when ``max_peers`` is set (:meth:`Ring.wait_for_slot`), and takes the role
+``train``. Members that started together may all see a free slot before their roles have
+spread: one that has not trained and is past the first ``max_peers`` of a view steps back
+out (:meth:`Ring.over_max_peers`). A view is trained on only with a quorum of the last view
+the member settled on (:meth:`Ring.quorate`: members that left, that the ring leaves out,
+that stepped out as spares, or that are dead for ``quorum_grace`` do not count). A member
+steps out of the ring (role ``joining``) to re-enter it as a fresh view
+(:meth:`Ring.step_out`).
+
+A member asked to leave (``leave_requested``, read through the machine) departs at once at
+the start gate and while it waits as a spare: the ``leave`` callback raises the machine's
+departure.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..errors import DeadlineExceeded, TrainingFinishedError
+from ..membership.messages import MemberState
+from .actions import (
+    MemberInfo,
+    Members,
+    Outcome,
+    PrepareJoin,
+    ReadMembers,
+    SetRole,
+    Settle,
+    WaitToStart,
+    WaitViewChange,
+)
+from .config import TrainerConfig
+from .protocol import FRESH, has_quorum
+from .runs import Abort, Steps
+from .start import StartConfig
+
+if TYPE_CHECKING:
+    from ..collective.view import RingView
+
+log = logging.getLogger("ftmesh.training")
+
+SLOT_POLL_S = 1.0
+"""The longest a spare waits for a membership change before looking again."""
+QUORUM_POLL_S = 1.0
+"""The longest a member without quorum waits for another view before looking again."""
+
+
+class Ring:
+    """One member's place in the ring; see the module docstring. ``leave()`` departs (it
+    raises) when this member was asked to leave, else returns."""
+
+    def __init__(
+        self, config: TrainerConfig, me: str, start: StartConfig, leave: Callable[[], None]
+    ) -> None:
+        self.config = config
+        self.me = me
+        self.start = start
+        self.leave = leave
+        self.in_ring = False
+        self.last_view: tuple[str, ...] = ()
+        """The members of the last view we settled on (the quorum is of it)."""
+        self._dead_since: dict[str, float] = {}
+
+    def enter(self, now: float, deadline: float, back: bool = False) -> Steps[tuple[float, float]]:
+        """Into the ring; ``back`` from a fail-slow pause: only into a mesh that still trains
+        (the gate stops us with ``TrainingFinishedError`` if the others finished meanwhile,
+        instead of our training the rest alone)."""
+        cfg = self.config
+        # Let discovery and gossip settle (so we join the mesh that is there instead of
+        # starting a lonely one), then enter the ring at a step boundary.
+        now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
+        if self.start.waits or back:
+            now, _ = yield WaitToStart(max(deadline - now, 0.1), rejoin=back)
+            self.leave()
+        if cfg.max_peers and cfg.spares == "cold":
+            now = yield from self.wait_for_slot(now)
+            deadline = now + cfg.step_timeout
+        now, _ = yield PrepareJoin()
+        now, _ = yield SetRole("train")
+        self.in_ring = True
+        return now, deadline
+
+    def wait_for_slot(self, now: float) -> Steps[float]:
+        """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots
+        (``max_peers`` less the members training) go to the candidates (spares and members
+        still joining) in node-id order, so every member that sees the same membership picks
+        the same ones; the choice is re-made on every membership change, so a member that
+        looked at a stale membership catches up (too many that step in at once are sorted out
+        by :meth:`over_max_peers`). Once a training member has finished (role ``done``) no
+        slot is taken: that is how training ends, and the run raises
+        ``TrainingFinishedError`` when none is training any more (also when the last ones
+        left: nobody holds the state). A member that left while others train (a planned
+        departure) frees its slot."""
+        now, _ = yield SetRole("spare")
+        announced = False
+        while True:
+            self.leave()
+            now, out = yield ReadMembers()
+            members = _members(out)
+            alive = [m for m in members if m.state == MemberState.ALIVE]
+            training = [m.node for m in alive if m.role == "train"]
+            finished = any(m.role == "done" for m in members)
+            left = any(m.state == MemberState.LEFT and m.role == "train" for m in members)
+            if not training and (finished or left):
+                raise Abort(
+                    TrainingFinishedError("the training finished while we waited as a spare")
+                )
+            if not finished:
+                candidates = sorted(m.node for m in alive if m.role in ("spare", "joining"))
+                free = self.config.max_peers - len(training)
+                if free > 0 and self.me in candidates[:free]:
+                    return now
+            if not announced:
+                log.info(
+                    "%d members train (max_peers %d): waiting as a spare",
+                    len(training),
+                    self.config.max_peers,
+                )
+                announced = True
+            now, _ = yield WaitViewChange(None, SLOT_POLL_S)
+
+    def step_out(self) -> Steps[None]:
+        """Leave the ring (role ``joining``) until the next attempt enters it again."""
+        yield SetRole("joining")
+        self.in_ring = False
+
+    def over_max_peers(self, view: RingView, committed: int) -> bool:
+        """Cold spares: whether we, not having trained yet (``committed``), are one too many:
+        members that started together can all see a free slot before their roles have
+        spread. The first ``max_peers`` of the view (node-id order) stay, as every member
+        computes alike."""
+        m = self.config.max_peers
+        return bool(
+            m
+            and self.config.spares == "cold"
+            and committed == FRESH
+            and view.size > m
+            and self.me not in view.node_ids[:m]
+        )
+
+    def await_quorum(
+        self, now: float, view: RingView, deadline: float
+    ) -> Steps[tuple[float, bool]]:
+        """Whether ``view`` holds a quorum of the last view; if not, wait for another view
+        (``deadline`` bounds the waiting)."""
+        now, quorate = yield from self.quorate(now, view)
+        if quorate:
+            return now, True
+        log.info(
+            "view of %d lacks a quorum of the last view of %d; waiting",
+            view.size,
+            len(self.last_view),
+        )
+        now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+        if now > deadline:
+            raise Abort(DeadlineExceeded(f"no quorum within {self.config.step_timeout}s"))
+        return now, False
+
+    def quorate(self, now: float, view: RingView) -> Steps[tuple[float, bool]]:
+        """Whether ``view`` holds a quorum of the last view (``TrainerConfig.quorum``)."""
+        if self.config.quorum == "any" or not self.last_view:
+            return now, True
+        if set(self.last_view) <= set(view.node_ids):  # all that last trained are here
+            self._dead_since.clear()
+            return now, True
+        now, out = yield ReadMembers()
+        states = {m.node: m.state for m in _members(out)}
+        gone = (MemberState.DEAD, MemberState.LEFT)
+        for node in self.last_view:
+            # Forgotten members (dead for long) count as dead.
+            if states.get(node, MemberState.DEAD) in gone:
+                self._dead_since.setdefault(node, now)
+            else:
+                self._dead_since.pop(node, None)
+        # Members that left, and members the ring leaves out (unreachable, or failing
+        # verification: every member, they included, computes them out of its view from the
+        # same gossip, as it sees a departure), do not count, at once.
+        excluded = {m.node for m in _members(out) if m.excluded}
+        # Nor do members that stepped out as spares (fail-slow: they chose to stay out).
+        spares = {m.node for m in _members(out) if m.role == "spare"}
+        left = [
+            n
+            for n in self.last_view
+            if states.get(n) == MemberState.LEFT or n in excluded or n in spares
+        ]
+        grace = self.config.quorum_grace
+        dead = [n for n, t in self._dead_since.items() if now - t >= grace]
+        return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
+
+
+def _members(outcome: Outcome) -> tuple[MemberInfo, ...]:
+    assert isinstance(outcome, Members)
+    return outcome.members
