@@ -12,7 +12,11 @@ out (:meth:`Ring.over_max_peers`). A view is trained on only with a quorum of th
 the member settled on (:meth:`Ring.quorate`: members that left, that the ring leaves out,
 that stepped out as spares, or that are dead for ``quorum_grace`` do not count). A member
 steps out of the ring (role ``joining``) to re-enter it as a fresh view
-(:meth:`Ring.step_out`).
+(:meth:`Ring.step_out`). After a failed attempt, the member waits for the next view as long
+as the failure calls for (:meth:`Ring.await_change`): a peer lost that membership still holds
+alive, a random ``RETRY_JITTER_S`` at most (the view change ends the wait at once); one it
+no longer does, ``LOSS_WAIT_S``; settings that others will change, ``QUORUM_POLL_S``; a
+malformed header, a jittered bounded rate.
 
 A member asked to leave (``leave_requested``, read through the machine) departs at once at
 the start gate and while it waits as a spare: the ``leave`` callback raises the machine's
@@ -22,15 +26,15 @@ departure.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import DeadlineExceeded, TrainingFinishedError
 from ..membership.messages import MemberState
 from .actions import (
-    MemberInfo,
-    Members,
-    Outcome,
+    Failed,
+    Failure,
     PrepareJoin,
     ReadMembers,
     SetRole,
@@ -40,7 +44,7 @@ from .actions import (
 )
 from .config import TrainerConfig
 from .protocol import FRESH, has_quorum
-from .runs import Abort, Steps
+from .runs import Abort, Steps, members_of
 from .start import StartConfig
 
 if TYPE_CHECKING:
@@ -52,6 +56,15 @@ SLOT_POLL_S = 1.0
 """The longest a spare waits for a membership change before looking again."""
 QUORUM_POLL_S = 1.0
 """The longest a member without quorum waits for another view before looking again."""
+RETRY_JITTER_S = 0.2
+"""After a loss of a peer that membership still holds alive, wait for the view to change at
+most this many seconds (drawn at random, so that members that failed together do not retry
+in lockstep on an unchanged view): a peer that really died is dropped by membership within
+the wait, and the retry starts the moment the view without it arrives, not after a sleep
+(issue #30)."""
+LOSS_WAIT_S = 0.5
+"""After a loss of a peer that membership no longer holds alive, how long to wait for the
+view to drop it; short, so that we are back before neighbours that wait for us give up."""
 
 
 class Ring:
@@ -105,7 +118,7 @@ class Ring:
         while True:
             self.leave()
             now, out = yield ReadMembers()
-            members = _members(out)
+            members = members_of(out)
             alive = [m for m in members if m.state == MemberState.ALIVE]
             training = [m.node for m in alive if m.role == "train"]
             finished = any(m.role == "done" for m in members)
@@ -132,6 +145,31 @@ class Ring:
         """Leave the ring (role ``joining``) until the next attempt enters it again."""
         yield SetRole("joining")
         self.in_ring = False
+
+    def await_change(
+        self, now: float, view: RingView, failure: Failed, rng: random.Random
+    ) -> Steps[float]:
+        """After an attempt on ``view`` failed with ``failure``: wait for the view to change,
+        as long as the failure calls for (``rng`` draws the jitter)."""
+        if failure.kind is Failure.PEER_LOST:
+            now, members = yield ReadMembers()
+            states = {m.node: m.state for m in members_of(members)}
+            if states.get(failure.peer) == MemberState.ALIVE:
+                # A neighbour that gave up a ring and forms the next one, or a peer that
+                # died and is not suspected yet: the view change ends the wait.
+                jitter = rng.uniform(0.0, RETRY_JITTER_S)
+                now, _ = yield WaitViewChange(view.epoch, jitter)
+            else:
+                now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
+        elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
+            now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
+        elif failure.kind is Failure.HEADER:
+            # Until the accusation path leaves the offender out (a few strikes): retry at
+            # a bounded rate, or when the view changes.
+            now, _ = yield WaitViewChange(
+                view.epoch, RETRY_JITTER_S + rng.uniform(0.0, RETRY_JITTER_S)
+            )
+        return now
 
     def over_max_peers(self, view: RingView, committed: int) -> bool:
         """Cold spares: whether we, not having trained yet (``committed``), are one too many:
@@ -173,7 +211,7 @@ class Ring:
             self._dead_since.clear()
             return now, True
         now, out = yield ReadMembers()
-        states = {m.node: m.state for m in _members(out)}
+        states = {m.node: m.state for m in members_of(out)}
         gone = (MemberState.DEAD, MemberState.LEFT)
         for node in self.last_view:
             # Forgotten members (dead for long) count as dead.
@@ -184,9 +222,9 @@ class Ring:
         # Members that left, and members the ring leaves out (unreachable, or failing
         # verification: every member, they included, computes them out of its view from the
         # same gossip, as it sees a departure), do not count, at once.
-        excluded = {m.node for m in _members(out) if m.excluded}
+        excluded = {m.node for m in members_of(out) if m.excluded}
         # Nor do members that stepped out as spares (fail-slow: they chose to stay out).
-        spares = {m.node for m in _members(out) if m.role == "spare"}
+        spares = {m.node for m in members_of(out) if m.role == "spare"}
         left = [
             n
             for n in self.last_view
@@ -195,8 +233,3 @@ class Ring:
         grace = self.config.quorum_grace
         dead = [n for n, t in self._dead_since.items() if now - t >= grace]
         return now, has_quorum(self.config.quorum, view.node_ids, self.last_view, [*left, *dead])
-
-
-def _members(outcome: Outcome) -> tuple[MemberInfo, ...]:
-    assert isinstance(outcome, Members)
-    return outcome.members

@@ -12,7 +12,7 @@ pending step went out (``row_out``: from then on others can commit it without us
 :meth:`Held.needless` takes a view without a sync when it is made only of members of the
 view we last settled on, none of our attempts since failed after our row of its step went
 out, or after a sync's agreement, or otherwise than by a lost peer or a changed view
-(``step.LOSSES``), and no attempt of ours already failed on it since our last commit or sync
+(:data:`LOSSES`), and no attempt of ours already failed on it since our last commit or sync
 (``tried``). Sharded optimizer state always needs the sync (it re-spreads the shards).
 
 Why that suffices. A step commits on a member only once it has gathered every member's row,
@@ -34,10 +34,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .actions import Failure
 from .protocol import FRESH
 
 if TYPE_CHECKING:
     from ..collective.view import RingView
+
+LOSSES = (Failure.PEER_LOST, Failure.VIEW)
+"""The failures of a collective that a lost member or a changed view explain: struck before
+our row of a step went out, they leave the state where it was (:meth:`Held.needless`)."""
 
 
 class Held:

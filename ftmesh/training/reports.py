@@ -8,8 +8,9 @@ its compute and committed it) or *adopted* (others committed it and a sync gave 
 state: a joiner's first step, or a step whose end we missed; its loss is unknown, nan).
 :class:`Counters` builds both reports and keeps the member's running counters alongside
 (steps, samples, attempts, step and recovery times, bytes transferred, the smoothed
-samples/s, the last fault), from which the machine makes its published ``Progress`` and its
-``TrainerStatistics`` (the metrics). Pure: no clock, no I/O; the times come in.
+samples/s, the last fault), from which it makes the member's published ``Progress``
+(``ftmesh.mesh.meta``, a pure record) and its ``TrainerStatistics`` (the metrics). Pure: no
+clock, no I/O; the times come in.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..mesh.meta import Progress
 from ..stats import Histogram, TrainerStatistics
 from .actions import Computed
 
@@ -146,6 +148,19 @@ class Counters:
             share=out.share,
             leaving=out.leaving,
             computing=workers,
+        )
+
+    def progress(self, committed: int, backend: str) -> Progress:
+        """What the member publishes after a committed step (``committed``: its committed
+        step count; ``SyncMesh.report_progress``)."""
+        return Progress(
+            step=max(committed, 0),
+            step_s=self.last_step_s,
+            share=self.share,
+            sps=self.sps,
+            world=self.world_size,
+            backend=backend,
+            fault=self.last_fault,
         )
 
     def statistics(

@@ -50,19 +50,23 @@ of *attempts*:
 
 A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
 attempt: the machine forgets the synced view (the next attempt syncs again, unless the sync
-is needless, as in 3), pauses as the failure calls for (a lost peer that membership still
-holds alive: until the view changes, at most a random ``RETRY_JITTER_S``), and starts over
-at 1 or 2. The step's global batch never changes between
-attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
+is needless, as in 3), pauses as the failure calls for (``Ring.await_change``: a lost peer
+that membership still holds alive, until the view changes, at most a random
+``RETRY_JITTER_S``), and starts over at 1 or 2. The step's global batch never changes
+between attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 
 The machine owns the run, written as one generator per phase (enter and view, quorum, sync
 or settle, compute, commit, failure, retry pause). Parts of its own hold the rest of a
 member's step state, fed and read by the machine through small typed methods: its place in
-the ring (``ftmesh.training.entry.Ring``: the start gate, spares' slots, the quorum), the
+the ring (``ftmesh.training.entry.Ring``: the start gate, spares' slots, the quorum, the
+wait before a retry), the sync (``ftmesh.training.syncing.Syncer``: agreeing on state,
+fetching it, settling on a view, taking the view without the leavers, the final sync), the
 *pace* (``ftmesh.training.pace.Pace``: speeds, split weights, who sits out, fail-slow
 pauses), the *judge* of step headers (``ftmesh.training.verdicts.HeaderJudge``), what the
 others hold (``ftmesh.training.held.Held``: when a view is taken without a sync) and the
-counters and reports (``ftmesh.training.reports``).
+counters, reports and published progress (``ftmesh.training.reports``). The driver talks
+to the machine only through :meth:`StepMachine.begin`, :meth:`StepMachine.feed`, the
+inputs and the outputs the class docstring lists.
 """
 
 from __future__ import annotations
@@ -71,20 +75,15 @@ import logging
 import random
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeAlias
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import numpy as np
 
 from ..collective.view import RingView
 from ..errors import (
-    ConfigError,
     DeadlineExceeded,
-    FtmeshError,
     LocalUsageError,
-    StateLostError,
 )
-from ..membership.messages import MemberState
-from ..mesh.meta import Progress
 from ..stats import TrainerStatistics
 from .actions import (
     EXPECTS,
@@ -99,52 +98,32 @@ from .actions import (
     Failed,
     Failure,
     FallBack,
-    Fetch,
-    Fetched,
     Finished,
     Loaded,
-    MemberInfo,
-    Members,
     Outcome,
     Raise,
-    ReadMembers,
-    ReadView,
-    Reduced,
-    Reshard,
     Saved,
     SetRole,
     Sleep,
-    Sync,
-    ViewSeen,
     WaitView,
-    WaitViewChange,
-    WorldChanged,
 )
 from .config import TrainerConfig
-from .entry import QUORUM_POLL_S, SLOT_POLL_S, Ring
-from .held import Held
+from .entry import SLOT_POLL_S, Ring
+from .held import LOSSES, Held
 from .pace import Pace
 from .protocol import (
     FRESH,
-    SHARES,
-    SyncPlan,
-    own_slots_intact,
-    plan_sync,
-    sync_vector,
 )
 from .reports import Counters, Ending, StepReport
-from .runs import Abort, Leave, Steps
-from .shards import (
-    COMPRESSION_CODES,
-    SETTINGS_SLOTS,
-    SharedSettings,
-    read_settings,
-    settings_problem,
-    settings_slots,
-)
+from .runs import Abort, Leave, Steps, failed_of, seen_of, view_of
+from .shards import SharedSettings
 from .start import StartConfig
-from .stragglers import SYNC_FIELDS, Stragglers
+from .stragglers import Stragglers
+from .syncing import Syncer
 from .verdicts import NONFINITE_LIMIT, HeaderJudge, StepVerdict, leaving
+
+if TYPE_CHECKING:
+    from ..mesh.meta import Progress
 
 __all__ = ["NONFINITE_LIMIT", "StepMachine", "StepReport", "StepVerdict"]
 
@@ -152,24 +131,6 @@ log = logging.getLogger("ftmesh.training")
 
 REANNOUNCE_EVERY = 20
 """Failed attempts after which a member that never trained re-enters the ring."""
-RETRY_JITTER_S = 0.2
-"""After a loss of a peer that membership still holds alive, wait for the view to change at
-most this many seconds (drawn at random, so that members that failed together do not retry
-in lockstep on an unchanged view): a peer that really died is dropped by membership within
-the wait, and the retry starts the moment the view without it arrives, not after a sleep
-(issue #30)."""
-LOSS_WAIT_S = 0.5
-"""After a loss of a peer that membership no longer holds alive, how long to wait for the
-view to drop it; short, so that we are back before neighbours that wait for us give up."""
-LOSSES = (Failure.PEER_LOST, Failure.VIEW)
-"""The failures of a collective that a lost member or a changed view explain: struck before
-our row of a step went out, they leave the state where it was
-(``Held.needless``)."""
-DEPARTURE_WAIT_S = 2.0
-"""How long the members that stay wait for membership to show the view without the members
-that announced their departure (their graceful leave reaches everyone in milliseconds; after
-this the next step runs on whatever view there is, with a sync)."""
-
 
 _Run: TypeAlias = Steps[StepReport | None]
 
@@ -190,22 +151,18 @@ class _Tries:
     """When its first attempt failed (the recovery time runs from there)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _SyncRead:
-    """A reduced sync vector, read (``StepMachine._read_sync``)."""
-
-    plan: SyncPlan
-    steps: np.ndarray
-    """Each rank's committed step."""
-    theirs: list[SharedSettings]
-    """Each rank's settings."""
-    carried: np.ndarray
-    """The stragglers' claims (``Stragglers.adopt``)."""
-
-
 class StepMachine:
     """One member's step machine; see the module docstring. ``batch_size(index)`` gives the
-    size of step ``index``'s global batch (the sampler's)."""
+    size of step ``index``'s global batch (the sampler's).
+
+    The driver runs it with :meth:`begin` and :meth:`feed` (actions out, outcomes in), and
+    tells it what it learns besides outcomes through its inputs: :meth:`registered` (the
+    registered state's parts and layout, once), :meth:`saw_step` (the newest step the mesh
+    published, while we have none), :meth:`adopt_snapshot` (a snapshot or checkpoint
+    loaded), :meth:`forget_sync` (a step's body raised) and :meth:`request_leave`. It reads
+    the outputs: ``committed``, the reports, :meth:`progress`, :meth:`statistics`, and the
+    pure helpers of a ``Compute`` (:meth:`speed_slots`, :meth:`row`, :meth:`check_step`...).
+    """
 
     def __init__(
         self,
@@ -225,38 +182,31 @@ class StepMachine:
         self.leave_requested = False
         """A planned departure was asked for (:meth:`request_leave`)."""
         self._committed = FRESH
-        self._synced_epoch = ""
         self._advertised_on = ""
         """The view epoch of our last ``Advertise``: the first step we commit on a view,
         synced or taken without a sync, publishes our state's size (a joiner waits for a
         training member that advertises one, ``training/start.py``)."""
         self.held = Held()
         """When a view is taken without a sync (``ftmesh.training.held``)."""
-        self.world = 0
-        """Members computing on the last view we synced on."""
         self.recoveries = 0
         self.fallbacks = 0
-        self.last_sync_bytes = 0
-        self.last_sync_seconds = 0.0
-        self.layout = (0, 0, 0)
-        """(state, bucket, data) layout hashes, set by the driver (``SharedSettings``)."""
         self.ring = Ring(config, me, self.start, self._leave_if_asked)
         """Our place in the ring: entering it, spares' slots, the quorum (``training.entry``)."""
         self.pace = Pace(config, me, batch_size)
         """Speeds, shares, stragglers and fail-slow pauses (``ftmesh.training.pace``)."""
         self.judge = HeaderJudge(config, me, batch_size, self.pace)
         """Judges each step's reduced header and gathered rows (``ftmesh.training.verdicts``)."""
-        self._own_sync: np.ndarray | None = None
+        self._stats = Counters()
+        self.syncer = Syncer(config, me, self, (self.ring, self.pace, self.held, self._stats))
+        """Agrees on state with the others (``ftmesh.training.syncing``)."""
         self.parts = 0
-        """Check slots of the header (the registered parts; set by the driver)."""
+        """Check slots of the header (the registered parts: :meth:`registered`)."""
         self.seen_step = FRESH
-        """The newest committed step a member of the mesh published (``Progress.step``) while
-        we had none; set by the driver before each run. A sync that then finds nobody in the
-        view with a committed state fails loudly instead of restarting the run from step 1
-        (issue #26 item 5)."""
+        """The newest committed step a member of the mesh published (:meth:`saw_step`)."""
+        self.layout = (0, 0, 0)
+        """(state, bucket, data) layout hashes (``SharedSettings``; :meth:`registered`)."""
         self._run: _Run | None = None
         self._pending: Action | None = None
-        self._stats = Counters()
 
     @property
     def committed(self) -> int:
@@ -265,9 +215,7 @@ class StepMachine:
 
     @committed.setter
     def committed(self, step: int) -> None:
-        # Set from outside (a checkpoint or snapshot loaded): that state is ours alone.
-        self._committed = step
-        self.held.forget()
+        self.adopt_snapshot(step)
 
     @property
     def in_ring(self) -> bool:
@@ -287,14 +235,55 @@ class StepMachine:
     def synced_epoch(self) -> str:
         """The view we last synced on ("" after a failure: sync again, unless the sync is
         needless: ``Held.needless``)."""
-        return self._synced_epoch
+        return self.syncer.synced_epoch
 
     @synced_epoch.setter
     def synced_epoch(self, epoch: str) -> None:
-        # Set from outside ("": a step's body raised, its collectives are out of order with
-        # the others'): the next attempt syncs, whatever the view.
-        self._synced_epoch = epoch
+        self.syncer.synced_epoch = epoch
+        self.held.forget()  # (set from outside: the next attempt syncs, whatever the view)
+
+    @property
+    def last_sync_bytes(self) -> int:
+        """State bytes the last sync received (``Syncer.last_bytes``)."""
+        return self.syncer.last_bytes
+
+    @property
+    def last_sync_seconds(self) -> float:
+        """Seconds the last sync took (``Syncer.last_seconds``)."""
+        return self.syncer.last_seconds
+
+    # -- inputs besides outcomes ------------------------------------------------------------
+
+    def registered(self, parts: int, layout: tuple[int, int, int]) -> None:
+        """Input: the registered state is final: its ``parts`` (the header's check slots)
+        and its (state, bucket, data) ``layout`` hashes, which every member must share
+        (``SharedSettings``, compared in every sync)."""
+        self.parts = parts
+        self.layout = layout
+
+    def saw_step(self, step: int) -> None:
+        """Input: the newest committed step a member of the mesh published
+        (``Progress.step``), fed while we have none (before a run and each outcome). A sync
+        that then finds nobody in the view with a committed state fails loudly instead of
+        restarting the run from step 1 (issue #26 item 5)."""
+        self.seen_step = step
+
+    def adopt_snapshot(self, step: int) -> None:
+        """Input: the driver loaded a snapshot or checkpoint of ``step`` as our state; that
+        state is ours alone (the next view change syncs)."""
+        self._committed = step
         self.held.forget()
+
+    def forget_sync(self) -> None:
+        """Input: a step's body raised, so its collectives are out of order with the
+        others': the next attempt syncs, whatever the view."""
+        self.synced_epoch = ""
+
+    def request_leave(self) -> None:
+        """Input: this member was asked to leave (``SyncMesh.leave_requested``; the driver
+        calls this before it feeds an outcome). It announces in the next step it computes, or
+        departs at once where there is nothing to announce (see the module docstring)."""
+        self.leave_requested = True
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -306,17 +295,11 @@ class StepMachine:
         elif kind == "join":
             run = self._attempts(now, compute=False)
         elif kind == "finish":
-            run = self._finish(now, 60.0 if timeout is None else timeout)
+            run = self.syncer.final(now, 60.0 if timeout is None else timeout)
         else:
             raise LocalUsageError(f"unknown run {kind!r}")
         self._run = run
         return self._advance(lambda: next(run))
-
-    def request_leave(self) -> None:
-        """Input: this member was asked to leave (``SyncMesh.leave_requested``; the driver
-        calls this before it feeds an outcome). It announces in the next step it computes, or
-        departs at once where there is nothing to announce (see the module docstring)."""
-        self.leave_requested = True
 
     @property
     def pending(self) -> Action | None:
@@ -354,36 +337,12 @@ class StepMachine:
 
     @property
     def settings(self) -> SharedSettings:
-        """What every member must share (compared in every sync)."""
-        c = self.config
-        every = c.checkpoint_every if c.checkpoint_dir is not None else 0
-        return SharedSettings.of(
-            c.shard_optimizer,
-            c.replicas,
-            every,
-            max_peers=c.max_peers,
-            check_every=c.check_every,
-            compression=COMPRESSION_CODES.index(c.compression or "none"),
-            state_layout=self.layout[0],
-            bucket_layout=self.layout[1],
-            data_layout=self.layout[2],
-            shares=SHARES.index(c.shares),
-            stragglers=c.straggler_rule.key,
-        )
+        """What every member must share (``Syncer.settings``)."""
+        return self.syncer.settings
 
     def sync_vector(self, view: RingView, nbytes: int, digest: str) -> np.ndarray:
-        """Our contribution to the pending ``Sync``: the sync vector of our committed step,
-        state size and digest, and our settings."""
-        rank = view.rank_of(self.me)
-        vec = np.concatenate(
-            [
-                sync_vector(rank, view.size, self.committed, nbytes, digest),
-                self.pace.sync_slots(view.node_ids),
-                settings_slots(self.settings, rank, view.size),
-            ]
-        )
-        self._own_sync = vec.copy()
-        return vec
+        """Our contribution to the pending ``Sync`` (:meth:`Syncer.sync_vector`)."""
+        return self.syncer.sync_vector(view, nbytes, digest)
 
     def check_reduction(
         self,
@@ -447,17 +406,8 @@ class StepMachine:
         return leaving(action, header)
 
     def progress(self, backend: str = "tcp") -> Progress:
-        """What the member publishes after a committed step (``SyncMesh.report_progress``)."""
-        s = self._stats
-        return Progress(
-            step=max(self.committed, 0),
-            step_s=s.last_step_s,
-            share=s.share,
-            sps=s.sps,
-            world=s.world_size,
-            backend=backend,
-            fault=s.last_fault,
-        )
+        """What the member publishes after a committed step (``Counters.progress``)."""
+        return self._stats.progress(self.committed, backend)
 
     def statistics(self) -> TrainerStatistics:
         """A frozen snapshot of this member's counters (for metrics)."""
@@ -512,9 +462,9 @@ class StepMachine:
         else:
             settle = 0.0
         now, seen = yield WaitView(cfg.min_peers, settle, max(run.deadline - now, 0.1))
-        if self.leave_requested and _seen(seen) is None:
+        if self.leave_requested and seen_of(seen) is None:
             self._depart()
-        view = _view(seen)
+        view = view_of(seen)
         if self.ring.over_max_peers(view, self.committed):
             log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
             self.ring.in_ring = False
@@ -538,9 +488,9 @@ class StepMachine:
                 view.size,
                 self.committed,
             )
-            now = yield from self._settle_on(now, view)
+            now = yield from self.syncer.settle_on(now, view)
             return now, None
-        now, failure = yield from self._sync(now, view, shards=True)
+        now, failure = yield from self.syncer.sync(now, view, shards=True)
         if failure is not None:
             return now, failure
         run.synced = True
@@ -569,7 +519,7 @@ class StepMachine:
         now, out = yield action
         if isinstance(out, Computed):
             return (yield from self._commit(now, action, out, run))
-        failure = _failed(out)
+        failure = failed_of(out)
         if self.held.row_out or failure.kind not in LOSSES:
             self.held.forget()  # others may have committed it, or we differ
         return now, failure
@@ -593,7 +543,12 @@ class StepMachine:
                 self._stats.checkpoint_step = self.committed
         report = self._done(now, run, view, (out, action))
         if out.leaving:
-            yield from self._see_off(now, view, report)
+            # One barrier on its view, so that no leaver goes before every member has
+            # committed the step (its leaving would abort collectives still running on it).
+            now, _ = yield Barrier(view)  # a failure does not matter: the step is committed
+            if self.me in out.leaving:
+                self._depart(report)
+            yield from self.syncer.without_leavers(now, view, out.leaving)
         return now, report
 
     def _failed(
@@ -611,7 +566,7 @@ class StepMachine:
             now, _ = yield DropRing(view)
         elif failure.kind is Failure.HEADER:
             log.warning("malformed step header on view %s: %s", view.epoch, failure.detail)
-        self._synced_epoch = ""  # agree on state again first (unless needless)
+        self.syncer.synced_epoch = ""  # agree on state again first (unless needless)
         if failure.kind is Failure.STATE_LOST:
             now, loaded = yield FallBack(failure)
             assert isinstance(loaded, Loaded)
@@ -642,27 +597,9 @@ class StepMachine:
         if self.committed == FRESH and attempts % REANNOUNCE_EVERY == 0:
             # A joiner that cannot get in: step out of the ring and back in, which every
             # member sees as a view change (and a fresh sync).
-            yield from self._step_out()
+            yield from self.syncer.step_out()
             return now
-        if failure.kind is Failure.PEER_LOST:
-            now, members = yield ReadMembers()
-            states = {m.node: m.state for m in _members(members)}
-            if states.get(failure.peer) == MemberState.ALIVE:
-                # A neighbour that gave up a ring and forms the next one, or a peer that
-                # died and is not suspected yet: the view change ends the wait.
-                jitter = self.rng.uniform(0.0, RETRY_JITTER_S)
-                now, _ = yield WaitViewChange(view.epoch, jitter)
-            else:
-                now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
-        elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
-            now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-        elif failure.kind is Failure.HEADER:
-            # Until the accusation path leaves the offender out (a few strikes): retry at
-            # a bounded rate, or when the view changes.
-            now, _ = yield WaitViewChange(
-                view.epoch, RETRY_JITTER_S + self.rng.uniform(0.0, RETRY_JITTER_S)
-            )
-        return now
+        return (yield from self.ring.await_change(now, view, failure, self.rng))
 
     def _done(
         self,
@@ -675,172 +612,12 @@ class StepMachine:
         compute's outcome and action; ``None``: the step was adopted)."""
         self._stats.ended(run.started, now, run.failed_at)
         samples = self.batch_size(self.committed - 1)
-        sync = self.last_sync_bytes, self.last_sync_seconds
+        sync = self.syncer.last_bytes, self.syncer.last_seconds
         ending = Ending(self.committed, samples, view, run.attempts, *sync)
         if computed is None:  # adopted
             return self._stats.adopted(ending, len(self.pace.compute_set(view)))
         out, action = computed
         return self._stats.computed(ending, out, action.workers, run.synced)
-
-    def _finish(self, now: float, timeout: float) -> _Run:
-        """A last sync on the current view before leaving, so that a member whose final step
-        failed after others committed it catches up instead of redoing it alone."""
-        deadline = now + timeout
-        while now < deadline:
-            now, seen = yield WaitView(1, 0.0, max(deadline - now, 0.1))
-            view = _view(seen)
-            now, failure = yield from self._sync(now, view, shards=True)
-            if failure is not None and failure.kind is Failure.STATE_LOST:
-                # Members that finished first took their shards with them; the optimizer
-                # state is of no further use: agree on the model only.
-                now, failure = yield from self._sync(now, view, shards=False)
-            if failure is None:
-                yield SetRole("done")  # spares waiting for a slot stop waiting
-                return None
-            log.info("final sync failed (%s); retrying", failure.detail)
-            if failure.kind is Failure.DESYNC:
-                now, _ = yield DropRing(view)
-            now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
-        raise Abort(DeadlineExceeded(f"final sync did not complete within {timeout}s"))
-
-    # -- the ring ---------------------------------------------------------------------------
-
-    def _step_out(self) -> Steps[None]:
-        """Leave the ring (``Ring.step_out``); the next view change syncs."""
-        yield from self.ring.step_out()
-        self.held.forget()
-
-    # -- the sync --------------------------------------------------------------------------
-
-    def _sync(
-        self, now: float, view: RingView, *, shards: bool
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
-        """The sync on ``view`` (the module docstring's 3): agree, fetch what we lack,
-        re-shard (``shards``: the optimizer state too), and settle on the view."""
-        started = now
-        self.last_sync_bytes = 0
-        rank = view.rank_of(self.me)
-        now, out = yield Sync(view)
-        if isinstance(out, Failed):
-            if out.kind not in LOSSES:
-                self.held.forget()
-            return now, out
-        # From here our state is the sync's to set (a fetch, a re-shard): held again only if
-        # the sync ends well (``_settle_on``).
-        self.held.forget()
-        read = self._read_sync(view, rank, _reduced(out))
-        if isinstance(read, Failed):
-            return now, read
-        failure = yield from self._check_sync(view, rank, read)
-        if failure is None:
-            now, failure = yield from self._transfer(now, view, rank, read, shards)
-        if failure is not None:
-            return now, failure
-        self._stats.state_transfer_bytes += self.last_sync_bytes
-        self.last_sync_seconds = now - started
-        now = yield from self._settle_on(now, view, read.carried)
-        return now, None
-
-    def _read_sync(self, view: RingView, rank: int, vec: np.ndarray) -> _SyncRead | Failed:
-        """The reduced sync vector's parts, or a ``DESYNC`` failure when it lost ours."""
-        own = self._own_sync
-        assert own is not None
-        cut = len(vec) - SETTINGS_SLOTS * view.size
-        theirs = read_settings(vec[cut:], view.size)
-        carried = vec[cut - SYNC_FIELDS * view.size : cut]  # the stragglers' claims
-        cut -= SYNC_FIELDS * view.size
-        if not own_slots_intact(vec[:cut], own[:cut], rank, view.size) or (
-            theirs[rank] != self.settings
-        ):
-            # Every other member writes FRESH into our slots, so max() must give ours back.
-            what = f"sync vector {vec.tolist()} lost our slots {own.tolist()}"
-            return Failed(Failure.DESYNC, what)
-        return _SyncRead(plan_sync(vec[:cut]), vec[: view.size], theirs, carried)
-
-    def _check_sync(
-        self, view: RingView, rank: int, read: _SyncRead
-    ) -> Generator[Action, tuple[float, Outcome], Failed | None]:
-        """Whether the sync may go on: a run's state that nobody holds any more, or settings
-        we cannot share, stop this member (out of the ring first); settings that others will
-        change fail the attempt."""
-        trained = int(read.steps.max()) != FRESH  # (else rank 0's state is adopted)
-        if not trained and self.committed == FRESH and self.seen_step > 0:
-            yield from self._step_out()
-            raise Abort(
-                StateLostError(
-                    (),
-                    f"this mesh had committed {self.seen_step} steps, but no member of the "
-                    f"view {view.epoch} holds that state (its holders died or left) and there "
-                    "is no checkpoint to resume from: not restarting the run from step 1. "
-                    "Resume from a checkpoint (checkpoint_dir), or start a new mesh",
-                )
-            )
-        holders = read.plan.holders if trained else ()
-        problem = settings_problem(read.theirs, view.node_ids, rank, holders)
-        if problem is not None and problem.fatal:
-            # Step out of the ring first: the members that go on see a view without us at
-            # once, even if the script catches the error and stays alive.
-            yield from self._step_out()
-            raise Abort(ConfigError(problem.message))
-        if problem is not None:
-            return Failed(Failure.SETTINGS, problem.message)
-        return None
-
-    def _transfer(
-        self, now: float, view: RingView, rank: int, read: _SyncRead, shards: bool
-    ) -> Generator[Action, tuple[float, Outcome], tuple[float, Failed | None]]:
-        """The sync's state transfer: fetch the newest state if we are behind, a barrier
-        while others fetch, and the re-shard of the optimizer state in sharded mode."""
-        plan = read.plan
-        log.info(
-            "sync on view %s rank %d/%d at step %d: steps %s -> target %d root %d behind %s",
-            view.epoch,
-            rank,
-            view.size,
-            self.committed,
-            read.steps.tolist(),
-            plan.target_step,
-            plan.root,
-            plan.behind,
-        )
-        if rank in plan.behind:
-            now, out = yield Fetch(view, plan)
-            if isinstance(out, Failed):
-                return now, out
-            self.last_sync_bytes = _fetched(out)
-            self.committed = plan.target_step
-        if plan.behind:
-            # Nobody moves on (and, at the end, leaves) while others still fetch from it.
-            now, out = yield Barrier(view)
-            if isinstance(out, Failed):
-                return now, out
-        self.committed = plan.target_step
-        if self.config.shard_optimizer and shards:
-            everyone = tuple(range(view.size))
-            candidates = plan.holders if plan.behind else everyone
-            now, out = yield Reshard(view, plan.target_step, candidates)
-            if isinstance(out, Failed):
-                return now, out
-            self.last_sync_bytes += _fetched(out)
-        return now, None
-
-    def _settle_on(
-        self, now: float, view: RingView, carried: np.ndarray | None = None
-    ) -> Generator[Action, tuple[float, Outcome], float]:
-        """Every member of ``view`` holds our state: steps run on it without a sync. Who
-        sits out the compute set comes from the sync's ``carried`` claims, or, after a
-        planned departure or a loss (no sync), stays as it was
-        (``ftmesh.training.stragglers``)."""
-        self._synced_epoch = view.epoch
-        self.held.settle(view.node_ids, synced=carried is not None)  # (a sync: all were in it)
-        computing = self.pace.settled(view, carried, self.committed)
-        self.ring.last_view = view.node_ids
-        world = len(computing)
-        if self.world != world:
-            if self.world:
-                now, _ = yield WorldChanged(self.world, world)
-            self.world = world
-        return now
 
     # -- fail-slow members -----------------------------------------------------------------
 
@@ -870,63 +647,3 @@ class StepMachine:
 
     def _depart(self, report: StepReport | None = None) -> NoReturn:
         raise Leave(Depart(max(self.committed, 0), report))
-
-    def _see_off(
-        self, now: float, view: RingView, report: StepReport
-    ) -> Generator[Action, tuple[float, Outcome], None]:
-        """After a step in which members announced that they leave: one barrier on its view,
-        so that no leaver goes before every member has committed the step (its leaving would
-        abort collectives still running on the view); then the leavers depart, and the others
-        wait for membership to show the view without them and take it without a sync (they
-        hold the same state), or else sync as after any change."""
-        gone = report.leaving
-        now, _ = yield Barrier(view)  # a failure does not matter: the step is committed
-        if self.me in gone:
-            self._depart(report)
-        end = now + DEPARTURE_WAIT_S
-        now, seen = yield ReadView()
-        current = _seen(seen)
-        while current is not None and any(n in current.node_ids for n in gone):
-            if now >= end:
-                return
-            now, seen = yield WaitViewChange(current.epoch, end - now)
-            current = _seen(seen)
-        rest = tuple(n for n in view.node_ids if n not in gone)
-        if current is not None and current.node_ids == rest and not self.config.shard_optimizer:
-            # (Sharded: the leavers' shards must be re-spread, which the sync does.)
-            yield from self._settle_on(now, current)
-
-
-# -- outcome accessors (the machine checks the type of every outcome in ``feed``) -----------
-
-
-def _view(outcome: Outcome) -> RingView:
-    view = _seen(outcome)
-    if view is None:
-        raise FtmeshError("WaitView returned no view")
-    return view
-
-
-def _seen(outcome: Outcome) -> RingView | None:
-    assert isinstance(outcome, ViewSeen)
-    return outcome.view
-
-
-def _members(outcome: Outcome) -> tuple[MemberInfo, ...]:
-    assert isinstance(outcome, Members)
-    return outcome.members
-
-
-def _reduced(outcome: Outcome) -> np.ndarray:
-    assert isinstance(outcome, Reduced)
-    return outcome.vector
-
-
-def _fetched(outcome: Outcome) -> int:
-    assert isinstance(outcome, Fetched)
-    return outcome.nbytes
-
-
-def _failed(outcome: Outcome) -> Failed:
-    assert isinstance(outcome, Failed)
-    return outcome
