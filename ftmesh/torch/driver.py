@@ -290,7 +290,7 @@ class MeshDriver:
 
     def load_checkpoint(self, snap: Snapshot) -> None:
         zero = self.state.load(snap, extra=("zero",)).get("zero")
-        self.machine.committed = snap.step
+        self.machine.adopt_snapshot(snap.step)
         if (zero is None) != (self.zero is None):
             mode = "without" if zero is None else "with"
             raise LocalUsageError(

@@ -347,7 +347,7 @@ class ElasticTrainer:
     def load_snapshot(self, snap: Snapshot) -> None:
         """Adopt ``snap`` (every registered part) as the committed state of its step."""
         self._state.load(snap)
-        self._machine.committed = snap.step
+        self._machine.adopt_snapshot(snap.step)
 
     def digest(self) -> str:
         """Content hash of the registered state and the committed step (bitwise comparison
@@ -476,11 +476,11 @@ class ElasticTrainer:
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
         slots = header_size(len(state.names), self.config.measures_speed)
-        self._machine.parts = len(state.names)
         self._buckets = buckets = GradBuckets(
             self._params, self._bucket_bytes, slots, self._device_buckets()
         )
-        self._machine.layout = (state.layout, buckets.layout, self.sampler.layout)
+        layout = (state.layout, buckets.layout, self.sampler.layout)
+        self._machine.registered(len(state.names), layout)
         cfg = self.config
         # compression="int8": one error-feedback residual per bucket; the header: exact
         tails = [0] * (len(buckets.buffers) - 1) + [slots]
@@ -541,7 +541,7 @@ class ElasticTrainer:
         self._between.leave()
         self._poll_leave()
         if self._machine.committed == FRESH:  # (a run that lost its state must say so)
-            self._machine.seen_step = self._published_step()
+            self._machine.saw_step(self._published_step())
         return self._drive(self._machine.begin(time.monotonic(), kind, timeout))
 
     def _feed(self, outcome: Outcome) -> Compute | Finished:
@@ -586,7 +586,7 @@ class ElasticTrainer:
             outcome = self._driver.perform(action)
             self._poll_leave()
             if machine.committed == FRESH:  # (as of now: an insider left out meanwhile)
-                machine.seen_step = self._published_step()
+                machine.saw_step(self._published_step())
             action = machine.feed(time.monotonic(), outcome)
 
     # ------------------------------------------------------------------ an attempt
@@ -933,7 +933,7 @@ class ElasticTrainer:
         the others', so the next attempt syncs first."""
         assert self._buckets is not None
         self._buckets.abandon(ABANDON_WAIT_S)
-        self._machine.synced_epoch = ""
+        self._machine.forget_sync()
 
 
 def _unguarded_hand_back(step: Step) -> None:
