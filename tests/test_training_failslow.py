@@ -182,7 +182,7 @@ def test_the_quorum_does_not_wait_for_a_member_that_stepped_out() -> None:
     spare = MemberInfo("b", MemberState.ALIVE, "spare", True, False)
     me = MemberInfo("a", MemberState.ALIVE, "train", True, False)
     # b chose to stay out: on at once (without a sync: nothing failed, a's state is the last
-    # committed one, StepMachine._sync_needless)
+    # committed one, Held.needless in training/held.py)
     assert m.feed(1.0, Members((me, spare))) == WorldChanged(2, 1)
     # (b alive and still a trainer, only not in our view: that one waits for a quorum)
     m = _machine("a", quorum="majority")
