@@ -155,7 +155,7 @@ class MeshDriver:
                 start = self.machine.start
                 if rejoin:
                     start = dataclasses.replace(start, join_running=True)
-                wait_to_start(mesh, start, time.monotonic() + timeout)
+                wait_to_start(mesh, start, time.monotonic() + timeout, cfg.max_peers)
             case ReadMembers():
                 excluded = mesh.exclusions()
                 return Members(tuple(member_info(m, m.node in excluded) for m in mesh.members()))

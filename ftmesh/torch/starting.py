@@ -7,9 +7,10 @@ decisions: it logs a warning with whom it found and what discovery saw whenever 
 to report, raises :class:`~ftmesh.errors.MeshNotFormedError` when the gate gives up and
 :class:`~ftmesh.errors.TrainingFinishedError` when there is nothing left to join. Once the
 start peers are ready it enters the ring (role ``train``) and waits, at most until the gate's
-deadline, for the view that holds them all (those still ``starting`` may not have seen the
-count reached yet). A member asked to leave (``SyncMesh.leave_requested``) stops waiting at
-once; the caller departs.
+deadline, for the view that holds them all, or ``max_peers`` of them when that is fewer (the
+others are spares; those still ``starting`` may not have seen the count reached yet). A
+member asked to leave (``SyncMesh.leave_requested``) stops waiting at once; the caller
+departs.
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ def _found(mesh: SyncMesh, status: StartStatus) -> str:
     return f"{status.describe()}; {discovery.describe()}; {discovery.hint()}"
 
 
-def wait_to_start(mesh: SyncMesh, config: StartConfig, deadline: float = float("inf")) -> None:
+def wait_to_start(
+    mesh: SyncMesh, config: StartConfig, deadline: float = float("inf"), max_peers: int = 0
+) -> None:
     """Wait as ``config`` says before the first step (see the module docstring); returns
-    when the member may enter the ring. ``deadline`` (``time.monotonic()``) bounds it too."""
+    when the member may enter the ring. ``deadline`` (``time.monotonic()``) bounds it too.
+    ``max_peers`` (0: no bound) caps the view waited for: the start peers beyond it are
+    spares, never in the ring."""
     if not config.waits:
         return
     gate = StartGate(config, time.monotonic())
@@ -83,7 +88,8 @@ def wait_to_start(mesh: SyncMesh, config: StartConfig, deadline: float = float("
             return  # the caller's deadline came first
         time.sleep(POLL_S)
     mesh.set_role("train")
-    while (view := mesh.view()) is None or view.size < config.start_peers:
+    ring = min(config.start_peers, max_peers) if max_peers else config.start_peers
+    while (view := mesh.view()) is None or view.size < ring:
         if time.monotonic() >= end:
             return
         mesh.wait_view_change(view.epoch if view else "", timeout=POLL_S)
