@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Sets up (if needed) and runs every check: ruff, mypy, and the whole pytest suite.
-# The suite runs serially by default (what CI runs) and prints its 30 slowest tests; arguments
-# go to pytest. `bash scripts/test.sh -n 3 --dist loadgroup` runs it on 3 xdist workers (the
-# lab and the heavy trainings each in one group, see tests/conftest.py): about 20 minutes
-# instead of about 35 on 2 cores, not yet as reliable (docs/STATUS.md).
+# Sets up (if needed) and runs every check: ruff, mypy, and the whole pytest suite (what CI
+# runs). The suite runs on FTMESH_TEST_WORKERS xdist workers (default 3: the lab's network
+# namespaces and the heavy trainings each in one group, the rest spread, see
+# tests/conftest.py; about 17 minutes on 2 cores, against about 40 serially;
+# FTMESH_TEST_WORKERS=0 runs it serially) and prints its 30 slowest tests; arguments go to
+# pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,4 +15,5 @@ echo "== mypy"
 .venv/bin/mypy
 .venv/bin/lint-imports --no-logo  # the import contracts: layers and the pure core (pyproject.toml)
 echo "== pytest"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
+workers="${FTMESH_TEST_WORKERS:-3}"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" --dist loadgroup "$@"
