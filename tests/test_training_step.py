@@ -20,10 +20,12 @@ from ftmesh.membership.messages import MemberState
 from ftmesh.training.actions import (
     Action,
     Advertise,
+    Apply,
     Barrier,
     Checkpoint,
     Compute,
     Computed,
+    Contributed,
     Depart,
     Done,
     DropRing,
@@ -32,6 +34,9 @@ from ftmesh.training.actions import (
     Fetch,
     Fetched,
     Finished,
+    Gather,
+    Gathered,
+    Measured,
     MemberInfo,
     Members,
     Outcome,
@@ -39,6 +44,7 @@ from ftmesh.training.actions import (
     Raise,
     ReadMembers,
     ReadView,
+    Reduce,
     Reduced,
     Reshard,
     SetRole,
@@ -56,6 +62,7 @@ from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag
 from ftmesh.training.start import StartConfig
 from ftmesh.training.step import (
     StepMachine,
+    StepVerdict,
 )
 
 BATCH = 8
@@ -211,8 +218,9 @@ def _lost_c(m: StepMachine, three: RingView, *, row_out: bool, kind: Failure) ->
     a = m.begin(1.0)
     a = m.feed(1.0, ViewSeen(three))
     assert isinstance(a, Compute) and a.index == 1
-    if row_out:
-        m.row(np.zeros(4, dtype=np.float32), False)
+    if row_out:  # the gradient allreduce finished, our row goes out, the allgather fails
+        assert isinstance(m.feed(1.1, Measured(3, 0.01)), Reduce)
+        assert isinstance(m.feed(1.1, Contributed(np.zeros(4, np.float32), False)), Gather)
     a = m.feed(1.1, Failed(kind, "c died", peer="c"))
     if kind is Failure.PEER_LOST:
         assert a == ReadMembers()
@@ -462,6 +470,65 @@ def test_a_leaver_announces_sees_off_and_departs() -> None:
     out = m.feed(0.0, Done())
     assert isinstance(out, Depart) and out.step == 1
     assert out.report is not None and out.report.leaving == ("b",) and out.report.step == 1
+
+
+def test_the_header_goes_through_the_machine() -> None:
+    """A ``Compute``'s header as the trainer drives it: ``Measured`` -> ``Reduce`` (the slots
+    to fill in: our leave bit) -> ``Contributed`` -> ``Gather`` (our row) -> ``Gathered`` ->
+    ``Apply`` (the verdict, who leaves) -> ``Computed``."""
+    m = _machine("b")
+    view = _view("a", "b", "c")
+    a = _alone_until_compute(m, view)
+    m.request_leave()
+    fill = m.feed(0.0, Measured(3, 0.01))
+    assert isinstance(fill, Reduce) and fill.announce and len(fill.slots) == 0
+    shares = [3, 3, 2]
+    rows = np.zeros((3, 3 + LEAVE_SLOTS + 1))
+    for r, share in enumerate(shares):
+        rows[r, :3] = share, 0.0, round_tag(0)
+    rows[1, 3 : 3 + LEAVE_SLOTS] = leave_slots(1)
+    mine = rows[1, :-1].astype(np.float32)
+    assert not m.held.row_out
+    gather = m.feed(0.0, Contributed(mine, False))
+    assert isinstance(gather, Gather) and gather.view == view and m.held.row_out
+    assert gather.row.tolist() == rows[1].tolist()
+    header = tuple(rows[:, :-1].sum(axis=0).tolist())
+    assert header == tuple(_leave_header(view, "b"))
+    apply = m.feed(0.0, Gathered(header, rows, True))
+    assert isinstance(apply, Apply)
+    assert apply.verdict == StepVerdict() and apply.leaving == ("b",)
+    assert apply.verdict == m.check_step(a, header, rows, None, True)
+    assert m.feed(0.0, Computed(3, 0.0, ("b",))) == Advertise()
+    assert m.feed(0.0, Done()) == Barrier(view)
+    out = m.feed(0.0, Done())
+    assert isinstance(out, Depart) and out.report is not None and out.report.leaving == ("b",)
+
+
+def test_a_header_round_that_fails_or_a_row_that_lies_costs_an_attempt() -> None:
+    """A failure at any point of the header's round fails the attempt; a member's row that
+    is out of its range is a header fault, named in the verdict."""
+    view = _view("a", "b")
+    for where in ("reduce", "gather", "verdict"):
+        m = _machine()
+        _alone_until_compute(m, view)
+        assert isinstance(m.feed(0.0, Measured(4, 0.01)), Reduce)
+        if where != "reduce":
+            assert isinstance(m.feed(0.0, Contributed(np.zeros(3 + LEAVE_SLOTS), False)), Gather)
+        if where == "verdict":
+            rows = np.zeros((2, 3 + LEAVE_SLOTS + 1))
+            rows[:, :3] = (4, 0.0, round_tag(0))
+            rows[1, 0] = 1e30
+            header = tuple(rows[:, :-1].sum(axis=0).tolist())
+            apply = m.feed(0.0, Gathered(header, rows, True))
+            assert isinstance(apply, Apply) and apply.verdict.failed is not None
+            assert apply.verdict.failed.kind is Failure.HEADER
+            assert [o.rank for o in apply.verdict.offences] == [1]
+            failed = apply.verdict.failed
+        else:
+            failed = Failed(Failure.VIEW, "the ring moved on")
+        a = m.feed(0.1, failed)
+        assert not isinstance(a, Compute | Finished) and m.committed == 0
+        assert m.synced_epoch == ""
 
 
 def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:

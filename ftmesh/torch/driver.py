@@ -1,7 +1,8 @@
 """Carrying out the step machine's actions on the mesh, the state and the disk.
 
 Theory of operation. ``ElasticTrainer`` asks :class:`MeshDriver` to carry out every action of
-``ftmesh.training.step`` but ``Compute`` (which runs in the user's loop): waits on membership
+``ftmesh.training.step`` but ``Compute`` and its header's ``Reduce``, ``Gather`` and ``Apply``
+(which run in the user's loop, ``ElasticTrainer._reduce``): waits on membership
 and views, the sync allreduce (a snapshot of the committed state and the machine's sync
 vector), fetching the newest state into the receive buffer a joiner mapped while the ring
 formed, barriers, re-sharding, reconnecting a ring, checkpoint fall-backs and writes
@@ -109,7 +110,8 @@ def member_info(m: MemberSnapshot, excluded: bool = False) -> MemberInfo:
 
 
 class MeshDriver:
-    """Carries out the step machine's actions but ``Compute``; see the module docstring."""
+    """Carries out the step machine's actions but ``Compute`` and its header's; see the module
+    docstring."""
 
     def __init__(
         self,

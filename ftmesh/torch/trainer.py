@@ -6,7 +6,10 @@ machine returns — wait for a view, run the sync allreduce, fetch the newest co
 (striped over the members that hold it, hash-verified), re-shard, compute — and feeds back
 what happened as a typed outcome; exceptions of the mesh become ``Failed`` outcomes in one
 place (``ftmesh.torch.driver.failure_of``; ``MeshDriver`` carries out every action but
-``Compute``). Two ways to write the loop, on the same machine:
+``Compute``, whose header goes through the machine from inside the step's body: ``Measured``
+in, ``Reduce`` out, ``Contributed`` in, ``Gather`` out, ``Gathered`` in, ``Apply`` out, and
+``Computed`` in; the trainer calls none of the machine's header helpers). Two ways to write
+the loop, on the same machine:
 
 * the loop API, ordinary PyTorch (``ftmesh.torch.loop`` says where each hook runs)::
 
@@ -84,7 +87,7 @@ import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -102,12 +105,18 @@ from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
 from ..stats import TrainerStatistics
 from ..training.actions import (
     Action,
+    Apply,
     Compute,
     Computed,
+    Contributed,
     Depart,
     Finished,
+    Gather,
+    Gathered,
+    Measured,
     Outcome,
     Raise,
+    Reduce,
 )
 from ..training.config import TrainerConfig
 from ..training.protocol import (
@@ -139,6 +148,8 @@ from .zero import ShardedOptimizer
 __all__ = ["ElasticTrainer", "StepReport"]
 
 log = logging.getLogger("ftmesh.torch")
+
+_A = TypeVar("_A", Reduce, Gather, Apply)
 
 ABANDON_WAIT_S = 5.0
 """How long a step whose body raised waits for its allreduces in flight."""
@@ -222,7 +233,7 @@ class ElasticTrainer:
         self._dist_bound = False
         self._dist_warned = False
         self._verdict: StepVerdict | None = None
-        """The current attempt's verdict on its header (``StepMachine.check_step``)."""
+        """The current attempt's verdict on its header (the machine's ``Apply``)."""
         self._freezes: FreezeWatch | None = None
         """Notices when this process stood still (fail-slow; started at the first step)."""
         self._epoch: int | None = None
@@ -713,39 +724,41 @@ class ElasticTrainer:
             grads[:] = 0.0
 
     def _reduce(self, step: Step) -> None:
-        """The end of a step's micro-batches: finish the allreduce, check the header."""
+        """The end of a step's micro-batches: finish the allreduce and gather the rows; the
+        machine fills in the header and judges it (``Measured`` -> ``Reduce`` ->
+        ``Contributed`` -> ``Gather`` -> ``Gathered`` -> ``Apply``)."""
         buckets = self._buckets
         assert buckets is not None
         self._poll_leave()  # read last: the last bucket's allreduce carries it (protocol, 4)
-        if self._machine.leave_requested:
-            buckets.header[COUNTER_SLOTS:HEADER_SLOTS] = leave_slots(step.rank)
-            step.announced = True
         # shares="speed": our compute time is the body up to its last backward (the earlier
         # buckets' allreduces run meanwhile; the wait for them is not counted)
         seconds = time.perf_counter() - step.started
-        speeds = self._machine.speed_slots(step.action, step.share, seconds)
-        if len(speeds):
-            buckets.header[len(buckets.header) - len(speeds) :] = speeds
+        checks = tuple(step.checks) if step.checks is not None else None
+        fill = self._in_step(Measured(step.share, seconds, checks), Reduce)
+        if fill.announce:
+            buckets.header[COUNTER_SLOTS:HEADER_SLOTS] = leave_slots(step.rank)
+            step.announced = True
+        if len(fill.slots):
+            buckets.header[len(buckets.header) - len(fill.slots) :] = fill.slots
         view = step.action.view
         mine = buckets.header.copy()  # (reduced in place by the last bucket's allreduce)
         try:
             buckets.finish(timeout=self.config.step_timeout)
             # (after the last bucket's check: our flag covers every bucket)
-            row = self._machine.row(mine, self._own_nonfinite)
+            gather = self._in_step(Contributed(mine, self._own_nonfinite), Gather)
             # Each member's own contribution, as it says it added it: what it claims about
             # itself is read from its row only (DESIGN-NOTES: the step header).
-            rows = np.asarray(self.mesh.session(view).allgather(row).output)
+            rows = np.asarray(self.mesh.session(view).allgather(gather.row).output)
         except FtmeshError as exc:
             failure = failure_of(exc)
             if failure is None:
                 raise
             step._fail(failure)
-        header = [float(v) for v in buckets.header]
+        header = tuple(float(v) for v in buckets.header)
         # (the loss in the header may be NaN: only gradients count)
         finite = all(all_finite(buckets.gradients(b)) for b in buckets.buffers)
-        verdict = self._machine.check_step(
-            step.action, header, rows, step.checks, step.announced, bool(finite)
-        )
+        judged = self._in_step(Gathered(header, rows, bool(finite)), Apply)
+        verdict = judged.verdict
         self._report(view, verdict)
         if verdict.failed is not None:
             step._fail(verdict.failed)
@@ -753,9 +766,17 @@ class ElasticTrainer:
             self._diverged(step, verdict.diverged, verdict.rows)
         self._verdict = verdict
         step.loss_sum = header[1]
-        step.leaving = self._machine.leaving(step.action, header)
+        step.leaving = judged.leaving
         step.speeds = verdict.speeds
         step.reduced = True
+
+    def _in_step(self, outcome: Outcome, expected: type[_A]) -> _A:
+        """Feed an outcome of the pending ``Compute``'s header (``_reduce``); the machine
+        answers with the next header action, ``expected``."""
+        action = self._machine.feed(time.monotonic(), outcome)
+        if not isinstance(action, expected):
+            raise AssertionError(f"the machine answered {action!r} to {type(outcome).__name__}")
+        return action
 
     def _report(self, view: RingView, verdict: StepVerdict) -> None:
         """Hand the offences of other members to the accusation path (one strike each)."""

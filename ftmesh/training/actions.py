@@ -21,6 +21,7 @@ from .protocol import SyncPlan
 
 if TYPE_CHECKING:
     from .step import StepReport
+    from .verdicts import StepVerdict
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -99,6 +100,39 @@ class Loaded:
 
 
 @dataclass(frozen=True, slots=True)
+class Measured:
+    """The step's micro-batches ended (their gradients are in the buckets, the last
+    bucket's allreduce not yet finished): the machine answers with the header slots to fill
+    in (:class:`Reduce`)."""
+
+    share: int
+    """Samples this member computed."""
+    seconds: float
+    """Our compute time: the body up to its last backward (``shares="speed"``)."""
+    checks: tuple[int, ...] | None = None
+    """The state check values we put in the header (``Compute.check``), else ``None``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Contributed:
+    """The gradient allreduce finished: ``header`` is our own contribution to it, as we
+    added it, and ``nonfinite`` whether we sent zeros for non-finite gradients."""
+
+    header: np.ndarray
+    nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """Every member's row, gathered (``rows``), the reduced ``header``, and whether the
+    reduced gradients are all finite."""
+
+    header: tuple[float, ...]
+    rows: np.ndarray
+    reduced_finite: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Computed:
     """The step's body completed and its update was applied."""
 
@@ -108,10 +142,10 @@ class Computed:
     """Summed loss over the global batch, all members together (``nan``: not recorded)."""
     leaving: tuple[str, ...] = ()
     """Members that announced in this step's leave slots that they leave after it
-    (:meth:`StepMachine.leaving`); a planned departure, ``ftmesh.training.protocol`` 4."""
+    (``Apply.leaving``); a planned departure, ``ftmesh.training.protocol`` 4."""
     speeds: tuple[float, ...] = ()
     """``shares="speed"``: the reduced speed slots, one smoothed compute speed per view rank
-    (:meth:`StepMachine.speeds`); the split of the next step is made from them."""
+    (``Apply.verdict.speeds``); the split of the next step is made from them."""
     frozen: float = 0.0
     """Seconds this member's process stood still since its last committed step
     (``ftmesh.torch.freezes``)."""
@@ -140,7 +174,18 @@ class Failed:
 
 
 Outcome: TypeAlias = (
-    Done | Members | ViewSeen | Reduced | Fetched | Loaded | Computed | Saved | Failed
+    Done
+    | Members
+    | ViewSeen
+    | Reduced
+    | Fetched
+    | Loaded
+    | Measured
+    | Contributed
+    | Gathered
+    | Computed
+    | Saved
+    | Failed
 )
 
 
@@ -280,8 +325,10 @@ class WorldChanged:
 class Compute:
     """Compute step ``index`` (0-based; committing it makes ``index + 1`` steps) on ``view``:
     this member's share of the global batch split over ``workers`` (the compute set) by
-    ``weights`` (``None``: equal), then the gradient allreduce and the update. The driver
-    judges the header with :meth:`StepMachine.check_step` -> Computed | Failed.
+    ``weights`` (``None``: equal), then the gradient allreduce and the update. Its header
+    goes through the machine: the driver feeds :class:`Measured` when the micro-batches end
+    (then :class:`Reduce`, :class:`Gather`, :class:`Apply`) -> Measured | Computed | Failed
+    (``Computed`` at once: a driver that reduces no header, as a test's).
     ``check``: this step's allreduce carries the state digests."""
 
     view: RingView
@@ -290,6 +337,37 @@ class Compute:
     weights: tuple[float, ...] | None
     check: bool
     attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """Fill in our header's tail with ``slots`` (the speed slots; may be empty) and, when
+    ``announce``, our leave slots (``protocol.leave_slots``: we leave after the step), then
+    finish the gradient allreduce -> Contributed (our header as we added it) | Failed."""
+
+    slots: np.ndarray
+    announce: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """Allgather ``row`` (our claims: our contribution and non-finite flag,
+    :meth:`StepMachine.row`) on ``view`` -> Gathered | Failed. From here on the others can
+    commit the step without us."""
+
+    view: RingView
+    row: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Apply:
+    """The machine's verdict on the step's header (``ftmesh.training.verdicts``): the driver
+    reports its offences, fails the attempt on ``verdict.failed``, raises on
+    ``verdict.diverged``, else runs the update (skipped on ``verdict.skip``) and the rest of
+    the body -> Computed | Failed. ``leaving``: who announced they leave after the step."""
+
+    verdict: StepVerdict
+    leaving: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +425,9 @@ Action: TypeAlias = (
     | FallBack
     | WorldChanged
     | Compute
+    | Reduce
+    | Gather
+    | Apply
     | Advertise
     | Checkpoint
     | Finished
@@ -371,7 +452,10 @@ EXPECTS: dict[type, tuple[type, ...]] = {
     DropRing: (Done,),
     FallBack: (Loaded,),
     WorldChanged: (Done,),
-    Compute: (Computed, Failed),
+    Compute: (Measured, Computed, Failed),
+    Reduce: (Contributed, Failed),
+    Gather: (Gathered, Failed),
+    Apply: (Computed, Failed),
     Advertise: (Done,),
     Checkpoint: (Saved,),
 }

@@ -34,11 +34,16 @@ of *attempts*:
    to the retried step).
 4. **Compute**: our share of the step (equal, or by the weights the pace made from the
    last committed step's agreed speeds: ``shares="speed"``, ``protocol`` 5), as
-   micro-batches; the driver runs backward, the gradient allreduce, the allgather of every
-   member's own header contribution and the optimizer (skipped alike by every member when
-   some member's gradients were not finite), and judges the header with
-   :meth:`StepMachine.check_step` (``ftmesh.training.verdicts``: typed verdicts, offenders
-   named); the step is committed.
+   micro-batches; the driver runs backward and the gradient allreduce, and the step's
+   header goes through the machine (``_header``): the driver feeds ``Measured`` when the
+   micro-batches end, the machine answers ``Reduce`` (the speed slots and our leave bit to
+   fill in before the last bucket's allreduce), the driver feeds ``Contributed`` (our header
+   as we added it), the machine answers ``Gather`` (our row for the allgather of every
+   member's own contribution), the driver feeds ``Gathered`` (the reduced header and the
+   rows), and the machine judges them (:meth:`StepMachine.check_step`,
+   ``ftmesh.training.verdicts``: typed verdicts, offenders named) and answers ``Apply``; the
+   driver runs the optimizer (skipped alike by every member when some member's gradients
+   were not finite) and feeds ``Computed``: the step is committed.
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
    leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
@@ -89,19 +94,25 @@ from .actions import (
     EXPECTS,
     Action,
     Advertise,
+    Apply,
     Barrier,
     Checkpoint,
     Compute,
     Computed,
+    Contributed,
     Depart,
     DropRing,
     Failed,
     Failure,
     FallBack,
     Finished,
+    Gather,
+    Gathered,
     Loaded,
+    Measured,
     Outcome,
     Raise,
+    Reduce,
     Saved,
     SetRole,
     Sleep,
@@ -160,9 +171,9 @@ class StepMachine:
     registered state's parts and layout, once), :meth:`saw_step` (the newest step the mesh
     published, while we have none), :meth:`adopt_snapshot` (a snapshot or checkpoint
     loaded), :meth:`forget_sync` (a step's body raised) and :meth:`request_leave`. It reads
-    the outputs: ``committed``, the reports, :meth:`progress`, :meth:`statistics`, and the
-    pure helpers of a ``Compute`` (:meth:`speed_slots`, :meth:`row`, :meth:`check_step`...).
-    """
+    the outputs: ``committed``, the reports, :meth:`progress`, :meth:`statistics`. A
+    ``Compute``'s header goes through outcomes and actions too (``Measured`` ... ``Apply``,
+    ``_header``); its pure helpers (:meth:`row`, :meth:`check_step`...) stay public."""
 
     def __init__(
         self,
@@ -333,7 +344,7 @@ class StepMachine:
             self._run = None
         return action
 
-    # -- pure helpers the driver calls -------------------------------------------------------
+    # -- pure helpers (the driver's ``Sync``; a ``Compute``'s header round, ``_header``) ------
 
     @property
     def settings(self) -> SharedSettings:
@@ -357,10 +368,10 @@ class StepMachine:
     def row(self, header: np.ndarray, nonfinite: bool) -> np.ndarray:
         """Our row for the step's gathered claims: our own header contribution as we added
         it, then our non-finite flag (``protocol.row_faults``); float64, which holds the
-        float32 header exactly. The driver calls it for the pending ``Compute`` before the
-        row goes out (after the gradient allreduce): it tells the machine that from then on
-        the others can commit the step without us, so that a failure after it syncs on the
-        next view (``Held.needless``)."""
+        float32 header exactly. Made for the pending ``Compute``'s ``Gather``, once the driver
+        fed ``Contributed`` (after the gradient allreduce): from then on the others can
+        commit the step without us, so that a failure after it syncs on the next view
+        (``Held.needless``)."""
         self.held.row_out = True
         return np.append(np.asarray(header, dtype=np.float64), float(nonfinite))
 
@@ -517,6 +528,8 @@ class StepMachine:
         )
         self.held.row_out = False
         now, out = yield action
+        if isinstance(out, Measured):
+            now, out = yield from _header(self, now, action, out)
         if isinstance(out, Computed):
             return (yield from self._commit(now, action, out, run))
         failure = failed_of(out)
@@ -647,3 +660,24 @@ class StepMachine:
 
     def _depart(self, report: StepReport | None = None) -> NoReturn:
         raise Leave(Depart(max(self.committed, 0), report))
+
+
+def _header(
+    m: StepMachine, now: float, action: Compute, measured: Measured
+) -> Generator[Action, tuple[float, Outcome], tuple[float, Outcome]]:
+    """A ``Compute``'s header, once its micro-batches ended (``Measured``): the slots we fill
+    in (:meth:`StepMachine.speed_slots`, our leave bit), our row once the gradient allreduce
+    finished (:meth:`StepMachine.row`), then the verdict on the reduced header and gathered
+    rows (:meth:`StepMachine.check_step`) for the driver to apply. Returns the outcome that
+    ends the compute (``Computed``, or a ``Failed`` at any point)."""
+    announce = m.leave_requested
+    slots = m.speed_slots(action, measured.share, measured.seconds)
+    now, out = yield Reduce(slots, announce)
+    if not isinstance(out, Contributed):
+        return now, out
+    now, out = yield Gather(action.view, m.row(out.header, out.nonfinite))
+    if not isinstance(out, Gathered):
+        return now, out
+    checks, header = measured.checks, out.header
+    verdict = m.check_step(action, header, out.rows, checks, announce, out.reduced_finite)
+    return (yield Apply(verdict, leaving(action, header)))
