@@ -50,10 +50,15 @@ def _train(ms: list[SyncMesh], compression: str | None) -> tuple[list[list[str]]
     digests: list[list[str]] = [[] for _ in ms]
     losses: list[float] = []
     errors: list[BaseException] = []
+    # Built here, one after the other: torch's generator is one for the whole process, so
+    # models built in the members' threads would draw their initial weights interleaved in
+    # whatever order the threads run (under load, each member a different model, and the
+    # mesh trains the one of whoever serves the first state).
+    models = [_model() for _ in ms]
 
     def member(i: int) -> None:
         try:
-            model = _model()
+            model = models[i]
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             trainer = ElasticTrainer(
                 ms[i], model, opt, ElasticSampler(SAMPLES, BATCH), quorum="any",
