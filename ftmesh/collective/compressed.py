@@ -23,8 +23,9 @@ Each element is thus quantized at most twice, whatever N: by the member that sen
 its owner. Both errors go to the member's residual (``ftmesh.compression.feedback``), which is
 updated only in ``finish``, i.e. when the collective completed on this member: a collective
 that aborts leaves the residual as it was, and the retry, on the same or another view, sends
-the same contribution. On a view of one member nothing is quantized (no wire): the result is
-the input plus the residual, which is then zero.
+the same contribution (a step that fails after a completed collective goes back to the
+residual it started with: ``Int8Compression.attempt``). On a view of one member nothing is
+quantized (no wire): the result is the input plus the residual, which is then zero.
 
 Cost and choice: each link carries ``N(N-1)/2`` encoded shards (``(N-1)/2`` encoded buffers)
 in the reduce-scatter plus ``(N-1)/N`` of the encoded buffer in the allgather, against

@@ -32,6 +32,8 @@ Non-finite values: a NaN or inf in a block makes its agreed maximum non-finite, 
 member sends 0 for it and decodes ``0 * inf`` = NaN: the block is non-finite on every member,
 as ``torch.amp.GradScaler`` needs. Commit-or-none: the residual is updated in ``finish``, once
 the integer round completed; a round that aborts (either of the two) leaves it as it was.
+(A caller whose step can still fail after a completed round puts the residual back itself:
+``Int8Compression.attempt``.)
 """
 
 from __future__ import annotations

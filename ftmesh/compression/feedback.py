@@ -24,6 +24,19 @@ The residual is updated only when the collective completes on this member, so a 
 that fails is retried with the same residual. One object per stream of allreduces (one
 gradient bucket, one tensor updated step after step): reusing it for a tensor of another size
 is refused, and calls through one object must not overlap.
+
+*Attempts.* A caller whose collectives are part of a larger unit that can still fail after
+them (the trainer's step: its gathered rows, the header's check, the update's allgather) keeps
+the residual of an attempt aside until the unit commits: ``attempt()`` at the start of every
+attempt, ``settle()`` when the step commits. A collective that completes inside an attempt
+advances the residual as usual (the next collective of the attempt, if any, builds on it), but
+the next ``attempt()`` without a ``settle()`` in between puts back the residual the failed
+attempt started with: a failed attempt leaves no trace. Without that, its residual (for an
+element below half a level of its block's scale: the whole value the attempt did not send)
+would be added to the retry's contribution of the same gradients, which counts part of the
+failed attempt's gradient once more, and unevenly across members when the attempt completed
+on some of them only. Cost: none; the buffer kept aside is the one the completed collective
+would have recycled as its spare, and it becomes the spare again at ``settle()``.
 """
 
 from __future__ import annotations
@@ -79,6 +92,9 @@ class Int8Compression:
         self.shared_scale_from = shared_scale_from
         self._residual: F32 | None = None
         self._spare: F32 | None = None
+        self._held = False
+        self._kept: F32 | None = None
+        """With ``_held``: the residual the current attempt started with (None: zeros)."""
         self._work: dict[str, npt.NDArray[Any]] = {}
         self._busy = False
 
@@ -117,7 +133,29 @@ class Int8Compression:
         self._busy = False
         if new is None or not self.error_feedback:
             return
-        self._spare, self._residual = self._residual, new
+        old, self._residual = self._residual, new
+        # (the residual an attempt started with is kept until the step commits)
+        self._spare = None if self._held and old is self._kept else old
+
+    def attempt(self) -> None:
+        """An attempt of a step starts (see *Attempts* in the module docstring): the first
+        since ``settle()`` keeps the residual as it is now aside; a later one (the last
+        attempt failed) goes back to it first."""
+        if not self._held:
+            self._held, self._kept = True, self._residual
+            return
+        if self._residual is not self._kept:
+            if not self._busy:  # (else begin() drops the spare: an aborted run may write it)
+                self._spare = self._residual
+            self._residual = self._kept
+
+    def settle(self) -> None:
+        """The step whose attempts ``attempt()`` marked committed: its residual stands (the
+        one kept aside is the spare again)."""
+        kept = self._kept
+        if kept is not None and kept is not self._residual and self._spare is None:
+            self._spare = None if self._busy else kept
+        self._held, self._kept = False, None
 
     def begin(self) -> None:
         """A collective starts using this object's workspaces (and the buffer of the next
@@ -138,7 +176,8 @@ class Int8Compression:
 
     def reset(self) -> None:
         """Forget the residual (e.g. after loading a checkpoint)."""
-        self._residual = self._spare = None
+        self._residual = self._spare = self._kept = None
+        self._held = False
         self._work.clear()
 
     def residual_norm(self) -> float:

@@ -52,7 +52,9 @@ spare computes the leaver's share from the next step; a cold spare takes its slo
 
 With ``compression="int8"`` the gradient buckets' float32 host buffers travel as blockwise
 int8 with error feedback (``ftmesh.collective.compressed``, and ``shared_scale`` for buckets
-of 2**18 values and more on 3+ members; one residual per bucket, kept across steps); the
+of 2**18 values and more on 3+ members; one residual per bucket, kept across steps and
+advanced only by a step that commits: every attempt starts from the residuals of the last
+committed step, ``Int8Compression.attempt``/``settle``); the
 header slots of the last bucket (counters, leave bits, checks) are its
 exact tail (unquantized). Every member must use the same setting: it is compared in the
 sync like ``shard_optimizer`` (``ConfigError`` naming who has which).
@@ -693,6 +695,9 @@ class ElasticTrainer:
         ring = self.mesh.session(step.action.view)
         self._bind_torch_distributed(ring)
         comps = self._compression
+        for comp in comps.values():
+            if comp is not None:  # (a retry: back to the residuals the step started with)
+                comp.attempt()
         self._own_nonfinite = False
         self._verdict = None
 
@@ -912,6 +917,9 @@ class ElasticTrainer:
             self._abandon(step)
             return False
         self._state.capture()
+        for comp in self._compression.values():
+            if comp is not None:  # the step commits: its int8 residuals stand
+                comp.settle()
         frozen = self._freezes.take() if self._freezes is not None else 0.0
         verdict = self._verdict
         step.next = self._feed(
