@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 
 import ftmesh
 import numpy as np
@@ -346,7 +347,9 @@ def report_result(
     started: float,
 ) -> None:
     if args.save_model:  # every worker of a mesh writes the same weights: replace atomically
-        tmp = f"{args.save_model}.{os.getpid()}.tmp"
+        # A name of this worker's own: on a volume every pod shares (the Job's), each writer
+        # is PID 1 of its container, so the pid alone would collide.
+        tmp = f"{args.save_model}.{os.getpid()}-{uuid.uuid4().hex}.tmp"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, args.save_model)
     acc = accuracy(model, x_test, y_test)

@@ -237,7 +237,8 @@ def test_the_indexed_job_as_written(image: Path) -> None:
 
         # Every pod exits 0 on its own when the run is done: the Job succeeds.
         codes = [lab.wait(i, WAIT_S) for i in range(n)]
-        assert codes == [0] * n, [lab.logs(i)[-1500:] for i in range(n)]
+        failed = [f"--- {i}: {rc}\n{lab.logs(i)[-3000:]}" for i, rc in enumerate(codes) if rc]
+        assert codes == [0] * n, "\n".join(failed)
         total = _steps(lab, 0)[-1]["total"]
         finals = {next(r for r in _records(lab, i) if r.get("done"))["digest"] for i in range(n)}
         assert len(finals) == 1, finals  # one model
@@ -248,3 +249,4 @@ def test_the_indexed_job_as_written(image: Path) -> None:
         (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
         model = lab.shared_claim_dir(claim["metadata"]["name"]) / "model.pt"
         assert model.stat().st_size > 0
+        assert [p.name for p in model.parent.iterdir()] == ["model.pt"]  # no writer's leftover
