@@ -13,7 +13,9 @@ after its current step and exit 0 (``ftmesh.Departed``); the others train on.
 ``--idle-when-done`` is for a StatefulSet (``examples/k8s/``), which restarts a container
 that exits: the worker stays up after training until SIGTERM, and a worker whose
 ``--checkpoint-dir`` already holds the last step (make ``--checkpoint-every`` divide the
-run's steps) does not train again but idles the same way.
+run's steps) does not train again but idles the same way. An Indexed Job
+(``examples/k8s/ftmesh-job.yaml``) wants the opposite: exit 0 once the run is done, and
+``--departed-exit-code`` (e.g. 143) after a planned departure, so that exit 0 means only that.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 
 import ftmesh
 import numpy as np
@@ -184,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument(
+        "--departed-exit-code",
+        type=int,
+        default=0,
+        help="exit status after a planned departure (SIGTERM/SIGINT: ftmesh.Departed); "
+        "default 0. A Job sets it non-zero: there exit 0 must mean the run is done",
+    )
+    p.add_argument(
         "--idle-when-done",
         action="store_true",
         help="after training (or if --checkpoint-dir holds the last step already) stay in the "
@@ -194,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
+    try:
+        return train(args)
+    except ftmesh.Departed as left:
+        if not args.departed_exit_code:
+            raise  # a SystemExit with status 0
+        print(f"{left}: exit {args.departed_exit_code}", flush=True)
+        return args.departed_exit_code
+
+
+def train(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=os.environ.get("FTMESH_LOG", "WARNING"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -327,7 +347,9 @@ def report_result(
     started: float,
 ) -> None:
     if args.save_model:  # every worker of a mesh writes the same weights: replace atomically
-        tmp = f"{args.save_model}.{os.getpid()}.tmp"
+        # A name of this worker's own: on a volume every pod shares (the Job's), each writer
+        # is PID 1 of its container, so the pid alone would collide.
+        tmp = f"{args.save_model}.{os.getpid()}-{uuid.uuid4().hex}.tmp"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, args.save_model)
     acc = accuracy(model, x_test, y_test)

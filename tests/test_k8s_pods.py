@@ -5,9 +5,13 @@ IP, each worker PID 1 of its own PID namespace, with the manifest's env, Secret 
 checkpoint volume). One mesh forms; SIGTERM to one pod's PID 1 makes it leave and exit 0
 within the grace period while no survivor retries a step; a fifth pod joins and trains; the
 others finish, on one model; a finished pod that the StatefulSet restarts does not train
-again. The pods run the image's install, not this tree's: exactly what
-``examples/k8s/Dockerfile`` installs (parsed from it), in a fresh virtual environment. Root
-only (namespaces, mounts)."""
+again. The Indexed Job (``ftmesh-job.yaml``) the same way: its four indexes train one
+model; SIGTERM to one is a planned departure that exits the status its podFailurePolicy
+ignores (not 0, which would be a succeeded index); the replacement pod of that index joins
+the running mesh, fetches the state and trains; every pod exits 0 when the run is done (the
+Job's success), the model on the shared claim. The pods run the image's install, not this
+tree's: exactly what ``examples/k8s/Dockerfile`` installs (parsed from it), in a fresh
+virtual environment, built once for both. Root only (namespaces, mounts)."""
 
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ pytestmark = [
 ]
 
 MANIFEST = ROOT / "examples" / "k8s" / "ftmesh-train.yaml"
+JOB_MANIFEST = ROOT / "examples" / "k8s" / "ftmesh-job.yaml"
 DOCKERFILE = ROOT / "examples" / "k8s" / "Dockerfile"
 WAIT_S = 400.0  # generous: four pods import torch at once on a shared 2-core host
 
@@ -67,8 +72,10 @@ def _nspid(pid: int) -> list[str]:
     return next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
 
 
-def _image(tmp: Path) -> Path:
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin folder of an environment with exactly what the Dockerfile installs."""
+    tmp = tmp_path_factory.mktemp("image")
     env = fresh_env(tmp / "image")
     run(
         ["pip", "install", "-q", *dockerfile_requirements(DOCKERFILE, build_wheel(tmp))],
@@ -79,17 +86,17 @@ def _image(tmp: Path) -> Path:
     return tmp / "image" / "bin"
 
 
-def test_the_statefulset_as_written(tmp_path: Path) -> None:
+def test_the_statefulset_as_written(image: Path) -> None:
     docs = load_manifest(MANIFEST)
     key = secrets.token_hex(16).encode()
     with PodLab(
         docs,
         image_dir=ROOT,
-        image_path=[str(_image(tmp_path))],  # the image's ftmesh
+        image_path=[str(image)],  # the image's ftmesh
         secrets={"ftmesh-mesh-secret": {"secret": key}},
         pods=6,
     ) as lab:
-        replicas = int(lab.statefulset["spec"]["replicas"])
+        replicas = lab.replicas
         assert replicas == 4
         for i in range(replicas):
             lab.start(i)
@@ -178,3 +185,68 @@ def test_the_statefulset_as_written(tmp_path: Path) -> None:
         for i in members:
             lab.signal(i, signal.SIGTERM)
         assert [lab.wait(i, lab.grace_s) for i in members] == [0] * len(members)
+
+
+def test_the_indexed_job_as_written(image: Path) -> None:
+    docs = load_manifest(JOB_MANIFEST)
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    ignored = {
+        code
+        for r in rules
+        if r["action"] == "Ignore" and "onExitCodes" in r
+        for code in r["onExitCodes"]["values"]
+    }
+    key = secrets.token_hex(16).encode()
+    with PodLab(
+        docs,
+        image_dir=ROOT,
+        image_path=[str(image)],
+        secrets={"ftmesh-mesh-secret": {"secret": key}},
+    ) as lab:
+        n = lab.replicas
+        assert n == 4 == job["spec"]["completions"]
+        for i in range(n):
+            lab.start(i)
+        _wait("the pods to train", lambda: all(_steps(lab, i) for i in range(n)), lab)
+        for i in range(n):  # one mesh of four from the first step; the worker is PID 1
+            assert _nspid(lab.pid1(i))[-1] == "1"
+            assert {r["members"] for r in _steps(lab, i)} == {n}, _steps(lab, i)[:3]
+        _wait("step 5", lambda: all(_steps(lab, i)[-1]["step"] >= 5 for i in range(n)), lab)
+
+        # Index 1's pod is deleted (SIGTERM): a planned departure whose exit status the
+        # podFailurePolicy ignores, never 0 (which would count as a succeeded index).
+        leaver = 1
+        rc = lab.delete(leaver)
+        assert rc in ignored and rc != 0, (rc, lab.logs(leaver)[-2000:])
+        assert "leaving the mesh after step" in lab.logs(leaver)
+        last = max(r["step"] for r in _steps(lab, leaver))
+        # The Job replaces the pod of that index: it joins the running mesh and trains.
+        lab.start(leaver)
+
+        def joined() -> bool:
+            return any(r["share"] > 0 and r["members"] == n for r in _steps(lab, leaver))
+
+        def done(i: int) -> bool:
+            return any(r.get("done") for r in _records(lab, i))
+
+        _wait("the replacement to train", lambda: joined() or done(0), lab)
+        assert joined(), "the run ended before the replacement joined\n" + lab.logs(leaver)
+        first = _steps(lab, leaver)[0]
+        assert first["step"] > last and first["synced"] and first["fetched"] > 0, first  # peers
+
+        # Every pod exits 0 on its own when the run is done: the Job succeeds.
+        codes = [lab.wait(i, WAIT_S) for i in range(n)]
+        failed = [f"--- {i}: {rc}\n{lab.logs(i)[-3000:]}" for i, rc in enumerate(codes) if rc]
+        assert codes == [0] * n, "\n".join(failed)
+        total = _steps(lab, 0)[-1]["total"]
+        finals = {next(r for r in _records(lab, i) if r.get("done"))["digest"] for i in range(n)}
+        assert len(finals) == 1, finals  # one model
+        for i in range(n):
+            assert "test accuracy: 0.9" in lab.logs(i), lab.logs(i)[-500:]
+            steps = [r["step"] for r in _steps(lab, i)]
+            assert steps == sorted(set(steps)) and steps[-1] == total
+        (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+        model = lab.shared_claim_dir(claim["metadata"]["name"]) / "model.pt"
+        assert model.stat().st_size > 0
+        assert [p.name for p in model.parent.iterdir()] == ["model.pt"]  # no writer's leftover

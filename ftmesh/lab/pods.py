@@ -1,9 +1,12 @@
-"""Kubernetes pods in the lab: a StatefulSet's container command, as written in its manifest,
-run the way a kubelet would run it, on namespaces of a :class:`~ftmesh.lab.netns.VirtualLan`.
+"""Kubernetes pods in the lab: a StatefulSet's or an Indexed Job's container command, as
+written in its manifest, run the way a kubelet would run it, on namespaces of a
+:class:`~ftmesh.lab.netns.VirtualLan`.
 
-Theory of operation. ``PodLab(docs, image_dir=...)`` reads a StatefulSet and its headless
-Service from parsed manifest documents and gives pod ``i`` (named ``<set>-<i>``) lab host
-``i``. ``start(i)`` runs the first container of the pod template like this:
+Theory of operation. ``PodLab(docs, image_dir=...)`` reads the workload (a StatefulSet, or
+an Indexed Job) and its headless Service (the StatefulSet's ``serviceName``, the Job's pod
+``subdomain``) from parsed manifest documents and gives pod ``i`` (named ``<set>-<i>``, for
+a Job the hostname ``<job>-<index>``) lab host ``i``. ``start(i)`` runs the first container
+of the pod template like this:
 
 * **Network and DNS.** The pod is host ``i``'s network namespace (its own IP on the bridge,
   a default route). ``ip netns exec`` bind-mounts ``/etc/netns/<namespace>/hosts`` over
@@ -20,19 +23,23 @@ Service from parsed manifest documents and gives pod ``i`` (named ``<set>-<i>``)
   ``/run``, the image at the container's ``workingDir`` (``image_dir``, e.g. the
   repository, as the Dockerfile copies it) and the pod's volumes at their ``mountPath``: a
   Secret's keys as files (``secrets``), a ``volumeClaimTemplates`` claim as a directory of
-  its own per pod that outlives the pod's restarts, an ``emptyDir`` fresh each start. Then it
+  its own per pod that outlives the pod's restarts, a ``persistentVolumeClaim`` volume as
+  one directory every pod shares (ReadWriteMany), an ``emptyDir`` fresh each start. Then it
   ``chroot``s there. A volume is never created on the host: its ``mountPath`` must lie on
   the private tmpfs (a new top-level directory, or under ``/run``), else :class:`LabError`.
 * **Environment and command.** ``env`` entries with ``value`` or a ``fieldRef``
-  (``status.podIP``, ``metadata.name``, ``metadata.namespace``, ...), the image's ``PATH``
+  (``status.podIP``, ``metadata.name``, ``metadata.namespace``, ...), a Job pod's
+  ``JOB_COMPLETION_INDEX`` (the Job controller adds it), the image's ``PATH``
   (``image_path`` first), and ``$(VAR)`` references in ``command`` and ``args`` expanded as
   the kubelet does (``$$`` is a literal ``$``; unknown names stay as written).
 
 ``signal(i, sig)`` goes to the pod's PID 1; ``restart(i)`` runs the container again in the
-same pod (same IP, same claims), as a StatefulSet does with a container that exited;
-``delete(i)`` removes the pod (its IP leaves the Service). Output goes to one log file per
-container start (``Pod.log_path``). ``close()`` kills everything, deletes the namespaces and
-the ``/etc/netns`` entries. Root only, like the rest of the lab.
+same pod (same IP, same claims), as a StatefulSet does with a container that exited, and
+as a Job does when it replaces the pod of a failed index (a new pod there, with the same
+hostname; the lab keeps the IP); ``delete(i)`` removes the pod (its IP leaves the
+Service). Output goes to one log file per container start (``Pod.log_path``). ``close()``
+kills everything, deletes the namespaces and the ``/etc/netns`` entries. Root only, like the
+rest of the lab.
 """
 
 from __future__ import annotations
@@ -123,11 +130,12 @@ class _PodSpec:
 
 
 class PodLab:
-    """A StatefulSet's pods in the lab; see the module docstring. ``docs``: the manifest's
+    """A StatefulSet's or an Indexed Job's pods in the lab; see the module docstring.
+    ``docs``: the manifest's
     documents; ``image_dir``: what the container image holds at its ``workingDir``;
     ``image_path``: directories put first on the image's ``PATH`` (where its ``ftmesh``
     is); ``secrets``: ``{secret name: {key: bytes}}`` for Secret volumes; ``pods``: most
-    pods at once (lab hosts), default the StatefulSet's replicas."""
+    pods at once (lab hosts), default the StatefulSet's replicas or the Job's parallelism."""
 
     def __init__(
         self,
@@ -140,13 +148,26 @@ class PodLab:
         namespace: str = "default",
         subnet: str = "10.79.0.0/24",
     ) -> None:
-        self.statefulset = _one(docs, "StatefulSet")
-        spec = self.statefulset["spec"]
-        svc_name = spec["serviceName"]
+        kinds = [d for d in docs if d.get("kind") in ("StatefulSet", "Job")]
+        if len(kinds) != 1:
+            raise LabError(f"the manifest has {len(kinds)} StatefulSets and Jobs, not one")
+        self.workload = _one(docs, kinds[0]["kind"])
+        self.is_job = self.workload["kind"] == "Job"
+        spec = self.workload["spec"]
+        if self.is_job:
+            if spec.get("completionMode") != "Indexed":
+                raise LabError("the Job is not Indexed (completionMode: Indexed)")
+            svc_name = spec["template"]["spec"].get("subdomain")
+            self.replicas = int(spec.get("parallelism", 1))
+        else:
+            svc_name = spec["serviceName"]
+            self.replicas = int(spec.get("replicas", 1))
+        if not svc_name:
+            raise LabError("the pods have no Service (serviceName, or a Job's subdomain)")
         self.service = _one(docs, "Service", svc_name)
         if self.service["spec"].get("clusterIP") != "None":
             raise LabError(f"Service {svc_name} is not headless (clusterIP: None)")
-        self.name = str(self.statefulset["metadata"]["name"])
+        self.name = str(self.workload["metadata"]["name"])
         self.namespace = namespace
         self.template = spec["template"]["spec"]
         self.container = self.template["containers"][0]
@@ -154,7 +175,7 @@ class PodLab:
         self.image_path = list(image_path)
         self.secrets = {k: dict(v) for k, v in (secrets or {}).items()}
         self.grace_s = float(self.template.get("terminationGracePeriodSeconds", 30))
-        count = int(spec.get("replicas", 1)) if pods is None else pods
+        count = self.replicas if pods is None else pods
         self._netns_dirs: list[Path] = []
         self._roots: list[Path] = []
         self.pods: list[Pod] = []
@@ -281,6 +302,8 @@ class PodLab:
             "HOME": "/root",
             "HOSTNAME": pod.name,
         }
+        if self.is_job:  # the Job controller adds it to every container of an Indexed Job
+            env["JOB_COMPLETION_INDEX"] = str(pod.ordinal)
         for item in c.get("env", []):
             env[item["name"]] = self._env_value(pod, item, env)
         argv = [expand_vars(str(a), env) for a in [*c.get("command", []), *c.get("args", [])]]
@@ -314,11 +337,15 @@ class PodLab:
         name = m["name"]
         volumes = {v["name"]: v for v in self.template.get("volumes", [])}
         claims = {
-            t["metadata"]["name"] for t in self.statefulset["spec"].get("volumeClaimTemplates", [])
+            t["metadata"]["name"] for t in self.workload["spec"].get("volumeClaimTemplates", [])
         }
         read_only = bool(m.get("readOnly", False))
         if name in claims:  # one per pod, kept across restarts (a PersistentVolumeClaim)
             src = self._tmp / "claims" / f"{name}-{pod.name}"
+        elif name in volumes and "persistentVolumeClaim" in volumes[name]:
+            pvc = volumes[name]["persistentVolumeClaim"]
+            src = self.shared_claim_dir(str(pvc["claimName"]))  # every pod's (ReadWriteMany)
+            read_only = read_only or bool(pvc.get("readOnly", False))
         elif name in volumes and "secret" in volumes[name]:
             secret = volumes[name]["secret"]["secretName"]
             if secret not in self.secrets:
@@ -331,13 +358,18 @@ class PodLab:
         elif name in volumes and "emptyDir" in volumes[name]:
             src = self._tmp / "empty" / f"{pod.name}-{name}-{pod.starts}"
         else:
-            raise LabError(f"volume {name}: not a claim, Secret or emptyDir of the pod")
+            raise LabError(f"volume {name}: not a claim, PVC, Secret or emptyDir of the pod")
         src.mkdir(parents=True, exist_ok=True)
         return _Mount(str(m["mountPath"]), str(src), read_only)
 
     def claim_dir(self, i: int, claim: str) -> Path:
         """The host directory behind pod ``i``'s claim ``claim``."""
         return self._tmp / "claims" / f"{claim}-{self.pods[i].name}"
+
+    def shared_claim_dir(self, claim_name: str) -> Path:
+        """The host directory behind the PersistentVolumeClaim ``claim_name`` that pods
+        mount through a ``persistentVolumeClaim`` volume (one for all of them)."""
+        return self._tmp / "shared-claims" / claim_name
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
