@@ -130,7 +130,6 @@ from ..training.protocol import (
     round_tag,
 )
 from ..training.shards import round_id
-from ..training.start import StartConfig
 from ..training.step import (
     StepMachine,
     StepReport,
@@ -209,12 +208,9 @@ class ElasticTrainer:
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
         self._compression: dict[int, Int8Compression | None] = {}
         """id(bucket buffer) -> its compression (``compression="int8"``; else None)."""
-        given = mesh.start_config  # what ftmesh.connect() was told (or the environment)
-        start = StartConfig(
-            given.start_peers if cfg.start_peers is None else cfg.start_peers,
-            given.timeout if cfg.start_timeout is None else cfg.start_timeout,
-            given.join_running,
-        )
+        # the mesh's (what ftmesh.connect() was told, or the environment), with the
+        # trainer's explicit overrides laid over it (``StartConfig`` owns the order)
+        start = mesh.start_config.overlay(cfg.start_peers, cfg.start_timeout)
         self._machine = StepMachine(
             cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start=start
         )
