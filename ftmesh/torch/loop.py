@@ -180,7 +180,7 @@ class Step:
         self._report: StepReport | None = None
         self.report_read = False
         """The code after the block looked at :attr:`report` (a hand-back it did not look at
-        is logged: see ``ElasticTrainer._attempts``)."""
+        is logged: see the module docstring)."""
         self._entered = False
         self._iterated = False
         self.exited = False
