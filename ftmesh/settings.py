@@ -58,7 +58,7 @@ from .membership.messages import Meta, MetaValue
 from .mesh.core import MeshConfig
 from .net.node import NodeConfig
 from .security import MeshAuth, load_secrets
-from .training.start import DEFAULT_START_TIMEOUT, StartConfig
+from .training.start import StartConfig
 
 DEFAULT_MESH = "default"
 DEFAULT_PRESET = "lan"
@@ -268,14 +268,16 @@ class Settings:
         return load_secrets(self.secret_file, bool(self.encrypt), self.secret)
 
     def start_config(self) -> StartConfig:
-        """How this member starts (``ftmesh.training.start``)."""
-        peers = 1 if self.start_peers is None else self.start_peers
-        if peers < 0:
-            raise ConfigError(f"{label('start_peers')} must be 0 or more, got {peers}")
-        timeout = DEFAULT_START_TIMEOUT if self.start_timeout is None else self.start_timeout
-        if not timeout > 0:
-            raise ConfigError(f"{label('start_timeout')} must be positive, got {timeout}")
-        return StartConfig(peers, timeout, bool(self.join_running))
+        """How this member starts: the values given laid over ``StartConfig``'s defaults
+        (``ftmesh.training.start`` owns them); a bad one raises ``ConfigError`` naming the
+        flag or variable."""
+        if self.start_peers is not None and self.start_peers < 0:
+            raise ConfigError(f"{label('start_peers')} must be 0 or more, got {self.start_peers}")
+        if self.start_timeout is not None and not self.start_timeout > 0:
+            raise ConfigError(
+                f"{label('start_timeout')} must be positive, got {self.start_timeout}"
+            )
+        return StartConfig().overlay(self.start_peers, self.start_timeout, bool(self.join_running))
 
     def seeds(self) -> tuple[str, ...]:
         """The seeds, each checked."""

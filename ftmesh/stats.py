@@ -129,3 +129,12 @@ class TrainerStatistics:
     loss: float = float("nan")
     """Mean loss of the last committed step over its global batch (``StepReport.loss``);
     ``nan`` before the first step and after an adopted one."""
+    recoveries_total: int = 0
+    """Failed attempts (each cost a retry of its step; ``ElasticTrainer.recoveries``)."""
+    fallbacks_total: int = 0
+    """Times the sharded state was lost and training resumed from a checkpoint
+    (``ElasticTrainer.fallbacks``)."""
+    last_sync_bytes: int = 0
+    """State bytes fetched in the last sync (0: it was not behind)."""
+    last_sync_seconds: float = 0.0
+    """Seconds the last sync took (agreement plus state transfer)."""

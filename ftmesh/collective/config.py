@@ -9,6 +9,10 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class CollectiveConfig:
+    """A data plane's settings. These defaults are a bare data plane's; a mesh's differ in
+    three fields (``ftmesh.mesh.core.MESH_COLLECTIVE``, ``MeshConfig.collective``'s
+    default, says which and why)."""
+
     chunk_bytes: int = 1 << 20
     """Pipeline chunk (bytes). Each ring step is cut into chunks so that a chunk can be forwarded
     as soon as it is reduced, overlapping reduction with the wire. Smaller: more overlap and less

@@ -95,14 +95,26 @@ MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
 
 
+MESH_COLLECTIVE = CollectiveConfig(view_timeout=5.0, max_cached_views=1, io_timeout=10.0)
+"""The data plane's settings in a mesh (``MeshConfig.collective``'s default), which differ
+from a bare ``CollectiveConfig()`` in three fields, on purpose: ``view_timeout`` 5 s (not
+10: the mesh retries a view that neighbours do not hold yet, up to
+``MeshConfig.agree_timeout``, so each try may be short), ``io_timeout`` 10 s (not 30: a
+mesh also learns of a dead neighbour from membership and from a newer view, so the data
+plane's own stall limit only has to catch a link that breaks under an open ring) and
+``max_cached_views`` 1 (not 2: a mesh's member that moves to a newer view aborts the old
+one's collectives, ``ViewSupersededError``, so no straggler finishes a round on it). A
+``MeshConfig(collective=CollectiveConfig(...))`` starts from ``CollectiveConfig``'s own
+defaults, not these: to change one field and keep the mesh's others, give
+``dataclasses.replace(MESH_COLLECTIVE, field=value)``."""
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
-    collective: CollectiveConfig = field(
-        default_factory=lambda: CollectiveConfig(
-            view_timeout=5.0, max_cached_views=1, io_timeout=10.0
-        )
-    )
+    collective: CollectiveConfig = MESH_COLLECTIVE
+    """The data plane's settings; default :data:`MESH_COLLECTIVE` (three fields differ from
+    ``CollectiveConfig()``'s defaults, which that constant names and explains)."""
     role: str = "train"
     """This member's role: ``train`` members form the ring."""
     data_port: int = 0

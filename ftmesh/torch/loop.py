@@ -48,12 +48,20 @@ the member publishes ``between steps Ns (after step K)`` in its progress
 (``ftmesh.torch.between``); the others' collective then waits for its first frame, while
 membership holds it alive, up to ``CollectiveConfig.start_wait`` (600 s;
 ``ftmesh.collective.engine``), and says in its log whom it waits for.
+
+The two sides. A :class:`Step` holds what the user reads (the attempt, the share, the rank)
+and runs the body's hooks; what they do to the mesh and the gradients belongs to the trainer,
+which the step reaches only through :class:`StepDriver` (the trainer's ``LoopSide``): ``arm``
+(the ``with`` block begins), ``reduce`` (the micro-batches end), ``retry`` (an attempt failed
+inside them: the next attempt, or ``None``), ``start`` (that attempt begins) and ``end`` (the
+block ends). The trainer ends an attempt by setting ``step.failure`` and raising
+:class:`StepAborted`; it reads and sets the step's public fields, nothing else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -69,7 +77,66 @@ from ..training.step import (
 )
 
 if TYPE_CHECKING:
-    from .trainer import ElasticTrainer
+    from .buckets import GradBuckets
+    from .data import ElasticLoader
+    from .sampler import ElasticSampler
+
+
+class NextAttempt(NamedTuple):
+    """A retry of the same step (``StepDriver.retry``): the machine's ``Compute`` for it, this
+    member's share of sample indices, and that share in micro-batches."""
+
+    action: Compute
+    share: np.ndarray
+    micro: list[np.ndarray]
+
+
+class StepDriver(Protocol):
+    """The trainer's side of a :class:`Step` (see the module docstring): everything a step
+    does to the mesh, the gradients and the data goes through these members."""
+
+    @property
+    def node_id(self) -> str:
+        """This member's node id (its rank in an attempt's view)."""
+        ...
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        """The data's sampler (a step's global batch size, its epoch)."""
+        ...
+
+    @property
+    def buckets(self) -> GradBuckets:
+        """The gradient buckets (micro-batch scaling, the header's loss slot)."""
+        ...
+
+    @property
+    def loader(self) -> ElasticLoader | None:
+        """The trainer's ``DataLoader`` face (``None`` with an ``ElasticSampler``)."""
+        ...
+
+    def arm(self, step: Step) -> None:
+        """``with step:`` begins: the step is the current one, its first attempt starts."""
+        ...
+
+    def start(self, step: Step) -> None:
+        """A retry's attempt (``Step`` already reset by ``retry``'s answer) starts."""
+        ...
+
+    def reduce(self, step: Step) -> None:
+        """The micro-batches ended: reduce and judge the gradients; a failed attempt sets
+        ``step.failure`` and raises ``StepAborted``."""
+        ...
+
+    def retry(self, step: Step) -> NextAttempt | None:
+        """The attempt failed inside the micro-batches: the next attempt of the same step,
+        or ``None`` when the body ends (adopted, or the machine moved elsewhere:
+        ``step.next`` is set)."""
+        ...
+
+    def end(self, step: Step, error: BaseException | None) -> bool:
+        """``with step:`` ends; returns whether to swallow ``error``."""
+        ...
 
 
 class StepAborted(FtmeshError):
@@ -96,24 +163,24 @@ class Step:
 
     def __init__(
         self,
-        trainer: ElasticTrainer,
+        driver: StepDriver,
         action: Compute,
         share: np.ndarray,
         micro: list[np.ndarray],
     ) -> None:
-        self._trainer = trainer
+        self._driver = driver
         self.index = action.index
         """The step's 0-based index (its place in the data: ``ElasticSampler``)."""
         self.number = action.index + 1
         """The committed step count once this step commits (``StepReport.step``)."""
-        self.samples = trainer.sampler.batch_size(action.index)
+        self.samples = driver.sampler.batch_size(action.index)
         """Samples of the step's global batch."""
-        self.epoch = trainer.sampler.epoch_of(action.index)
+        self.epoch = driver.sampler.epoch_of(action.index)
         """The 0-based epoch of the step."""
         self._report: StepReport | None = None
         self.report_read = False
         """The code after the block looked at :attr:`report` (a hand-back it did not look at
-        is logged: see :meth:`ElasticTrainer._attempts`)."""
+        is logged: see the module docstring)."""
         self._entered = False
         self._iterated = False
         self.exited = False
@@ -128,7 +195,7 @@ class Step:
         self.action = action
         self.attempt = action.attempt
         """The attempt (1, 2, ...); a retry happens inside ``step.batches()``."""
-        self.rank = view.rank_of(self._trainer.mesh.node_id)
+        self.rank = view.rank_of(self._driver.node_id)
         """This member's place in the ring (node-id order) for this attempt."""
         self.world_size = view.size
         """Members in the ring, each applying this step (hot spares included)."""
@@ -177,12 +244,12 @@ class Step:
         if self._entered:
             raise LocalUsageError("a step's `with` block runs once; the trainer retries by itself")
         self._entered = True
-        self._trainer._arm(self)
+        self._driver.arm(self)
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: Any) -> bool:
         self.exited = True
-        return self._trainer._end(self, ev)
+        return self._driver.end(self, ev)
 
     def _running(self) -> None:
         if not self._entered or self.exited:
@@ -197,10 +264,10 @@ class Step:
         self._running()
         if self._iterated:
             raise LocalUsageError("a step's micro-batches are iterated once")
-        trainer = self._trainer
+        driver = self._driver
         for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
             self._iterated = True
-            buckets = trainer.buckets
+            buckets = driver.buckets
             micro = self._micro
             for k, idx in enumerate(micro):
                 last = k == len(micro) - 1
@@ -211,17 +278,20 @@ class Step:
                     buckets.between(len(idx) / len(micro[k + 1]))
             self._size = 0
             try:
-                trainer._reduce(self)
+                driver.reduce(self)
             except StepAborted:
-                if not trainer._retry(self):
+                nxt = driver.retry(self)
+                if nxt is None:
                     raise
+                self._attempt(*nxt)
+                driver.start(self)
                 continue
             return
 
     def batches(self) -> Iterator[Any]:
         """This member's share as micro-batches from the trainer's ``DataLoader`` (collated as
         the loader does); see :meth:`indices`."""
-        loader = self._trainer._loader
+        loader = self._driver.loader
         if loader is None:
             raise LocalUsageError(
                 "step.batches() needs a trainer built with a DataLoader; with an "
@@ -239,8 +309,4 @@ class Step:
                 "record_loss() belongs inside the loop over a step's micro-batches"
             )
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        self._trainer.buckets.header[1] += value * self._size
-
-    def _fail(self, failure: Failed) -> None:
-        self.failure = failure
-        raise StepAborted(failure)
+        self._driver.buckets.header[1] += value * self._size

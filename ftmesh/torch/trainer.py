@@ -89,7 +89,7 @@ import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -112,6 +112,7 @@ from ..training.actions import (
     Computed,
     Contributed,
     Depart,
+    Failed,
     Finished,
     Gather,
     Gathered,
@@ -131,7 +132,6 @@ from ..training.protocol import (
     round_tag,
 )
 from ..training.shards import round_id
-from ..training.start import StartConfig
 from ..training.step import (
     StepMachine,
     StepReport,
@@ -142,7 +142,7 @@ from .buckets import GradBuckets, Wire, all_finite, check_bucketable, micro_batc
 from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
-from .loop import StateDivergedError, Step, StepAborted
+from .loop import NextAttempt, StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .state import TrainingState
 from .zero import ShardedOptimizer
@@ -210,16 +210,15 @@ class ElasticTrainer:
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
         self._compression: dict[int, Int8Compression | None] = {}
         """id(bucket buffer) -> its compression (``compression="int8"``; else None)."""
-        given = mesh.start_config  # what ftmesh.connect() was told (or the environment)
-        start = StartConfig(
-            given.start_peers if cfg.start_peers is None else cfg.start_peers,
-            given.timeout if cfg.start_timeout is None else cfg.start_timeout,
-            given.join_running,
-        )
+        # the mesh's (what ftmesh.connect() was told, or the environment), with the
+        # trainer's explicit overrides laid over it (``StartConfig`` owns the order)
+        start = mesh.start_config.overlay(cfg.start_peers, cfg.start_timeout)
         self._machine = StepMachine(
             cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start=start
         )
         self._current: Step | None = None
+        self._loop_side = LoopSide(self)
+        """What the steps call (``ftmesh.torch.loop.StepDriver``)."""
         self._driver = MeshDriver(
             mesh, cfg, self._machine, self._state, self._zero, on_world_change
         )
@@ -295,28 +294,21 @@ class ElasticTrainer:
 
     @property
     def committed(self) -> int:
-        """Steps committed (``-1``: never trained in this mesh)."""
+        """Steps committed (``-1``: never trained in this mesh; else
+        ``statistics().committed_step``)."""
         return self._machine.committed
 
     @property
     def recoveries(self) -> int:
-        """Failed attempts so far (each cost a retry of its step)."""
-        return self._machine.recoveries
+        """Failed attempts so far (each cost a retry of its step): a view of
+        ``statistics().recoveries_total``."""
+        return self.statistics().recoveries_total
 
     @property
     def fallbacks(self) -> int:
-        """Times the sharded state was lost and training resumed from a checkpoint."""
-        return self._machine.fallbacks
-
-    @property
-    def last_sync_bytes(self) -> int:
-        """State bytes fetched in the last sync (0: it was not behind)."""
-        return self._machine.last_sync_bytes
-
-    @property
-    def last_sync_seconds(self) -> float:
-        """Seconds the last sync took (agreement plus state transfer)."""
-        return self._machine.last_sync_seconds
+        """Times the sharded state was lost and training resumed from a checkpoint: a view
+        of ``statistics().fallbacks_total``."""
+        return self.statistics().fallbacks_total
 
     @property
     def rank(self) -> int:
@@ -334,23 +326,14 @@ class ElasticTrainer:
         return self.rank == 0
 
     @property
-    def start_peers(self) -> int:
-        """Members a fresh mesh waits for before its first step (``ftmesh.training.start``)."""
-        return self._machine.start.start_peers
-
-    @property
-    def start_timeout(self) -> float:
-        """The longest a fresh mesh waits for ``start_peers``."""
-        return self._machine.start.timeout
-
-    @property
     def checkpoints(self) -> CheckpointWriter | None:
         """Writes the checkpoints (``None`` without ``checkpoint_dir``); its ``statistics()``
         count saves and failed saves."""
         return self._driver.checkpoints
 
     def statistics(self) -> TrainerStatistics:
-        """A frozen snapshot of this trainer's counters (for metrics)."""
+        """A frozen snapshot of this trainer's counters (for metrics; the recoveries,
+        fall-backs and the last sync's bytes and seconds among them)."""
         return self._machine.statistics()
 
     def snapshot(self) -> Snapshot:
@@ -619,7 +602,7 @@ class ElasticTrainer:
         else:  # a hot spare: contributes nothing, applies the reduced gradients
             share = np.empty(0, dtype=np.int64)
         self._view = action.view
-        return Step(self, action, share, micro_batches(share, self.config.micro_batch))
+        return Step(self._loop_side, action, share, micro_batches(share, self.config.micro_batch))
 
     def _plan(self) -> Iterator[tuple[Key, list[int]]]:
         """The batch sampler's plan (``ftmesh.torch.data``): this member's micro-batches of
@@ -642,13 +625,14 @@ class ElasticTrainer:
         self._current = step
         self._start_attempt(step)
 
-    def _retry(self, step: Step) -> bool:
+    def _retry(self, step: Step) -> NextAttempt | None:
         """An attempt failed inside ``step.batches()``: hand the failure to the machine and,
-        when it wants the same step computed again, start the next attempt there (``True``:
-        the body's loop over micro-batches goes on with the new share, so code after it and
-        after the ``with`` block runs once per committed step). ``False``: the step was
-        adopted (``step.report`` set) or the machine moved elsewhere (a fall-back to a
-        checkpoint); the body ends and ``with step`` hands ``step.next`` to the iterator."""
+        when it wants the same step computed again, return the next attempt (the step resets
+        to it and calls ``_start_attempt``: the body's loop over micro-batches goes on with
+        the new share, so code after it and after the ``with`` block runs once per committed
+        step). ``None``: the step was adopted (``step.report`` set) or the machine moved
+        elsewhere (a fall-back to a checkpoint); the body ends and ``with step`` hands
+        ``step.next`` to the iterator."""
         assert step.failure is not None
         nxt = self._feed(step.failure)
         if isinstance(nxt, Compute) and nxt.index == step.index:
@@ -659,14 +643,12 @@ class ElasticTrainer:
                 else np.empty(0, dtype=np.int64)
             )
             self._view = nxt.view
-            step._attempt(nxt, share, micro_batches(share, self.config.micro_batch))
-            self._start_attempt(step)
-            return True
+            return NextAttempt(nxt, share, micro_batches(share, self.config.micro_batch))
         step.next = nxt
         if isinstance(nxt, Finished) and nxt.report is not None:
             step.report = nxt.report
             self._reported(nxt.report)  # adopted
-        return False
+        return None
 
     def _bind_torch_distributed(self, ring: ViewSession) -> None:
         """For the attempt, ``torch.distributed`` runs on ``ring`` (``ftmesh.torch.distributed``,
@@ -758,7 +740,7 @@ class ElasticTrainer:
             failure = failure_of(exc)
             if failure is None:
                 raise
-            step._fail(failure)
+            _abort(step, failure)
         header = tuple(float(v) for v in buckets.header)
         # (the loss in the header may be NaN: only gradients count)
         finite = all(all_finite(buckets.gradients(b)) for b in buckets.buffers)
@@ -766,7 +748,7 @@ class ElasticTrainer:
         verdict = judged.verdict
         self._report(view, verdict)
         if verdict.failed is not None:
-            step._fail(verdict.failed)
+            _abort(step, verdict.failed)
         if verdict.diverged:
             self._diverged(step, verdict.diverged, verdict.rows)
         self._verdict = verdict
@@ -884,7 +866,7 @@ class ElasticTrainer:
             failure = failure_of(exc)
             if failure is None:
                 raise
-            step._fail(failure)
+            _abort(step, failure)
         self._driver.checkpoint_state = zero.apply_gathered(gathered, with_state)
         zero.commit()
 
@@ -963,6 +945,53 @@ class ElasticTrainer:
         assert self._buckets is not None
         self._buckets.abandon(ABANDON_WAIT_S)
         self._machine.forget_sync()
+
+
+class LoopSide:
+    """The trainer's side of its steps (``ftmesh.torch.loop.StepDriver``): one per trainer,
+    handed to every ``Step``, so that the loop reaches the trainer through these members
+    only."""
+
+    def __init__(self, trainer: ElasticTrainer) -> None:
+        self._trainer = trainer
+
+    @property
+    def node_id(self) -> str:
+        return self._trainer.mesh.node_id
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        return self._trainer.sampler
+
+    @property
+    def buckets(self) -> GradBuckets:
+        return self._trainer.buckets
+
+    @property
+    def loader(self) -> ElasticLoader | None:
+        return self._trainer._loader
+
+    def arm(self, step: Step) -> None:
+        self._trainer._arm(step)
+
+    def start(self, step: Step) -> None:
+        self._trainer._start_attempt(step)
+
+    def reduce(self, step: Step) -> None:
+        self._trainer._reduce(step)
+
+    def retry(self, step: Step) -> NextAttempt | None:
+        return self._trainer._retry(step)
+
+    def end(self, step: Step, error: BaseException | None) -> bool:
+        return self._trainer._end(step, error)
+
+
+def _abort(step: Step, failure: Failed) -> NoReturn:
+    """The attempt failed (``failure``): the step's body ends here (``StepAborted``; retried
+    inside ``step.batches()`` or handed back, ``ftmesh.torch.loop``)."""
+    step.failure = failure
+    raise StepAborted(failure)
 
 
 def _unguarded_hand_back(step: Step) -> None:

@@ -80,6 +80,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import LocalUsageError
+
 QUORUM_POLICIES = ("majority", "any")
 SHARES = ("equal", "speed")
 """How a step's global batch is split among the members computing (``TrainerConfig.shares``)."""
@@ -115,7 +117,7 @@ class SyncPlan:
 
 def digest_slots(digest: str) -> list[int]:
     if len(digest) != DIGEST_HEX:
-        raise ValueError(f"a state digest has {DIGEST_HEX} hex characters, got {len(digest)}")
+        raise LocalUsageError(f"a state digest has {DIGEST_HEX} hex characters, got {len(digest)}")
     return [int(digest[a:b], 16) for a, b in itertools.pairwise(_DIGEST_CUTS)]
 
 
@@ -515,12 +517,14 @@ def split_share(n: int, weights: Sequence[float] | None, parts: int) -> list[int
     parts``), equal shares when ``None`` (as ``numpy.array_split``: the first ``n % parts``
     get one more)."""
     if parts < 1:
-        raise ValueError("a step needs at least one member computing")
+        raise LocalUsageError("a step needs at least one member computing")
     if weights is None:
         base, extra = divmod(n, parts)
         return [base + (r < extra) for r in range(parts)]
     if len(weights) != parts or any(not w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"need {parts} non-negative weights with a positive sum, got {weights}")
+        raise LocalUsageError(
+            f"need {parts} non-negative weights with a positive sum, got {weights}"
+        )
     total = sum(weights)
     exact = [n * w / total for w in weights]
     counts = [int(e) for e in exact]

@@ -164,10 +164,19 @@ class Counters:
         )
 
     def statistics(
-        self, committed: int, straggler_steps: int, failslow_pauses: int, nonfinite_steps: int
+        self,
+        committed: int,
+        straggler_steps: int,
+        failslow_pauses: int,
+        nonfinite_steps: int,
+        *,
+        recoveries: int,
+        fallbacks: int,
+        sync: tuple[int, float],
     ) -> TrainerStatistics:
         """A frozen snapshot (``committed``: the committed step count; the others: the
-        pace's and the header judge's counters)."""
+        pace's, the header judge's and the machine's counters; ``sync``: the last sync's
+        bytes and seconds)."""
         return TrainerStatistics(
             committed_step=max(committed, 0),
             world_size=self.world_size,
@@ -183,4 +192,8 @@ class Counters:
             failslow_pauses_total=failslow_pauses,
             nonfinite_steps_total=nonfinite_steps,
             loss=self.loss,
+            recoveries_total=recoveries,
+            fallbacks_total=fallbacks,
+            last_sync_bytes=sync[0],
+            last_sync_seconds=sync[1],
         )

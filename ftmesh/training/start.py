@@ -49,7 +49,17 @@ FINISHED_ROLES = ("done",)
 
 @dataclass(frozen=True, slots=True)
 class StartConfig:
-    """How a member starts; ``ftmesh.settings`` builds it from ``--start-peers`` etc."""
+    """How a member starts: the one owner of ``start_peers`` and the start timeout, their
+    defaults (1: no wait; 60 s) and the rule that lays given values over them
+    (:meth:`overlay`). Where the values come from, each laid over the one before:
+
+    1. these defaults;
+    2. the mesh's settings (``ftmesh.settings.Settings.start_config``: ``--start-peers``,
+       ``--start-timeout``, ``$FTMESH_START_PEERS``, ``ftmesh.connect(start_peers=...)``;
+       ``ftmesh launch -n N`` gives ``N`` to its first ``N`` workers when none is given),
+       kept as ``SyncMesh.start_config``, advertised in the member's metadata;
+    3. the trainer's ``TrainerConfig.start_peers`` / ``start_timeout``, explicit overrides
+       for the trainer made on that mesh (``None``, the default: the mesh's)."""
 
     start_peers: int = 1
     """Members a fresh mesh waits for before its first step; 0 or 1: no wait."""
@@ -63,6 +73,19 @@ class StartConfig:
             raise ConfigError(f"start_peers must be 0 or more, got {self.start_peers}")
         if not self.timeout > 0:
             raise ConfigError(f"the start timeout must be positive, got {self.timeout}")
+
+    def overlay(
+        self,
+        start_peers: int | None = None,
+        timeout: float | None = None,
+        join_running: bool | None = None,
+    ) -> StartConfig:
+        """This config with each value that is given (not ``None``) in place of its own."""
+        return StartConfig(
+            self.start_peers if start_peers is None else start_peers,
+            self.timeout if timeout is None else timeout,
+            self.join_running if join_running is None else join_running,
+        )
 
     @property
     def waits(self) -> bool:

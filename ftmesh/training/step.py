@@ -253,16 +253,6 @@ class StepMachine:
         self.syncer.synced_epoch = epoch
         self.held.forget()  # (set from outside: the next attempt syncs, whatever the view)
 
-    @property
-    def last_sync_bytes(self) -> int:
-        """State bytes the last sync received (``Syncer.last_bytes``)."""
-        return self.syncer.last_bytes
-
-    @property
-    def last_sync_seconds(self) -> float:
-        """Seconds the last sync took (``Syncer.last_seconds``)."""
-        return self.syncer.last_seconds
-
     # -- inputs besides outcomes ------------------------------------------------------------
 
     def registered(self, parts: int, layout: tuple[int, int, int]) -> None:
@@ -424,7 +414,15 @@ class StepMachine:
         """A frozen snapshot of this member's counters (for metrics)."""
         p = self.pace
         nonfinite = self.judge.nonfinite_steps
-        return self._stats.statistics(self.committed, p.straggler_steps, p.pauses, nonfinite)
+        return self._stats.statistics(
+            self.committed,
+            p.straggler_steps,
+            p.pauses,
+            nonfinite,
+            recoveries=self.recoveries,
+            fallbacks=self.fallbacks,
+            sync=(self.syncer.last_bytes, self.syncer.last_seconds),
+        )
 
     # -- a run -----------------------------------------------------------------------------
 
