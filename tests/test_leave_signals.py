@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from tests_support import ROOT
 
+from ftmesh.mesh.blocking import REPEAT_AFTER_S
+
 pytestmark = pytest.mark.timeout(120)
 
 SCRIPT = """
@@ -82,12 +84,34 @@ def test_a_signal_asks_to_leave_and_close_restores_the_handlers(
         proc.kill()
 
 
+def test_one_stop_delivered_twice_is_one_stop(tmp_path: Path) -> None:
+    """``timeout`` signals its command and then the command's process group: two SIGTERMs
+    within milliseconds are one request to leave, not "again: leave now" (a launcher under
+    ``timeout -s TERM`` once killed its workers instead of letting them depart)."""
+    proc = _start(tmp_path, "once")
+    try:
+        _expect(proc, "ready")
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        _expect(proc, "leave requested")
+        _expect(proc, "restored")
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert err.count("leaving the mesh at the next step") == 1, err
+        assert "again: leaving now" not in err, err
+    finally:
+        proc.kill()
+
+
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     proc = _start(tmp_path, "twice")
     try:
         _expect(proc, "ready")
         proc.send_signal(signal.SIGTERM)
+        first = time.monotonic()
         _expect(proc, "leave requested")
+        time.sleep(max(0.0, first + REPEAT_AFTER_S + 0.2 - time.monotonic()))
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 128 + signal.SIGTERM

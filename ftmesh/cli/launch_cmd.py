@@ -71,6 +71,7 @@ from typing import Any, TextIO
 from ..discovery.local import default_registry_dir, remove_entries
 from ..errors import ConfigError
 from ..membership.messages import MemberState
+from ..mesh.blocking import REPEAT_AFTER_S
 from ..settings import DEFAULT_MESH, ENV, PORT_SETTINGS, Settings, label
 from .args import TRAINER_FLAGS, add_settings_args, settings_from_args
 from .devices import free_slot, visible_gpus, worker_env
@@ -630,15 +631,20 @@ class Launcher:
     def _catch_signals(self) -> dict[signal.Signals, Any]:
         """SIGTERM (``timeout``, systemd, Docker, Kubernetes) and SIGINT (Ctrl-C) ask the
         launcher to stop: ``_loop`` gives every worker a planned departure (``_leave``); a
-        second signal kills them at once. Returns the handlers to put back."""
+        second signal (``REPEAT_AFTER_S`` or more after the first: ``timeout`` and group
+        signals deliver one stop twice) kills them at once. Returns the handlers to put
+        back."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
+        first: list[float] = []  # when the first stop signal came
+
         def on_signal(signum: int, _frame: object) -> None:
             if self.signalled is None:
                 self.signalled = signal.Signals(signum)
-            else:
+                first.append(time.monotonic())
+            elif time.monotonic() - first[0] >= REPEAT_AFTER_S:
                 self._hurry = True
 
         for sig in STOP_SIGNALS:

@@ -392,6 +392,11 @@ class SyncMesh:
 
 
 LEAVE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_AFTER_S = 1.0
+"""A second stop signal counts as *again* (leave now) only this long after the first: one stop
+often arrives twice within milliseconds (``timeout`` signals its command and then the
+command's process group; systemd, Docker and shells signal whole groups too), and a stop
+delivered twice must not skip the planned departure. ``ftmesh launch`` uses the same rule."""
 FLAG_POLL_S = 0.25
 """How often ``wait_leave_requested`` looks at the flag when the trio thread cannot wake it."""
 
@@ -400,7 +405,9 @@ def handle_leave_signals(mesh: SyncMesh) -> bool:
     """Make SIGTERM and SIGINT ask ``mesh`` to leave (``request_leave``), then call the handler
     that was there before if it is the program's own (a callable other than Python's
     ``KeyboardInterrupt`` default): a host's SLURM requeue or cleanup handler still runs. A
-    second one leaves through normal unwinding, at once: ``KeyboardInterrupt`` for SIGINT,
+    second one (``REPEAT_AFTER_S`` or more after the first; one sooner is the same stop
+    delivered twice, and ignored) leaves through normal unwinding, at once:
+    ``KeyboardInterrupt`` for SIGINT,
     ``SystemExit(128 + signal number)`` for SIGTERM, raised in the main thread, so the
     program's ``finally`` and ``with`` blocks run. ``mesh.close()`` puts the previous handlers
     back. Only from the main thread (Python delivers signals there): returns whether the
@@ -408,14 +415,18 @@ def handle_leave_signals(mesh: SyncMesh) -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     previous = {sig: signal.getsignal(sig) for sig in LEAVE_SIGNALS}
+    first: list[float] = []  # when the first stop signal came
 
     def on_signal(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if mesh.leave_requested():
+            if first and time.monotonic() - first[0] < REPEAT_AFTER_S:
+                return  # the same stop, delivered twice
             os.write(2, f"ftmesh: {name} again: leaving now\n".encode())
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
+        first.append(time.monotonic())
         mesh.request_leave()
         note = f"ftmesh: {name}: leaving the mesh at the next step ({name} again: leave now)\n"
         os.write(2, note.encode())
