@@ -37,6 +37,9 @@ with ftmesh.connect(preset="local") as mesh:
             print("still alive", flush=True)
         finally:
             print("unwound", flush=True)
+    if sys.argv[1] == "hold":
+        time.sleep(2.0)  # a second copy of the same stop arrives here: ignored
+        print("still here", flush=True)
 assert signal.getsignal(signal.SIGTERM) is before, "handlers not restored"
 print("restored", flush=True)
 """
@@ -85,15 +88,21 @@ def test_a_signal_asks_to_leave_and_close_restores_the_handlers(
 
 
 def test_one_stop_delivered_twice_is_one_stop(tmp_path: Path) -> None:
-    """``timeout`` signals its command and then the command's process group: two SIGTERMs
-    within milliseconds are one request to leave, not "again: leave now" (a launcher under
-    ``timeout -s TERM`` once killed its workers instead of letting them depart)."""
-    proc = _start(tmp_path, "once")
+    """``timeout`` signals its command and then the command's process group: a second SIGTERM
+    within ``REPEAT_AFTER_S`` of the first is the same request to leave, not "again: leave
+    now" (a launcher under ``timeout -s TERM`` once killed its workers instead of letting
+    them depart)."""
+    proc = _start(tmp_path, "hold")
     try:
         _expect(proc, "ready")
         proc.send_signal(signal.SIGTERM)
+        first = time.monotonic()
+        _expect(proc, "leave requested")  # (the first was handled)
         proc.send_signal(signal.SIGTERM)
-        _expect(proc, "leave requested")
+        if time.monotonic() - first >= REPEAT_AFTER_S:  # (a host too loaded to send it soon:
+            assert proc.wait(10) == 128 + signal.SIGTERM  # then it is "again", by the rule)
+            return
+        _expect(proc, "still here")
         _expect(proc, "restored")
         assert proc.wait(30) == 0
         assert proc.stderr is not None
