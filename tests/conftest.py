@@ -3,11 +3,10 @@
 - ``node_group``: ``ftmesh node`` processes on this host, killed after the test.
 - ``references`` / ``single_run``: single-process reference runs of the examples, one per
   argument set, cached on disk keyed by the code (``tests_support.References``).
-- xdist groups (``scripts/test.sh`` runs ``-n 3 --dist loadgroup``): every ``netns`` test
-  in group ``lab`` (namespaces, cgroup throttles and timing share the host: one at a time)
-  but those of ``OVERLAP_FILES`` (no timing asserted: they may run beside anything), the
-  heaviest CPU trainings (``TRAIN_FILES``) in group ``train``; the rest spreads over the
-  workers, mostly waiting, so three workers overlap it on two cores.
+- xdist groups (``FTMESH_TEST_WORKERS=3 scripts/test.sh`` runs ``-n 3 --dist loadgroup``):
+  every ``netns`` test in group ``lab`` (namespaces, cgroup throttles and timing share the
+  host: one at a time), the heaviest CPU trainings (``TRAIN_FILES``) in group ``train``; the
+  rest spreads over the workers, mostly waiting, so three workers overlap it on two cores.
 - The leak check (every test): a test errors at teardown when, once its
   fixtures are torn down, a thread, a live child process or a lab network namespace is left
   that was not there when its set-up ended (what module and session fixtures start belongs
@@ -63,6 +62,7 @@ TRAIN_FILES = frozenset(
         "test_training_port.py",
         "test_compression_training.py",
         "test_nonfinite_training.py",
+        "test_install.py",
         "test_launch.py",
         "test_bench_stragglers.py",
         "test_bench_smoke.py",
@@ -77,12 +77,6 @@ TRAIN_FILES = frozenset(
 are not starved by each other (seen: 4 retries in the train bench's smoke beside them)."""
 
 
-OVERLAP_FILES = frozenset({"test_k8s_pods.py"})
-"""``netns`` tests that assert no timing (pods that train to the end, whatever the load): they
-run outside group ``lab``, beside the others, so that the lab's worker is not the suite's
-longest (the pods test alone is about 3 minutes of it)."""
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "leaks_ok: the leak check does not apply to this test")
 
@@ -91,8 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("netns"):
-            if item.path.name not in OVERLAP_FILES:
-                item.add_marker(pytest.mark.xdist_group("lab"))
+            item.add_marker(pytest.mark.xdist_group("lab"))
         elif item.path.name in TRAIN_FILES:
             item.add_marker(pytest.mark.xdist_group("train"))
 
