@@ -6,11 +6,13 @@ member that only joins a running mesh stays ``joining``), then polls the members
 decisions: it logs a warning with whom it found and what discovery saw whenever the gate says
 to report, raises :class:`~ftmesh.errors.MeshNotFormedError` when the gate gives up and
 :class:`~ftmesh.errors.TrainingFinishedError` when there is nothing left to join. Once the
-start peers are ready it enters the ring (role ``train``) and waits, at most until the gate's
-deadline, for the view that holds them all, or ``max_peers`` of them when that is fewer (the
-others are spares; those still ``starting`` may not have seen the count reached yet). A
-member asked to leave (``SyncMesh.leave_requested``) stops waiting at once; the caller
-departs.
+start peers are ready it enters the ring (role ``train``) and waits for the view that holds
+them all, or ``max_peers`` of them when that is fewer (the others are spares; those still
+``starting`` may not have seen the count reached yet): until the gate's deadline, but at least
+``ENTER_WAIT_S`` (a member that waited long for a slow one would otherwise go on at once
+with the others missing), and with a WARNING naming the shortfall if it goes on without
+them. A member asked to leave (``SyncMesh.leave_requested``) stops waiting at once; the
+caller departs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ log = logging.getLogger("ftmesh.start")
 
 POLL_S = 0.1
 """How often a waiting member looks at the membership."""
+ENTER_WAIT_S = 30.0
+"""Once the start peers are ready, how long at least a member waits for all of them in the
+ring (the gate's deadline may be nearer: a member that waited long for a slow one)."""
 
 
 def peers_of(members: list[MemberSnapshot]) -> list[Peer]:
@@ -89,7 +94,17 @@ def wait_to_start(
         time.sleep(POLL_S)
     mesh.set_role("train")
     ring = min(config.start_peers, max_peers) if max_peers else config.start_peers
+    # The others saw the count reached too, but on a loaded host they may take seconds to
+    # enter: give them ENTER_WAIT_S even when the gate's own deadline is nearer.
+    end = min(max(end, time.monotonic() + ENTER_WAIT_S), deadline)
     while (view := mesh.view()) is None or view.size < ring:
         if time.monotonic() >= end:
+            log.warning(
+                "starting with %d of %d start peers: the others were ready but did not "
+                "enter the ring within %.0fs (they join the running mesh when they do)",
+                view.size if view else 1,
+                ring,
+                ENTER_WAIT_S,
+            )
             return
         mesh.wait_view_change(view.epoch if view else "", timeout=POLL_S)
