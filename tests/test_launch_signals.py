@@ -87,10 +87,17 @@ def test_sigterm_stops_launch_cleanly_and_status_reads_its_mesh(tmp_path: Path) 
         rows = {ln.split()[0]: ln.split() for ln in plain.stdout.splitlines()[1:] if ln.strip()}
         assert {"w0", "w1", "w2"} <= set(rows), plain.stdout
         # --watch with the name launch printed.
-        watch = _status(env, "--mesh", name, "--watch", "--count", "1")
+        # (Up to three reads: on a loaded host one read may catch a member between states.)
+        watch = _status(env, "--mesh", name, "--watch", "--count", "3", "--interval", "0.5")
         assert watch.returncode == 0, watch.stdout + watch.stderr
         assert watch.stdout.startswith(f"mesh {name} at "), watch.stdout
-        assert all(re.search(rf"^w{i}\s+alive\s+train\s+\d+", watch.stdout, re.M) for i in range(3))
+        frames = watch.stdout.split(f"mesh {name} at ")[1:]
+        assert len(frames) == 3, watch.stdout
+
+        def trains(frame: str, i: int) -> bool:
+            return re.search(rf"^w{i}\s+alive\s+train\s+\d+", frame, re.M) is not None
+
+        assert any(all(trains(f, i) for i in range(3)) for f in frames), watch.stdout
         rest, _ = launcher.communicate(timeout=TERM_AFTER_S + LEAVE_GRACE_S + 60)
         ended = time.monotonic()
     finally:

@@ -37,7 +37,7 @@ IO_TIMEOUT = 4.0
 CLOSE = 1e-5
 """Mesh vs one process: equal up to summation order."""
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.quiet]
 
 
 def _records(text: str) -> list[dict[str, Any]]:
