@@ -13,14 +13,13 @@ import subprocess
 import sys
 import time
 
-from test_training_step import _alone_until_compute, _machine, _synced, _view
+from test_training_step import _alone_until_compute, _machine, _synced, _view, walk_round
 
 from ftmesh.membership.messages import MemberState
 from ftmesh.training.actions import (
     Advertise,
     Barrier,
     Compute,
-    Computed,
     Done,
     Finished,
     MemberInfo,
@@ -81,7 +80,7 @@ def test_the_watch_notices_a_stopped_process_and_nothing_else() -> None:
 
 def _commit(m, view, frozen: float, now: float = 0.0):  # type: ignore[no-untyped-def]
     a = _alone_until_compute(m, view, now)
-    out = m.feed(now, Computed(4, 0.0, (), (), frozen))
+    out = walk_round(m, now=now, frozen=frozen)[0]
     while isinstance(out, Advertise):
         out = m.feed(now, Done())
     assert isinstance(out, Finished), out
@@ -141,7 +140,7 @@ def _pause_and_return(m, view, now: float) -> float:  # type: ignore[no-untyped-
             a = m.feed(now, ViewSeen(view))
         else:
             a = m.feed(now, Done())
-    out = m.feed(now, Computed(4, 0.0, (), (), 0.0))  # (that step, without a freeze)
+    out = walk_round(m, now=now)[0]  # (that step, without a freeze)
     while isinstance(out, Advertise):
         out = m.feed(now, Done())
     assert isinstance(out, Finished), out

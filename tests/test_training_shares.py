@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.data as tud
 from test_training_loop import CLOSE
-from test_training_step import BATCH, _alone_until_compute, _machine, _synced, _view
+from test_training_step import BATCH, _alone_until_compute, _machine, _synced, _view, walk_round
 from trainer_sim import (
     DATA_X,
     DATA_Y,
@@ -36,7 +36,6 @@ from ftmesh.torch.sampler import ElasticSampler
 from ftmesh.training.actions import (
     Advertise,
     Compute,
-    Computed,
     Done,
     DropRing,
     Failed,
@@ -147,11 +146,11 @@ def _reduce(machines: list[StepMachine], actions: list[Compute], speeds: list[fl
 
 
 def _commit(machines: list[StepMachine], actions: list[Compute], speeds: list[float]) -> None:
-    header = _reduce(machines, actions, speeds)
-    for m, a in zip(machines, actions, strict=True):
-        assert m.check_reduction(a, header, None) is None
-        share = _share(m, a)
-        after = m.feed(1.0, Computed(share, 0.0, (), m.speeds(header)))
+    """Every member commits its pending step, member i computing its share at
+    ``speeds[i]`` (the header round walked: ``walk_round``)."""
+    seconds = [_share(m, a) / s for m, a, s in zip(machines, actions, speeds, strict=True)]
+    nexts = walk_round(*machines, now=1.0, seconds=seconds, loss_sum=0.0)
+    for m, after in zip(machines, nexts, strict=True):
         while isinstance(after, Advertise):
             after = m.feed(1.0, Done())
         assert isinstance(after, Finished), after

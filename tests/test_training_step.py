@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from ftmesh.collective.view import Peer, RingView
-from ftmesh.errors import ConfigError, DeadlineExceeded, TrainingFinishedError
+from ftmesh.errors import ConfigError, DeadlineExceeded, LocalUsageError, TrainingFinishedError
 from ftmesh.membership.messages import MemberState
 from ftmesh.training.actions import (
     Action,
@@ -58,7 +59,7 @@ from ftmesh.training.actions import (
     WorldChanged,
 )
 from ftmesh.training.config import TrainerConfig
-from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag
+from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag, split_share
 from ftmesh.training.start import StartConfig
 from ftmesh.training.step import (
     StepMachine,
@@ -108,6 +109,76 @@ def _alone_until_compute(m: StepMachine, view: RingView, now: float = 0.0) -> Co
     return a
 
 
+def walk_round(
+    *machines: StepMachine,
+    now: float = 0.0,
+    seconds: Sequence[float] | None = None,
+    checks: Sequence[Sequence[int] | None] | None = None,
+    leavers: Collection[str] = (),
+    loss_sum: float = float("nan"),
+    frozen: float = 0.0,
+    fail: Collection[str] = (),
+) -> list[Action]:
+    """Walk the header round of each machine's pending ``Compute`` (one step on one view,
+    in lockstep) as the trainer does (``ElasticTrainer._reduce``): ``Measured`` -> ``Reduce``
+    -> ``Contributed`` -> ``Gather`` -> ``Gathered`` -> ``Apply`` -> ``Computed``. Every
+    member computes its share of the split; a member of the view without a machine here is a
+    twin (the first machine's checks, no speed; its leave bit set when in ``leavers``).
+    ``seconds``: each machine's compute time (its speed); ``checks``: each machine's check
+    values (default: ``1`` per registered part on a check step); ``fail``: members whose
+    allgather fails after their row went out. Returns each machine's next action."""
+    actions = [m.pending for m in machines]
+    computes = [a for a in actions if isinstance(a, Compute)]
+    assert len(computes) == len(machines), actions
+    first = computes[0]
+    index, view, parts = first.index, first.view, machines[0].parts
+    counts = split_share(machines[0].batch_size(index), first.weights, len(first.workers))
+    share = dict(zip(sorted(first.workers), counts, strict=True))
+    defaults = [
+        (1,) * m.parts if a.check else None for m, a in zip(machines, computes, strict=True)
+    ]
+    own = list(checks or defaults)
+    fills = []
+    for i, m in enumerate(machines):
+        secs = seconds[i] if seconds is not None else 0.01
+        fill = m.feed(now, Measured(share.get(m.me, 0), secs, own[i]))
+        assert isinstance(fill, Reduce), fill
+        fills.append(fill)
+    rows = []
+    by_name = {m.me: i for i, m in enumerate(machines)}
+    for rank, name in enumerate(view.node_ids):
+        i = by_name.get(name)
+        if i is None:
+            assert not machines[0].config.measures_speed, "a twin claims no speed"
+        announce = fills[i].announce if i is not None else name in leavers
+        leave = leave_slots(rank) if announce else np.zeros(LEAVE_SLOTS)
+        mine = own[i if i is not None else 0]
+        slots = fills[i].slots if i is not None else ()
+        loss = loss_sum if rank == 0 else 0.0
+        rows.append([share.get(name, 0), loss, round_tag(index), *leave, *(mine or [0] * parts)])
+        rows[-1] += [*slots, 0.0]  # (then the non-finite flag)
+    table = np.asarray(rows, dtype=np.float64)
+    header = tuple(float(np.float32(v)) for v in table[:, :-1].sum(axis=0))
+    out: list[Action] = []
+    for m in machines:
+        row = table[view.rank_of(m.me)]
+        gather = m.feed(now, Contributed(row[:-1].astype(np.float32), False))
+        assert isinstance(gather, Gather), gather
+        assert np.array_equal(gather.row, row, equal_nan=True)  # (our row, as we added it)
+    for m in machines:
+        if m.me in fail:
+            out.append(m.feed(now, Failed(Failure.VIEW, "the allgather failed")))
+            continue
+        apply = m.feed(now, Gathered(header, table.copy(), True))
+        assert isinstance(apply, Apply), apply
+        v = apply.verdict
+        assert v.failed is None and not v.diverged, v
+        n = share.get(m.me, 0)
+        done = Computed(n, loss_sum, apply.leaving, v.speeds, frozen, v.nonfinite, v.skip)
+        out.append(m.feed(now, done))
+    return out
+
+
 def test_a_lone_member_commits_its_first_step() -> None:
     m = _machine()
     view = _view("a")
@@ -122,7 +193,7 @@ def test_a_lone_member_commits_its_first_step() -> None:
     a = m.feed(0.0, Reduced(m.sync_vector(view, 100, DIGEST)))
     assert isinstance(a, Compute) and (a.index, a.workers, a.attempt) == (0, ("a",), 1)
     assert a.check  # the first step carries the state check
-    assert m.feed(0.1, Computed(share=BATCH, loss_sum=4.0)) == Advertise()
+    assert walk_round(m, now=0.1, loss_sum=4.0) == [Advertise()]
     done = m.feed(0.1, Done())
     assert isinstance(done, Finished) and done.report is not None
     r = done.report
@@ -149,6 +220,37 @@ def test_feeding_the_wrong_outcome_is_refused() -> None:
         m.feed(0.0, Reduced(np.zeros(3, dtype=np.int64)))
 
 
+def test_computed_before_the_attempts_apply_is_refused() -> None:
+    """``Computed`` commits a step only after the machine judged its header (``Apply``): fed
+    at any earlier point of the round it is a local usage error, and the machine stays where
+    it was (the round then goes on as usual)."""
+    m = _machine()
+    view = _view("a", "b")
+    compute = _alone_until_compute(m, view)
+    with pytest.raises(LocalUsageError, match="Compute expects Measured or Failed, got Computed"):
+        m.feed(0.0, Computed(4))
+    assert m.pending == compute and m.committed == 0
+    assert isinstance(m.feed(0.0, Measured(4, 0.01)), Reduce)
+    with pytest.raises(LocalUsageError, match="Reduce expects Contributed or Failed"):
+        m.feed(0.0, Computed(4))
+    assert isinstance(
+        m.feed(0.0, Contributed(np.zeros(3 + LEAVE_SLOTS, np.float32), False)), Gather
+    )
+    with pytest.raises(LocalUsageError, match="Gather expects Gathered or Failed"):
+        m.feed(0.0, Computed(4))
+    assert m.committed == 0
+    # A retry's Compute refuses it too: the Apply of an earlier attempt does not count.
+    assert isinstance(m.feed(0.1, Failed(Failure.VIEW, "the ring moved on")), WaitView)
+    again = m.feed(0.2, ViewSeen(view))
+    while not isinstance(again, Compute):
+        assert isinstance(again, Sync), again
+        again = m.feed(0.2, _synced(m, view))
+    assert again.attempt == 2
+    with pytest.raises(LocalUsageError, match="Compute expects Measured or Failed"):
+        m.feed(0.2, Computed(4))
+    assert walk_round(m, now=0.3) == [Advertise()] and m.committed == 1
+
+
 def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     m = _machine()
     view2 = _view("a", "b")
@@ -170,7 +272,7 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     a = m.feed(1.5, Done())
     assert isinstance(a, Compute) and (a.index, a.attempt, a.workers) == (0, 2, ("a",))
     assert m.synced_epoch == alone.epoch
-    assert m.feed(1.6, Computed(BATCH)) == Advertise()  # (this run began with a sync)
+    assert walk_round(m, now=1.6) == [Advertise()]  # (this run began with a sync)
     r = m.feed(1.6, Done())
     assert isinstance(r, Finished) and r.report is not None and r.report.attempts == 2
     assert r.report.members == ("a",)
@@ -213,7 +315,7 @@ def _lost_c(m: StepMachine, three: RingView, *, row_out: bool, kind: Failure) ->
     """``m`` has committed a step on ``three``; the next one fails (after our row went out,
     or before) and c dies: the next action once the view without c has come."""
     a = _alone_until_compute(m, three)
-    assert isinstance(m.feed(0.0, Computed(3)), Advertise)
+    assert walk_round(m) == [Advertise()]
     assert isinstance(m.feed(0.0, Done()), Finished)
     a = m.begin(1.0)
     a = m.feed(1.0, ViewSeen(three))
@@ -244,7 +346,7 @@ def test_a_loss_after_a_commit_skips_the_sync() -> None:
         assert a.workers == ("a", "b")
         # The first step committed on a view advertises our state, synced or not: a
         # joiner enters only once a training member advertises one.
-        assert m.feed(1.3, Computed(4)) == Advertise()
+        assert walk_round(m, now=1.3) == [Advertise()]
         r = m.feed(1.3, Done())
         assert isinstance(r, Finished) and r.report is not None
         assert (r.report.step, r.report.synced, r.report.attempts) == (2, False, 2)
@@ -291,7 +393,7 @@ def test_a_view_is_taken_without_a_sync_at_most_once_until_a_step_commits() -> N
     # agreement, where nothing of our state changed) keeps what we hold for the next view.
     m = _machine()
     a = _alone_until_compute(m, three)
-    m.feed(0.0, Computed(3))
+    walk_round(m)
     m.feed(0.0, Done())
     m.begin(1.0)
     assert isinstance(m.feed(1.0, ViewSeen(three)), Compute)
@@ -328,7 +430,7 @@ def test_a_failed_sync_or_a_state_set_from_outside_syncs_again() -> None:
     for outside in ("synced_epoch", "committed"):
         m = _machine()
         _alone_until_compute(m, three)
-        m.feed(0.0, Computed(3))
+        walk_round(m)
         m.feed(0.0, Done())
         if outside == "synced_epoch":
             m.synced_epoch = ""
@@ -342,7 +444,7 @@ def test_a_step_others_committed_is_adopted_not_computed() -> None:
     m = _machine()
     view = _view("a", "b")
     a = _alone_until_compute(m, view)
-    assert isinstance(m.feed(0.0, Computed(4, loss_sum=2.0 * BATCH)), Advertise)
+    assert walk_round(m, loss_sum=2.0 * BATCH) == [Advertise()]
     assert isinstance(m.feed(0.0, Done()), Finished)
     assert m.statistics().loss == 2.0  # (the metrics' loss gauge: the step's mean)
     a = m.begin(1.0)
@@ -392,7 +494,7 @@ def test_without_quorum_an_isolated_member_waits() -> None:
     m = _machine(quorum="majority", quorum_grace=5.0)
     three = _view("a", "b", "c")
     a = _alone_until_compute(m, three)
-    m.feed(0.0, Computed(3))
+    walk_round(m)
     m.feed(0.0, Done())
     alone = _view("a")
     a = m.begin(1.0)
@@ -465,7 +567,7 @@ def test_a_leaver_announces_sees_off_and_departs() -> None:
     assert isinstance(bad, Failed) and bad.kind is Failure.DESYNC
     assert isinstance(m.check_reduction(a, header, None), Failed)
     assert m.leaving(a, header) == ("b",)
-    assert m.feed(0.0, Computed(3, 0.0, ("b",))) == Advertise()
+    assert walk_round(m, loss_sum=0.0) == [Advertise()]  # (our leave bit: we announce)
     assert m.feed(0.0, Done()) == Barrier(view)
     out = m.feed(0.0, Done())
     assert isinstance(out, Depart) and out.step == 1
@@ -536,7 +638,7 @@ def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
     view = _view("a", "b", "c")
     a = _alone_until_compute(m, view)
     assert m.check_reduction(a, _leave_header(view, "c"), None) is None
-    m.feed(0.0, Computed(3, 0.0, ("c",)))  # -> Advertise
+    assert walk_round(m, leavers=("c",), loss_sum=0.0) == [Advertise()]
     assert m.feed(0.0, Done()) == Barrier(view)
     assert m.feed(0.0, Failed(Failure.PEER_LOST, "c went")) == ReadView()  # a barrier failure
     assert m.feed(0.0, ViewSeen(view)) == WaitViewChange(view.epoch, 2.0)
@@ -697,6 +799,7 @@ class World:
             join_settle=0.0, quorum="any", step_timeout=1e9, check_every=3, straggler_factor=0
         )
         m = StepMachine(cfg, name, random.Random(self.rng.random()), lambda _: BATCH)
+        m.registered(1, (0, 0, 0))  # (one part: its check value is the model's length)
         self.members[name] = SimMember(name, m)
 
     def view(self) -> RingView | None:
@@ -812,26 +915,22 @@ class World:
             self._compute(first, waiting)
 
     def _compute(self, first: Compute, waiting: list[SimMember]) -> None:
-        ring = first.view
-        checks = [[len(m.model) + 1] if first.check else None for m in waiting]
-        header = [float(BATCH), 0.0, round_tag(first.index) * ring.size, *[0.0] * LEAVE_SLOTS]
-        header.append(sum(c[0] for c in checks) if first.check else 0.0)  # type: ignore[index]
+        checks = [(len(m.model) + 1,) if first.check else None for m in waiting]
         failing: set[str] = set()
         if self.rng.random() < self.partial:
             failing = {m.name for m in waiting if self.rng.random() < 0.5}
-        for m in waiting:  # as the trainer does: its row out, before the rows' allgather
-            m.machine.row(np.asarray(header, dtype=np.float32), False)
-        for m, own in zip(waiting, checks, strict=True):
+        for m in waiting:
             action = m.action
             assert isinstance(action, Compute)
             assert action.index == len(m.model) == m.machine.committed  # never twice, none skipped
-            if m.name in failing:
-                self._answer(m, Failed(Failure.VIEW, "partial"))
-                continue
-            assert m.machine.check_reduction(action, header, own) is None
-            m.model.append(action.index)
-            share = len(np.array_split(np.arange(BATCH), len(action.workers))[0])
-            self._answer(m, Computed(share))
+            if m.name not in failing:
+                m.model.append(action.index)
+        # (the header round as the trainer walks it; the failing ones' allgather fails after
+        # their rows went out)
+        machines = [m.machine for m in waiting]
+        nexts = walk_round(*machines, now=self.now, checks=checks, fail=failing)
+        for m, action in zip(waiting, nexts, strict=True):
+            self._took(m, action)
 
 
 def _seeds() -> list[int]:

@@ -22,49 +22,10 @@ Two halves, both pure (no sockets, no clocks, no threads):
   member eventually holds the same ones) the set of members the ring leaves out. A pure
   function of gossiped state: every member computes the same ring, with no one deciding it.
 
-When a member is accused (thresholds are :class:`ReachConfig`'s fields):
-
-* ``unreachable``: our connect to its data address (with the authenticated handshake) has
-  failed continuously for ``unreachable_after`` seconds while membership holds it alive;
-* ``stalled``: ``stall_strikes`` rings in a row with it as a neighbour stalled
-  (``io_timeout`` without a byte) before completing a single collective, while it stayed alive;
-* ``frames`` / ``state``: ``bad_bytes_strikes`` frames or state transfers from it failed
-  verification within ``bad_bytes_window`` seconds.
-
-Who is left out (:func:`exclusions`); every accusation names one *reporter* and one *accused*,
-and an accusation is *corroborated* when another reporter accuses the same member:
-
-1. A reporter with two or more uncorroborated accusations is left out itself, and none of its
-   accusations count: a member that alone cannot reach two others is the likelier culprit
-   (its own outbound path or firewall), and it bounds an insider: accusing many only removes
-   the accuser. (An honest member that caught two liars in a row keeps both accusations as
-   soon as someone else caught the second one.)
-2. Each remaining accusation leaves its accused out, unless the reporter is itself left out
-   (an accused member's accusations do not count). Resolved from the members nobody accuses:
-   they stay, their accused go, the accusations of those are void, and so on. Members left
-   undecided accuse each other round a cycle (two that cannot reach each other; an insider
-   answering an accusation with one): all of them are left out.
-
-The bound on insiders (members that hold the secret and lie in their metadata): an honest member
-that no honest member accuses can only be left out through insiders' accusations. An insider
-that is not left out itself has at most one accusation that nobody else makes, and an
-accusation that two insiders make uses two of their at most ``MAX_ACCUSATIONS`` each. So a lone
-insider removes at most one honest member (or, accusing two, only itself), and ``k`` colluding
-insiders at most ``k + k * MAX_ACCUSATIONS / 2`` (``3k``) honest members.
-In a one-way link (A cannot connect to B, B can
-connect to A), only the member whose connection fails accuses, and it accuses the one it could
-not reach: the accused goes. That is the right choice for the common causes (a wrong advertised
-address, a closed port, NAT), and the reporter has shown that its other connection works.
-
-Re-admission. An ``unreachable`` or ``stalled`` accusation is re-checked by its reporter with
-probes (a connect and the handshake to the accused's data address, every ``probe_interval``);
-it is withdrawn once probes have succeeded for ``hold`` seconds without a failure. ``hold``
-starts at ``min_hold`` and doubles with each accusation of the same member within
-``backoff_memory`` seconds, up to ``max_hold``: a flapping member is re-admitted ever more
-slowly, so the ring does not re-form at the flapping rate. A ``frames`` or ``state``
-accusation cannot be disproved by a probe: it stands for ``bad_bytes_hold`` seconds (doubling
-the same way, up to ``max_bad_bytes_hold``). Accusations of a member membership has not held
-alive for ``forget_after`` seconds are dropped (it died or left).
+When a member is accused (:class:`ReachConfig`'s thresholds), who is left out (an accuser
+alone against two is left out itself; an accused member's accusations do not count), the bound
+on insiders, one-way links and re-admission: ``docs/DESIGN-NOTES.md``, "Reachability: who the
+ring leaves out".
 """
 
 from __future__ import annotations

@@ -24,59 +24,9 @@ the loop, on the same machine:
 * the closure API: ``trainer.step(loss_fn)`` runs one committed step, where
   ``loss_fn(indices)`` returns the mean loss of a micro-batch of sample indices.
 
-A step is committed by every survivor or by none; a failed attempt is handed to the loop again
-(same step, the batch re-split among the survivors), so every sample of an epoch is trained
-exactly once; a step others committed while this member failed is adopted, never computed
-twice. Gradients are averaged over the step's samples, not over members, which equals
-single-process training on the whole global batch, whatever the split and the micro-batches.
-
-Everything registered (model, optimizer, ``register()``-ed schedulers, scalers and objects,
-``scalars``, the data position) is one committed state (``ftmesh.torch.state``) that joiners,
-spares and checkpoint resumes restore, and that members compare every ``check_every`` steps.
-
-Starting together (``ftmesh.training.start``, driven by ``ftmesh.torch.starting``): before it
-enters the ring, a member of a mesh that has not started waits until ``start_peers`` members
-are ready, at most ``start_timeout``; then more than half of them go ahead and fewer give up
-with ``MeshNotFormedError`` (no silent split into separate meshes). Not given, ``start_peers``
-and ``start_timeout`` come from the mesh (``ftmesh.connect(start_peers=...)``, ``ftmesh
-worker --start-peers``, ``ftmesh launch -n N`` for its first N workers); members that join a
-mesh that has started never wait.
-
-Planned departures (``ftmesh.training.protocol``, 4): once ``mesh.leave_requested()`` (SIGTERM
-or SIGINT to a worker started with ``ftmesh.connect``), the member announces in the gradient
-allreduce of the step it is computing that it leaves after it, everyone passes one barrier,
-it leaves the mesh, and the step raises ``ftmesh.Departed`` (a ``SystemExit`` with code 0);
-the others go on with the next step on the view without it, no sync, no retry. A member
-that is outside the ring, waiting, or whose announcing step failed leaves at once. A hot
-spare computes the leaver's share from the next step; a cold spare takes its slot.
-
-With ``compression="int8"`` the gradient buckets' float32 host buffers travel as blockwise
-int8 with error feedback (``ftmesh.collective.compressed``, and ``shared_scale`` for buckets
-of 2**18 values and more on 3+ members; one residual per bucket, kept across steps and
-advanced only by a step that commits: every attempt starts from the residuals of the last
-committed step, ``Int8Compression.attempt``/``settle``); the
-header slots of the last bucket (counters, leave bits, checks) are its
-exact tail (unquantized). Every member must use the same setting: it is compared in the
-sync like ``shard_optimizer`` (``ConfigError`` naming who has which).
-
-Spares (``max_peers=N``): with ``spares="hot"`` (default) every member is in the ring, but
-only the first ``N`` of the view (node-id order) compute gradients; the others contribute
-nothing, receive the reduced gradients and apply them like everyone, so their state stays
-bitwise up to date and a death promotes one at the very next step with nothing to fetch. With
-``spares="cold"`` members beyond ``N`` wait outside the ring and fetch the state when they step
-in.
-
-With ``shard_optimizer=True`` the optimizer state is sharded over the ring, ZeRO-1 style, each
-shard also held by the next ``replicas - 1`` members (``ftmesh.torch.zero``,
-``ftmesh.training.shards``): ``optimizer.step()`` runs the sharded update and ends with an
-allgather of the updated parameters, and the sync re-shards after a view change, fetching the
-shards it lacks from members that hold them. When more adjacent members died than there are
-replicas, every survivor reports the loss (``StateLostError``, logged) and falls back to the
-newest valid checkpoint in ``checkpoint_dir``, which in this mode holds the whole optimizer
-state; without one, the step raises the ``StateLostError``. The optimizer's update must be
-element-wise (``ftmesh.torch.zero``). Settings every member must share are compared in the
-sync: a member that differs gets ``ConfigError`` naming the setting (``ftmesh.training.
-shards``).
+What the trainer guarantees and how each setting behaves (steps committed by all survivors or
+none, the registered state, starting together, planned departures, ``compression``, spares,
+``shard_optimizer``): ``docs/DESIGN-NOTES.md``, "The trainer's behaviour".
 """
 
 from __future__ import annotations

@@ -327,8 +327,9 @@ class Compute:
     this member's share of the global batch split over ``workers`` (the compute set) by
     ``weights`` (``None``: equal), then the gradient allreduce and the update. Its header
     goes through the machine: the driver feeds :class:`Measured` when the micro-batches end
-    (then :class:`Reduce`, :class:`Gather`, :class:`Apply`) -> Measured | Computed | Failed
-    (``Computed`` at once: a driver that reduces no header, as a test's).
+    (then :class:`Reduce`, :class:`Gather`, :class:`Apply`, which answers ``Computed``)
+    -> Measured | Failed. ``Computed`` is taken only after this attempt's ``Apply``: fed
+    before it, the machine refuses it (``LocalUsageError``), as any out-of-order outcome.
     ``check``: this step's allreduce carries the state digests."""
 
     view: RingView
@@ -452,7 +453,7 @@ EXPECTS: dict[type, tuple[type, ...]] = {
     DropRing: (Done,),
     FallBack: (Loaded,),
     WorldChanged: (Done,),
-    Compute: (Measured, Computed, Failed),
+    Compute: (Measured, Failed),
     Reduce: (Contributed, Failed),
     Gather: (Gathered, Failed),
     Apply: (Computed, Failed),

@@ -1,72 +1,31 @@
 """The per-step agreement of fault-tolerant training, as pure functions.
 
-Theory of operation. Every member counts its *committed* steps. A step runs on one view:
+Theory of operation. Every member counts its *committed* steps. A step runs on one view, in
+parts that the rest of the package cites by number:
 
-1. **Sync (only when the view's epoch differs from the last one we trained on).** One
-   allreduce(max) of a vector with slots per ring rank: each member writes its committed step
-   (``-1`` for a fresh member that never trained in this mesh), the byte size of its serialized
-   state and its state digest. Everyone then computes the same :class:`SyncPlan` from the same
-   vector: the newest committed step ``M`` wins; the first rank holding it is the *root*; every
-   rank behind ``M``, or at ``M`` with another digest (two sides of a healed partition that
-   trained separately), fetches the root's state, striped over every rank that holds exactly
-   that state and verified against its digest (``ftmesh.state.transfer``), while the others
-   go on to the step's allreduce, which waits for them. (When nobody has trained yet,
-   ``M == -1``: rank 0's initial weights become everybody's, so all start identical.)
-2. **Step.** Each member computes gradients on its share of the step's global batch (see
-   ``ftmesh.torch.sampler``) and one allreduce(sum) adds them up, with the sample counts and
-   losses riding in the same buffer. A member whose allreduce completes applies the update
-   and commits the step.
-3. **Failure.** If the allreduce fails (a ring member died or stalled), every survivor's round
-   fails too (the ring is broken). Survivors wait for membership to drop the dead member, then
-   go back to 1 on the new view. Members that completed the round before it broke are one
-   step ahead of those that did not; the sync makes the latter adopt the former's state
-   instead of recomputing. So a step is committed by every survivor or by none (when nobody
-   completed it, or only members that then died), never applied twice, never skipped.
+1. **Sync** (only when the view's epoch differs from the last one we trained on): one
+   allreduce(max) of every member's committed step, state size and digest
+   (:func:`sync_vector`), from which every member computes the same :class:`SyncPlan`
+   (:func:`plan_sync`): the newest step wins, and the members behind fetch its state.
+2. **Step.** Gradients on each member's share, added up by one allreduce(sum) that carries
+   the step's header (sample count, loss, round check, leave slots, check values, speeds).
+3. **Failure.** A broken allreduce fails every survivor's round; they sync on the next view,
+   where members that completed the step hand it to the others: a step is committed by every
+   survivor or by none, never applied twice, never skipped.
+4. **Planned departure.** A leaver sets its bit in the leave slots (:func:`leave_slots`,
+   :func:`leavers`); all pass one barrier, and the others go on without it, without a sync.
+5. **Speed-proportional shares** (``shares="speed"``): speeds ride in the header, and every
+   member makes the same next split from them (:func:`speed_weights`, :func:`split_tag`).
 
-4. **Planned departure.** A member asked to leave (``SyncMesh.request_leave``, SIGTERM) sets
-   its rank's bit in the leave slots of the step's gradient allreduce (:func:`leave_slots`),
-   so every member that commits the step learns from the same reduced bits which members
-   leave after it (:func:`leavers`), deterministically, with no gossip race. All of them then
-   pass one barrier on the step's view (a leaver goes only once every member has committed
-   the step, so its leaving cannot abort a collective still running), the leavers leave
-   membership gracefully, and the others take the next step on the view without them, with
-   no failed collective and no state sync: they all committed the same step, so their states
-   are identical (a member that failed the step does not know of the departure; its next
-   attempt syncs, which fails the others' step once and makes them sync too). A leaver whose
-   announcing step fails leaves at once: the others are recovering from that failure anyway.
-
-5. **Speed-proportional shares** (``TrainerConfig.shares="speed"``). Each member writes its
-   smoothed compute speed (samples/s of its own forward and backward) into its rank's slot of
-   the speed part of the gradient allreduce's header, and a split tag (:func:`split_tag`:
-   which split it computed). Every member that commits the step holds the same speeds and
-   makes the same next split from them (:func:`speed_weights`: proportional, a floor, a
-   hysteresis on uneven compute times); the split tag catches members that split a step
-   differently (they would train overlapping samples). Every sync resets the split to equal.
-   Only the split changes: the global batch, and so exactly-once per epoch, do not.
-
-Two cheap checks guard against ever acting on collective data of another round (a data-plane
-bug, or a peer running other code): after the sync allreduce each member finds its own slots
-unchanged (:func:`own_slots_intact`), and the gradient allreduce carries a round-check slot
-that must add up to ``size * round_tag(step)`` and a sample count that must add up to the
-step's global batch. A failed check is treated like a failed collective: the ring is
-reconnected and the step retried from a sync.
-
-State check. Every ``check_every`` steps the gradient allreduce also carries, per registered
-part of the state (model, optimizer, scheduler...), each member's :func:`check_value` of that
-part's digest (16 bits); members compare them row by row (below), so the members that differ
-are named (:func:`diverged_members`). This costs a few floats and one digest of the state per
-check.
-
-Each member's own contribution (issue #26; ``DESIGN-NOTES``: the step header). The header is
-a sum, so on its own it cannot say who put a number there. After the gradient allreduce every
-member allgathers its own contribution as a row (:func:`row_faults` checks each against its
-documented range, typed :class:`RowFault`; :func:`rows_mismatch` checks that the sum is the
-rows'); claims about a member (its speed, its state check, its non-finite flag) are read
-from its own row only, and every fault is attributed to the row's member.
+Checks guard against data of another round (:func:`own_slots_intact`, :func:`round_tag`),
+against diverged state (:func:`check_value`, :func:`diverged_members`) and against a member's
+false claims, read from its own gathered row (:func:`row_faults`, :func:`rows_mismatch`).
 
 The invariant this rests on: two members with the same committed step hold bitwise-identical
 state, because they started identical (1) and applied the same reduced gradients, which every
 ring member receives bitwise identical (``ftmesh.collective``).
+
+Each part and check in full: ``docs/DESIGN-NOTES.md``, "The per-step agreement".
 """
 
 from __future__ import annotations

@@ -526,7 +526,7 @@ class StepMachine:
         )
         self.held.row_out = False
         now, out = yield action
-        if isinstance(out, Measured):
+        if isinstance(out, Measured):  # (else Failed: ``Computed`` comes only after ``Apply``)
             now, out = yield from _header(self, now, action, out)
         if isinstance(out, Computed):
             return (yield from self._commit(now, action, out, run))
