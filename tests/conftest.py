@@ -8,12 +8,13 @@
   host: one at a time), the heaviest CPU trainings (``TRAIN_FILES``) in group ``train``; the
   rest spreads over the workers, mostly waiting, so three workers overlap it on two cores.
 - The leak check (every test): a test errors at teardown when, once its
-  fixtures are torn down, a thread, a live child process or a lab network namespace is left
+  fixtures are torn down, a thread, a live child process, an open file descriptor (a file, a
+  socket, a pipe, an epoll) or a lab network namespace is left
   that was not there when its set-up ended (what module and session fixtures start belongs
   to them). Leftovers first get ``GRACE_S`` to end on their own (threads joined, children
   polled), so a test whose processes are merely exiting is not blamed; what is left is named
-  in the error, and leaked children are killed. ``@pytest.mark.leaks_ok`` opts a test out
-  (none does).
+  in the error, and leaked children are killed. ``@pytest.mark.leaks_ok(reason)`` opts a test
+  out (two do: gloo keeps an aborted group's sockets until its op timeout).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ IGNORED_THREADS = re.compile(
 """Threads that outlive tests by design: trio's and concurrent.futures' idle worker caches,
 the GPU abort thread (it exits after ``IDLE_EXIT`` idle seconds); and the known leak above."""
 
+IGNORED_FDS = re.compile(r"^/dev/(u?random|null)$|\.ttf$")
+"""Descriptors that a library opens once and keeps by design (matplotlib's font cache). The
+other one, multiprocessing's pipe to its resource tracker, is opened before the first test
+(``pytest_sessionstart``), so that it is in every baseline."""
+
 IGNORED_CHILDREN = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
 """multiprocessing's helper processes, which live as long as the interpreter by design."""
 
@@ -77,8 +83,14 @@ TRAIN_FILES = frozenset(
 are not starved by each other (seen: 4 retries in the train bench's smoke beside them)."""
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # its pipe lives as long as this process, see IGNORED_FDS
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "leaks_ok: the leak check does not apply to this test")
+    config.addinivalue_line("markers", "leaks_ok(reason): the leak check does not apply here")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the groups into node ids
@@ -166,12 +178,21 @@ def _ours(ns: str) -> bool:
     return pid == os.getpid() or not Path(f"/proc/{pid}").exists()
 
 
-Snapshot = tuple[set[threading.Thread], set[int], set[str]]
+def _fds() -> dict[int, str]:
+    """This process's open file descriptors: fd -> what it points at."""
+    out: dict[int, str] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own fd is gone by now)
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+    return out
+
+
+Snapshot = tuple[set[threading.Thread], set[int], set[str], dict[int, str]]
 SNAPSHOT = pytest.StashKey[Snapshot]()
 
 
 def _snapshot() -> Snapshot:
-    return set(threading.enumerate()), set(_children()), _lab_namespaces()
+    return set(threading.enumerate()), set(_children()), _lab_namespaces(), _fds()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -189,22 +210,24 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     result = yield
     base = item.stash.get(SNAPSHOT, None)
     if base is not None and not item.get_closest_marker("leaks_ok"):
-        threads, children, namespaces = base
+        threads, children, namespaces, fds = base
         if not item.get_closest_marker("netns"):
             # only netns tests make labs (one at a time, in xdist group "lab"): the others
             # would see the lab worker's namespaces come and go
             namespaces = NO_NAMESPACES
-        leaked = _leaks(threads, children, namespaces)
+        leaked = _leaks(threads, children, namespaces, fds)
         if leaked:
             pytest.fail(f"{item.nodeid} leaked: " + "; ".join(leaked), pytrace=False)
     return result
 
 
-def _leaks(threads: set[threading.Thread], children: set[int], namespaces: set[str]) -> list[str]:
-    leaked = _leftovers(threads, children, namespaces)
+def _leaks(
+    threads: set[threading.Thread], children: set[int], namespaces: set[str], fds: dict[int, str]
+) -> list[str]:
+    leaked = _leftovers(threads, children, namespaces, fds)
     if leaked:  # a dropped object's finalizer may still end it (a DataLoader's workers)
         gc.collect()
-        leaked = _leftovers(threads, children, namespaces)
+        leaked = _leftovers(threads, children, namespaces, fds)
     for line in leaked:  # reported; killed so that they do not spill into the next test
         m = re.match(r"child process (\d+):", line)
         if m:
@@ -215,7 +238,7 @@ def _leaks(threads: set[threading.Thread], children: set[int], namespaces: set[s
 
 
 def _leftovers(
-    threads: set[threading.Thread], children: set[int], namespaces: set[str]
+    threads: set[threading.Thread], children: set[int], namespaces: set[str], fds: dict[int, str]
 ) -> list[str]:
     deadline = time.monotonic() + GRACE_S
     new_threads = [
@@ -236,6 +259,11 @@ def _leftovers(
             break
         time.sleep(0.05)
     leaked += [f"child process {pid}: {cmd}" for pid, cmd in sorted(procs.items())]
+    leaked += [
+        f"file descriptor {fd} ({target})"
+        for fd, target in sorted(_fds().items())
+        if fds.get(fd) != target and not IGNORED_FDS.search(target)
+    ]
     if namespaces is not NO_NAMESPACES:
         leaked += [
             f"network namespace {ns}" for ns in sorted(_lab_namespaces() - namespaces) if _ours(ns)

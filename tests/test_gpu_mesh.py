@@ -126,6 +126,10 @@ def test_the_default_library_without_nccl_falls_back_to_staging_everywhere(
         assert [g.manager.statistics().fallbacks for g in gpus] == [1, 1]
 
 
+@pytest.mark.leaks_ok(
+    "gloo, the stand-in for NCCL here, keeps a group whose collective was aborted in flight,"
+    " and its sockets, until its op timeout ends (60 s; measured: all closed by then)"
+)
 def test_torch_process_group_set_up_inside_a_session_collective_with_one_queued(
     tmp_path: Path,
 ) -> None:

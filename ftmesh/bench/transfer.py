@@ -60,6 +60,7 @@ def measure_transfer(
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_bench_server_main, args=(child, size_mb, peers, config))
     proc.start()
+    child.close()  # the child's end lives in the child
     try:
         if not parent.poll(120):
             raise RuntimeError("benchmark server process did not start")
@@ -90,6 +91,8 @@ def measure_transfer(
         if proc.is_alive():
             proc.kill()
             proc.join()
+        parent.close()
+        proc.close()
     return TransferBenchmark(size_mb, peers, best, raw)
 
 
