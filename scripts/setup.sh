@@ -29,6 +29,6 @@ fi
 stamp=.venv/.ftmesh-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[dev,torch]'
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[dev,torch,docs]'
   touch "$stamp"
 fi

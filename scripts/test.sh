@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Sets up (if needed) and runs every check: ruff, mypy, and the whole pytest suite (what CI
-# runs) and prints its slowest tests; arguments go to pytest. The suite runs serially by
-# default (about 40 minutes on 2 cores). FTMESH_TEST_WORKERS=3 runs it on 3 xdist workers
-# (the lab's network namespaces and the heavy trainings each in one group, the rest spread,
-# see tests/conftest.py), then the tests marked `quiet` (timing that holds only on a lightly
-# loaded host) serially after them.
+# Sets up (if needed) and runs every check: ruff, mypy, the import contracts, the docs site
+# (strict) and the whole pytest suite (what CI runs), and prints its slowest tests; arguments
+# go to pytest. The suite runs serially by default (about 40 minutes on 2 cores).
+# FTMESH_TEST_WORKERS=3 runs it on 3 xdist workers (the lab's network namespaces and the heavy
+# trainings each in one group, the rest spread, see tests/conftest.py), then the tests marked
+# `quiet` (timing that holds only on a lightly loaded host) serially after them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,6 +14,17 @@ echo "== ruff"
 echo "== mypy"
 .venv/bin/mypy
 .venv/bin/lint-imports --no-logo  # the import contracts: layers and the pure core (pyproject.toml)
+echo "== docs"
+# The site from docs/ and the docstrings (mkdocs.yml), offline; strict: a broken link, anchor
+# or API reference fails. Not -q: mkdocs counts strict mode's warnings only when it logs them,
+# so its INFO lines are kept back and shown, with the warnings, only when the build fails.
+docs_site=$(mktemp -d)
+if ! docs_log=$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$docs_site" 2>&1); then
+    echo "$docs_log"
+    rm -rf "$docs_site"
+    exit 1
+fi
+rm -rf "$docs_site"
 echo "== pytest"
 if [ "${FTMESH_TEST_WORKERS:-0}" = 0 ]; then
     exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"

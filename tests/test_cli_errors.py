@@ -1,7 +1,7 @@
-"""Every documented misconfiguration of ``ftmesh node|status|worker|launch`` (README, "When a
-setting is wrong") reaches the user as one line on stderr naming the setting, with exit
-status 2 and no traceback. Real processes; nothing here depends on this host's interfaces
-(the lab tests cover the interface choices)."""
+"""Every documented misconfiguration of ``ftmesh node|status|worker|launch``
+(docs/guide/running.md, "When a setting is wrong") reaches the user as one line on stderr
+naming the setting, with exit status 2 and no traceback. Real processes; nothing here depends
+on this host's interfaces (the lab tests cover the interface choices)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""End to end: the README's ``ftmesh launch -n 3 examples/train_digits.py --compression int8
---eval-every 15 --step-delay 0`` trains to the accuracy of uncompressed training (within 0.01), with
-bitwise-identical state on every member at every reported step.
+"""End to end: the training page's (docs/guide/training.md) ``ftmesh launch -n 3
+examples/train_digits.py --compression int8 --eval-every 15 --step-delay 0`` trains to the
+accuracy of uncompressed training (within 0.01), with bitwise-identical state on every member
+at every reported step.
 
 Accuracy is compared as the mean over the last three epochs' evaluations
 (``tests_support.plateau``)."""

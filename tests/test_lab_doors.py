@@ -1,13 +1,17 @@
-"""The README's commands for several machines, as written, on network namespaces the tests
-create (each a "machine" with a default route, on one bridge; multicast never leaves them).
+"""The commands of docs/guide/running.md for several machines (and the mDNS node of
+docs/guide/membership.md), as written, on network namespaces the tests create (each a
+"machine" with a default route, on one bridge; multicast never leaves them).
 
 * ``ftmesh worker --start-peers 3 examples/train_digits.py`` on three machines: one mesh
   forms with no other flag, survives a ``kill -9`` and the survivors reach the accuracy of
   a single process.
-* Seeds where multicast is blocked: the first machine starts alone and waits to be joined;
-  a worker on a second machine and ``ftmesh launch --discovery seeds --join`` on a third
-  join through it.
-* The interface choice on a machine without a default route.
+* Seeds where multicast is blocked: the first machine starts alone and waits to be joined
+  (``ftmesh worker --discovery seeds --port 7946 --start-peers 4 train.py``); a worker on a
+  second machine (``ftmesh worker --discovery seeds --join 10.0.0.4:7946 --start-peers 4
+  train.py``) and ``ftmesh launch -n 2 --discovery seeds --join 10.0.0.4:7946 --start-peers 4
+  train.py`` on a third join through it (the lab's addresses for 10.0.0.4).
+* The interface choice on a machine without a default route, with ``ftmesh node --mesh lab
+  --discovery mdns``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ pytestmark = [
 
 def test_readme_multi_machine_command(tmp_path: Path, single_run: SingleRun) -> None:
     with VirtualLan(hosts=3) as lan:
-        argv = [FTMESH, "worker", "--start-peers", "3", EXAMPLE]  # the README's, as written
+        argv = [FTMESH, "worker", "--start-peers", "3", EXAMPLE]  # the page's, as written
         ms = [Machine(lan, h, argv, tmp_path / f"h{h}.log") for h in range(3)]
         try:
             wait_until(lambda: min(m.step() for m in ms) >= 150, 240, "3 workers at 150", ms)
@@ -68,7 +72,7 @@ def test_seed_mesh_first_member_alone_then_others_join(tmp_path: Path) -> None:
     seeds = ["--discovery", "seeds"]
     with VirtualLan(hosts=3) as lan:
         seed = f"{lan.host_ip(0)}:7946"
-        # The README's seed commands. The first machine has nobody to join: it waits.
+        # The page's seed commands. The first machine has nobody to join: it waits.
         first = Machine(
             lan, 0, [FTMESH, "worker", *seeds, "--port", "7946", "--start-peers", "4", *script],
             tmp_path / "first.log",
@@ -113,7 +117,7 @@ def test_seed_mesh_first_member_alone_then_others_join(tmp_path: Path) -> None:
 def test_interface_choice_without_a_default_route(tmp_path: Path) -> None:
     with VirtualLan(hosts=1) as lan:
         ip = lan.host_ip(0)
-        node = [FTMESH, "node", "--mesh", "lab", "--discovery", "mdns"]  # the README's
+        node = [FTMESH, "node", "--mesh", "lab", "--discovery", "mdns"]  # the membership page's
 
         def self_addr(argv: list[str]) -> str:
             """The address the node announces: its first line, ``self NAME ADDR inc=0``."""

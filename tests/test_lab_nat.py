@@ -7,7 +7,9 @@ to it (DNAT) and masquerade what it sends (SNAT)::
     h1 10.77.0.2 ─┼─ bridge      h2 10.77.0.3 (router) ── 192.168.77.2 inside
                   └──────────────┘  DNAT 7946/udp+tcp, 7947, 7948 -> inside
 
-The member inside runs the README's command: ``--bind 0.0.0.0 --advertise 10.77.0.3`` (an
+The member inside runs the command of docs/guide/running.md, ``ftmesh worker --discovery
+seeds --join 10.0.0.4:7946 --bind 0.0.0.0 --advertise 203.0.113.7 --port 7946 --data-port
+7947 --state-port 7948 train.py``, with the lab's addresses: ``--advertise 10.77.0.3`` (an
 address it does not own) with fixed ``--port``, ``--data-port`` and ``--state-port``. The
 mesh of three forms; everyone sees the inside member at 10.77.0.3 on its fixed ports
 (gossip, data, state); an allreduce runs over every ring link, across the NAT both ways; a
@@ -127,7 +129,7 @@ def test_a_member_behind_nat_joins_through_its_forwarded_fixed_ports(tmp_path: P
         seed = f"{lan.host_ip(0)}:{PORTS['port']}"
         env = {"NAT_MEMBERS": "3"}
         logs = {name: tmp_path / f"{name}.log" for name in ("h0", "h1", "inside")}
-        # The README's command behind NAT: bind all, advertise the router's address.
+        # The running page's command behind NAT: bind all, advertise the router's address.
         nat_flags = ["--join", seed, "--bind", "0.0.0.0", "--advertise", public, *ports]
         nat_flags += ["--name", "inside"]
         procs = {

@@ -107,7 +107,7 @@ def test_report_progress_is_rate_limited_and_status_watch_shows_it(tmp_path: Pat
         by_name = {m["name"]: m for m in read["members"]}
         assert by_name["m0"]["progress"]["step"] == 50 and by_name["m0"]["role"] == "train"
         assert by_name["m1"]["progress"]["fault"] == "peer lost 3f2a"
-        # The README's command as written (the mesh from the environment) runs until Ctrl-C.
+        # The running page's command as written (the mesh from the environment) runs until Ctrl-C.
         env = {**os.environ, "FTMESH_MESH": "watch", "FTMESH_REGISTRY_DIR": str(registry)}
         watch = subprocess.Popen(
             [sys.executable, "-m", "ftmesh", "status", "--watch"],

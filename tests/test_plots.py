@@ -260,12 +260,13 @@ def _ftmesh(*args: str, pre: str = "", cwd: Path | None = None) -> subprocess.Co
     )
 
 
-README_ALLREDUCE = "bench allreduce --procs 2 --sizes 64K,256K --iters 3 --plot busbw.png"
-"""The README's line (after ``.venv/bin/ftmesh``)."""
+DOCS_ALLREDUCE = "bench allreduce --procs 2 --sizes 64K,256K --iters 3 --plot busbw.png"
+"""The line of docs/guide/benchmarks.md (after ``.venv/bin/ftmesh``); tests/test_docs.py holds
+the page to it."""
 
 
 def test_bench_allreduce_plot_runs_as_written(tmp_path: Path) -> None:
-    res = _ftmesh(*README_ALLREDUCE.split(), cwd=tmp_path)
+    res = _ftmesh(*DOCS_ALLREDUCE.split(), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "plot: busbw.png" in res.stderr
     written = read_plot_series(tmp_path / "busbw.png")["busbw"]
@@ -321,19 +322,20 @@ def test_check_plot_path(tmp_path: Path) -> None:
         check_plot_path(tmp_path / "d.png")
 
 
-README_CHAOS = "lab chaos --hosts 3 --duration 30 --workload train --plot chaos.png"
-"""The README's line (after ``.venv/bin/ftmesh``)."""
+DOCS_CHAOS = "lab chaos --hosts 3 --duration 30 --workload train --plot chaos.png"
+"""The line of docs/guide/lab.md (after ``.venv/bin/ftmesh``); tests/test_docs.py holds the page
+to it."""
 
 
 @pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
 def test_lab_chaos_plot_runs_as_written(tmp_path: Path) -> None:
-    """The README's chaos line, as written: a training soak on three lab hosts, a timeline
+    """The lab page's chaos line, as written: a training soak on three lab hosts, a timeline
     PNG holding the faults and every host's committed steps."""
     ftmesh = Path(sys.executable).parent / "ftmesh"
     res = subprocess.run(
-        [str(ftmesh), *README_CHAOS.split()],
+        [str(ftmesh), *DOCS_CHAOS.split()],
         capture_output=True,
         text=True,
         timeout=300,

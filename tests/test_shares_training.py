@@ -1,7 +1,8 @@
-"""End to end: the README's ``ftmesh launch -n 3 examples/train_digits.py --shares speed
---epochs 2 --step-delay 0`` trains with speed-proportional shares: every step covers its
-whole global batch (the members' shares add up to it), states are bitwise identical at every
-reported step, and every member reports the same steps. (The throttled case, where one
+"""End to end: the training page's (docs/guide/training.md) ``ftmesh launch -n 3
+examples/train_digits.py --shares speed --epochs 2 --step-delay 0`` trains with
+speed-proportional shares: every step covers its whole global batch (the members' shares add
+up to it), states are bitwise identical at every reported step, and every member reports the
+same steps. (The throttled case, where one
 member's share falls and rises back, is ``test_training_shares``, on the fake mesh.)"""
 
 from __future__ import annotations

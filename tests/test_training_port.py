@@ -63,7 +63,8 @@ def _accuracy(text: str) -> float:
 
 
 def test_the_readme_command_trains_like_one_process(tmp_path: Path, single: float) -> None:
-    """``ftmesh launch -n 3 examples/mnist_port.py``, as the README shows it."""
+    """``ftmesh launch -n 3 examples/mnist_port.py``, as the README (and the training page)
+    shows it."""
     logs = tmp_path / "mesh"
     cmd = [sys.executable, "-m", "ftmesh", "launch", "-n", "3", "examples/mnist_port.py"]
     res = subprocess.run(

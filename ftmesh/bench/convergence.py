@@ -4,12 +4,12 @@ links, with and without int8 gradient compression, in one run.
 Theory of operation: one virtual LAN (``ftmesh.lab.VirtualLan``, root) of ``--procs`` hosts,
 every link limited to ``--link-rate`` (tc tbf). For each repetition and each mode (``none``,
 ``int8``; the order alternates between repetitions so that load on the machine hits both),
-every host runs the example as the README shows for a LAN, ``ftmesh worker --start-peers N
-examples/train_digits.py ...`` with mDNS on the host's address, a mesh name of its own and
-``--compression MODE --eval-every K --step-delay 0``. The bench reads host 0's progress records
-as they arrive: the clock starts at its first committed step (so process start-up and mesh
-formation don't count) and stops at the first record where the mean test accuracy of the
-last ``SMOOTH`` evaluations reaches ``--target``. We report, per mode, the median
+every host runs the example as docs/guide/running.md shows for a LAN, ``ftmesh worker
+--start-peers N examples/train_digits.py ...`` with mDNS on the host's address, a mesh name of
+its own and ``--compression MODE --eval-every K --step-delay 0``. The bench reads host 0's
+progress records as they arrive: the clock starts at its first committed step (so process
+start-up and mesh formation don't count) and stops at the first record where the mean test
+accuracy of the last ``SMOOTH`` evaluations reaches ``--target``. We report, per mode, the median
 time-to-accuracy, ms per step, the final accuracy and the accuracy curve, and ``speedup`` =
 uncompressed time-to-accuracy / compressed (> 1: compression gets there sooner), and
 ``step_speedup``, the same for ms per step. Each worker computes on a core it shares with the

@@ -88,10 +88,10 @@ STOP_GRACE_S = 5.0
 LEAVE_GRACE_S = 20.0
 """Seconds the workers get to leave after the launcher is asked to stop (SIGTERM or SIGINT):
 each is sent SIGTERM (a planned departure at its next step boundary: the rest of the step,
-one more at most, the leave, the process' exit; see the README), and the ones still running
-after this bound are killed with SIGKILL. So the launcher exits within this bound (and a
-moment to reap) of the signal, and no worker outlives it. Under Kubernetes' default grace
-(30 s); Docker's (10 s) ends the whole container anyway."""
+one more at most, the leave, the process' exit; see docs/guide/running.md, "Leaving"), and
+the ones still running after this bound are killed with SIGKILL. So the launcher exits within
+this bound (and a moment to reap) of the signal, and no worker outlives it. Under Kubernetes'
+default grace (30 s); Docker's (10 s) ends the whole container anyway."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.25
 """Seconds between two reads of the workers' member list (one observer push-pull each)."""
