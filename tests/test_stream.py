@@ -177,13 +177,16 @@ class Record:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.draws: dict[tuple[int, str, str], list[int]] = {}
+        self.attempt: dict[tuple[int, str, str], int] = {}
         self.commits: dict[int, set[tuple[str, tuple[str, ...], int]]] = {}
 
     def body(self, t: ElasticTrainer, step: Step) -> None:
         for ids, x, y in step.batches():
             key = (step.index, step.action.view.epoch, t.mesh.node_id)
-            with self.lock:
-                self.draws[key] = ids.tolist()
+            with self.lock:  # an attempt's draw: its micro-batches (a retry starts over)
+                if self.attempt.get(key) != step.attempt:
+                    self.attempt[key], self.draws[key] = step.attempt, []
+                self.draws[key] += ids.tolist()
             F.cross_entropy(t.model(x), y).backward()  # type: ignore[no-untyped-call]
         t.optimizer.step()
 
@@ -206,7 +209,16 @@ class Record:
         return out
 
 
-def test_three_members_train_every_sample_once_through_a_kill_and_a_join() -> None:
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"shares": "speed"}, {"shard_optimizer": True, "micro_batch": 2}],
+    ids=["equal", "speed", "sharded-micro"],
+)
+def test_three_members_train_every_sample_once_through_a_kill_and_a_join(
+    settings: dict[str, Any],
+) -> None:
+    """Members a, b, c; a kills c after step 4 (c may be mid-step), d joins after step 7;
+    22 steps: two epochs and more."""
     hub = Hub(start_with=3)
     rec = Record()
     total = 22  # two epochs of 69 samples in steps of 8 (some short), and more
@@ -220,7 +232,7 @@ def test_three_members_train_every_sample_once_through_a_kill_and_a_join() -> No
             joined.set()
 
     try:
-        kw: dict[str, Any] = {"data": _stream, "body": rec.body, "after_step": after}
+        kw: dict[str, Any] = {"data": _stream, "body": rec.body, "after_step": after, **settings}
         members = start_loop(hub, "abc", total=total, **kw)
         members |= start_loop(hub, "d", total=total, start_after=joined, **kw)
         wait_all(hub, 45)
@@ -236,5 +248,32 @@ def test_three_members_train_every_sample_once_through_a_kill_and_a_join() -> No
         assert len({trainer_of(members[n]).digest() for n in "abd"}) == 1
         assert members["d"].reports and members["d"].reports[0].step > 7
         assert len(hub.failed_rounds()) > 0  # the kill failed a step: it was retried
+    finally:
+        hub.shutdown()
+
+
+def test_a_mesh_resumed_from_a_checkpoint_goes_on_where_the_stream_stood(tmp_path: Any) -> None:
+    """Two members train 7 steps with a checkpoint every 3 (the 7th step is lost), then two
+    fresh members resume from the checkpoint of step 6 and train to step 14: across both
+    runs, every sample of epoch 0 is trained once."""
+    first, second = Record(), Record()
+    hub = Hub(start_with=2)
+    kw: dict[str, Any] = {"data": _stream, "checkpoint_dir": tmp_path, "checkpoint_every": 3}
+    try:
+        members = start_loop(hub, "ab", total=7, body=first.body, after_step=first.after, **kw)
+        wait_all(hub, 45)
+        all_ok(members, "ab")
+    finally:
+        hub.shutdown()
+    hub = Hub(start_with=2)
+    try:
+        members = start_loop(hub, "ab", total=14, body=second.body, after_step=second.after, **kw)
+        wait_all(hub, 45)
+        all_ok(members, "ab")
+        assert min(second.commits) == 6  # resumed after the checkpoint's step 6
+        first.commits = {i: c for i, c in first.commits.items() if i < 6}
+        trained = first.trained()[0] + second.trained()[0]
+        every = sorted(s * 1000 + i for s, n in enumerate(LENGTHS) for i in range(n))
+        assert sorted(trained) == every
     finally:
         hub.shutdown()
