@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.data as tud
-from trainer_sim import Hub, Member, all_ok, start_loop, trainer_of, wait_all
+from trainer_sim import (
+    FakeMesh,
+    Hub,
+    Member,
+    all_ok,
+    make_model,
+    make_optimizer,
+    start_loop,
+    trainer_of,
+    wait_all,
+)
 
 from ftmesh.errors import LocalUsageError
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.torch import ElasticTrainer, ShardedStream, Step
 from ftmesh.torch.stream import (
     Position,
@@ -275,5 +286,40 @@ def test_a_mesh_resumed_from_a_checkpoint_goes_on_where_the_stream_stood(tmp_pat
         trained = first.trained()[0] + second.trained()[0]
         every = sorted(s * 1000 + i for s, n in enumerate(LENGTHS) for i in range(n))
         assert sorted(trained) == every
+    finally:
+        hub.shutdown()
+
+
+def test_epochs_end_where_the_stream_s_epochs_end() -> None:
+    """``trainer.epochs(2)`` on a stream: each epoch's steps train exactly its samples (the
+    last ones short), and the code after an epoch runs once, at its end."""
+    hub = Hub(start_with=1)
+    try:
+        mesh = FakeMesh(hub, "a")
+        model = make_model()
+        t = ElasticTrainer(
+            cast(SyncMesh, mesh), model, make_optimizer("sgd", model), _stream(), join_settle=0.0
+        )
+        seen: dict[int, list[int]] = {}
+        ends: list[tuple[int, int]] = []
+        for label in t.epochs(2):
+            for step in t.steps():
+                with step:
+                    for ids, x, y in step.batches():
+                        seen.setdefault(step.epoch, []).extend(ids.tolist())
+                        F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                    t.optimizer.step()
+                assert step.epoch == label - 1
+            pos = t.stream_position
+            assert pos is not None
+            ends.append((label, pos.epoch))
+        every = sorted(s * 1000 + i for s, n in enumerate(LENGTHS) for i in range(n))
+        assert sorted(seen[0]) == every and sorted(seen[1]) == every
+        assert ends == [(1, 1), (2, 2)]
+        # 69 samples in steps of 8: at least 9 steps an epoch, some of them short
+        assert t.committed >= 18
+        with pytest.raises(LocalUsageError, match="loop API"):
+            t.step(lambda idx: torch.zeros(()))
+        t.close()
     finally:
         hub.shutdown()

@@ -361,17 +361,16 @@ class ElasticTrainer:
     def _stream_epoch(self, feed: StreamFeed, epoch: int) -> Iterator[Step]:
         """A stream's steps of ``epoch`` (0-based): until the committed position is in the
         next one."""
-        while True:
-            now = feed.position.epoch
-            if now > epoch + 1:
-                raise FtmeshError(
-                    f"this member adopted the stream's epoch {now} while its loop was in epoch "
-                    f"{epoch}: it was away for longer than the rest of an epoch, and the code "
-                    "between epochs cannot be replayed. Restart it to rejoin."
-                )
-            if now > epoch:
-                return
+        while feed.position.epoch <= epoch:
             yield from self._attempts()
+            pos = feed.position
+            if pos.epoch > epoch and pos != Position.start(len(pos.offsets), epoch + 1):
+                raise FtmeshError(
+                    f"this member adopted step {self.committed}, in the stream's epoch "
+                    f"{pos.epoch}, while its loop was in epoch {epoch}: it was away for longer "
+                    "than the rest of an epoch, and the code between epochs cannot be "
+                    "replayed. Restart it to rejoin."
+                )
 
     def epochs(self, epochs: int | Iterable[Any]) -> Iterator[Any]:
         """The epochs to train (``n``: 1..n, or any labels), starting at the mesh's: joins
