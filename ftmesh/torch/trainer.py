@@ -27,6 +27,12 @@ the loop, on the same machine:
 What the trainer guarantees and how each setting behaves (steps committed by all survivors or
 none, the registered state, starting together, planned departures, ``compression``, spares,
 ``shard_optimizer``): ``docs/DESIGN-NOTES.md``, "The trainer's behaviour".
+
+The data: an ``ElasticSampler`` or a ``DataLoader`` over a map-style dataset (the position is
+the committed step), or a ``ShardedStream`` (``ftmesh.torch.stream``: the position is each
+shard's committed offset, a registered part; what each member took of its shards rides in
+its row of the step's header allgather, ``_reduce``, and the position moves in ``_end`` when
+the step commits).
 """
 
 from __future__ import annotations
