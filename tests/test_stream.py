@@ -323,3 +323,43 @@ def test_epochs_end_where_the_stream_s_epochs_end() -> None:
         t.close()
     finally:
         hub.shutdown()
+
+
+def test_a_short_step_trains_the_mean_over_the_samples_it_has() -> None:
+    """One shard of 5 samples, steps of 8: the one step is short; its update and its
+    reported loss are those of the mean over its 5 samples, as in one process."""
+    hub = Hub(start_with=1)
+    try:
+        mesh = FakeMesh(hub, "a")
+        model = make_model()
+        reference = make_model()
+        samples = [_sample(0, i) for i in range(5)]
+        stream = ShardedStream(1, lambda s, o: iter(samples[o:]), batch_size=8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        t = ElasticTrainer(cast(SyncMesh, mesh), model, opt, stream, join_settle=0.0)
+        for step in t.steps(1):
+            with step:
+                for _, x, y in step.batches():
+                    loss = F.cross_entropy(model(x), y)
+                    step.record_loss(loss)
+                    loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+        report = t.last_report
+        assert report is not None
+        x = torch.stack([s[1] for s in samples])
+        y = torch.tensor([s[2] for s in samples])
+        want = F.cross_entropy(reference(x), y)
+        want.backward()  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            for p in reference.parameters():
+                assert p.grad is not None
+                p -= 0.5 * p.grad
+        got = dict(model.named_parameters())
+        for name, p in reference.named_parameters():
+            assert torch.allclose(got[name], p, atol=1e-6), name
+        assert report.loss == pytest.approx(float(want.detach()), rel=1e-5)
+        pos = t.stream_position
+        assert pos is not None and pos.epoch == 1  # the only shard ended: the epoch too
+        t.close()
+    finally:
+        hub.shutdown()

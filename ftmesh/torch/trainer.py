@@ -775,6 +775,9 @@ class ElasticTrainer:
             verdict = self._short_step(verdict)
         self._verdict = verdict
         step.loss_sum = header[1]
+        if self._stream is not None and 0 < self._stream.taken != self._stream.stream.batch_size:
+            # a short step's report.loss: the mean over the samples it took
+            step.loss_sum *= self._stream.stream.batch_size / self._stream.taken
         step.leaving = judged.leaving
         step.speeds = verdict.speeds
         step.reduced = True
