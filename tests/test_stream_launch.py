@@ -2,7 +2,8 @@
 (two epochs of a ``ShardedStream`` of 12 shards) with a SIGKILL and a join; from what each
 worker recorded (its draws per attempt, written before its gradients were reduced, and the
 steps it committed with their view and members), every sample id of the stream was trained
-in exactly one committed step in each epoch, across all members, the killed one included."""
+in exactly one committed step in each epoch, across all members, the killed one included,
+and an attempt in which members had drawn samples failed (the kill) and was retried."""
 
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def test_every_sample_is_trained_once_through_a_kill_and_a_join(tmp_path: Path) 
         ids = trained[epoch]
         assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample trained twice"
         assert sorted(ids) == every, f"epoch {epoch}: samples missing"
+    # the kill failed an attempt in which members had drawn samples: re-read by the retry
+    views = {index: next(iter(found))[0] for index, found in commits.items()}
+    assert [key for key in draws if views.get(key[0]) != key[1]], "no attempt failed"
     # the killed worker trained in committed steps before it died, the joiner after it came
     (killed,) = nodes - set(done)
     first = set(next(iter(commits[0]))[1])
