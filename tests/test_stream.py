@@ -130,6 +130,7 @@ def test_the_reader_draws_in_turn_sees_ends_and_serves_a_retry_from_its_buffer()
     # a retry of the same attempt: the same samples, no shard opened again
     again = reader.draw(pos, [0, 1], 6)
     assert again == (samples, taken, ended) and shards.opened == [(0, 0), (1, 0)]
+    assert reader.opened == 2
     pos = pos.advance([3, 3], [True, False])
     reader.settle(pos, [1])
     samples, taken, ended = reader.draw(pos, [1], 4)  # short: the shard ends

@@ -39,8 +39,11 @@ step (its gradient is in exactly one committed update), whatever the kills, join
 adoptions, and whatever member computes it: the committed offsets advance by exactly what the
 committed step's members took, on every member at once (commit-or-none), and the next step
 starts where they stand. A sample read in an attempt that failed is read again by the retry.
-Code that records what it trained must therefore record it for the attempt that commits
-(``step.report`` set), not for every attempt.
+Code that records what was trained must count a member's draw only for the attempt that
+committed (a committing member's ``step.action.view`` and ``step.workers`` name it), not for
+every attempt; a member that adopted the step may still have computed in that attempt (its
+row went out before it failed), so its draw counts when it is among those workers
+(``tests/test_stream_launch.py`` records it so).
 
 :meth:`ShardedStream.from_iterable` adapts a plain iterable (an ``IterableDataset``): shard
 ``k`` of ``n`` is its samples ``k, k + n, k + 2n...``, and ``open_shard(k, offset)`` iterates
