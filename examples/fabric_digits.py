@@ -6,10 +6,11 @@ mesh through ``ftmesh.lightning.FtmeshStrategy``:
 The script keeps its own loop, Fabric-style (``fabric.setup``, ``fabric.backward``,
 ``fabric.all_reduce``); the strategy turns it into ``ElasticTrainer`` steps: each step's
 global batch is split over the members alive, a member that dies mid-step has its share redone
-by the others, a joiner fetches the state and goes on where the mesh is. Same samples in the
-same order as ``train_digits.py --single``, so it ends at the same accuracy (the last line is
-``test accuracy: 0.NNN``). With ``--single`` it runs on Fabric's default single-device
-strategy in one process, no mesh. Needs Lightning: ``pip install 'ftmesh[lightning]'``.
+by the others, a joiner fetches the state and goes on where the mesh is. Each step's global
+batch holds the samples ``train_digits.py --single`` trains on at that step, so it ends at
+that accuracy, up to float summation order (the last line is ``test accuracy: 0.NNN``). With
+``--single`` it runs on Fabric's default single-device strategy in one process, no mesh.
+Needs Lightning: ``pip install 'ftmesh[lightning]'``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ data))`` changes what the loop runs on, and the loop iterates the trainer's step
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
             optimizer.step()
         # here: once per committed step
+    strategy.teardown()                                # the trainer's hooks, our mesh
 
 * ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``) wraps
   nothing in DDP: the strategy keeps the module and the optimizer and, at the first use of
