@@ -109,6 +109,9 @@ def test_what_the_strategy_refuses() -> None:
     f3, _, _ = _fabric(plugins=[MixedPrecision("16-mixed", device="cpu")])
     with pytest.raises(LocalUsageError, match="16-mixed"):
         f3.setup(torch.nn.Linear(2, 1), torch.optim.SGD(net.parameters(), lr=0.1))
+    f4, _, _ = _fabric(precision="64-true")
+    with pytest.raises(LocalUsageError, match="not 64-true"):
+        f4.setup(torch.nn.Linear(2, 1), torch.optim.SGD(net.parameters(), lr=0.1))
 
 
 def test_collectives_inside_a_step_run_on_the_step_members(tmp_path: Path) -> None:
@@ -167,6 +170,35 @@ def test_collectives_inside_a_step_run_on_the_step_members(tmp_path: Path) -> No
         assert seen["ranks"] == (0, 1, True)
         with pytest.raises(OutsideStepError):
             fabric.all_reduce(torch.ones(1))
+    finally:
+        strategy.teardown()
+        mesh.close()
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16-mixed", "float32"), ("bf16-true", "bfloat16")]
+)
+def test_bfloat16_precisions_train(tmp_path: Path, precision: str, dtype: str) -> None:
+    mesh = ftmesh.connect(
+        mesh="fabric-bf16", registry_dir=str(tmp_path), preset="local", start_peers=1,
+        environ={}, handle_signals=False,
+    )  # fmt: skip
+    strategy = FtmeshStrategy(ElasticSampler(16, 4), mesh=mesh, start_timeout=5.0)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
+    net = torch.nn.Linear(2, 1)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    before = net.weight.detach().clone()  # (converted by the precision plugin)
+    x = torch.randn(16, 2)
+    try:
+        for step in strategy.steps(2):
+            with step:
+                for idx in step.indices():
+                    fabric.backward(model(x[torch.from_numpy(idx)]).float().pow(2).mean())
+                optimizer.step()
+        assert strategy.trainer.committed == 2
+        assert str(net.weight.dtype) == f"torch.{dtype}"
+        assert not torch.equal(net.weight.detach(), before)  # it trained
     finally:
         strategy.teardown()
         mesh.close()

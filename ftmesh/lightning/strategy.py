@@ -43,8 +43,8 @@ data))`` changes what the loop runs on, and the loop iterates the trainer's step
 
 Supported: one model and one optimizer; the CPU accelerator (tested) and CUDA (``cuda:0``:
 ``ftmesh launch`` gives each worker its own GPU; ``device=`` overrides; not yet run on a
-GPU); precision ``32-true`` (tested), and ``64-true``, ``bf16-mixed``, ``bf16-true``,
-``16-true`` let through untested (the trainer's buckets judge the dtype);
+GPU); precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` (tested), ``16-true`` (let
+through untested; the gradient buckets hold float32, bfloat16 and float16);
 ``fabric.clip_gradients`` (after the loop over micro-batches: the reduced gradients);
 ``optimizer.zero_grad()`` anywhere (not needed: Fabric's wrapper is routed to the trainer's,
 which inside a step keeps the micro-batches' sum whatever ``set_to_none``);
@@ -52,7 +52,7 @@ which inside a step keeps the micro-batches' sum whatever ``set_to_none``);
 ``DistributedSampler`` is injected: every member iterates them whole).
 
 Refused with a clear error: a second model or optimizer; precision with a gradient scaler
-(``16-mixed``) or any other precision plugin; ``fabric.no_backward_sync`` (use
+(``16-mixed``), ``64-true`` or any other precision plugin; ``fabric.no_backward_sync`` (use
 ``micro_batch=`` of ``TrainerConfig``: the trainer accumulates micro-batches itself);
 ``fabric.save``/``fabric.load`` (the committed state is the trainer's: ``checkpoint_dir=``,
 ``checkpoint_every=``, ``ftmesh checkpoint export``; ``torch.save(model.state_dict())``
@@ -74,12 +74,7 @@ import torch.distributed as dist
 import torch.utils.data as tud
 from lightning.fabric.accelerators.cpu import CPUAccelerator
 from lightning.fabric.accelerators.cuda import CUDAAccelerator
-from lightning.fabric.plugins.precision import (
-    DoublePrecision,
-    HalfPrecision,
-    MixedPrecision,
-    Precision,
-)
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies.strategy import Strategy, TBroadcast, _BackwardSyncControl
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -102,7 +97,7 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-_PRECISIONS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+_PRECISIONS = (Precision, MixedPrecision, HalfPrecision)
 
 
 class _NoBackwardSync(_BackwardSyncControl):
@@ -273,8 +268,8 @@ class FtmeshStrategy(Strategy):
         if type(precision) not in _PRECISIONS or getattr(precision, "scaler", None) is not None:
             raise LocalUsageError(
                 f"FtmeshStrategy does not support the precision plugin {precision!r}: use "
-                "32-true, 64-true, bf16-mixed, bf16-true or 16-true (a gradient scaler, as "
-                "16-mixed has, is not supported)"
+                "32-true, bf16-mixed, bf16-true or 16-true (not 64-true: the gradient buckets "
+                "hold float32, bfloat16 and float16; not a gradient scaler, as 16-mixed has)"
             )
         self._module = module
         return module
