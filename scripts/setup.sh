@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent setup: system packages the tests need (when root: iproute2 and nftables for the
 # lab, prometheus for the metrics tests), a virtual environment in .venv
-# with ftmesh and its dev + torch extras; torch pinned to the CPU build by scripts/constraints.txt.
+# with ftmesh and its dev, torch, lightning and docs extras; torch pinned to the CPU build by
+# scripts/constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,6 @@ fi
 stamp=.venv/.ftmesh-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[dev,torch,docs]'
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[dev,torch,lightning,docs]'
   touch "$stamp"
 fi

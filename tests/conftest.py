@@ -76,6 +76,8 @@ TRAIN_FILES = frozenset(
         "test_loop_between_steps.py",
         "test_torch_distributed.py",
         "test_torch_pg.py",
+        "test_lightning.py",
+        "test_stream_launch.py",
     }
 )
 """Multi-process trainings and benches that keep both cores busy: run one after another

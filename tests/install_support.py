@@ -14,7 +14,9 @@ from pathlib import Path
 
 from tests_support import ROOT
 
-TORCH_PIN = [ln for ln in (ROOT / "scripts/constraints.txt").read_text().split() if "==" in ln]
+TORCH_PIN = [
+    ln for ln in (ROOT / "scripts/constraints.txt").read_text().split() if ln.startswith("torch==")
+]
 """This machine's torch (the CPU build on disk): a fresh environment gets it first, as a user
 who has torch would, since an unpinned torch here is a multi-GB CUDA build."""
 

@@ -8,8 +8,10 @@ at once."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from ftmesh.collective import (
     PeerStalledError,
     RingPeerLostError,
     RingView,
+    ViewMismatchError,
     open_data_plane,
 )
 from ftmesh.collective.dataplane import DataPlane
@@ -134,3 +137,58 @@ async def test_membership_ends_the_wait_at_once() -> None:
                     dps[i].abort_view(view.epoch, "m2", "membership: m2 is suspect")
         for i in (0, 1):
             assert isinstance(out[i], RingPeerLostError) and out[i].peer == "m2", out
+
+
+async def test_both_neighbours_busy_each_is_asked_once() -> None:
+    """m0 waits for both its neighbours, each busy between steps: m1 (its right) says its
+    pause ended 0.5 s before its first frame reaches m0 (the published progress can arrive
+    first), m2 (its left) starts later still. Each neighbour's answer holds for the
+    collective: asked again while waiting for the other, m1 looked silent and was stalled
+    (seen at a 15 s evaluation beside a 27 s one, with the default ``io_timeout``)."""
+    late = {"m1": LATE, "m2": LATE + 1.0}
+    t0 = 0.0
+
+    def busy(peer: str) -> str | None:
+        if peer == "m1" and time.monotonic() - t0 >= late["m1"] - 0.5:
+            return None  # m1's "pause over" is already here
+        return peer if peer in late else None
+
+    async with ring_of(3, config(start_wait=30.0)) as (dps, view):
+        await _round(dps, view, 0.0)
+        for d in dps:
+            d.busy = busy
+        out: dict[int, Any] = {}
+
+        async def member(i: int) -> None:
+            await trio.sleep(late.get(f"m{i}", 0.0))
+            try:
+                out[i] = (await dps[i].allreduce(view, np.full(1000, i + 1.0))).output
+            except Exception as exc:
+                out[i] = exc
+
+        t0 = time.monotonic()
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(member, i)
+        for i, v in out.items():
+            assert isinstance(v, np.ndarray) and (v == 6.0).all(), (i, v)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_busy_member_is_waited_for_to_open_a_new_views_ring(declared: bool) -> None:
+    """A new view's ring opens as each member starts its first collective on it: m2, busy
+    between steps, opens its halves after ``view_timeout``. Declared busy, the others wait
+    for it (a failure while someone evaluates no longer fails every retry until the
+    evaluation ends); silent, the opening fails after ``view_timeout`` as before."""
+    cfg = replace(config(start_wait=30.0), view_timeout=1.0)
+    busy = frozenset({"m2"}) if declared else frozenset()
+    async with ring_of(3, cfg, busy) as (dps, view):
+        out = await _round(dps, view, LATE)  # no round before: the ring opens now
+        if declared:
+            for i, v in out.items():
+                assert isinstance(v, np.ndarray) and (v == 6.0).all(), (i, v)
+        else:
+            # m0 and m1 give up on m2; m2 then finds them gone
+            assert all(isinstance(v, ViewMismatchError) for v in out.values()), out
+            assert all(out[i].peer == "m2" for i in (0, 1)), out

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from test_sync_mesh import common_view
-from tests_support import local_mesh_config
+from tests_support import local_mesh_config, on_member_threads
 
 from ftmesh.compression.feedback import SHARED_SCALE_FROM, Int8Compression
 from ftmesh.mesh.blocking import SyncMesh
@@ -49,35 +49,26 @@ def _train(ms: list[SyncMesh], hidden: int) -> tuple[list[list[torch.Tensor]], l
     x, y = _data()
     weights: list[list[torch.Tensor]] = [[] for _ in ms]
     attempts: list[int] = [0] * len(ms)
-    errors: list[BaseException] = []
     # (built here: torch's generator is one for the process, so models built in the members'
     # threads would draw their initial weights in whatever order the threads run)
     models = [_model(hidden) for _ in ms]
 
     def member(i: int) -> None:
-        try:
-            model = models[i]
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            trainer = ElasticTrainer(
-                ms[i], model, opt, ElasticSampler(SAMPLES, BATCH), quorum="any",
-                join_settle=0.0, compression="int8", min_peers=len(ms),
-            )  # fmt: skip
-            for step in trainer.steps(STEPS):
-                with step:
-                    for idx in step.indices():
-                        attempts[i] += 1
-                        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-                    opt.step()
-                weights[i].append(_flat(model))
-        except BaseException as exc:
-            errors.append(exc)
+        model = models[i]
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        trainer = ElasticTrainer(
+            ms[i], model, opt, ElasticSampler(SAMPLES, BATCH), quorum="any",
+            join_settle=0.0, compression="int8", min_peers=len(ms),
+        )  # fmt: skip
+        for step in trainer.steps(STEPS):
+            with step:
+                for idx in step.indices():
+                    attempts[i] += 1
+                    torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+            weights[i].append(_flat(model))
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(ms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    assert not errors, errors
+    on_member_threads(len(ms), member)
     return weights, attempts
 
 

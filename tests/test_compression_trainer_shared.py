@@ -7,14 +7,13 @@ batches, as the mesh computes them)."""
 
 from __future__ import annotations
 
-import threading
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 from test_sync_mesh import common_view
-from tests_support import local_mesh_config
+from tests_support import local_mesh_config, on_member_threads
 
 from ftmesh.collective.shared_scale import SharedScaleRun
 from ftmesh.compression.feedback import SHARED_SCALE_FROM
@@ -49,7 +48,6 @@ def _train(ms: list[SyncMesh], compression: str | None) -> tuple[list[list[str]]
     x, y = _data()
     digests: list[list[str]] = [[] for _ in ms]
     losses: list[float] = []
-    errors: list[BaseException] = []
     # Built here, one after the other: torch's generator is one for the whole process, so
     # models built in the members' threads would draw their initial weights interleaved in
     # whatever order the threads run (under load, each member a different model, and the
@@ -57,30 +55,22 @@ def _train(ms: list[SyncMesh], compression: str | None) -> tuple[list[list[str]]
     models = [_model() for _ in ms]
 
     def member(i: int) -> None:
-        try:
-            model = models[i]
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            trainer = ElasticTrainer(
-                ms[i], model, opt, ElasticSampler(SAMPLES, BATCH), quorum="any",
-                join_settle=0.0, compression=compression, min_peers=len(ms),
-            )  # fmt: skip
-            for step in trainer.steps(STEPS):
-                with step:
-                    for idx in step.indices():
-                        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-                    opt.step()
-                digests[i].append(trainer.digest())
-            if i == 0:
-                losses.append(_loss(model))
-        except BaseException as exc:
-            errors.append(exc)
+        model = models[i]
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        trainer = ElasticTrainer(
+            ms[i], model, opt, ElasticSampler(SAMPLES, BATCH), quorum="any",
+            join_settle=0.0, compression=compression, min_peers=len(ms),
+        )  # fmt: skip
+        for step in trainer.steps(STEPS):
+            with step:
+                for idx in step.indices():
+                    torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+            digests[i].append(trainer.digest())
+        if i == 0:
+            losses.append(_loss(model))
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(ms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    assert not errors, errors
+    on_member_threads(len(ms), member)
     return digests, losses[0]
 
 

@@ -123,6 +123,26 @@ def check_consistency_from(
     assert not split, f"members disagree at steps {sorted(split)[:5]}"
 
 
+def on_member_threads(n: int, member: Any, timeout: float = 150.0) -> None:
+    """Run ``member(i)`` for i in 0..n-1, each in its own thread (members of one in-process
+    mesh); fails with every member's exception, if any raised or one did not end in time."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            member(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert not [t for t in threads if t.is_alive()], "a member did not end in time"
+
+
 def local_mesh_config(registry: Path, mesh: str, **collective: Any) -> MeshConfig:
     """A mesh of members in this process or on this host: same-host discovery in
     ``registry``, the ``local`` preset, a 60 s ``io_timeout`` (far above any test's wait)."""

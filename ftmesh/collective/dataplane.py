@@ -74,10 +74,6 @@ class DataPlane:
         self.node_id = transport.node_id
         self._lock = trio.Lock()
         self._engine_lock = threading.Lock()
-        self.busy: Callable[[str], str | None] | None = None
-        """Whether a member declares itself busy between steps (set by the mesh, which reads
-        membership; called from engine threads): a neighbour that has not started a
-        collective is then waited for up to ``config.start_wait`` (``engine``)."""
         """Held while a collective drives the ring's sockets, from whichever thread."""
         host, port = transport.listener.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
@@ -85,6 +81,18 @@ class DataPlane:
         self._opening: dict[str, set[trio.CancelScope]] = {}
         self._recorder = CollectiveRecorder()
         self._warned_sizes: set[int] = set()  # views too big for the compressed allreduce
+
+    @property
+    def busy(self) -> Callable[[str], str | None] | None:
+        """Whether a member declares itself busy between steps (set by the mesh, which reads
+        membership; called from engine threads and the trio thread): a neighbour that has not
+        started a collective, or not yet opened its half of a view's ring, is then waited for
+        up to ``config.start_wait`` (``engine``, ``Transport``)."""
+        return self._transport.busy
+
+    @busy.setter
+    def busy(self, fn: Callable[[str], str | None] | None) -> None:
+        self._transport.busy = fn
 
     def statistics(self) -> CollectiveStatistics:
         """Completed collectives (seconds, bytes) per ``(op, backend)`` and aborts per kind;

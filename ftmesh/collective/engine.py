@@ -162,6 +162,8 @@ class Pipeline:
         the collective has lasted longer than ``io_timeout``; read from any thread."""
         self._waiting_name = ""
         """The neighbour waited for, as ``busy`` names it (for the log line)."""
+        self._busy_named: dict[str, str] = {}
+        """The neighbours found busy between steps in this collective, as ``busy`` names them."""
         self._wait_logged = 0.0
         self.isz = bufs.acc.itemsize
         self.acc_b = bufs.acc.view(np.uint8).data
@@ -637,15 +639,19 @@ class Pipeline:
         waited = now - started
         if waited < self.io_timeout:
             return
-        if self.waiting_for is None or self.waiting_for[0] != peer:
-            # Asked once, when io_timeout is up: the answer holds for this collective (the
-            # busy member publishes that its pause ended as it starts its next step, which
-            # may reach us before its first frame does).
+        named = self._busy_named.get(peer)
+        if named is None:
+            # Asked once per neighbour, when io_timeout is up: the answer holds for this
+            # collective (the busy member publishes that its pause ended as it starts its
+            # next step, which may reach us before its first frame does; and we may be
+            # waiting for both neighbours, each asked once).
             named = self.busy(peer) if self.busy is not None else None
             if named is None:
                 # Running but silent (a link that drops its packets), or frozen: io_timeout's.
                 msg = f"{peer} did not start the collective within {self.io_timeout:g}s"
                 raise _Stop(self._reason(AbortKind.STALLED, peer, msg))
+            self._busy_named[peer] = named
+        if self.waiting_for is None or self.waiting_for[0] != peer:
             self.waiting_for = (peer, started)
             self._waiting_name = named
         if waited >= self.start_wait:

@@ -13,6 +13,10 @@ A neighbour only sends ``view_ok`` once it is itself opening a ring on that epoc
 halves succeed, both neighbours hold our view; if every adjacent pair agrees the whole ring
 agrees, and nobody runs a collective on a view its neighbours don't share. A mismatch waits
 (gossip may be about to converge) for ``view_timeout`` and then raises ``ViewMismatchError``.
+A neighbour opens its halves when it starts its next collective: one that declares itself
+busy between steps (``busy``, as the engine's ``start_wait``) is waited for past
+``view_timeout``, up to ``start_wait``; membership's verdict ends the wait at once
+(``DataPlane.abort_view`` cancels the opening).
 
 With a mesh secret, both sides prove knowledge of it by MACing the transcript, which includes a
 fresh nonce from each side, so a node without the secret cannot join and recorded handshakes
@@ -41,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -57,6 +61,7 @@ from .secure import RingCrypto, SessionKeys, session_keys
 from .view import Peer, RingView
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_PARKED = 64
 """Inbound connections waiting for their view to be adopted locally. Bounds what unknown or
@@ -271,6 +276,8 @@ class Transport:
         self._admission = Admission(self._drop, handshake_timeout=config.connect_timeout)
         """Inbound connections still in their handshake (see ``ftmesh.net.admission``)."""
         self._poll = min(config.poll_interval, config.io_timeout)
+        self.busy: Callable[[str], str | None] | None = None
+        """``DataPlane.busy``: how a neighbour busy between steps is named, else None."""
 
     def kill_ring(self, epoch: str, reason: Abort) -> None:
         """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it. An idle ring's
@@ -506,10 +513,34 @@ class Transport:
             raise errors[0]
         return socks["send"], socks["recv"]
 
+    async def _neighbour_within(
+        self, peer: str, epoch: str, wait: Callable[[], Awaitable[T]]
+    ) -> T | None:
+        """``wait()`` (cancel-safe) for ``peer``'s half of the ring of ``epoch``: within
+        ``view_timeout``, or, if ``peer`` then declares itself busy between steps, within
+        ``start_wait`` in all. None when it did not come."""
+        start = trio.current_time()
+        with trio.move_on_at(start + self.config.view_timeout):
+            return await wait()
+        named = self.busy(peer) if self.busy is not None else None
+        if named is None:
+            return None
+        log.info(
+            "waiting for %s to open the ring of view %s: it is busy between steps; giving up "
+            "after %gs (CollectiveConfig.start_wait)",
+            named,
+            epoch,
+            self.config.start_wait,
+        )
+        with trio.move_on_at(start + max(self.config.start_wait, self.config.view_timeout)):
+            return await wait()
+        return None
+
     async def _open_left(self, ring: Ring) -> Link:
         epoch, left = ring.view.epoch, ring.left.node_id
-        with trio.move_on_after(self.config.view_timeout):
-            sock, keys = await self._take_parked((left, epoch))
+        parked = await self._neighbour_within(left, epoch, lambda: self._take_parked((left, epoch)))
+        if parked is not None:
+            sock, keys = parked
             try:
                 await send_control(sock, {"view_ok": epoch})
             except OSError:
@@ -535,12 +566,18 @@ class Transport:
     async def _open_right(self, ring: Ring) -> Link:
         view, right = ring.view, ring.right
         sock, keys = await self._connect(view, right)
+
+        async def readable() -> bool:
+            await trio.lowlevel.wait_readable(sock)
+            return True
+
         try:
-            with trio.move_on_after(self.config.view_timeout):
-                msg = await recv_control(sock)
-                if msg.get("view_ok") != view.epoch:
-                    raise RemoteProtocolError("malformed", f"unexpected view reply {msg!r}")
-                return sock, keys
+            if await self._neighbour_within(right.node_id, view.epoch, readable):
+                with trio.move_on_after(self.config.view_timeout):
+                    msg = await recv_control(sock)
+                    if msg.get("view_ok") != view.epoch:
+                        raise RemoteProtocolError("malformed", f"unexpected view reply {msg!r}")
+                    return sock, keys
         except (EOFError, OSError):
             sock.close()
             raise RingPeerLostError(

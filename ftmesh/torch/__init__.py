@@ -3,7 +3,8 @@
 Import ``ftmesh.torch`` only where torch is installed (``pip install ftmesh[torch]``).
 ``ElasticTrainer`` trains a model over the mesh (the loop API, ``trainer.steps()``, or the
 closure API, ``trainer.step(loss_fn)``); ``TrainerConfig`` holds its settings;
-``ElasticSampler`` decides which samples each member computes at each step.
+``ElasticSampler`` decides which samples each member computes at each step;
+``ShardedStream`` gives it streaming data with a committed position.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from ..training.config import TrainerConfig
 from ..training.step import StepReport
 from .loop import StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
+from .stream import ShardedStream
 from .trainer import ElasticTrainer
 
 __all__ = [
     "ElasticSampler",
     "ElasticTrainer",
+    "ShardedStream",
     "StateDivergedError",
     "Step",
     "StepAborted",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch.utils.data as tud
 
@@ -31,6 +31,15 @@ LOOKAHEAD_STEPS = 1024
 
 Key = tuple[int, tuple[str, ...], tuple[float, ...] | None, int]
 """(step, compute set, weights, micro-batch): which attempt a planned batch belongs to."""
+
+
+class BatchSource(Protocol):
+    """What ``Step.batches()`` takes its micro-batches from: the trainer's ``DataLoader`` face
+    (:class:`ElasticLoader`) or its stream (``ftmesh.torch.stream.StreamFeed``)."""
+
+    def next_batch(self, key: Key) -> Any:
+        """The collated micro-batch of ``key``'s attempt."""
+        ...
 
 
 class ElasticBatchSampler(tud.Sampler[list[int]]):
@@ -57,8 +66,9 @@ def sampler_for(loader: tud.DataLoader[Any], seed: int) -> ElasticSampler:
     dataset: Any = loader.dataset
     if isinstance(dataset, tud.IterableDataset):
         raise LocalUsageError(
-            "the trainer splits each step's samples by index: use a map-style dataset, not an "
-            "IterableDataset"
+            "the trainer splits each step's samples by index: use a map-style dataset, or give "
+            "a stream as a ShardedStream (ftmesh.torch.ShardedStream.from_iterable(dataset, "
+            "num_shards, batch_size), or your own open_shard: docs/PORTING.md)"
         )
     if loader.batch_size is None:
         raise LocalUsageError("give the DataLoader a batch_size: it is the step's global batch")

@@ -78,8 +78,9 @@ from ..training.step import (
 
 if TYPE_CHECKING:
     from .buckets import GradBuckets
-    from .data import ElasticLoader
+    from .data import BatchSource
     from .sampler import ElasticSampler
+    from .stream import StreamSizes
 
 
 class NextAttempt(NamedTuple):
@@ -101,7 +102,7 @@ class StepDriver(Protocol):
         ...
 
     @property
-    def sampler(self) -> ElasticSampler:
+    def sampler(self) -> ElasticSampler | StreamSizes:
         """The data's sampler (a step's global batch size, its epoch)."""
         ...
 
@@ -111,8 +112,9 @@ class StepDriver(Protocol):
         ...
 
     @property
-    def loader(self) -> ElasticLoader | None:
-        """The trainer's ``DataLoader`` face (``None`` with an ``ElasticSampler``)."""
+    def loader(self) -> BatchSource | None:
+        """The trainer's ``DataLoader`` face, or its stream (``None`` with an
+        ``ElasticSampler``)."""
         ...
 
     def arm(self, step: Step) -> None:
@@ -294,8 +296,8 @@ class Step:
         loader = self._driver.loader
         if loader is None:
             raise LocalUsageError(
-                "step.batches() needs a trainer built with a DataLoader; with an "
-                "ElasticSampler, iterate step.indices()"
+                "step.batches() needs a trainer built with a DataLoader or a ShardedStream; "
+                "with an ElasticSampler, iterate step.indices()"
             )
         for _ in self.indices():
             yield loader.next_batch((self.index, self.workers, self.action.weights, self._k))

@@ -27,6 +27,12 @@ the loop, on the same machine:
 What the trainer guarantees and how each setting behaves (steps committed by all survivors or
 none, the registered state, starting together, planned departures, ``compression``, spares,
 ``shard_optimizer``): ``docs/DESIGN-NOTES.md``, "The trainer's behaviour".
+
+The data: an ``ElasticSampler`` or a ``DataLoader`` over a map-style dataset (the position is
+the committed step), or a ``ShardedStream`` (``ftmesh.torch.stream``: the position is each
+shard's committed offset, a registered part; what each member took of its shards rides in
+its row of the step's header allgather, ``_reduce``, and the position moves in ``_end`` when
+the step commits).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from ..training.actions import (
     Contributed,
     Depart,
     Failed,
+    Failure,
     Finished,
     Gather,
     Gathered,
@@ -89,12 +96,13 @@ from ..training.step import (
 )
 from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, Wire, all_finite, check_bucketable, micro_batches
-from .data import LOOKAHEAD_STEPS, ElasticLoader, Key, sampler_for
+from .data import LOOKAHEAD_STEPS, BatchSource, ElasticLoader, Key, sampler_for
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
 from .loop import NextAttempt, StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .state import TrainingState
+from .stream import Position, ShardedStream, StreamFeed, StreamSizes
 from .zero import ShardedOptimizer
 
 __all__ = ["ElasticTrainer", "StepReport"]
@@ -110,8 +118,9 @@ ABANDON_WAIT_S = 5.0
 class ElasticTrainer:
     """See the module docstring. One per member process; not thread-safe.
 
-    ``data``: an ``ElasticSampler`` (steps hand out sample indices), or the ``DataLoader`` you
-    would train with (``ftmesh.torch.data``: its ``batch_size`` is the global batch).
+    ``data``: an ``ElasticSampler`` (steps hand out sample indices), the ``DataLoader`` you
+    would train with (``ftmesh.torch.data``: its ``batch_size`` is the global batch), or a
+    ``ShardedStream`` (``ftmesh.torch.stream``: streaming data, its position committed).
     ``config`` and keyword settings: ``TrainerConfig`` (keywords override it).
     ``state``: objects to ``register`` at once. ``on_world_change(old, new)``: called when the
     number of members computing changes (e.g. to scale the learning rate)."""
@@ -121,7 +130,7 @@ class ElasticTrainer:
         mesh: SyncMesh,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        data: ElasticSampler | tud.DataLoader[Any],
+        data: ElasticSampler | tud.DataLoader[Any] | ShardedStream,
         config: TrainerConfig | None = None,
         *,
         state: Mapping[str, Any] | None = None,
@@ -133,17 +142,25 @@ class ElasticTrainer:
         self.model = model
         self.optimizer = optimizer
         self._loader: ElasticLoader | None = None
+        self._stream: StreamFeed | None = None
+        self.sampler: ElasticSampler | StreamSizes
         if isinstance(data, tud.DataLoader):
             self.sampler = sampler_for(data, cfg.data_seed)
             self._loader = ElasticLoader(data, self._plan)
         elif isinstance(data, ElasticSampler):
             self.sampler = data
+        elif isinstance(data, ShardedStream):
+            self._stream = StreamFeed(data)
+            self.sampler = StreamSizes(self._stream)
         else:
             raise LocalUsageError(
-                f"data must be an ElasticSampler or a DataLoader, got {type(data).__name__}"
+                "data must be an ElasticSampler, a DataLoader or a ShardedStream, got "
+                f"{type(data).__name__}"
             )
         self._state = TrainingState(model, optimizer)
         self.state: State = self._state.state
+        if self._stream is not None:  # the stream's position: committed with every step
+            self._state.register("stream", self._stream.state)
         for name, obj in (state or {}).items():
             self.register(name, obj)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -223,6 +240,12 @@ class ElasticTrainer:
         """The dataset of the ``DataLoader`` the trainer was given (``None`` with an
         ``ElasticSampler``)."""
         return self._loader.loader.dataset if self._loader is not None else None
+
+    @property
+    def stream_position(self) -> Position | None:
+        """With a ``ShardedStream``: the committed position in it (epoch, each shard's next
+        offset, the shards ended, the samples trained in the epoch); else ``None``."""
+        return self._stream.position if self._stream is not None else None
 
     @property
     def scalars(self) -> dict[str, Any]:
@@ -320,6 +343,9 @@ class ElasticTrainer:
         neither: forever. Run each one's body inside ``with step:``; a failed attempt is
         retried inside ``step.batches()``, so code after the block runs once per committed
         (or adopted) step (``ftmesh.torch.loop`` names the two sharded-mode exceptions)."""
+        if self._stream is not None and self._epoch is not None:
+            yield from self._stream_epoch(self._stream, self._epoch)
+            return
         while True:
             if self._epoch is not None:
                 end = (self._epoch + 1) * self.sampler.steps_per_epoch
@@ -338,6 +364,20 @@ class ElasticTrainer:
                     "to rejoin."
                 )
 
+    def _stream_epoch(self, feed: StreamFeed, epoch: int) -> Iterator[Step]:
+        """A stream's steps of ``epoch`` (0-based): until the committed position is in the
+        next one."""
+        while feed.position.epoch <= epoch:
+            yield from self._attempts()
+            pos = feed.position
+            if pos.epoch > epoch and pos != Position.start(len(pos.offsets), epoch + 1):
+                raise FtmeshError(
+                    f"this member adopted step {self.committed}, in the stream's epoch "
+                    f"{pos.epoch}, while its loop was in epoch {epoch}: it was away for longer "
+                    "than the rest of an epoch, and the code between epochs cannot be "
+                    "replayed. Restart it to rejoin."
+                )
+
     def epochs(self, epochs: int | Iterable[Any]) -> Iterator[Any]:
         """The epochs to train (``n``: 1..n, or any labels), starting at the mesh's: joins
         first, so a joiner or a resumed mesh starts at the epoch the mesh is in (and one whose
@@ -346,9 +386,14 @@ class ElasticTrainer:
         the last epoch's body is done, :meth:`finish` runs."""
         labels = list(range(1, epochs + 1)) if isinstance(epochs, int) else list(epochs)
         self.join()
-        spe = self.sampler.steps_per_epoch
-        done = max(self.committed, 0)
-        first = done // spe if (done % spe or done == 0) else done // spe - 1
+        if self._stream is not None:  # (an epoch's start: its end-of-epoch code may not have run)
+            pos = self._stream.position
+            fresh = pos == Position.start(len(pos.offsets), pos.epoch)
+            first = pos.epoch - 1 if fresh and pos.epoch > 0 else pos.epoch
+        else:
+            spe = self.sampler.steps_per_epoch
+            done = max(self.committed, 0)
+            first = done // spe if (done % spe or done == 0) else done // spe - 1
         try:
             for i in range(first, len(labels)):
                 self._epoch = i
@@ -361,6 +406,11 @@ class ElasticTrainer:
         """The closure API: run one committed step. ``loss_fn(indices)`` returns the *mean*
         loss of a micro-batch of this member's samples (not called when the share is
         empty)."""
+        if self._stream is not None:
+            raise LocalUsageError(
+                "with a ShardedStream, use the loop API (trainer.steps(), step.batches()): a "
+                "stream's samples are not indices"
+            )
         for attempt in self._attempts():
             with attempt:
                 for idx in attempt.indices():
@@ -546,13 +596,25 @@ class ElasticTrainer:
         return self._buckets
 
     def _new_step(self, action: Compute) -> Step:
-        me = self.mesh.node_id
+        self._view = action.view
+        return Step(self._loop_side, action, *self._share(action))
+
+    def _share(self, action: Compute) -> tuple[np.ndarray, list[np.ndarray]]:
+        """This member's share of an attempt (sample indices; a stream's: positions in what
+        it drew) and its micro-batches."""
+        me, mb = self.mesh.node_id, self.config.micro_batch
+        if self._stream is not None:  # (a hot spare draws nothing)
+            drawn = self._stream.draw(
+                action.index, action.workers, action.weights, me, mb, micro_batches
+            )
+            return np.arange(len(drawn.samples)), drawn.micro
+        sampler = self.sampler
+        assert isinstance(sampler, ElasticSampler)
         if me in action.workers:
-            share = self.sampler.indices(action.index, action.workers, me, action.weights)
+            share = sampler.indices(action.index, action.workers, me, action.weights)
         else:  # a hot spare: contributes nothing, applies the reduced gradients
             share = np.empty(0, dtype=np.int64)
-        self._view = action.view
-        return Step(self._loop_side, action, share, micro_batches(share, self.config.micro_batch))
+        return share, micro_batches(share, mb)
 
     def _plan(self) -> Iterator[tuple[Key, list[int]]]:
         """The batch sampler's plan (``ftmesh.torch.data``): this member's micro-batches of
@@ -561,10 +623,11 @@ class ElasticTrainer:
         if step is None:
             return
         action, me, mb = step.action, self.mesh.node_id, self.config.micro_batch
-        if me not in action.workers:
+        sampler = self.sampler
+        if me not in action.workers or not isinstance(sampler, ElasticSampler):
             return
         for index in range(action.index, action.index + LOOKAHEAD_STEPS):
-            share = self.sampler.indices(index, action.workers, me, action.weights)
+            share = sampler.indices(index, action.workers, me, action.weights)
             for k, idx in enumerate(micro_batches(share, mb)):
                 yield (index, action.workers, action.weights, k), idx.tolist()
 
@@ -586,14 +649,8 @@ class ElasticTrainer:
         assert step.failure is not None
         nxt = self._feed(step.failure)
         if isinstance(nxt, Compute) and nxt.index == step.index:
-            me = self.mesh.node_id
-            share = (
-                self.sampler.indices(nxt.index, nxt.workers, me, nxt.weights)
-                if me in nxt.workers
-                else np.empty(0, dtype=np.int64)
-            )
             self._view = nxt.view
-            return NextAttempt(nxt, share, micro_batches(share, self.config.micro_batch))
+            return NextAttempt(nxt, *self._share(nxt))
         step.next = nxt
         if isinstance(nxt, Finished) and nxt.report is not None:
             step.report = nxt.report
@@ -644,6 +701,10 @@ class ElasticTrainer:
         buckets.start(launch, run)
         header = buckets.header
         header[0] = step.share
+        if self._stream is not None:  # the planned count (a holder of ended shards took less)
+            drawn = self._stream.attempt
+            assert drawn is not None
+            header[0] = drawn.counts.get(self.mesh.node_id, 0)
         header[2] = round_tag(step.index)
         if step.action.check:
             step.checks = self._state.check_values()
@@ -685,12 +746,21 @@ class ElasticTrainer:
             gather = self._in_step(Contributed(mine, self._own_nonfinite), Gather)
             # Each member's own contribution, as it says it added it: what it claims about
             # itself is read from its row only (DESIGN-NOTES: the step header).
-            rows = np.asarray(self.mesh.session(view).allgather(gather.row).output)
+            row = gather.row
+            if self._stream is not None:  # what we took of each shard rides along
+                row = np.concatenate([row, self._stream.row()])
+            rows = np.asarray(self.mesh.session(view).allgather(row).output)
         except FtmeshError as exc:
             failure = failure_of(exc)
             if failure is None:
                 raise
             _abort(step, failure)
+        if self._stream is not None and rows.ndim == 2:
+            width = len(gather.row)
+            problem = self._stream.gathered(rows[:, width:], view.node_ids)
+            rows = rows[:, :width]
+            if problem:
+                _abort(step, Failed(Failure.DESYNC, f"step {step.number}: {problem}"))
         header = tuple(float(v) for v in buckets.header)
         # (the loss in the header may be NaN: only gradients count)
         finite = all(all_finite(buckets.gradients(b)) for b in buckets.buffers)
@@ -701,11 +771,31 @@ class ElasticTrainer:
             _abort(step, verdict.failed)
         if verdict.diverged:
             self._diverged(step, verdict.diverged, verdict.rows)
+        if self._stream is not None:
+            verdict = self._short_step(verdict)
         self._verdict = verdict
         step.loss_sum = header[1]
+        if self._stream is not None and 0 < self._stream.taken != self._stream.stream.batch_size:
+            # a short step's report.loss: the mean over the samples it took
+            step.loss_sum *= self._stream.stream.batch_size / self._stream.taken
         step.leaving = judged.leaving
         step.speeds = verdict.speeds
         step.reduced = True
+
+    def _short_step(self, verdict: StepVerdict) -> StepVerdict:
+        """A stream's step that took fewer samples than its global batch (shards ended): the
+        reduced gradients, scaled by ``1 / batch`` in the micro-batches, become the mean over
+        the samples taken; a step that took none skips the update on every member."""
+        assert self._stream is not None
+        taken, batch = self._stream.taken, self._stream.stream.batch_size
+        if taken == 0:
+            return dataclasses.replace(verdict, skip=True)
+        if taken != batch:
+            with torch.no_grad():
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.mul_(batch / taken)
+        return verdict
 
     def _in_step(self, outcome: Outcome, expected: type[_A]) -> _A:
         """Feed an outcome of the pending ``Compute``'s header (``_reduce``); the machine
@@ -848,6 +938,8 @@ class ElasticTrainer:
         if error is not None:
             self._abandon(step)
             return False
+        if self._stream is not None:  # the step commits: so does the stream's position
+            self._stream.commit(self.mesh.node_id)
         self._state.capture()
         for comp in self._compression.values():
             if comp is not None:  # the step commits: its int8 residuals stand
@@ -910,7 +1002,7 @@ class LoopSide:
         return self._trainer.mesh.node_id
 
     @property
-    def sampler(self) -> ElasticSampler:
+    def sampler(self) -> ElasticSampler | StreamSizes:
         return self._trainer.sampler
 
     @property
@@ -918,8 +1010,9 @@ class LoopSide:
         return self._trainer.buckets
 
     @property
-    def loader(self) -> ElasticLoader | None:
-        return self._trainer._loader
+    def loader(self) -> BatchSource | None:
+        t = self._trainer
+        return t._loader if t._loader is not None else t._stream
 
     def arm(self, step: Step) -> None:
         self._trainer._arm(step)
