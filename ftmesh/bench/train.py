@@ -18,6 +18,14 @@ compute their share in micro-batches of at most M samples (DDP with ``no_sync()`
 the last, each micro-batch's loss weighted by its share of the member's samples), so both do
 the same work.
 
+With ``--rows-off`` a further block per round, ``ftmesh_no_rows``, times the same ftmesh
+steps without the step's second collective, the allgather of every member's header row
+(issue #26: each member's own contribution, range-checked and attributable): a bench-only
+switch, in the bench's processes only, that answers the trainer's allgather with our own row
+for every member, without the ring, and has the judge skip the rows (``HeaderJudge``'s
+checks of them; the reduced header's own checks still run), as the trainer did before #26.
+``rows_on_over_off`` is ftmesh's ms/step over that block's (1.0: the gather costs nothing).
+
 With ``--metrics`` every member serves Prometheus metrics (``metrics_port=0``) and a third
 block per round, ``ftmesh_scraped``, times the same ftmesh steps while a thread in each
 process scrapes its own ``/metrics`` every ``--scrape-interval`` seconds (the plain
@@ -52,6 +60,8 @@ import numpy as np
 IMPLS = ("ftmesh", "ddp")
 SCRAPED = "ftmesh_scraped"
 """With ``--metrics``: ftmesh's steps while its metrics are scraped."""
+ROWS_OFF = "ftmesh_no_rows"
+"""With ``--rows-off``: ftmesh's steps without the row allgather (bench-only)."""
 EXTRAS = ("ftmesh_allreduce", "gloo_allreduce")
 DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
 
@@ -72,6 +82,38 @@ def _scrape_while(
             r.read()
         count[0] += 1
         stop.wait(interval)
+
+
+def _skip_row_gathers(mesh: Any, off: threading.Event) -> None:
+    """``--rows-off``, in this process only: while ``off`` is set, an allgather on any of
+    ``mesh``'s sessions (the trainer's only one here: the header rows) returns our own row as
+    every member's, without the ring, and ``HeaderJudge`` skips its checks of the rows."""
+    from ftmesh.collective.dataplane import CollectiveResult
+    from ftmesh.collective.ops import CollectiveOp, Kind
+    from ftmesh.training.verdicts import HeaderJudge
+
+    orig = mesh.session
+
+    def session(view: Any = None) -> Any:
+        s = orig(view)
+        run = s.run
+
+        def run_rows(op: CollectiveOp, x: Any) -> Any:
+            if off.is_set() and op.kind is Kind.ALLGATHER:
+                rows = np.tile(np.asarray(x), (s.view.size, 1))
+                return CollectiveResult(s.view.epoch, tuple(s.view.node_ids), rows)
+            return run(op, x)
+
+        s.run = run_rows
+        return s
+
+    setattr(mesh, "session", session)  # noqa: B010
+    judge_rows = HeaderJudge._judge_rows
+
+    def skip(self: HeaderJudge, *args: Any, **kwargs: Any) -> Any:
+        return None if off.is_set() else judge_rows(self, *args, **kwargs)
+
+    setattr(HeaderJudge, "_judge_rows", skip)  # noqa: B010
 
 
 def _worker(
@@ -176,6 +218,9 @@ def _worker(
                     return call
 
                 time_sessions(mesh, timed)
+                rows_off = threading.Event()
+                if cfg["rows_off"]:
+                    _skip_row_gathers(mesh, rows_off)
                 grads = torch.zeros(param_count(model_f) + 2)
 
                 in_ar = [0.0]
@@ -211,6 +256,7 @@ def _worker(
                     step_ddp()
                 retries = 0
                 impls = (*IMPLS, SCRAPED) if cfg["metrics"] else IMPLS
+                impls = (*impls, ROWS_OFF) if cfg["rows_off"] else impls
                 per_round: dict[str, list[float]] = {k: [] for k in (*impls, *EXTRAS)}
                 scraping, stop, scrapes = threading.Event(), threading.Event(), [0]
                 scraper = threading.Thread(
@@ -229,15 +275,18 @@ def _worker(
                             scraping.set()
                         else:
                             scraping.clear()
+                        if impl == ROWS_OFF:
+                            rows_off.set()
                         dist.barrier()
                         in_ar[0] = 0.0
                         t0 = time.perf_counter()
                         for _ in range(cfg["steps"]):
                             fn()
                         mine.append((time.perf_counter() - t0) / cfg["steps"])
+                        rows_off.clear()
                         if impl == "ftmesh":
                             ar_time = in_ar[0] / cfg["steps"]
-                        if impl == SCRAPED:  # (untimed: both copies take the same steps)
+                        if impl in (SCRAPED, ROWS_OFF):  # (untimed: both take the same steps)
                             scraping.clear()
                             for _ in range(cfg["steps"]):
                                 step_ddp()
@@ -336,6 +385,11 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
             if SCRAPED in ms
             else {}
         ),
+        **(
+            {"no_rows_ms": ms[ROWS_OFF], "rows_on_over_off": ms["ftmesh"] / ms[ROWS_OFF]}
+            if ROWS_OFF in ms
+            else {}
+        ),
     }
 
 
@@ -355,6 +409,12 @@ def format_table(cells: list[dict[str, Any]]) -> str:
             lines.append(
                 f"N={c['procs']} {c['model']}: ftmesh with metrics scraped / idle "
                 f"{c['metrics_on_over_off']:.3f} ({c['scrapes']} scrapes on rank 0)"
+            )
+    for c in cells:
+        if "rows_on_over_off" in c:
+            lines.append(
+                f"N={c['procs']} {c['model']}: ftmesh {c['ftmesh_ms']:.2f} ms/step with the row "
+                f"allgather, {c['no_rows_ms']:.2f} without: {c['rows_on_over_off']:.3f}"
             )
     lines.append("ms/step: median over rounds of the slowest rank; ddp/ftmesh > 1: ftmesh faster.")
     lines.append(
@@ -388,6 +448,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--scrape-interval", type=float, default=0.1, help="seconds between scrapes (--metrics)"
     )
+    ap.add_argument(
+        "--rows-off",
+        action="store_true",
+        help="time ftmesh's steps also without the header rows' allgather (bench-only)",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -404,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         "micro_batch": args.micro_batch,
         "metrics": args.metrics,
         "scrape_interval": args.scrape_interval,
+        "rows_off": args.rows_off,
     }
     if not args.scrape_interval > 0:
         print("ftmesh bench train: error: --scrape-interval must be > 0", file=sys.stderr)
