@@ -25,6 +25,8 @@ switch, in the bench's processes only, that answers the trainer's allgather with
 for every member, without the ring, and has the judge skip the rows (``HeaderJudge``'s
 checks of them; the reduced header's own checks still run), as the trainer did before #26.
 ``rows_on_over_off`` is ftmesh's ms/step over that block's (1.0: the gather costs nothing).
+Always, ``rows_allgather_ms`` is the time the ``ftmesh`` block's steps spent in that
+allgather (per step, the slowest rank's; it waits for the slowest member's rows too).
 
 With ``--metrics`` every member serves Prometheus metrics (``metrics_port=0``) and a third
 block per round, ``ftmesh_scraped``, times the same ftmesh steps while a thread in each
@@ -62,7 +64,7 @@ SCRAPED = "ftmesh_scraped"
 """With ``--metrics``: ftmesh's steps while its metrics are scraped."""
 ROWS_OFF = "ftmesh_no_rows"
 """With ``--rows-off``: ftmesh's steps without the row allgather (bench-only)."""
-EXTRAS = ("ftmesh_allreduce", "gloo_allreduce")
+EXTRAS = ("ftmesh_allreduce", "gloo_allreduce", "ftmesh_rows_allgather")
 DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
 
 
@@ -199,8 +201,21 @@ def _worker(
                 # from the first bucket submitted to the last one done.
                 spans: list[tuple[float, float]] = []
 
-                def timed(_method: str, orig: Any, spans: list[tuple[float, float]] = spans) -> Any:
+                in_ag = [0.0]  # and the header rows' allgathers (run in the step's thread)
+
+                def timed(
+                    _method: str,
+                    orig: Any,
+                    spans: list[tuple[float, float]] = spans,
+                    in_ag: list[float] = in_ag,
+                ) -> Any:
                     def call(op: CollectiveOp, buf: Any) -> Any:
+                        if op.kind is Kind.ALLGATHER:
+                            t = time.perf_counter()
+                            try:
+                                return orig(op, buf)
+                            finally:
+                                in_ag[0] += time.perf_counter() - t
                         if op.kind is not Kind.ALLREDUCE:
                             return orig(op, buf)
                         t = time.perf_counter()
@@ -278,7 +293,7 @@ def _worker(
                         if impl == ROWS_OFF:
                             rows_off.set()
                         dist.barrier()
-                        in_ar[0] = 0.0
+                        in_ar[0] = in_ag[0] = 0.0
                         t0 = time.perf_counter()
                         for _ in range(cfg["steps"]):
                             fn()
@@ -286,6 +301,7 @@ def _worker(
                         rows_off.clear()
                         if impl == "ftmesh":
                             ar_time = in_ar[0] / cfg["steps"]
+                            ag_time = in_ag[0] / cfg["steps"]
                         if impl in (SCRAPED, ROWS_OFF):  # (untimed: both take the same steps)
                             scraping.clear()
                             for _ in range(cfg["steps"]):
@@ -296,7 +312,7 @@ def _worker(
                     for _ in range(cfg["steps"]):
                         dist.all_reduce(grads)
                     gloo_ar = (time.perf_counter() - t0) / cfg["steps"]
-                    slowest = torch.tensor([*mine, ar_time, gloo_ar], dtype=torch.float64)
+                    slowest = torch.tensor([*mine, ar_time, gloo_ar, ag_time], dtype=torch.float64)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     for impl, dt in zip((*order, *EXTRAS), slowest.tolist(), strict=True):
                         per_round[impl].append(dt)
@@ -377,6 +393,7 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         "ddp_over_ftmesh": ms["ddp"] / ms["ftmesh"],
         "ftmesh_allreduce_ms": ms.get("ftmesh_allreduce"),
         "gloo_allreduce_ms": ms.get("gloo_allreduce"),
+        "rows_allgather_ms": ms.get("ftmesh_rows_allgather"),
         "rounds_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in raw["per_round_s"].items()},
         "ftmesh_retries": raw["ftmesh_retries"],
         "max_weight_diff": raw["max_weight_diff"],
@@ -414,7 +431,8 @@ def format_table(cells: list[dict[str, Any]]) -> str:
         if "rows_on_over_off" in c:
             lines.append(
                 f"N={c['procs']} {c['model']}: ftmesh {c['ftmesh_ms']:.2f} ms/step with the row "
-                f"allgather, {c['no_rows_ms']:.2f} without: {c['rows_on_over_off']:.3f}"
+                f"allgather ({c['rows_allgather_ms']:.2f} of it in the allgather), "
+                f"{c['no_rows_ms']:.2f} without: {c['rows_on_over_off']:.3f}"
             )
     lines.append("ms/step: median over rounds of the slowest rank; ddp/ftmesh > 1: ftmesh faster.")
     lines.append(
