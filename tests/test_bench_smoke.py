@@ -1,4 +1,4 @@
-"""Smoke runs of ``ftmesh bench recovery``, ``train``, ``allreduce --encrypt`` and
+"""Smoke runs of ``ftmesh bench recovery``, ``train``, ``insider``, ``allreduce --encrypt`` and
 ``--compression int8`` (also in the lab): tiny configurations, real processes on loopback or
 in network namespaces; they check the JSON shape and that the values are sane, never speed.
 (``ftmesh bench convergence`` trains twice in a lab: too slow for CI, run by hand.)"""
@@ -118,6 +118,7 @@ def test_train_bench_smoke() -> None:
         "--metrics",
         "--scrape-interval",
         "0.02",
+        "--rows-off",
         timeout=180,
     )
     assert r["benchmark"] == "train"
@@ -126,9 +127,39 @@ def test_train_bench_smoke() -> None:
     assert cell["procs"] == 2 and cell["model"] == "digits"
     assert _positive(cell["ftmesh_ms"]) and _positive(cell["ddp_ms"])
     assert cell["ddp_over_ftmesh"] == pytest.approx(cell["ddp_ms"] / cell["ftmesh_ms"])
-    assert cell["ftmesh_retries"] == 0
+    assert cell["ftmesh_retries"] == 0  # (also none in the blocks without the row gather)
+    assert _positive(cell["no_rows_ms"]) and _positive(cell["rows_allgather_ms"])
+    assert cell["rows_allgather_ms"] < cell["ftmesh_ms"]
+    assert cell["rows_on_over_off"] == pytest.approx(cell["ftmesh_ms"] / cell["no_rows_ms"])
+    assert len(cell["rounds_ms"]["ftmesh_no_rows"]) == 2
     # Both copies trained the same steps on the same data from the same initial weights.
     assert cell["max_weight_diff"] < 1e-3
+
+
+def test_insider_bench_smoke() -> None:
+    """One kind, short windows: a clean and an insider run; the run's properties hold (the
+    bench exits 1 otherwise: the insider named and left out, nobody exited, no honest member
+    left out); the ratio is a figure, not asserted."""
+    r = _bench(
+        "ftmesh.bench.insider",
+        "--kinds",
+        "header-nan",
+        "--window",
+        "4",
+        "--settle",
+        "1",
+        timeout=240,
+    )
+    assert r["benchmark"] == "insider" and r["kinds"] == ["header-nan"]
+    assert r["failures"] == [] and r["target"] == 0.8 and len(r["load_before"]) == 3
+    c = r["header-nan"]
+    clean, bad = c["runs"]  # (repeat 0: the clean run first)
+    assert (clean["insider"], bad["insider"]) == (False, True)
+    assert _positive(c["clean_rate"]) and _positive(c["insider_rate"])
+    assert c["ratio"] == pytest.approx(c["insider_rate"] / c["clean_rate"])
+    assert bad["named"] > 0 and bad["crashed"] == [] and bad["evicted"] == []
+    assert 0 < c["left_out_s"] < 120 and _positive(c["bound_s"])
+    assert isinstance(c["pass"], bool)
 
 
 def test_allreduce_bench_encrypt_smoke() -> None:

@@ -1,8 +1,11 @@
 """Issue #26 with real training processes on loopback (``ftmesh.lab.train_worker``): an
 insider patched in its own process (``ftmesh.lab.insider``) that puts a NaN in its step
-header is named and left out through the accusation path, nobody crashes and no honest
-member is left out; a member whose gradients turn NaN for a few steps makes every member skip
-those steps alike, and is named."""
+header, lies about the speeds, or whose gradients stay NaN is named and left out through the
+accusation path, nobody crashes and no honest member is left out; one that lies about its
+state check value is named by the honest majority and stops alone; a member whose gradients
+turn NaN for a few steps makes every member skip those steps alike, and is named. The honest
+members' step rate against a clean run is ``ftmesh bench insider``'s figure (not asserted
+here: speed on a shared host is a benchmark's business)."""
 
 from __future__ import annotations
 
@@ -49,13 +52,20 @@ def _warnings(procs: list[NodeProcess], text: str, timeout: float) -> list[str]:
 
 @pytest.mark.parametrize(
     ("fault", "named_as"),
-    [("header-nan", "step header not_finite"), ("header-speeds", "step header speed")],
+    [
+        ("header-nan", "step header not_finite"),
+        ("header-speeds", "step header speed"),
+        ("nan-grads", "step header flag"),
+    ],
 )
 def test_a_header_insider_is_named_and_left_out(tmp_path: Path, fault: str, named_as: str) -> None:
     """A NaN round tag (before: every attempt of everyone failed until ``step_timeout``), or a
     speed of 3e38 for itself and huge negative speeds for the others (before: a crash at the
-    next sync, honest members evicted): the others fail at most a few attempts (NaN) or none
-    (speeds), name h2, and train without it."""
+    next sync, honest members evicted), or gradients that stay NaN (before: every model NaN;
+    now every member skips those steps alike, and from the ``NONFINITE_LIMIT``-th in a row on
+    each is h2's offence): the others fail at most a few attempts (NaN) or none (speeds, NaN
+    gradients), name h2, and train without it. (``ftmesh bench insider`` measures the honest
+    step rate against a clean run.)"""
     procs: list[NodeProcess] = []
     try:
         honest = [_start(tmp_path, n) for n in ("h0", "h1")]
@@ -133,8 +143,9 @@ def test_a_state_check_insider_stops_alone_and_the_others_train_on(tmp_path: Pat
     """One float added to an insider's first state-check slot (before: every member exited
     with ``StateDivergedError`` at the next check step, the message naming nobody). Now each
     member's own check values are gathered: the honest majority sees its states agree and
-    trains on; the insider, alone with its values, stops with ``StateDivergedError`` naming
-    the groups, and the others then train without it."""
+    trains on, naming the insider (an offence: a strike on the accusation path); the
+    insider, alone with its values, stops with ``StateDivergedError`` naming the groups, and
+    the others then train without it, both of them in every view."""
     procs: list[NodeProcess] = []
     try:
         honest = [_start(tmp_path, n) for n in ("h0", "h1")]
@@ -152,10 +163,14 @@ def test_a_state_check_insider_stops_alone_and_the_others_train_on(tmp_path: Pat
         stderr = Path(str(bad.stderr_path)).read_text(errors="replace")
         assert "StateDivergedError" in stderr and bad.node_id in stderr, stderr[-2000:]
         assert all(p.proc.poll() is None for p in honest), "an honest member exited"
+        named = _warnings(honest, "step header checks", timeout=10.0)
+        assert all(bad.node_id in w for w in named), named
         by_step: dict[int, set[str]] = {}
         for p in honest:
             for c in commits(p):
                 by_step.setdefault(int(c["step"]), set()).add(str(c["digest"]))
+                if int(c["step"]) > high:  # (before: a member may start alone)
+                    assert pair <= set(c["members"]), c  # no honest member left out
         assert all(len(d) == 1 for d in by_step.values())
     finally:
         stop_all(procs)

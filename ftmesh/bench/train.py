@@ -18,6 +18,16 @@ compute their share in micro-batches of at most M samples (DDP with ``no_sync()`
 the last, each micro-batch's loss weighted by its share of the member's samples), so both do
 the same work.
 
+With ``--rows-off`` a further block per round, ``ftmesh_no_rows``, times the same ftmesh
+steps without the step's second collective, the allgather of every member's header row
+(issue #26: each member's own contribution, range-checked and attributable): a bench-only
+switch, in the bench's processes only, that answers the trainer's allgather with our own row
+for every member, without the ring, and has the judge skip the rows (``HeaderJudge``'s
+checks of them; the reduced header's own checks still run), as the trainer did before #26.
+``rows_on_over_off`` is ftmesh's ms/step over that block's (1.0: the gather costs nothing).
+Always, ``rows_allgather_ms`` is the time the ``ftmesh`` block's steps spent in that
+allgather (per step, the slowest rank's; it waits for the slowest member's rows too).
+
 With ``--metrics`` every member serves Prometheus metrics (``metrics_port=0``) and a third
 block per round, ``ftmesh_scraped``, times the same ftmesh steps while a thread in each
 process scrapes its own ``/metrics`` every ``--scrape-interval`` seconds (the plain
@@ -52,7 +62,9 @@ import numpy as np
 IMPLS = ("ftmesh", "ddp")
 SCRAPED = "ftmesh_scraped"
 """With ``--metrics``: ftmesh's steps while its metrics are scraped."""
-EXTRAS = ("ftmesh_allreduce", "gloo_allreduce")
+ROWS_OFF = "ftmesh_no_rows"
+"""With ``--rows-off``: ftmesh's steps without the row allgather (bench-only)."""
+EXTRAS = ("ftmesh_allreduce", "gloo_allreduce", "ftmesh_rows_allgather")
 DEFAULT_BATCH = {"wide": 128, "digits": 64, "mlp": 64}
 
 
@@ -72,6 +84,38 @@ def _scrape_while(
             r.read()
         count[0] += 1
         stop.wait(interval)
+
+
+def _skip_row_gathers(mesh: Any, off: threading.Event) -> None:
+    """``--rows-off``, in this process only: while ``off`` is set, an allgather on any of
+    ``mesh``'s sessions (the trainer's only one here: the header rows) returns our own row as
+    every member's, without the ring, and ``HeaderJudge`` skips its checks of the rows."""
+    from ftmesh.collective.dataplane import CollectiveResult
+    from ftmesh.collective.ops import CollectiveOp, Kind
+    from ftmesh.training.verdicts import HeaderJudge
+
+    orig = mesh.session
+
+    def session(view: Any = None) -> Any:
+        s = orig(view)
+        run = s.run
+
+        def run_rows(op: CollectiveOp, x: Any) -> Any:
+            if off.is_set() and op.kind is Kind.ALLGATHER:
+                rows = np.tile(np.asarray(x), (s.view.size, 1))
+                return CollectiveResult(s.view.epoch, tuple(s.view.node_ids), rows)
+            return run(op, x)
+
+        s.run = run_rows
+        return s
+
+    setattr(mesh, "session", session)  # noqa: B010
+    judge_rows = HeaderJudge._judge_rows
+
+    def skip(self: HeaderJudge, *args: Any, **kwargs: Any) -> Any:
+        return None if off.is_set() else judge_rows(self, *args, **kwargs)
+
+    setattr(HeaderJudge, "_judge_rows", skip)  # noqa: B010
 
 
 def _worker(
@@ -157,8 +201,21 @@ def _worker(
                 # from the first bucket submitted to the last one done.
                 spans: list[tuple[float, float]] = []
 
-                def timed(_method: str, orig: Any, spans: list[tuple[float, float]] = spans) -> Any:
+                in_ag = [0.0]  # and the header rows' allgathers (run in the step's thread)
+
+                def timed(
+                    _method: str,
+                    orig: Any,
+                    spans: list[tuple[float, float]] = spans,
+                    in_ag: list[float] = in_ag,
+                ) -> Any:
                     def call(op: CollectiveOp, buf: Any) -> Any:
+                        if op.kind is Kind.ALLGATHER:
+                            t = time.perf_counter()
+                            try:
+                                return orig(op, buf)
+                            finally:
+                                in_ag[0] += time.perf_counter() - t
                         if op.kind is not Kind.ALLREDUCE:
                             return orig(op, buf)
                         t = time.perf_counter()
@@ -176,6 +233,9 @@ def _worker(
                     return call
 
                 time_sessions(mesh, timed)
+                rows_off = threading.Event()
+                if cfg["rows_off"]:
+                    _skip_row_gathers(mesh, rows_off)
                 grads = torch.zeros(param_count(model_f) + 2)
 
                 in_ar = [0.0]
@@ -211,6 +271,7 @@ def _worker(
                     step_ddp()
                 retries = 0
                 impls = (*IMPLS, SCRAPED) if cfg["metrics"] else IMPLS
+                impls = (*impls, ROWS_OFF) if cfg["rows_off"] else impls
                 per_round: dict[str, list[float]] = {k: [] for k in (*impls, *EXTRAS)}
                 scraping, stop, scrapes = threading.Event(), threading.Event(), [0]
                 scraper = threading.Thread(
@@ -229,15 +290,19 @@ def _worker(
                             scraping.set()
                         else:
                             scraping.clear()
+                        if impl == ROWS_OFF:
+                            rows_off.set()
                         dist.barrier()
-                        in_ar[0] = 0.0
+                        in_ar[0] = in_ag[0] = 0.0
                         t0 = time.perf_counter()
                         for _ in range(cfg["steps"]):
                             fn()
                         mine.append((time.perf_counter() - t0) / cfg["steps"])
+                        rows_off.clear()
                         if impl == "ftmesh":
                             ar_time = in_ar[0] / cfg["steps"]
-                        if impl == SCRAPED:  # (untimed: both copies take the same steps)
+                            ag_time = in_ag[0] / cfg["steps"]
+                        if impl in (SCRAPED, ROWS_OFF):  # (untimed: both take the same steps)
                             scraping.clear()
                             for _ in range(cfg["steps"]):
                                 step_ddp()
@@ -247,7 +312,7 @@ def _worker(
                     for _ in range(cfg["steps"]):
                         dist.all_reduce(grads)
                     gloo_ar = (time.perf_counter() - t0) / cfg["steps"]
-                    slowest = torch.tensor([*mine, ar_time, gloo_ar], dtype=torch.float64)
+                    slowest = torch.tensor([*mine, ar_time, gloo_ar, ag_time], dtype=torch.float64)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     for impl, dt in zip((*order, *EXTRAS), slowest.tolist(), strict=True):
                         per_round[impl].append(dt)
@@ -328,12 +393,18 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         "ddp_over_ftmesh": ms["ddp"] / ms["ftmesh"],
         "ftmesh_allreduce_ms": ms.get("ftmesh_allreduce"),
         "gloo_allreduce_ms": ms.get("gloo_allreduce"),
+        "rows_allgather_ms": ms.get("ftmesh_rows_allgather"),
         "rounds_ms": {k: [round(v * 1e3, 2) for v in vs] for k, vs in raw["per_round_s"].items()},
         "ftmesh_retries": raw["ftmesh_retries"],
         "max_weight_diff": raw["max_weight_diff"],
         **(
             {"metrics_on_over_off": ms[SCRAPED] / ms["ftmesh"], "scrapes": raw["scrapes"]}
             if SCRAPED in ms
+            else {}
+        ),
+        **(
+            {"no_rows_ms": ms[ROWS_OFF], "rows_on_over_off": ms["ftmesh"] / ms[ROWS_OFF]}
+            if ROWS_OFF in ms
             else {}
         ),
     }
@@ -355,6 +426,13 @@ def format_table(cells: list[dict[str, Any]]) -> str:
             lines.append(
                 f"N={c['procs']} {c['model']}: ftmesh with metrics scraped / idle "
                 f"{c['metrics_on_over_off']:.3f} ({c['scrapes']} scrapes on rank 0)"
+            )
+    for c in cells:
+        if "rows_on_over_off" in c:
+            lines.append(
+                f"N={c['procs']} {c['model']}: ftmesh {c['ftmesh_ms']:.2f} ms/step with the row "
+                f"allgather ({c['rows_allgather_ms']:.2f} of it in the allgather), "
+                f"{c['no_rows_ms']:.2f} without: {c['rows_on_over_off']:.3f}"
             )
     lines.append("ms/step: median over rounds of the slowest rank; ddp/ftmesh > 1: ftmesh faster.")
     lines.append(
@@ -388,6 +466,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--scrape-interval", type=float, default=0.1, help="seconds between scrapes (--metrics)"
     )
+    ap.add_argument(
+        "--rows-off",
+        action="store_true",
+        help="time ftmesh's steps also without the header rows' allgather (bench-only)",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -404,6 +487,7 @@ def run(args: argparse.Namespace) -> int:
         "micro_batch": args.micro_batch,
         "metrics": args.metrics,
         "scrape_interval": args.scrape_interval,
+        "rows_off": args.rows_off,
     }
     if not args.scrape_interval > 0:
         print("ftmesh bench train: error: --scrape-interval must be > 0", file=sys.stderr)

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser(
         "convergence", help="time-to-accuracy on slow lab links, with and without int8"
     )
+    bench_sub.add_parser(
+        "insider", help="honest step rate with a header-lying member vs a clean run (#26)"
+    )
     bench_sub.add_parser("recovery", help="kill/SIGSTOP -> next committed step, vs torchrun")
     bench_sub.add_parser(
         "stragglers", help="one slow member: equal vs proportional shares vs evicted vs default"
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DELEGATED_BENCHES = ("allreduce", "convergence", "recovery", "stragglers", "train")
+DELEGATED_BENCHES = ("allreduce", "convergence", "insider", "recovery", "stragglers", "train")
 """Benchmarks with their own argument parsers: ``ftmesh bench NAME ...`` runs
 ``ftmesh.bench.NAME.main(...)`` with the rest of the command line."""
 
