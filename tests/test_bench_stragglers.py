@@ -70,9 +70,10 @@ def test_the_documented_stragglers_bench_runs_every_policy() -> None:
     # (-1: a step the slow member adopted in a sync instead of computing: only after a view
     # change, which a loaded host can cause by a false suspicion)
     shares = {p: set(r[p]["runs"][0]["slow_shares"]) - {-1} for p in POLICIES}
-    # equal: the slow member computes an equal share every step
-    equal_share = r["global_batch"] // PROCS
-    assert shares["equal"] <= {equal_share, equal_share + 1}, r["equal"]
+    # equal: the slow member computes an equal share of its view every step (a view of
+    # N-1 after a false suspicion on a loaded host: seen once beside three busy test workers)
+    equal_shares = {r["global_batch"] // n + k for n in (PROCS, PROCS - 1) for k in (0, 1)}
+    assert shares["equal"] <= equal_shares, r["equal"]
     # proportional: its measured speed shrinks its share once the steps have measured it
     assert r["proportional"]["slow_mean_share"] < r["equal"]["slow_mean_share"] / 2, r
     assert r["proportional"]["evicted_steps"] == 0

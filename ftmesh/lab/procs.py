@@ -128,14 +128,21 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         rc = self.proc.wait()
-        self._reader.join(2.0)
-        if self._stderr is not subprocess.DEVNULL:
-            self._stderr.close()  # type: ignore[union-attr]
+        self._release()
         return rc
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         self.proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        """Close our ends of its output once it has exited (its reader has seen the end)."""
+        self._reader.join(2.0)
+        if self.proc.stdout is not None and not self._reader.is_alive():
+            self.proc.stdout.close()
+        if self._stderr is not subprocess.DEVNULL:
+            self._stderr.close()  # type: ignore[union-attr]
 
 
 MEMBER_KINDS = frozenset({"joined", "alive", "updated", "suspect"})
