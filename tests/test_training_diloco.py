@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -81,6 +82,7 @@ def _run(
     die_in_round: int | None = None,
     start_after: threading.Event | None = None,
     on_round: Callable[[Member, int], None] | None = None,
+    **settings: Any,
 ) -> None:
     """A member's thread: ``total`` rounds with the closure API, then finish; after each
     round it records its part digests. ``die_in_round``: the member dies (killed in the hub)
@@ -90,7 +92,7 @@ def _run(
         model = make_model()
         t = ElasticTrainer(
             cast(SyncMesh, mesh), model, make_optimizer("sgd", model), _sampler(),
-            quorum="any", join_settle=0.0, step_timeout=30.0, sync=SETTINGS,
+            quorum="any", join_settle=0.0, step_timeout=30.0, sync=SETTINGS, **settings,
         )  # fmt: skip
         member.trainer = t
         calls = [0]
@@ -277,6 +279,56 @@ def test_a_joiner_gets_the_global_parameters_and_the_outer_state(
     t = cast(ElasticTrainer, members["j"].trainer)
     assert 0 < t.diloco_rounds_computed < rounds
     assert all("momentum_buffer" in s for s in t._rounds.outer.state.values())  # type: ignore[union-attr]
+
+
+def test_a_hot_spare_applies_the_rounds_of_the_others(make_hub: Callable[..., Hub]) -> None:
+    """``max_peers=2``: ``c`` is a hot spare, runs no inner steps and contributes nothing; the
+    round is the mean over ``a`` and ``b``, and ``c`` holds the same state after each."""
+    rounds = 3
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    for m in members.values():
+        _start(hub, m, rounds, digests, lock, max_peers=2)
+    wait_all(hub, 45)
+    for n, m in members.items():
+        assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
+    _check_identical(digests, rounds)
+    assert all(len(by) == 3 for by in digests.values())
+    ref = _reference([("ab", "ab")] * rounds)
+    for n, m in members.items():
+        t = cast(ElasticTrainer, m.trainer)
+        assert t.diloco_rounds_computed == (0 if n == "c" else rounds), n
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+
+
+def test_a_checkpoint_holds_the_outer_state(make_hub: Callable[..., Hub], tmp_path: Path) -> None:
+    """One member, a checkpoint every 2 rounds: a new trainer resumes from round 4 with the
+    same global parameters and outer momentum (part digests and the whole state's)."""
+    hub = make_hub(start_with=1)
+    digests: Digests = {}
+    lock = threading.Lock()
+    first = Member("a")
+    _start(hub, first, 4, digests, lock, checkpoint_dir=tmp_path, checkpoint_every=2)
+    wait_all(hub, 45)
+    assert first.status == "ok", f"{first.status} {first.error!r}"
+    saved = cast(ElasticTrainer, first.trainer)
+    model = make_model()
+    resumed = ElasticTrainer(
+        cast(SyncMesh, FakeMesh(hub, "b")), model, make_optimizer("sgd", model), _sampler(),
+        sync=SETTINGS, checkpoint_dir=tmp_path, checkpoint_every=2,
+    )  # fmt: skip
+    try:
+        assert resumed.resume() == 4
+        assert resumed.part_digests()["outer_optimizer"] == saved.part_digests()["outer_optimizer"]
+        assert resumed.part_digests()["model"] == saved.part_digests()["model"]
+        assert resumed.digest() == saved.digest()
+        outer = resumed._rounds.outer.state  # type: ignore[union-attr]
+        assert outer and all("momentum_buffer" in st for st in outer.values())
+    finally:
+        resumed.close()
 
 
 def test_settings_are_checked() -> None:
