@@ -170,16 +170,17 @@ def _max_diff(t: ElasticTrainer, ref: dict[str, torch.Tensor]) -> float:
 
 
 def test_rounds_match_single_process_diloco(make_hub: Callable[..., Hub]) -> None:
-    """3 members, 4 rounds of H=3 inner steps: one global state after every round, the
-    weights of single-process DiLoCo, one collective round trip per round (no collective per
-    inner step), and each member ran the inner steps of every round once."""
+    """3 members, 4 rounds of H=3 inner steps, the state check in every round: one global
+    state after every round, the weights of single-process DiLoCo, one outer-gradient
+    allreduce per round (no collective per inner step), and each member ran the inner steps
+    of every round once."""
     rounds = 4
     hub = make_hub(start_with=3)
     digests: Digests = {}
     lock = threading.Lock()
     members = {n: Member(n) for n in "abc"}
     for m in members.values():
-        _start(hub, m, rounds, digests, lock)
+        _start(hub, m, rounds, digests, lock, check_every=1)  # the state check every round
     wait_all(hub, 45)
     for n, m in members.items():
         assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
@@ -225,7 +226,8 @@ def test_a_member_lost_mid_round_is_left_out_of_it(make_hub: Callable[..., Hub])
     lock = threading.Lock()
     members = {n: Member(n) for n in "abc"}
     for n, m in members.items():
-        _start(hub, m, rounds, digests, lock, die_in_round=dies if n == "c" else None)
+        die = dies if n == "c" else None
+        _start(hub, m, rounds, digests, lock, die_in_round=die, check_every=1)
     wait_all(hub, 45)
     assert members["c"].status == "killed", members["c"].status
     for n in "ab":

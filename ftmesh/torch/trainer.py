@@ -24,6 +24,11 @@ the loop, on the same machine:
 * the closure API: ``trainer.step(loss_fn)`` runs one committed step, where
   ``loss_fn(indices)`` returns the mean loss of a micro-batch of sample indices.
 
+With ``sync=DiLoCo(inner_steps=H, ...)`` a step is a *round* (``ftmesh.torch.diloco``): the
+closure API's body runs H local steps of the user's optimizer, and the step's allreduce
+carries the outer gradient instead of the micro-batches' (``Step.contribute``); the outer
+optimizer is a registered part.
+
 What the trainer guarantees and how each setting behaves (steps committed by all survivors or
 none, the registered state, starting together, planned departures, ``compression``, spares,
 ``shard_optimizer``): ``docs/DESIGN-NOTES.md``, "The trainer's behaviour".
@@ -124,7 +129,9 @@ class ElasticTrainer:
     ``ShardedStream`` (``ftmesh.torch.stream``: streaming data, its position committed).
     ``config`` and keyword settings: ``TrainerConfig`` (keywords override it).
     ``state``: objects to ``register`` at once. ``on_world_change(old, new)``: called when the
-    number of members computing changes (e.g. to scale the learning rate)."""
+    number of members computing changes (e.g. to scale the learning rate). With
+    ``sync=DiLoCo(...)``, ``optimizer`` is the inner optimizer and each ``step(loss_fn)``
+    one round (``ftmesh.torch.diloco``)."""
 
     def __init__(
         self,
