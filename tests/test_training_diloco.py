@@ -333,6 +333,39 @@ def test_a_checkpoint_holds_the_outer_state(make_hub: Callable[..., Hub], tmp_pa
         resumed.close()
 
 
+def test_an_error_in_the_inner_steps_leaves_the_committed_state(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """The user's ``loss_fn`` raises in the middle of a round's inner steps: the error reaches
+    the caller, the model holds the committed (global) parameters again, the inner optimizer's
+    registered part is the committed one, and the next round trains on."""
+    hub = make_hub(start_with=1)
+    model = make_model()
+    t = ElasticTrainer(
+        cast(SyncMesh, FakeMesh(hub, "a")), model, make_optimizer("sgd", model), _sampler(),
+        sync=SETTINGS, quorum="any", join_settle=0.0, step_timeout=30.0,
+    )  # fmt: skip
+    try:
+        t.step(lambda idx: _loss(model, idx))
+        before = t.part_digests()
+        calls = [0]
+
+        def failing(idx: np.ndarray) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("boom")
+            return _loss(model, idx)
+
+        with pytest.raises(RuntimeError, match="boom"):
+            t.step(failing)
+        assert t.committed == 1
+        assert t.part_digests() == before
+        t.step(lambda idx: _loss(model, idx))
+        assert t.committed == 2
+    finally:
+        t.close()
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="inner_steps"):
         DiLoCo(inner_steps=0)

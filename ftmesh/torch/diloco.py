@@ -132,21 +132,25 @@ class Rounds:
         are the global ones again afterwards."""
         start = [p.detach().clone() for p in self.params]
         loss_sum = 0.0
-        with buckets.detached(), self._inner_optimizer():
-            for batch in inner_batches(share, self.settings.inner_steps):
-                if not len(batch):
-                    continue
+        delta: list[torch.Tensor] = []
+        try:
+            with buckets.detached(), self._inner_optimizer():
+                for batch in inner_batches(share, self.settings.inner_steps):
+                    if not len(batch):
+                        continue
+                    self.inner.zero_grad()
+                    for mb in micro_batches(batch, micro_batch):
+                        loss = loss_fn(mb)
+                        loss_sum += float(loss.detach()) * len(mb)
+                        (loss * (len(mb) / len(batch))).backward()  # type: ignore[no-untyped-call]
+                    self.inner.step()
                 self.inner.zero_grad()
-                for mb in micro_batches(batch, micro_batch):
-                    loss = loss_fn(mb)
-                    loss_sum += float(loss.detach()) * len(mb)
-                    (loss * (len(mb) / len(batch))).backward()  # type: ignore[no-untyped-call]
-                self.inner.step()
-            self.inner.zero_grad()
-        with torch.no_grad():
-            delta = [g - p.detach() for g, p in zip(start, self.params, strict=True)]
-            for g, p in zip(start, self.params, strict=True):
-                p.copy_(g)
+            with torch.no_grad():
+                delta = [g - p.detach() for g, p in zip(start, self.params, strict=True)]
+        finally:  # (also when the user's loss_fn raised: the live state stays the committed one)
+            with torch.no_grad():
+                for g, p in zip(start, self.params, strict=True):
+                    p.copy_(g)
         self._kept = _Kept(index, delta, loss_sum, len(share))
         self.rounds_computed += 1
 
