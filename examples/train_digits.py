@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ftmesh.state import State
-from ftmesh.torch import ElasticSampler, ElasticTrainer
+from ftmesh.torch import DiLoCo, ElasticSampler, ElasticTrainer
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -87,6 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-peers", type=int, default=1)
+    p.add_argument(
+        "--diloco",
+        type=int,
+        default=0,
+        metavar="H",
+        help="DiLoCo rounds of H local steps (ftmesh.torch.diloco): a step is a round of "
+        "H x --global-batch samples, each member runs H steps of its own on its share, then "
+        "the outer Nesterov SGD step on the averaged outer gradient (0: synchronous steps)",
+    )
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.5,
+        help="DiLoCo's outer (Nesterov) momentum; the paper's 0.9 diverges here, with H this "
+        "small and the inner SGD's own momentum",
+    )
     p.add_argument(
         "--max-peers",
         type=int,
@@ -224,7 +241,13 @@ def train(args: argparse.Namespace) -> int:
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
     model = DigitsNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ElasticSampler(len(x_train), args.global_batch, seed=args.seed)
+    # --diloco H: one step is a round of H x global_batch samples (the epoch's as many)
+    sampler = ElasticSampler(len(x_train), args.global_batch * max(args.diloco, 1), seed=args.seed)
+    sync = (
+        DiLoCo(args.diloco, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+        if args.diloco
+        else None
+    )
     total = args.epochs * sampler.steps_per_epoch
 
     trained: list[np.ndarray] = []  # --log-indices: the micro-batches given to loss_fn
@@ -236,6 +259,8 @@ def train(args: argparse.Namespace) -> int:
         return F.cross_entropy(model(x_train[i]), y_train[i])
 
     started = time.monotonic()
+    if args.single and args.diloco:
+        raise SystemExit("--diloco trains on a mesh (rounds of members): not with --single")
     if args.single:
         for step in range(total):
             optimizer.zero_grad()
@@ -259,6 +284,7 @@ def train(args: argparse.Namespace) -> int:
                 replicas=args.replicas,
                 compression=args.compression,
                 shares=args.shares,
+                sync=sync,
                 **{  # the trainer's defaults unless given
                     name: value
                     for name in (

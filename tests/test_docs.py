@@ -98,6 +98,12 @@ COMMANDS: list[tuple[Path, str, str, str | None]] = [
         None,
     ),
     (
+        DOCS / "PORTING.md",
+        "ftmesh launch -n 3 --kill-at 10 --join-at 15 examples/train_digits.py --diloco 8",
+        "test_diloco_launch.py",
+        None,
+    ),
+    (
         GUIDE / "benchmarks.md",
         ".venv/bin/ftmesh bench allreduce --procs 2 --sizes 64K,256K --iters 3 --plot busbw.png",
         "test_plots.py",

@@ -49,8 +49,9 @@ never share a step.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -175,6 +176,7 @@ class GradBuckets:
         self._run: Callable[[Wire], object] | None = None
         self._last = False
         self._weight = 1.0
+        self._detached = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -251,8 +253,22 @@ class GradBuckets:
         for p in self.params:
             p.grad = None
 
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """Inside an attempt, backward passes that are not the step's (DiLoCo's inner steps,
+        ``ftmesh.torch.diloco``): ``.grad`` is the parameters' own, the buckets keep what they
+        hold and launch nothing; afterwards ``.grad`` is the buckets' views again."""
+        self._detached = True
+        for p in self.params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self._detached = False
+            self._attach_views()
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._launch is None or p.grad is None:
+        if self._launch is None or self._detached or p.grad is None:
             return
         view = self._views[id(p)]
         if p.grad is not view:  # user code replaced it: add it in

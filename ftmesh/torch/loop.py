@@ -60,7 +60,7 @@ block ends). The trainer ends an attempt by setting ``step.failure`` and raising
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -279,6 +279,30 @@ class Step:
                 if not last:
                     buckets.between(len(idx) / len(micro[k + 1]))
             self._size = 0
+            try:
+                driver.reduce(self)
+            except StepAborted:
+                nxt = driver.retry(self)
+                if nxt is None:
+                    raise
+                self._attempt(*nxt)
+                driver.start(self)
+                continue
+            return
+
+    def contribute(self, fill: Callable[[], None]) -> None:
+        """Instead of :meth:`indices`: ``fill()`` writes this member's contribution to the
+        step's allreduce into the gradient buckets (DiLoCo's outer gradient,
+        ``ftmesh.torch.diloco``), once per attempt; then the gradients are reduced. A failed
+        attempt is retried here, like in :meth:`indices` (``fill`` runs again, on the new
+        attempt's fields); the body ends when this member adopted the step."""
+        self._running()
+        if self._iterated:
+            raise LocalUsageError("a step's contribution is made once")
+        driver = self._driver
+        for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
+            self._iterated = True
+            fill()
             try:
                 driver.reduce(self)
             except StepAborted:

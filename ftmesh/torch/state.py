@@ -82,8 +82,9 @@ class TrainingState:
         self.frozen = False
         """Set at the first step: the layout is then part of what members compare."""
 
-    def register(self, name: str, obj: Any) -> None:
-        """Add ``obj`` under ``name`` (see ``ElasticTrainer.register``)."""
+    def register(self, name: str, obj: Any, *, note: str = "") -> None:
+        """Add ``obj`` under ``name`` (see ``ElasticTrainer.register``); ``note`` joins its
+        kind in ``layout`` (settings its meaning depends on: members must agree on them)."""
         if self.frozen:
             raise LocalUsageError(
                 f"register {name!r} before the first step: every member must hold the same "
@@ -108,7 +109,7 @@ class TrainingState:
             self._captured[name] = wrapper
             self.state.register(name, wrapper)
             kind = "captured"
-        self._kinds[name] = f"{kind}:{type(obj).__module__}.{type(obj).__qualname__}"
+        self._kinds[name] = f"{kind}:{type(obj).__module__}.{type(obj).__qualname__}{note}"
 
     @property
     def names(self) -> list[str]:

@@ -24,6 +24,11 @@ the loop, on the same machine:
 * the closure API: ``trainer.step(loss_fn)`` runs one committed step, where
   ``loss_fn(indices)`` returns the mean loss of a micro-batch of sample indices.
 
+With ``sync=DiLoCo(inner_steps=H, ...)`` a step is a *round* (``ftmesh.torch.diloco``): the
+closure API's body runs H local steps of the user's optimizer, and the step's allreduce
+carries the outer gradient instead of the micro-batches' (``Step.contribute``); the outer
+optimizer is a registered part.
+
 What the trainer guarantees and how each setting behaves (steps committed by all survivors or
 none, the registered state, starting together, planned departures, ``compression``, spares,
 ``shard_optimizer``): ``docs/DESIGN-NOTES.md``, "The trainer's behaviour".
@@ -97,6 +102,7 @@ from ..training.step import (
 from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, Wire, all_finite, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, BatchSource, ElasticLoader, Key, sampler_for
+from .diloco import OUTER_PART, Rounds
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
 from .loop import NextAttempt, StateDivergedError, Step, StepAborted
@@ -123,7 +129,9 @@ class ElasticTrainer:
     ``ShardedStream`` (``ftmesh.torch.stream``: streaming data, its position committed).
     ``config`` and keyword settings: ``TrainerConfig`` (keywords override it).
     ``state``: objects to ``register`` at once. ``on_world_change(old, new)``: called when the
-    number of members computing changes (e.g. to scale the learning rate)."""
+    number of members computing changes (e.g. to scale the learning rate). With
+    ``sync=DiLoCo(...)``, ``optimizer`` is the inner optimizer and each ``step(loss_fn)``
+    one round (``ftmesh.torch.diloco``)."""
 
     def __init__(
         self,
@@ -173,6 +181,13 @@ class ElasticTrainer:
             else None
         )
         self._params = params
+        self._rounds: Rounds | None = None
+        """``sync=DiLoCo(...)``: the rounds' outer optimizer and kept outer gradient."""
+        if cfg.sync is not None:
+            if self._stream is not None:
+                raise LocalUsageError("sync=DiLoCo(...) does not take a ShardedStream")
+            self._rounds = Rounds(cfg.sync, params, optimizer)
+            self._state.register(OUTER_PART, self._rounds.outer, note=f"[{cfg.sync.tag}]")
         self._buckets: GradBuckets | None = None
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
         self._compression: dict[int, Int8Compression | None] = {}
@@ -343,6 +358,11 @@ class ElasticTrainer:
         neither: forever. Run each one's body inside ``with step:``; a failed attempt is
         retried inside ``step.batches()``, so code after the block runs once per committed
         (or adopted) step (``ftmesh.torch.loop`` names the two sharded-mode exceptions)."""
+        if self._rounds is not None:
+            raise LocalUsageError(
+                "with sync=DiLoCo(...), run rounds with the closure API, trainer.step(loss_fn) "
+                "(the loop API's step body is one synchronous step)"
+            )
         if self._stream is not None and self._epoch is not None:
             yield from self._stream_epoch(self._stream, self._epoch)
             return
@@ -411,6 +431,8 @@ class ElasticTrainer:
                 "with a ShardedStream, use the loop API (trainer.steps(), step.batches()): a "
                 "stream's samples are not indices"
             )
+        if self._rounds is not None:
+            return self._round(self._rounds, loss_fn)
         for attempt in self._attempts():
             with attempt:
                 for idx in attempt.indices():
@@ -421,6 +443,41 @@ class ElasticTrainer:
             attempt.report_read = True  # no code after the block: a hand-back is retried here
         assert self.last_report is not None
         return self.last_report
+
+    def _round(self, rounds: Rounds, loss_fn: Callable[[np.ndarray], torch.Tensor]) -> StepReport:
+        """``sync=DiLoCo(...)``: one committed round (``ftmesh.torch.diloco``): the inner
+        steps, the mean outer gradient through the step's allreduce, the outer step."""
+        for attempt in self._attempts():
+            with attempt:
+
+                def fill(step: Step = attempt) -> None:
+                    me = self.mesh.node_id
+                    computing = me in step.workers
+                    if computing and not rounds.kept_for(step.index):
+                        rounds.compute(
+                            step.index,
+                            step.indices_share,
+                            self.config.micro_batch,
+                            loss_fn,
+                            self.buckets,
+                        )
+                    weight = 1.0 / len(step.workers) if computing else 0.0
+                    mean_loss = rounds.contribute(step.index, weight, self.buckets)
+                    # the header's loss: each member's mean inner loss times its share, so
+                    # the report's is the members' mean weighted by their shares
+                    self.buckets.header[1] = mean_loss * step.share
+
+                attempt.contribute(fill)
+                verdict = self._verdict
+                rounds.outer_step(skip=verdict is not None and verdict.skip)
+            attempt.report_read = True  # no code after the block: a hand-back is retried here
+        assert self.last_report is not None
+        return self.last_report
+
+    @property
+    def diloco_rounds_computed(self) -> int:
+        """``sync=DiLoCo(...)``: the rounds whose inner steps this member ran (0 otherwise)."""
+        return self._rounds.rounds_computed if self._rounds is not None else 0
 
     def resume(self) -> int:
         """Resume now rather than at the first step: freeze the registered state and load the
@@ -837,6 +894,8 @@ class ElasticTrainer:
         )
 
     def _before_optimizer_step(self, *_: Any) -> None:
+        if self._rounds is not None and self._rounds.running_inner:
+            return  # a DiLoCo inner step (ftmesh.torch.diloco)
         step = self._current
         if step is None or step.exited or not step.reduced:
             raise LocalUsageError(
@@ -882,6 +941,8 @@ class ElasticTrainer:
         self._before_optimizer_step()
         verdict = self._verdict
         if verdict is None or not verdict.skip:
+            return False
+        if self._rounds is not None and self._rounds.running_inner:
             return False
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
         return True

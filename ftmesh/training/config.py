@@ -25,6 +25,49 @@ DEFAULT_REPLICAS = 2
 
 
 @dataclass(frozen=True, slots=True)
+class DiLoCo:
+    """Semi-synchronous training in *rounds* (DiLoCo, Douillard et al. 2023):
+    ``TrainerConfig.sync``. Each member runs ``inner_steps`` steps of the user's optimizer
+    locally (no collective), then the round commits: the outer gradient (the global
+    parameters at the round's start minus the member's) is averaged over the members that
+    finished the round, and an outer SGD step (``outer_lr``, ``outer_momentum``, Nesterov or
+    not) moves the global parameters; every member then holds them. One round is one trainer
+    step (``ftmesh.torch.diloco``; ``docs/PORTING.md``, "DiLoCo rounds"). Mesh-wide."""
+
+    inner_steps: int
+    """H: local steps of the user's (inner) optimizer per round. The data's global batch is
+    the round's: each member splits its share of it into ``inner_steps`` inner batches."""
+    outer_lr: float = 0.7
+    """The outer SGD's learning rate (the paper's 0.7; 1.0 without momentum is plain
+    parameter averaging, "local SGD")."""
+    outer_momentum: float = 0.9
+    """The outer SGD's momentum (0: none)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer step (needs ``outer_momentum > 0``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int):
+            raise ConfigError(f"DiLoCo inner_steps must be an int, got {self.inner_steps!r}")
+        if self.inner_steps < 1:
+            raise ConfigError(f"DiLoCo inner_steps must be >= 1, got {self.inner_steps}")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"DiLoCo outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"DiLoCo outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ConfigError("DiLoCo nesterov=True needs outer_momentum > 0")
+
+    @property
+    def tag(self) -> str:
+        """The settings as text (folded into the registered state's layout, so members with
+        other DiLoCo settings get a ``ConfigError``)."""
+        return (
+            f"H={self.inner_steps},lr={self.outer_lr!r},m={self.outer_momentum!r},"
+            f"nesterov={self.nesterov}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TrainerConfig:
     """The trainer's settings; see the module docstring. Units are seconds, steps, samples."""
 
@@ -131,6 +174,12 @@ class TrainerConfig:
     co. on its collective session, a failure failing the attempt). Left alone when the
     program initialised ``torch.distributed`` itself, or another trainer of this process
     holds it (one default group per process; a WARNING says so)."""
+    sync: DiLoCo | None = None
+    """``None``: every step reduces the gradients of the global batch (synchronous data
+    parallelism). ``DiLoCo(inner_steps=H, ...)``: a step is a *round* of H local steps per
+    member, committed by an outer step on the averaged outer gradient (see ``DiLoCo``; the
+    closure API ``trainer.step(loss_fn)`` runs one round). Not with ``shard_optimizer``,
+    ``compression`` or a ``ShardedStream``. Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
@@ -175,6 +224,18 @@ class TrainerConfig:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.sync is not None:
+            if not isinstance(self.sync, DiLoCo):
+                raise ConfigError(
+                    f"sync must be None or a DiLoCo(inner_steps=...), got {self.sync!r}"
+                )
+            if self.shard_optimizer:
+                raise ConfigError("sync=DiLoCo(...) does not combine with shard_optimizer")
+            if self.compression not in (None, "none"):
+                raise ConfigError(
+                    "sync=DiLoCo(...) does not combine with compression (the outer gradient "
+                    "travels as float32)"
+                )
         if self.spares == "cold" and self.max_peers and self.max_peers < self.min_peers:
             # (hot spares count towards min_peers: they are in the ring)
             raise ConfigError(f"max_peers ({self.max_peers}) is below min_peers ({self.min_peers})")

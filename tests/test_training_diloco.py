@@ -1,0 +1,405 @@
+"""``ElasticTrainer(sync=DiLoCo(...))``: semi-synchronous rounds on the in-process fake mesh of
+``trainer_sim`` (several trainers in threads). Each scenario checks that after every round all
+members that committed it hold the same registered state (global parameters, the inner
+optimizer's registered part, the outer momentum: ``part_digests``), and that the weights are
+those of a hand-written single-process DiLoCo: per member, H inner steps of its own optimizer
+(whose state is member-local) from the global parameters on its share of the round, then the
+outer Nesterov SGD step on the mean of the outer gradients of the members that finished the
+round. A member lost in the middle of a round's inner steps is left out of that round, the
+others commit it with their outer gradients; a joiner fetches the outer state."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from trainer_sim import (
+    DATA_X,
+    DATA_Y,
+    FakeMesh,
+    Hub,
+    Member,
+    make_model,
+    make_optimizer,
+    member_thread,
+    wait_all,
+)
+
+from ftmesh.errors import ConfigError, LocalUsageError
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.torch import ElasticSampler, ElasticTrainer, TrainerConfig
+from ftmesh.training.config import DiLoCo
+
+pytestmark = pytest.mark.timeout(60)
+
+H = 3
+ROUND_BATCH = 24
+"""Samples per round (the data's global batch): 8 per member of 3, split into H inner batches."""
+SETTINGS = DiLoCo(inner_steps=H, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+CLOSE = 1e-5
+"""Mesh vs single-process weights: equal up to the allreduce's summation order."""
+
+
+def _sampler() -> ElasticSampler:
+    return ElasticSampler(len(DATA_X), ROUND_BATCH, seed=3)
+
+
+def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
+    i = torch.as_tensor(idx)
+    return F.cross_entropy(model(DATA_X[i]), DATA_Y[i])
+
+
+Digests = dict[int, dict[str, dict[str, str]]]
+"""round (committed step) -> member -> part -> digest."""
+
+
+@pytest.fixture
+def make_hub() -> Iterator[Callable[..., Hub]]:
+    hubs: list[Hub] = []
+
+    def make(**kwargs: Any) -> Hub:
+        hubs.append(Hub(**kwargs))
+        return hubs[-1]
+
+    yield make
+    for hub in hubs:
+        hub.shutdown()
+
+
+def _run(
+    hub: Hub,
+    member: Member,
+    total: int,
+    digests: Digests,
+    lock: threading.Lock,
+    *,
+    die_in_round: int | None = None,
+    start_after: threading.Event | None = None,
+    on_round: Callable[[Member, int], None] | None = None,
+    **settings: Any,
+) -> None:
+    """A member's thread: ``total`` rounds with the closure API, then finish; after each
+    round it records its part digests. ``die_in_round``: the member dies (killed in the hub)
+    during the inner steps of that 0-based round, after its first inner step."""
+    with member_thread(hub, member, start_after):
+        mesh = FakeMesh(hub, member.name)
+        model = make_model()
+        t = ElasticTrainer(
+            cast(SyncMesh, mesh), model, make_optimizer("sgd", model), _sampler(),
+            quorum="any", join_settle=0.0, step_timeout=30.0, sync=SETTINGS, **settings,
+        )  # fmt: skip
+        member.trainer = t
+        calls = [0]
+
+        def loss_fn(idx: np.ndarray) -> torch.Tensor:
+            calls[0] += 1
+            if die_in_round is not None and t.committed == die_in_round and calls[0] > 1:
+                hub.kill(member.name)  # its next call into the mesh ends the thread
+            return _loss(model, idx)
+
+        while t.committed < total:
+            calls[0] = 0
+            report = t.step(loss_fn)
+            member.reports.append(report)
+            with lock:
+                digests.setdefault(report.step, {})[member.name] = t.part_digests()
+            if on_round is not None:
+                on_round(member, report.step)
+        t.finish(timeout=20.0)
+
+
+def _start(hub: Hub, member: Member, *args: Any, **kwargs: Any) -> None:
+    th = threading.Thread(
+        target=_run, args=(hub, member, *args), kwargs=kwargs, name=member.name, daemon=True
+    )
+    hub.threads.append(th)
+    th.start()
+
+
+def _check_identical(digests: Digests, rounds: int) -> None:
+    """Every round's committers hold the same registered state after it."""
+    assert sorted(digests) == list(range(1, rounds + 1)), sorted(digests)
+    for step, by_member in digests.items():
+        distinct = {tuple(sorted(d.items())) for d in by_member.values()}
+        assert len(distinct) == 1, f"round {step}: members differ: {by_member}"
+        parts = next(iter(by_member.values()))
+        assert "outer_optimizer" in parts and "model" in parts, parts
+
+
+def _reference(plan: Sequence[tuple[Sequence[str], Sequence[str]]]) -> dict[str, torch.Tensor]:
+    """Single-process DiLoCo. ``plan[r]``: (the members the round's samples are split among,
+    the members whose outer gradient the round averages)."""
+    sampler = _sampler()
+    global_model = make_model()
+    outer = torch.optim.SGD(
+        global_model.parameters(), lr=SETTINGS.outer_lr, momentum=SETTINGS.outer_momentum,
+        nesterov=SETTINGS.nesterov,
+    )  # fmt: skip
+    locals_: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    for r, (split, finished) in enumerate(plan):
+        deltas = []
+        for m in finished:
+            if m not in locals_:
+                model = make_model()
+                locals_[m] = (model, make_optimizer("sgd", model))
+            model, inner = locals_[m]
+            model.load_state_dict(global_model.state_dict())
+            share = sampler.indices(r, sorted(split), m)
+            for batch in np.array_split(share, H):
+                inner.zero_grad()
+                _loss(model, batch).backward()  # type: ignore[no-untyped-call]
+                inner.step()
+            pairs = zip(global_model.parameters(), model.parameters(), strict=True)
+            deltas.append([g.detach() - p.detach() for g, p in pairs])
+        outer.zero_grad()
+        for k, p in enumerate(global_model.parameters()):
+            p.grad = sum((d[k] / len(finished) for d in deltas), torch.zeros_like(p))
+        outer.step()
+    return {k: v.clone() for k, v in global_model.state_dict().items()}
+
+
+def _max_diff(t: ElasticTrainer, ref: dict[str, torch.Tensor]) -> float:
+    model = t.model.state_dict()
+    return max(float((model[k] - ref[k]).abs().max()) for k in ref)
+
+
+def test_rounds_match_single_process_diloco(make_hub: Callable[..., Hub]) -> None:
+    """3 members, 4 rounds of H=3 inner steps, the state check in every round: one global
+    state after every round, the weights of single-process DiLoCo, one outer-gradient
+    allreduce per round (no collective per inner step), and each member ran the inner steps
+    of every round once."""
+    rounds = 4
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    for m in members.values():
+        _start(hub, m, rounds, digests, lock, check_every=1)  # the state check every round
+    wait_all(hub, 45)
+    for n, m in members.items():
+        assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
+    _check_identical(digests, rounds)
+    ref = _reference([("abc", "abc")] * rounds)
+    for m in members.values():
+        t = cast(ElasticTrainer, m.trainer)
+        assert t.diloco_rounds_computed == rounds
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{m.name}: differs from single-process DiLoCo by {worst}"
+        # the outer momentum is there (and, by the digests, the same everywhere)
+        assert all("momentum_buffer" in s for s in t._rounds.outer.state.values())  # type: ignore[union-attr]
+    # the weights are not those of a plain average of the members (outer_lr, momentum act)
+    plain = _reference_without_outer(rounds)
+    assert _max_diff(cast(ElasticTrainer, members["a"].trainer), plain) > 1e-3
+    # per round: the float32 outer-gradient allreduce, no more (inner steps are local)
+    grads = [r for r in hub.history if r.kind == "allreduce" and r.dtype == "float32"]
+    assert len(grads) == rounds, [(r.kind, r.dtype) for r in hub.history]
+    assert all(r.members == ("a", "b", "c") for r in grads)
+    losses = [r.loss for r in members["a"].reports]
+    assert all(np.isfinite(losses)), losses
+
+
+def _reference_without_outer(rounds: int) -> dict[str, torch.Tensor]:
+    """DiLoCo with outer_lr 1 and no momentum (parameter averaging), to tell it apart."""
+    global SETTINGS
+    saved = SETTINGS
+    SETTINGS = DiLoCo(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    try:
+        return _reference([("abc", "abc")] * rounds)
+    finally:
+        SETTINGS = saved
+
+
+def test_a_member_lost_mid_round_is_left_out_of_it(make_hub: Callable[..., Hub]) -> None:
+    """``c`` dies during round 2's inner steps: ``a`` and ``b`` commit round 2 with their own
+    outer gradients (computed on their thirds of the round, not run again), averaged over
+    the two of them; then go on as a pair. The weights are single-process DiLoCo's with that
+    plan."""
+    rounds, dies = 5, 2
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    for n, m in members.items():
+        die = dies if n == "c" else None
+        _start(hub, m, rounds, digests, lock, die_in_round=die, check_every=1)
+    wait_all(hub, 45)
+    assert members["c"].status == "killed", members["c"].status
+    for n in "ab":
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
+    _check_identical(digests, rounds)
+    assert set(digests[dies + 1]) == {"a", "b"}
+    plan = [("abc", "abc")] * dies + [("abc", "ab")] + [("ab", "ab")] * (rounds - dies - 1)
+    ref = _reference(plan)
+    for n in "ab":
+        t = cast(ElasticTrainer, members[n].trainer)
+        assert t.diloco_rounds_computed == rounds, "a survivor ran a round's inner steps twice"
+        assert t.recoveries >= 1
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+    # from the round c died in, the outer-gradient allreduces ran on a and b (the one with c
+    # failed, or never formed: the view lost c first)
+    grads = [r for r in hub.history if r.kind == "allreduce" and r.dtype == "float32"]
+    done = [r for r in grads if not r.failed]
+    assert len(done) == rounds, grads
+    assert [r.members for r in done[dies:]] == [("a", "b")] * (rounds - dies), done
+
+
+def test_a_joiner_gets_the_global_parameters_and_the_outer_state(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """``a`` and ``b`` train; ``j`` starts after round 2 and fetches the state: its state
+    after each round it commits equals theirs (outer momentum included), and it ran inner
+    steps only for the rounds after it joined."""
+    rounds = 6
+    hub = make_hub(start_with=2)
+    digests: Digests = {}
+    lock = threading.Lock()
+    joined = threading.Event()
+
+    def on_round(m: Member, step: int) -> None:
+        if step >= 2:
+            joined.set()
+
+    members = {n: Member(n) for n in ["a", "b", "j"]}
+    for n in "ab":
+        _start(hub, members[n], rounds, digests, lock, on_round=on_round)
+    _start(hub, members["j"], rounds, digests, lock, start_after=joined)
+    wait_all(hub, 45)
+    for n, m in members.items():
+        assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
+    _check_identical(digests, rounds)
+    first = members["j"].reports[0]
+    assert first.step >= 2 and first.synced and first.sync_bytes > 0, first
+    joined_at = [s for s, by in sorted(digests.items()) if "j" in by]
+    assert joined_at and joined_at[0] < rounds, "the joiner committed no round with the others"
+    t = cast(ElasticTrainer, members["j"].trainer)
+    assert 0 < t.diloco_rounds_computed < rounds
+    assert all("momentum_buffer" in s for s in t._rounds.outer.state.values())  # type: ignore[union-attr]
+
+
+def test_a_hot_spare_applies_the_rounds_of_the_others(make_hub: Callable[..., Hub]) -> None:
+    """``max_peers=2``: ``c`` is a hot spare, runs no inner steps and contributes nothing; the
+    round is the mean over ``a`` and ``b``, and ``c`` holds the same state after each."""
+    rounds = 3
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    for m in members.values():
+        _start(hub, m, rounds, digests, lock, max_peers=2)
+    wait_all(hub, 45)
+    for n, m in members.items():
+        assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
+    _check_identical(digests, rounds)
+    assert all(len(by) == 3 for by in digests.values())
+    ref = _reference([("ab", "ab")] * rounds)
+    for n, m in members.items():
+        t = cast(ElasticTrainer, m.trainer)
+        assert t.diloco_rounds_computed == (0 if n == "c" else rounds), n
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+
+
+def test_a_checkpoint_holds_the_outer_state(make_hub: Callable[..., Hub], tmp_path: Path) -> None:
+    """One member, a checkpoint every 2 rounds: a new trainer resumes from round 4 with the
+    same global parameters and outer momentum (part digests and the whole state's)."""
+    hub = make_hub(start_with=1)
+    digests: Digests = {}
+    lock = threading.Lock()
+    first = Member("a")
+    _start(hub, first, 4, digests, lock, checkpoint_dir=tmp_path, checkpoint_every=2)
+    wait_all(hub, 45)
+    assert first.status == "ok", f"{first.status} {first.error!r}"
+    saved = cast(ElasticTrainer, first.trainer)
+    model = make_model()
+    resumed = ElasticTrainer(
+        cast(SyncMesh, FakeMesh(hub, "b")), model, make_optimizer("sgd", model), _sampler(),
+        sync=SETTINGS, checkpoint_dir=tmp_path, checkpoint_every=2,
+    )  # fmt: skip
+    try:
+        assert resumed.resume() == 4
+        assert resumed.part_digests()["outer_optimizer"] == saved.part_digests()["outer_optimizer"]
+        assert resumed.part_digests()["model"] == saved.part_digests()["model"]
+        assert resumed.digest() == saved.digest()
+        outer = resumed._rounds.outer.state  # type: ignore[union-attr]
+        assert outer and all("momentum_buffer" in st for st in outer.values())
+    finally:
+        resumed.close()
+
+
+def test_an_error_in_the_inner_steps_leaves_the_committed_state(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """The user's ``loss_fn`` raises in the middle of a round's inner steps: the error reaches
+    the caller, the model holds the committed (global) parameters again, the inner optimizer's
+    registered part is the committed one, and the next round trains on."""
+    hub = make_hub(start_with=1)
+    model = make_model()
+    t = ElasticTrainer(
+        cast(SyncMesh, FakeMesh(hub, "a")), model, make_optimizer("sgd", model), _sampler(),
+        sync=SETTINGS, quorum="any", join_settle=0.0, step_timeout=30.0,
+    )  # fmt: skip
+    try:
+        t.step(lambda idx: _loss(model, idx))
+        before = t.part_digests()
+        calls = [0]
+
+        def failing(idx: np.ndarray) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("boom")
+            return _loss(model, idx)
+
+        with pytest.raises(RuntimeError, match="boom"):
+            t.step(failing)
+        assert t.committed == 1
+        assert t.part_digests() == before
+        t.step(lambda idx: _loss(model, idx))
+        assert t.committed == 2
+    finally:
+        t.close()
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="inner_steps"):
+        DiLoCo(inner_steps=0)
+    with pytest.raises(ConfigError, match="outer_lr"):
+        DiLoCo(inner_steps=2, outer_lr=0)
+    with pytest.raises(ConfigError, match="outer_momentum"):
+        DiLoCo(inner_steps=2, outer_momentum=1.0)
+    with pytest.raises(ConfigError, match="nesterov"):
+        DiLoCo(inner_steps=2, outer_momentum=0.0)
+    with pytest.raises(ConfigError, match="shard_optimizer"):
+        TrainerConfig(sync=DiLoCo(inner_steps=2), shard_optimizer=True)
+    with pytest.raises(ConfigError, match="compression"):
+        TrainerConfig(sync=DiLoCo(inner_steps=2), compression="int8")
+    with pytest.raises(ConfigError, match="sync"):
+        TrainerConfig(sync="diloco")  # type: ignore[arg-type]
+
+
+def test_the_loop_api_is_refused_and_the_layout_carries_the_settings() -> None:
+    """Members with other DiLoCo settings differ in the registered state's layout (the sync
+    turns that into a ``ConfigError``); the loop API says to use the closure API."""
+    hub = Hub()
+    try:
+        layouts = []
+        for settings in (SETTINGS, DiLoCo(inner_steps=H + 1), None):
+            model = make_model()
+            t = ElasticTrainer(
+                cast(SyncMesh, FakeMesh(hub, f"m{len(layouts)}")), model,
+                make_optimizer("sgd", model), _sampler(), sync=settings,
+            )  # fmt: skip
+            layouts.append(t._state.layout)
+            if settings is not None:
+                with pytest.raises(LocalUsageError, match="closure API"):
+                    next(iter(t.steps(1)))
+            t.close()
+        assert len(set(layouts)) == 3, layouts
+    finally:
+        hub.shutdown()
