@@ -78,6 +78,7 @@ TRAIN_FILES = frozenset(
         "test_torch_pg.py",
         "test_lightning.py",
         "test_stream_launch.py",
+        "test_diloco_launch.py",
     }
 )
 """Multi-process trainings and benches that keep both cores busy: run one after another

@@ -34,7 +34,7 @@ def test_diloco_with_a_kill_and_a_join_reaches_the_synchronous_accuracy(
     res = launch(
         tmp_path / "mesh",
         *("-n", "3", "--kill-at", "10", "--join-at", "15", EXAMPLE),
-        *("--diloco", str(H), "--eval-every", "2", "--step-delay", "1", "--digest-every", "1"),
+        *("--diloco", str(H), "--eval-every", "2", "--step-delay", "0.4", "--digest-every", "1"),
         timeout=400,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
