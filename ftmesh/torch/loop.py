@@ -279,16 +279,8 @@ class Step:
                 if not last:
                     buckets.between(len(idx) / len(micro[k + 1]))
             self._size = 0
-            try:
-                driver.reduce(self)
-            except StepAborted:
-                nxt = driver.retry(self)
-                if nxt is None:
-                    raise
-                self._attempt(*nxt)
-                driver.start(self)
-                continue
-            return
+            if self._reduced_or_retried():
+                return
 
     def contribute(self, fill: Callable[[], None]) -> None:
         """Instead of :meth:`indices`: ``fill()`` writes this member's contribution to the
@@ -299,20 +291,27 @@ class Step:
         self._running()
         if self._iterated:
             raise LocalUsageError("a step's contribution is made once")
-        driver = self._driver
         for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
             self._iterated = True
             fill()
-            try:
-                driver.reduce(self)
-            except StepAborted:
-                nxt = driver.retry(self)
-                if nxt is None:
-                    raise
-                self._attempt(*nxt)
-                driver.start(self)
-                continue
-            return
+            if self._reduced_or_retried():
+                return
+
+    def _reduced_or_retried(self) -> bool:
+        """Reduce this attempt's contribution: True when reduced; False when the attempt
+        failed and the next one is set up (run the body's contribution again); raises when
+        there is none."""
+        driver = self._driver
+        try:
+            driver.reduce(self)
+        except StepAborted:
+            nxt = driver.retry(self)
+            if nxt is None:
+                raise
+            self._attempt(*nxt)
+            driver.start(self)
+            return False
+        return True
 
     def batches(self) -> Iterator[Any]:
         """This member's share as micro-batches from the trainer's ``DataLoader`` (collated as
