@@ -1,4 +1,4 @@
-"""End to end: ``ftmesh launch -n 3 --kill-at 10 --join-at 15 examples/train_digits.py
+"""End to end: ``ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py
 --diloco 8`` trains in DiLoCo rounds (8 local steps per member, outer Nesterov SGD with
 lr 0.7 and momentum 0.5) on real processes while one worker is SIGKILLed and a new one joins:
 every member that reports a round holds bitwise the same state after it (digests at every
@@ -26,6 +26,8 @@ with the kill vs 0.953 synchronous, single evaluations moving by +-0.01)."""
 H = 8
 ROUND = 32 * H
 """Samples per round: ``--global-batch`` (32) times H."""
+# (55 rounds at --step-delay 0.7: the joiner, started at round 8, has about 30 s to import
+# torch and enter; at 0.4 s and round 15 it came after the end under load)
 
 
 def test_diloco_with_a_kill_and_a_join_reaches_the_synchronous_accuracy(
@@ -33,8 +35,8 @@ def test_diloco_with_a_kill_and_a_join_reaches_the_synchronous_accuracy(
 ) -> None:
     res = launch(
         tmp_path / "mesh",
-        *("-n", "3", "--kill-at", "10", "--join-at", "15", EXAMPLE),
-        *("--diloco", str(H), "--eval-every", "2", "--step-delay", "0.4", "--digest-every", "1"),
+        *("-n", "3", "--kill-at", "6", "--join-at", "8", EXAMPLE),
+        *("--diloco", str(H), "--eval-every", "2", "--step-delay", "0.7", "--digest-every", "1"),
         timeout=400,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -48,7 +50,7 @@ def test_diloco_with_a_kill_and_a_join_reaches_the_synchronous_accuracy(
     assert len(done) == 3, "the killed worker should be the only one not finishing"
     assert len({str(r["digest"]) for r in done.values()}) == 1, "final weights differ"
     joiner = records["w3"]
-    assert 15 <= int(joiner[0]["step"]) < total and joiner[0]["synced"], joiner[0]  # type: ignore[call-overload]
+    assert 8 <= int(joiner[0]["step"]) < total and joiner[0]["synced"], joiner[0]  # type: ignore[call-overload]
     assert int(joiner[0]["fetched"]) > 0, joiner[0]  # type: ignore[call-overload]
     single = references.run("--single", "--eval-every", "15")
     reference = [

@@ -99,7 +99,7 @@ COMMANDS: list[tuple[Path, str, str, str | None]] = [
     ),
     (
         DOCS / "PORTING.md",
-        "ftmesh launch -n 3 --kill-at 10 --join-at 15 examples/train_digits.py --diloco 8",
+        "ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py --diloco 8",
         "test_diloco_launch.py",
         None,
     ),

@@ -67,7 +67,9 @@ def test_three_members_train_on_the_process_group_backend_through_a_kill_and_a_j
             assert gpu["device_buckets"] >= 1, gpu
             assert gpu["fallbacks"] == 0, gpu
             assert gpu["nccl_views"] >= (1 if p is joiner else 3), gpu
-            computed = sum(1 for c in commits(p) if not c["adopted"])
+            # (the record's counters are read as the step commits: its own collectives may
+            # still be counting, so the steps before it)
+            computed = sum(1 for c in commits(p)[:-1] if not c["adopted"])
             assert gpu["collectives"] >= computed * gpu["device_buckets"], (gpu, computed)
         assert victim.proc.poll() == -signal.SIGKILL
         assert all(p.proc.poll() is None for p in members), "a member exited"
