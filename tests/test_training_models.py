@@ -10,14 +10,16 @@ On the fake mesh of ``trainer_sim`` (threads, in process): three members and one
 mid-run hold one digest at every step, end at the single-process run of the same steps (to
 float tolerance; a step whose gradients one member made NaN is skipped by both optimizers, as
 the single-process run skips it), and the joiner holds the discriminator's optimizer state
-and the EMA. A second optimizer the trainer could not keep right is refused, and the
-gradient buckets refuse a second gradient that arrives after its bucket left.
+and the EMA; so does a trainer that resumes from a checkpoint. A second optimizer the trainer
+could not keep right is refused, and the gradient buckets refuse a second gradient that
+arrives after its bucket left.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -290,3 +292,46 @@ def test_two_backward_passes_count_each_gradient_once() -> None:
             bias.sum().backward()  # type: ignore[no-untyped-call]
     finally:
         buckets.close()
+
+
+def test_a_checkpoint_resume_restores_the_second_optimizer_and_the_ema(tmp_path: Path) -> None:
+    """A fresh trainer that resumes from a checkpoint holds the discriminator's optimizer state
+    and the EMA of the run that wrote it."""
+    hub = Hub()
+    try:
+        gan = Gan()
+        settings: dict[str, Any] = {
+            "join_settle": 0.0,
+            "checkpoint_dir": tmp_path,
+            "checkpoint_every": 2,
+        }
+        t = ElasticTrainer(
+            cast(SyncMesh, FakeMesh(hub, "a")),
+            gan.models,
+            gan.opt_g,
+            make_sampler(),
+            state={"opt_d": gan.opt_d, "ema_g": gan.ema},
+            **settings,
+        )
+        for step in t.steps(4):
+            with step:
+                _body(gan, "a", step)
+        t.close()
+        fresh = Gan()
+        resumed = ElasticTrainer(
+            cast(SyncMesh, FakeMesh(hub, "r")),
+            fresh.models,
+            fresh.opt_g,
+            make_sampler(),
+            state={"opt_d": fresh.opt_d, "ema_g": fresh.ema},
+            **settings,
+        )
+        assert resumed.resume() == 4
+        assert resumed.digest() == t.digest()
+        got, want = fresh.state(), gan.state()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert int(fresh.ema.n_averaged) == 4 and any(k.startswith("opt_d.") for k in got)
+        resumed.close()
+    finally:
+        hub.shutdown()
