@@ -24,15 +24,19 @@ multiplied by ``w_K`` just before its allreduce. By induction the allreduce send
 ``sum_k w_k g_k``, and the reduced result is the global mean gradient with no pass after it.
 
 Only during the last micro-batch does a post-accumulate-grad hook count a parameter's
-gradient as ready; when a bucket is complete it is handed to the mesh for an allreduce
-without waiting, so communication overlaps with the rest of backward, as in
+gradient as ready, once (a body may run several backward passes per micro-batch: a GAN's
+discriminator and generator losses); when a bucket is complete it is handed to the mesh for
+an allreduce without waiting, so communication overlaps with the rest of backward, as in
 ``DistributedDataParallel``. Buckets are launched strictly in index order (a bucket that
 completes early waits for the ones before it), so every member issues the same collectives in
-the same order whatever order its hooks fire in. The last bucket (the only one, for a small
-model) is ready only when backward ends, so it is not handed off: ``finish`` runs its
-allreduce in the calling thread, after the others. The last bucket's float32 buffer carries
-the header slots (``ftmesh.training.protocol``): the member's sample count, its summed loss,
-a round check, the leave bits of a planned departure and the state-check values.
+the same order whatever order its hooks fire in. A gradient that arrives for a parameter after
+its bucket's allreduce was launched (a second backward pass through it in the last
+micro-batch) cannot be counted any more: it raises ``LocalUsageError`` rather than leave a
+partial sum. The last bucket (the only one, for a small model) is ready only when backward
+ends, so it is not handed off: ``finish`` runs its allreduce in the calling thread, after the
+others. The last bucket's float32 buffer carries the header slots
+(``ftmesh.training.protocol``): the member's sample count, its summed loss, a round check, the
+leave bits of a planned departure and the state-check values.
 
 *Device buckets.* When the member's collective sessions have a GPU path (``SyncMesh.gpu``:
 NCCL per view epoch through torch's process group) and ``direct`` says so for a bucket's
@@ -177,6 +181,8 @@ class GradBuckets:
         self._last = False
         self._weight = 1.0
         self._detached = False
+        self._counted: set[int] = set()
+        """id(param) of the gradients counted ready in the last micro-batch."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -227,6 +233,7 @@ class GradBuckets:
         self._run = run
         self._last = False
         self._weight = 1.0
+        self._counted.clear()
 
     def _attach_views(self) -> None:
         for p in self.params:
@@ -276,7 +283,19 @@ class GradBuckets:
                 view.add_(p.grad.detach())
             p.grad = view
         if self._last:
-            self._pending[self.slot[id(p)]] -= 1
+            slot = self.slot[id(p)]
+            if id(p) in self._counted:  # another backward pass through p
+                if slot < self._launched:
+                    raise LocalUsageError(
+                        f"a parameter of shape {tuple(p.shape)} got a second gradient in the "
+                        "step's last micro-batch after its bucket's allreduce had started: run "
+                        "one backward pass per micro-batch through each parameter (sum the "
+                        "losses, or freeze with requires_grad_(False) the modules a loss must "
+                        "not update)"
+                    )
+                return
+            self._counted.add(id(p))
+            self._pending[slot] -= 1
             self._launch_ready()
 
     def _launch_ready(self) -> None:

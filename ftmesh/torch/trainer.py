@@ -29,6 +29,11 @@ closure API's body runs H local steps of the user's optimizer, and the step's al
 carries the outer gradient instead of the micro-batches' (``Step.contribute``); the outer
 optimizer is a registered part.
 
+Several models and optimizers (a GAN, an encoder and a decoder, an EMA copy): the models are
+one ``model`` (a ``torch.nn.ModuleDict``), since the step's allreduce averages the model's
+gradients only; every other optimizer is registered (``register``) and guarded like the
+trainer's; an optimizer over a trainable parameter outside the model is refused.
+
 What the trainer guarantees and how each setting behaves (steps committed by all survivors or
 none, the registered state, starting together, planned departures, ``compression``, spares,
 ``shard_optimizer``): ``docs/DESIGN-NOTES.md``, "The trainer's behaviour".
@@ -169,18 +174,17 @@ class ElasticTrainer:
         self.state: State = self._state.state
         if self._stream is not None:  # the stream's position: committed with every step
             self._state.register("stream", self._stream.state)
-        for name, obj in (state or {}).items():
-            self.register(name, obj)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         check_bucketable(params)
+        self._params = params
+        self._check_reduced("optimizer", optimizer)
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
         self._zero = (
             ShardedOptimizer(params, optimizer, cfg.replicas, [n for n, _ in named])
             if cfg.shard_optimizer
             else None
         )
-        self._params = params
         self._rounds: Rounds | None = None
         """``sync=DiLoCo(...)``: the rounds' outer optimizer and kept outer gradient."""
         if cfg.sync is not None:
@@ -225,7 +229,9 @@ class ElasticTrainer:
         """The report of the last step committed or adopted."""
         self._step_hooks: list[Callable[[ElasticTrainer, StepReport], None]] = []
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step)]
-        self._install_optimizer_methods()
+        self._install_optimizer_methods(optimizer)
+        for name, obj in (state or {}).items():
+            self.register(name, obj)
         # Stay out of the ring until our first step: members in the ring would otherwise wait
         # for us while we are still starting up. Members behind fetch committed state from
         # those that hold it: our state server.
@@ -242,8 +248,50 @@ class ElasticTrainer:
         before the first step: it is restored on joiners, spares and checkpoint resume, and
         compared across members. Modules and optimizers are read live; anything else is
         captured at the end of every step (``ftmesh.torch.state``), so it may be changed
-        between steps (a scheduler stepped once per epoch)."""
+        between steps (a scheduler stepped once per epoch).
+
+        A second optimizer (a GAN's discriminator's, a decoder's) is registered like this:
+        it must update parameters of the trainer's ``model`` only (put the modules in one
+        ``torch.nn.ModuleDict``), whose gradients the step's allreduce averages; it then gets
+        the trainer's optimizer's guards (``step()`` only inside a step, after the reduction;
+        skipped with it on non-finite gradients; ``zero_grad()`` inside a step keeps the
+        buckets' sum). Not with ``shard_optimizer`` or ``sync=DiLoCo(...)``, which update the
+        parameters with the trainer's optimizer alone. ``docs/PORTING.md``, "Several models
+        and optimizers"."""
+        if isinstance(obj, torch.optim.Optimizer):
+            self._check_optimizer(name, obj)
         self._state.register(name, obj)
+        if isinstance(obj, torch.optim.Optimizer):
+            self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+            self._install_optimizer_methods(obj)
+
+    def _check_optimizer(self, name: str, opt: torch.optim.Optimizer) -> None:
+        """Refuse a registered optimizer the trainer would not keep right (see ``register``)."""
+        if opt is self.optimizer:
+            raise LocalUsageError(f"{name!r}: the trainer's optimizer is registered already")
+        cfg = self.config
+        if cfg.shard_optimizer or cfg.sync is not None:
+            setting = "shard_optimizer=True" if cfg.shard_optimizer else "sync=DiLoCo(...)"
+            raise LocalUsageError(
+                f"{name!r}: a second optimizer does not work with {setting}, which updates "
+                "every parameter of the model with the trainer's optimizer; use one optimizer "
+                "with a parameter group per model"
+            )
+        self._check_reduced(name, opt)
+
+    def _check_reduced(self, name: str, opt: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that would update a parameter whose gradients the step's
+        allreduce does not average (one outside the model: members would drift apart)."""
+        reduced = {id(p) for p in self._params}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in reduced:
+                    raise LocalUsageError(
+                        f"{name!r}: it updates a parameter of shape {tuple(p.shape)} that is "
+                        "not in the trainer's model, so its gradients would not be averaged "
+                        "across members: give the trainer all the models as one "
+                        "torch.nn.ModuleDict (docs/PORTING.md, 'Several models and optimizers')"
+                    )
 
     def add_step_hook(self, hook: Callable[[ElasticTrainer, StepReport], None]) -> None:
         """Call ``hook(trainer, report)`` after every step this member commits or adopts
@@ -904,11 +952,11 @@ class ElasticTrainer:
                 "micro-batches"
             )
 
-    def _install_optimizer_methods(self) -> None:
-        """``optimizer.zero_grad()`` inside a step drops ``.grad`` and keeps the buckets'
-        sum (the micro-batches' gradients add up whatever ``set_to_none``); in sharded mode
-        ``optimizer.step()`` runs the sharded update."""
-        opt = self.optimizer
+    def _install_optimizer_methods(self, opt: torch.optim.Optimizer) -> None:
+        """``opt.zero_grad()`` inside a step drops ``.grad`` and keeps the buckets' sum (the
+        micro-batches' gradients add up whatever ``set_to_none``); ``opt.step()`` is skipped
+        with every member's on non-finite gradients; in sharded mode (the trainer's optimizer
+        only) ``optimizer.step()`` runs the sharded update."""
         zero_grad = opt.zero_grad
 
         def zero_grad_in_step(_opt: Any, set_to_none: bool = True) -> None:
@@ -923,7 +971,7 @@ class ElasticTrainer:
             step_fn = opt.step
 
             def guarded_step(_opt: Any, closure: Any = None) -> Any:
-                if self._skipping():
+                if self._skipping(opt):
                     return None
                 return step_fn(closure)
 
@@ -935,16 +983,16 @@ class ElasticTrainer:
 
             opt.step = types.MethodType(sharded_step, opt)  # type: ignore[method-assign]
 
-    def _skipping(self) -> bool:
+    def _skipping(self, opt: torch.optim.Optimizer) -> bool:
         """Whether the current step's update is skipped by every member (non-finite
-        gradients: ``StepVerdict.skip``), checked as ``optimizer.step()`` is called."""
+        gradients: ``StepVerdict.skip``), checked as ``opt.step()`` is called."""
         self._before_optimizer_step()
         verdict = self._verdict
         if verdict is None or not verdict.skip:
             return False
         if self._rounds is not None and self._rounds.running_inner:
             return False
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
+        opt._opt_called = True  # type: ignore[attr-defined]  # (LR schedulers check)
         return True
 
     def _sharded_step(self) -> None:
