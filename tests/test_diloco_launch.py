@@ -1,5 +1,6 @@
 """End to end: ``ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py
---diloco 8`` trains in DiLoCo rounds (8 local steps per member, outer Nesterov SGD with
+--diloco 8 --eval-every 2 --step-delay 0.7 --digest-every 1`` (docs/PORTING.md, as written)
+trains in DiLoCo rounds (8 local steps per member, outer Nesterov SGD with
 lr 0.7 and momentum 0.5) on real processes while one worker is SIGKILLed and a new one joins:
 every member that reports a round holds bitwise the same state after it (digests at every
 round), the joiner enters mid-run with the others' state (outer momentum included: it is in

@@ -99,8 +99,15 @@ COMMANDS: list[tuple[Path, str, str, str | None]] = [
     ),
     (
         DOCS / "PORTING.md",
-        "ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py --diloco 8",
+        "ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py --diloco 8"
+        " --eval-every 2 --step-delay 0.7 --digest-every 1",
         "test_diloco_launch.py",
+        None,
+    ),
+    (
+        DOCS / "PORTING.md",
+        "ftmesh launch -n 3 --kill-at 20 --join-at 21 examples/fabric_digits.py --step-delay 0.05",
+        "test_lightning.py",
         None,
     ),
     (

@@ -1,9 +1,10 @@
 """Lightning Fabric on the mesh (``ftmesh.lightning.FtmeshStrategy``): ftmesh imports without
 Lightning; what the strategy refuses, in one process, before any mesh; Fabric's single-device
 run of ``examples/fabric_digits.py`` is bitwise ``train_digits.py --single``; and under
-``ftmesh launch -n 3`` with a kill and a join the Fabric script commits every step once, with
-identical states, a ``fabric.all_reduce`` metric that counts each step's whole global batch,
-and the single-process accuracy."""
+``ftmesh launch -n 3 --kill-at 20 --join-at 21 examples/fabric_digits.py --step-delay 0.05``
+(docs/PORTING.md, as written) the Fabric script commits every step once, with identical
+states, a ``fabric.all_reduce`` metric that counts each step's whole global batch, and the
+single-process accuracy."""
 
 from __future__ import annotations
 
