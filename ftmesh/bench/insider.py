@@ -39,7 +39,6 @@ before and after (``uptime``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -58,6 +57,7 @@ from ..errors import FtmeshError
 from ..lab.procs import NodeProcess
 from ..mesh.reach import REACH_TICK
 from ..training.config import TrainerConfig
+from . import host_stamp
 
 KINDS = ("header-nan", "header-speeds", "header-check", "nan-grads")
 """The step-header insiders of issue #26 (``ftmesh.lab.insider``)."""
@@ -295,9 +295,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         out[kind] = summarise(kind, runs[kind], args.target)
     out["kinds"] = kinds
     out["failures"] = failures
-    out["load_before"] = list(load_before)
-    out["load_after"] = list(os.getloadavg())
-    out["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    out.update(host_stamp(load_before))
     return out
 
 

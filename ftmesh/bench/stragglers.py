@@ -51,7 +51,6 @@ each step and each step's time (``ftmesh.bench.plots.plot_stragglers``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
@@ -65,6 +64,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import FtmeshError
+from . import host_stamp
 from .plots import plot_path_error, plot_stragglers
 
 POLICIES = ("equal", "proportional", "evicted", "default")
@@ -299,9 +299,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ratios({p: float(runs[p][k]["samples_per_s"]) for p in POLICIES})
         for k in range(args.repeats)
     ]
-    out["load_before"] = list(load_before)
-    out["load_after"] = list(os.getloadavg())
-    out["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    out.update(host_stamp(load_before))
     return out
 
 
