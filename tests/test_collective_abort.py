@@ -27,6 +27,7 @@ from ftmesh.collective import (
     open_data_plane,
 )
 from ftmesh.collective.dataplane import DataPlane
+from ftmesh.collective.ops import CollectiveOp, Kind
 from ftmesh.security import MeshAuth
 
 SLOW = CollectiveConfig(
@@ -248,3 +249,49 @@ async def test_a_barrier_waits_past_io_timeout_when_told() -> None:
                 nursery.start_soon(member, 1, 0.0, None)
                 nursery.start_soon(member, 2, 2.0, None)
         assert any(isinstance(r, PeerStalledError) for r in out.values()), out
+
+
+@pytest.mark.parametrize("moved_on", ["the finished member", "everyone"])
+async def test_moving_on_after_a_collective_does_not_fail_its_last_reads(moved_on: str) -> None:
+    """A member that finished a collective and moved on (a graceful leave, a newer view) must
+    not fail the members still reading that collective's last frames: ``m1`` finishes while
+    ``m2`` is held inside its last receive (``m0`` then waits for ``m2``'s ``DONE``), and moves
+    on. Its notices reach ``m0``, whose sends are all written, and ``m2`` after ``m1``'s
+    ``DONE``; with "everyone", ``m0`` and ``m2`` move on too while their collective runs. All
+    three complete with the right data; the view then refuses new collectives everywhere."""
+    async with ring_of(3, SLOW) as (dps, view):
+        out: dict[int, Any] = {}
+        held, release = threading.Event(), threading.Event()
+
+        async def member(i: int) -> None:
+            plan = dps[i].plan(view, CollectiveOp(kind=Kind.ALLGATHER), np.full(1 << 18, i, "f4"))
+            if i == 2:
+                last = len(plan.sched.recvs) - 1
+
+                def hold(j: int) -> None:
+                    if j == last:
+                        held.set()
+                        release.wait(NO_HANG)
+
+                plan.bufs.on_recv = hold
+            try:
+                out[i] = (await dps[i].run_plan(plan)).output
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(member, i)
+                while not (held.is_set() and 1 in out):
+                    await trio.sleep(0.01)
+                assert 0 not in out and 2 not in out, out  # both wait on m2
+                for i in (1,) if moved_on == "the finished member" else (1, 0, 2):
+                    dps[i].supersede_view(view.epoch, "a newer view")
+                await trio.sleep(0.3)  # the notices arrive
+                release.set()
+        for i in range(3):
+            assert isinstance(out[i], np.ndarray), (i, out[i])
+            assert [float(r[0]) for r in out[i]] == [0.0, 1.0, 2.0] and out[i].shape == (3, 1 << 18)
+        with trio.fail_after(NO_HANG), pytest.raises(ViewSupersededError):
+            await dps[1].allreduce(view, np.ones(4, np.float32))

@@ -115,19 +115,21 @@ class DataPlane:
         """This member moved on from view ``epoch`` (a member joined or came back): like
         ``abort_view``, but collectives on it fail with ``ViewSupersededError``, which names no
         lost member. The members still on ``epoch`` would otherwise wait ``io_timeout`` for
-        this one. Does nothing to an epoch already aborted (a loss says more)."""
+        this one. A collective running here on ``epoch`` is not aborted but ends on its own
+        (its neighbours may have sent all it needs; those that will not run it send notices),
+        then the ring is killed. Does nothing to an epoch already aborted (a loss says more)."""
         if epoch not in self._aborted:
             msg = f"{self.node_id} moved on from view {epoch}: {reason}"
-            self._abort(epoch, Abort(AbortKind.SUPERSEDED, "", self.node_id, msg))
+            self._abort(epoch, Abort(AbortKind.SUPERSEDED, "", self.node_id, msg), let_finish=True)
 
-    def _abort(self, epoch: str, reason: Abort) -> None:
+    def _abort(self, epoch: str, reason: Abort, *, let_finish: bool = False) -> None:
         self._aborted[epoch] = reason
         self._aborted.move_to_end(epoch)
         while len(self._aborted) > MAX_ABORTED_VIEWS:
             self._aborted.popitem(last=False)
         for scope in self._opening.get(epoch, ()):
             scope.cancel()
-        self._transport.kill_ring(epoch, reason)
+        self._transport.kill_ring(epoch, reason, let_finish=let_finish)
 
     def clear_abort(self, epoch: str) -> None:
         """Forget an abort of ``epoch``: the same set of members is a live view again (a
@@ -503,9 +505,13 @@ class DataPlane:
         """Run ``plan``'s rounds on ``ring``, in one turn of the engine (no other collective
         between them); returns the last round's plan."""
         with self._engine_lock:
+            # Aborted views refuse a collective's start; its later rounds run unless the ring
+            # itself was killed (a loss), which ``run_blocking`` raises: moving on to a newer
+            # view lets a running collective end (``Ring.kill``'s ``let_finish``).
+            self._check_aborted(ring.view.epoch)
+            ring.begin_collective()
             try:
                 for _ in range(MAX_ROUNDS):
-                    self._check_aborted(ring.view.epoch)
                     pipe = self._pipeline(ring, plan)
                     try:
                         pipe.run_blocking()
@@ -523,6 +529,7 @@ class DataPlane:
             finally:
                 if ring.broken:
                     self._transport.drop_ring(ring)
+                ring.end_collective()  # (a kill left for now: closed at the next open_ring)
 
     def _observe_failure(self, ring: Ring, reason: Abort | None) -> None:
         """Report a round that this member aborted because of one of its neighbours (stalled,

@@ -65,7 +65,11 @@ its connection from the left (besides ``READY`` frames, nothing else flows that 
 polls that direction too), and the socket towards the dead member is shut down. The loop wakes
 at least every ``poll_interval`` to see an abort set from another thread. So an abort travels
 both ways round the ring until it reaches the dead member from both sides, every survivor
-raises it promptly, and the ring is dropped.
+raises it promptly, and the ring is dropped. A notice reaching a member whose last send is
+already written does not end its round: the right neighbour has all it needs from it, and
+whether its own receives complete is for its left to decide (the data, ``DONE``, a forward
+``ABORT``, EOF or ``io_timeout``). So a neighbour that finished a collective and moved on (a
+graceful leave, a newer view) cannot fail a member still reading that collective's last frames.
 """
 
 from __future__ import annotations
@@ -289,8 +293,10 @@ class Pipeline:
                 notice = Abort.from_wire(wire.unpack_control(body))
             except RemoteProtocolError:
                 continue
-            if notice is not None:
+            if notice is not None and self.next_send < len(self.sched.sends):
                 self._set_abort(notice)
+            elif notice is not None:  # the right has all it needs from us: our left decides
+                log.debug("#%d: notice from %s after our last send: %s", self.seq, right, notice)
 
     def _send_ready(self) -> None:
         """Tell the left neighbour we have started this collective (it holds its ``HEADER``

@@ -162,11 +162,23 @@ class Ring:
     """Sealers and openers of both connections when the mesh encrypts (see ``secure``)."""
     worked: bool = False
     """A collective completed on this ring (both connections carry data)."""
+    running: bool = False
+    """A collective (all its rounds) runs on this ring (``DataPlane._run_pipeline``)."""
+    retiring: Abort | None = None
+    """Set by ``kill(..., let_finish=True)`` while a collective runs: it ends on its own
+    (completes, or fails as its neighbours decide), then the ring is killed with this reason."""
 
-    def kill(self, reason: Abort) -> None:
-        """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``).
-        Sync and non-blocking; callable from any thread."""
+    def kill(self, reason: Abort, *, let_finish: bool = False) -> bool:
+        """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``);
+        True once killed. With ``let_finish`` (we moved on from the view: nobody was lost), a
+        collective that runs is left to end on its own and the ring is killed after it
+        (``end_collective``; False here): its neighbours may have sent all it needs, and
+        whoever will not run it tells it so with their own notices. Sync and non-blocking;
+        callable from any thread."""
         with self.lock:
+            if let_finish and self.running and self.killed is None:
+                self.retiring = self.retiring or reason
+                return False
             self.broken = True
             if self.killed is None:
                 self.killed = reason
@@ -191,6 +203,19 @@ class Ring:
         if pipe is not None:
             pipe.abort_from_outside(reason)
         self.shutdown_towards(reason.peer)
+        return True
+
+    def begin_collective(self) -> None:
+        with self.lock:
+            self.running = True
+
+    def end_collective(self) -> None:
+        """The collective that ran has ended: carry out a kill left for its end."""
+        with self.lock:
+            self.running = False
+            retiring, self.retiring = self.retiring, None
+        if retiring is not None and not self.broken:
+            self.kill(retiring)
 
     def shutdown_towards(self, peer: str) -> None:
         """Fail the socket(s) to ``peer`` if it is a neighbour: a thread blocked writing to or
@@ -279,16 +304,20 @@ class Transport:
         self.busy: Callable[[str], str | None] | None = None
         """``DataPlane.busy``: how a neighbour busy between steps is named, else None."""
 
-    def kill_ring(self, epoch: str, reason: Abort) -> None:
-        """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it. An idle ring's
-        sockets are closed only at the next ``open_ring``: ``kill`` has just written the abort
+    def kill_ring(self, epoch: str, reason: Abort, *, let_finish: bool = False) -> None:
+        """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it; with ``let_finish``
+        a collective running on it ends first (the ring stays cached, killed at its end, and
+        a later ``kill_ring`` without ``let_finish`` still aborts it). A killed ring's sockets
+        are closed only at the next ``open_ring``: ``kill`` has just written the abort
         notices, and closing a socket with the left neighbour's unread data queued resets the
         connection, which can overtake the notice (the neighbour would see a loss)."""
-        ring = self._rings.pop(epoch, None)
-        if ring is not None:
-            ring.kill(reason)
-            if ring.active is None:
-                self._killed.append(ring)
+        ring = self._rings.get(epoch)
+        if ring is None or not ring.kill(reason, let_finish=let_finish):
+            return
+        if self._rings.get(epoch) is ring:  # (an engine thread may have dropped it already)
+            self._rings.pop(epoch, None)
+        if ring.active is None:
+            self._killed.append(ring)
 
     # -- inbound ------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -410,6 +439,9 @@ class Transport:
         for dead in self._killed:
             dead.close()
         self._killed.clear()
+        for done in list(self._rings.values()):  # killed at the end of a collective
+            if done.killed is not None and not done.running:
+                self.drop_ring(done)
         ring = self.cached_ring(view)
         if ring is not None:
             return ring

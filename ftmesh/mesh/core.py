@@ -531,9 +531,12 @@ class Mesh:
     async def _watch(self) -> None:
         async for ev in self.node.events():
             self._note_between(ev.member)
-            if ev.kind in ("suspect", "dead", "left"):
+            if ev.kind in ("suspect", "dead"):
                 # Membership no longer counts on this member: collectives waiting for it (a
                 # frozen process sends nothing and closes nothing) fail now, not at io_timeout.
+                # Not for a graceful leave: the leaver superseded its views as it left and
+                # closes its sockets, so a collective it finished completes here and one it
+                # never ran fails (``open_mesh``); aborting would fail the first kind too.
                 for epoch, view in self._views.items():
                     if ev.member.node in view and ev.member.node != self.node_id:
                         self.data_plane.abort_view(
@@ -560,7 +563,10 @@ class Mesh:
         them, so the members still running or opening one must not wait ``io_timeout`` for us
         (a joiner's arrival would otherwise stall the ring that far)."""
         current = self._latest_view = self.view()
-        for epoch in [e for e in self._views if current is None or e != current.epoch]:
+        self._supersede([e for e in self._views if current is None or e != current.epoch], why)
+
+    def _supersede(self, epochs: list[str], why: str) -> None:
+        for epoch in epochs:
             del self._views[epoch]
             self.data_plane.supersede_view(epoch, why)
 
@@ -602,6 +608,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             try:
                 yield mesh
             finally:
+                mesh._supersede(list(mesh._views), "it left the mesh")  # before the leave
                 mesh.flush_progress()  # the last step, reported while throttled
                 if mesh._progress is not None:
                     _closed_progress[:] = [mesh._progress]

@@ -74,13 +74,6 @@ def main() -> None:
         with bound(mesh_session(mesh, small)):
             out = syncs(100)
             emit("done", rank=dist.get_rank(), world=dist.get_world_size(), **out)
-        # Leave only once the other survivor's gather is done too: a member's "left" notice
-        # aborts the collectives on its views at once, even one whose last frames it already
-        # sent (seen: the other survivor's all_gather_object failed; see docs/STATUS.md).
-        Path(sys.argv[1], f"done-{dist.get_rank()}").touch()
-        deadline = time.monotonic() + 30
-        while len(list(Path(sys.argv[1]).glob("done-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
 
 
 if __name__ == "__main__":
