@@ -35,6 +35,7 @@ import os
 import random
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ ALONE_WARN_AFTER = 30.0
 """Seconds a member given seeds (``join``) may be alone before it says so."""
 ALONE_WARN_EVERY = 60.0
 """Seconds between those warnings while it stays alone."""
+MAX_GONE_ADDRESSES = 4096
+"""Addresses of members that died or left, remembered after their records are reaped (their
+push-pull failures are expected: ``Node._only_dead_at``)."""
 MAX_TRACKED_ADDRESSES = 4096
 """Discovered addresses remembered with their last join outcome (bounds what a flood of
 adverts can make us hold; beyond it the record starts over)."""
@@ -220,6 +224,7 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self._push_pull_slots = trio.Semaphore(MAX_CONCURRENT_PUSH_PULLS)
         self._join_outcome: dict[Address, str] = {}  # "" answered, else why not
+        self._gone: OrderedDict[Address, None] = OrderedDict()  # (``_note_gone``)
         self._admission = Admission(self._drop_tcp, handshake_timeout=config.membership.tcp_timeout)
         self._join_backoff: dict[Address, tuple[float, float]] = {}  # addr -> (next try, wait)
         self._jitter = random.Random(os.urandom(8))
@@ -359,6 +364,7 @@ class Node:
                 if self._nursery is not None:
                     self._nursery.start_soon(self._push_pull, eff.dest, eff.join)
             else:
+                self._note_gone(eff)
                 for ch in self._subscribers:
                     try:
                         ch.send_nowait(eff)
@@ -382,9 +388,23 @@ class Node:
         """Whether ``addr`` is the address of members we believe dead or gone, and of no
         live one: push-pull retries such addresses on purpose (a healed partition merges),
         so their failures are expected, not worth a WARNING every 10 s for the rest of
-        the run."""
+        the run. Also once their records are reaped (``_gone``)."""
         at = [m.state for m in self._swim.members() if tuple(m.addr) == tuple(addr)]
-        return bool(at) and MemberState.ALIVE not in at and MemberState.SUSPECT not in at
+        if not at:
+            return (str(addr[0]), int(addr[1])) in self._gone
+        return MemberState.ALIVE not in at and MemberState.SUSPECT not in at
+
+    def _note_gone(self, ev: MemberEvent) -> None:
+        """Remember the addresses of members that died or left (bounded), and forget one
+        a member is alive at again."""
+        addr = (str(ev.member.addr[0]), int(ev.member.addr[1]))
+        if ev.kind in ("dead", "left"):
+            self._gone[addr] = None
+            self._gone.move_to_end(addr)
+            while len(self._gone) > MAX_GONE_ADDRESSES:
+                self._gone.popitem(last=False)
+        elif ev.kind in ("joined", "alive"):
+            self._gone.pop(addr, None)
 
     def _drop(self, exc: RemoteProtocolError, src: object) -> None:
         self._count(f"rx_dropped_{exc.reason}")
