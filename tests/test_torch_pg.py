@@ -329,3 +329,23 @@ def test_three_processes_freeze_kill_and_rebuild(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+@pytest.mark.timeout(240)
+def test_the_allreduce_bench_prices_the_process_group_path() -> None:
+    """``ftmesh bench allreduce --torch-pg``: gloo through the session's process-group path
+    (the mesh's store, per-epoch groups) beside gloo called directly, in the same processes;
+    both correct (``--check``) and the ratio reported (its speed is the bench's to print)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "ftmesh.bench.allreduce", "--procs", "2", "--sizes", "64K",
+         "--iters", "2", "--warmup", "1", "--impls", "gloo", "--torch-pg", "--check", "--json"],
+        capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["torch_pg"] is True
+    (cell,) = out["cells"]
+    assert cell["check"] == {"gloo": True, "gloo_pg": True}
+    busbw = {k: v["median"] for k, v in cell["busbw"].items()}
+    assert set(busbw) == {"gloo", "gloo_pg"} and min(busbw.values()) > 0
+    assert cell["pg_vs_gloo"] == pytest.approx(busbw["gloo_pg"] / busbw["gloo"])
