@@ -377,8 +377,6 @@ def test_settings_are_checked() -> None:
         DiLoCo(inner_steps=2, outer_momentum=0.0)
     with pytest.raises(ConfigError, match="shard_optimizer"):
         TrainerConfig(sync=DiLoCo(inner_steps=2), shard_optimizer=True)
-    with pytest.raises(ConfigError, match="compression"):
-        TrainerConfig(sync=DiLoCo(inner_steps=2), compression="int8")
     with pytest.raises(ConfigError, match="sync"):
         TrainerConfig(sync="diloco")  # type: ignore[arg-type]
 

@@ -178,8 +178,10 @@ class TrainerConfig:
     """``None``: every step reduces the gradients of the global batch (synchronous data
     parallelism). ``DiLoCo(inner_steps=H, ...)``: a step is a *round* of H local steps per
     member, committed by an outer step on the averaged outer gradient (see ``DiLoCo``; the
-    closure API ``trainer.step(loss_fn)`` runs one round). Not with ``shard_optimizer``,
-    ``compression`` or a ``ShardedStream``. Mesh-wide."""
+    closure API ``trainer.step(loss_fn)`` runs one round). With ``compression="int8"`` the
+    outer gradient travels as blockwise int8 with error feedback (each member's residual
+    carried from round to round, as for gradients). Not with ``shard_optimizer`` or a
+    ``ShardedStream``. Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
@@ -231,11 +233,6 @@ class TrainerConfig:
                 )
             if self.shard_optimizer:
                 raise ConfigError("sync=DiLoCo(...) does not combine with shard_optimizer")
-            if self.compression not in (None, "none"):
-                raise ConfigError(
-                    "sync=DiLoCo(...) does not combine with compression (the outer gradient "
-                    "travels as float32)"
-                )
         if self.spares == "cold" and self.max_peers and self.max_peers < self.min_peers:
             # (hot spares count towards min_peers: they are in the ring)
             raise ConfigError(f"max_peers ({self.max_peers}) is below min_peers ({self.min_peers})")
