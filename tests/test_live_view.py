@@ -24,6 +24,7 @@ from tests_support import ROOT, local_mesh_config
 from ftmesh import Progress, SyncMesh
 from ftmesh.collective.backend import DEVICES_KEY
 from ftmesh.mesh.meta import PROGRESS_KEY, read_member
+from ftmesh.torch.driver import joinable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SILENT = str(ROOT / "tests" / "scripts" / "silent_worker.py")
@@ -340,3 +341,26 @@ def test_published_progress_does_not_keep_membership_awake(tmp_path: Path) -> No
             t.join(5)
         assert _published(a), "nothing was published"
     assert waited < 20.0, f"wait_quiet ran to its timeout ({waited:.1f}s)"
+
+
+def test_a_joiner_stops_settling_once_it_sees_ajoinable(tmp_path: Path) -> None:
+    """``Settle`` (the driver's ``wait_quiet`` with ``until``) ends as soon as the member sees
+    a training mesh (a ``train`` member advertising a committed state), however long the
+    settle: a joiner does not wait for quiet membership (issue #30). The member that only
+    starts (no state advertised) does not end it: that is a cold start."""
+    base = local_mesh_config(tmp_path / "registry", "joiner")
+    settle = 6.0
+    with SyncMesh.start(base) as a, SyncMesh.start(base) as b:
+        a.wait_view(min_members=1, timeout=30)
+        a.set_role("train")
+        _until(lambda: any(m.node == a.node_id for m in b.members()) or None, 30, "b sees a")
+        # a trains but has no committed state: not a mesh to join; b settles the whole time
+        # (at most its timeout, here shorter than the settle).
+        started = time.monotonic()
+        b.wait_quiet(settle, timeout=1.0, until=joinable)
+        assert time.monotonic() - started >= 0.9
+        a.advertise_state(1000)  # (as after its first committed step)
+        started = time.monotonic()
+        b.wait_quiet(settle, timeout=30.0, until=joinable)
+        waited = time.monotonic() - started
+    assert waited < settle / 2, f"b settled {waited:.1f}s beside a training mesh"

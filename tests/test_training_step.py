@@ -59,6 +59,7 @@ from ftmesh.training.actions import (
     WorldChanged,
 )
 from ftmesh.training.config import TrainerConfig
+from ftmesh.training.entry import LOSS_WAIT_S
 from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag, split_share
 from ftmesh.training.start import StartConfig
 from ftmesh.training.step import (
@@ -260,10 +261,7 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     # b died during the gradient allreduce, before our row went out (``row`` not called):
     # nobody can have committed the step without our row.
     a = m.feed(1.0, Failed(Failure.PEER_LOST, "b died", peer="b"))
-    assert a == ReadMembers()
-    dead = MemberInfo("b", MemberState.DEAD, "train")
-    a = m.feed(1.0, Members((dead,)))
-    assert a == WaitViewChange(view2.epoch, 0.5)  # b is not alive: wait for the view to drop it
+    assert a == WaitViewChange(view2.epoch, 0.5)  # wait for the view to drop b
     a = m.feed(1.5, ViewSeen(_view("a")))
     assert isinstance(a, WaitView)
     alone = _view("a")
@@ -281,34 +279,38 @@ def test_a_lost_peer_costs_an_attempt_on_the_same_step() -> None:
     assert stats.recovery_seconds.total == pytest.approx(0.6)
 
 
-def _wait_after_losing_live(seed: int, view: RingView) -> tuple[StepMachine, Action]:
-    """A machine (rng ``seed``) whose step on ``view`` failed with the loss of b, which
-    membership still holds alive: its next action."""
-    cfg = TrainerConfig.of(join_settle=0.0, quorum="any", straggler_factor=0)
-    m = StepMachine(cfg, "a", random.Random(seed), lambda _: BATCH)
+def _after_a_loss(view: RingView) -> tuple[StepMachine, Action]:
+    """A machine whose step on ``view`` failed with the loss of b (dead, or a neighbour
+    that gave up the ring for another member's death): its next action."""
+    m = _machine()
     _alone_until_compute(m, view)
-    assert m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b")) == ReadMembers()
-    return m, m.feed(0.0, Members((MemberInfo("b", MemberState.ALIVE, "train"),)))
+    return m, m.feed(0.0, Failed(Failure.PEER_LOST, "b broke its ring", peer="b"))
 
 
-def test_a_live_peer_is_retried_when_the_view_changes_or_after_a_random_pause() -> None:
+def test_a_retry_after_a_loss_waits_for_the_view_without_a_member() -> None:
+    """After a loss the next attempt starts the moment a view without a member of the failed
+    one arrives, never on the failed view while membership still holds the dead peer (the
+    retry failed again then: issue #30), and never after a random pause."""
     view = _view("a", "b", "c")
-    m, a = _wait_after_losing_live(0, view)
-    # Not a sleep: the wait ends the moment membership drops a peer that really died.
-    assert isinstance(a, WaitViewChange) and a.epoch == view.epoch
-    assert 0.0 < a.timeout <= 0.2
-    # The pause is drawn, so that members that failed together do not retry in lockstep.
-    timeouts = set()
-    for seed in range(4):
-        _, w = _wait_after_losing_live(seed, view)
-        assert isinstance(w, WaitViewChange) and 0.0 < w.timeout <= 0.2
-        timeouts.add(w.timeout)
-    assert len(timeouts) == 4
-    # The view without c (c died; b only gave up the ring) arrives within the wait: the
-    # retry goes on at once, on that view.
-    smaller = _view("a", "b")
-    a = m.feed(0.05, ViewSeen(smaller))
-    assert isinstance(a, WaitView)
+    m, a = _after_a_loss(view)
+    # Not a sleep: a wait for the view to change, the same for every member (no draw).
+    assert a == WaitViewChange(view.epoch, LOSS_WAIT_S)
+    assert _after_a_loss(view)[1] == a
+    # A view that only adds a member (a joiner) still holds the dead one: a retry on it
+    # would fail again, so the wait goes on, for what is left of it.
+    joined = _view("a", "b", "c", "j")
+    assert m.feed(0.1, ViewSeen(joined)) == WaitViewChange(joined.epoch, pytest.approx(0.4))
+    # The view without c arrives (c died; b only gave up the ring for it): the retry
+    # starts at once, on that view.
+    smaller = _view("a", "b", "j")
+    a = m.feed(0.15, ViewSeen(smaller))
+    assert isinstance(a, WaitView) and a.settle == 0.0
+    a = m.feed(0.15, ViewSeen(smaller))
+    assert isinstance(a, Sync | WorldChanged) and m.pending is not None
+    # No view comes within the wait (a peer that closed its connection but lives on):
+    # the same view is retried, after LOSS_WAIT_S and no longer.
+    m, a = _after_a_loss(view)
+    assert isinstance(m.feed(LOSS_WAIT_S, ViewSeen(view)), WaitView)
 
 
 def _lost_c(m: StepMachine, three: RingView, *, row_out: bool, kind: Failure) -> Action:
@@ -325,9 +327,7 @@ def _lost_c(m: StepMachine, three: RingView, *, row_out: bool, kind: Failure) ->
         assert isinstance(m.feed(1.1, Contributed(np.zeros(4, np.float32), False)), Gather)
     a = m.feed(1.1, Failed(kind, "c died", peer="c"))
     if kind is Failure.PEER_LOST:
-        assert a == ReadMembers()
-        a = m.feed(1.1, Members((MemberInfo("c", MemberState.DEAD, "train"),)))
-        assert a == WaitViewChange(three.epoch, 0.5)
+        assert a == WaitViewChange(three.epoch, LOSS_WAIT_S)
         a = m.feed(1.2, ViewSeen(_view("a", "b")))
     assert isinstance(a, WaitView)
     return m.feed(1.2, ViewSeen(_view("a", "b")))
@@ -397,15 +397,13 @@ def test_a_view_is_taken_without_a_sync_at_most_once_until_a_step_commits() -> N
     m.feed(0.0, Done())
     m.begin(1.0)
     assert isinstance(m.feed(1.0, ViewSeen(three)), Compute)
-    assert m.feed(1.1, Failed(Failure.PEER_LOST, "c died", peer="c")) == ReadMembers()
-    a = m.feed(1.1, Members((MemberInfo("c", MemberState.ALIVE, "train"),)))
+    a = m.feed(1.1, Failed(Failure.PEER_LOST, "c died", peer="c"))
     assert isinstance(a, WaitViewChange)
-    assert isinstance(m.feed(1.3, ViewSeen(three)), WaitView)  # (unchanged within the wait)
-    assert m.feed(1.3, ViewSeen(three)) == Sync(three)
-    assert m.feed(1.4, Failed(Failure.PEER_LOST, "c died", peer="c")) == ReadMembers()
-    a = m.feed(1.4, Members((MemberInfo("c", MemberState.SUSPECT, "train"),)))
-    assert a == WaitViewChange(three.epoch, 0.5)
-    assert isinstance(m.feed(1.5, ViewSeen(two)), WaitView)
+    assert isinstance(m.feed(1.6, ViewSeen(three)), WaitView)  # (unchanged within the wait)
+    assert m.feed(1.6, ViewSeen(three)) == Sync(three)
+    a = m.feed(1.7, Failed(Failure.PEER_LOST, "c died", peer="c"))
+    assert a == WaitViewChange(three.epoch, LOSS_WAIT_S)
+    assert isinstance(m.feed(1.8, ViewSeen(two)), WaitView)
     assert m.feed(1.5, ViewSeen(two)) == WorldChanged(3, 2)
 
 
@@ -517,6 +515,58 @@ def test_without_quorum_an_isolated_member_waits() -> None:
     # a step without our row, nor can any member of the view lack one we committed).
     assert m.feed(7.5, Members(dead)) == WorldChanged(3, 1)
     assert isinstance(m.feed(7.5, Done()), Compute)
+
+
+def _members(*infos: tuple[str, str, bool]) -> Members:
+    return Members(
+        tuple(MemberInfo(n, MemberState.ALIVE, role, started) for n, role, started in infos)
+    )
+
+
+def test_a_joiner_into_a_training_mesh_waits_for_no_settle() -> None:
+    """A member that finds a training mesh (a ``train`` member that advertises a committed
+    state) enters at once and takes the first view that holds it: no wait for quiet
+    membership (``join_settle``), no settled view (issue #30)."""
+    m = _machine("j", join_settle=2.0, min_peers=1)
+    assert m.begin(0.0) == ReadMembers()
+    a = m.feed(0.0, _members(("j", "joining", False), ("a", "train", True)))
+    assert a == PrepareJoin()
+    assert m.feed(0.0, Done()) == SetRole("train")
+    a = m.feed(0.0, Done())
+    assert a == WaitView(1, 0.0, 300.0)
+    assert m.feed(0.01, ViewSeen(_view("a", "j"))) == Sync(_view("a", "j"))
+
+
+def test_a_cold_start_settles_first() -> None:
+    """No training mesh yet: members started together must find each other before step 1,
+    or each would commit steps of a lonely mesh of its own (thrown away when the meshes
+    merge): wait for quiet membership, then for a view unchanged for ``join_settle / 4``
+    (so the first sync runs on all that entered together). A member that only starts (role
+    ``starting``), or trains without a committed state yet, is not a training mesh."""
+    for seen in (
+        _members(("a", "joining", False)),
+        _members(("a", "joining", False), ("b", "starting", False), ("c", "train", False)),
+        Members((MemberInfo("c", MemberState.SUSPECT, "train", True),)),
+    ):
+        m = _machine("a", join_settle=2.0)
+        assert m.begin(0.0) == ReadMembers()
+        assert m.feed(0.0, seen) == Settle(2.0, 300.0)
+        assert m.feed(2.0, Done()) == ReadMembers()
+        assert m.feed(2.0, seen) == PrepareJoin()
+        assert m.feed(2.0, Done()) == SetRole("train")
+        assert m.feed(2.0, Done()) == WaitView(1, 0.5, 298.0)
+
+
+def test_a_training_mesh_found_while_settling_ends_the_settle() -> None:
+    """The driver ends ``Settle`` early when a training mesh shows up; the member then
+    takes the first view that holds it, as any joiner."""
+    m = _machine("j", join_settle=2.0)
+    assert m.begin(0.0) == ReadMembers()
+    assert m.feed(0.0, _members(("j", "joining", False))) == Settle(2.0, 300.0)
+    assert m.feed(0.2, Done()) == ReadMembers()
+    assert m.feed(0.2, _members(("a", "train", True))) == PrepareJoin()
+    assert m.feed(0.2, Done()) == SetRole("train")
+    assert m.feed(0.2, Done()) == WaitView(1, 0.0, pytest.approx(299.8))
 
 
 def test_a_fresh_mesh_passes_the_start_gate_before_it_enters() -> None:

@@ -340,7 +340,7 @@ class FakeMesh:
         self.hub.servers[self.node_id] = fn
         return ("127.0.0.1", 1)
 
-    def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
+    def wait_quiet(self, settle: float, timeout: float = 60.0, until: Any = None) -> None:
         self._check()
 
     def view(self) -> RingView | None:

@@ -281,8 +281,14 @@ class SyncMesh:
             closed = self._closed()
             raise closed from closed.__cause__
 
-    def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
-        self.call(self.mesh.wait_quiet, settle, timeout)
+    def wait_quiet(
+        self,
+        settle: float,
+        timeout: float = 60.0,
+        until: Callable[[list[MemberSnapshot]], bool] | None = None,
+    ) -> None:
+        """See :meth:`Mesh.wait_quiet` (``until`` is called in the mesh's thread)."""
+        self.call(self.mesh.wait_quiet, settle, timeout, until)
 
     def allreduce(self, x: T, op: str = "sum", compression: Any = None) -> CollectiveResult[T]:
         """See :meth:`Mesh.allreduce`; ``compression``: ``"int8"`` or an ``Int8Compression``

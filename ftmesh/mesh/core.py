@@ -34,7 +34,7 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -328,11 +328,17 @@ class Mesh:
             with trio.CancelScope(shield=True):  # (bounded by ``spread``, at most 1 s)
                 await trio.sleep(left)
 
-    async def wait_quiet(self, settle: float, timeout: float = 60.0) -> None:
+    async def wait_quiet(
+        self,
+        settle: float,
+        timeout: float = 60.0,
+        until: Callable[[list[MemberSnapshot]], bool] | None = None,
+    ) -> None:
         """Wait until membership has had no event for ``settle`` seconds (at most
-        ``timeout``): discovery and gossip have settled."""
+        ``timeout``): discovery and gossip have settled. ``until``: also return as soon as
+        it holds for the members (looked at first and after every membership event)."""
         with trio.move_on_after(timeout):
-            while True:
+            while until is None or not until(self.node.members()):
                 with trio.move_on_after(settle) as quiet:
                     await self.view_changed()
                 if quiet.cancelled_caught:

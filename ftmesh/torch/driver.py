@@ -71,6 +71,7 @@ from ..training.actions import (
     WorldChanged,
 )
 from ..training.config import TrainerConfig
+from ..training.entry import training_mesh
 from ..training.protocol import FRESH
 from ..training.shards import round_id
 from ..training.step import StepMachine
@@ -107,6 +108,11 @@ def failure_of(exc: BaseException) -> Failed | None:
 
 def member_info(m: MemberSnapshot, excluded: bool = False) -> MemberInfo:
     return MemberInfo(m.node, m.state, role_of(m), advertises_state(m), excluded)
+
+
+def joinable(members: list[MemberSnapshot]) -> bool:
+    """Whether ``members`` hold a training mesh to join (``Settle`` ends then)."""
+    return training_mesh([member_info(m) for m in members])
 
 
 class MeshDriver:
@@ -150,7 +156,7 @@ class MeshDriver:
         mesh, cfg = self.mesh, self.config
         match action:
             case Settle(seconds, timeout):
-                mesh.wait_quiet(seconds, timeout=timeout)
+                mesh.wait_quiet(seconds, timeout=timeout, until=joinable)
             case SetRole(role):
                 mesh.set_role(role)
             case WaitToStart(timeout, rejoin):

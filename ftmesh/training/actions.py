@@ -194,7 +194,9 @@ Outcome: TypeAlias = (
 
 @dataclass(frozen=True, slots=True)
 class Settle:
-    """Wait until membership has been quiet for ``seconds`` (at most ``timeout``) -> Done."""
+    """Wait until membership has been quiet for ``seconds`` (at most ``timeout``), or until a
+    training mesh shows up (``ftmesh.training.entry.training_mesh``: then there is nothing to
+    settle, we join it) -> Done."""
 
     seconds: float
     timeout: float

@@ -3,20 +3,39 @@
 Theory of operation. :class:`Ring` is the part of the step machine (``ftmesh.training.step``)
 that deals with a member's place in the ring, as generators of the machine's actions (it
 performs nothing either). A member outside the ring *enters* it (:meth:`Ring.enter`): it
-lets membership settle (``join_settle``), passes the start gate (``ftmesh.training.start``;
-back from a fail-slow pause only into a mesh that still trains), waits as a cold spare for a
-free slot when ``max_peers`` is set (:meth:`Ring.wait_for_slot`), and takes the role
-``train``. Members that started together may all see a free slot before their roles have
-spread: one that has not trained and is past the first ``max_peers`` of a view steps back
-out (:meth:`Ring.over_max_peers`). A view is trained on only with a quorum of the last view
-the member settled on (:meth:`Ring.quorate`: members that left, that the ring leaves out,
-that stepped out as spares, or that are dead for ``quorum_grace`` do not count). A member
-steps out of the ring (role ``joining``) to re-enter it as a fresh view
-(:meth:`Ring.step_out`). After a failed attempt, the member waits for the next view as long
-as the failure calls for (:meth:`Ring.await_change`): a peer lost that membership still holds
-alive, a random ``RETRY_JITTER_S`` at most (the view change ends the wait at once); one it
-no longer does, ``LOSS_WAIT_S``; settings that others will change, ``QUORUM_POLL_S``; a
-malformed header, a jittered bounded rate.
+looks whether the mesh is already training (:func:`training_mesh`: an alive member with the
+role ``train`` advertises a committed state); if it is not (a *cold start*), it lets
+membership settle (``join_settle``: quiet for that long, or until a training mesh shows up),
+so that members started together find each other before step 1; then it passes the start
+gate (``ftmesh.training.start``; back from a fail-slow pause only into a mesh that still
+trains), waits as a cold spare for a free slot when ``max_peers`` is set
+(:meth:`Ring.wait_for_slot`), and takes the role ``train``. A member that enters a training
+mesh waits for nothing more: the machine takes the first view that holds it, and the
+members already training reach that view at their next step boundary (the ring's opening
+waits for them to confirm it), where they sync with it (issue #30). Members that started
+together may all see a free slot before their roles have spread: one that has not trained
+and is past the first ``max_peers`` of a view steps back out (:meth:`Ring.over_max_peers`).
+A view is trained on only with a quorum of the last view the member settled on
+(:meth:`Ring.quorate`: members that left, that the ring leaves out, that stepped out as
+spares, or that are dead for ``quorum_grace`` do not count). A member steps out of the ring
+(role ``joining``) to re-enter it as a fresh view (:meth:`Ring.step_out`).
+
+After a failed attempt, the member waits for the next view as long as the failure calls for
+(:meth:`Ring.await_change`), never by a sleep that the view change does not end:
+
+* a lost peer: until a view *without a member of the failed one* arrives (the retry starts
+  at that moment), at most ``LOSS_WAIT_S``; a view that only adds members (a joiner) does
+  not end the wait, since the dead member is still in it. Only when no such view comes
+  (a peer that closed its connection but lives on, a stall that membership does not judge
+  a death) is the same view retried. Retrying the failed view at once, or after a pause the
+  view change does not end, failed again whenever membership had not yet dropped the dead
+  peer (7 of 30 kills took 3 attempts with the random pause this replaced);
+* settings that others will change: ``QUORUM_POLL_S``;
+* a malformed header: ``HEADER_RETRY_S``, a bounded rate while the accusation path leaves
+  the offender out (a few strikes).
+
+None of these pauses is drawn at random: the members that failed together retry the same
+ring, and they want to open it together (a draw only delays the ring to the slowest one).
 
 A member asked to leave (``leave_requested``, read through the machine) departs at once at
 the start gate and while it waits as a spare: the ``leave`` callback raises the machine's
@@ -26,8 +45,7 @@ departure.
 from __future__ import annotations
 
 import logging
-import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import DeadlineExceeded, TrainingFinishedError
@@ -35,6 +53,7 @@ from ..membership.messages import MemberState
 from .actions import (
     Failed,
     Failure,
+    MemberInfo,
     PrepareJoin,
     ReadMembers,
     SetRole,
@@ -44,7 +63,7 @@ from .actions import (
 )
 from .config import TrainerConfig
 from .protocol import FRESH, has_quorum
-from .runs import Abort, Steps, members_of
+from .runs import Abort, Steps, members_of, seen_of
 from .start import StartConfig
 
 if TYPE_CHECKING:
@@ -56,15 +75,20 @@ SLOT_POLL_S = 1.0
 """The longest a spare waits for a membership change before looking again."""
 QUORUM_POLL_S = 1.0
 """The longest a member without quorum waits for another view before looking again."""
-RETRY_JITTER_S = 0.2
-"""After a loss of a peer that membership still holds alive, wait for the view to change at
-most this many seconds (drawn at random, so that members that failed together do not retry
-in lockstep on an unchanged view): a peer that really died is dropped by membership within
-the wait, and the retry starts the moment the view without it arrives, not after a sleep
-(issue #30)."""
 LOSS_WAIT_S = 0.5
-"""After a loss of a peer that membership no longer holds alive, how long to wait for the
-view to drop it; short, so that we are back before neighbours that wait for us give up."""
+"""After a loss, the longest a member waits for a view without a member of the failed view
+before it retries the same view (the peer then lives on: see the module docstring). Long
+enough for membership to drop a dead peer after the data plane reported it (~0.1 s on the
+``local`` preset, ``ftmesh bench recovery``), short enough that we are back before
+neighbours that wait for us give up (``view_timeout``, 5 s)."""
+HEADER_RETRY_S = 0.3
+"""After a malformed header, the pause before the next attempt unless the view changes."""
+
+
+def training_mesh(members: Sequence[MemberInfo]) -> bool:
+    """Whether ``members`` hold a training mesh to join: an alive member with the role
+    ``train`` that advertises a committed state (it has committed a step)."""
+    return any(m.state == MemberState.ALIVE and m.role == "train" and m.started for m in members)
 
 
 class Ring:
@@ -83,14 +107,27 @@ class Ring:
         """The members of the last view we settled on (the quorum is of it)."""
         self._dead_since: dict[str, float] = {}
 
-    def enter(self, now: float, deadline: float, back: bool = False) -> Steps[tuple[float, float]]:
+    def enter(
+        self, now: float, deadline: float, back: bool = False
+    ) -> Steps[tuple[float, float, bool]]:
         """Into the ring; ``back`` from a fail-slow pause: only into a mesh that still trains
         (the gate stops us with ``TrainingFinishedError`` if the others finished meanwhile,
-        instead of our training the rest alone)."""
+        instead of our training the rest alone). Returns the time, the deadline and whether
+        the mesh was training (then the first view that holds us will do: no settle)."""
         cfg = self.config
-        # Let discovery and gossip settle (so we join the mesh that is there instead of
-        # starting a lonely one), then enter the ring at a step boundary.
-        now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
+        training = False
+        if cfg.join_settle > 0:
+            now, out = yield ReadMembers()
+            training = training_mesh(members_of(out))
+        if not training:
+            # A cold start: let discovery and gossip settle, so that members started
+            # together find each other before step 1 instead of each training a lonely
+            # mesh of its own (whose steps are thrown away when the meshes merge). The
+            # driver ends the wait early when a training mesh shows up.
+            now, _ = yield Settle(cfg.join_settle, max(deadline - now, 0.1))
+            if cfg.join_settle > 0:
+                now, out = yield ReadMembers()
+                training = training_mesh(members_of(out))
         if self.start.waits or back:
             now, _ = yield WaitToStart(max(deadline - now, 0.1), rejoin=back)
             self.leave()
@@ -100,7 +137,7 @@ class Ring:
         now, _ = yield PrepareJoin()
         now, _ = yield SetRole("train")
         self.in_ring = True
-        return now, deadline
+        return now, deadline, training
 
     def wait_for_slot(self, now: float) -> Steps[float]:
         """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots
@@ -146,29 +183,28 @@ class Ring:
         yield SetRole("joining")
         self.in_ring = False
 
-    def await_change(
-        self, now: float, view: RingView, failure: Failed, rng: random.Random
-    ) -> Steps[float]:
+    def await_change(self, now: float, view: RingView, failure: Failed) -> Steps[float]:
         """After an attempt on ``view`` failed with ``failure``: wait for the view to change,
-        as long as the failure calls for (``rng`` draws the jitter)."""
+        as long as the failure calls for (see the module docstring)."""
         if failure.kind is Failure.PEER_LOST:
-            now, members = yield ReadMembers()
-            states = {m.node: m.state for m in members_of(members)}
-            if states.get(failure.peer) == MemberState.ALIVE:
-                # A neighbour that gave up a ring and forms the next one, or a peer that
-                # died and is not suspected yet: the view change ends the wait.
-                jitter = rng.uniform(0.0, RETRY_JITTER_S)
-                now, _ = yield WaitViewChange(view.epoch, jitter)
-            else:
-                now, _ = yield WaitViewChange(view.epoch, LOSS_WAIT_S)
+            # Whoever the failure names (the dead peer, or a neighbour that gave up the ring
+            # for it), the ring that works is on a view without a member of this one.
+            end, epoch, wait = now + LOSS_WAIT_S, view.epoch, LOSS_WAIT_S
+            while wait > 0:
+                now, seen = yield WaitViewChange(epoch, wait)
+                new = seen_of(seen)
+                if new is None or new.epoch == epoch:
+                    break  # none came: retry (the peer lives on)
+                if not set(view.node_ids) <= set(new.node_ids):
+                    break  # a member is gone: retry on this view at once
+                # Only members added (a joiner): the lost one is still in; wait on.
+                epoch, wait = new.epoch, end - now
         elif failure.kind is Failure.SETTINGS:  # until the odd ones have left
             now, _ = yield WaitViewChange(view.epoch, QUORUM_POLL_S)
         elif failure.kind is Failure.HEADER:
             # Until the accusation path leaves the offender out (a few strikes): retry at
             # a bounded rate, or when the view changes.
-            now, _ = yield WaitViewChange(
-                view.epoch, RETRY_JITTER_S + rng.uniform(0.0, RETRY_JITTER_S)
-            )
+            now, _ = yield WaitViewChange(view.epoch, HEADER_RETRY_S)
         return now
 
     def over_max_peers(self, view: RingView, committed: int) -> bool:

@@ -8,22 +8,27 @@ view, run the sync allreduce, fetch state, compute this share, write a checkpoin
 driver (``ftmesh.torch.ElasticTrainer``) carries each one out and feeds back its *outcome*
 (a typed value: a view, a reduced vector, bytes fetched, a :class:`Failed` with a
 :class:`Failure` kind). Time comes in with every outcome and randomness from a seeded
-``random.Random``, so a test drives the machine through any sequence of views, failures and
-timeouts instantly and reproducibly (``tests/test_training_step.py``), with no process,
-thread or socket.
+``random.Random`` (no decision draws from it today: the retry pauses are fixed), so a test
+drives the machine through any sequence of views, failures and timeouts instantly and
+reproducibly (``tests/test_training_step.py``), with no process, thread or socket.
 
 One call of :meth:`StepMachine.begin` starts a *run*: a step (``"step"``), a join without
 computing (``"join"``: enter the ring and sync; ``ElasticTrainer.epochs`` positions a joiner
 before its loop starts), or the final sync before leaving (``"finish"``). A run is a sequence
 of *attempts*:
 
-1. **Enter** (outside the ring only): let membership settle (``join_settle``); pass the start
+1. **Enter** (outside the ring only): into a mesh that is already training, at once (no
+   wait for quiet membership: the next step boundary after we have the view and the state,
+   issue #30); on a cold start, let membership settle first (``join_settle``: members
+   started together find each other before step 1, ``ftmesh.training.entry``); pass the start
    gate (``ftmesh.training.start``: in a mesh that has not started, wait for ``start_peers``
    members, a majority at the timeout, else ``MeshNotFormedError``; a member started to join
    a running mesh waits for one); as a cold spare, wait for a free slot; then take the role
    ``train``.
-2. **View**: wait for a view of ``min_peers``; a cold spare that is one too many steps back
-   out; without a quorum of the last view, wait for another view.
+2. **View**: wait for a view of ``min_peers`` (on a cold start, one unchanged for
+   ``join_settle / 4``, so that the first sync runs on all the members that entered
+   together); a cold spare that is one too many steps back out; without a quorum of the
+   last view, wait for another view.
 3. **Sync** (when the view differs from the one we last synced on): the sync allreduce, then
    fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
    the optimizer state in sharded mode. If the sync shows that the others committed the step
@@ -55,9 +60,10 @@ of *attempts*:
 
 A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
 attempt: the machine forgets the synced view (the next attempt syncs again, unless the sync
-is needless, as in 3), pauses as the failure calls for (``Ring.await_change``: a lost peer
-that membership still holds alive, until the view changes, at most a random
-``RETRY_JITTER_S``), and starts over at 1 or 2. The step's global batch never changes
+is needless, as in 3), pauses as the failure calls for (``Ring.await_change``: after a
+lost peer, until a view without a member of the failed one arrives, at most
+``LOSS_WAIT_S``: never a sleep the view change does not end, nor an immediate retry on the
+view that has just lost a member), and starts over at 1 or 2. The step's global batch never changes
 between attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 
 The machine owns the run, written as one generator per phase (enter and view, quorum, sync
@@ -465,11 +471,15 @@ class StepMachine:
             now = yield from self._pause(now)
             run.deadline = now + cfg.step_timeout
             back = True
+        settle = 0.0
         if not self.in_ring:
-            now, run.deadline = yield from self.ring.enter(now, run.deadline, back)
-            settle = cfg.join_settle / 4
-        else:
-            settle = 0.0
+            now, run.deadline, training = yield from self.ring.enter(now, run.deadline, back)
+            if not training:
+                # A cold start: the members that entered together wait until their roles
+                # have spread, so that the first sync runs on all of them rather than on a
+                # part of them that the next view supersedes (a lost attempt, not a wrong
+                # step). Into a training mesh the first view that holds us will do.
+                settle = cfg.join_settle / 4
         now, seen = yield WaitView(cfg.min_peers, settle, max(run.deadline - now, 0.1))
         if self.leave_requested and seen_of(seen) is None:
             self._depart()
@@ -610,7 +620,7 @@ class StepMachine:
             # member sees as a view change (and a fresh sync).
             yield from self.syncer.step_out()
             return now
-        return (yield from self.ring.await_change(now, view, failure, self.rng))
+        return (yield from self.ring.await_change(now, view, failure))
 
     def _done(
         self,
