@@ -343,7 +343,7 @@ def test_published_progress_does_not_keep_membership_awake(tmp_path: Path) -> No
     assert waited < 20.0, f"wait_quiet ran to its timeout ({waited:.1f}s)"
 
 
-def test_a_joiner_stops_settling_once_it_sees_ajoinable(tmp_path: Path) -> None:
+def test_a_joiner_stops_settling_once_it_sees_a_training_mesh(tmp_path: Path) -> None:
     """``Settle`` (the driver's ``wait_quiet`` with ``until``) ends as soon as the member sees
     a training mesh (a ``train`` member advertising a committed state), however long the
     settle: a joiner does not wait for quiet membership (issue #30). The member that only
