@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftmesh.bench.recovery import PHASES, _counts, kill_phases
+from ftmesh.bench.recovery import JOIN_PHASES, PHASES, _counts, join_phases, kill_phases
 
 
 def test_the_phases_follow_the_milestones_and_add_up_to_the_step() -> None:
@@ -48,3 +48,14 @@ def test_a_milestone_that_came_early_or_is_missing() -> None:
 def test_attempts_are_counted_by_value() -> None:
     assert _counts([2, 1, 2, 3, 2]) == {"1": 1, "2": 3, "3": 1}
     assert _counts([]) == {}
+
+
+def test_a_joins_phases_add_up_to_its_start_to_step() -> None:
+    hello = {"t_start": 10.5, "t_imported": 12.0, "t_connected": 13.25}
+    p = join_phases(10.0, hello, 13.5)
+    assert list(p) == list(JOIN_PHASES)
+    assert p == pytest.approx(
+        {"interpreter_s": 0.5, "imports_s": 1.5, "connect_s": 1.25, "enter_s": 0.25}
+    )
+    assert sum(p.values()) == pytest.approx(3.5)
+    assert join_phases(10.0, None, 13.5) == {}

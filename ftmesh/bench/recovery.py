@@ -14,7 +14,10 @@ record that shows X (so it includes the record's trip through the pipe, well und
    between steps), SIGKILL a random member, and time the first step a survivor commits on a
    view of N-1 members without the victim (``kill_to_step_s``). A replacement is started right
    away and must have committed a step on the full view before the next kill; its sync gives
-   the join numbers. The workers' own timelines (spans of every mesh call, see
+   the join numbers, and its timeline the join's: ``join_start_to_step_s`` (process start to
+   its first committed step, each join's in ``joins_detail``) and ``join_phases_s`` (medians
+   of :func:`join_phases`: interpreter, imports, connect, enter: the last is the trainer's
+   entry into the ring up to that step). The workers' own timelines (spans of every mesh call, see
    ``workloads/mlp_worker.py``) give ``kill_breakdown_s``: the medians, from the kill, of the
    moment the first survivor's collective failed (EOF / abort), the moment its view dropped the
    victim (membership), the start and end of the state-agreement sync on the new view, the
@@ -69,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -113,6 +117,9 @@ class Proc:
     node: str = ""
     killed: bool = False
     stopped: bool = False
+    hello: dict[str, Any] | None = None
+    """Its first record (``mlp_worker``): its own clock readings of its start, imports done
+    and mesh connected (the same monotonic clock as ours: one host)."""
 
     @property
     def pid(self) -> int:
@@ -329,6 +336,7 @@ class FtmeshMesh:
         _, proc, rec = ev
         if rec.get("hello"):
             proc.node = str(rec["node"])
+            proc.hello = rec
             self.by_node[proc.node] = proc
             self.full = {}
         if "ev" in rec:
@@ -483,6 +491,7 @@ class FtmeshMesh:
             "bytes": float(rec["sync_bytes"]),
             "sync_seconds": float(rec["sync_seconds"]),
             "start_to_step_s": ev[0] - joiner.started,
+            **join_phases(joiner.started, joiner.hello, ev[0]),
         }
         if fts:
             out["transfer_seconds"] = fts[-1]["b"] - fts[-1]["a"]
@@ -854,6 +863,24 @@ PHASES = (
 ends it."""
 
 
+JOIN_PHASES = ("interpreter_s", "imports_s", "connect_s", "enter_s")
+"""A join's phases, from the joiner's process start to its first committed step (received)."""
+
+
+def join_phases(started: float, hello: dict[str, Any] | None, received: float) -> dict[str, float]:
+    """A join's consecutive phases (:data:`JOIN_PHASES`; they add up to ``start_to_step_s``):
+    ``interpreter_s`` (process start to the worker's first line), ``imports_s`` (torch and
+    ftmesh), ``connect_s`` (the model built and ``ftmesh.connect``), ``enter_s`` (the
+    trainer enters the ring, takes a view, syncs, fetches the state, and its first step
+    commits: what ``join_settle`` used to add seconds to, issue #30). ``{}`` without the
+    worker's hello."""
+    if hello is None:
+        return {}
+    stamps = (started, hello["t_start"], hello["t_imported"], hello["t_connected"], received)
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return {k: float(g) for k, g in zip(JOIN_PHASES, gaps, strict=True)}
+
+
 def kill_phases(milestones: dict[str, float | None]) -> dict[str, float | None]:
     """Consecutive phases of one recovery from its milestones (seconds after the signal):
     each phase lasts from the latest milestone before it to its own (0 when its milestone
@@ -958,6 +985,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "join_transfer_mb_per_s": transfer,
         "join_sync_seconds": _median([j["sync_seconds"] for j in joins]),
         "join_start_to_step_s": _median([j["start_to_step_s"] for j in joins]),
+        "join_phases_s": {k: _median([j.get(k) for j in joins]) for k in JOIN_PHASES},
         "join_sync_breakdown_s": {
             k: _median([j.get(k) for j in joins])
             for k in ("serialize_own_s", "digest_s", "agree_s", "fetch_s", "load_s")
@@ -1015,6 +1043,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"  SIGSTOP -> next step: median {_fmt(s['median'])}  p99 {_fmt(s['p99'])}  "
         f"(bound {r['suspicion_bound_s']:.2f}s + 1s)",
         f"  SIGCONT -> rejoined: median {_fmt(r['sigcont_to_rejoin_s']['median'])}",
+        f"  joiner start -> first step: median {_fmt(r['join_start_to_step_s'])} (per join: "
+        + ", ".join(_fmt(j["start_to_step_s"], "") for j in r["joins_detail"])
+        + "); phases (medians): "
+        + ", ".join(f"{k[:-2]} {_fmt(v, '')}" for k, v in r["join_phases_s"].items()),
         f"  join: {_fmt(r['join_mb_per_s'], ' MB/s')} (sync), "
         f"{_fmt(r['join_transfer_mb_per_s'], ' MB/s')} (fetch only); raw TCP "
         f"{r['raw_tcp_mb_per_s']:.0f} MB/s -> {_fmt(r['join_vs_ceiling'], 'x')} / "

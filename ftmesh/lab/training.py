@@ -53,9 +53,10 @@ if TYPE_CHECKING:
 RECOVERY_BOUND = 30.0
 """Seconds from a single view to every member training together again. The slowest legitimate
 path we know: a collective stalled on a member that vanished waits the data plane's
-``io_timeout`` (10 s), the retry waits ``view_timeout`` (5 s) for ring agreement, a joiner
-waits ``join_settle`` (2 s) before entering the ring, a member that lost its majority waits the
-quorum grace (5 s); plus CPU slack (``chaos.CPU_SLACK``) and a state fetch."""
+``io_timeout`` (10 s), the retry waits ``view_timeout`` (5 s) for ring agreement, a member
+that finds no training mesh waits ``join_settle`` (2 s) before entering the ring (one that
+finds one enters at once), a member that lost its majority waits the quorum grace (5 s);
+plus CPU slack (``chaos.CPU_SLACK``) and a state fetch."""
 
 STARTUP_BOUND = 120.0
 """Seconds from the first single view to every member training together (each worker imports
