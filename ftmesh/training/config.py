@@ -88,8 +88,11 @@ class TrainerConfig:
     """A step that has not committed after this long raises ``DeadlineExceeded``. Also bounds
     how long members wait for each other's state transfers."""
     join_settle: float = 2.0
-    """Before entering the ring, a member waits for membership to be quiet this long, so that
-    it joins the mesh that is there instead of starting a lonely one."""
+    """On a cold start (no training mesh in sight: ``ftmesh.training.entry.training_mesh``),
+    a member waits before entering the ring for membership to be quiet this long (or until a
+    training mesh shows up), so that members started together find each other before step 1
+    instead of each starting a lonely mesh; then for a view unchanged for a quarter of it. A
+    member that finds a training mesh waits for neither (issue #30)."""
     start_peers: int | None = None
     """A mesh that has not started waits for this many members before its first step (at most
     ``start_timeout``; then more than half of them go ahead, fewer give up with
