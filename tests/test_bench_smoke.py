@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from ftmesh.bench.recovery import JOIN_PHASES
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
@@ -68,6 +70,11 @@ def test_recovery_bench_smoke() -> None:
     assert _positive(r["join_mb_per_s"]), r
     assert _positive(r["raw_tcp_mb_per_s"]), r
     assert r["joins"] == 2  # the replacements of the killed and of the departed member
+    for join in r["joins_detail"]:  # process start -> first step, in phases that add up
+        phases = [join[k] for k in JOIN_PHASES]
+        assert all(v >= 0 for v in phases), join
+        assert sum(phases) == pytest.approx(join["start_to_step_s"], abs=1e-3)
+    assert list(r["join_phases_s"]) == list(JOIN_PHASES)
     leave = r["leave_to_step_s"]
     assert leave["n"] == 1 and 0 < leave["median"] < 60, leave
     assert r["leave_steps_redone"] == [0], r["leave_steps_redone"]  # a departure costs no retry
