@@ -55,7 +55,7 @@ def test_a_joins_phases_add_up_to_its_start_to_step() -> None:
     p = join_phases(10.0, hello, 13.5)
     assert list(p) == list(JOIN_PHASES)
     assert p == pytest.approx(
-        {"interpreter_s": 0.5, "imports_s": 1.5, "connect_s": 1.25, "enter_s": 0.25}
+        {"launch_s": 0.5, "imports_s": 1.5, "connect_s": 1.25, "enter_s": 0.25}
     )
     assert sum(p.values()) == pytest.approx(3.5)
     assert join_phases(10.0, None, 13.5) == {}

@@ -16,7 +16,7 @@ record that shows X (so it includes the record's trip through the pipe, well und
    away and must have committed a step on the full view before the next kill; its sync gives
    the join numbers, and its timeline the join's: ``join_start_to_step_s`` (process start to
    its first committed step, each join's in ``joins_detail``) and ``join_phases_s`` (medians
-   of :func:`join_phases`: interpreter, imports, connect, enter: the last is the trainer's
+   of :func:`join_phases`: launch, imports, connect, enter: the last is the trainer's
    entry into the ring up to that step). The workers' own timelines (spans of every mesh call, see
    ``workloads/mlp_worker.py``) give ``kill_breakdown_s``: the medians, from the kill, of the
    moment the first survivor's collective failed (EOF / abort), the moment its view dropped the
@@ -863,17 +863,18 @@ PHASES = (
 ends it."""
 
 
-JOIN_PHASES = ("interpreter_s", "imports_s", "connect_s", "enter_s")
+JOIN_PHASES = ("launch_s", "imports_s", "connect_s", "enter_s")
 """A join's phases, from the joiner's process start to its first committed step (received)."""
 
 
 def join_phases(started: float, hello: dict[str, Any] | None, received: float) -> dict[str, float]:
     """A join's consecutive phases (:data:`JOIN_PHASES`; they add up to ``start_to_step_s``):
-    ``interpreter_s`` (process start to the worker's first line), ``imports_s`` (torch and
-    ftmesh), ``connect_s`` (the model built and ``ftmesh.connect``), ``enter_s`` (the
-    trainer enters the ring, takes a view, syncs, fetches the state, and its first step
-    commits: what ``join_settle`` used to add seconds to, issue #30). ``{}`` without the
-    worker's hello."""
+    ``launch_s`` (process start to the worker's first line: the interpreter and the packages
+    its module sits in, ``ftmesh.bench.workloads`` importing torch), ``imports_s`` (the rest
+    of the worker's imports), ``connect_s`` (the model built and ``ftmesh.connect``),
+    ``enter_s`` (the trainer enters the ring, takes a view, syncs, fetches the state, and its
+    first step commits: what ``join_settle`` used to add seconds to, issue #30). ``{}``
+    without the worker's hello."""
     if hello is None:
         return {}
     stamps = (started, hello["t_start"], hello["t_imported"], hello["t_connected"], received)
