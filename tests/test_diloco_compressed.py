@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_compression_trainer_shared import SAMPLES, _data, _loss
 from test_sync_mesh import common_view
 from tests_support import local_mesh_config, on_member_threads
 
@@ -21,25 +22,14 @@ from ftmesh.training.config import DiLoCo
 
 pytestmark = pytest.mark.timeout(180)
 
-SAMPLES, ROUND_BATCH, ROUNDS = 192, 48, 8
+ROUND_BATCH, ROUNDS = 24, 8
 SETTINGS = DiLoCo(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
 
 
 def _model() -> torch.nn.Module:
+    """Smaller than the shared-scale test's (its data, its loss): one bucket, per-block scales."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(SAMPLES, 32, generator=g)
-    return x, (x[:, :4] * 2).tanh()
-
-
-def _loss(model: torch.nn.Module) -> float:
-    x, y = _data()
-    with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(model(x), y))
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
 
 
 def _train(ms: list[SyncMesh], compression: str | None) -> tuple[list[list[str]], float]:
