@@ -118,9 +118,9 @@ COMMANDS: list[tuple[Path, str, str, str | None]] = [
     ),
     (
         GUIDE / "lab.md",
-        ".venv/bin/ftmesh lab chaos --hosts 3 --duration 30 --workload train --plot chaos.png",
+        ".venv/bin/ftmesh lab chaos --hosts 3 --duration 10 --workload train --plot chaos.png",
         "test_plots.py",
-        'DOCS_CHAOS = "lab chaos --hosts 3 --duration 30 --workload train --plot chaos.png"',
+        'DOCS_CHAOS = "lab chaos --hosts 3 --duration 10 --workload train --plot chaos.png"',
     ),
     (
         GUIDE / "benchmarks.md",

@@ -19,6 +19,7 @@ import json
 import secrets
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +75,14 @@ def _nspid(pid: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bin folder of an environment with exactly what the Dockerfile installs."""
+    """The bin folder of an environment with exactly what the Dockerfile installs (the wheel
+    is built while the fresh environment gets torch: two subprocesses, overlapped)."""
     tmp = tmp_path_factory.mktemp("image")
-    env = fresh_env(tmp / "image")
-    run(
-        ["pip", "install", "-q", *dockerfile_requirements(DOCKERFILE, build_wheel(tmp))],
-        tmp,
-        env,
-        600,
-    )
+    with ThreadPoolExecutor(1) as pool:
+        wheel = pool.submit(build_wheel, tmp)
+        env = fresh_env(tmp / "image")
+        reqs = dockerfile_requirements(DOCKERFILE, wheel.result())
+    run(["pip", "install", "-q", *reqs], tmp, env, 600)
     return tmp / "image" / "bin"
 
 

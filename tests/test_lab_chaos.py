@@ -3,8 +3,10 @@ and on 4 hosts that train a model with ``ElasticTrainer`` (``--workload train``,
 kinds of issue 17 among them), zero violations with digests compared at every step.
 
 Each soak is sized to what it shows: it ends after the fault that completes its seed's set
-of kinds (``SOAK_FAULTS``, ``TRAIN_SOAK_FAULTS``: the plans are a function of the seed),
-within a time cap. ``FTMESH_SOAK_SECONDS`` / ``FTMESH_TRAIN_SOAK_SECONDS`` (or
+of kinds (``SOAK_FAULTS``: all ten kinds of a membership run; ``TRAIN_SOAK_FAULTS``: every
+kind of issue 17, a kill and a 2+2 partition), within a time cap. The schedule is a function
+of the seed (:func:`_schedule` replays the runner's draws; each soak checks that its run
+injected exactly that schedule). ``FTMESH_SOAK_SECONDS`` / ``FTMESH_TRAIN_SOAK_SECONDS`` (or
 ``FTMESH_NIGHTLY=1``: 180 s and 120 s) run them for that long instead, whatever the count.
 Plus the runner's planning and plug-in interface without a lab. (The training invariants
 themselves are tested on fabricated records in ``test_lab_training.py``.)"""
@@ -24,7 +26,16 @@ from tests_support import NIGHTLY
 
 from ftmesh.bench.plots import chaos_series
 from ftmesh.lab import chaos
-from ftmesh.lab.chaos import KINDS, WORKLOAD_KINDS, ChaosContext, ChaosRunner, Phase, parse_kinds
+from ftmesh.lab.chaos import (
+    KINDS,
+    WORKLOAD_KINDS,
+    ChaosContext,
+    ChaosRunner,
+    ChaosSummary,
+    FaultPlan,
+    Phase,
+    parse_kinds,
+)
 from ftmesh.lab.netns import LabError
 from ftmesh.lab.procs import SeenRecord
 from ftmesh.lab.training import TrainingWorkload
@@ -36,34 +47,60 @@ needs_root = pytest.mark.skipif(
 
 TIMED = NIGHTLY or "FTMESH_SOAK_SECONDS" in os.environ
 SOAK_SECONDS = float(os.environ.get("FTMESH_SOAK_SECONDS", "180"))
-SOAK_SEED = 20240611
+SOAK_SEED = 10237
 SOAK_FAULTS = 10
-"""Its seed's first 10 faults hold 6 kinds (loss, one_way, junk, kill, freeze, partition)."""
+"""Its seed's first 10 faults are the 10 kinds of a membership run, one each: a 2+3
+partition for 5 s, link flaps, a one-way link, a rate limit, a kill, a freeze, a rogue with
+garbage metadata, an idle-connection flood, a junk flood and loss on one host."""
+MEMBERSHIP_KINDS = set(KINDS) - set(WORKLOAD_KINDS)
 TRAIN_TIMED = NIGHTLY or "FTMESH_TRAIN_SOAK_SECONDS" in os.environ
 TRAIN_SOAK_SECONDS = float(os.environ.get("FTMESH_TRAIN_SOAK_SECONDS", "120"))
 TRAIN_SOAK_SEED = 3142
-TRAIN_SOAK_FAULTS = 16
-"""Its schedule has, within two minutes, every kind of issue 17 (a rogue member with garbage
-metadata, an idle-connection flood, one-way links, a blocked data port, a clock step), a kill
-(a fresh worker joins and catches up) and a 2+2 partition (no side has a majority). (The
+TRAIN_SOAK_FAULTS = 8
+"""Its first 8 faults hold every kind of issue 17 (a rogue member with garbage metadata, an
+idle-connection flood, a one-way link, a blocked data port, a clock step), a kill (a fresh
+worker joins and catches up) and a 2+2 partition (no side has a majority), the 8th. (The
 membership soak above covers freezes, link flaps and junk.)"""
 NEW_KINDS = {"bad_meta", "conn_flood", "one_way", "unreachable", "clock_step"}
-"""(The 16th fault of its plan is the first clock step: ``TRAIN_SOAK_FAULTS``.)"""
 
 
-def _first_kinds(runner: ChaosRunner, count: int) -> set[str]:
-    return {runner.plan().kind for _ in range(count)}
+def _schedule(runner: ChaosRunner, count: int) -> list[FaultPlan]:
+    """The first ``count`` faults ``runner`` injects: its plans, with the other draws a run
+    makes from the same generator in between (a link flap's pauses, a junk flood's seed, the
+    pause after every fault) taken in the same order."""
+    plans = []
+    for _ in range(count):
+        plan = runner.plan()
+        if plan.kind == "link_flap":
+            for _ in range(plan.flaps - 1):
+                runner.rng.random()
+        elif plan.kind == "junk":
+            runner.rng.randrange(1 << 30)
+        runner.rng.uniform(0.5, 2.0)
+        plans.append(plan)
+    return plans
+
+
+def _ran_its_schedule(summary: ChaosSummary, runner: ChaosRunner) -> None:
+    """The run injected the faults :func:`_schedule` predicts of its seed (what the counts
+    of the soaks rely on)."""
+    ran = [(r.kind, tuple(r.hosts), r.hold_s) for r in summary.records]
+    fresh = ChaosRunner(hosts=runner.hosts, seed=runner.seed, workload=runner.workload)
+    planned = _schedule(fresh, len(ran))
+    assert ran == [(p.kind, p.hosts, p.hold) for p in planned]
 
 
 def test_the_counted_soaks_hold_their_kinds() -> None:
     """What the soaks below assert of their kinds holds of their first faults by plan."""
-    membership = _first_kinds(ChaosRunner(hosts=5, seed=SOAK_SEED), SOAK_FAULTS)
-    assert len(membership) >= 5, membership
+    membership = _schedule(ChaosRunner(hosts=5, seed=SOAK_SEED), SOAK_FAULTS)
+    assert {p.kind for p in membership} == MEMBERSHIP_KINDS
     workload = TrainingWorkload(seed=TRAIN_SOAK_SEED)
-    train = _first_kinds(
+    train = _schedule(
         ChaosRunner(hosts=4, seed=TRAIN_SOAK_SEED, workload=workload), TRAIN_SOAK_FAULTS
     )
-    assert train >= NEW_KINDS | {"kill", "partition"}, train
+    assert {p.kind for p in train} >= NEW_KINDS | {"kill", "partition"}, train
+    (split,) = [p.groups for p in train if p.kind == "partition"]
+    assert sorted(map(len, split)) == [2, 2], split
 
 
 def test_plan_is_a_function_of_the_seed() -> None:
@@ -138,6 +175,9 @@ def test_chaos_soak_fixed_seed_has_no_violations(
     assert summary.faults_total >= 10
     assert summary.recoveries == summary.faults_total
     assert len(summary.faults) >= 5, summary.faults  # most kinds were exercised
+    if not TIMED:
+        assert set(summary.faults) == MEMBERSHIP_KINDS, summary.faults  # all of them
+    _ran_its_schedule(summary, runner)
     assert plugin.calls.get("settled", 0) == summary.faults_total + 1
     assert plugin.calls.get("final") == 1 and plugin.calls.get("tick", 0) > 0
     # The timeline --plot draws: ftmesh node members commit nothing; view changes were seen.
@@ -172,6 +212,9 @@ def test_training_chaos_soak_fixed_seed_has_no_violations(
     assert summary.violations == [], summary.violations_by_kind
     assert summary.faults_total >= 8
     assert set(summary.faults) >= NEW_KINDS, summary.faults
+    if not TRAIN_TIMED:
+        assert {"kill", "partition"} <= set(summary.faults), summary.faults
+    _ran_its_schedule(summary, runner)
     assert summary.recoveries == summary.faults_total
     stats = summary.workload_stats
     resumed = [r for r in summary.records if r.resume_s is not None]

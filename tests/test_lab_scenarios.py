@@ -98,8 +98,9 @@ def test_ten_percent_loss_for_a_minute_no_false_deaths(lan4: VirtualLan, tmp_pat
         LabMesh(lan4, tmp_path, mesh="lanp", preset="lan") as lan_mesh,
         LabMesh(lan4, tmp_path, mesh="localp", preset="local") as local_mesh,
     ):
-        lan_mesh.start_all()
-        local_mesh.start_all()
+        both = [m.start(h, wait=False) for m in (lan_mesh, local_mesh) for h in range(4)]
+        for node in both:  # (all eight started before any is awaited)
+            node.wait_started()
         lan_mesh.wait_one_view(60)
         local_mesh.wait_one_view(30)
         lan4.set_lan_loss(10)

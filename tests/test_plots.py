@@ -322,7 +322,7 @@ def test_check_plot_path(tmp_path: Path) -> None:
         check_plot_path(tmp_path / "d.png")
 
 
-DOCS_CHAOS = "lab chaos --hosts 3 --duration 30 --workload train --plot chaos.png"
+DOCS_CHAOS = "lab chaos --hosts 3 --duration 10 --workload train --plot chaos.png"
 """The line of docs/guide/lab.md (after ``.venv/bin/ftmesh``); tests/test_docs.py holds the page
 to it."""
 

@@ -48,8 +48,15 @@ def test_unreachable_data_address_is_left_out_and_taken_back(tmp_path: Path) -> 
         for name in ("h0", "h1"):
             argv = worker_argv(name, registry=reg)
             procs.append(
-                NodeProcess(argv, stderr_path=tmp_path / f"{name}.stderr", start_timeout=START)
+                NodeProcess(
+                    argv,
+                    stderr_path=tmp_path / f"{name}.stderr",
+                    start_timeout=START,
+                    wait_started=False,  # (both import torch at once, then awaited)
+                )
             )
+        for p in procs:
+            p.wait_started()
         good = list(procs)
         rest = {p.node_id for p in good}
         t = wait_commit(good, on_view(rest), timeout=120.0)
@@ -137,8 +144,15 @@ def test_one_way_link_between_two_of_three_lab_hosts(tmp_path: Path) -> None:
                 argv = ["ip", "netns", "exec", lan.ns_name(h)]
                 argv += worker_argv(f"h{h}", "--interface", lan.host_ip(h), "--preset", "lan")
                 procs.append(
-                    NodeProcess(argv, stderr_path=tmp_path / f"h{h}.stderr", start_timeout=START)
+                    NodeProcess(
+                        argv,
+                        stderr_path=tmp_path / f"h{h}.stderr",
+                        start_timeout=START,
+                        wait_started=False,  # (all three import torch at once, then awaited)
+                    )
                 )
+            for p in procs:
+                p.wait_started()
             ids = {p.node_id for p in procs}
             t = wait_commit(procs, on_view(ids), timeout=120.0)
             time.sleep(max(0.0, t + WINDOW - time.monotonic()))
@@ -185,17 +199,21 @@ def test_insiders_are_left_out_after_the_threshold_and_training_resumes(tmp_path
     reg = tmp_path / "reg"
     strikes = CFG.bad_bytes_strikes
 
-    def start(name: str, *extra: str) -> NodeProcess:
+    def start(name: str, *extra: str, wait: bool = True) -> NodeProcess:
         argv = worker_argv(name, *extra, registry=reg)
-        return NodeProcess(argv, stderr_path=tmp_path / f"{name}.stderr", start_timeout=START)
+        return NodeProcess(
+            argv, stderr_path=tmp_path / f"{name}.stderr", start_timeout=START, wait_started=wait
+        )
 
     procs: list[NodeProcess] = []
     try:
         liar = start("h0", "--fault", "flip-state", "--fault-on-start")
         procs.append(liar)
         wait_commit([liar], on_view({liar.node_id}, 10), timeout=120.0)
-        honest = [start("h1"), start("h2")]
+        honest = [start("h1", wait=False), start("h2", wait=False)]
         procs += honest
+        for p in honest:
+            p.wait_started()
         pair = {p.node_id for p in honest}
         joined = time.monotonic()
         resumed = wait_commit(honest, on_view(pair), timeout=90.0)

@@ -134,13 +134,18 @@ def one_run(kind: str, insider: bool, cfg: dict[str, Any], workdir: Path) -> dic
     mesh = f"insider-{os.getpid()}-{workdir.name}"
     procs: list[NodeProcess] = []
     try:
-        for name in names:
+        for name in names:  # all started, then each awaited: they import torch in parallel
             argv = _worker_argv(cfg, name, mesh, registry, kind)
             procs.append(
                 NodeProcess(
-                    argv, stderr_path=workdir / f"{name}.stderr", start_timeout=START_TIMEOUT
+                    argv,
+                    stderr_path=workdir / f"{name}.stderr",
+                    start_timeout=START_TIMEOUT,
+                    wait_started=False,
                 )
             )
+        for p in procs:
+            p.wait_started()
         honest, bad = procs[:-1], procs[-1]
         everyone = {p.node_id for p in procs}
         pair = everyone - {bad.node_id}

@@ -14,8 +14,10 @@ of them as suspect. Dead processes from earlier faults (a killed member's id) mu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +36,9 @@ POLL_INTERVAL = 0.1
 
 STATUS_TIMEOUT = 3.0
 """Seconds ``ftmesh status`` may search for (and then talk to) a member."""
+
+STATUS_WAIT = 30.0
+"""Seconds :meth:`LabMesh.status_views` waits for all of its ``ftmesh status`` processes."""
 
 
 def node_argv(
@@ -96,8 +101,11 @@ class LabMesh:
 
     # --- processes -------------------------------------------------------------------------
 
-    def start(self, host: int, *, secret_file: Path | None = None) -> NodeProcess:
-        """Start a fresh member on ``host`` (a new node id); the host must have none running."""
+    def start(
+        self, host: int, *, secret_file: Path | None = None, wait: bool = True
+    ) -> NodeProcess:
+        """Start a fresh member on ``host`` (a new node id); the host must have none running.
+        ``wait=False``: return before its first event (:meth:`NodeProcess.wait_started`)."""
         slot = self.slots[host]
         if slot.node is not None and slot.node.proc.poll() is None:
             raise LabError(f"host {host} already runs member {slot.node.name}")
@@ -117,13 +125,19 @@ class LabMesh:
             argv,
             stderr_path=self.log_dir / f"{self.mesh}-h{host}.{n}.stderr",
             start_timeout=self.start_timeout,
+            wait_started=wait,
         )
         slot.node, slot.frozen = node, False
         slot.history.append(node)
         return node
 
     def start_all(self) -> list[NodeProcess]:
-        return [self.start(h) for h in range(self.lan.hosts)]
+        """A member on every host, all started before any is waited for (they import and
+        bind in parallel, as machines booting together would)."""
+        nodes = [self.start(h, wait=False) for h in range(self.lan.hosts)]
+        for node in nodes:
+            node.wait_started()
+        return nodes
 
     def node(self, host: int) -> NodeProcess:
         node = self.slots[host].node
@@ -162,9 +176,22 @@ class LabMesh:
             self.final_stats[node.node_id] = dict(found.record.get("counters", {}))
         slot.node = None
 
-    def stop_all(self) -> dict[str, dict[str, int]]:
+    def stop_all(self, timeout: float = 5.0) -> dict[str, dict[str, int]]:
+        """:meth:`stop` every member, the SIGTERMs sent to all before waiting for any (they
+        leave together, as when a whole job is deleted)."""
+        asked = []
+        for h, slot in enumerate(self.slots):
+            if slot.node is not None and slot.node.proc.poll() is None:
+                if slot.frozen:
+                    self.thaw(h)
+                slot.node.signal(signal.SIGTERM)
+                asked.append(slot.node)
+        deadline = time.monotonic() + timeout
+        for node in asked:  # (a second SIGTERM could end a member that has left, not exited)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(max(0.0, deadline - time.monotonic()))
         for h in range(len(self.slots)):
-            self.stop(h)
+            self.stop(h, timeout)  # SIGKILL for any still running
         return self.final_stats
 
     def close(self) -> None:
@@ -241,16 +268,31 @@ class LabMesh:
         """Each expected member's alive set as ``ftmesh status --json`` reports it, asked from
         inside its host straight at its gossip address (an end-of-run cross-check of the
         event-stream views; costs one Python process per host)."""
-        out: dict[int, frozenset[str]] = {}
-        for h, node in self.expected().items():
-            argv = [sys.executable, "-m", "ftmesh", "status", "--json", "--mesh", self.mesh]
-            argv += ["--discovery", "seeds", "--join", node.addr]
-            argv += ["--timeout", str(STATUS_TIMEOUT)]
-            if self.secret_file is not None:
-                argv += ["--secret-file", str(self.secret_file)]
-            r = self.lan.run(h, argv, timeout=30.0)
-            if r.returncode != 0:
-                raise LabError(f"ftmesh status on host {h} failed: {r.stderr.strip()[-300:]}")
-            members = json.loads(r.stdout)
-            out[h] = frozenset(m["node"] for m in members if m["state"] == "alive")
-        return out
+        procs: dict[int, subprocess.Popen[str]] = {}
+        try:
+            for h, node in self.expected().items():  # all at once, then each awaited
+                argv = [sys.executable, "-m", "ftmesh", "status", "--json", "--mesh", self.mesh]
+                argv += ["--discovery", "seeds", "--join", node.addr]
+                argv += ["--timeout", str(STATUS_TIMEOUT)]
+                if self.secret_file is not None:
+                    argv += ["--secret-file", str(self.secret_file)]
+                procs[h] = self.lan.popen(
+                    h, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            out: dict[int, frozenset[str]] = {}
+            deadline = time.monotonic() + STATUS_WAIT
+            for h, proc in procs.items():
+                try:
+                    stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired as e:
+                    raise LabError(f"ftmesh status on host {h} took over {STATUS_WAIT}s") from e
+                if proc.returncode != 0:
+                    raise LabError(f"ftmesh status on host {h} failed: {stderr.strip()[-300:]}")
+                members = json.loads(stdout)
+                out[h] = frozenset(m["node"] for m in members if m["state"] == "alive")
+            return out
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()

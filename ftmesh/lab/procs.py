@@ -36,14 +36,27 @@ class SeenRecord:
 
 
 class NodeProcess:
+    """One process whose stdout is a JSON event stream. The constructor starts it and waits
+    (up to ``start_timeout`` seconds) for its ``self`` record, which gives :attr:`node_id`,
+    :attr:`name` and :attr:`addr`; with ``wait_started=False`` it returns at once and
+    :meth:`wait_started` does that wait later (several processes started together, then
+    awaited, import in parallel instead of one after the other)."""
+
+    node_id: str
+    name: str
+    addr: str
+
     def __init__(
         self,
         argv: Sequence[str],
         env: dict[str, str] | None = None,
         stderr_path: Path | None = None,
         start_timeout: float = 20.0,
+        *,
+        wait_started: bool = True,
     ) -> None:
         self.stderr_path = stderr_path
+        self.start_timeout = start_timeout
         self._stderr = open(stderr_path, "wb") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             list(argv),
@@ -62,10 +75,16 @@ class NodeProcess:
         self._states_upto = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        first = self.wait_for(lambda r: r["event"] == "self", timeout=start_timeout)
-        self.node_id: str = first["node"]
-        self.name: str = first["name"]
-        self.addr: str = first["addr"]
+        if wait_started:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for the process's ``self`` record (``start_timeout`` seconds from now); sets
+        :attr:`node_id`, :attr:`name` and :attr:`addr`. ``DeadlineExceeded`` if none came."""
+        first = self.wait_for(lambda r: r["event"] == "self", timeout=self.start_timeout)
+        self.node_id = first["node"]
+        self.name = first["name"]
+        self.addr = first["addr"]
 
     @property
     def pid(self) -> int:
