@@ -92,7 +92,7 @@ class TrainerConfig:
     a member waits before entering the ring for membership to be quiet this long (or until a
     training mesh shows up), so that members started together find each other before step 1
     instead of each starting a lonely mesh; then for a view unchanged for a quarter of it. A
-    member that finds a training mesh waits for neither (issue #30)."""
+    member that finds a training mesh waits for neither."""
     start_peers: int | None = None
     """A mesh that has not started waits for this many members before its first step (at most
     ``start_timeout``; then more than half of them go ahead, fewer give up with
