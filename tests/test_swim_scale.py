@@ -534,3 +534,70 @@ def test_cli_bench_membership_takes_the_way_of_joining(capsys: pytest.CaptureFix
     assert report["joins"] == "storm" and report["nodes"] == 12 and report["crashes"] == 1
     assert ftmesh_cli([*args, "--crashes", "1"]) == 0
     assert "(batch joins)" in capsys.readouterr().out
+
+
+def test_an_acked_probe_leaves_no_wake_up_and_a_silent_one_times_out_on_time() -> None:
+    swim = machine(seed=3)
+    swim.receive(0.0, ("h", 1), [peer(i) for i in range(4)])
+    silent = peer(2).node
+    wake_ups: list[float] = []
+    pinged: dict[str, list[float]] = {}
+    indirect: list[float] = []
+    now = 0.0
+    while now < 3.0:
+        now = swim.next_deadline()
+        wake_ups.append(now)
+        for e in swim.tick(now):
+            if not isinstance(e, Send):
+                continue
+            for m in e.msgs:
+                if isinstance(m, Ping):
+                    pinged.setdefault(m.target, []).append(now)
+                    if m.target != silent:
+                        swim.receive(now + 0.001, e.dest, [Ack(seq=m.seq, source=m.target)])
+                elif type(m).__name__ == "IndirectPing":
+                    indirect.append(now)
+    timeout = LOCAL.probe_timeout
+    # (The silent member's last-chance probe, when its suspicion expires, can go out at the
+    # same time as a probe of another member, and has a timer of its own at the same delay.)
+    answered = [t for n, ts in pinged.items() if n != silent for t in ts if t not in pinged[silent]]
+    assert len(answered) >= 10
+    # No wake-up at the timeout of a probe that was acked...
+    assert not any(abs(w - (t + timeout)) < 1e-9 for t in answered for w in wake_ups)
+    # ...and the silent member's first probe (every probe before it acked: no awareness
+    # stretch) still times out on time, into indirect probes.
+    first = pinged[silent][0]
+    assert any(abs(w - (first + timeout)) < 1e-9 for w in indirect)
+
+
+def test_reaping_is_armed_only_while_departed_members_wait_and_keeps_its_grid() -> None:
+    swim = machine(seed=4)
+    swim.receive(0.0, ("h", 1), [peer(i) for i in range(4)])
+
+    def reap_armed() -> bool:
+        return any(kind == "reap" for _, _, kind, _ in swim._timers)
+
+    def drive(until: float) -> float:
+        now = 0.0
+        while (nxt := swim.next_deadline()) <= until:
+            now = nxt
+            for e in swim.tick(now):
+                if isinstance(e, Send):
+                    for m in e.msgs:
+                        if isinstance(m, Ping):  # all answer (peer 1 dies by rumour)
+                            swim.receive(now, e.dest, [Ack(seq=m.seq, source=m.target)])
+        return now
+
+    drive(2.0)
+    assert not reap_armed()  # nothing departed: no reap rounds
+    died = 2.3456
+    swim.receive(died, ("h", 1), [Dead(node=peer(1).node, incarnation=1, accuser=peer(0).node)])
+    assert reap_armed()
+    # Forgotten at the first point of the 1 s grid (from the machine's start) more than
+    # dead_reclaim after its death, as a reap run every second would.
+    due = next(g for g in (1.0 + k for k in range(1000)) if g - died > LOCAL.dead_reclaim)
+    drive(due - 0.01)
+    assert swim.member(peer(1).node) is not None
+    drive(due + 0.01)
+    assert swim.member(peer(1).node) is None
+    assert not reap_armed()

@@ -226,7 +226,8 @@ class SimNetwork:
                     continue
                 node.scheduled = inf
                 swim = node.swim
-                effects = swim.tick(when)
+                # (Its timer may have gone moot since: an acked probe's timeout.)
+                effects = swim.tick(when) if swim.next_deadline() <= when else None
             elif kind == "deliver":
                 dest, src, msgs = payload
                 node = nodes[dest]
