@@ -601,3 +601,39 @@ def test_reaping_is_armed_only_while_departed_members_wait_and_keeps_its_grid() 
     drive(due + 0.01)
     assert swim.member(peer(1).node) is None
     assert not reap_armed()
+
+
+def test_a_probe_round_draws_as_a_shuffle_of_a_copy_and_stores_only_its_swaps() -> None:
+    """``_ProbeRound`` against the shuffle it replaces (a copy of the ids, one Fisher-Yates
+    step per draw), through members added during the round, ids appended to the shared list
+    and pending() searches; it holds no more swapped positions than draws."""
+    from ftmesh.membership.swim import _ProbeRound
+
+    for seed in range(20):
+        script = random.Random(seed)
+        ids = [f"m{i}" for i in range(script.randrange(0, 40))]
+        reference, ref_pos = list(ids), 0
+        ours = _ProbeRound(ids)
+        rng_ref, rng_ours = random.Random(seed), random.Random(seed)
+        draws = 0
+        for step in range(120):
+            action = script.random()
+            if action < 0.15:
+                node = f"new{seed}-{step}"
+                reference.append(node)
+                ours.add(node)
+                ids.append(f"late{step}")  # the shared list grows: not part of this round
+            elif action < 0.25:
+                node = script.choice([*ids, "absent"])
+                assert ours.pending(node) == (node in reference[ref_pos:])
+            else:
+                expected = None
+                if ref_pos < len(reference):
+                    pick = ref_pos + rng_ref.randrange(len(reference) - ref_pos)
+                    reference[ref_pos], reference[pick] = reference[pick], reference[ref_pos]
+                    expected = reference[ref_pos]
+                    ref_pos += 1
+                    draws += 1
+                assert ours.draw(rng_ours) == expected
+            assert len(ours) == len(reference) and ours.pos == ref_pos
+            assert len(ours._swapped) <= draws

@@ -146,6 +146,57 @@ class _Relay:
     want_nack: bool
 
 
+class _ProbeRound:
+    """The order of one probe round: a Fisher-Yates shuffle of ``ids`` drawn one step per
+    probe, with the members added during the round after them. ``ids`` is not copied: its
+    first ``len(ids)`` entries must not change during the round (entries appended later are
+    not part of it). Only the positions the shuffle swapped are stored, so a round costs
+    O(probes drawn so far), not an n-entry copy per round: at thousands of simulated members
+    the copies were a fifth of the simulator's memory. Draws exactly as a shuffle of a copy
+    would, given the same random source."""
+
+    __slots__ = ("_added", "_count", "_ids", "_swapped", "pos")
+
+    def __init__(self, ids: list[str]) -> None:
+        self._ids = ids
+        self._count = len(ids)
+        self._added: list[str] = []
+        self._swapped: dict[int, str] = {}  # position -> member moved there by a swap
+        self.pos = 0  # positions before it have been drawn
+
+    def __len__(self) -> int:
+        return self._count + len(self._added)
+
+    def _at(self, i: int) -> str:
+        moved = self._swapped.get(i)
+        if moved is not None:
+            return moved
+        return self._ids[i] if i < self._count else self._added[i - self._count]
+
+    def draw(self, rng: random.Random) -> str | None:
+        """The next member of the round (``None``: the round is over)."""
+        pos = self.pos
+        left = len(self) - pos
+        if left <= 0:
+            return None
+        pick = pos + rng.randrange(left)
+        here = self._at(pos)
+        drawn = self._at(pick)
+        # Swap positions pos and pick; pos is behind us from now on and is never read again.
+        self._swapped[pick] = here
+        self._swapped.pop(pos, None)
+        self.pos = pos + 1
+        return drawn
+
+    def add(self, node: str) -> None:
+        self._added.append(node)
+
+    def pending(self, node: str) -> bool:
+        """Whether ``node`` is still to be drawn in this round (a search: for the rare member
+        forgotten and back)."""
+        return any(self._at(i) == node for i in range(self.pos, len(self)))
+
+
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
 _GONE = (MemberState.DEAD, MemberState.LEFT)
 _GOSSIP = (Alive, Suspect, Dead)
@@ -196,8 +247,7 @@ class Swim:
         self._dropped: dict[str, None] = {}
         self._live = 0  # members (not us) ALIVE or SUSPECT
         self._departed: dict[str, float] = {}  # DEAD or LEFT members -> since when
-        self._probe_order: list[str] = []
-        self._probe_pos = 0
+        self._probe_round = _ProbeRound([])
         self._probes: dict[int, _Probe] = {}
         self._relays: dict[int, _Relay] = {}
         self._suspicions: dict[str, Suspicion] = {}
@@ -567,22 +617,20 @@ class Swim:
         """The next member of this probe round. A round visits every member in random order,
         drawn as the round goes (a Fisher-Yates shuffle done one step per probe): shuffling
         the whole list up front costs n random draws at each round's start, n^2 across a
-        simulated mesh. Members dead or forgotten when their turn comes are passed over."""
+        simulated mesh (and a copy of the list per round, see ``_ProbeRound``). Members dead
+        or forgotten when their turn comes are passed over."""
         if not self._live:
             return None
         get = self._members.get
+        rng = self._rng
         for _ in range(2):  # the rest of this round, then a new one (it has a live member)
-            order = self._probe_order
-            while self._probe_pos < len(order):
-                pos = self._probe_pos
-                pick = pos + self._rng.randrange(len(order) - pos)
-                order[pos], order[pick] = order[pick], order[pos]
-                self._probe_pos = pos + 1
-                m = get(order[pos])
+            draw = self._probe_round.draw
+            while (node := draw(rng)) is not None:
+                m = get(node)
                 if m is not None and m.state in _LIVE:
                     return m
-            self._probe_order = list(self._peer_ids)
-            self._probe_pos = 0
+            # (_peer_ids is only appended to in place, or replaced: see _remove.)
+            self._probe_round = _ProbeRound(self._peer_ids)
         return None
 
     def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> None:
@@ -1006,8 +1054,8 @@ class Swim:
             # Into the rest of the current probe round (drawn at random from it), so a new
             # member is probed soon, not after a whole round; a returning one may still be
             # there (a search, but only for members forgotten and back).
-            if not returning or m.node not in self._probe_order[self._probe_pos :]:
-                self._probe_order.append(m.node)
+            if not returning or not self._probe_round.pending(m.node):
+                self._probe_round.add(m.node)
 
     def _remove(self, node: str) -> None:
         m = self._members.pop(node)
