@@ -9,7 +9,9 @@ from one seeded ``random.Random``, so a run is reproducible from its seed.
 
 Scale: members join one by one (``add_node``) or as one batch that starts knowing each other
 (``add_settled``), whose tables all hold the same immutable member records. Queries over all
-members (``converged``) loop in C where they can.
+members (``converged``) loop in C where they can. A tick scheduled for a timer that went moot
+since (an acked probe's timeout, which ``Swim.next_deadline`` drops) is passed over without
+calling the machine.
 """
 
 from __future__ import annotations
