@@ -9,7 +9,6 @@ Hypothesis; insiders patched in their own thread of the in-process fake mesh
 from __future__ import annotations
 
 import math
-import random
 from typing import Any
 
 import numpy as np
@@ -65,7 +64,7 @@ def _view(*names: str) -> RingView:
 
 
 def _machine(me: str = "a", **config: Any) -> StepMachine:
-    m = StepMachine(TrainerConfig(**config), me, random.Random(0), lambda i: BATCH)
+    m = StepMachine(TrainerConfig(**config), me, lambda i: BATCH)
     m.parts = PARTS
     return m
 
@@ -498,10 +497,10 @@ def test_a_fresh_member_that_finds_the_runs_state_gone_fails_loudly() -> None:
     from ftmesh.training.actions import Raise
 
     cfg = {"join_settle": 0.0, "quorum": "any", "straggler_factor": 0}
-    m = StepMachine(TrainerConfig.of(**cfg), "a", random.Random(0), lambda i: BATCH)
+    m = StepMachine(TrainerConfig.of(**cfg), "a", lambda i: BATCH)
     m.seen_step = 146
     a = _drive_alone(m, _view("a"))
     assert isinstance(a, Raise) and isinstance(a.error, StateLostError), a
     assert "146" in str(a.error) and m.committed == -1
-    fresh = StepMachine(TrainerConfig.of(**cfg), "a", random.Random(0), lambda i: BATCH)
+    fresh = StepMachine(TrainerConfig.of(**cfg), "a", lambda i: BATCH)
     assert type(_drive_alone(fresh, _view("a"))).__name__ == "Compute"  # a new mesh starts

@@ -78,7 +78,7 @@ def _view(*names: str) -> RingView:
 def _machine(me: str = "a", **config: Any) -> StepMachine:
     # (without straggler detection: the handmade headers here have no speed slots)
     cfg = TrainerConfig.of(**{"join_settle": 0.0, "quorum": "any", "straggler_factor": 0, **config})
-    return StepMachine(cfg, me, random.Random(0), lambda _: BATCH)
+    return StepMachine(cfg, me, lambda _: BATCH)
 
 
 def _synced(m: StepMachine, view: RingView) -> Reduced:
@@ -86,7 +86,7 @@ def _synced(m: StepMachine, view: RingView) -> Reduced:
     same step with the same state."""
     vecs = []
     for peer in view.node_ids:
-        twin = StepMachine(m.config, peer, random.Random(0), lambda _: BATCH)
+        twin = StepMachine(m.config, peer, lambda _: BATCH)
         twin.committed, twin.layout = m.committed, m.layout
         vecs.append(twin.sync_vector(view, 100, DIGEST))
     reduced = np.maximum.reduce(vecs)
@@ -416,7 +416,7 @@ def test_a_failed_sync_or_a_state_set_from_outside_syncs_again() -> None:
         a = m.feed(0.0, ViewSeen(three) if isinstance(a, WaitView) else Done())
     vecs = [m.sync_vector(three, 100, DIGEST)]
     for peer in ("b", "c"):
-        theirs = StepMachine(m.config, peer, random.Random(1), lambda _: BATCH)
+        theirs = StepMachine(m.config, peer, lambda _: BATCH)
         theirs.committed, theirs.layout = 3, m.layout
         vecs.append(theirs.sync_vector(three, 120, "cd" * 32))
     a = m.feed(0.0, Reduced(np.maximum.reduce(vecs)))
@@ -456,7 +456,7 @@ def test_a_step_others_committed_is_adopted_not_computed() -> None:
     a = m.feed(2.0, ViewSeen(view))
     assert a == Sync(view)
     ours = m.sync_vector(view, 100, DIGEST)
-    theirs = StepMachine(m.config, "b", random.Random(1), lambda _: BATCH)
+    theirs = StepMachine(m.config, "b", lambda _: BATCH)
     theirs.committed, theirs.layout = 2, m.layout
     reduced = np.maximum(ours, theirs.sync_vector(view, 120, "cd" * 32))
     a = m.feed(2.0, Reduced(reduced))
@@ -573,22 +573,22 @@ def test_a_fresh_mesh_passes_the_start_gate_before_it_enters() -> None:
     """``start_peers`` > 1 (or ``join_running``): the driver waits at the start gate
     (``ftmesh.torch.starting``) before the member enters the ring; with 1, no gate at all."""
     cfg = TrainerConfig.of(join_settle=0.0)
-    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
+    m = StepMachine(cfg, "a", lambda _: BATCH, start=StartConfig(3, 5.0))
     assert isinstance(m.begin(0.0), Settle)
     assert m.feed(0.0, Done()) == WaitToStart(300.0)
     assert m.feed(2.0, Done()) == PrepareJoin()
     joiner = StartConfig(1, 5.0, join_running=True)
-    m = StepMachine(cfg, "j", random.Random(0), lambda _: BATCH, start=joiner)
+    m = StepMachine(cfg, "j", lambda _: BATCH, start=joiner)
     m.begin(0.0)
     assert isinstance(m.feed(0.0, Done()), WaitToStart)
-    m = StepMachine(cfg, "b", random.Random(0), lambda _: BATCH, start=StartConfig(1))
+    m = StepMachine(cfg, "b", lambda _: BATCH, start=StartConfig(1))
     m.begin(0.0)
     assert m.feed(0.0, Done()) == PrepareJoin()
 
 
 def test_a_member_asked_to_leave_at_the_start_gate_departs_at_once() -> None:
     cfg = TrainerConfig.of(join_settle=0.0)
-    m = StepMachine(cfg, "a", random.Random(0), lambda _: BATCH, start=StartConfig(3, 5.0))
+    m = StepMachine(cfg, "a", lambda _: BATCH, start=StartConfig(3, 5.0))
     m.begin(0.0)
     assert isinstance(m.feed(0.0, Done()), WaitToStart)
     m.request_leave()  # the gate returned early because of it
@@ -848,7 +848,7 @@ class World:
         cfg = TrainerConfig.of(
             join_settle=0.0, quorum="any", step_timeout=1e9, check_every=3, straggler_factor=0
         )
-        m = StepMachine(cfg, name, random.Random(self.rng.random()), lambda _: BATCH)
+        m = StepMachine(cfg, name, lambda _: BATCH)
         m.registered(1, (0, 0, 0))  # (one part: its check value is the model's length)
         self.members[name] = SimMember(name, m)
 

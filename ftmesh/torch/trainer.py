@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import random
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -199,9 +198,7 @@ class ElasticTrainer:
         # the mesh's (what ftmesh.connect() was told, or the environment), with the
         # trainer's explicit overrides laid over it (``StartConfig`` owns the order)
         start = mesh.start_config.overlay(cfg.start_peers, cfg.start_timeout)
-        self._machine = StepMachine(
-            cfg, mesh.node_id, random.Random(), self.sampler.batch_size, start=start
-        )
+        self._machine = StepMachine(cfg, mesh.node_id, self.sampler.batch_size, start=start)
         self._current: Step | None = None
         self._loop_side = LoopSide(self)
         """What the steps call (``ftmesh.torch.loop.StepDriver``)."""

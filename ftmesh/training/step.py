@@ -7,10 +7,10 @@ it gives up. It performs nothing itself: it returns *actions* (frozen dataclasse
 view, run the sync allreduce, fetch state, compute this share, write a checkpoint...) and the
 driver (``ftmesh.torch.ElasticTrainer``) carries each one out and feeds back its *outcome*
 (a typed value: a view, a reduced vector, bytes fetched, a :class:`Failed` with a
-:class:`Failure` kind). Time comes in with every outcome and randomness from a seeded
-``random.Random`` (no decision draws from it today: the retry pauses are fixed), so a test
-drives the machine through any sequence of views, failures and timeouts instantly and
-reproducibly (``tests/test_training_step.py``), with no process, thread or socket.
+:class:`Failure` kind). Time comes in with every outcome and the machine draws nothing at
+random (the retry pauses are fixed), so a test drives the machine through any sequence of
+views, failures and timeouts instantly and reproducibly (``tests/test_training_step.py``),
+with no process, thread or socket.
 
 One call of :meth:`StepMachine.begin` starts a *run*: a step (``"step"``), a join without
 computing (``"join"``: enter the ring and sync; ``ElasticTrainer.epochs`` positions a joiner
@@ -83,7 +83,6 @@ inputs and the outputs the class docstring lists.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
@@ -185,14 +184,12 @@ class StepMachine:
         self,
         config: TrainerConfig,
         me: str,
-        rng: random.Random,
         batch_size: Callable[[int], int],
         *,
         start: StartConfig | None = None,
     ) -> None:
         self.config = config
         self.me = me
-        self.rng = rng
         self.batch_size = batch_size
         self.start = start or StartConfig()
         """How this member starts (``ftmesh.training.start``; the driver's ``WaitToStart``)."""
