@@ -1,10 +1,11 @@
 """End to end: ``ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py
---diloco 8 --eval-every 2 --step-delay 0.7 --digest-every 1`` (docs/PORTING.md, as written)
-trains in DiLoCo rounds (8 local steps per member, outer Nesterov SGD with
-lr 0.7 and momentum 0.5) on real processes while one worker is SIGKILLed and a new one joins:
-every member that reports a round holds bitwise the same state after it (digests at every
-round), the joiner enters mid-run with the others' state (outer momentum included: it is in
-the digest), and the accuracy reaches the synchronous run's within ``TOLERANCE``.
+--diloco 8 --eval-every 2 --step-delay 0.7 --digest-every 1`` (the README's command, taken
+from the README's text and run as written; docs/PORTING.md shows the same one) trains in
+DiLoCo rounds (8 local steps per member, outer Nesterov SGD with lr 0.7 and momentum 0.5) on
+real processes while one worker is SIGKILLed and a new one joins: every member that reports
+a round holds bitwise the same state after it (digests at every round), the joiner enters
+mid-run with the others' state (outer momentum included: it is in the digest), and the
+accuracy reaches the synchronous run's within ``TOLERANCE``.
 
 Accuracy is compared as the mean over the last evaluations (``tests_support.plateau``):
 DiLoCo's at ``--eval-every 2`` rounds, the synchronous single-process reference's (what a
@@ -14,10 +15,12 @@ epochs."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
-from tests_support import EXAMPLE, References, check_consistency, launch, plateau, progress
+from tests_support import ROOT, References, check_consistency, launch, plateau, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -31,15 +34,33 @@ ROUND = 32 * H
 # torch and enter; at 0.4 s and round 15 it came after the end under load)
 
 
+def readme_command() -> list[str]:
+    """The README's DiLoCo command line (the one ``ftmesh launch`` line of its fenced bash
+    blocks with ``--diloco``), as argv."""
+    text = (ROOT / "README.md").read_text()
+    lines = [
+        line.split("#")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for line in block.splitlines()
+    ]
+    found = [
+        shlex.split(ln) for ln in lines if ln.startswith("ftmesh launch ") and "--diloco" in ln
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def test_diloco_with_a_kill_and_a_join_reaches_the_synchronous_accuracy(
     tmp_path: Path, references: References
 ) -> None:
-    res = launch(
-        tmp_path / "mesh",
-        *("-n", "3", "--kill-at", "6", "--join-at", "8", EXAMPLE),
-        *("--diloco", str(H), "--eval-every", "2", "--step-delay", "0.7", "--digest-every", "1"),
-        timeout=400,
-    )
+    argv = readme_command()
+    # what the assertions below take for granted: 3 workers, a kill at round 6, a joiner
+    # started at round 8, H = 8, a digest at every round
+    flags = " ".join(argv)
+    for part in ("-n 3 ", "--kill-at 6 ", "--join-at 8 ", f"--diloco {H} ", "--digest-every 1"):
+        assert part in flags, (part, flags)
+    assert argv[:2] == ["ftmesh", "launch"], argv
+    res = launch(tmp_path / "mesh", *argv[2:], timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = progress(tmp_path / "mesh")
     assert len(records) == 4, sorted(records)  # three at start, one joiner

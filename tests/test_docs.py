@@ -98,6 +98,13 @@ COMMANDS: list[tuple[Path, str, str, str | None]] = [
         None,
     ),
     (
+        ROOT / "README.md",
+        "ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py --diloco 8"
+        " --eval-every 2 --step-delay 0.7 --digest-every 1",
+        "test_diloco_launch.py",
+        '(ROOT / "README.md").read_text()',
+    ),
+    (
         DOCS / "PORTING.md",
         "ftmesh launch -n 3 --kill-at 6 --join-at 8 examples/train_digits.py --diloco 8"
         " --eval-every 2 --step-delay 0.7 --digest-every 1",
