@@ -40,12 +40,16 @@ from torch import nn
 
 
 class DigitsNet(nn.Module):
-    def __init__(self) -> None:
+    """Two convolutions, then one hidden layer of 64 units (13.7K parameters); ``hidden=N``:
+    of N units instead (2.3M parameters at 16384: a gradient large enough for a slow link to
+    matter)."""
+
+    def __init__(self, hidden: int = 0) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
         self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 2 * 2, 64)
-        self.fc2 = nn.Linear(64, 10)
+        self.fc1 = nn.Linear(32 * 2 * 2, hidden or 64)
+        self.fc2 = nn.Linear(hidden or 64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
@@ -87,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-peers", type=int, default=1)
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a hidden layer of N units instead of 64 (2.3M parameters at 16384: a gradient "
+        "large enough for a slow link to matter; 0: the small model)",
+    )
     p.add_argument(
         "--diloco",
         type=int,
@@ -239,7 +251,7 @@ def train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
-    model = DigitsNet().to(device)
+    model = DigitsNet(args.hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # --diloco H: one step is a round of H x global_batch samples (the epoch's as many)
     sampler = ElasticSampler(len(x_train), args.global_batch * max(args.diloco, 1), seed=args.seed)

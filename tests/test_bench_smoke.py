@@ -1,7 +1,8 @@
 """Smoke runs of ``ftmesh bench recovery``, ``train``, ``insider``, ``allreduce --encrypt`` and
 ``--compression int8`` (also in the lab): tiny configurations, real processes on loopback or
 in network namespaces; they check the JSON shape and that the values are sane, never speed.
-(``ftmesh bench convergence`` trains twice in a lab: too slow for CI, run by hand.)"""
+``ftmesh bench convergence`` runs here on the small model, two modes, two hosts, a low target
+(its real run, the wide model at 20 Mbit/s to 0.9, takes about 15 minutes: by hand)."""
 
 from __future__ import annotations
 
@@ -253,3 +254,32 @@ def test_allreduce_bench_lab_smoke() -> None:
     (cell,) = r["cells"]
     assert cell["check"] == {"ftmesh": True, "ftmesh_int8": True, "ceiling": True}
     assert _positive(cell["vs_uncompressed"]) and _positive(cell["vs_ceiling"])
+
+
+@pytest.mark.netns
+@needs_root
+def test_convergence_bench_lab_smoke() -> None:
+    """Synchronous float32 against DiLoCo with int8 outer gradients: both reach the target,
+    the run stops there, and the ratio is the two times' quotient."""
+    r = _bench(
+        "ftmesh.bench.convergence",
+        *("--procs", "2", "--modes", "sync,diloco-int8", "--hidden", "0", "--batch", "16"),
+        *("--diloco", "2", "--target", "0.3", "--eval-every", "2", "--epochs", "4"),
+        *("--link-rate", "100mbit"),
+        timeout=240,
+    )
+    assert r["benchmark"] == "convergence" and r["procs"] == 2 and r["diloco"] == 2
+    sync, diloco = r["modes"]["sync"], r["modes"]["diloco-int8"]
+    for mode in (sync, diloco):
+        (run,) = mode["runs"]
+        assert run["stopped_at_target"] and run["retries"] == 0, run
+        assert _positive(mode["time_to_target_s"]) and _positive(mode["ms_per_step"])
+        # the mean of the 3 evaluations up to the one it stopped at reaches the target
+        steps = [step for step, _, _ in run["curve"]]
+        k = steps.index(mode["steps_to_target"])
+        assert k >= 2 and sum(a for _, _, a in run["curve"][k - 2 : k + 1]) / 3 >= 0.3, run
+        assert mode["first_hit_s"] <= mode["time_to_target_s"]
+    # a round is 2 inner steps of 16 samples per member: 64 samples
+    assert diloco["runs"][0]["samples_to_target"] == 64 * diloco["steps_to_target"]
+    ratio = r["ratios"]["diloco-int8/sync"]
+    assert ratio == pytest.approx(sync["time_to_target_s"] / diloco["time_to_target_s"])

@@ -1,24 +1,48 @@
-"""``ftmesh bench convergence``: time-to-accuracy of ``examples/train_digits.py`` on slow lab
-links, with and without int8 gradient compression, in one run.
+"""``ftmesh bench convergence``: time to the same test accuracy of ``examples/train_digits.py``
+on slow lab links, synchronous (float32, int8) against DiLoCo rounds (float32, int8), in one
+run.
 
 Theory of operation: one virtual LAN (``ftmesh.lab.VirtualLan``, root) of ``--procs`` hosts,
-every link limited to ``--link-rate`` (tc tbf). For each repetition and each mode (``none``,
-``int8``; the order alternates between repetitions so that load on the machine hits both),
-every host runs the example as docs/guide/running.md shows for a LAN, ``ftmesh worker
---start-peers N examples/train_digits.py ...`` with mDNS on the host's address, a mesh name of
-its own and ``--compression MODE --eval-every K --step-delay 0``. The bench reads host 0's
-progress records as they arrive: the clock starts at its first committed step (so process
-start-up and mesh formation don't count) and stops at the first record where the mean test
-accuracy of the last ``SMOOTH`` evaluations reaches ``--target``. We report, per mode, the median
-time-to-accuracy, ms per step, the final accuracy and the accuracy curve, and ``speedup`` =
-uncompressed time-to-accuracy / compressed (> 1: compression gets there sooner), and
-``step_speedup``, the same for ms per step. Each worker computes on a core it shares with the
-others (N hosts on this machine's cores), so a loaded machine inflates the compute part of
-a step for both modes and shrinks both ratios."""
+every link limited to ``--link-rate`` (tc tbf, each direction). For each repetition and each
+mode of ``--modes`` (the order reverses from one repetition to the next so that load on the
+machine hits every mode alike), every host runs the example as docs/guide/running.md shows
+for a LAN, ``ftmesh worker --start-peers N examples/train_digits.py ...`` with mDNS on the
+host's address and a mesh name of its own. The modes:
+
+* ``sync``: synchronous steps, float32 gradients; ``sync-int8``: the same, int8 gradients
+  with error feedback (``--compression int8``).
+* ``diloco``: DiLoCo rounds of ``--diloco H`` inner steps, float32 outer gradients;
+  ``diloco-int8``: the same, int8 outer gradients with error feedback.
+
+Every mode computes the same per member and step: ``--batch`` samples per member per
+(inner) step, so a synchronous step's global batch is ``batch x procs`` and a round's
+``batch x procs x H``; a DiLoCo mode differs only in syncing once per H steps. The model is
+the example's at ``--hidden`` (one hidden layer of that width: 2.3M parameters at the
+default 16384, a 9 MB float32 gradient, large enough for a 20 Mbit/s link to dominate a
+step; ``--hidden 0`` is the 13.7K-parameter model).
+
+The bench reads host 0's progress records as they arrive. Host 0 evaluates the test accuracy
+every ``--eval-every`` steps of a synchronous mode and after every round of a DiLoCo mode
+(its model then holds the committed global parameters). The clock starts one step before
+the first committed one (the first commit minus the run's median step time: process
+start-up and mesh formation don't count, the first step does) and stops at the first
+record where the mean of the last ``SMOOTH`` evaluations reaches ``--target``; the run is
+then stopped (``--full``: trained to the end). Per mode: the median time to the target, the
+steps (rounds) and samples it took, ms per step (round), the last accuracy and the curve;
+``ratios``: for each DiLoCo mode, each synchronous mode's time to the target divided by its
+own (> 1: DiLoCo gets there sooner). Every worker computes on cores the hosts share (N hosts
+on this machine's cores), so a loaded machine inflates the compute part of every step;
+DiLoCo's rounds, whose H inner steps are compute, lose most from it.
+
+``SMOOTH`` evaluations are a round apart for DiLoCo and ``--eval-every`` steps apart for a
+synchronous mode: the smoothing costs DiLoCo up to ``SMOOTH - 1`` rounds of time that a
+single evaluation would not (``first_hit_s``, the time of the first single evaluation at
+the target, is reported beside it)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -26,15 +50,34 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODES = ("none", "int8")
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of training: what the example is given."""
+
+    name: str
+    diloco: bool
+    compression: str
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("sync", False, "none"),
+        Mode("sync-int8", False, "int8"),
+        Mode("diloco", True, "none"),
+        Mode("diloco-int8", True, "int8"),
+    )
+}
 SMOOTH = 3
-"""Evaluations averaged before comparing with the target: test accuracy of this small model
-moves by +-0.01 from one evaluation to the next, so the first single evaluation above a
-target near the plateau is mostly luck."""
-RUN_TIMEOUT = 900.0
+"""Evaluations averaged before comparing with the target: test accuracy moves by +-0.01 or
+more from one evaluation to the next, so the first single evaluation above a target near the
+plateau is mostly luck."""
+RUN_TIMEOUT = 1200.0
 """Seconds one training run may take before the bench gives up on it."""
 
 
@@ -42,70 +85,105 @@ def _example() -> Path:
     return Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
 
-def _run(lan: Any, mode: str, tag: str, args: argparse.Namespace, script: Path) -> dict[str, Any]:
-    """One training run of every host; host 0's records, stamped on arrival."""
+def _reached(evals: list[tuple[float, int, float]], target: float, smooth: int) -> int | None:
+    """The index of the first evaluation where the mean of the last ``smooth`` reaches
+    ``target``."""
+    for k in range(smooth - 1, len(evals)):
+        window = [a for _, _, a in evals[k - smooth + 1 : k + 1]]
+        if sum(window) / smooth >= target:
+            return k
+    return None
+
+
+def _argv(
+    mode: Mode, i: int, tag: str, lan: Any, args: argparse.Namespace, script: Path
+) -> list[str]:
     n = args.procs
+    argv = [sys.executable, "-m", "ftmesh", "worker", "--mesh", f"conv{tag}"]
+    argv += ["--discovery", "mdns", "--interface", lan.host_ip(i), "--start-peers", str(n)]
+    argv += [str(script), "--step-delay", "0", "--compression", mode.compression]
+    argv += ["--global-batch", str(args.batch * n), "--hidden", str(args.hidden)]
+    argv += ["--lr", str(args.lr), "--epochs", str(args.epochs), "--digest-every", "0"]
+    if mode.diloco:
+        argv += ["--diloco", str(args.diloco), "--outer-lr", str(args.outer_lr)]
+        argv += ["--outer-momentum", str(args.outer_momentum)]
+    # only host 0 measures accuracy (the bench reads its records): an evaluation on every
+    # host would cost N times the CPU the hosts share on this machine, for nothing; DiLoCo's
+    # once per H inner steps (every round)
+    every = (1 if mode.diloco else args.eval_every) if i == 0 else 0
+    return [*argv, "--eval-every", str(every)]
+
+
+def _run(lan: Any, mode: Mode, tag: str, args: argparse.Namespace, script: Path) -> dict[str, Any]:
+    """One training run of every host, until host 0's accuracy reaches the target (or the end
+    with ``--full``); host 0's records, stamped on arrival."""
     procs = []
-    for i in range(n):
-        argv = [sys.executable, "-m", "ftmesh", "worker", "--mesh", f"conv{tag}"]
-        argv += ["--discovery", "mdns", "--interface", lan.host_ip(i), "--start-peers", str(n)]
-        argv += [str(script), "--step-delay", "0", "--compression", mode]
-        # only host 0 measures accuracy (the bench reads its records): an evaluation on every
-        # host would cost N times the CPU the hosts share on this machine, for nothing
-        evals = args.eval_every if i == 0 else 0
-        argv += ["--epochs", str(args.epochs), "--eval-every", str(evals)]
-        argv += ["--digest-every", "0"]
+    for i in range(args.procs):
         out = subprocess.PIPE if i == 0 else subprocess.DEVNULL
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        argv = _argv(mode, i, tag, lan, args, script)
         procs.append(lan.popen(i, argv, stdout=out, stderr=subprocess.DEVNULL, text=True, env=env))
     records: list[tuple[float, dict[str, Any]]] = []
     final: list[str] = []
+    hit = threading.Event()
 
     def read() -> None:
         assert procs[0].stdout is not None
+        evals: list[tuple[float, int, float]] = []
         for line in procs[0].stdout:
             if line.startswith("FTMESH "):
                 try:
-                    records.append((time.monotonic(), json.loads(line[len("FTMESH ") :])))
+                    record = json.loads(line[len("FTMESH ") :])
                 except ValueError:
                     continue
+                records.append((time.monotonic(), record))
+                if "accuracy" in record and "step" in record:
+                    evals.append((0.0, int(record["step"]), float(record["accuracy"])))
+                    if not args.full and _reached(evals, args.target, SMOOTH) is not None:
+                        hit.set()
             elif line.startswith("test accuracy:"):
                 final.append(line.split(":", 1)[1].strip())
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + RUN_TIMEOUT
+    stopped = False
     try:
-        for p in procs:
-            p.wait(max(deadline - time.monotonic(), 1.0))
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if hit.wait(0.2):
+                stopped = True  # the target is reached: the rest of the run measures nothing
+                break
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(10)
+            p.wait(10)
     reader.join(10)
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a {mode} training run failed: {[p.returncode for p in procs]}")
+    if not stopped and any(p.returncode for p in procs):
+        raise SystemExit(f"a {mode.name} training run failed: {[p.returncode for p in procs]}")
     steps = [(t, r) for t, r in records if "step" in r and "done" not in r]
-    if not steps:
-        raise SystemExit(f"the {mode} run reported no step")
-    t0, first = steps[0]
+    if len(steps) < 2:
+        raise SystemExit(f"the {mode.name} run reported {len(steps)} steps")
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
+    per_step = statistics.median(gaps)
+    t0 = steps[0][0] - per_step  # the first step's start, estimated
     evals = [(t - t0, int(r["step"]), float(r["accuracy"])) for t, r in steps if "accuracy" in r]
-    reached = None
-    for k in range(len(evals)):  # the mean of the last SMOOTH evaluations reaches the target
-        window = [a for _, _, a in evals[max(0, k - SMOOTH + 1) : k + 1]]
-        if len(window) == SMOOTH and sum(window) / SMOOTH >= args.target:
-            reached = evals[k][0]
-            break
-    t_end, last = steps[-1]
-    per_step = (t_end - t0) / max(int(last["step"]) - int(first["step"]), 1)
+    k = _reached(evals, args.target, SMOOTH)
+    first = _reached(evals, args.target, 1)
+    samples = args.batch * args.procs * (args.diloco if mode.diloco else 1)
+    last = steps[-1][1]
     return {
-        "time_to_accuracy_s": reached,
+        "time_to_target_s": evals[k][0] if k is not None else None,
+        "first_hit_s": evals[first][0] if first is not None else None,
+        "steps_to_target": evals[k][1] if k is not None else None,
+        "samples_to_target": evals[k][1] * samples if k is not None else None,
         "ms_per_step": 1000 * per_step,
         "steps": int(last["step"]),
+        "last_accuracy": evals[-1][2] if evals else None,
         "final_accuracy": float(final[-1]) if final else None,
+        "stopped_at_target": stopped,
         "retries": sum(int(r.get("attempts", 1)) - 1 for _, r in steps),
-        "curve": [[step, round(t, 3), acc] for t, step, acc in evals],
+        "curve": [[step, round(t, 3), round(acc, 4)] for t, step, acc in evals],
     }
 
 
@@ -119,9 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ftmesh bench convergence", description=doc)
     ap.add_argument("--procs", type=int, default=4, help="lab hosts, one worker each")
     ap.add_argument("--link-rate", default="20mbit", help="tc rate of every link (none: unlimited)")
-    ap.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated, run in this order: {', '.join(MODES)}",
+    )
+    ap.add_argument("--target", type=float, default=0.9, help="test accuracy to reach")
+    ap.add_argument("--hidden", type=int, default=16384, help="the example's --hidden")
+    ap.add_argument("--batch", type=int, default=32, help="samples per member per (inner) step")
+    ap.add_argument("--lr", type=float, default=0.05, help="the (inner) optimizer's lr")
+    ap.add_argument("--diloco", type=int, default=8, metavar="H", help="inner steps per round")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.5)
+    ap.add_argument("--epochs", type=int, default=30, help="the longest a run trains")
     ap.add_argument("--eval-every", type=int, default=5, help="steps between accuracy checks")
+    ap.add_argument("--full", action="store_true", help="train every run to the end")
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode")
     ap.add_argument("--script", default=None, help="the example (default: examples/ here)")
     ap.add_argument("--json", action="store_true")
@@ -129,47 +219,67 @@ def main(argv: list[str] | None = None) -> int:
     script = Path(args.script) if args.script else _example()
     if not script.is_file():
         ap.error(f"{script} not found: give --script PATH/train_digits.py")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    if any(MODES[m].diloco for m in modes) and args.batch * args.procs * args.diloco > 1437:
+        ap.error("a round (--batch x --procs x --diloco) must fit the 1437 training digits")
     from ..lab.netns import VirtualLan
 
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with VirtualLan(hosts=args.procs) as lan:
         for i in range(args.procs):
             if args.link_rate != "none":
                 lan.set_rate(i, args.link_rate)
         for rep in range(args.repeats):
-            order = MODES if rep % 2 == 0 else MODES[::-1]
-            for mode in order:
-                runs[mode].append(_run(lan, mode, f"{os.getpid()}x{rep}{mode}", args, script))
+            order = modes if rep % 2 == 0 else modes[::-1]
+            for name in order:
+                tag = f"{os.getpid()}x{rep}{name.replace('-', '')}"
+                runs[name].append(_run(lan, MODES[name], tag, args, script))
                 if not args.json:
-                    print(f"{mode} #{rep}: {runs[mode][-1]}", file=sys.stderr)
+                    shown = {k: v for k, v in runs[name][-1].items() if k != "curve"}
+                    print(f"{name} #{rep}: {shown}", file=sys.stderr)
     summary: dict[str, Any] = {}
-    for mode, rs in runs.items():
-        summary[mode] = {
-            "time_to_accuracy_s": _median([r["time_to_accuracy_s"] for r in rs]),
-            "ms_per_step": _median([r["ms_per_step"] for r in rs]),
-            "final_accuracy": _median([r["final_accuracy"] for r in rs]),
-            "runs": rs,
+    for name, rs in runs.items():
+        summary[name] = {
+            key: _median([r[key] for r in rs])
+            for key in ("time_to_target_s", "first_hit_s", "steps_to_target", "ms_per_step")
         }
-    none_t, int8_t = (summary[m]["time_to_accuracy_s"] for m in MODES)
+        summary[name]["runs"] = rs
+    ratios: dict[str, float | None] = {}
+    for name in modes:
+        if not MODES[name].diloco:
+            continue
+        for base in modes:
+            if MODES[base].diloco:
+                continue
+            mine, theirs = summary[name]["time_to_target_s"], summary[base]["time_to_target_s"]
+            ratios[f"{name}/{base}"] = theirs / mine if mine and theirs else None
     out = {
         "benchmark": "convergence",
         "procs": args.procs,
         "link_rate": args.link_rate,
         "target": args.target,
-        **summary,
-        "speedup": none_t / int8_t if none_t and int8_t else None,
-        "step_speedup": summary["none"]["ms_per_step"] / summary["int8"]["ms_per_step"],
+        "hidden": args.hidden,
+        "batch": args.batch,
+        "diloco": args.diloco,
+        "modes": summary,
+        "ratios": ratios,
     }
     if args.json:
         print(json.dumps(out))
     else:
-        for mode in MODES:
-            s = summary[mode]
+        for name in modes:
+            s = summary[name]
+            unit = "round" if MODES[name].diloco else "step"
             print(
-                f"{mode:>5}: {s['time_to_accuracy_s']} s to {args.target}, "
-                f"{s['ms_per_step']:.1f} ms/step, final accuracy {s['final_accuracy']}"
+                f"{name:>12}: {s['time_to_target_s']} s to {args.target} "
+                f"({s['steps_to_target']} {unit}s), {s['ms_per_step']:.0f} ms/{unit}"
             )
-        print(f"speedup (time to accuracy, none/int8): {out['speedup']}")
+        for key, ratio in ratios.items():
+            text = f"{ratio:.2f}x" if ratio else "n/a (a mode missed the target)"
+            print(f"{key}: {text} faster to the target")
     return 0
 
 

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only; run() hands these to their own parsers.
     bench_sub.add_parser("allreduce", help="CPU ring allreduce vs gloo and a raw TCP ring")
     bench_sub.add_parser(
-        "convergence", help="time-to-accuracy on slow lab links, with and without int8"
+        "convergence", help="time-to-accuracy on slow lab links: sync vs DiLoCo, float32 vs int8"
     )
     bench_sub.add_parser(
         "insider", help="honest step rate with a header-lying member vs a clean run (#26)"
