@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         "H x --global-batch samples, each member runs H steps of its own on its share, then "
         "the outer Nesterov SGD step on the averaged outer gradient (0: synchronous steps)",
     )
+    p.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        metavar="F",
+        help="streaming DiLoCo: F fragments of the model, one synced per step, a step of H/F "
+        "inner steps and H/F x --global-batch samples (F must divide H)",
+    )
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
     p.add_argument(
         "--outer-momentum",
@@ -253,13 +261,20 @@ def train(args: argparse.Namespace) -> int:
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
     model = DigitsNet(args.hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # --diloco H: one step is a round of H x global_batch samples (the epoch's as many)
-    sampler = ElasticSampler(len(x_train), args.global_batch * max(args.diloco, 1), seed=args.seed)
+    # --diloco H: one step is a round of H x global_batch samples (the epoch's as many);
+    # with --fragments F, of H/F inner steps
     sync = (
-        DiLoCo(args.diloco, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+        DiLoCo(
+            args.diloco,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            fragments=args.fragments,
+        )
         if args.diloco
         else None
     )
+    inner = sync.steps_per_sync if sync is not None else 1
+    sampler = ElasticSampler(len(x_train), args.global_batch * inner, seed=args.seed)
     total = args.epochs * sampler.steps_per_epoch
 
     trained: list[np.ndarray] = []  # --log-indices: the micro-batches given to loss_fn

@@ -59,6 +59,8 @@ class RoundRecord:
     dtype: str
     members: tuple[str, ...]
     failed: frozenset[str]
+    size: int = 0
+    """Elements of one member's contribution."""
 
 
 @dataclass
@@ -78,6 +80,10 @@ class Round:
     @property
     def dtype(self) -> str:
         return str(next(iter(self.contrib.values()))[2].dtype)
+
+    @property
+    def size(self) -> int:
+        return int(next(iter(self.contrib.values()))[2].size)
 
 
 Inject = Callable[[Round], dict[str, BaseException]]
@@ -228,7 +234,9 @@ class Hub:
         r.done = True
         self.rounds.pop(r.epoch, None)
         if r.contrib:
-            self.history.append(RoundRecord(r.kind, r.dtype, r.members, frozenset(r.members)))
+            self.history.append(
+                RoundRecord(r.kind, r.dtype, r.members, frozenset(r.members), r.size)
+            )
 
     def _complete(self, r: Round) -> None:
         self.rounds.pop(r.epoch, None)
@@ -237,7 +245,9 @@ class Hub:
         if len(sigs) != 1:
             for m in r.members:
                 r.error[m] = CollectiveError(f"mismatched contributions {sigs}")
-            self.history.append(RoundRecord(r.kind, r.dtype, r.members, frozenset(r.members)))
+            self.history.append(
+                RoundRecord(r.kind, r.dtype, r.members, frozenset(r.members), r.size)
+            )
             return
         kind, op, _, _ = next(iter(sigs))
         xs = [r.contrib[m][2] for m in r.members]
@@ -258,7 +268,7 @@ class Hub:
                 r.error[m] = errors[m]
             else:
                 r.result[m] = out
-        self.history.append(RoundRecord(kind, r.dtype, r.members, frozenset(errors)))
+        self.history.append(RoundRecord(kind, r.dtype, r.members, frozenset(errors), r.size))
 
 
 class FakeSession:

@@ -1,6 +1,6 @@
 """``ftmesh bench convergence``: time to the same test accuracy of ``examples/train_digits.py``
-on slow lab links, synchronous (float32, int8) against DiLoCo rounds (float32, int8), in one
-run.
+on slow lab links, synchronous (float32, int8) against DiLoCo rounds (float32, int8,
+streaming), in one run.
 
 Theory of operation: one virtual LAN (``ftmesh.lab.VirtualLan``, root) of ``--procs`` hosts,
 every link limited to ``--link-rate`` (tc tbf, each direction). For each repetition and each
@@ -13,6 +13,11 @@ host's address and a mesh name of its own. The modes:
   with error feedback (``--compression int8``).
 * ``diloco``: DiLoCo rounds of ``--diloco H`` inner steps, float32 outer gradients;
   ``diloco-int8``: the same, int8 outer gradients with error feedback.
+* ``streaming``: streaming DiLoCo, ``--fragments F``: steps of ``H / F`` inner steps, each
+  syncing one fragment of the model (float32). Without the paper's overlap of a sync with
+  the next inner steps (``ftmesh.torch.diloco``) it sends the bytes of ``diloco`` in ``F``
+  smaller syncs: about ``diloco``'s time, a lower peak bandwidth. On the wide model the
+  fragments are uneven (its hidden layer's weight is 92 % of it, one tensor).
 
 Every mode computes the same per member and step: ``--batch`` samples per member per
 (inner) step, so a synchronous step's global batch is ``batch x procs`` and a round's
@@ -23,12 +28,13 @@ step; ``--hidden 0`` is the 13.7K-parameter model).
 
 The bench reads host 0's progress records as they arrive. Host 0 evaluates the test accuracy
 every ``--eval-every`` steps of a synchronous mode and after every round of a DiLoCo mode
-(its model then holds the committed global parameters). The clock starts one step before
-the first committed one (the first commit minus the run's median step time: process
-start-up and mesh formation don't count, the first step does) and stops at the first
-record where the mean of the last ``SMOOTH`` evaluations reaches ``--target``; the run is
-then stopped (``--full``: trained to the end). Per mode: the median time to the target, the
-steps (rounds) and samples it took, ms per step (round), the last accuracy and the curve;
+(its model then holds the committed global parameters; streaming: every ``F`` steps). The
+clock starts one step before the first committed one (the first commit minus the run's
+median step time: process start-up and mesh formation don't count, the first step does) and
+stops at the first record where the mean of the last ``SMOOTH`` evaluations reaches
+``--target``; the run is then stopped (``--full``: trained to the end). Per mode: the median
+time to the target, the steps (rounds) and samples it took, ms per step (round), the last
+accuracy and the curve;
 ``ratios``: for each DiLoCo mode, each synchronous mode's time to the target divided by its
 own (> 1: DiLoCo gets there sooner). Every worker computes on cores the hosts share (N hosts
 on this machine's cores), so a loaded machine inflates the compute part of every step;
@@ -62,6 +68,7 @@ class Mode:
     name: str
     diloco: bool
     compression: str
+    streaming: bool = False
 
 
 MODES = {
@@ -71,6 +78,7 @@ MODES = {
         Mode("sync-int8", False, "int8"),
         Mode("diloco", True, "none"),
         Mode("diloco-int8", True, "int8"),
+        Mode("streaming", True, "none", streaming=True),
     )
 }
 SMOOTH = 3
@@ -104,13 +112,14 @@ def _argv(
     argv += [str(script), "--step-delay", "0", "--compression", mode.compression]
     argv += ["--global-batch", str(args.batch * n), "--hidden", str(args.hidden)]
     argv += ["--lr", str(args.lr), "--epochs", str(args.epochs), "--digest-every", "0"]
+    fragments = args.fragments if mode.streaming else 1
     if mode.diloco:
         argv += ["--diloco", str(args.diloco), "--outer-lr", str(args.outer_lr)]
-        argv += ["--outer-momentum", str(args.outer_momentum)]
+        argv += ["--outer-momentum", str(args.outer_momentum), "--fragments", str(fragments)]
     # only host 0 measures accuracy (the bench reads its records): an evaluation on every
     # host would cost N times the CPU the hosts share on this machine, for nothing; DiLoCo's
-    # once per H inner steps (every round)
-    every = (1 if mode.diloco else args.eval_every) if i == 0 else 0
+    # once per H inner steps (every round; streaming: every F steps of H/F)
+    every = (fragments if mode.diloco else args.eval_every) if i == 0 else 0
     return [*argv, "--eval-every", str(every)]
 
 
@@ -170,7 +179,8 @@ def _run(lan: Any, mode: Mode, tag: str, args: argparse.Namespace, script: Path)
     evals = [(t - t0, int(r["step"]), float(r["accuracy"])) for t, r in steps if "accuracy" in r]
     k = _reached(evals, args.target, SMOOTH)
     first = _reached(evals, args.target, 1)
-    samples = args.batch * args.procs * (args.diloco if mode.diloco else 1)
+    inner = args.diloco // (args.fragments if mode.streaming else 1) if mode.diloco else 1
+    samples = args.batch * args.procs * inner
     last = steps[-1][1]
     return {
         "time_to_target_s": evals[k][0] if k is not None else None,
@@ -207,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="samples per member per (inner) step")
     ap.add_argument("--lr", type=float, default=0.05, help="the (inner) optimizer's lr")
     ap.add_argument("--diloco", type=int, default=8, metavar="H", help="inner steps per round")
+    ap.add_argument(
+        "--fragments", type=int, default=2, help="streaming: fragments (a divisor of H)"
+    )
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.5)
     ap.add_argument("--epochs", type=int, default=30, help="the longest a run trains")
@@ -225,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     if any(MODES[m].diloco for m in modes) and args.batch * args.procs * args.diloco > 1437:
         ap.error("a round (--batch x --procs x --diloco) must fit the 1437 training digits")
+    if "streaming" in modes and (args.fragments < 1 or args.diloco % args.fragments):
+        ap.error(f"--fragments {args.fragments} must divide --diloco {args.diloco}")
     from ..lab.netns import VirtualLan
 
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -272,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name in modes:
             s = summary[name]
-            unit = "round" if MODES[name].diloco else "step"
+            unit = "round" if MODES[name].diloco and not MODES[name].streaming else "step"
             print(
                 f"{name:>12}: {s['time_to_target_s']} s to {args.target} "
                 f"({s['steps_to_target']} {unit}s), {s['ms_per_step']:.0f} ms/{unit}"

@@ -141,26 +141,38 @@ class GradBuckets:
         bucket_bytes: int,
         header_slots: int,
         direct: Callable[[torch.device], bool] = lambda device: False,
+        fragments: Sequence[int] | None = None,
     ) -> None:
         """``direct(device)``: whether buckets of parameters on ``device`` allreduce there
-        (the member has a GPU path for it; see the module docstring)."""
+        (the member has a GPU path for it; see the module docstring). ``fragments``: the
+        fragment of each parameter (streaming DiLoCo, ``ftmesh.torch.diloco``): no bucket
+        spans two, the header gets a bucket of its own, and ``start(..., fragment=f)``
+        reduces only fragment ``f``'s buckets and the header's."""
         check_bucketable(params)
         self.params = params
+        frag = {id(p): f for p, f in zip(params, fragments, strict=True)} if fragments else {}
         groups: list[list[torch.nn.Parameter]] = [[]]
         size = 0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            kind = (p.dtype, p.device)
+            kind = (p.dtype, p.device, frag.get(id(p)))
             last = groups[-1]
-            if last and (size + nbytes > bucket_bytes or (last[0].dtype, last[0].device) != kind):
+            here = (last[0].dtype, last[0].device, frag.get(id(last[0]))) if last else kind
+            if last and (size + nbytes > bucket_bytes or here != kind):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
             size += nbytes
         on_device = [bool(g) and direct(g[0].device) for g in groups]
-        if on_device[-1]:  # the header gets a host bucket of its own
+        if on_device[-1] or frag:  # the header gets a host bucket of its own
             groups.append([])
             on_device.append(False)
+        self.fragment_of_bucket: list[int | None] = [
+            frag.get(id(g[0])) if g else None for g in groups
+        ]
+        """Each bucket's fragment (``None``: every fragment's, the header's bucket)."""
+        self._skip: set[int] = set()
+        """The buckets this attempt does not reduce (another fragment's)."""
         self.groups = groups
         self.header_slots = header_slots
         header_at = len(groups) - 1
@@ -219,12 +231,24 @@ class GradBuckets:
         """Between ``start`` and the end of ``finish``."""
         return self._launch is not None
 
-    def start(self, launch: Callable[[Wire], Future[Any]], run: Callable[[Wire], object]) -> None:
+    def start(
+        self,
+        launch: Callable[[Wire], Future[Any]],
+        run: Callable[[Wire], object],
+        fragment: int | None = None,
+    ) -> None:
         """Zero the gradients (the buckets, header included) for one attempt of a step;
         ``launch(buffer)`` starts an allreduce, ``run(buffer)`` runs one (after those
-        launched before it). Then ``micro_batch`` for each micro-batch, and ``finish``."""
+        launched before it). Then ``micro_batch`` for each micro-batch, and ``finish``.
+        ``fragment``: only that fragment's buckets (and the header's) are reduced; the
+        others keep what this member put in them."""
         for bk in self.buckets:
             bk.zero()
+        self._skip = (
+            set()
+            if fragment is None
+            else {b for b, f in enumerate(self.fragment_of_bucket) if f not in (None, fragment)}
+        )
         self._attach_views()
         self._pending = [len(g) for g in self.groups]
         self._launched = 0
@@ -302,8 +326,9 @@ class GradBuckets:
         assert self._launch is not None
         last = len(self.buckets) - 1  # run by finish()
         while self._launched < last and self._pending[self._launched] <= 0:
-            wire = self.buckets[self._launched].outgoing(self._weight)
-            self._futures.append(self._launch(wire))
+            if self._launched not in self._skip:
+                wire = self.buckets[self._launched].outgoing(self._weight)
+                self._futures.append(self._launch(wire))
             self._launched += 1
 
     def finish(self, timeout: float) -> None:
@@ -325,8 +350,9 @@ class GradBuckets:
         self._attach_views()
         if first is not None:
             raise first
-        for bk in self.buckets:
-            bk.incoming()
+        for b, bk in enumerate(self.buckets):
+            if b not in self._skip:
+                bk.incoming()
 
     def abandon(self, timeout: float) -> None:
         """A step's body raised: stop launching, and wait (at most ``timeout``) for the

@@ -37,6 +37,28 @@ paper: it differs between members, so it is not part of the committed state. Eac
 keeps it aside between rounds (``InnerState``) and the registered ``optimizer`` part holds
 the hyper-parameters with an empty state, the same on every member. A joiner, a member that
 fetched state, and a run resumed from a checkpoint start their inner state fresh.
+
+*Streaming DiLoCo* (``DiLoCo(fragments=F)``, Douillard et al. 2025). The parameter tensors,
+in registration order, are cut into ``F`` contiguous runs of about equal size
+(``fragments_of``); the gradient buckets never span two (``GradBuckets(fragments=...)``) and
+the header has a bucket of its own. A trainer step runs ``H / F`` inner steps and syncs one
+fragment, ``p = step % F``: fragment ``p`` is synced every ``H`` inner steps, the fragments at
+offsets ``H / F`` apart, and each step's allreduce carries fragment ``p``'s buckets only
+(``1 / F`` of the bytes) and the header. So each member's *local* parameters now outlive a
+step: the model holds the global parameters ``θ`` between steps (the committed state, the
+same on every member: what the state check compares and a joiner fetches), and each member
+keeps its local ones ``θ_m`` aside (``Rounds.local``, member-local like the inner optimizer's
+state). A step loads ``θ_m`` into the model, runs its inner steps, keeps ``θ_m`` and
+``Δ_p = θ_p - θ_m,p`` (fragment ``p`` only), and puts ``θ`` back; the reduced mean ``Δ_p``
+goes to the outer SGD with the other fragments' ``.grad`` set to ``None``, so the outer step
+(and its momentum) moves fragment ``p`` only; then ``θ_m,p = θ_p`` (the paper's merge with
+``alpha = 0``). ``θ_m`` is valid only for the step after the one it was committed with: a member
+that did not commit the previous step with its own outer gradient (a joiner, a hot spare
+taking over, a member that fetched state) starts from ``θ_m = θ``. What the paper adds and
+this does not: the overlap of fragment ``p``'s allreduce with the next step's inner steps
+(its merge then mixes, ``θ_m,p = alpha θ_m,p + (1 - alpha) θ_p``); here a step's allreduce runs
+after its inner steps, as in plain DiLoCo, so streaming lowers the bytes of each sync (its
+peak bandwidth), not the time per inner step.
 """
 
 from __future__ import annotations
@@ -50,10 +72,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import LocalUsageError
 from ..training.config import DiLoCo
 from .buckets import GradBuckets, micro_batches
 
-__all__ = ["DiLoCo", "Rounds", "inner_batches"]
+__all__ = ["DiLoCo", "Rounds", "fragments_of", "inner_batches"]
 
 OUTER_PART = "outer_optimizer"
 """The registered part that holds the outer optimizer (its momentum)."""
@@ -65,13 +88,37 @@ def inner_batches(share: np.ndarray, inner_steps: int) -> list[np.ndarray]:
     return list(np.array_split(share, inner_steps))
 
 
+def fragments_of(sizes: list[int], fragments: int) -> list[int]:
+    """The fragment of each parameter tensor (``sizes``: their element counts, in
+    registration order): ``fragments`` contiguous runs, none empty, each ending where its
+    share of the total (``(f + 1) / fragments``) falls closest to a tensor's middle."""
+    if not 1 <= fragments <= len(sizes):
+        raise LocalUsageError(
+            f"DiLoCo fragments={fragments}: the model has {len(sizes)} parameter tensors, "
+            "and each fragment needs one at least"
+        )
+    total, out, cum, i = sum(sizes), [], 0, 0
+    for f in range(fragments):
+        start = i
+        goal = total * (f + 1) / fragments
+        while i < len(sizes) - (fragments - f - 1) and (
+            i == start or f == fragments - 1 or cum + sizes[i] / 2 <= goal
+        ):
+            cum += sizes[i]
+            out.append(f)
+            i += 1
+    return out
+
+
 @dataclass
 class _Kept:
     """What a member computed of a round: kept across the round's attempts."""
 
     index: int
-    delta: list[torch.Tensor]
-    """``θ - θ_local`` per parameter."""
+    delta: list[torch.Tensor | None]
+    """``θ - θ_local`` per parameter (streaming: ``None`` outside the step's fragment)."""
+    local: list[torch.Tensor] | None
+    """Streaming: the member's local parameters after the step's inner steps."""
     loss_sum: float
     """The inner steps' losses times their samples, summed."""
     samples: int
@@ -96,10 +143,23 @@ class Rounds:
         self._inner_state: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
         """The inner optimizer's state between rounds (member-local)."""
         self._kept: _Kept | None = None
+        self.fragment_of = (
+            fragments_of([p.numel() for p in params], settings.fragments)
+            if settings.fragments > 1
+            else None
+        )
+        """Streaming: each parameter's fragment (``None``: plain DiLoCo)."""
+        self.local: list[torch.Tensor] | None = None
+        """Streaming: this member's local parameters, as committed with step ``local_step``."""
+        self.local_step = -1
         self.running_inner = False
         """True while the inner steps run (the inner optimizer may step then)."""
         self.rounds_computed = 0
         """Rounds whose inner steps this member ran (one per round, not per attempt)."""
+
+    def fragment(self, index: int) -> int | None:
+        """Streaming: the fragment step ``index`` (0-based) syncs (``None``: all of them)."""
+        return None if self.fragment_of is None else index % self.settings.fragments
 
     def kept_for(self, index: int) -> bool:
         """Whether this member holds its outer gradient of round ``index``."""
@@ -131,11 +191,17 @@ class Rounds:
         """Run the round's inner steps on ``share`` and keep ``Δ``; the model's parameters
         are the global ones again afterwards."""
         start = [p.detach().clone() for p in self.params]
+        due = self.fragment(index)
         loss_sum = 0.0
-        delta: list[torch.Tensor] = []
+        delta: list[torch.Tensor | None] = []
+        local: list[torch.Tensor] | None = None
         try:
+            if due is not None and self.local is not None and self.local_step == index - 1:
+                with torch.no_grad():  # streaming: from this member's own parameters
+                    for p, mine in zip(self.params, self.local, strict=True):
+                        p.copy_(mine)
             with buckets.detached(), self._inner_optimizer():
-                for batch in inner_batches(share, self.settings.inner_steps):
+                for batch in inner_batches(share, self.settings.steps_per_sync):
                     if not len(batch):
                         continue
                     self.inner.zero_grad()
@@ -146,13 +212,22 @@ class Rounds:
                     self.inner.step()
                 self.inner.zero_grad()
             with torch.no_grad():
-                delta = [g - p.detach() for g, p in zip(start, self.params, strict=True)]
+                delta = [
+                    g - p.detach() if due is None or self._in(k, due) else None
+                    for k, (g, p) in enumerate(zip(start, self.params, strict=True))
+                ]
+                if due is not None:
+                    local = [p.detach().clone() for p in self.params]
         finally:  # (also when the user's loss_fn raised: the live state stays the committed one)
             with torch.no_grad():
                 for g, p in zip(start, self.params, strict=True):
                     p.copy_(g)
-        self._kept = _Kept(index, delta, loss_sum, len(share))
+        self._kept = _Kept(index, delta, local, loss_sum, len(share))
         self.rounds_computed += 1
+
+    def _in(self, k: int, fragment: int | None) -> bool:
+        """Whether parameter ``k`` is synced by a step that syncs ``fragment``."""
+        return fragment is None or self.fragment_of is None or self.fragment_of[k] == fragment
 
     def contribute(self, index: int, weight: float, buckets: GradBuckets) -> float:
         """Write the kept ``Δ`` of round ``index`` into the gradient buckets, to be sent as
@@ -163,17 +238,38 @@ class Rounds:
         with torch.no_grad():
             for k, p in enumerate(self.params):
                 assert p.grad is not None
-                if kept is None:
+                d = kept.delta[k] if kept is not None else None
+                if d is None:
                     p.grad.zero_()
                 else:
-                    p.grad.copy_(kept.delta[k])
+                    p.grad.copy_(d)
         if kept is None or not kept.samples:
             return 0.0
         return kept.loss_sum / kept.samples
 
-    def outer_step(self, skip: bool) -> None:
-        """Apply the reduced mean outer gradient (``.grad``) to the global parameters;
-        ``skip``: every member skips it alike (non-finite)."""
+    def outer_step(self, index: int, skip: bool) -> None:
+        """Apply the reduced mean outer gradient (``.grad``) of round ``index`` to the global
+        parameters (streaming: of its fragment only; the member's local parameters of that
+        fragment become the global ones); ``skip``: every member skips it alike
+        (non-finite)."""
+        due = self.fragment(index)
         if not skip:
-            self.outer.step()
+            grads = [p.grad for p in self.params]
+            try:
+                for k, p in enumerate(self.params):
+                    if not self._in(k, due):
+                        p.grad = None  # (SGD passes over it: no step, no momentum decay)
+                self.outer.step()
+            finally:
+                for p, g in zip(self.params, grads, strict=True):
+                    p.grad = g
+        kept = self._kept if self.kept_for(index) else None
+        if due is not None and kept is not None and kept.local is not None:
+            with torch.no_grad():
+                for k, (p, mine) in enumerate(zip(self.params, kept.local, strict=True)):
+                    if self._in(k, due):
+                        mine.copy_(p.detach())
+            self.local, self.local_step = kept.local, index
+        else:
+            self.local, self.local_step = None, -1
         self._kept = None

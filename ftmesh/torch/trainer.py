@@ -514,7 +514,7 @@ class ElasticTrainer:
 
                 attempt.contribute(fill)
                 verdict = self._verdict
-                rounds.outer_step(skip=verdict is not None and verdict.skip)
+                rounds.outer_step(attempt.index, skip=verdict is not None and verdict.skip)
             attempt.report_read = True  # no code after the block: a hand-back is retried here
         assert self.last_report is not None
         return self.last_report
@@ -574,8 +574,9 @@ class ElasticTrainer:
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
         slots = header_size(len(state.names), self.config.measures_speed)
+        fragments = self._rounds.fragment_of if self._rounds is not None else None
         self._buckets = buckets = GradBuckets(
-            self._params, self._bucket_bytes, slots, self._device_buckets()
+            self._params, self._bucket_bytes, slots, self._device_buckets(), fragments
         )
         layout = (state.layout, buckets.layout, self.sampler.layout)
         self._machine.registered(len(state.names), layout)
@@ -800,7 +801,9 @@ class ElasticTrainer:
             self._check_own(buf)
             return ring.run(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
-        buckets.start(launch, run)
+        # streaming DiLoCo: the step's fragment only (the same on every member: its index's)
+        fragment = self._rounds.fragment(step.index) if self._rounds is not None else None
+        buckets.start(launch, run, fragment)
         header = buckets.header
         header[0] = step.share
         if self._stream is not None:  # the planned count (a holder of ended shards took less)

@@ -44,6 +44,15 @@ class DiLoCo:
     """The outer SGD's momentum (0: none)."""
     nesterov: bool = True
     """Nesterov momentum for the outer step (needs ``outer_momentum > 0``)."""
+    fragments: int = 1
+    """Streaming DiLoCo (Douillard et al. 2025): the parameters are split into this many
+    fragments (contiguous runs of parameter tensors in registration order, of about equal
+    size), and a trainer step runs ``inner_steps / fragments`` inner steps, then syncs one
+    fragment, fragment ``step % fragments``: each fragment is synced every ``inner_steps``
+    inner steps, at staggered offsets, and each sync reduces only its fragment's bytes (the
+    outer step applies to that fragment). Each member's local parameters of the other
+    fragments carry on from step to step (``ftmesh.torch.diloco``). 1: plain DiLoCo, the
+    whole model every step. Must divide ``inner_steps``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int):
@@ -56,14 +65,27 @@ class DiLoCo:
             raise ConfigError(f"DiLoCo outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.nesterov and self.outer_momentum == 0:
             raise ConfigError("DiLoCo nesterov=True needs outer_momentum > 0")
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int):
+            raise ConfigError(f"DiLoCo fragments must be an int, got {self.fragments!r}")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise ConfigError(
+                f"DiLoCo fragments must be >= 1 and divide inner_steps ({self.inner_steps}), "
+                f"got {self.fragments}"
+            )
+
+    @property
+    def steps_per_sync(self) -> int:
+        """Inner steps per trainer step: ``inner_steps / fragments``."""
+        return self.inner_steps // self.fragments
 
     @property
     def tag(self) -> str:
         """The settings as text (folded into the registered state's layout, so members with
         other DiLoCo settings get a ``ConfigError``)."""
+        streaming = f",F={self.fragments}" if self.fragments > 1 else ""
         return (
             f"H={self.inner_steps},lr={self.outer_lr!r},m={self.outer_momentum!r},"
-            f"nesterov={self.nesterov}"
+            f"nesterov={self.nesterov}{streaming}"
         )
 
 
