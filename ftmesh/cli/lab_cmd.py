@@ -341,7 +341,7 @@ def _status(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) ->
     for h in hosts:
         print(f"h{h['host']}  {h['namespace']}  {h['ip']}  pids {h['pids']}")
     for k, v in faults.items():
-        if v:
+        if v and k != "wan":  # (below, with its counters)
             print(f"{k}: {v}")
     for h, what in slowness.items():
         print(f"h{h} slowness: {what}")
