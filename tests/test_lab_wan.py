@@ -253,6 +253,7 @@ def test_the_wan_delays_and_paces_crossing_traffic_and_counts_it() -> None:
         lan.partition([[0, 2], [1, 3]])  # across the WAN: by address at the sender's bridge
         blocked = lan.run(1, _argv("ping", lan.host_ip(2), 9, 1, 0))
         assert json.loads(blocked.stdout)["lost"] == 1
+        assert len(_rtts(lan, 0, 2, 2)) == 2  # within a group, across the WAN: passes
         lan.heal()
         names = lan.namespaces()
     assert not is_forwarder(pid, lan.prefix)

@@ -246,7 +246,9 @@ def _up(args: argparse.Namespace) -> int:
     if args.sites is None and wan_given:
         raise LabError("--wan-rate, --wan-delay and --wan-loss need --sites AxB")
     if args.sites is None:
-        lan = VirtualLan(hosts=args.hosts or 4, subnet=args.subnet, name=args.name)
+        lan = VirtualLan(
+            hosts=4 if args.hosts is None else args.hosts, subnet=args.subnet, name=args.name
+        )
     else:
         wan = WanLink(rate=args.wan_rate, delay_ms=args.wan_delay, loss_percent=args.wan_loss)
         lan = VirtualLan(
