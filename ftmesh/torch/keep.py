@@ -13,7 +13,9 @@ gradient part just before its allreduce is launched (after the non-finite check,
 member that sent zeros keeps zeros and its flag), and :meth:`KeptContribution.contribute`
 writes it back into the same wire buffer, times ``batch / trained``, in the kept attempt.
 The copy is float32, like the wire (one model's gradients of memory, on the bucket's
-device), and is taken only under ``recovery="keep"``.
+device, reused from step to step), and is taken, at every step, only under
+``recovery="keep"``: one copy of the gradients per step is what the policy costs when no
+member is lost.
 
 The shape is DiLoCo's (``ftmesh.torch.diloco.Rounds``: ``kept_for`` / ``contribute``), for
 one step's gradients instead of one round's outer gradient: a contribution tagged with its
@@ -42,7 +44,10 @@ class KeptContribution:
         self.index = -1
         """The step (0-based) the contribution is of; -1: none."""
         self._grads: dict[int, Wire] = {}
-        """id(wire buffer) -> the gradient part of that buffer as it went out."""
+        """id(wire buffer) -> the gradient part of that buffer as it went out (the arrays
+        are reused from step to step)."""
+        self._copied: set[int] = set()
+        """The buffers copied in the current attempt."""
         self._buckets = 0
         self.indices = np.empty(0, dtype=np.int64)
         """The samples the contribution was computed on (the attempt's share)."""
@@ -57,21 +62,28 @@ class KeptContribution:
         self.index = index
         self.indices = indices
         self._buckets = buckets
-        self._grads.clear()
+        self._copied.clear()
         self.loss_sum = 0.0
         self.nonfinite = False
 
     def keep(self, key: int, grads: Wire, nonfinite: bool) -> None:
         """Copy one bucket's gradient part ``grads`` (buffer ``key``) as it goes out."""
+        held = self._grads.get(key)
         if isinstance(grads, torch.Tensor):
-            self._grads[key] = grads.detach().clone()
+            if isinstance(held, torch.Tensor) and held.shape == grads.shape:
+                held.copy_(grads.detach())
+            else:
+                self._grads[key] = grads.detach().clone()
+        elif isinstance(held, np.ndarray) and held.shape == grads.shape:
+            np.copyto(held, grads)
         else:
             self._grads[key] = np.array(grads, copy=True)
+        self._copied.add(key)
         self.nonfinite = nonfinite
 
     def kept_for(self, index: int) -> bool:
         """Whether this member holds its whole contribution to step ``index``."""
-        return self.index == index and len(self._grads) == self._buckets > 0
+        return self.index == index and len(self._copied) == self._buckets > 0
 
     def contribute(self, index: int, key: int, grads: Wire, factor: float) -> None:
         """Write the kept gradient part of buffer ``key`` into ``grads``, times ``factor``
@@ -88,6 +100,7 @@ class KeptContribution:
             np.multiply(kept, np.float32(factor), out=grads)
 
     def clear(self) -> None:
-        """The step committed (or was adopted): nothing is kept."""
+        """The step committed (or was adopted): nothing is kept (the arrays stay, for the
+        next step's copies)."""
         self.index = -1
-        self._grads.clear()
+        self._copied.clear()

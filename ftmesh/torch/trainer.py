@@ -29,6 +29,11 @@ closure API's body runs H local steps of the user's optimizer, and the step's al
 carries the outer gradient instead of the micro-batches' (``Step.contribute``); the outer
 optimizer is a registered part.
 
+With ``recovery="keep"`` (``TrainerConfig.recovery``) each bucket's gradients are copied as
+they go out (``_outgoing``, ``ftmesh.torch.keep``), and a retry after the loss of a member
+may send the copy again instead of computing the step on the new split (``Compute.kept``:
+no micro-batches, the header's count and loss the kept ones).
+
 Several models and optimizers (a GAN, an encoder and a decoder, an EMA copy): the models are
 one ``model`` (a ``torch.nn.ModuleDict``), since the step's allreduce averages the model's
 gradients only; every other optimizer is registered (``register``) and guarded like the
@@ -725,8 +730,9 @@ class ElasticTrainer:
         assert isinstance(sampler, ElasticSampler)
         if action.kept:  # the samples we computed the kept gradients on: none computed now
             kept = self._kept
-            held = kept is not None and kept.kept_for(action.index)
-            return (kept.indices if held and kept is not None else np.empty(0, np.int64)), []
+            if kept is not None and kept.kept_for(action.index):
+                return kept.indices, []
+            return np.empty(0, dtype=np.int64), []  # (sends nothing: the attempt fails)
         if me in action.workers:
             share = sampler.indices(action.index, action.workers, me, action.weights)
         else:  # a hot spare: contributes nothing, applies the reduced gradients

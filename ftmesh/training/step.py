@@ -66,6 +66,15 @@ lost peer, until a view without a member of the failed one arrives, at most
 view that has just lost a member), and starts over at 1 or 2. The step's global batch never changes
 between attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
 
+*The recovery policy* (``TrainerConfig.recovery``). Under ``"keep"`` the machine remembers
+the split of an attempt once its micro-batches ended (``Measured``: the driver then keeps
+its local contribution, ``ftmesh.torch.keep``), and the retry after a loss is a *kept
+attempt* (``Compute.kept``) when every member of the new view computed that attempt: each
+sends again what it kept, and the step commits over ``Compute.trained`` samples, the lost
+members' shares skipped and counted (``StepReport.skipped``). Anything else (a joiner or a
+spare in the view, a failure no loss explains) computes the step again, as under the default
+``"redo"``; the reduced header's sample count checks that every member did the same.
+
 The machine owns the run, written as one generator per phase (enter and view, quorum, sync
 or settle, compute, commit, failure, retry pause). Parts of its own hold the rest of a
 member's step state, fed and read by the machine through small typed methods: its place in
