@@ -107,6 +107,14 @@ def test_recovery_bench_smoke() -> None:
     for row in r["join_by_size"]:
         assert _positive(row["join_transfer_vs_ceiling"]), row
     assert r["join_by_size"][1]["state_bytes"] > r["state_bytes"]
+    # kill -9 under each recovery policy (min(kills, 4) = 1 each), with the ratio
+    pol = r["recovery_policies"]
+    assert pol["redo_kill_to_step_s"]["n"] == 1 and pol["keep_kill_to_step_s"]["n"] == 1, pol
+    assert pol["keep_vs_redo"] == pytest.approx(
+        pol["keep_kill_to_step_s"]["median"] / pol["redo_kill_to_step_s"]["median"]
+    )
+    assert pol["redo_skipped_samples"] == [0], pol  # redo trains every sample
+    assert all(0 <= n < pol["global_batch"] for n in pol["keep_skipped_samples"]), pol
 
 
 def test_train_bench_smoke() -> None:
