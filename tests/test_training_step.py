@@ -933,6 +933,22 @@ def test_members_with_another_compression_raise_a_config_error() -> None:
     assert "compression: int8 on a; none on b" in str(a.error)
 
 
+def test_members_with_another_recovery_policy_raise_a_config_error() -> None:
+    """``recovery`` is mesh-wide: a member that redoes a step others send kept gradients for
+    would make the step's sample count disagree (or, by chance, agree) on every loss."""
+    m = _machine("a", recovery="keep")
+    view = _view("a", "b")
+    a = m.begin(0.0)
+    while not isinstance(a, Sync):
+        a = m.feed(0.0, ViewSeen(view) if isinstance(a, WaitView) else Done())
+    ours = m.sync_vector(view, 100, DIGEST)
+    reduced = np.maximum(ours, _machine("b").sync_vector(view, 100, DIGEST))
+    assert m.feed(0.0, Reduced(reduced)) == SetRole("joining")
+    a = m.feed(0.0, Done())
+    assert isinstance(a, Raise) and isinstance(a.error, ConfigError)
+    assert "recovery: keep on a; redo on b" in str(a.error)
+
+
 def test_data_of_another_round_reconnects_the_ring() -> None:
     m = _machine()
     view = _view("a", "b")

@@ -199,8 +199,8 @@ class TrainerConfig:
     the mean over the samples actually trained. The attempt falls back to ``redo`` whenever
     the new view holds a member that did not compute the failed attempt (a joiner, a spare),
     or the last failure was not a loss. Only with an ``ElasticSampler`` or ``DataLoader`` and
-    synchronous steps (a ``DiLoCo`` round already keeps its outer gradient this way). Set it
-    alike on every member: a member with the other policy costs the step an attempt."""
+    synchronous steps (a ``DiLoCo`` round already keeps its outer gradient this way).
+    Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
