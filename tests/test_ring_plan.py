@@ -21,6 +21,11 @@ from ftmesh.collective.topology import (
     plan_ring,
     rtt_bucket,
 )
+from ftmesh.collective.view import Peer, RingView, view_epoch
+from ftmesh.errors import LocalUsageError
+from ftmesh.membership.messages import MemberSnapshot, MemberState
+from ftmesh.mesh.core import view_of
+from ftmesh.mesh.meta import DATA_KEY, LINKS_KEY, ROLE_KEY, SITE_KEY, MetadataGate
 
 
 def nid(i: int, salt: str = "") -> str:
@@ -318,3 +323,114 @@ def test_links_round_trip_property(buckets: dict[str, int]) -> None:
     assert all(kept[n] == b for n, b in back.items())
     prefixes = [n[:8] for n in buckets]
     assert set(back) == {n for n in kept if prefixes.count(n[:8]) == 1}
+
+
+# -- the plan in the view ----------------------------------------------------------------------
+
+
+def peers(ids: list[str]) -> list[Peer]:
+    return [Peer(n, "127.0.0.1", 9000 + i) for i, n in enumerate(ids)]
+
+
+def test_a_one_site_view_keeps_its_epoch_and_order() -> None:
+    ids = [nid(i) for i in range(4)]
+    bare = RingView.of(peers(ids))
+    for plan in (
+        plan_ring(MemberLinks.of(n) for n in ids),
+        plan_ring(MemberLinks.of(n, site="lab") for n in ids),
+        plan_ring(measured([ids], 1e-4, 0.05)),
+    ):
+        planned = RingView.of(peers(ids), plan)
+        assert planned.epoch == bare.epoch == view_epoch(ids)
+        assert planned.node_ids == tuple(sorted(ids)) and planned == bare
+        assert not planned.hierarchical
+
+
+def test_a_planned_view_follows_the_plan_and_its_epoch_holds_the_plan() -> None:
+    ids = [nid(i) for i in range(4)]
+    a = plan_ring(MemberLinks.of(n, site="a" if i % 2 else "b") for i, n in enumerate(ids))
+    b = plan_ring(MemberLinks.of(n, site="a" if i < 2 else "b") for i, n in enumerate(ids))
+    va, vb = RingView.of(peers(ids), a), RingView.of(peers(ids), b)
+    assert va.node_ids == a.order and vb.node_ids == b.order
+    # the same members, two plans: two epochs, neither the unplanned one
+    assert len({va.epoch, vb.epoch, view_epoch(ids)}) == 3
+    assert va.epoch == RingView.of(reversed(peers(ids)), a).epoch  # input order is irrelevant
+    assert va.right_of(a.order[-1]).node_id == a.order[0] and va.hierarchical
+    with pytest.raises(LocalUsageError):
+        RingView.of(peers(ids[:3]), a)
+
+
+def test_sub_views_have_their_own_epochs() -> None:
+    ids = [nid(i) for i in range(4)]
+    plan = plan_ring(MemberLinks.of(n, site="a" if i < 2 else "b") for i, n in enumerate(ids))
+    view = RingView.of(peers(ids), plan)
+    seen = {view.epoch}
+    for n in ids:
+        site, cross = view.groups(n)
+        assert n in site and n in cross and site.size == 2 and cross.size == 2
+        assert site.parent == cross.parent == view.epoch
+        assert site.node_ids == plan.sites[plan.site_of(n)].members  # in the plan's order
+        seen |= {site.epoch, cross.epoch}
+    # 2 sites + 2 cross groups, derived alike by every member, none equal to a real view's
+    assert len(seen) == 5
+    assert all(view_epoch(s) not in seen for s in ([ids[0], ids[1]], [ids[2], ids[3]]))
+    # the same members under another parent: other epochs
+    other = RingView.of(
+        peers(ids), plan_ring(MemberLinks.of(n, site=f"x{i < 2}") for i, n in enumerate(ids))
+    )
+    assert not {g.epoch for n in ids for g in other.groups(n)} & seen
+    with pytest.raises(LocalUsageError):
+        RingView.of(peers(ids)).groups(ids[0])
+
+
+def _member(i: int, ids: list[str], **meta: object) -> MemberSnapshot:
+    return MemberSnapshot(
+        node=ids[i],
+        name=f"m{i}",
+        addr=("127.0.0.1", 7000 + i),
+        incarnation=1,
+        state=MemberState.ALIVE,
+        meta={ROLE_KEY: "train", DATA_KEY: f"127.0.0.1:{9000 + i}", **meta},  # type: ignore[dict-item]
+    )
+
+
+def test_the_mesh_view_is_planned_from_metadata() -> None:
+    ids = [nid(i) for i in range(4)]
+    where = [0, 1, 0, 1]
+    labelled = [_member(i, ids, **{SITE_KEY: f"s{where[i]}"}) for i in range(4)]
+    view = view_of(labelled)
+    assert view is not None and view.hierarchical
+    assert [view.plan.site_of(n) for n in view.node_ids] == [0, 0, 1, 1]  # type: ignore[union-attr]
+    # measured: every member publishes its buckets
+    near, far = rtt_bucket(1e-4), rtt_bucket(0.05)
+    measured_members = [
+        _member(
+            i,
+            ids,
+            **{
+                LINKS_KEY: format_links(
+                    {ids[j]: near if where[i] == where[j] else far for j in range(4) if j != i}
+                )
+            },
+        )
+        for i in range(4)
+    ]
+    mview = view_of(measured_members)
+    assert mview is not None and mview.plan is not None and mview.plan.source == "measured"
+    assert {frozenset(s.members) for s in mview.plan.sites} == {
+        frozenset(ids[0::2]),
+        frozenset(ids[1::2]),
+    }
+    # a member whose links do not parse keeps its place, measured nothing: one site; counted
+    gate = MetadataGate()
+    broken = [*measured_members[:3], _member(3, ids, **{LINKS_KEY: "1zz"})]
+    bview = view_of(broken, gate=gate)
+    assert bview is not None and bview.size == 4 and bview.plan is not None
+    assert gate.bad_meta == 1
+    # (member 3's links gone, but the others' links to it still separate the sites)
+    assert bview.hierarchical
+    # a bad site label: that member is unusable (left out, counted)
+    gate = MetadataGate()
+    bad_label = [*labelled[:3], _member(3, ids, **{SITE_KEY: "not a label"})]
+    lview = view_of(bad_label, gate=gate)
+    assert lview is not None and lview.size == 3 and gate.bad_meta == 1

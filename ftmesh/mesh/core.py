@@ -7,11 +7,13 @@ Its listeners (gossip, data plane, state server) bind ``NodeConfig.bind`` on the
 (``NodeConfig.port``, ``MeshConfig.data_port``, ``MeshConfig.state_port``; 0: any free one),
 and every address it publishes names the advertised host (``NodeConfig.advertised_host``),
 which may be a NAT's or a port forward's rather than this machine's (``ftmesh.net.node``).
-The *view* is the sorted list of members whose role is ``train`` and that membership holds
-ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out
-because their neighbours cannot reach them or their bytes fail verification
+The *view* is the list of members whose role is ``train`` and that membership holds ALIVE
+(see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out because
+their neighbours cannot reach them or their bytes fail verification
 (``ftmesh.collective.reach``: each member publishes its accusations under ``reach`` in its
-metadata, and every member computes the same exclusions from them). Every member derives the
+metadata, and every member computes the same exclusions from them), in the order of the ring
+plan their metadata implies (``ftmesh.collective.topology``: site labels and measured round
+trips; one site, sorted by node id, unless they say otherwise). Every member derives the
 same ring from the same view; before a collective runs on a view the data plane checks with
 both ring neighbours that they hold the same view epoch, so if gossip has not converged yet the
 call waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
@@ -55,6 +57,7 @@ from ..collective import (
 )
 from ..collective.ops import CollectiveOp, Kind
 from ..collective.reach import Exclusion, ReachConfig, ReachEvent
+from ..collective.topology import check_label
 from ..collective.transport import Ring
 from ..errors import ConfigError, DeadlineExceeded, LocalUsageError
 from ..membership.messages import MemberSnapshot, MemberState
@@ -79,12 +82,14 @@ from .meta import (
     RELEASE_KEY,
     ROLE_KEY,
     ROLES,
+    SITE_KEY,
     STATE_BYTES_KEY,
     STATE_KEY,
     MemberInfo,
     MetadataGate,
     Progress,
     ring_exclusions,
+    ring_plan,
 )
 from .reach import BAD_STATE_REASONS, ReachDriver, describe_exclusion, new_queue
 
@@ -141,6 +146,9 @@ class MeshConfig:
     progress_interval: float = 1.0
     """Least seconds between two publications of our progress (``Mesh.report_progress``):
     each is a metadata change that every member gossips."""
+    site: str = ""
+    """Our explicit site label (``--site``), published under ``SITE_KEY``: an input of the
+    ring plan (``ftmesh.collective.topology``); ``""``: none, the sites are measured."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -152,6 +160,11 @@ class MeshConfig:
         for name in ("data_port", "state_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
+        if self.site:
+            try:
+                check_label(self.site)
+            except ValueError as exc:
+                raise ConfigError(f"site (--site, $FTMESH_SITE): {exc}") from None
 
 
 def view_of(
@@ -164,12 +177,9 @@ def view_of(
 
 def _view(members: list[MemberInfo], suspects: bool) -> RingView | None:
     live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
-    peers = [
-        Peer(m.node, *m.data)
-        for m in members
-        if m.state in live and m.role == "train" and m.data is not None
-    ]
-    return RingView.of(peers) if peers else None
+    chosen = [m for m in members if m.state in live and m.role == "train" and m.data is not None]
+    peers = [Peer(m.node, *m.data) for m in chosen if m.data is not None]
+    return RingView.of(peers, ring_plan(chosen)) if peers else None
 
 
 def ring_members(members: list[MemberSnapshot]) -> list[MemberSnapshot]:
@@ -600,6 +610,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             DATA_KEY: data,
             ROLE_KEY: config.role,
             RELEASE_KEY: RELEASE,
+            **({SITE_KEY: config.site} if config.site else {}),
         }
         async with (
             open_node(replace(nc, meta=meta), node_id=node_id) as node,
