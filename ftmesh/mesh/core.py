@@ -57,7 +57,7 @@ from ..collective import (
 )
 from ..collective.ops import CollectiveOp, Kind
 from ..collective.reach import Exclusion, ReachConfig, ReachEvent
-from ..collective.topology import check_label
+from ..collective.topology import LinkEstimator, check_label, format_links
 from ..collective.transport import Ring
 from ..errors import ConfigError, DeadlineExceeded, LocalUsageError
 from ..membership.messages import MemberSnapshot, MemberState
@@ -77,6 +77,7 @@ from ..state.transfer import bounded_state_hint
 from .meta import (
     BETWEEN_STEPS,
     DATA_KEY,
+    LINKS_KEY,
     PROGRESS_KEY,
     RELEASE,
     RELEASE_KEY,
@@ -149,6 +150,11 @@ class MeshConfig:
     site: str = ""
     """Our explicit site label (``--site``), published under ``SITE_KEY``: an input of the
     ring plan (``ftmesh.collective.topology``); ``""``: none, the sites are measured."""
+    links_interval: float = 5.0
+    """Seconds between two looks at the round trips our membership probes measured; a
+    quantized summary is published under ``LINKS_KEY`` when a bucket changed (with
+    hysteresis: ``topology.LinkEstimator``), so at most one metadata change per interval and
+    none while the links hold steady. 0: measure nothing, publish nothing."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -157,6 +163,8 @@ class MeshConfig:
             raise ConfigError("agree_timeout must be positive")
         if not self.progress_interval > 0:
             raise ConfigError("progress_interval must be positive")
+        if not self.links_interval >= 0:
+            raise ConfigError("links_interval must be >= 0")
         for name in ("data_port", "state_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
@@ -209,6 +217,7 @@ class Mesh:
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._seen: dict[str, tuple[str, MemberState, dict[str, Any]]] = {}  # see _material
+        self._links_seen: dict[str, object] = {}  # (see _material)
         self._views: dict[str, RingView] = {}
         self._between: dict[str, str] = {}
         """Members whose published progress says they are busy between steps -> their names
@@ -223,6 +232,10 @@ class Mesh:
         self.progress_refused = 0
         """Progress reports the metadata had no room for (logged once)."""
         self._meta_changed_at = -math.inf  # trio time of our last metadata change
+        self.links = LinkEstimator()
+        """Our measured round trips to each member, as published (``LINKS_KEY``)."""
+        self.links_published = 0
+        """Metadata updates that changed our published links."""
 
     @property
     def node_id(self) -> str:
@@ -297,6 +310,28 @@ class Mesh:
     def wake_progress(self) -> None:
         """Mesh thread: publish the progress :meth:`keep_progress` kept (rate limited)."""
         self._progress_due.set()
+
+    async def _publish_links(self) -> None:
+        """Every ``links_interval``: feed the probes' round trips to ``links`` and publish its
+        buckets if one changed (see ``MeshConfig.links_interval``)."""
+        refused = False
+        while True:
+            await trio.sleep(self.config.links_interval)
+            for node, seconds in self.node.take_round_trips():
+                self.links.add(node, seconds)
+            live = (MemberState.ALIVE, MemberState.SUSPECT)
+            self.links.forget(m.node for m in self.node.members() if m.state in live)
+            value = format_links(self.links.buckets())
+            before = self.node.me().meta.get(LINKS_KEY)
+            if value == before or (before is None and value == format_links({})):
+                continue
+            try:
+                self._update_meta({LINKS_KEY: value})
+                self.links_published += 1
+            except LocalUsageError as exc:  # no room next to the other keys
+                if not refused:
+                    refused = True
+                    log.warning("measured links not published: %s", exc)
 
     async def _publish_progress(self) -> None:
         while True:
@@ -567,12 +602,21 @@ class Mesh:
     def _material(self, ev: MemberEvent) -> bool:
         """Whether ``ev`` changes anything but the member's published progress (which changes
         about once a second on every training member: it must not keep ``wait_quiet`` and
-        the view's waiters awake)."""
+        the view's waiters awake) or its measured links (which change the view only when
+        they change the ring plan: then it is material)."""
         m = ev.member
-        seen = (ev.kind, m.state, {k: v for k, v in m.meta.items() if k != PROGRESS_KEY})
+        skip = (PROGRESS_KEY, LINKS_KEY)
+        seen = (ev.kind, m.state, {k: v for k, v in m.meta.items() if k not in skip})
         before = self._seen.get(m.node)
         self._seen[m.node] = seen
-        return seen != before
+        if seen != before:
+            return True
+        links = m.meta.get(LINKS_KEY)
+        if self._links_seen.get(m.node) == links:
+            return False
+        self._links_seen[m.node] = links
+        now, then = self.view(), self._latest_view
+        return (now and now.epoch) != (then and then.epoch)
 
     def _supersede_old_views(self, why: str) -> None:
         """We moved off every watched view but the current one: we will not run collectives on
@@ -622,6 +666,8 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)
             nursery.start_soon(mesh._publish_progress)
+            if config.links_interval > 0:
+                nursery.start_soon(mesh._publish_links)
             try:
                 yield mesh
             finally:
