@@ -8,15 +8,21 @@ discovery in a per-test registry, real data-plane sockets."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import trio
 from tests_support import local_mesh_config
 
+from ftmesh.collective import RingView
 from ftmesh.collective.topology import links_of, parse_links
 from ftmesh.collective.view import view_epoch
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.mesh.core import Mesh, MeshConfig, open_mesh
 from ftmesh.mesh.meta import LINKS_KEY
 
@@ -75,3 +81,117 @@ async def test_members_measure_and_publish_their_links(tmp_path: Path) -> None:
             while ms[0].view().plan.source != "measured":  # type: ignore[union-attr]
                 await trio.sleep(0.1)
         assert view.plan.flat and epoch == view_epoch(ids)
+
+
+# -- explicit sites: the plan, the hierarchical allreduce, its bytes -----------------------------
+
+
+@contextmanager
+def sync_meshes(registry: Path, sites: list[str]) -> Iterator[list[SyncMesh]]:
+    with ExitStack() as stack:
+        yield [stack.enter_context(SyncMesh.start(config(registry, s))) for s in sites]
+
+
+def common_view(ms: list[SyncMesh], size: int) -> RingView:
+    deadline = time.monotonic() + NO_HANG
+    while time.monotonic() < deadline:
+        views = [v for m in ms if (v := m.view()) is not None and v.size == size]
+        if len(views) == len(ms) and len({v.epoch for v in views}) == 1:
+            return views[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no common view of {size}")
+
+
+def in_threads(ms: list[SyncMesh], fn: Callable[[SyncMesh], Any]) -> list[Any]:
+    out: list[Any] = [None] * len(ms)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = fn(ms[i])
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(NO_HANG)
+    assert not any(t.is_alive() for t in threads), "a collective hung"
+    return out
+
+
+def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path) -> None:
+    """2 + 2 members with ``--site`` labels: every member derives the same plan (sites
+    adjacent on the ring, hierarchical) and the same epoch, which is not the unplanned one.
+    Allreduces (sum, avg; an odd length, so the site blocks differ in size) give every member
+    the same bits, equal (allclose) to the sum in float64. Across the sites, each direction
+    carries exactly one buffer (S bytes) per allreduce, where the flat ring on the same order
+    would carry 2 (N-1)/N S = 1.5 S."""
+    with sync_meshes(tmp_path, ["east", "west", "east", "west"]) as ms:
+        view = common_view(ms, 4)
+        plans = [m.view().plan for m in ms]  # type: ignore[union-attr]
+        assert all(p is not None and p.hierarchical and p.source == "labels" for p in plans)
+        assert len({p.hash for p in plans if p is not None}) == 1
+        plan = view.plan
+        assert plan is not None and [s.label for s in plan.sites] == ["east", "west"]
+        east = {ms[0].node_id, ms[2].node_id}
+        assert set(plan.sites[0].members) == east and view.node_ids == plan.order
+        assert view.epoch != view_epoch(view.node_ids)
+        rng = np.random.default_rng(5)
+        n = 100_003
+        inputs = {m.node_id: rng.standard_normal(n).astype(np.float32) for m in ms}
+        want = np.sum([inputs[k].astype(np.float64) for k in sorted(inputs)], axis=0)
+        for op, expect in (("sum", want), ("avg", want / 4)):
+
+            def reduce(m: SyncMesh, op: str = op) -> Any:
+                return m.session(view).allreduce(inputs[m.node_id].copy(), op).output
+
+            outs = in_threads(ms, reduce)
+            assert not [o for o in outs if isinstance(o, Exception)], outs
+            assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
+            assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+        # bytes: one more allreduce of S bytes, counted per destination
+        s_bytes = 4 * 65536
+        before = [m.mesh.data_plane.sent_bytes() for m in ms]
+        outs = in_threads(
+            ms, lambda m: m.session(view).allreduce(np.ones(65536, np.float32)).output
+        )
+        assert all(np.array_equal(o, np.full(65536, 4.0, np.float32)) for o in outs), outs
+        after = [m.mesh.data_plane.sent_bytes() for m in ms]
+        sent = {
+            (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
+            for i in range(4)
+            for peer in after[i]
+        }
+        west = set(view.node_ids) - east
+
+        def between(a: set[str], b: set[str]) -> int:
+            return sum(v for (src, dst), v in sent.items() if src in a and dst in b)
+
+        assert between(east, west) == between(west, east) == s_bytes
+        # inside each site: the reduce-scatter and allgather halves, (k-1)/k S each, per member
+        assert between(east, east) == between(west, west) == 2 * s_bytes
+        # a compressed allreduce runs the flat, site-ordered ring: it still works
+        outs = in_threads(
+            ms, lambda m: m.session(view).allreduce(np.ones(4096, np.float32), "sum", "int8").output
+        )
+        assert all(np.allclose(o, 4.0, atol=0.1) for o in outs), outs
+
+
+async def test_the_async_face_runs_the_hierarchical_allreduce(tmp_path: Path) -> None:
+    """``Mesh.allreduce`` (inside trio) on a 2 + 2 mesh: the same phases, the same result."""
+    async with meshes(tmp_path, ["a", "b", "a", "b"]) as ms:
+        epoch = await one_view(ms, 4)
+        view = ms[0].view()
+        assert view is not None and view.hierarchical and view.epoch == epoch
+        outs: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            x = np.arange(1001, dtype=np.float64) * (i + 1)
+            outs[i] = (await ms[i].allreduce(x, "avg")).output
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert len({o.tobytes() for o in outs.values()}) == 1
+        assert np.allclose(outs[0], np.arange(1001) * 2.5)

@@ -459,7 +459,7 @@ class Mesh:
         on from it since (``_in_use``), else None. Safe from any thread: a collective may then
         run on it straight away with ``DataPlane.run_plan_blocking``; a loss or a newer view
         kills the ring, and the collective raises that."""
-        if view.epoch not in self._views:
+        if (view.parent or view.epoch) not in self._views:  # (a sub-view: its view's)
             return None
         return self.data_plane.whole_ring(view.epoch)
 
@@ -553,7 +553,16 @@ class Mesh:
     def _in_use(self, view: RingView) -> None:
         """Remember ``view`` as one collectives run on, so a member lost from it, or our moving
         on to a newer view, aborts them. A view that is the current one again (a suspect
-        refuted) loses any earlier abort; one that is not current fails at once."""
+        refuted) loses any earlier abort; one that is not current fails at once. A sub-view
+        (a phase of a hierarchical allreduce) needs its view in use already, and clears no
+        abort: the view's abort is its sub-views' (``DataPlane``)."""
+        if view.parent:
+            current = self.view()
+            if view.parent not in self._views or current is None or current.epoch != view.parent:
+                raise ViewSupersededError(
+                    f"{self.node_id}: view {view.parent} is no longer current", epoch=view.parent
+                )
+            return
         current = self.view()
         if current is None or current.epoch != view.epoch:
             raise ViewSupersededError(
