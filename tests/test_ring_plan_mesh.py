@@ -8,6 +8,10 @@ discovery in a per-test registry, real data-plane sockets."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -29,9 +33,12 @@ from ftmesh.mesh.meta import LINKS_KEY
 NO_HANG = 30.0
 
 
-def config(registry: Path, site: str = "", links_interval: float = 0.0) -> MeshConfig:
+def config(
+    registry: Path, site: str = "", links_interval: float = 0.0, name: str = ""
+) -> MeshConfig:
     base = local_mesh_config(registry, "plan", max_cached_views=1)
-    return dataclasses.replace(base, site=site, links_interval=links_interval)
+    node = dataclasses.replace(base.node, name=name) if name else base.node
+    return dataclasses.replace(base, node=node, site=site, links_interval=links_interval)
 
 
 @asynccontextmanager
@@ -89,7 +96,10 @@ async def test_members_measure_and_publish_their_links(tmp_path: Path) -> None:
 @contextmanager
 def sync_meshes(registry: Path, sites: list[str]) -> Iterator[list[SyncMesh]]:
     with ExitStack() as stack:
-        yield [stack.enter_context(SyncMesh.start(config(registry, s))) for s in sites]
+        yield [
+            stack.enter_context(SyncMesh.start(config(registry, s, name=f"m{i}")))
+            for i, s in enumerate(sites)
+        ]
 
 
 def common_view(ms: list[SyncMesh], size: int) -> RingView:
@@ -176,6 +186,23 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
             ms, lambda m: m.session(view).allreduce(np.ones(4096, np.float32), "sum", "int8").output
         )
         assert all(np.allclose(o, 4.0, atol=0.1) for o in outs), outs
+        # ftmesh status shows the plan
+        status = subprocess.run(
+            [sys.executable, "-m", "ftmesh", "status", "--mesh", "plan",
+             "--registry-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )  # fmt: skip
+        assert status.returncode == 0, status.stdout + status.stderr
+        name = {m.node_id: f"m{i}" for i, m in enumerate(ms)}
+        east_names, west_names = ([name[n] for n in s.members] for s in plan.sites)
+        assert status.stdout.splitlines()[-4:] == [
+            f"ring plan: 2 sites (labels) east[2] west[2], hierarchical, plan {plan.hash[:8]}",
+            f"  site east: {', '.join(east_names)}",
+            f"  site west: {', '.join(west_names)}",
+            f"  ring: {' -> '.join(name[n] for n in view.node_ids)} -> (back to the first)",
+        ], status.stdout
+        assert sorted(east_names) == ["m0", "m2"]
 
 
 async def test_the_async_face_runs_the_hierarchical_allreduce(tmp_path: Path) -> None:
@@ -195,3 +222,71 @@ async def test_the_async_face_runs_the_hierarchical_allreduce(tmp_path: Path) ->
                 nursery.start_soon(one, i)
         assert len({o.tobytes() for o in outs.values()}) == 1
         assert np.allclose(outs[0], np.arange(1001) * 2.5)
+
+
+# -- a kill during a hierarchical allreduce ----------------------------------------------------
+
+WORKER = Path(__file__).with_name("plan_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_kill_fails_the_hierarchical_allreduce_and_the_next_view_works(tmp_path: Path) -> None:
+    """Four member processes, sites 2 + 2, allreducing 4 MiB hierarchically in a loop; one is
+    SIGKILLed. Every survivor's allreduce fails with one of the session's typed errors (a lost
+    peer, or a view moved on), none hangs, and all three then reduce on the view of three (two
+    sites of unequal size: the flat, site-ordered ring)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), site, "4"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for site in ("east", "west", "east", "west")
+    ]
+    lines: list[list[dict[str, Any]]] = [[] for _ in procs]
+
+    def read(i: int) -> None:
+        out = procs[i].stdout
+        assert out is not None
+        for line in out:
+            lines[i].append(json.loads(line))
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(4)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not all(sum("ok" in x for x in ls) >= 2 for ls in lines):
+            assert time.monotonic() < deadline, lines
+            assert all(p.poll() is None for p in procs), lines
+            time.sleep(0.05)
+        procs[3].kill()
+        killed_at, killed_wall = time.monotonic(), time.time()
+        (tmp_path / "killed").write_text("")
+        for p in procs[:3]:
+            assert p.wait(60) == 0, lines
+        survivors = lines[:3]
+        print("survivors:", [[x for x in ls if "ok" not in x] for ls in survivors])
+        for ls in survivors:
+            assert all(x["right"] for x in ls if "ok" in x), ls
+            # (errors before the kill: a loaded host's hiccups, retried on the next view)
+            errors = [x for x in ls if "error" in x and x["t"] >= killed_wall - 0.05]
+            assert len(errors) == 1, ls
+            assert errors[0]["error"] in (
+                "RingPeerLostError", "PeerStalledError", "ViewSupersededError",
+                "ViewMismatchError",
+            ), ls  # fmt: skip
+            after = [x for x in ls if "after" in x]
+            assert after and after[0]["right"] and not after[0]["hierarchical"], ls
+        assert time.monotonic() - killed_at < 50  # (far below io_timeout: nobody waited it out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+        for t in readers:
+            t.join(5)
