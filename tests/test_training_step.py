@@ -59,7 +59,7 @@ from ftmesh.training.actions import (
     WorldChanged,
 )
 from ftmesh.training.config import TrainerConfig
-from ftmesh.training.entry import LOSS_WAIT_S
+from ftmesh.training.entry import GATHER_SETTLES, LOSS_WAIT_S
 from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag, split_share
 from ftmesh.training.start import StartConfig
 from ftmesh.training.step import (
@@ -555,6 +555,38 @@ def test_a_cold_start_settles_first() -> None:
         assert m.feed(2.0, seen) == PrepareJoin()
         assert m.feed(2.0, Done()) == SetRole("train")
         assert m.feed(2.0, Done()) == WaitView(1, 0.5, 298.0)
+
+
+def test_a_cold_start_waits_for_the_members_still_at_the_start_gate() -> None:
+    """The first view of a cold start waits (at most ``GATHER_SETTLES * join_settle``) until
+    it holds the members still seen at the start gate (role ``starting``): under CPU
+    starvation their role ``train`` can take longer than the view's settle to spread, and
+    step 1 ran without them (seen in a parallel suite run at load 15)."""
+    ab, abc = _view("a", "b"), _view("a", "b", "c")
+    m = _machine("a", join_settle=2.0)
+    assert m.begin(0.0) == ReadMembers()
+    assert m.feed(0.0, _members(("a", "joining", False))) == Settle(2.0, 300.0)
+    assert m.feed(2.0, Done()) == ReadMembers()
+    assert m.feed(2.0, _members(("a", "joining", False))) == PrepareJoin()
+    assert m.feed(2.0, Done()) == SetRole("train")
+    assert m.feed(2.0, Done()) == WaitView(1, 0.5, 298.0)
+    assert m.feed(2.5, ViewSeen(ab)) == ReadMembers()
+    gate = _members(("a", "train", False), ("b", "train", False), ("c", "starting", False))
+    assert m.feed(2.5, gate) == WaitViewChange(ab.epoch, GATHER_SETTLES * 2.0)
+    assert m.feed(3.0, ViewSeen(abc)) == ReadMembers()
+    all_in = _members(("a", "train", False), ("b", "train", False), ("c", "train", False))
+    assert m.feed(3.0, all_in) == Sync(abc)
+    # Bounded: a member that stays at the gate is waited for only so long.
+    m = _machine("a", join_settle=2.0)
+    m.begin(0.0)
+    m.feed(0.0, _members(("a", "joining", False)))
+    m.feed(2.0, Done())
+    m.feed(2.0, _members(("a", "joining", False)))
+    m.feed(2.0, Done())
+    m.feed(2.0, Done())
+    assert m.feed(2.5, ViewSeen(ab)) == ReadMembers()
+    assert isinstance(m.feed(2.5, gate), WaitViewChange)
+    assert m.feed(6.5, ViewSeen(ab)) == Sync(ab)
 
 
 def test_a_training_mesh_found_while_settling_ends_the_settle() -> None:

@@ -26,9 +26,9 @@ of *attempts*:
    a running mesh waits for one); as a cold spare, wait for a free slot; then take the role
    ``train``.
 2. **View**: wait for a view of ``min_peers`` (on a cold start, one unchanged for
-   ``join_settle / 4``, so that the first sync runs on all the members that entered
-   together); a cold spare that is one too many steps back out; without a quorum of the
-   last view, wait for another view.
+   ``join_settle / 4`` that holds the members still seen at the start gate, so that the
+   first sync runs on all the members that entered together); a cold spare that is one too
+   many steps back out; without a quorum of the last view, wait for another view.
 3. **Sync** (when the view differs from the one we last synced on): the sync allreduce, then
    fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
    the optimizer state in sharded mode. If the sync shows that the others committed the step
@@ -481,6 +481,8 @@ class StepMachine:
         if self.leave_requested and seen_of(seen) is None:
             self._depart()
         view = view_of(seen)
+        if settle:
+            now, view = yield from self.ring.gather(now, view, run.deadline)
         if self.ring.over_max_peers(view, self.committed):
             log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
             self.ring.in_ring = False
