@@ -160,6 +160,15 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
             assert not [o for o in outs if isinstance(o, Exception)], outs
             assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
             assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+
+        # the view's ring and both sub-rings stay open from one allreduce to the next (a
+        # sub-ring counts as its view's in the ring cache: max_cached_views=1 here)
+        def rings(m: SyncMesh) -> list[Any]:
+            dp = m.mesh.data_plane
+            return [dp.whole_ring(v.epoch) for v in (view, *view.groups(m.node_id))]
+
+        opened = [rings(m) for m in ms]
+        assert all(r is not None for rs in opened for r in rs), opened
         # bytes: one more allreduce of S bytes, counted per destination
         s_bytes = 4 * 65536
         before = [m.mesh.data_plane.sent_bytes() for m in ms]
@@ -168,6 +177,7 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
         )
         assert all(np.array_equal(o, np.full(65536, 4.0, np.float32)) for o in outs), outs
         after = [m.mesh.data_plane.sent_bytes() for m in ms]
+        assert [rings(m) for m in ms] == opened  # (the same Ring objects: none reopened)
         sent = {
             (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
             for i in range(4)
