@@ -72,6 +72,10 @@ from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
 
+ROUND_TRIPS_KEPT = 256
+"""Probe round trips kept until the mesh takes them (it does every few seconds; one probe
+per probe interval comes in, so none is lost unless nobody takes them)."""
+
 MAX_CONCURRENT_PUSH_PULLS = 16
 """Outgoing TCP exchanges at once; more are refused (and retried later), bounding our sockets
 and tasks. Incoming ones are bounded by ``ftmesh.net.admission``."""
@@ -272,6 +276,12 @@ class Node:
     def members(self) -> list[MemberSnapshot]:
         """Every known member, us first; dead and left ones until they are forgotten."""
         return self._swim.members()
+
+    def take_round_trips(self) -> list[tuple[str, float]]:
+        """The round trips our probes measured since the last call (``Swim.take_round_trips``:
+        ``(member, seconds)``, at most ``ROUND_TRIPS_KEPT``, oldest dropped first). The mesh
+        turns them into the link summary it publishes (``ftmesh.collective.topology``)."""
+        return self._swim.take_round_trips()
 
     def alive_members(self) -> list[MemberSnapshot]:
         return [m for m in self._swim.members() if m.state == 0]
@@ -681,6 +691,7 @@ async def open_node(
         rng=random.Random(os.urandom(16)),
         now=trio.current_time(),
         meta=config.meta,
+        round_trips=ROUND_TRIPS_KEPT,
     )
     node = Node(config, swim, udp, wall_clock)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))
