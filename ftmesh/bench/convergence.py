@@ -3,11 +3,17 @@ on slow lab links, synchronous (float32, int8) against DiLoCo rounds (float32, i
 streaming), in one run.
 
 Theory of operation: one virtual LAN (``ftmesh.lab.VirtualLan``, root) of ``--procs`` hosts,
-every link limited to ``--link-rate`` (tc tbf, each direction). For each repetition and each
+every link limited to ``--link-rate`` (tc tbf, each direction); or, with ``--sites AxB``, two
+sites of A and B hosts whose only path to each other is one WAN link of rate ``--link-rate``
+and one-way delay ``--delay`` (``VirtualLan(sites=...)``, ``ftmesh.lab.wan``), the hosts'
+own links unlimited. For each repetition and each
 mode of ``--modes`` (the order reverses from one repetition to the next so that load on the
 machine hits every mode alike), every host runs the example as docs/guide/running.md shows
 for a LAN, ``ftmesh worker --start-peers N examples/train_digits.py ...`` with mDNS on the
-host's address and a mesh name of its own. The modes:
+host's address and a mesh name of its own; on two sites (multicast stays within a site) as
+it shows for seeds, host 0 the seed (``--discovery seeds --port P``) and the others joining
+it (``--join HOST0:P``), each with its site's label (``--site a`` or ``b``: the ring plan
+keeps each site's members adjacent and reduces within the sites first). The modes:
 
 * ``sync``: synchronous steps, float32 gradients; ``sync-int8``: the same, int8 gradients
   with error feedback (``--compression int8``).
@@ -30,7 +36,7 @@ The bench reads host 0's progress records as they arrive. Host 0 evaluates the t
 every ``--eval-every`` steps of a synchronous mode and after every round of a DiLoCo mode
 (its model then holds the committed global parameters; streaming: every ``F`` steps). The
 clock starts one step before the first committed one (the first commit minus the run's
-median step time: process start-up and mesh formation don't count, the first step does) and
+mean step time: process start-up and mesh formation don't count, the first step does) and
 stops at the first record where the mean of the last ``SMOOTH`` evaluations reaches
 ``--target``; the run is then stopped (``--full``: trained to the end). Per mode: the median
 time to the target, the steps (rounds) and samples it took, ms per step (round), the last
@@ -48,7 +54,6 @@ the target, is reported beside it)."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -85,6 +90,8 @@ SMOOTH = 3
 """Evaluations averaged before comparing with the target: test accuracy moves by +-0.01 or
 more from one evaluation to the next, so the first single evaluation above a target near the
 plateau is mostly luck."""
+SEED_PORT = 7946
+"""With ``--sites``: the membership port of every host (host 0's is the others' seed)."""
 RUN_TIMEOUT = 1200.0
 """Seconds one training run may take before the bench gives up on it."""
 
@@ -108,7 +115,12 @@ def _argv(
 ) -> list[str]:
     n = args.procs
     argv = [sys.executable, "-m", "ftmesh", "worker", "--mesh", f"conv{tag}"]
-    argv += ["--discovery", "mdns", "--interface", lan.host_ip(i), "--start-peers", str(n)]
+    if args.sites:  # (multicast stays within a site: seeds, as across real sites)
+        argv += ["--discovery", "seeds", "--port", str(SEED_PORT), "--start-peers", str(n)]
+        argv += ["--site", "ab"[lan.site_of(i)]]
+        argv += ["--join", f"{lan.host_ip(0)}:{SEED_PORT}"] if i else []
+    else:
+        argv += ["--discovery", "mdns", "--interface", lan.host_ip(i), "--start-peers", str(n)]
     argv += [str(script), "--step-delay", "0", "--compression", mode.compression]
     argv += ["--global-batch", str(args.batch * n), "--hidden", str(args.hidden)]
     argv += ["--lr", str(args.lr), "--epochs", str(args.epochs), "--digest-every", "0"]
@@ -127,11 +139,17 @@ def _run(lan: Any, mode: Mode, tag: str, args: argparse.Namespace, script: Path)
     """One training run of every host, until host 0's accuracy reaches the target (or the end
     with ``--full``); host 0's records, stamped on arrival."""
     procs = []
+    logs: list[Any] = []  # --log-dir: the hosts' stderr files
     for i in range(args.procs):
         out = subprocess.PIPE if i == 0 else subprocess.DEVNULL
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         argv = _argv(mode, i, tag, lan, args, script)
-        procs.append(lan.popen(i, argv, stdout=out, stderr=subprocess.DEVNULL, text=True, env=env))
+        err: Any = subprocess.DEVNULL
+        if args.log_dir:  # (each host's stderr, for a run that fails)
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            err = open(Path(args.log_dir) / f"{tag}-h{i}.log", "w")  # noqa: SIM115
+            logs.append(err)
+        procs.append(lan.popen(i, argv, stdout=out, stderr=err, text=True, env=env))
     records: list[tuple[float, dict[str, Any]]] = []
     final: list[str] = []
     hit = threading.Event()
@@ -167,14 +185,16 @@ def _run(lan: Any, mode: Mode, tag: str, args: argparse.Namespace, script: Path)
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+        for log in logs:
+            log.close()
     reader.join(10)
     if not stopped and any(p.returncode for p in procs):
         raise SystemExit(f"a {mode.name} training run failed: {[p.returncode for p in procs]}")
     steps = [(t, r) for t, r in records if "step" in r and "done" not in r]
     if len(steps) < 2:
         raise SystemExit(f"the {mode.name} run reported {len(steps)} steps")
-    gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
-    per_step = statistics.median(gaps)
+    # the mean step time (streaming's steps alternate between fragments of other sizes)
+    per_step = (steps[-1][0] - steps[0][0]) / (len(steps) - 1)
     t0 = steps[0][0] - per_step  # the first step's start, estimated
     evals = [(t - t0, int(r["step"]), float(r["accuracy"])) for t, r in steps if "accuracy" in r]
     k = _reached(evals, args.target, SMOOTH)
@@ -197,6 +217,17 @@ def _run(lan: Any, mode: Mode, tag: str, args: argparse.Namespace, script: Path)
     }
 
 
+def _milliseconds(text: str) -> float | None:
+    """``"50ms"``, ``"50"`` (ms) or ``"0.05s"`` in milliseconds (``None``: not a duration)."""
+    s = text.strip().lower()
+    scale = 1000.0 if s.endswith("s") and not s.endswith("ms") else 1.0
+    try:
+        value = float(s.removesuffix("ms").removesuffix("s")) * scale
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
 def _median(xs: list[float | None]) -> float | None:
     got = [x for x in xs if x is not None]
     return statistics.median(got) if len(got) == len(xs) and got else None
@@ -206,7 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     doc = __doc__.split("\n")[0]
     ap = argparse.ArgumentParser(prog="ftmesh bench convergence", description=doc)
     ap.add_argument("--procs", type=int, default=4, help="lab hosts, one worker each")
-    ap.add_argument("--link-rate", default="20mbit", help="tc rate of every link (none: unlimited)")
+    ap.add_argument(
+        "--link-rate",
+        default="20mbit",
+        help="tc rate of every link, or with --sites of the WAN link (none: unlimited)",
+    )
+    ap.add_argument(
+        "--sites",
+        default=None,
+        metavar="AxB",
+        help="two sites of A and B hosts joined by one WAN link (--procs is A+B)",
+    )
+    ap.add_argument(
+        "--delay", default="0ms", help="with --sites: the WAN link's one-way delay (50ms)"
+    )
     ap.add_argument(
         "--modes",
         default=",".join(MODES),
@@ -227,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="train every run to the end")
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode")
     ap.add_argument("--script", default=None, help="the example (default: examples/ here)")
+    ap.add_argument("--log-dir", default=None, help="write each host's stderr here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     script = Path(args.script) if args.script else _example()
@@ -236,17 +281,38 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
-    if any(MODES[m].diloco for m in modes) and args.batch * args.procs * args.diloco > 1437:
-        ap.error("a round (--batch x --procs x --diloco) must fit the 1437 training digits")
     if "streaming" in modes and (args.fragments < 1 or args.diloco % args.fragments):
         ap.error(f"--fragments {args.fragments} must divide --diloco {args.diloco}")
+    rate = None if args.link_rate == "none" else args.link_rate
+    delay_ms = _milliseconds(args.delay)
+    if delay_ms is None:
+        ap.error(f"--delay {args.delay!r}: give milliseconds, like 50ms")
+    sites: list[int] = []
+    if args.sites:
+        try:
+            sites = [int(x) for x in args.sites.lower().split("x")]
+        except ValueError:
+            sites = []
+        if len(sites) != 2 or min(sites) < 1:
+            ap.error(f"--sites {args.sites!r}: give two host counts, like 2x2")
+        args.procs = sum(sites)
+    elif delay_ms:
+        ap.error("--delay is the WAN link's: it needs --sites")
+    if any(MODES[m].diloco for m in modes) and args.batch * args.procs * args.diloco > 1437:
+        ap.error("a round (--batch x --procs x --diloco) must fit the 1437 training digits")
     from ..lab.netns import VirtualLan
+    from ..lab.wan import WanLink
 
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    with VirtualLan(hosts=args.procs) as lan:
+    lab = (
+        VirtualLan(sites=sites, wan=WanLink(rate=rate, delay_ms=delay_ms))
+        if sites
+        else VirtualLan(hosts=args.procs)
+    )
+    with lab as lan:
         for i in range(args.procs):
-            if args.link_rate != "none":
-                lan.set_rate(i, args.link_rate)
+            if rate is not None and not sites:
+                lan.set_rate(i, rate)
         for rep in range(args.repeats):
             order = modes if rep % 2 == 0 else modes[::-1]
             for name in order:
@@ -275,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "convergence",
         "procs": args.procs,
         "link_rate": args.link_rate,
+        "sites": args.sites,
+        "delay_ms": delay_ms,
         "target": args.target,
         "hidden": args.hidden,
         "batch": args.batch,
