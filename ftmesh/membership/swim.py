@@ -136,6 +136,9 @@ class _Probe:
     indirect_sent: int = 0
     nacks: int = 0
     acked: bool = False
+    closed: bool = False
+    """Started because the target's connection closed (``Swim.connection_closed``): no ack
+    within the probe timeout confirms its suspicion."""
 
 
 @dataclass(slots=True)
@@ -207,6 +210,8 @@ _LAST_ADOPTED: list[tuple[Mapping[str, MemberSnapshot], int, int, int]] = []
 """The last table adopted wholesale: its size, ALIVE and SUSPECT counts (``Swim.adopt``)."""
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
+MAX_DIRECT = 64
+"""Members a leave, or a suspicion after a closed connection, is also sent to directly."""
 
 
 class Swim:
@@ -265,6 +270,7 @@ class Swim:
             "probe": self._fire_probe,
             "probe_timeout": self._fire_probe_timeout,
             "probe_end": self._fire_probe_end,
+            "closed_timeout": self._fire_closed_timeout,
             "relay_timeout": self._fire_relay_timeout,
             "suspicion": self._fire_suspicion,
             "last_chance": self._fire_last_chance,
@@ -584,11 +590,7 @@ class Swim:
         self.leaving = True
         msg = Dead(node=self.node_id, incarnation=self._me.incarnation, accuser=self.node_id)
         self._broadcast(msg)
-        targets = [m for m in self._members.values() if m.state in _LIVE]
-        if len(targets) > 64:
-            targets = self._rng.sample(targets, 64)
-        for m in targets:
-            self._out.append(Send(m.addr, (msg,)))
+        self._send_direct(msg)
         return self._flush()
 
     def report_unreachable(self, now: float, node_id: str) -> list[Effect]:
@@ -603,6 +605,76 @@ class Swim:
             self._count("fast_probes")
             self._start_probe(now, m, indirect_now=True)
         return self._flush()
+
+    def connection_closed(self, now: float, node_id: str, *, refused: bool = False) -> list[Effect]:
+        """Evidence from the data plane: an established connection to ``node_id`` was closed
+        or reset by it with nothing left unsaid (EOF or ``ECONNRESET`` on a ring connection we
+        still held, no abort notice before it: what the kernel does to a killed process's
+        sockets), or, with ``refused``, it refused a connection (``ECONNREFUSED``).
+
+        Neither is a death by itself: a live member closes connections too (it restarted its
+        data plane), and a refusal also comes from a live member whose data port is
+        misconfigured or firewalled. So:
+
+        * *closed*: the member is suspected at once (it leaves the ring's view at once,
+          ``MeshConfig.suspects_in_view``) and the suspicion is sent straight to the live
+          members, it included (a live one refutes at once), besides being gossiped; and a
+          probe, direct and indirect at once, runs with the probe timeout (not the whole probe
+          interval). No ack by then: our suspicion counts as fully confirmed (its timeout drops
+          to the minimum, ``suspicion_min_timeout``), after which the final direct probe
+          decides the death as for any suspicion. An ack: the suspicion keeps its full timeout
+          and the member refutes it. So a member starved of CPU for less than the minimum
+          suspicion timeout is never declared dead.
+        * *refused*: the probe runs first, and only if it goes unanswered within the probe
+          timeout is the member suspected (as above, fully confirmed): a live member with an
+          unreachable data port answers its gossip port, and is ``reach``'s to judge.
+
+        A member that is not ALIVE (suspected already, dead, left: a graceful leave stays
+        ``left``) is not probed; nor one whose closed connection is being probed already; a
+        SUSPECT member gets our accusation as a confirmation (``closed`` only)."""
+        self._now = now
+        m = self._members.get(node_id)
+        if m is None or m.state not in _LIVE or self.leaving:
+            self._count("closed_ignored")
+            return self._flush()
+        if any(p.closed and p.target == node_id for p in self._probes.values()):
+            return self._flush()
+        if m.state == MemberState.SUSPECT:
+            if not refused:
+                self._on_suspect(
+                    now, Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
+                )
+            return self._flush()
+        self._count("closed_refused" if refused else "closed_suspects")
+        if not refused:
+            s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
+            self._on_suspect(now, s)
+            self._send_direct(s)
+            m = self._members[node_id]
+        seq = self._start_probe(now, m, indirect_now=True)
+        self._probes[seq].closed = True
+        self._arm(now + self._awareness.scale(self.config.probe_timeout), "closed_timeout", seq)
+        return self._flush()
+
+    def _fire_closed_timeout(self, now: float, seq: object) -> None:
+        """The probe of a member whose connection closed went unanswered for the probe
+        timeout (``connection_closed``). (The probe itself stays until its end, which does
+        Lifeguard's accounting of the nacks: they come after the relays' own timeout.)"""
+        assert isinstance(seq, int)
+        probe = self._probes.get(seq)
+        m = self._members.get(probe.target) if probe else None
+        if probe is None or probe.acked or m is None or m.state not in _LIVE:
+            return
+        if m.state == MemberState.ALIVE:  # a refused connection, not suspected yet
+            s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
+            self._on_suspect(now, s)
+            self._send_direct(s)
+        susp = self._suspicions.get(m.node)
+        if susp is None or susp.incarnation != self._members[m.node].incarnation:
+            return
+        self._count("closed_confirmed")
+        susp.k = 0  # as good as fully confirmed: the minimum timeout
+        self._arm(susp.deadline, "suspicion", m.node)
 
     # ------------------------------------------------------------------ probing
 
@@ -633,7 +705,7 @@ class Swim:
             self._probe_round = _ProbeRound(self._peer_ids)
         return None
 
-    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> None:
+    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> int:
         seq = self._next_seq()
         self._probes[seq] = _Probe(target.node)
         ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
@@ -653,6 +725,7 @@ class Swim:
         else:
             self._arm(now + self._awareness.scale(self.config.probe_timeout), "probe_timeout", seq)
         self._arm(now + self._awareness.scale(self.config.probe_interval), "probe_end", seq)
+        return seq
 
     def _fire_probe_timeout(self, now: float, seq: object) -> None:
         assert isinstance(seq, int)
@@ -978,6 +1051,15 @@ class Swim:
                 budget -= self._size_of(m)
         rumours = self._take_rumours(budget) if budget > 32 else []
         self._out.append(Send(dest, (*msgs, *rumours)))
+
+    def _send_direct(self, msg: Gossip) -> None:
+        """Send ``msg`` alone to every live member (at most ``MAX_DIRECT``, drawn at random),
+        besides gossiping it: news every member must act on at once."""
+        targets = [m for m in self._members.values() if m.state in _LIVE]
+        if len(targets) > MAX_DIRECT:
+            targets = self._rng.sample(targets, MAX_DIRECT)
+        for m in targets:
+            self._out.append(Send(m.addr, (msg,)))
 
     def _take_rumours(self, budget: int) -> list[Gossip]:
         if not self._rumours:

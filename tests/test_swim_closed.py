@@ -1,0 +1,377 @@
+"""A closed connection as evidence (``Swim.connection_closed``), on the deterministic simulator
+and at unit level (``local`` preset). The data plane reports a peer that closed, reset or
+refused a connection; membership probes it at once and suspects it only if that probe's
+short timeout passes unanswered. Every simulated test prints its seed; a failure reproduces
+from it (``FTMESH_SEEDS=4,5,6`` sweeps others)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from ftmesh.membership.config import MembershipConfig
+from ftmesh.membership.messages import (
+    Ack,
+    Alive,
+    Dead,
+    IndirectPing,
+    MemberState,
+    Ping,
+    Suspect,
+)
+from ftmesh.membership.swim import MemberEvent, Send, Swim
+from ftmesh.sim.network import SeenEvent, SimNetwork, SimNode
+
+LOCAL = MembershipConfig.preset("local")
+SEEDS = [int(s) for s in os.environ.get("FTMESH_SEEDS", "1,2,3").split(",")]
+LATENCY = (0.0002, 0.002)  # the simulator's default one-way delay
+
+
+def build(n: int, seed: int) -> tuple[SimNetwork, list[SimNode]]:
+    print(f"seed={seed} n={n}")
+    net = SimNetwork(seed=seed, config=LOCAL, latency=LATENCY)
+    nodes = [net.add_node()]
+    for _ in range(n - 1):
+        nodes.append(net.add_node(join=[net.rng.choice(nodes).addr]))
+    end = net.now + 30.0
+    while net.now < end and not net.converged():
+        net.run_until(net.now + 0.1)
+    assert net.converged(), "mesh did not converge"
+    net.events.clear()
+    return net, nodes
+
+
+def events(net: SimNetwork, kind: str, about: SimNode) -> list[SeenEvent]:
+    return [
+        e for e in net.events if e.event.kind == kind and e.event.member.node == about.swim.node_id
+    ]
+
+
+def observers(evs: list[SeenEvent]) -> set[str]:
+    return {e.observer for e in evs}
+
+
+def ids(nodes: list[SimNode]) -> set[str]:
+    return {n.swim.node_id for n in nodes}
+
+
+def first_seen(evs: list[SeenEvent]) -> dict[str, float]:
+    """Each observer's first time."""
+    return {e.observer: e.time for e in reversed(evs)}
+
+
+def run_converged(net: SimNetwork, limit: float = 10.0) -> None:
+    end = net.now + limit
+    while net.now < end and not net.converged():
+        net.run_until(net.now + 0.1)
+    assert net.converged()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_crashed_members_closed_connections_drop_it_at_once_then_kill_it_soon(
+    seed: int,
+) -> None:
+    """Its two ring neighbours see their connections close: every survivor suspects the
+    victim within a datagram's trip (where the probe round takes up to a probe interval to
+    reach it and another to suspect it); the unanswered fast probe confirms the suspicion,
+    so it dies at the minimum suspicion timeout, and nobody else dies."""
+    net, nodes = build(8, seed)
+    victim, left, right = nodes[3], nodes[2], nodes[4]
+    t0 = net.now
+    net.crash(victim)
+    net.connection_closed(left, victim)
+    net.connection_closed(right, victim)
+    net.run_until(t0 + LOCAL.crash_detection_bound(8) + 1.0)
+    survivors = ids(nodes) - {victim.swim.node_id}
+    suspects = first_seen(events(net, "suspect", victim))
+    assert set(suspects) == survivors
+    assert max(suspects.values()) - t0 <= LATENCY[1] + 1e-9, suspects
+    assert left.swim.counters["closed_confirmed"] == 1
+    deaths = first_seen(events(net, "dead", victim))
+    assert set(deaths) == survivors
+    bound = LOCAL.suspicion_min_timeout(8) + LOCAL.probe_timeout + 2 * LATENCY[1] + 1e-9
+    assert max(deaths.values()) - t0 <= bound, (bound, deaths)
+    others = [
+        e
+        for e in net.events
+        if e.event.kind == "dead" and e.event.member.node != victim.swim.node_id
+    ]
+    assert others == []
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_refused_connection_suspects_a_crashed_member_after_the_probe_timeout(
+    seed: int,
+) -> None:
+    net, nodes = build(8, seed)
+    victim = nodes[6]
+    t0 = net.now
+    net.crash(victim)
+    net.connection_closed(nodes[0], victim, refused=True)
+    net.run_until(t0 + LOCAL.crash_detection_bound(8) + 1.0)
+    suspects = first_seen(events(net, "suspect", victim))
+    assert set(suspects) == ids(nodes) - {victim.swim.node_id}
+    assert suspects[nodes[0].swim.node_id] - t0 == pytest.approx(LOCAL.probe_timeout)
+    assert max(suspects.values()) - t0 <= LOCAL.probe_timeout + LATENCY[1] + 1e-9
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_live_member_that_refused_a_connection_is_not_suspected(seed: int) -> None:
+    """A live member whose data port refuses (misconfigured, firewalled) answers the probe:
+    no suspicion anywhere (``reach`` judges its data port)."""
+    net, nodes = build(8, seed)
+    member = nodes[5]
+    inc = member.swim.incarnation
+    for _ in range(3):
+        for other in (nodes[4], nodes[6]):
+            net.connection_closed(other, member, refused=True)
+        net.run_until(net.now + LOCAL.probe_interval)
+    net.run_until(net.now + 2 * LOCAL.crash_detection_bound(8))
+    assert events(net, "suspect", member) == []
+    assert member.swim.incarnation == inc
+    assert nodes[4].swim.counters["closed_refused"] == 3
+    assert net.converged()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_live_member_that_closed_its_connections_is_never_dead(seed: int) -> None:
+    """A member that restarted its data plane closes connections: suspected at once, it
+    answers the probe and refutes within a round trip; never dead."""
+    net, nodes = build(8, seed)
+    restarted = nodes[5]
+    inc = restarted.swim.incarnation
+    for other in (nodes[4], nodes[6]):
+        net.connection_closed(other, restarted)
+    net.run_until(net.now + 2 * LOCAL.crash_detection_bound(8))
+    assert events(net, "dead", restarted) == []
+    assert restarted.swim.incarnation == inc + 1  # one refutation
+    back = first_seen(events(net, "alive", restarted))
+    assert set(back) == ids(nodes) - {restarted.swim.node_id}
+    assert "closed_confirmed" not in nodes[4].swim.counters
+    run_converged(net)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_graceful_leave_stays_left_when_its_connections_close_after_it(seed: int) -> None:
+    """The leaver announces, keeps running a little, exits; its connections close as it
+    exits. It is ``left`` everywhere: never suspected, never dead."""
+    net, nodes = build(8, seed)
+    leaver = nodes[6]
+    net.leave(leaver)
+    net.run_until(net.now + 3 * LOCAL.gossip_interval)
+    net.crash(leaver)
+    for other in (nodes[5], nodes[7]):
+        net.connection_closed(other, leaver)
+    net.run_until(net.now + 2 * LOCAL.crash_detection_bound(8))
+    assert observers(events(net, "left", leaver)) == ids(nodes) - {leaver.swim.node_id}
+    assert events(net, "suspect", leaver) == []
+    assert events(net, "dead", leaver) == []
+    assert nodes[5].swim.counters["closed_ignored"] == 1
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("exits_after", [0.0, 3 * LOCAL.gossip_interval])
+def test_a_graceful_leave_stays_left_when_its_connections_close_before_it(
+    seed: int, exits_after: float
+) -> None:
+    """The leaver gave its ring up (its connections close) a moment before it announces its
+    leave, and exits at once or a little later: suspected maybe, ``left`` in the end
+    everywhere, never dead."""
+    net, nodes = build(8, seed)
+    leaver = nodes[1]
+    for other in (nodes[0], nodes[2]):
+        net.connection_closed(other, leaver)
+    net.run_until(net.now + LATENCY[0] / 2)
+    net.leave(leaver)
+    net.run_until(net.now + exits_after)
+    net.crash(leaver)
+    net.run_until(net.now + 2 * LOCAL.crash_detection_bound(8))
+    assert observers(events(net, "left", leaver)) == ids(nodes) - {leaver.swim.node_id}
+    assert events(net, "dead", leaver) == []
+    for node in nodes:
+        if node is not leaver:
+            snap = node.swim.member(leaver.swim.node_id)
+            assert snap is None or snap.state == MemberState.LEFT
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_starved_member_whose_connection_closed_is_suspected_but_never_dead(
+    seed: int,
+) -> None:
+    """One closed connection and a missed short timeout (a process starved of CPU) make a
+    suspicion, never a death, as long as the starvation is shorter than the minimum
+    suspicion timeout: the member refutes once it runs again."""
+    net, nodes = build(8, seed)
+    sleeper = nodes[2]
+    inc = sleeper.swim.incarnation
+    net.pause(sleeper)
+    net.connection_closed(nodes[1], sleeper)
+    net.run_until(net.now + 0.8 * LOCAL.suspicion_min_timeout(8))
+    assert nodes[1].swim.member(sleeper.swim.node_id).state == MemberState.SUSPECT  # type: ignore[union-attr]
+    assert nodes[1].swim.counters["closed_confirmed"] == 1
+    net.resume(sleeper)
+    run_converged(net)
+    assert events(net, "dead", sleeper) == []
+    assert sleeper.swim.incarnation > inc
+    for node in nodes:
+        snap = node.swim.member(sleeper.swim.node_id)
+        assert snap is not None and snap.state == MemberState.ALIVE
+
+
+# ---------------------------------------------------------------------- unit level
+
+OTHER = "b" * 32
+OTHER_ADDR = ("10.0.0.2", 1)
+HELPER = "c" * 32
+HELPER_ADDR = ("10.0.0.3", 1)
+
+
+def machine(seed: int = 0) -> Swim:
+    swim = Swim(
+        node_id="a" * 32,
+        name="me",
+        addr=("10.0.0.1", 7946),
+        config=LOCAL,
+        rng=random.Random(seed),
+        now=0.0,
+    )
+    for node, addr in ((OTHER, OTHER_ADDR), (HELPER, HELPER_ADDR)):
+        swim.receive(0.0, addr, [Alive(node=node, name=node[0], addr=addr, incarnation=1)])
+    return swim
+
+
+def pings_to(effects: list[object], addr: tuple[str, int]) -> list[Ping]:
+    return [
+        m
+        for e in effects
+        if isinstance(e, Send) and e.dest == addr
+        for m in e.msgs
+        if isinstance(m, Ping)
+    ]
+
+
+def kinds(effects: list[object], about: str = OTHER) -> list[str]:
+    """The events about ``about`` (the helper, which answers nothing here, is suspected by
+    the machine's own probe rounds in a long tick)."""
+    return [e.kind for e in effects if isinstance(e, MemberEvent) and e.member.node == about]
+
+
+def suspects_sent(effects: list[object]) -> set[tuple[str, int]]:
+    return {
+        e.dest
+        for e in effects
+        if isinstance(e, Send) and any(isinstance(m, Suspect) and m.node == OTHER for m in e.msgs)
+    }
+
+
+def test_a_closed_connection_suspects_at_once_and_an_unanswered_probe_confirms_it() -> None:
+    swim = machine()
+    effects = swim.connection_closed(1.0, OTHER)
+    assert kinds(effects) == ["suspect"]
+    assert suspects_sent(effects) >= {OTHER_ADDR, HELPER_ADDR}  # it too: a live one refutes
+    assert len(pings_to(effects, OTHER_ADDR)) == 1
+    relays = [
+        m for e in effects if isinstance(e, Send) for m in e.msgs if isinstance(m, IndirectPing)
+    ]
+    assert [r.target for r in relays] == [OTHER]  # indirect at once, through the helper
+    # No ack within the probe timeout: the suspicion's timeout drops to its minimum.
+    assert kinds(swim.tick(1.0 + LOCAL.probe_timeout)) == []
+    assert swim.counters["closed_confirmed"] == 1
+    end = 1.0 + LOCAL.suspicion_min_timeout(3)
+    assert kinds(swim.tick(end - 0.001)) == []
+    # The final direct probe goes out and stays unanswered (its timeout is scaled by our
+    # awareness, raised here by the helper's silence): dead, long before the suspicion's
+    # unconfirmed timeout (5x the minimum) would end.
+    dead = kinds(swim.tick(end)) + kinds(swim.tick(end + 0.5))
+    assert dead == ["dead"]
+    assert end + 0.5 < 1.0 + LOCAL.suspicion_max_timeout_mult * LOCAL.suspicion_min_timeout(3)
+
+
+def test_an_answered_probe_leaves_the_full_suspicion_for_a_refutation() -> None:
+    for via in ("direct", "indirect"):
+        swim = machine()
+        effects = swim.connection_closed(1.0, OTHER)
+        if via == "direct":
+            seq = pings_to(effects, OTHER_ADDR)[0].seq
+            swim.receive(1.01, OTHER_ADDR, [Ack(seq=seq, source=OTHER)])
+        else:
+            (relay,) = [
+                m
+                for e in effects
+                if isinstance(e, Send)
+                for m in e.msgs
+                if isinstance(m, IndirectPing)
+            ]
+            swim.receive(1.02, HELPER_ADDR, [Ack(seq=relay.seq, source=OTHER)])
+        # Well past the minimum suspicion timeout, short of the longest: still suspect.
+        assert kinds(swim.tick(1.0 + 2 * LOCAL.suspicion_min_timeout(3))) == [], via
+        assert "closed_confirmed" not in swim.counters, via
+        refute = Alive(node=OTHER, name="b", addr=OTHER_ADDR, incarnation=2)
+        assert kinds(swim.receive(1.7, OTHER_ADDR, [refute])) == ["alive"], via
+
+
+def test_a_refused_connection_probes_first() -> None:
+    swim = machine()
+    effects = swim.connection_closed(1.0, OTHER, refused=True)
+    assert kinds(effects) == [] and not suspects_sent(effects)
+    seq = pings_to(effects, OTHER_ADDR)[0].seq
+    effects = swim.tick(1.0 + LOCAL.probe_timeout)
+    assert kinds(effects) == ["suspect"]
+    assert suspects_sent(effects) >= {OTHER_ADDR, HELPER_ADDR}
+    assert swim.counters["closed_confirmed"] == 1
+    # Answered in time: nothing.
+    swim = machine()
+    effects = swim.connection_closed(1.0, OTHER, refused=True)
+    seq = pings_to(effects, OTHER_ADDR)[0].seq
+    swim.receive(1.01, OTHER_ADDR, [Ack(seq=seq, source=OTHER)])
+    assert kinds(swim.tick(1.0 + LOCAL.probe_interval)) == []
+    assert swim.member(OTHER).state == MemberState.ALIVE  # type: ignore[union-attr]
+
+
+def test_only_a_live_member_is_probed_and_only_once_at_a_time() -> None:
+    swim = machine()
+    assert swim.connection_closed(0.5, "d" * 32) == []  # unknown
+    first = swim.connection_closed(1.0, OTHER)
+    again = swim.connection_closed(1.01, OTHER)
+    assert pings_to(first, OTHER_ADDR) and not pings_to(again, OTHER_ADDR)
+    assert swim.counters["closed_suspects"] == 1
+    # Suspected by someone else already: our closed connection is a confirmation.
+    swim = machine()
+    swim.receive(1.0, HELPER_ADDR, [Suspect(node=OTHER, incarnation=1, accuser=HELPER)])
+    effects = swim.connection_closed(1.01, OTHER)
+    assert not pings_to(effects, OTHER_ADDR)
+    gossip = swim.tick(1.01 + LOCAL.gossip_interval)  # our confirmation is gossiped on
+    assert [
+        m
+        for e in gossip
+        if isinstance(e, Send)
+        for m in e.msgs
+        if isinstance(m, Suspect) and m.accuser == swim.node_id
+    ]
+    # Left: never probed, never suspected, never dead.
+    swim = machine()
+    swim.receive(1.0, OTHER_ADDR, [Dead(node=OTHER, incarnation=1, accuser=OTHER)])
+    assert swim.connection_closed(1.1, OTHER) == []
+    assert kinds(swim.tick(5.0)) == []
+    assert swim.member(OTHER).state == MemberState.LEFT  # type: ignore[union-attr]
+    assert swim.counters["closed_ignored"] == 1
+
+
+def test_a_leave_after_the_suspicion_is_still_left() -> None:
+    """A leaver whose connections closed before its leave arrived is suspected, then its
+    leave overrides the suspicion: ``left``, not ``dead``."""
+    swim = machine()
+    assert kinds(swim.connection_closed(1.0, OTHER)) == ["suspect"]
+    effects = swim.receive(1.01, OTHER_ADDR, [Dead(node=OTHER, incarnation=1, accuser=OTHER)])
+    assert kinds(effects) == ["left"]
+    assert kinds(swim.tick(5.0) + swim.tick(6.0)) == []  # (forgotten only at dead_reclaim)
+    assert swim.member(OTHER).state == MemberState.LEFT  # type: ignore[union-attr]
+
+
+def test_a_leaving_member_reports_nothing() -> None:
+    swim = machine()
+    swim.leave(1.0)
+    assert kinds(swim.connection_closed(1.01, OTHER)) == []
+    assert swim.counters["closed_ignored"] == 1
