@@ -146,7 +146,6 @@ steps = st.lists(
         st.tuples(st.just("meta"), meta),
         st.tuples(st.just("unreachable"), ids),
         st.tuples(st.just("closed"), ids),
-        st.tuples(st.just("refused"), ids),
         st.tuples(st.just("leave"), st.none()),
     ),
     max_size=40,
@@ -183,9 +182,9 @@ def test_swim_invariants(script: list[tuple[str, object]], seed: int) -> None:
         elif kind == "unreachable":
             assert isinstance(arg, str)
             effects = swim.report_unreachable(now, arg)
-        elif kind in ("closed", "refused"):
+        elif kind == "closed":
             assert isinstance(arg, str)
-            effects = swim.connection_closed(now, arg, refused=kind == "refused")
+            effects = swim.connection_closed(now, arg)
         else:
             effects = swim.leave(now)
         codec = PacketCodec("m", MeshAuth.none())

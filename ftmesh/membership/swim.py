@@ -606,32 +606,28 @@ class Swim:
             self._start_probe(now, m, indirect_now=True)
         return self._flush()
 
-    def connection_closed(self, now: float, node_id: str, *, refused: bool = False) -> list[Effect]:
-        """Evidence from the data plane: an established connection to ``node_id`` was closed
-        or reset by it with nothing left unsaid (EOF or ``ECONNRESET`` on a ring connection we
+    def connection_closed(self, now: float, node_id: str) -> list[Effect]:
+        """Evidence from the data plane: ``node_id`` closed or reset an established
+        connection with nothing left unsaid (EOF or ``ECONNRESET`` on a ring connection we
         still held, no abort notice before it: what the kernel does to a killed process's
-        sockets), or, with ``refused``, it refused a connection (``ECONNREFUSED``).
+        sockets), or refused one (``ECONNREFUSED``: its listener is gone).
 
-        Neither is a death by itself: a live member closes connections too (it restarted its
-        data plane), and a refusal also comes from a live member whose data port is
-        misconfigured or firewalled. So:
+        Not a death by itself, nor even a suspicion: a live member closes connections too,
+        without a word, when it believes *us* lost (a false suspicion of us, a stall) or gives
+        a broken ring up, and a live member whose data port is misconfigured refuses. (Taken
+        as a suspicion at once, each such close suspected a live member, who then refuted:
+        view changes in cascade, seen under load in ``ftmesh bench recovery``.) So it starts
+        a probe, direct and indirect at once, and if no ack comes within the probe timeout
+        (not the whole probe interval) the member is suspected then, the suspicion is sent
+        straight to the live members (it included: a live one refutes at once) besides
+        being gossiped, and it counts as fully confirmed (its timeout drops to the minimum,
+        ``suspicion_min_timeout``), after which the final direct probe decides the death as
+        for any suspicion. A member that answers is left alone. So a member starved of CPU
+        for less than the probe timeout is not even suspected, and one starved for less
+        than the minimum suspicion timeout is never declared dead.
 
-        * *closed*: the member is suspected at once (it leaves the ring's view at once,
-          ``MeshConfig.suspects_in_view``) and the suspicion is sent straight to the live
-          members, it included (a live one refutes at once), besides being gossiped; and a
-          probe, direct and indirect at once, runs with the probe timeout (not the whole probe
-          interval). No ack by then: our suspicion counts as fully confirmed (its timeout drops
-          to the minimum, ``suspicion_min_timeout``), after which the final direct probe
-          decides the death as for any suspicion. An ack: the suspicion keeps its full timeout
-          and the member refutes it. So a member starved of CPU for less than the minimum
-          suspicion timeout is never declared dead.
-        * *refused*: the probe runs first, and only if it goes unanswered within the probe
-          timeout is the member suspected (as above, fully confirmed): a live member with an
-          unreachable data port answers its gossip port, and is ``reach``'s to judge.
-
-        A member that is not ALIVE (suspected already, dead, left: a graceful leave stays
-        ``left``) is not probed; nor one whose closed connection is being probed already; a
-        SUSPECT member gets our accusation as a confirmation (``closed`` only)."""
+        A member that is not ALIVE or SUSPECT (dead, left: a graceful leave stays ``left``)
+        is not probed, nor one whose closed connection is being probed already."""
         self._now = now
         m = self._members.get(node_id)
         if m is None or m.state not in _LIVE or self.leaving:
@@ -639,18 +635,7 @@ class Swim:
             return self._flush()
         if any(p.closed and p.target == node_id for p in self._probes.values()):
             return self._flush()
-        if m.state == MemberState.SUSPECT:
-            if not refused:
-                self._on_suspect(
-                    now, Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
-                )
-            return self._flush()
-        self._count("closed_refused" if refused else "closed_suspects")
-        if not refused:
-            s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
-            self._on_suspect(now, s)
-            self._send_direct(s)
-            m = self._members[node_id]
+        self._count("closed_probes")
         seq = self._start_probe(now, m, indirect_now=True)
         self._probes[seq].closed = True
         self._arm(now + self._awareness.scale(self.config.probe_timeout), "closed_timeout", seq)
@@ -665,14 +650,14 @@ class Swim:
         m = self._members.get(probe.target) if probe else None
         if probe is None or probe.acked or m is None or m.state not in _LIVE:
             return
-        if m.state == MemberState.ALIVE:  # a refused connection, not suspected yet
-            s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
-            self._on_suspect(now, s)
+        s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
+        self._on_suspect(now, s)  # a suspicion, or our confirmation of one
+        if m.state == MemberState.ALIVE:
             self._send_direct(s)
         susp = self._suspicions.get(m.node)
         if susp is None or susp.incarnation != self._members[m.node].incarnation:
             return
-        self._count("closed_confirmed")
+        self._count("closed_suspects")
         susp.k = 0  # as good as fully confirmed: the minimum timeout
         self._arm(susp.deadline, "suspicion", m.node)
 

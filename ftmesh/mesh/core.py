@@ -21,7 +21,9 @@ raised: whether to retry, and with what inputs, is the caller's decision (see
 neighbour whose ring connection closes or resets with nothing left unsaid (a killed process's
 kernel closes its sockets), during a collective or between two, or that refuses a connection,
 is handed to membership as such (``DataPlane.on_closed``, ``Swim.connection_closed``): it is
-suspected at once, so the view drops it before the next collective finds the ring broken.
+probed at once and suspected if it does not answer within the probe timeout, so the view drops
+it well before the probe round would, and often before the next collective finds the ring
+broken.
 
 Progress: ``report_progress`` (the trainer, after each committed step) keeps the latest
 ``Progress``; a task publishes it in our metadata (key ``progress``) at once if nothing was
@@ -535,8 +537,9 @@ class Mesh:
         return closed
 
     def _connection_closed(self, peer: str, refused: bool) -> None:
+        log.debug("data plane: %s %s a connection", peer, "refused" if refused else "closed")
         try:
-            self.node.connection_closed(peer, refused=refused)
+            self.node.connection_closed(peer)
         except Exception:  # (a callback of trio's: an exception would end the run)
             log.exception("membership could not take %s's closed connection", peer)
 

@@ -314,11 +314,11 @@ class Node:
         """Hard evidence from the data plane: probe ``node_id`` now."""
         self._apply(self._swim.report_unreachable(trio.current_time(), node_id))
 
-    def connection_closed(self, node_id: str, *, refused: bool = False) -> None:
-        """The data plane saw ``node_id`` close or reset a connection (``refused``: refuse
-        one): suspect it at once and probe it, or probe it first (``Swim.connection_closed``)."""
-        now = trio.current_time()
-        self._apply(self._swim.connection_closed(now, node_id, refused=refused))
+    def connection_closed(self, node_id: str) -> None:
+        """The data plane saw ``node_id`` close, reset or refuse a connection: probe it now,
+        and suspect it if the probe's short timeout passes unanswered
+        (``Swim.connection_closed``)."""
+        self._apply(self._swim.connection_closed(trio.current_time(), node_id))
 
     def discovery_status(self) -> DiscoveryStatus:
         """What discovery found and how the joins went (see ``DiscoveryStatus``)."""

@@ -192,12 +192,10 @@ class SimNetwork:
         self._apply(node, node.swim.update_meta(self.now, meta))
         self._reschedule(node)
 
-    def connection_closed(self, node: SimNode, about: SimNode, *, refused: bool = False) -> None:
-        """Tell ``node`` that its data-plane connection to ``about`` closed (EOF or reset) or,
-        with ``refused``, was refused, as a mesh's data plane does
-        (``Swim.connection_closed``)."""
-        effects = node.swim.connection_closed(self.now, about.swim.node_id, refused=refused)
-        self._apply(node, effects)
+    def connection_closed(self, node: SimNode, about: SimNode) -> None:
+        """Tell ``node`` that ``about`` closed, reset or refused a data-plane connection, as a
+        mesh's data plane does (``Swim.connection_closed``)."""
+        self._apply(node, node.swim.connection_closed(self.now, about.swim.node_id))
         self._reschedule(node)
 
     def inject(self, node: SimNode, src: Address, msgs: tuple[Message, ...]) -> None:
