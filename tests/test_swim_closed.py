@@ -344,3 +344,30 @@ def test_a_leaving_member_reports_nothing() -> None:
     swim.leave(1.0)
     assert pings_to(swim.connection_closed(1.01, OTHER), OTHER_ADDR) == []
     assert swim.counters["closed_ignored"] == 1
+
+
+def test_a_closed_port_settles_a_closed_probe_at_once() -> None:
+    """ICMP port unreachable from the member's gossip address while its closed connection is
+    probed: the probe fails now, not at its timeout, and only once."""
+    swim = machine()
+    swim.connection_closed(1.0, OTHER)
+    effects = swim.port_unreachable(1.001, OTHER_ADDR)
+    assert kinds(effects) == ["suspect"]
+    assert suspects_sent(effects) >= {OTHER_ADDR, HELPER_ADDR}
+    assert swim.counters["closed_port_unreachable"] == 1
+    assert kinds(swim.tick(1.0 + LOCAL.probe_interval)) == []
+    assert swim.counters["closed_suspects"] == 1  # (not again at the timeout)
+    end = 1.001 + LOCAL.suspicion_min_timeout(3)
+    assert kinds(swim.tick(end) + swim.tick(end + 0.5)) == ["dead"]
+
+
+def test_a_closed_port_alone_is_only_counted() -> None:
+    """Without a closed connection being probed (an ICMP message is not authenticated), or
+    from another address, nothing happens."""
+    swim = machine()
+    effects = swim.port_unreachable(1.0, OTHER_ADDR)
+    assert effects == [] and swim.counters["port_unreachable_ignored"] == 1
+    swim.connection_closed(1.0, OTHER)
+    assert kinds(swim.port_unreachable(1.001, HELPER_ADDR)) == []
+    assert swim.member(OTHER).state == MemberState.ALIVE  # type: ignore[union-attr]
+    assert swim.counters["port_unreachable_ignored"] == 2

@@ -139,6 +139,8 @@ class _Probe:
     closed: bool = False
     """Started because the target's connection closed (``Swim.connection_closed``): no ack
     within the probe timeout confirms its suspicion."""
+    settled: bool = False
+    """A closed probe whose outcome was taken before its timeout (``Swim.port_unreachable``)."""
 
 
 @dataclass(slots=True)
@@ -641,14 +643,34 @@ class Swim:
         self._arm(now + self._awareness.scale(self.config.probe_timeout), "closed_timeout", seq)
         return self._flush()
 
+    def port_unreachable(self, now: float, addr: Address) -> list[Effect]:
+        """A datagram we sent to ``addr`` was answered with ICMP *port unreachable*: the host
+        is up and nothing listens on the member's gossip port any more, so its process is
+        gone (a live member always holds that port). Taken as the answer to a pending probe
+        of a member whose connection closed (``connection_closed``): two independent facts,
+        its connection closed and its port, so the probe fails now instead of at its
+        timeout. Without such a probe it is only counted: an ICMP message is not
+        authenticated, and alone it is not worth a suspicion."""
+        self._now = now
+        for seq, probe in list(self._probes.items()):
+            m = self._members.get(probe.target)
+            if probe.closed and not probe.settled and m is not None and m.addr == addr:
+                self._count("closed_port_unreachable")
+                self._fire_closed_timeout(now, seq)
+                probe.settled = True
+                return self._flush()
+        self._count("port_unreachable_ignored")
+        return self._flush()
+
     def _fire_closed_timeout(self, now: float, seq: object) -> None:
         """The probe of a member whose connection closed went unanswered for the probe
-        timeout (``connection_closed``). (The probe itself stays until its end, which does
-        Lifeguard's accounting of the nacks: they come after the relays' own timeout.)"""
+        timeout (``connection_closed``), or its port is closed (``port_unreachable``). (The
+        probe itself stays until its end, which does Lifeguard's accounting of the nacks:
+        they come after the relays' own timeout.)"""
         assert isinstance(seq, int)
         probe = self._probes.get(seq)
         m = self._members.get(probe.target) if probe else None
-        if probe is None or probe.acked or m is None or m.state not in _LIVE:
+        if probe is None or probe.acked or probe.settled or m is None or m.state not in _LIVE:
             return
         s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
         self._on_suspect(now, s)  # a suspicion, or our confirmation of one
