@@ -559,6 +559,7 @@ class Transport:
             return ring
         rank = view.rank_of(self.node_id)
         ring = Ring(view, rank, view.right_of(self.node_id), view.left_of(self.node_id), None, None)
+        log.debug("opening ring of %s: rank %d of %d", view.epoch, rank, view.size)
         if view.size > 1:
             (send, send_keys), (recv, recv_keys) = await self._formed_halves(ring)
             ring.send_sock = to_blocking(send, self._poll)
