@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="hot: spares stay in the ring, up to date; cold: they wait outside it",
     )
     p.add_argument(
+        "--recovery",
+        choices=["redo", "keep"],
+        default="redo",
+        help="after the loss of a member mid-step: redo (compute the step again, lossless) or "
+        "keep (the survivors send the gradients they computed; the lost share is skipped)",
+    )
+    p.add_argument(
         "--step-delay",
         type=float,
         default=0.03,
@@ -284,6 +291,7 @@ def train(args: argparse.Namespace) -> int:
                 replicas=args.replicas,
                 compression=args.compression,
                 shares=args.shares,
+                recovery=args.recovery,
                 sync=sync,
                 **{  # the trainer's defaults unless given
                     name: value
@@ -326,6 +334,7 @@ def train(args: argparse.Namespace) -> int:
                         "total": total,
                         "loss": round(r.loss, 4),
                         "samples": r.samples,
+                        "skipped": r.skipped,
                         "members": len(r.members),
                         "share": r.share,
                         "computing": len(r.computing),

@@ -77,6 +77,7 @@ ENV = {
     "port": "FTMESH_PORT",
     "data_port": "FTMESH_DATA_PORT",
     "state_port": "FTMESH_STATE_PORT",
+    "site": "FTMESH_SITE",
     "preset": "FTMESH_PRESET",
     "secret_file": "FTMESH_SECRET_FILE",
     "secret": "FTMESH_SECRET",
@@ -159,6 +160,10 @@ class Settings:
     """Data-plane (collectives) TCP port (0, the default: any free one)."""
     state_port: int | None = None
     """State-transfer server TCP port (0, the default: any free one)."""
+    site: str | None = None
+    """This member's site (``eu-west-1a``, ``lab``): members with the same label are kept
+    adjacent on the ring and reduce together first (``ftmesh.collective.topology``); labels
+    win over measured round trips. Unset: the sites are measured."""
     preset: str | None = None
     """Membership timing: ``local``, ``lan`` (default) or ``wan``."""
     secret_file: str | None = None
@@ -346,6 +351,7 @@ class Settings:
             role=role,
             data_port=self.data_port or 0,
             state_port=self.state_port or 0,
+            site=self.site or "",
         )
 
     def _ports(self) -> int:

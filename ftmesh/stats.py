@@ -138,3 +138,6 @@ class TrainerStatistics:
     """State bytes fetched in the last sync (0: it was not behind)."""
     last_sync_seconds: float = 0.0
     """Seconds the last sync took (agreement plus state transfer)."""
+    samples_skipped_total: int = 0
+    """Samples of committed steps that were not trained: the shares of members lost during
+    a step under ``TrainerConfig.recovery="keep"`` (``StepReport.skipped``)."""

@@ -1,7 +1,8 @@
 """Smoke runs of ``ftmesh bench recovery``, ``train``, ``insider``, ``allreduce --encrypt`` and
-``--compression int8`` (also in the lab): tiny configurations, real processes on loopback or
-in network namespaces; they check the JSON shape and that the values are sane, never speed.
-(``ftmesh bench convergence`` trains twice in a lab: too slow for CI, run by hand.)"""
+``--compression int8`` (also in the lab, and on two sites): tiny configurations, real
+processes on loopback or in network namespaces; they check the JSON shape and that the values
+are sane, never speed. (``ftmesh bench convergence`` trains twice in a lab: too slow for CI,
+run by hand.)"""
 
 from __future__ import annotations
 
@@ -107,6 +108,14 @@ def test_recovery_bench_smoke() -> None:
     for row in r["join_by_size"]:
         assert _positive(row["join_transfer_vs_ceiling"]), row
     assert r["join_by_size"][1]["state_bytes"] > r["state_bytes"]
+    # kill -9 under each recovery policy (min(kills, 4) = 1 each), with the ratio
+    pol = r["recovery_policies"]
+    assert pol["redo_kill_to_step_s"]["n"] == 1 and pol["keep_kill_to_step_s"]["n"] == 1, pol
+    assert pol["keep_vs_redo"] == pytest.approx(
+        pol["keep_kill_to_step_s"]["median"] / pol["redo_kill_to_step_s"]["median"]
+    )
+    assert pol["redo_skipped_samples"] == [0], pol  # redo trains every sample
+    assert all(0 <= n < pol["global_batch"] for n in pol["keep_skipped_samples"]), pol
 
 
 def test_train_bench_smoke() -> None:
@@ -253,3 +262,23 @@ def test_allreduce_bench_lab_smoke() -> None:
     (cell,) = r["cells"]
     assert cell["check"] == {"ftmesh": True, "ftmesh_int8": True, "ceiling": True}
     assert _positive(cell["vs_uncompressed"]) and _positive(cell["vs_ceiling"])
+
+
+@pytest.mark.netns
+@needs_root
+def test_allreduce_bench_two_sites_smoke() -> None:
+    """``--sites 2x2``: the flat ring in node-id order, the site-ordered flat ring and the
+    hierarchical allreduce take turns over one WAN link, every result checked (speed ratios
+    are the bench's to print, not the smoke's to assert; ``tests/test_ring_plan_lab.py``
+    counts the WAN bytes)."""
+    r = _bench(
+        "ftmesh.bench.allreduce",
+        *("--lab", "--sites", "2x2", "--wan-rate", "100mbit", "--wan-delay", "5"),
+        *("--sizes", "256K", "--iters", "1", "--warmup", "0", "--impls", "ftmesh", "--check"),
+        timeout=240,
+    )
+    assert r["sites"] == "2x2" and r["wan"]["delay_ms"] == 5.0
+    (cell,) = r["cells"]
+    assert cell["procs"] == 4
+    assert cell["check"] == {"ftmesh": True, "ftmesh_sites": True, "ftmesh_hier": True}
+    assert _positive(cell["hier_vs_flat"]) and _positive(cell["hier_vs_sites"])

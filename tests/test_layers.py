@@ -38,6 +38,7 @@ PURE_MODULES = (
     "ftmesh.training.shards",
     "ftmesh.collective.view",
     "ftmesh.collective.schedule",
+    "ftmesh.collective.topology",
     "ftmesh.collective.reach",
     "ftmesh.collective.ops",
     "ftmesh.collective.aborts",

@@ -168,6 +168,15 @@ def _status(registry: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def _before_the_plan(out: str) -> list[str]:
+    """``status``'s lines up to the ring plan's (``ring plan: ...`` and its site and ring
+    lines come last: ``test_ring_plan_mesh.py`` reads them)."""
+    lines = out.splitlines()
+    at = [i for i, ln in enumerate(lines) if ln.startswith("ring plan: ")]
+    assert len(at) == 1, out
+    return lines[: at[0]]
+
+
 def test_status_shows_devices_and_the_view_backend(tmp_path: Path) -> None:
     """Three members: one advertises a GPU with NCCL 2.21.5, one publishes a devices entry
     that does not parse, one none. ``status`` shows each member's devices (``?`` for the
@@ -207,8 +216,9 @@ def test_status_shows_devices_and_the_view_backend(tmp_path: Path) -> None:
         "view backend (3 members): tcp ring (host buffers; GPU buffers staged: "
         "g1: devices entry does not parse; g2: no GPU)"
     )
-    # Plain status: a DEVICES column, the backend line last, the bad entry warned about.
-    lines = table.stdout.splitlines()
+    # Plain status: a DEVICES column, the backend line last before the ring plan's lines, the
+    # bad entry warned about.
+    lines = _before_the_plan(table.stdout)
     header = lines[0].split()
     assert header[5:] == ["DEVICES", "META"], table.stdout
     cells = {ln.split()[0]: ln.split()[5] for ln in lines[1:-1]}
@@ -221,7 +231,7 @@ def test_status_shows_devices_and_the_view_backend(tmp_path: Path) -> None:
     assert by_name["g1"]["devices"] is None and "does not parse" in by_name["g1"]["devices_problem"]
     assert by_name["g2"]["devices"] is None and "devices_problem" not in by_name["g2"]
     # --watch: the DEVICES column (before LAST FAULT) and the backend line under the table.
-    block = watch.stdout.strip().splitlines()
+    block = _before_the_plan(watch.stdout.strip())
     watch_rows = {ln.split()[0]: ln.split() for ln in block[1:-1]}
     columns = watch_rows["NAME"][10:]  # (the header's STEP TIME is two words)
     assert columns == ["DEVICES", "LAST", "FAULT"], watch.stdout
@@ -238,7 +248,7 @@ def test_status_shows_devices_and_the_view_backend(tmp_path: Path) -> None:
     assert watch_by_name["g0"]["devices"]["nccl_version"] == "2.21.5"
     assert "devices_problem" in watch_by_name["g1"]
     # Every member on NCCL 2.21.5: the view takes it for GPU buffers.
-    assert nccl.stdout.splitlines()[-1] == (
+    assert _before_the_plan(nccl.stdout)[-1] == (
         "view backend (3 members): nccl (NCCL 2.21.5 on every member; host buffers: tcp ring)"
     ), nccl.stdout
     assert "devices" not in nccl.stderr, nccl.stderr

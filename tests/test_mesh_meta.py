@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ftmesh.collective.topology import check_label, format_links
 from ftmesh.discovery.base import advert_problem
 from ftmesh.discovery.local import _parse_entry
 from ftmesh.discovery.mdns import parse_txt
@@ -21,11 +22,13 @@ from ftmesh.membership.wire import PacketCodec
 from ftmesh.mesh.core import view_of
 from ftmesh.mesh.meta import (
     DATA_KEY,
+    LINKS_KEY,
     MAX_FAULT,
     MAX_STEP,
     PROGRESS_KEY,
     ROLE_KEY,
     ROLES,
+    SITE_KEY,
     STATE_BYTES_KEY,
     STATE_KEY,
     BadMetadataError,
@@ -83,6 +86,14 @@ _values = {
     STATE_KEY: st.one_of(_addresses, _scalars),
     STATE_BYTES_KEY: st.one_of(st.integers(-3, 2**62), _scalars),
     PROGRESS_KEY: _progress,
+    SITE_KEY: st.one_of(st.sampled_from(["lab", "eu-west-1a", "", "-x", "a b", "~1"]), _scalars),
+    LINKS_KEY: st.one_of(
+        st.dictionaries(
+            st.text("0123456789abcdef", min_size=32, max_size=32), st.integers(-2, 40), max_size=60
+        ).map(format_links),
+        st.text("0123456789abcdefgz1", max_size=60),
+        _scalars,
+    ),
     "user": _scalars,
 }
 _meta = st.fixed_dictionaries({}, optional=_values)
@@ -132,10 +143,12 @@ def test_every_metadata_key_parses_or_is_refused(meta: dict[str, Any]) -> None:
         assert len(p.fault) <= MAX_FAULT and p.fault.isprintable()
         assert Progress.parse(p.encode()).step == p.step  # what a reader shows, re-published
     view = view_of([m], gate=gate)
-    assert gate.bad_meta == 0
+    assert gate.bad_meta == (1 if info.dropped else 0)  # a links value dropped, counted
+    assert info.site == "" or check_label(info.site) == info.site
     assert (view is not None) == (info.role == "train")
     if view is not None:
-        assert (view.peers[0].host, view.peers[0].port) == info.data
+        assert (view.members[0].host, view.members[0].port) == info.data
+        assert view.plan is not None and view.plan.flat
 
 
 def test_the_gate_counts_each_version_once_and_forgets_a_fixed_member() -> None:

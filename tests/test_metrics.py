@@ -51,6 +51,7 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "ftmesh_train_straggler_steps": ("counter", frozenset()),
     "ftmesh_train_failslow_pauses": ("counter", frozenset()),
     "ftmesh_train_nonfinite_steps": ("counter", frozenset()),
+    "ftmesh_train_skipped_samples": ("counter", frozenset()),
     "ftmesh_train_loss": ("gauge", frozenset()),
     "process_virtual_memory_bytes": ("gauge", frozenset()),
     "process_resident_memory_bytes": ("gauge", frozenset()),

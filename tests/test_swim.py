@@ -344,3 +344,46 @@ def test_broadcast_queue_never_repeats_a_rumour_in_one_packet() -> None:
         q.push(Alive(node=f"{i:032x}", name="x", addr=("h", 1), incarnation=1))
         got = q.take(700, limit=5)
         assert len({m.node for m in got}) == len(got)
+
+
+def test_round_trips_are_timed_on_direct_acks_only() -> None:
+    """A probe's direct ack times the link (``take_round_trips``); an ack that comes after the
+    indirect pings went out (it may have come through a helper) is not timed, and a machine
+    made without ``round_trips`` keeps nothing."""
+    swim = Swim(
+        node_id="a" * 32,
+        name="me",
+        addr=("10.0.0.1", 7946),
+        config=LOCAL,
+        rng=random.Random(0),
+        now=0.0,
+        round_trips=4,
+    )
+    other, third = "b" * 32, "c" * 32
+    for node, port in ((other, 1), (third, 2)):
+        swim.receive(
+            0.0, ("h", 1), [Alive(node=node, name=node[:1], addr=("10.0.0.2", port), incarnation=1)]
+        )
+
+    def next_ping(now: float) -> tuple[float, Ping]:
+        while True:
+            pings = [
+                e.msgs[0]
+                for e in swim.tick(now)
+                if isinstance(e, Send) and isinstance(e.msgs[0], Ping)
+            ]
+            if pings:
+                return now, pings[0]
+            now = swim.next_deadline()
+
+    t, ping = next_ping(0.0)
+    swim.receive(t + 0.0123, ("10.0.0.2", 1), [Ack(seq=ping.seq, source=ping.target)])
+    assert swim.take_round_trips() == [(ping.target, pytest.approx(0.0123))]
+    assert swim.take_round_trips() == []
+    # the next probe goes unanswered past the probe timeout: indirect pings go out, then the
+    # target's ack arrives (maybe relayed): not a measurement of the link
+    t, ping = next_ping(t + LOCAL.probe_interval)
+    swim.tick(t + LOCAL.probe_timeout * 1.01)
+    swim.receive(t + LOCAL.probe_timeout * 1.02, ("h", 9), [Ack(seq=ping.seq, source=ping.target)])
+    assert swim.take_round_trips() == []
+    assert machine().take_round_trips() == []

@@ -41,6 +41,18 @@ Slow links: ``--lab`` runs the N processes on N hosts of a virtual LAN
 ``100mbit``); gloo, the store, the data planes and the raw ring all use the lab addresses. The
 repetitions default to 6 there (16 MB at 100 Mbit/s takes seconds).
 
+Two sites: ``--lab --sites 2x2 --wan-rate 20mbit --wan-delay 50`` puts the hosts on two
+bridges joined by one shaped WAN link (``VirtualLan(sites=...)``, ``ftmesh.lab.wan``: rate and
+one-way delay) and adds two implementations to the turns, on the same data plane as
+``ftmesh``: ``ftmesh_sites``, the flat ring in the ring plan's order (each site's members
+adjacent: the WAN is crossed once per direction, by ``2(N-1)/N`` of the buffer), and
+``ftmesh_hier``, the planned hierarchical allreduce (``ftmesh.collective.topology``, the
+sites given as labels: reduce-scatter in the site, allreduce across, allgather in the site:
+the buffer once per direction). The data planes' node ids are chosen so that plain ``ftmesh``
+-- the ring in node-id order, as before ring plans, where ids fall as they may -- alternates
+between the sites and crosses the WAN at every hop. Per cell ``hier_vs_flat`` and
+``hier_vs_sites`` are the hierarchical busbw over each flat one.
+
 Large buffers: ``--impls ftmesh --check --sizes 2.5G --procs 2`` allreduces a buffer larger than
 2**31 bytes and checks every element. Each process holds one buffer per implementation; a cell
 that would not fit in 80% of MemAvailable is skipped with a message.
@@ -67,6 +79,7 @@ import numpy as np
 
 from ..collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ..collective.schedule import chunks_per_segment, segment_bounds
+from ..collective.topology import MemberLinks, RingPlan, plan_ring
 from ..compression import Int8Compression
 from ..security import MeshAuth
 from .plots import plot_allreduce, plot_path_error
@@ -79,6 +92,10 @@ INT8 = "ftmesh_int8"
 PG = "gloo_pg"
 """torch's gloo process group built by ftmesh per view epoch on the ring store, behind the
 epoch manager (``ftmesh.collective.torch_pg``, the GPU path's CI stand-in; ``--torch-pg``)."""
+SITES = "ftmesh_sites"
+"""With ``--sites``: the flat ring in the ring plan's order (sites adjacent)."""
+HIER = "ftmesh_hier"
+"""With ``--sites``: the planned hierarchical allreduce."""
 LAB_ITERS = 6
 """Default repetitions with ``--lab``: a 16 MB allreduce at 100 Mbit/s takes about 2 s."""
 
@@ -189,8 +206,10 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
         chunk_bytes=cfg["chunk"], io_timeout=120.0, socket_buffer_bytes=cfg["sockbuf"]
     )
     impls: tuple[str, ...] = tuple(cfg["impls"])
-    dp = SyncDataPlane.start(f"bench-{rank:03d}", host=me, config=config)
-    view = _publish_view(store, "ftmesh", dp, rank, nprocs)
+    sites: list[int] = cfg.get("sites") or []
+    dp = SyncDataPlane.start(_node_id(rank, sites), host=me, config=config)
+    view = _publish_view(store, "ftmesh", dp, rank, nprocs, sites)
+    planned = _planned_views(view, rank, sites) if sites else {}
     dp_enc = enc_view = None
     if ENC in impls:
         auth = MeshAuth.from_secrets([bytes.fromhex(cfg["secret"])], encrypt=True)
@@ -210,6 +229,8 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
             session = dp.session(view)
             if "ftmesh" in bufs:
                 fns["ftmesh"] = functools.partial(session.allreduce, bufs["ftmesh"])
+            for impl, v in planned.items():
+                fns[impl] = functools.partial(dp.session(v).allreduce, bufs[impl])
             if dp_enc is not None and enc_view is not None:
                 fns[ENC] = functools.partial(dp_enc.session(enc_view).allreduce, bufs[ENC])
             if INT8 in bufs:  # one residual per buffer, carried from repetition to repetition
@@ -264,13 +285,41 @@ def _pg_manager(dp: SyncDataPlane) -> Any:
     return EpochManager(dp.node_id, factory, SessionControl(dp.session), config=config)
 
 
-def _publish_view(store: Any, key: str, dp: SyncDataPlane, rank: int, nprocs: int) -> RingView:
+def _node_id(rank: int, sites: list[int]) -> str:
+    """Rank ``rank``'s data-plane id. On two sites of ``k`` hosts each (ranks ``0..k-1`` on
+    the first), ids that sort alternately from the sites, so that the node-id ring crosses
+    the WAN at every hop (ids fall as they may; this is the worst case, and a common one)."""
+    if not sites:
+        return f"bench-{rank:03d}"
+    site, k = (0, rank) if rank < sites[0] else (1, rank - sites[0])
+    return f"bench-{2 * k + site:03d}"
+
+
+def _site_of(node: str, sites: list[int]) -> int:
+    rank = next(r for r in range(sum(sites)) if _node_id(r, sites) == node)
+    return 0 if rank < sites[0] else 1
+
+
+def _planned_views(view: RingView, rank: int, sites: list[int]) -> dict[str, RingView]:
+    """The two planned views of ``--sites`` over ``view``'s members: the flat ring in the
+    plan's order, and the hierarchical plan (sites given as labels ``a``, ``b``)."""
+    links = [MemberLinks.of(n, "ab"[_site_of(n, sites)]) for n in view.node_ids]
+    hier = plan_ring(links)
+    if not hier.hierarchical:
+        raise SystemExit(f"ftmesh bench allreduce: sites {sites} plan no hierarchy: {hier}")
+    flat = RingPlan(hier.sites, False, hier.source, "bench: the flat ring in site order")
+    return {SITES: RingView.of(view.members, flat), HIER: RingView.of(view.members, hier)}
+
+
+def _publish_view(
+    store: Any, key: str, dp: SyncDataPlane, rank: int, nprocs: int, sites: list[int] | None = None
+) -> RingView:
     """Publish our data-plane address under ``key`` and build the view from everyone's."""
     store.set(f"{key}/{rank}", f"{dp.address[0]}:{dp.address[1]}")
     peers = []
     for i in range(nprocs):
         host, p = store.get(f"{key}/{i}").decode().rsplit(":", 1)
-        peers.append(Peer(f"bench-{i:03d}", host, int(p)))
+        peers.append(Peer(_node_id(i, sites or []), host, int(p)))
     return RingView.of(peers)
 
 
@@ -364,12 +413,16 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
             cell["vs_uncompressed"] = med[INT8] / med["ftmesh"]
     if PG in med and "gloo" in med:
         cell["pg_vs_gloo"] = med[PG] / med["gloo"]
+    if HIER in med:
+        cell["hier_vs_flat"] = med[HIER] / med["ftmesh"]
+        cell["hier_vs_sites"] = med[HIER] / med[SITES]
     return cell
 
 
 def _print_table(cells: list[dict[str, Any]]) -> None:
-    gb = 1e9
-    extra = tuple(x for x in (ENC, INT8, PG) if any(x in c["busbw"] for c in cells))
+    top = max((b["median"] for c in cells for b in c.get("busbw", {}).values()), default=0.0)
+    gb, unit = (1e9, "GB/s") if top >= 1e8 else (1e6, "MB/s")  # (slow links: MB/s)
+    extra = tuple(x for x in (ENC, INT8, PG, SITES, HIER) if any(x in c["busbw"] for c in cells))
     impls = IMPLS + extra
     ratios = {"vs_gloo": "ftm/gloo", "vs_ceiling": "ftm/ceil"}
     if ENC in extra:
@@ -378,9 +431,12 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
         ratios["vs_uncompressed"] = "int8/f32"
     if PG in extra:
         ratios["pg_vs_gloo"] = "pg/gloo"
+    if HIER in extra:
+        ratios["hier_vs_flat"] = "hier/flat"
+        ratios["hier_vs_sites"] = "hier/site"
     width = 26 * len(impls)
     heads = " ".join(f"{h:>9}" for h in ratios.values())
-    print(f"{'N':>2} {'size':>6} | {'busbw GB/s (median [min-max])':^{width}} | {heads}")
+    print(f"{'N':>2} {'size':>6} | {f'busbw {unit} (median [min-max])':^{width}} | {heads}")
     names = "".join(f"{i:^26}" for i in impls)
     print(f"{'':>2} {'':>6} | {names} |")
     for c in cells:
@@ -409,6 +465,11 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
         print("int8/f32 = busbw of ftmesh with int8 compression / without (float32 bytes).")
     if PG in extra:
         print("pg/gloo = busbw of gloo built and driven by ftmesh per view epoch / gloo direct.")
+    if HIER in extra:
+        print(
+            "hier/flat, hier/site = busbw of the hierarchical allreduce / the flat ring in "
+            "node-id order (alternating sites) / the flat ring with each site's hosts adjacent."
+        )
 
 
 # -- lab mode ------------------------------------------------------------------------------
@@ -430,14 +491,17 @@ LAB_STORE_PORT = 29500
 
 
 def run_lab_procs(
-    nprocs: int, cfg: dict[str, Any], timeout: float, rate: str | None
+    nprocs: int, cfg: dict[str, Any], timeout: float, rate: str | None, wan: Any = None
 ) -> list[dict[str, Any]]:
-    """``run_procs`` on N hosts of a fresh virtual LAN whose links are limited to ``rate``."""
+    """``run_procs`` on N hosts of a fresh virtual LAN whose links are limited to ``rate``;
+    with ``cfg["sites"]``, on two sites joined by the WAN link ``wan`` (a ``WanLink``)."""
     import tempfile
 
     from ..lab.netns import VirtualLan
 
-    with VirtualLan(hosts=nprocs) as lan, tempfile.TemporaryDirectory() as tmp:
+    sites = cfg.get("sites")
+    lab = VirtualLan(sites=sites, wan=wan) if sites else VirtualLan(hosts=nprocs)
+    with lab as lan, tempfile.TemporaryDirectory() as tmp:
         for i in range(nprocs):
             if rate:
                 lan.set_rate(i, rate)
@@ -517,12 +581,38 @@ def main(argv: list[str] | None = None) -> int:
         help="one process per host of a virtual LAN (network namespaces; needs root)",
     )
     ap.add_argument("--link-rate", default=None, help="with --lab: tc rate of every link")
+    ap.add_argument(
+        "--sites",
+        default=None,
+        metavar="AxB",
+        help="with --lab: two sites of A and B hosts joined by one WAN link (--procs is A+B); "
+        f"adds {SITES} and {HIER}",
+    )
+    ap.add_argument("--wan-rate", default="20mbit", help="with --sites: the WAN link's rate")
+    ap.add_argument(
+        "--wan-delay", type=float, default=50.0, help="with --sites: one-way delay in ms"
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process count")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw busbw against size (matplotlib)")
     args = ap.parse_args(argv)
     if args.link_rate and not args.lab:
         ap.error("--link-rate needs --lab")
+    sites: list[int] = []
+    wan = None
+    if args.sites:
+        if not args.lab:
+            ap.error("--sites needs --lab")
+        try:
+            sites = [int(x) for x in args.sites.lower().split("x")]
+        except ValueError:
+            sites = []
+        if len(sites) != 2 or min(sites) < 2 or sites[0] != sites[1]:
+            ap.error(f"--sites {args.sites}: two equal sites of 2 or more hosts, e.g. 2x2")
+        from ..lab.wan import WanLink
+
+        wan = WanLink(rate=args.wan_rate, delay_ms=args.wan_delay)
+        args.procs = str(sum(sites))
     if problem := plot_path_error(args.plot):  # before a run that can take minutes
         print(f"{ap.prog}: error: {problem}", file=sys.stderr)
         return 2
@@ -537,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         "sockbuf": parse_size(args.sockbuf),
         "secret": os.urandom(32).hex(),
         "block_size": args.block_size,
+        "sites": sites,
     }
     if not cfg["impls"]:
         ap.error(f"--impls: choose from {','.join(IMPLS)}")
@@ -547,13 +638,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg["impls"] = ["ftmesh", INT8] + [i for i in cfg["impls"] if i != "ftmesh"]
     if args.torch_pg:  # gloo_pg takes turns right after gloo, which is always measured with it
         cfg["impls"] = [i for i in cfg["impls"] if i != "gloo"] + ["gloo", PG]
+    if sites:  # the planned rings take turns with plain ftmesh, which is always measured
+        cfg["impls"] = ["ftmesh", SITES, HIER] + [i for i in cfg["impls"] if i != "ftmesh"]
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:
             print("skipping --procs 1: nothing to compare", file=sys.stderr)
             continue
         if args.lab:
-            raws = run_lab_procs(nprocs, cfg, args.timeout, args.link_rate)
+            raws = run_lab_procs(nprocs, cfg, args.timeout, args.link_rate, wan)
         else:
             raws = run_procs(nprocs, cfg, args.timeout)
         for raw in raws:
@@ -569,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch_pg": args.torch_pg,
             "lab": args.lab,
             "link_rate": args.link_rate,
+            "sites": args.sites,
+            "wan": None if wan is None else wan.to_json(),
         }
         print(json.dumps({**out, "cells": cells}))
     else:

@@ -61,6 +61,13 @@ record that shows X (so it includes the record's trip through the pipe, well und
    Its breakdown: when the new workers started, finished importing, formed the process group,
    loaded the checkpoint (slowest rank each).
 
+6. **Recovery policies.** kill -9 -> next committed step under ``recovery="redo"`` and
+   ``recovery="keep"`` (``TrainerConfig.recovery``), ``--policy-kills`` each, interleaved:
+   blocks of up to two kills on a fresh mesh per block, the order alternating, so a drifting
+   host load weighs on both alike. ``recovery_policies`` holds each policy's times, the
+   ratio of the medians (``keep_vs_redo``) and the samples each ``keep`` kill skipped (0 when
+   the kill came before the survivors' micro-batches ended, or between steps).
+
 Per round: ``kill_breakdowns_s``, ``leave_breakdowns_s`` and ``sigstop_breakdowns_s`` hold
 the milestones above for every kill, SIGTERM and SIGSTOP round, and each ``*_to_step_s`` its
 ``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.bench.plots``).
@@ -325,6 +332,8 @@ class FtmeshMesh:
             str(a.step_delay),
             "--seed",
             str(a.seed),
+            "--recovery",
+            getattr(a, "recovery", "redo"),
         ]
         self.count += 1
         return self.procs.start(argv, f"ftmesh-w{self.count - 1}")
@@ -643,6 +652,79 @@ def _replace(mesh: FtmeshMesh, joins: list[dict[str, float]]) -> None:
         mesh.state_bytes = max(mesh.state_bytes, int(joins[-1]["bytes"]))
 
 
+# -- recovery policies ----------------------------------------------------------------------
+POLICIES = ("redo", "keep")
+"""``TrainerConfig.recovery``: the policies the policy phase compares."""
+
+
+def _policy_phase(
+    args: argparse.Namespace, log_dir: Path, rng: random.Random, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """kill -9 -> next committed step under each recovery policy, interleaved: blocks of up
+    to two kills (a replacement between them) on a fresh mesh per block, ``redo`` then
+    ``keep``, then ``keep`` then ``redo``, and so on, so that a host whose load drifts
+    weighs on both alike. Per kill: the time, and the samples the step without the victim
+    skipped (0 under ``redo``; under ``keep``, 0 too when the kill came before the
+    survivors' micro-batches ended, or between steps)."""
+    out: dict[str, Any] = {p: [] for p in POLICIES}
+    out.update({f"{p}_skipped": [] for p in POLICIES}, failures=[])
+    left = dict.fromkeys(POLICIES, args.policy_kills)
+    block = 0
+    while any(left.values()):
+        order = POLICIES if block % 2 == 0 else POLICIES[::-1]
+        for policy in order:
+            kills = min(2, left[policy])
+            if not kills:
+                continue
+            left[policy] -= kills
+            sub = argparse.Namespace(**{**vars(args), "recovery": policy})
+            where = log_dir / f"policy-{block}-{policy}"
+            where.mkdir(parents=True, exist_ok=True)
+            mesh = FtmeshMesh(sub, where, rng)
+            try:
+                for _ in range(args.procs):
+                    mesh.start()
+                for k in range(kills):
+                    victim, _period = mesh.next_victim()
+                    t0 = time.monotonic()
+                    os.kill(victim.pid, signal.SIGKILL)
+                    victim.killed = True
+                    mesh.full = {}
+                    ev = mesh.first_step_without(victim, f"a step without killed {victim.name}")
+                    out[policy].append(ev[0] - t0)
+                    out[f"{policy}_skipped"].append(int(ev[2].get("skipped", 0)))
+                    say(
+                        f"ftmesh kill -9, recovery={policy!r}: {victim.name} -> step in "
+                        f"{out[policy][-1]:.3f}s, {out[f'{policy}_skipped'][-1]} samples skipped"
+                    )
+                    if k + 1 < kills:
+                        _replace(mesh, [])
+            except BenchError as exc:
+                out["failures"].append(f"recovery={policy!r}: {exc}")
+            finally:
+                mesh.procs.close()
+                shutil.rmtree(mesh.registry, ignore_errors=True)
+        block += 1
+    return out
+
+
+def _policy_summary(pol: dict[str, Any], batch: int) -> dict[str, Any]:
+    """The policy phase's figures: each policy's kill -> step times, the ratio of the
+    medians (keep over redo: under 1 when keeping is faster) and what keep skipped."""
+    redo, keep = _stats(pol["redo"]), _stats(pol["keep"])
+    ratio = keep["median"] / redo["median"] if keep["median"] and redo["median"] else None
+    skipped = pol["keep_skipped"]
+    return {
+        "redo_kill_to_step_s": redo,
+        "keep_kill_to_step_s": keep,
+        "keep_vs_redo": ratio,
+        "keep_skipped_samples": skipped,
+        "keep_kills_that_skipped": sum(1 for n in skipped if n),
+        "redo_skipped_samples": pol["redo_skipped"],
+        "global_batch": batch,
+    }
+
+
 # -- raw TCP ceiling ----------------------------------------------------------------------
 def _ceiling_receiver(conn: Any, nbytes: int, reps: int, fresh: bool) -> None:
     lst = socket.socket()
@@ -929,6 +1011,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         for mb in args.join_sizes:
             if mb != args.state_mb:
                 by_size.append(_join_phase(args, mb, log_dir, rng, say))
+        pol = _policy_phase(args, log_dir, rng, say)
         tr = (
             _torchrun_phase(args, log_dir, rng, say)
             if args.torchrun_kills > 0
@@ -999,7 +1082,9 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "raw_tcp_fresh_mb_per_s": ceiling_fresh,
         "join_transfer_vs_fresh_ceiling": transfer / ceiling_fresh if transfer else None,
         "join_by_size": by_size,
+        "recovery_policies": _policy_summary(pol, args.global_batch),
         "failures": ft["failures"]
+        + pol["failures"]
         + tr["failures"]
         + [f for row in by_size for f in row["failures"]],
         "wall_s": time.monotonic() - started,
@@ -1067,12 +1152,24 @@ def format_report(r: dict[str, Any]) -> str:
         + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["kill_phase_s"].items())
         + "; attempts of the step (first survivor): "
         + ", ".join(f"{n} x{c}" for n, c in r["kill_attempts_count"].items()),
+        _policy_line(r["recovery_policies"]),
         "  torchrun breakdown (median s after the kill): "
         + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["torchrun_breakdown_s"].items()),
         "  goals: " + ", ".join(f"{g} {'yes' if ok else 'NO'}" for g, ok in r["goals"].items()),
     ]
     lines += [f"  failure: {f}" for f in r["failures"]]
     return "\n".join(lines)
+
+
+def _policy_line(p: dict[str, Any]) -> str:
+    redo, keep = p["redo_kill_to_step_s"], p["keep_kill_to_step_s"]
+    return (
+        f"  kill -9 -> next step by recovery policy (interleaved): redo median "
+        f"{_fmt(redo['median'])} (n={redo['n']}), keep median {_fmt(keep['median'])} "
+        f"(n={keep['n']}); keep/redo {_fmt(p['keep_vs_redo'], 'x')}; keep skipped "
+        f"{p['keep_skipped_samples']} samples of {p['global_batch']} "
+        f"({p['keep_kills_that_skipped']} of {keep['n']} kills)"
+    )
 
 
 def _sizes(text: str) -> list[float]:
@@ -1092,6 +1189,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--leaves", type=int, default=10, help="SIGTERM rounds: planned departures (ftmesh)"
     )
     ap.add_argument("--stops", type=int, default=3, help="SIGSTOP rounds (ftmesh)")
+    ap.add_argument(
+        "--policy-kills",
+        type=int,
+        default=-1,
+        help="kill -9 rounds per recovery policy (redo, keep), interleaved on fresh meshes "
+        "(-1: min(kills, 4); 0: none)",
+    )
     ap.add_argument(
         "--torchrun-kills",
         type=int,
@@ -1132,6 +1236,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.torchrun_kills < 0:
         args.torchrun_kills = min(args.kills, 4)
+    if args.policy_kills < 0:
+        args.policy_kills = min(args.kills, 4)
     if problem := plot_path_error(args.plot):  # before a run that can take minutes
         print(f"ftmesh bench recovery: error: {problem}", file=sys.stderr)
         return 2

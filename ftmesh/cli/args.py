@@ -65,6 +65,11 @@ _FLAGS: dict[str, dict[str, Any]] = {
         "metavar": "PORT",
         "help": "state-transfer TCP port (default: any; launch: worker k gets PORT+k)",
     },
+    "site": {
+        "metavar": "NAME",
+        "help": "this member's site (a zone, a lab, a region): members of a site stay adjacent "
+        "on the ring and reduce together first; default: sites measured from round trips",
+    },
     "preset": {"choices": PRESETS, "help": "membership timing preset (default: %s)"},
     "secret_file": {
         "metavar": "FILE",
@@ -115,9 +120,9 @@ MESH_FLAGS = (
 """What every command that talks to a mesh takes."""
 MEMBER_FLAGS = (*MESH_FLAGS, "bind", "advertise", "port", "preset", "metrics_port")
 """What a member of a mesh takes besides."""
-TRAINER_FLAGS = (*MEMBER_FLAGS, "data_port", "state_port")
+TRAINER_FLAGS = (*MEMBER_FLAGS, "data_port", "state_port", "site")
 """What a member that trains (``worker``, ``launch``) takes besides: the ports of its data
-plane and state server (``ftmesh node`` runs gossip only)."""
+plane and state server, and its site (``ftmesh node`` runs gossip only)."""
 
 
 def add_settings_args(p: argparse.ArgumentParser, names: tuple[str, ...], **defaults: Any) -> None:

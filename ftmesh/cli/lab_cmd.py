@@ -1,10 +1,13 @@
 """``ftmesh lab``: a virtual LAN of network namespaces with fault injection, and a chaos soak.
 
-``up`` builds a persistent lab (kept in a state file, see :mod:`ftmesh.lab.state`) that later
+``up`` builds a persistent lab (kept in a state file, see :mod:`ftmesh.lab.state`), on one
+bridge or, with ``--sites AxB``, on two sites joined by a WAN link with a rate, a one-way delay
+and loss (``--wan-rate``, ``--wan-delay``, ``--wan-loss``; :mod:`ftmesh.lab.wan`), that later
 invocations drive: ``run`` a command inside a host, ``kill``/``freeze``/``thaw`` a host's
 processes, take its ``link`` down, add ``loss``, limit its ``rate``, throttle its ``cpu``
 (cgroup quota), make it ``failslow`` (SIGSTOP/SIGCONT pulses), ``partition`` the LAN and
-``heal`` it, ``status``; ``down`` deletes it and any leftovers of crashed labs and test runs.
+``heal`` it, change the ``wan`` link, ``status`` (with what crossed the WAN); ``down`` deletes
+it and any leftovers of crashed labs and test runs (the WAN forwarder included).
 ``chaos`` builds its own throw-away lab, runs a mesh in it under random faults and prints a
 summary (exit status 1 on any violated invariant): ``--workload membership`` (the default:
 ``ftmesh node`` members, no torch needed) or ``--workload train`` (every host trains a small
@@ -15,6 +18,7 @@ recovery of training are checked too, see :mod:`ftmesh.lab.training`). Everythin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +32,7 @@ from ..lab import state as lab_state
 from ..lab.chaos import KINDS, WORKLOAD_KINDS, ChaosRunner, parse_kinds
 from ..lab.errors import LabError
 from ..lab.netns import VirtualLan, cleanup_named, cleanup_stale, is_root
+from ..lab.wan import WanLink, parse_delay_ms, rate_bits
 
 DEFAULT_NAME = "ftmlab"
 """Name (namespace prefix) of the lab ``ftmesh lab`` commands act on without ``--name``."""
@@ -54,6 +59,30 @@ def _group(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"group {text!r}: {e}") from e
 
 
+def _sites(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"sites {text!r}: give two host counts like 2x2")
+    return int(parts[0]), int(parts[1])
+
+
+def _rate(text: str) -> str | None:
+    if text == "none":
+        return None
+    try:
+        rate_bits(text)
+    except LabError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
+def _delay(text: str) -> float:
+    try:
+        return parse_delay_ms(text)
+    except LabError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``lab`` and its subcommands to the ``ftmesh`` parser."""
     lab = sub.add_parser(
@@ -66,8 +95,35 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     cmds = lab.add_subparsers(dest="lab_command", required=True)
 
-    up = cmds.add_parser("up", help="build a lab of N hosts on one bridge")
-    up.add_argument("--hosts", type=int, default=4)
+    up = cmds.add_parser(
+        "up", help="build a lab of N hosts on one bridge, or on two sites joined by a WAN link"
+    )
+    up.add_argument("--hosts", type=int, default=None, help="hosts on one bridge (default 4)")
+    up.add_argument(
+        "--sites",
+        type=_sites,
+        default=None,
+        metavar="AxB",
+        help="two sites of A and B hosts, each on its own bridge and half of the subnet, "
+        "joined by one WAN link (e.g. 2x2; default: one bridge)",
+    )
+    up.add_argument(
+        "--wan-rate",
+        type=_rate,
+        default=None,
+        metavar="RATE",
+        help="the WAN link's rate each way, like 20mbit (default: none, unlimited)",
+    )
+    up.add_argument(
+        "--wan-delay",
+        type=_delay,
+        default=0.0,
+        metavar="DELAY",
+        help="the WAN link's one-way delay, like 50ms (default: 0)",
+    )
+    up.add_argument(
+        "--wan-loss", type=float, default=0.0, metavar="PERCENT", help="WAN loss each way"
+    )
     up.add_argument("--subnet", default="10.78.0.0/24", help="IPv4 subnet (default: %(default)s)")
     up.add_argument("--json", action="store_true")
 
@@ -116,6 +172,11 @@ def add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     slow.add_argument("host", type=_host)
     slow.add_argument("stop", help="seconds each pulse freezes the host, or 'off'")
     slow.add_argument("every", type=float, nargs="?", default=1.0, help="seconds (default 1)")
+
+    wan = cmds.add_parser("wan", help="change the WAN link of a two-site lab (what is given)")
+    wan.add_argument("--rate", type=_rate, default=argparse.SUPPRESS, help="like 5mbit, or none")
+    wan.add_argument("--delay", type=_delay, default=argparse.SUPPRESS, help="one way, like 30ms")
+    wan.add_argument("--loss", type=float, default=argparse.SUPPRESS, help="percent each way")
 
     part = cmds.add_parser("partition", help="split the LAN: lab partition 0,1 2,3")
     part.add_argument("groups", nargs="+", type=_group, metavar="HOSTS")
@@ -181,7 +242,18 @@ def _save(name: str, lan: VirtualLan, saved: dict[str, Any]) -> None:
 def _up(args: argparse.Namespace) -> int:
     if lab_state.load(args.name) is not None:
         raise LabError(f"lab {args.name!r} is already up; 'ftmesh lab down' first")
-    lan = VirtualLan(hosts=args.hosts, subnet=args.subnet, name=args.name)
+    wan_given = args.wan_rate is not None or args.wan_delay or args.wan_loss
+    if args.sites is None and wan_given:
+        raise LabError("--wan-rate, --wan-delay and --wan-loss need --sites AxB")
+    if args.sites is None:
+        lan = VirtualLan(
+            hosts=4 if args.hosts is None else args.hosts, subnet=args.subnet, name=args.name
+        )
+    else:
+        wan = WanLink(rate=args.wan_rate, delay_ms=args.wan_delay, loss_percent=args.wan_loss)
+        lan = VirtualLan(
+            hosts=args.hosts, subnet=args.subnet, name=args.name, sites=args.sites, wan=wan
+        )
     try:
         saved = {"name": args.name, "created": time.time(), "detached": [], "lan": {}}
         _save(args.name, lan, saved)
@@ -190,15 +262,27 @@ def _up(args: argparse.Namespace) -> int:
         raise
     lan.detach()
     hosts = [
-        {"host": i, "namespace": lan.ns_name(i), "ip": lan.host_ip(i)} for i in range(lan.hosts)
+        {"host": i, "namespace": lan.ns_name(i), "ip": lan.host_ip(i), "site": lan.site_of(i)}
+        for i in range(lan.hosts)
     ]
+    link = None if lan.wan is None else lan.wan.to_json()
     if args.json:
-        print(json.dumps({"name": args.name, "hosts": hosts}))
+        print(json.dumps({"name": args.name, "hosts": hosts, "wan": link}))
     else:
         for h in hosts:
-            print(f"h{h['host']}  {h['namespace']}  {h['ip']}")
+            site = f"  site {h['site']}" if link is not None else ""
+            print(f"h{h['host']}  {h['namespace']}  {h['ip']}{site}")
+        if link is not None:
+            print(f"WAN between the sites: {_wan_text(link)}")
         print(f"lab {args.name!r} is up: 'ftmesh lab run 0 -- CMD', 'ftmesh lab down'")
     return 0
+
+
+def _wan_text(wan: dict[str, Any]) -> str:
+    return (
+        f"rate {wan['rate'] or 'unlimited'}, delay {wan['delay_ms']:g} ms one way, "
+        f"loss {wan['loss_percent']:g}%, queue {wan['queue_ms']:g} ms"
+    )
 
 
 def _run(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) -> int:
@@ -240,6 +324,7 @@ def _status(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) ->
             "host": i,
             "namespace": lan.ns_name(i),
             "ip": lan.host_ip(i),
+            "site": lan.site_of(i),
             "pids": lan.host_pids(i),
         }
         for i in range(lan.hosts)
@@ -250,16 +335,27 @@ def _status(args: argparse.Namespace, lan: VirtualLan, saved: dict[str, Any]) ->
         for h in sorted({*faults["cpu"], *faults["fail_slow"]})
     }
     out = {"name": args.name, "hosts": hosts, "faults": faults, "slowness": slowness}
+    if lan.wan is not None:
+        out["wan_stats"] = dataclasses.asdict(lan.wan_stats())
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     for h in hosts:
         print(f"h{h['host']}  {h['namespace']}  {h['ip']}  pids {h['pids']}")
     for k, v in faults.items():
-        if v:
+        if v and k != "wan":  # (below, with its counters)
             print(f"{k}: {v}")
     for h, what in slowness.items():
         print(f"h{h} slowness: {what}")
+    if "wan_stats" in out:
+        stats = out["wan_stats"]
+        print(f"WAN: {_wan_text(stats['link'])}")
+        for way in ("a_to_b", "b_to_a"):
+            c = stats[way]
+            print(
+                f"  {way.replace('_', ' ')}: {c['packets']} packets, {c['bytes']} bytes, "
+                f"dropped {c['dropped_queue']} (queue) {c['dropped_loss']} (loss)"
+            )
     return 0
 
 
@@ -313,6 +409,13 @@ def _fault(args: argparse.Namespace, lan: VirtualLan) -> None:
     elif cmd == "failslow":
         stop = None if args.stop == "off" else _number(args.stop, "stop")
         lan.set_fail_slow(args.host, stop, args.every)
+    elif cmd == "wan":
+        if lan.wan is None:
+            raise LabError(f"lab {args.name!r} has one bridge and no WAN (up --sites AxB)")
+        changes = {"rate": "rate", "delay": "delay_ms", "loss": "loss_percent"}
+        given = {field: getattr(args, flag) for flag, field in changes.items() if flag in args}
+        lan.set_wan(dataclasses.replace(lan.wan, **given))
+        print(f"WAN: {_wan_text(lan.wan.to_json())}")
     elif cmd == "partition":
         lan.partition(args.groups)
     elif cmd == "heal":

@@ -13,6 +13,11 @@ the view has a GPU and the same NCCL, else GPU buffers staged over the TCP ring,
 reason. ``--json`` keeps its shape (a list of members: scripts read it) and gives each member
 its ``devices``; ``--watch --json`` also gives each read's ``backend``.
 
+A line (and one per site) gives the ring plan every member derives from the same metadata
+(``ftmesh.collective.topology``): the sites (labels, or measured from round trips), the ring
+order, whether an allreduce runs hierarchically or on the flat ring (and why), and the plan's
+hash, the one that goes into the view's epoch. ``--watch --json`` gives it as ``plan``.
+
 ``--watch`` reads the member list again every ``--interval`` seconds (``MeshReader``, still as
 an observer) and redraws the table of the members' progress, as they publish it in their
 metadata (``ftmesh.cli.live_view``): a ``rich`` live table on a terminal, a block of plain
@@ -42,11 +47,19 @@ import trio
 from ..discovery.local import live_meshes
 from ..errors import ConfigError, FtmeshError
 from ..membership.messages import MemberSnapshot, MemberState
+from ..mesh.core import view_of
 from ..mesh.meta import BadMetadataError, read_member, role_of
 from ..settings import DEFAULT_MESH, EXPECT_KEY, Settings
 from .args import settings_from_args
 from .escape import shown
-from .gpu_view import UNREADABLE, ViewBackend, describe_view, devices_cell, devices_json
+from .gpu_view import (
+    UNREADABLE,
+    ViewBackend,
+    current_view,
+    describe_view,
+    devices_cell,
+    devices_json,
+)
 from .live_view import (
     MemberRow,
     MeshReader,
@@ -84,6 +97,43 @@ def devices_warnings(members: list[MemberSnapshot]) -> list[str]:
         if why:
             out.append(f"{shown(m.name)}: {why}; shown as {UNREADABLE}, counted as no GPU")
     return out
+
+
+def ring_plan_lines(members: list[MemberSnapshot]) -> list[str]:
+    """The ring plan of the view ``members`` imply, for a person: a summary line, one line per
+    site of a plan with several, and the ring order (by member name)."""
+    plan = plan_json(members)
+    if plan is None:
+        return ["ring plan: none (no view)"]
+    out = [f"ring plan: {plan['line']}"]
+    if len(plan["sites"]) > 1:
+        for site in plan["sites"]:
+            out.append(f"  site {site['label'] or '(unlabeled)'}: {', '.join(site['members'])}")
+    out.append(f"  ring: {' -> '.join(plan['ring'])} -> (back to the first)")
+    return out
+
+
+def plan_json(members: list[MemberSnapshot]) -> dict[str, Any] | None:
+    """The ring plan of the view ``members`` imply (members by name), or None (no view)."""
+    in_view = current_view(members)
+    view = view_of(in_view)
+    if view is None or view.plan is None:
+        return None
+    plan = view.plan
+    names = {m.node: shown(m.name) for m in in_view}
+    return {
+        "sites": [
+            {"label": site.label, "members": [names[n] for n in site.members]}
+            for site in plan.sites
+        ],
+        "ring": [names[n] for n in view.node_ids],
+        "source": plan.source,
+        "hierarchical": plan.hierarchical,
+        "why_flat": plan.why_flat,
+        "hash": plan.hash,
+        "epoch": view.epoch,
+        "line": plan.describe(),
+    }
 
 
 def backend_line(view: ViewBackend | None) -> str:
@@ -173,6 +223,7 @@ async def _amain(args: argparse.Namespace) -> int:
     else:
         print(_table(members))
         print(backend_line(describe_view(members)))
+        print("\n".join(ring_plan_lines(members)))
     for warning in [*formation_warnings(members), *devices_warnings(members)]:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
@@ -207,9 +258,16 @@ async def _watch(args: argparse.Namespace, reader: MeshReader, mesh: str) -> int
             rows = member_rows(members)
             view = describe_view(members)
             below = shown(error) if error else backend_line(view)
+            if not error:
+                below = "\n".join([below, *ring_plan_lines(members)])
             if args.json:
                 backend = None if view is None else view.as_json()
-                read = {"time": time.time(), "members": _watch_json(rows), "backend": backend}
+                read = {
+                    "time": time.time(),
+                    "members": _watch_json(rows),
+                    "backend": backend,
+                    "plan": plan_json(members),
+                }
                 print(json.dumps(read))
             elif live is not None:
                 from rich.console import Group

@@ -6,6 +6,22 @@ connections in a nursery. Each collective (1) stages the input as a flat host ar
 first time a view is used (``transport``), (3) builds this member's schedule (``schedule``) and
 (4) drives it over the two sockets (``engine``). Collectives on one data plane run one at a
 time, in call order; every member must call the same collectives in the same order on a view.
+
+A view whose ring plan is hierarchical (``topology``: sites of equal size, at least two of
+them, of at least two members) runs an uncompressed allreduce in three phases on sub-views
+(``RingView.groups``): the reduce-scatter half of the ring inside the member's site, an
+allreduce of the member's block across the sites among the members at the same place in every
+site (``avg`` divides there, by the whole view's size), and the allgather half inside the
+site. They are the steps of the flat ring's schedule, split over three rings, on the same
+buffer in place; each sub-view has its own ring (and epoch, derived from the parent's). Every
+member ends with the same bits (each block is finalised by one cross-site ring, and copied
+from there); the summation order differs from the flat ring's (site partial sums, then across
+sites), so the result may differ from a flat ring's in the last bits. Between two sites each
+member sends its block once across (``S / k`` of an ``S``-byte buffer, so ``S`` per direction
+per site pair), where the flat ring's edge between the sites carries ``2 (N-1)/N * S``. A
+failure in any phase fails the whole collective with the phase's typed error, and this member
+kills its other sub-rings of the view (their neighbours get the abort as a notice); an abort
+of the view (``abort_view``, ``supersede_view``) reaches its sub-rings.
 """
 
 from __future__ import annotations
@@ -81,6 +97,11 @@ class DataPlane:
         self._opening: dict[str, set[trio.CancelScope]] = {}
         self._recorder = CollectiveRecorder()
         self._warned_sizes: set[int] = set()  # views too big for the compressed allreduce
+        self._parents: OrderedDict[str, str] = OrderedDict()
+        """Sub-view epoch -> its view's epoch (hierarchical allreduce): an abort of the view
+        is one of its sub-views (``_check_aborted``, ``_abort``)."""
+        self._sent: dict[str, int] = {}
+        self._sent_lock = threading.Lock()
 
     @property
     def busy(self) -> Callable[[str], str | None] | None:
@@ -106,6 +127,14 @@ class DataPlane:
     @on_closed.setter
     def on_closed(self, fn: Callable[[str, bool], None] | None) -> None:
         self._transport.on_closed = fn
+
+    def sent_bytes(self) -> dict[str, int]:
+        """Payload bytes this member sent to each peer (node id) in collectives that
+        completed, over every ring and sub-ring (frame heads and control messages not
+        counted); safe from any thread. What a hierarchical plan moves between sites is the
+        sum over the members of one site of what they sent to the other's."""
+        with self._sent_lock:
+            return dict(self._sent)
 
     def statistics(self) -> CollectiveStatistics:
         """Completed collectives (seconds, bytes) per ``(op, backend)`` and aborts per kind;
@@ -140,9 +169,11 @@ class DataPlane:
         self._aborted.move_to_end(epoch)
         while len(self._aborted) > MAX_ABORTED_VIEWS:
             self._aborted.popitem(last=False)
-        for scope in self._opening.get(epoch, ()):
-            scope.cancel()
-        self._transport.kill_ring(epoch, reason, let_finish=let_finish)
+        subs = [sub for sub, parent in self._parents.items() if parent == epoch]
+        for e in (epoch, *subs):
+            for scope in self._opening.get(e, ()):
+                scope.cancel()
+            self._transport.kill_ring(e, reason, let_finish=let_finish)
 
     def clear_abort(self, epoch: str) -> None:
         """Forget an abort of ``epoch``: the same set of members is a live view again (a
@@ -159,6 +190,8 @@ class DataPlane:
 
     def _check_aborted(self, epoch: str) -> None:
         reason = self._aborted.get(epoch)
+        if reason is None and epoch in self._parents:  # a sub-view: its view's abort
+            reason = self._aborted.get(self._parents[epoch])
         if reason is not None:
             raise error_for(reason, epoch, self.node_id)
 
@@ -188,7 +221,10 @@ class DataPlane:
     # -- async collectives (inside trio) -------------------------------------------------------
     async def run(self, view: RingView, op: CollectiveOp, x: T) -> CollectiveResult[T]:
         """Run collective ``op`` on ``x`` over ``view`` (see ``plan`` for what each kind does),
-        opening the view's ring first if needed; the engine runs in a worker thread."""
+        opening the view's ring first if needed; the engine runs in a worker thread. An
+        allreduce on a hierarchical view runs its phases (``hierarchical``, module doc)."""
+        if self.hierarchical(view, op):
+            return await self.run_phases(self.plan_phases(view, op, x))
         return await self.run_plan(self.plan(view, op, x))
 
     async def allreduce(
@@ -408,6 +444,104 @@ class DataPlane:
             finish=lambda: None,
         )
 
+    # -- the hierarchical allreduce (module doc) -------------------------------------------
+    @staticmethod
+    def hierarchical(view: RingView, op: CollectiveOp) -> bool:
+        """Whether ``op`` on ``view`` runs as a hierarchical allreduce: an uncompressed
+        allreduce on a view whose plan says so (compressed ones run the flat, site-ordered
+        ring)."""
+        return op.kind is Kind.ALLREDUCE and op.compression is None and view.hierarchical
+
+    def plan_phases(self, view: RingView, op: CollectiveOp, x: T) -> Phases[T]:
+        """The three phases of ``op`` (an allreduce) on this member's ``x`` over hierarchical
+        ``view``: plans on the member's site and cross-site sub-views, in the order they
+        run, on ``x``'s staged buffer in place."""
+        site, cross = view.groups(self.node_id)
+        for sub in (site, cross):
+            self._parents[sub.epoch] = view.epoch
+            self._parents.move_to_end(sub.epoch)
+        while len(self._parents) > MAX_ABORTED_VIEWS:
+            self._parents.popitem(last=False)
+        st = stage(x, writable=True)
+        red, scale = self._reducers(op.op, st.dtype, view.size)
+        flat = st.flat
+        k, rs = site.size, site.rank_of(self.node_id)
+        bounds = schedule.segment_bounds(int(flat.size), k)
+        block = flat[bounds[rs] : bounds[rs + 1]]
+        m, rc = cross.size, cross.rank_of(self.node_id)
+        chunk, item = self.config.chunk_bytes, flat.itemsize
+
+        def phase(
+            sub: RingView, kind: str, shape: tuple[int, ...], sched: Any, bufs: Buffers
+        ) -> Plan[None]:
+            return Plan(
+                view=sub, kind=kind, op=op.op, dtype=st.dtype, shape=shape, sched=sched,
+                bufs=bufs, finish=lambda: None, io_timeout=op.io_timeout,
+            )  # fmt: skip
+
+        def steps(b: list[int], rank: int, first: int, last: int) -> schedule.Schedule:
+            return schedule.ring(
+                b, rank, first_step=first, last_step=last, itemsize=item, chunk_bytes=chunk
+            )
+
+        cross_bounds = schedule.segment_bounds(int(block.size), m)
+        plans = [
+            phase(site, "allreduce/site", st.shape, steps(bounds, rs, 0, k - 2),
+                  Buffers(flat, flat, red)),
+            phase(cross, "allreduce/cross", (int(block.size),),
+                  steps(cross_bounds, rc, 0, 2 * m - 3), Buffers(block, block, red, scale)),
+            phase(site, "allgather/site", st.shape, steps(bounds, rs, k - 1, 2 * k - 3),
+                  Buffers(flat, flat)),
+        ]  # fmt: skip
+
+        def finish() -> T:
+            if st.commit is not None:
+                st.commit()
+            return x
+
+        return Phases(view, plans, finish)
+
+    async def run_phases(self, phases: Phases[T]) -> CollectiveResult[T]:
+        """Run a hierarchical allreduce inside trio: each phase's sub-ring opened if needed,
+        driven in a worker thread, under the data plane's lock for all three."""
+        view = phases.view
+        with self._recorder.timed("allreduce", "tcp", phases.nbytes):
+            async with self._lock:
+                try:
+                    for plan in phases.plans:
+                        ring = await self._open_ring(plan.view)
+                        await self._drive(ring, plan)
+                except BaseException as exc:
+                    self._fail_phases(phases, exc)
+                    raise
+        return CollectiveResult(view.epoch, view.node_ids, phases.finish())
+
+    def run_phases_blocking(
+        self, phases: Phases[T], ring_of: Callable[[RingView], Ring]
+    ) -> CollectiveResult[T]:
+        """Run a hierarchical allreduce in the calling (non-trio) thread; ``ring_of`` gives
+        each sub-view's open ring (the host opens it in its trio thread if need be)."""
+        view = phases.view
+        with self._recorder.timed("allreduce", "tcp", phases.nbytes):
+            try:
+                for plan in phases.plans:
+                    self._run_pipeline(ring_of(plan.view), plan)
+            except BaseException as exc:
+                self._fail_phases(phases, exc)
+                raise
+        return CollectiveResult(view.epoch, view.node_ids, phases.finish())
+
+    def _fail_phases(self, phases: Phases[Any], exc: BaseException) -> None:
+        """A phase failed: kill this member's other sub-rings of the view, so that members
+        waiting in (or about to start) another phase hear of it from us at once (a notice)
+        rather than at ``io_timeout``."""
+        reason = getattr(exc, "abort", None)
+        if not isinstance(reason, Abort):
+            why = f"{self.node_id} failed a hierarchical allreduce: {type(exc).__name__}: {exc}"
+            reason = Abort(AbortKind.COMM_FAILED, "", self.node_id, why[:300])
+        for sub in {p.view.epoch for p in phases.plans}:
+            self._transport.kill_ring(sub, reason)
+
     # -- execution ------------------------------------------------------------------------
     def _reducers(self, op: str, dtype: str, size: int) -> tuple[Any, Any]:
         if op not in REDUCE_OPS:
@@ -454,21 +588,24 @@ class DataPlane:
     async def _run_plan(self, plan: Plan[T]) -> CollectiveResult[T]:
         async with self._lock:
             ring = await self._open_ring(plan.view)
-            if plan.view.size > 1:
-                try:
-                    plan = await trio.to_thread.run_sync(
-                        self._run_pipeline, ring, plan, abandon_on_cancel=True
-                    )
-                except trio.Cancelled:
-                    # The engine threads may still run: fail their sockets so they exit promptly.
-                    ring.broken = True
-                    ring.shutdown()
-                    self._transport.drop_ring(ring)
-                    raise
-            else:
-                await trio.lowlevel.checkpoint()
-                plan = _last_round(plan)
+            plan = await self._drive(ring, plan)
         return CollectiveResult(plan.view.epoch, plan.view.node_ids, plan.finish())
+
+    async def _drive(self, ring: Ring, plan: Plan[T]) -> Plan[T]:
+        """Run ``plan`` on ``ring`` in a worker thread (the caller holds the lock)."""
+        if plan.view.size <= 1:
+            await trio.lowlevel.checkpoint()
+            return _last_round(plan)
+        try:
+            return await trio.to_thread.run_sync(
+                self._run_pipeline, ring, plan, abandon_on_cancel=True
+            )
+        except trio.Cancelled:
+            # The engine threads may still run: fail their sockets so they exit promptly.
+            ring.broken = True
+            ring.shutdown()
+            self._transport.drop_ring(ring)
+            raise
 
     def run_plan_blocking(self, ring: Ring, plan: Plan[T]) -> CollectiveResult[T]:
         """Run ``plan`` on an already open ``ring`` (``whole_ring``) in the calling (non-trio)
@@ -533,6 +670,7 @@ class DataPlane:
                             self._transport.report_closed(pipe.hangup)
                         self._observe_failure(ring, pipe.abort)
                         raise
+                    self._count_sent(ring, plan)
                     if not ring.worked:
                         ring.worked = True
                         peers = (ring.left.node_id, ring.right.node_id)
@@ -545,6 +683,12 @@ class DataPlane:
                 if ring.broken:
                     self._transport.drop_ring(ring)
                 ring.end_collective()  # (a kill left for now: closed at the next open_ring)
+
+    def _count_sent(self, ring: Ring, plan: Plan[Any]) -> None:
+        nbytes = sum(x.stop - x.start for x in plan.sched.sends) * plan.bufs.acc.itemsize
+        peer = ring.right.node_id
+        with self._sent_lock:
+            self._sent[peer] = self._sent.get(peer, 0) + nbytes
 
     def _observe_failure(self, ring: Ring, reason: Abort | None) -> None:
         """Report a round that this member aborted because of one of its neighbours (stalled,
@@ -598,6 +742,21 @@ class Plan(Generic[T]):
 
 MAX_ROUNDS = 2
 """Rounds of one collective (``Plan.then``): the shared-scale allreduce has two."""
+
+
+@dataclass
+class Phases(Generic[T]):
+    """A hierarchical allreduce ready to run (``DataPlane.plan_phases``): its phases' plans,
+    each on a sub-view of ``view``, in order, and how to produce the output."""
+
+    view: RingView
+    plans: list[Plan[None]]
+    finish: Callable[[], T]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the collective's input in bytes."""
+        return self.plans[0].nbytes
 
 
 def _last_round(plan: Plan[T]) -> Plan[T]:

@@ -181,9 +181,13 @@ class ViewSession:
         of this member already (``NestedSession``)."""
         host, view = self._host, self.view
         ring = host.ring_in_use(view) or host.open_ring(view)
-        plan = host.plane.plan(view, op, x)
         try:
-            return host.plane.run_plan_blocking(ring, plan)
+            if host.plane.hierarchical(view, op):  # (three phases on sub-views: dataplane)
+                phases = host.plane.plan_phases(view, op, x)
+                return host.plane.run_phases_blocking(
+                    phases, lambda sub: host.ring_in_use(sub) or host.open_ring(sub)
+                )
+            return host.plane.run_plan_blocking(ring, host.plane.plan(view, op, x))
         except RingPeerLostError as exc:
             if exc.peer:
                 host.peer_lost(exc.peer)

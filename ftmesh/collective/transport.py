@@ -584,10 +584,15 @@ class Transport:
         self._rings[view.epoch] = ring
         self.hangups.add(ring)
         log.debug("opened ring %x of %s: rank %d of %d", id(ring), view.epoch, rank, view.size)
-        while len(self._rings) > self.config.max_cached_views:
-            _, old = self._rings.popitem(last=False)
-            log.debug("closed ring %s (cache full, at seq %d)", old.view.epoch, old.seq)
-            old.close()
+        # The cache holds the rings of the last ``max_cached_views`` views; a sub-view's ring
+        # (a phase of a hierarchical allreduce, ``RingView.sub``) counts as its view's.
+        recent = dict.fromkeys(r.view.parent or e for e, r in reversed(self._rings.items()))
+        keep = set(list(recent)[: self.config.max_cached_views])
+        for epoch, old in list(self._rings.items()):
+            if (old.view.parent or epoch) not in keep:
+                del self._rings[epoch]
+                log.debug("closed ring %s (cache full, at seq %d)", old.view.epoch, old.seq)
+                old.close()
         return ring
 
     async def _formed_halves(self, ring: Ring) -> tuple[Link, Link]:

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from .errors import LabError
 from .netns import VirtualLan, cleanup_stale, is_root
+from .wan import WanLink, WanStats
 
-__all__ = ["LabError", "VirtualLan", "cleanup_stale", "is_root"]
+__all__ = ["LabError", "VirtualLan", "WanLink", "WanStats", "cleanup_stale", "is_root"]

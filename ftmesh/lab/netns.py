@@ -27,6 +27,19 @@ later with ``popen``/``run`` too); ``set_fail_slow`` freezes them with SIGSTOP f
 every ``every_s`` seconds (a pulser process); ``cpu_stats``/``fail_slow_stats`` say what the
 kernel and the pulser did, so a test can check that the fault fired.
 
+Two sites (``sites=(2, 2)``, ``wan=WanLink(rate="20mbit", delay_ms=40)``): the hosts are split
+over two bridges, site 0's in namespace ``<prefix>br`` and site 1's in ``<prefix>br1``, each
+site on its half of ``subnet``. Each site has a router namespace ``<prefix>r<s>`` with a leg on
+its bridge (the site's gateway, the last address of its half: the hosts' default route) and a
+TUN device; the only path between the sites is the WAN link, a user-space forwarder process
+between the two TUNs that gives it a rate, a one-way delay, loss and a drop-tail queue
+(``ftmesh.lab.wan``, which also says why not netem). ``site_of(i)`` says where host ``i`` is,
+``set_wan`` changes the link at run time, ``wan_stats`` counts what crossed it each way. mDNS
+stays within a site (multicast is not routed), as between real sites: across them, members
+find each other with seeds. Host faults act on the host's own bridge; a partition or one-way
+link between hosts of different sites drops their IPv4 packets at the sender's bridge;
+``set_lan_loss`` applies on each bridge (a path across the WAN crosses two).
+
 Persistent labs (``ftmesh lab up``): ``VirtualLan(name=...)`` uses a fixed prefix instead of
 the pid-bound one, :meth:`VirtualLan.detach` keeps it alive after this process exits, and
 :meth:`VirtualLan.to_state` / :meth:`VirtualLan.attach` carry it to a later process.
@@ -38,7 +51,8 @@ killed with SIGKILL cannot clean up, so the creating pid is part of every name
 constructor calls it for its own base prefix.
 
 Requires root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's ``ip``; ``tc`` and ``sch_tbf``
-for ``set_rate``; ``nft`` (package ``nftables``) and ``nft_numgen`` for ``set_loss``.
+for ``set_rate``; ``nft`` (package ``nftables``) and ``nft_numgen`` for ``set_loss``; TUN
+devices (``/dev/net/tun``) and ``sysctl`` for two sites.
 """
 
 from __future__ import annotations
@@ -60,6 +74,14 @@ from types import TracebackType
 from typing import Any, Self
 
 from .errors import LabError
+from .wan import (
+    TUN_DEV,
+    WanLink,
+    WanStats,
+    control_request,
+    start_forwarder,
+    stop_forwarder,
+)
 
 DEFAULT_BASE = "ftm"
 """Default base of lab names. :func:`cleanup_stale` only touches names under a given base."""
@@ -75,6 +97,8 @@ _NAME_RE = re.compile(r"[a-z][a-z0-9]{0,11}")
 _HOST_IF = "eth0"  # inside each host namespace
 _BRIDGE_IF = "br0"  # inside the bridge namespace
 _NFT_TABLE = "ftmlab"  # nftables table holding loss rules, inside the bridge namespace
+_ROUTER_PORT = "gw"  # a router's port on its site's bridge (two-site labs)
+_KINDS = r"(?:br\d*|r\d+|h\d+)"  # namespaces of a lab: bridges, routers, hosts
 _counter = itertools.count()
 _live: set[VirtualLan] = set()  # strong refs: a lab dropped without down() is still cleaned
 _live_lock = threading.Lock()
@@ -90,6 +114,22 @@ def _burst_bytes(rate: str) -> int:
     assert m is not None
     bits = float(m.group(1)) * _UNIT[m.group(2)] * (8 if m.group(3) == "bps" else 1)
     return max(3200, int(bits / 8 / 100))
+
+
+def _site_addresses(
+    net: ipaddress.IPv4Network, sites: Sequence[int]
+) -> list[ipaddress.IPv4Address]:
+    """Host addresses of a two-site lab: site ``s``'s from the start of half ``s`` of ``net``
+    (its last address is the site's gateway)."""
+    if net.prefixlen > 29:
+        raise LabError(f"subnet {net} is too small to split into two sites")
+    addrs = []
+    for half, count in zip(net.subnets(prefixlen_diff=1), sites, strict=True):
+        got = list(itertools.islice(half.hosts(), count))
+        if count + 1 > half.num_addresses - 2:
+            raise LabError(f"site subnet {half} cannot hold {count} hosts and a gateway")
+        addrs += got
+    return addrs
 
 
 def is_root() -> bool:
@@ -171,12 +211,14 @@ def _pid_alive(pid: int) -> bool:
 def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
     """Delete lab namespaces under base ``prefix`` whose creating process is dead.
 
-    Names look like ``<prefix><pid>x<n>h<i>`` / ``<prefix><pid>x<n>br``; namespaces of live
+    Names look like ``<prefix><pid>x<n>h<i>`` / ``<prefix><pid>x<n>br`` (and ``br1``,
+    ``r0``, ``r1`` for two sites); namespaces of live
     processes (other test workers) are left alone. Returns the names removed. Every interface of
-    a lab lives inside its namespaces, so deleting them removes the links too.
+    a lab lives inside its namespaces, so deleting them removes the links too, and the
+    processes in them (a two-site lab's WAN forwarder lives in its router ``r0``).
     """
     _require_tools()
-    pattern = re.compile(rf"{re.escape(prefix)}(\d+)x\d+(?:br|h\d+)")
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)x\d+{_KINDS}")
     removed = []
     for ns in _list_netns():
         m = pattern.fullmatch(ns)
@@ -195,7 +237,7 @@ def _remove_stale_cgroups(pattern: str) -> None:
 
 
 def _owned_by(prefix: str, ns: str) -> bool:
-    return re.fullmatch(rf"{re.escape(prefix)}(?:br|h\d+)", ns) is not None
+    return re.fullmatch(rf"{re.escape(prefix)}{_KINDS}", ns) is not None
 
 
 def cleanup_named(name: str) -> list[str]:
@@ -205,8 +247,8 @@ def cleanup_named(name: str) -> list[str]:
     if not _NAME_RE.fullmatch(name):
         raise LabError(f"lab name {name!r} must match {_NAME_RE.pattern}")
     removed = []
-    # Hosts before the bridge (sorted puts "...br" first, so reverse the kinds).
-    for ns in sorted(_list_netns(), key=lambda n: n.endswith("br")):
+    # Hosts and routers before the bridges (any order works: this one is the tidiest).
+    for ns in sorted(_list_netns(), key=lambda n: re.search(r"br\d*$", n) is not None):
         if _owned_by(name, ns):
             _delete_netns(ns)
             removed.append(ns)
@@ -215,37 +257,58 @@ def cleanup_named(name: str) -> list[str]:
 
 
 class VirtualLan:
-    """N hosts on one bridged virtual LAN. See the module docstring.
+    """N hosts on one bridged virtual LAN, or on two sites joined by a WAN link. See the
+    module docstring.
 
-    ``hosts``: number of host namespaces. ``prefix``: base of the names (lowercase letter then
-    up to 7 lowercase letters or digits; default ``"ftm"``); the creating pid and a counter are
-    appended, giving :attr:`prefix`. ``subnet``: IPv4 subnet; host ``i`` gets its ``i+1``-th
-    address. ``name``: a fixed prefix instead (persistent labs, see :meth:`detach`); refused if
-    a lab of that name exists.
+    ``hosts``: number of host namespaces (default 2, or ``sum(sites)``). ``prefix``: base of
+    the names (lowercase letter then up to 7 lowercase letters or digits; default ``"ftm"``);
+    the creating pid and a counter are appended, giving :attr:`prefix`. ``subnet``: IPv4
+    subnet; host ``i`` gets its ``i+1``-th address. ``name``: a fixed prefix instead
+    (persistent labs, see :meth:`detach`); refused if a lab of that name exists.
+
+    ``sites``: host counts of two sites, e.g. ``(2, 2)``: hosts ``0..sites[0]-1`` are on site
+    0, the rest on site 1; each site gets one half of ``subnet`` (host addresses from the
+    start of its half, the gateway at its end). ``wan``: the link between them
+    (:class:`~ftmesh.lab.wan.WanLink`; default: no rate limit, no delay). Without ``sites``
+    the lab is one bridge, as before, and ``wan`` must be left out.
     """
 
     def __init__(
         self,
-        hosts: int = 2,
+        hosts: int | None = None,
         prefix: str | None = None,
         subnet: str = "10.77.0.0/24",
         *,
         name: str | None = None,
+        sites: Sequence[int] | None = None,
+        wan: WanLink | None = None,
     ) -> None:
         base = DEFAULT_BASE if prefix is None else prefix
         if not _BASE_RE.fullmatch(base):
             raise LabError(f"lab prefix {base!r} must match {_BASE_RE.pattern}")
         if name is not None and not _NAME_RE.fullmatch(name):
             raise LabError(f"lab name {name!r} must match {_NAME_RE.pattern}")
+        if sites is not None:
+            if len(sites) != 2 or min(sites) < 1:
+                raise LabError(f"sites={sites}: give the host counts of two sites, like (2, 2)")
+            if hosts is not None and hosts != sum(sites):
+                raise LabError(f"hosts={hosts} but sites={sites} holds {sum(sites)}")
+            hosts = sum(sites)
+        elif wan is not None:
+            raise LabError("a WAN link joins two sites: give sites=(A, B) too")
+        hosts = 2 if hosts is None else hosts
         if not 1 <= hosts <= MAX_HOSTS:
             raise LabError(f"hosts={hosts} must be within 1..{MAX_HOSTS}")
         try:
             net = ipaddress.IPv4Network(subnet)
         except ValueError as e:
             raise LabError(f"subnet {subnet!r}: {e}") from e
-        addrs = list(itertools.islice(net.hosts(), hosts))
-        if len(addrs) < hosts:
-            raise LabError(f"subnet {subnet} has fewer than {hosts} host addresses")
+        if sites is None:
+            addrs = list(itertools.islice(net.hosts(), hosts))
+            if len(addrs) < hosts:
+                raise LabError(f"subnet {subnet} has fewer than {hosts} host addresses")
+        else:
+            addrs = _site_addresses(net, sites)
         _require_tools()
         if name is None:
             cleanup_stale(base)
@@ -255,7 +318,7 @@ class VirtualLan:
             taken = [ns for ns in _list_netns() if _owned_by(name, ns)]
             if taken:
                 raise LabError(f"a lab named {name!r} already exists ({', '.join(taken[:3])})")
-        self._init_fields(base, prefix_full, net, [str(a) for a in addrs])
+        self._init_fields(base, prefix_full, net, [str(a) for a in addrs], sites, wan)
         with _live_lock:
             _live.add(self)
         try:
@@ -265,7 +328,13 @@ class VirtualLan:
             raise
 
     def _init_fields(
-        self, base: str, prefix: str, net: ipaddress.IPv4Network, ips: list[str]
+        self,
+        base: str,
+        prefix: str,
+        net: ipaddress.IPv4Network,
+        ips: list[str],
+        sites: Sequence[int] | None = None,
+        wan: WanLink | None = None,
     ) -> None:
         self.base = base
         self.prefix = prefix
@@ -283,6 +352,12 @@ class VirtualLan:
         self._links_down: set[int] = set()
         self._cpu: dict[int, float] = {}  # host -> CPU share (cgroup quota)
         self._pulses: dict[int, dict[str, Any]] = {}  # host -> pulser pid, stop_s, every_s
+        self._sites: tuple[int, ...] = (len(ips),) if sites is None else tuple(sites)
+        self._wan: WanLink | None = None  # two sites: the link between them
+        if sites is not None:
+            self._wan = WanLink() if wan is None else wan
+        self._wan_pid: int | None = None  # two sites: the forwarder's pid
+        self._wan_proc: subprocess.Popen[bytes] | None = None  # ...when this process started it
         self._closed = False
 
     # --- persistence (labs that outlive the process that built them) ------------------------
@@ -304,6 +379,9 @@ class VirtualLan:
             "links_down": sorted(self._links_down),
             "cpu": {str(k): v for k, v in self._cpu.items()},
             "pulses": {str(k): v for k, v in self._pulses.items()},
+            "sites": list(self._sites),
+            "wan": None if self._wan is None else self._wan.to_json(),
+            "wan_pid": self._wan_pid,
         }
 
     @classmethod
@@ -329,7 +407,14 @@ class VirtualLan:
             self._links_down = {int(h) for h in state.get("links_down", [])}
             self._cpu = {int(k): float(v) for k, v in state.get("cpu", {}).items()}
             self._pulses = {int(k): dict(v) for k, v in state.get("pulses", {}).items()}
-        except (KeyError, TypeError, ValueError) as e:
+            self._sites = tuple(int(n) for n in state.get("sites", [len(self._ips)]))
+            wan = state.get("wan")
+            self._wan = None if wan is None else WanLink.from_json(wan)
+            pid = state.get("wan_pid")
+            self._wan_pid = None if pid is None else int(pid)
+            if sum(self._sites) != len(self._ips) or (self._wan is None) != (len(self._sites) == 1):
+                raise ValueError(f"sites {self._sites} do not fit {len(self._ips)} hosts")
+        except (KeyError, TypeError, ValueError, LabError) as e:
             raise LabError(f"lab state is damaged: {e!r}") from e
         existing = set(_list_netns())
         missing = [ns for ns in self._created if ns not in existing]
@@ -350,28 +435,67 @@ class VirtualLan:
         _ip("-n", ns, "link", "set", "lo", "up")
 
     def _build(self) -> None:
-        br = self.bridge_ns
-        self._add_ns(br)
-        _ip("-n", br, "link", "add", _BRIDGE_IF, "type", "bridge", "mcast_snooping", "0")
-        _ip("-n", br, "link", "set", _BRIDGE_IF, "up")
-        plen = self.subnet.prefixlen
-        for i, ip in enumerate(self._ips):
-            ns = self.ns_name(i)
-            self._add_ns(ns)
-            port = self._port(i)
-            _ip(
-                "-n", br, "link", "add", port, "type", "veth", "peer", "name", _HOST_IF, "netns", ns
-            )
-            _ip("-n", br, "link", "set", port, "master", _BRIDGE_IF)
-            _ip("-n", br, "link", "set", port, "up")
-            _ip("-n", ns, "addr", "add", f"{ip}/{plen}", "dev", _HOST_IF)
-            _ip("-n", ns, "link", "set", _HOST_IF, "up", "multicast", "on")
+        for site in range(len(self._sites)):
+            br = self._bridge(site)
+            self._add_ns(br)
+            _ip("-n", br, "link", "add", _BRIDGE_IF, "type", "bridge", "mcast_snooping", "0")
+            _ip("-n", br, "link", "set", _BRIDGE_IF, "up")
+            for i in self.site_hosts(site):
+                self._build_host(i)
+        if self._wan is not None:
+            self._build_wan(self._wan)
+
+    def _build_host(self, i: int) -> None:
+        site = self.site_of(i)
+        br, ns, port = self._bridge(site), self.ns_name(i), self._port(i)
+        self._add_ns(ns)
+        _ip("-n", br, "link", "add", port, "type", "veth", "peer", "name", _HOST_IF, "netns", ns)
+        _ip("-n", br, "link", "set", port, "master", _BRIDGE_IF)
+        _ip("-n", br, "link", "set", port, "up")
+        plen = self.site_subnet(site).prefixlen
+        _ip("-n", ns, "addr", "add", f"{self._ips[i]}/{plen}", "dev", _HOST_IF)
+        _ip("-n", ns, "link", "set", _HOST_IF, "up", "multicast", "on")
+        if self._wan is None:
             _ip("-n", ns, "route", "add", "default", "dev", _HOST_IF)
-            _ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", _HOST_IF)
+        else:
+            _ip("-n", ns, "route", "add", "default", "via", self.gateway(site), "dev", _HOST_IF)
+        _ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", _HOST_IF)
+
+    def _build_wan(self, link: WanLink) -> None:
+        """Each site's router (a leg on its bridge, a TUN), the forwarder between the TUNs,
+        then the routes through them (see :mod:`ftmesh.lab.wan`)."""
+        for site in range(2):
+            r, br = self._router(site), self._bridge(site)
+            self._add_ns(r)
+            sysctls = ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.disable_ipv6=1"]
+            sysctls += ["net.ipv6.conf.default.disable_ipv6=1"]  # (no stray v6 on the WAN)
+            _cmd(["ip", "netns", "exec", r, "sysctl", "-qw", *sysctls])
+            _ip("-n", br, "link", "add", _ROUTER_PORT, "type", "veth", "peer", "name", _HOST_IF,
+                "netns", r)  # fmt: skip
+            _ip("-n", br, "link", "set", _ROUTER_PORT, "master", _BRIDGE_IF)
+            _ip("-n", br, "link", "set", _ROUTER_PORT, "up")
+            plen = self.site_subnet(site).prefixlen
+            _ip("-n", r, "addr", "add", f"{self.gateway(site)}/{plen}", "dev", _HOST_IF)
+            _ip("-n", r, "link", "set", _HOST_IF, "up")
+            _ip("-n", r, "tuntap", "add", "dev", TUN_DEV, "mode", "tun")
+            _ip("-n", r, "link", "set", TUN_DEV, "up")
+        self._wan_proc = start_forwarder(self.prefix, self._router(0), self._router(1), link)
+        self._wan_pid = self._wan_proc.pid
+        for site in range(2):
+            other = str(self.site_subnet(1 - site))
+            _ip("-n", self._router(site), "route", "add", other, "dev", TUN_DEV)
 
     @staticmethod
     def _port(i: int) -> str:
         return f"p{i}"
+
+    def _bridge(self, site: int) -> str:
+        """Namespace of site ``site``'s bridge (site 0's is :attr:`bridge_ns`)."""
+        return self.bridge_ns if site == 0 else f"{self.prefix}br{site}"
+
+    def _router(self, site: int) -> str:
+        """Namespace of site ``site``'s router (two-site labs)."""
+        return f"{self.prefix}r{site}"
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -396,8 +520,64 @@ class VirtualLan:
         return self._ips[i]
 
     def namespaces(self) -> list[str]:
-        """Every namespace of this lab (hosts and bridge) still existing."""
+        """Every namespace of this lab (hosts, bridges, routers) still existing."""
         return list(self._created)
+
+    # --- sites and the WAN link ---------------------------------------------------------------
+
+    @property
+    def sites(self) -> tuple[int, ...]:
+        """Hosts per site: ``(hosts,)`` for one bridge, ``(a, b)`` for two sites."""
+        return self._sites
+
+    def site_of(self, i: int) -> int:
+        """The site of host ``i`` (0 or 1; always 0 on a one-bridge lab)."""
+        self._check(i)
+        return 0 if i < self._sites[0] else 1
+
+    def site_hosts(self, site: int) -> list[int]:
+        """The hosts of site ``site``, in index order."""
+        if not 0 <= site < len(self._sites):
+            raise LabError(f"site {site} out of range 0..{len(self._sites) - 1}")
+        start = sum(self._sites[:site])
+        return list(range(start, start + self._sites[site]))
+
+    def site_subnet(self, site: int) -> ipaddress.IPv4Network:
+        """Site ``site``'s subnet: all of :attr:`subnet` for one bridge, a half for two."""
+        if len(self._sites) == 1:
+            return self.subnet
+        return list(self.subnet.subnets(prefixlen_diff=1))[site]
+
+    def gateway(self, site: int) -> str:
+        """Address of site ``site``'s router on its bridge (two-site labs)."""
+        if self._wan is None:
+            raise LabError("a one-bridge lab has no gateway")
+        return str(self.site_subnet(site).broadcast_address - 1)
+
+    @property
+    def wan(self) -> WanLink | None:
+        """The WAN link's settings (two sites), or ``None`` for a one-bridge lab."""
+        return self._wan
+
+    def set_wan(self, link: WanLink) -> None:
+        """Change the WAN link (rate, delay, loss, queue) from the next packet on; packets
+        already held keep the times they were given. E.g.
+        ``lan.set_wan(dataclasses.replace(lan.wan, delay_ms=10))``."""
+        self._require_wan()
+        control_request(self.prefix, {"op": "set", "link": link.to_json()})
+        self._wan = link
+
+    def wan_stats(self) -> WanStats:
+        """What crossed the WAN link each way since the lab started (packets and bytes
+        delivered, drops by kind), from the forwarder."""
+        self._require_wan()
+        return WanStats.from_json(control_request(self.prefix, {"op": "stats"}))
+
+    def _require_wan(self) -> None:
+        if self._closed:
+            raise LabError("the virtual LAN is down")
+        if self._wan is None:
+            raise LabError("this lab has one bridge and no WAN link (build it with sites=)")
 
     # --- processes ------------------------------------------------------------------------------
 
@@ -448,7 +628,8 @@ class VirtualLan:
     def link(self, i: int, up: bool) -> None:
         """Connect (``up=True``) or disconnect host ``i`` from the bridge."""
         self._check(i)
-        _ip("-n", self.bridge_ns, "link", "set", self._port(i), "up" if up else "down")
+        _ip("-n", self._bridge(self.site_of(i)), "link", "set", self._port(i),
+            "up" if up else "down")  # fmt: skip
         if up:
             self._links_down.discard(i)
         else:
@@ -536,7 +717,7 @@ class VirtualLan:
 
     def faults(self) -> dict[str, Any]:
         """The fault state this object knows of: loss, partition, one-way links, blocked ports,
-        rates, links down."""
+        rates, links down, CPU shares, fail-slow pulses, and the WAN link of two sites."""
         return {
             "loss_percent": {h: t / 100 for h, t in sorted(self._loss.items())},
             "lan_loss_percent": self._lan_loss / 100,
@@ -550,29 +731,60 @@ class VirtualLan:
                 h: {"stop_s": p["stop_s"], "every_s": p["every_s"]}
                 for h, p in sorted(self._pulses.items())
             },
+            "wan": None if self._wan is None else self._wan.to_json(),
         }
 
     def _apply_nft(self) -> None:
+        if shutil.which("nft") is None:
+            raise LabError("loss and partitions need the 'nft' tool: install 'nftables'")
+        for site in range(len(self._sites)):
+            self._apply_site_nft(site)
+
+    def _apply_site_nft(self, site: int) -> None:
+        """The fault rules of one bridge: what its own hosts' ports send and receive."""
         # Declaring the table first makes the delete succeed whether or not it existed, and
         # "nft -f" applies the whole script atomically.
         script = f"table bridge {_NFT_TABLE} {{}}\ndelete table bridge {_NFT_TABLE}\n"
+        local = set(self.site_hosts(site))
+
+        def ports(hosts: Sequence[int]) -> str:
+            return ", ".join(f'"{self._port(h)}"' for h in hosts)
+
+        def ips(hosts: Sequence[int]) -> str:
+            return ", ".join(self._ips[h] for h in hosts)
+
         rules = []
         for a, ga in enumerate(self._groups):
+            src = [h for h in ga if h in local]
             for b, gb in enumerate(self._groups):
-                if a != b:
-                    src = ", ".join(f'"{self._port(h)}"' for h in ga)
-                    dst = ", ".join(f'"{self._port(h)}"' for h in gb)
-                    rules.append(f"    iifname {{ {src} }} oifname {{ {dst} }} drop")
+                if a == b or not src:
+                    continue
+                near = [h for h in gb if h in local]
+                far = [h for h in gb if h not in local]  # across the WAN: by address
+                if near:
+                    rules.append(f"    iifname {{ {ports(src)} }} oifname {{ {ports(near)} }} drop")
+                if far:
+                    rules.append(f"    iifname {{ {ports(src)} }} ip daddr {{ {ips(far)} }} drop")
         for a, b in sorted(self._one_way):
-            rules.append(
-                f'    iifname "{self._port(a)}" oifname "{self._port(b)}" ether type ip drop'
-            )
+            if a not in local:
+                continue
+            if b in local:
+                rules.append(
+                    f'    iifname "{self._port(a)}" oifname "{self._port(b)}" ether type ip drop'
+                )
+            else:
+                rules.append(f'    iifname "{self._port(a)}" ip daddr {self._ips[b]} drop')
         for h, tcp_port in sorted(self._blocked):
-            rules.append(f'    oifname "{self._port(h)}" ether type ip tcp dport {tcp_port} drop')
+            if h in local:
+                rules.append(
+                    f'    oifname "{self._port(h)}" ether type ip tcp dport {tcp_port} drop'
+                )
         if self._lan_loss:
             t = self._lan_loss
             rules.append("    drop" if t >= 10000 else f"    numgen random mod 10000 < {t} drop")
         for host, t in sorted(self._loss.items()):
+            if host not in local:
+                continue
             verdict = "drop" if t >= 10000 else f"numgen random mod 10000 < {t} drop"
             port = self._port(host)
             rules += [f'    iifname "{port}" {verdict}', f'    oifname "{port}" {verdict}']
@@ -583,9 +795,7 @@ class VirtualLan:
                 + "\n".join(rules)
                 + "\n  }\n}\n"
             )
-        if shutil.which("nft") is None:
-            raise LabError("loss and partitions need the 'nft' tool: install 'nftables'")
-        _cmd(["ip", "netns", "exec", self.bridge_ns, "nft", "-f", "-"], stdin=script)
+        _cmd(["ip", "netns", "exec", self._bridge(site), "nft", "-f", "-"], stdin=script)
 
     def set_rate(self, i: int, rate: str | None) -> None:
         """Limit each direction of host ``i``'s link to ``rate`` (tc syntax: ``"10mbit"``).
@@ -595,7 +805,10 @@ class VirtualLan:
         self._check(i)
         if rate is not None and not _RATE_RE.fullmatch(rate):
             raise LabError(f"rate {rate!r} is not a tc rate like '10mbit'")
-        for ns, dev in ((self.bridge_ns, self._port(i)), (self.ns_name(i), _HOST_IF)):
+        for ns, dev in (
+            (self._bridge(self.site_of(i)), self._port(i)),
+            (self.ns_name(i), _HOST_IF),
+        ):
             tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
             _cmd([*tc, "del", "dev", dev, "root"], check=False)
             if rate is not None:
@@ -680,6 +893,11 @@ class VirtualLan:
             slowness.stop_pulser(int(pulse["pid"]))
             self._pulse_stats_path(i).unlink(missing_ok=True)
         self._pulses.clear()
+        if self._wan_pid is not None:  # (deleting router r0 would kill it too)
+            stop_forwarder(self._wan_pid, self.prefix)
+            if self._wan_proc is not None:
+                self._wan_proc.wait()  # reaped already: this only sets its returncode
+            self._wan_pid = self._wan_proc = None
         # Hosts first, bridge last: deleting a host namespace deletes its veth pair.
         for ns in reversed(self._created):
             _delete_netns(ns)
@@ -702,6 +920,8 @@ class VirtualLan:
 
     def __repr__(self) -> str:
         state = "down" if self._closed else f"{len(self._ips)} hosts"
+        if len(self._sites) > 1 and not self._closed:
+            state += f" on sites {'x'.join(map(str, self._sites))}, WAN {self._wan}"
         return f"<VirtualLan {self.prefix} {self.subnet} {state}>"
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -141,6 +142,8 @@ class _Probe:
     within the probe timeout confirms its suspicion."""
     settled: bool = False
     """A closed probe whose outcome was taken before its timeout (``Swim.port_unreachable``)."""
+    sent: float = -1.0
+    """When the direct ping went out, for the round trip its ack measures (-1: not timed)."""
 
 
 @dataclass(slots=True)
@@ -230,8 +233,14 @@ class Swim:
         now: float,
         meta: Meta | None = None,
         size_of: Callable[[Gossip], int] = encoded_size,
+        round_trips: int = 0,
     ) -> None:
         self.config = config
+        self._round_trips: deque[tuple[str, float]] | None = (
+            deque(maxlen=round_trips) if round_trips > 0 else None
+        )
+        """The last ``round_trips`` direct round trips measured (``take_round_trips``); None
+        (the default, and the simulator's) keeps none: measuring then costs nothing."""
         self.node_id = node_id
         self._rng = rng
         self._me = _Member(node_id, name, addr, 1, MemberState.ALIVE, check_meta(meta or {}))
@@ -685,6 +694,17 @@ class Swim:
 
     # ------------------------------------------------------------------ probing
 
+    def take_round_trips(self) -> list[tuple[str, float]]:
+        """The round trips measured since the last call, oldest first: ``(member, seconds)``
+        from a probe's ``Ping`` to its direct ``Ack``. Probes acked through a helper, and the
+        fast probes that go indirect at once, are not timed (the detour is not the link). What
+        a ``round_trips`` of 0 keeps: nothing."""
+        if not self._round_trips:
+            return []
+        out = list(self._round_trips)
+        self._round_trips.clear()
+        return out
+
     def _fire_probe(self, now: float, _key: object) -> None:
         interval = self._awareness.scale(self.config.probe_interval)
         self._arm(now + interval, "probe", None)
@@ -714,7 +734,7 @@ class Swim:
 
     def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> int:
         seq = self._next_seq()
-        self._probes[seq] = _Probe(target.node)
+        self._probes[seq] = _Probe(target.node, sent=-1.0 if indirect_now else now)
         ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
         if target.state == MemberState.SUSPECT:
             # Tell a suspect directly that we suspect it, so it refutes to us even if the
@@ -819,6 +839,8 @@ class Swim:
             return
         probe.acked = True
         self._awareness.apply(-1)
+        if self._round_trips is not None and probe.sent >= 0 and not probe.indirect_sent:
+            self._round_trips.append((ack.source, now - probe.sent))
 
     def _on_nack(self, nack: Nack) -> None:
         probe = self._probes.get(nack.seq)

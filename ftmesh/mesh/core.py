@@ -7,11 +7,13 @@ Its listeners (gossip, data plane, state server) bind ``NodeConfig.bind`` on the
 (``NodeConfig.port``, ``MeshConfig.data_port``, ``MeshConfig.state_port``; 0: any free one),
 and every address it publishes names the advertised host (``NodeConfig.advertised_host``),
 which may be a NAT's or a port forward's rather than this machine's (``ftmesh.net.node``).
-The *view* is the sorted list of members whose role is ``train`` and that membership holds
-ALIVE (see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out
-because their neighbours cannot reach them or their bytes fail verification
+The *view* is the list of members whose role is ``train`` and that membership holds ALIVE
+(see ``MeshConfig.suspects_in_view`` for the trade-off), less those the ring leaves out because
+their neighbours cannot reach them or their bytes fail verification
 (``ftmesh.collective.reach``: each member publishes its accusations under ``reach`` in its
-metadata, and every member computes the same exclusions from them). Every member derives the
+metadata, and every member computes the same exclusions from them), in the order of the ring
+plan their metadata implies (``ftmesh.collective.topology``: site labels and measured round
+trips; one site, sorted by node id, unless they say otherwise). Every member derives the
 same ring from the same view; before a collective runs on a view the data plane checks with
 both ring neighbours that they hold the same view epoch, so if gossip has not converged yet the
 call waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
@@ -61,6 +63,7 @@ from ..collective import (
 )
 from ..collective.ops import CollectiveOp, Kind
 from ..collective.reach import Exclusion, ReachConfig, ReachEvent
+from ..collective.topology import LinkEstimator, check_label, format_links
 from ..collective.transport import Ring
 from ..errors import ConfigError, DeadlineExceeded, LocalUsageError
 from ..membership.messages import MemberSnapshot, MemberState
@@ -80,17 +83,20 @@ from ..state.transfer import bounded_state_hint
 from .meta import (
     BETWEEN_STEPS,
     DATA_KEY,
+    LINKS_KEY,
     PROGRESS_KEY,
     RELEASE,
     RELEASE_KEY,
     ROLE_KEY,
     ROLES,
+    SITE_KEY,
     STATE_BYTES_KEY,
     STATE_KEY,
     MemberInfo,
     MetadataGate,
     Progress,
     ring_exclusions,
+    ring_plan,
 )
 from .reach import BAD_STATE_REASONS, ReachDriver, describe_exclusion, new_queue
 
@@ -147,6 +153,14 @@ class MeshConfig:
     progress_interval: float = 1.0
     """Least seconds between two publications of our progress (``Mesh.report_progress``):
     each is a metadata change that every member gossips."""
+    site: str = ""
+    """Our explicit site label (``--site``), published under ``SITE_KEY``: an input of the
+    ring plan (``ftmesh.collective.topology``); ``""``: none, the sites are measured."""
+    links_interval: float = 5.0
+    """Seconds between two looks at the round trips our membership probes measured; a
+    quantized summary is published under ``LINKS_KEY`` when a bucket changed (with
+    hysteresis: ``topology.LinkEstimator``), so at most one metadata change per interval and
+    none while the links hold steady. 0: measure nothing, publish nothing."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -155,9 +169,16 @@ class MeshConfig:
             raise ConfigError("agree_timeout must be positive")
         if not self.progress_interval > 0:
             raise ConfigError("progress_interval must be positive")
+        if not self.links_interval >= 0:
+            raise ConfigError("links_interval must be >= 0")
         for name in ("data_port", "state_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)}")
+        if self.site:
+            try:
+                check_label(self.site)
+            except ValueError as exc:
+                raise ConfigError(f"site (--site, $FTMESH_SITE): {exc}") from None
 
 
 def view_of(
@@ -170,12 +191,9 @@ def view_of(
 
 def _view(members: list[MemberInfo], suspects: bool) -> RingView | None:
     live = (MemberState.ALIVE, MemberState.SUSPECT) if suspects else (MemberState.ALIVE,)
-    peers = [
-        Peer(m.node, *m.data)
-        for m in members
-        if m.state in live and m.role == "train" and m.data is not None
-    ]
-    return RingView.of(peers) if peers else None
+    chosen = [m for m in members if m.state in live and m.role == "train" and m.data is not None]
+    peers = [Peer(m.node, *m.data) for m in chosen if m.data is not None]
+    return RingView.of(peers, ring_plan(chosen)) if peers else None
 
 
 def ring_members(members: list[MemberSnapshot]) -> list[MemberSnapshot]:
@@ -205,6 +223,7 @@ class Mesh:
         self._state_server: StateServer | None = None
         self._view_changed = trio.Event()
         self._seen: dict[str, tuple[str, MemberState, dict[str, Any]]] = {}  # see _material
+        self._links_seen: dict[str, object] = {}  # (see _material)
         self._views: dict[str, RingView] = {}
         self._between: dict[str, str] = {}
         """Members whose published progress says they are busy between steps -> their names
@@ -219,6 +238,10 @@ class Mesh:
         self.progress_refused = 0
         """Progress reports the metadata had no room for (logged once)."""
         self._meta_changed_at = -math.inf  # trio time of our last metadata change
+        self.links = LinkEstimator()
+        """Our measured round trips to each member, as published (``LINKS_KEY``)."""
+        self.links_published = 0
+        """Metadata updates that changed our published links."""
 
     @property
     def node_id(self) -> str:
@@ -293,6 +316,28 @@ class Mesh:
     def wake_progress(self) -> None:
         """Mesh thread: publish the progress :meth:`keep_progress` kept (rate limited)."""
         self._progress_due.set()
+
+    async def _publish_links(self) -> None:
+        """Every ``links_interval``: feed the probes' round trips to ``links`` and publish its
+        buckets if one changed (see ``MeshConfig.links_interval``)."""
+        refused = False
+        while True:
+            await trio.sleep(self.config.links_interval)
+            for node, seconds in self.node.take_round_trips():
+                self.links.add(node, seconds)
+            live = (MemberState.ALIVE, MemberState.SUSPECT)
+            self.links.forget(m.node for m in self.node.members() if m.state in live)
+            value = format_links(self.links.buckets())
+            before = self.node.me().meta.get(LINKS_KEY)
+            if value == before or (before is None and value == format_links({})):
+                continue
+            try:
+                self._update_meta({LINKS_KEY: value})
+                self.links_published += 1
+            except LocalUsageError as exc:  # no room next to the other keys
+                if not refused:
+                    refused = True
+                    log.warning("measured links not published: %s", exc)
 
     async def _publish_progress(self) -> None:
         while True:
@@ -420,7 +465,7 @@ class Mesh:
         on from it since (``_in_use``), else None. Safe from any thread: a collective may then
         run on it straight away with ``DataPlane.run_plan_blocking``; a loss or a newer view
         kills the ring, and the collective raises that."""
-        if view.epoch not in self._views:
+        if (view.parent or view.epoch) not in self._views:  # (a sub-view: its view's)
             return None
         return self.data_plane.whole_ring(view.epoch)
 
@@ -514,7 +559,16 @@ class Mesh:
     def _in_use(self, view: RingView) -> None:
         """Remember ``view`` as one collectives run on, so a member lost from it, or our moving
         on to a newer view, aborts them. A view that is the current one again (a suspect
-        refuted) loses any earlier abort; one that is not current fails at once."""
+        refuted) loses any earlier abort; one that is not current fails at once. A sub-view
+        (a phase of a hierarchical allreduce) needs its view in use already, and clears no
+        abort: the view's abort is its sub-views' (``DataPlane``)."""
+        if view.parent:
+            current = self.view()
+            if view.parent not in self._views or current is None or current.epoch != view.parent:
+                raise ViewSupersededError(
+                    f"{self.node_id}: view {view.parent} is no longer current", epoch=view.parent
+                )
+            return
         current = self.view()
         if current is None or current.epoch != view.epoch:
             raise ViewSupersededError(
@@ -581,12 +635,21 @@ class Mesh:
     def _material(self, ev: MemberEvent) -> bool:
         """Whether ``ev`` changes anything but the member's published progress (which changes
         about once a second on every training member: it must not keep ``wait_quiet`` and
-        the view's waiters awake)."""
+        the view's waiters awake) or its measured links (which change the view only when
+        they change the ring plan: then it is material)."""
         m = ev.member
-        seen = (ev.kind, m.state, {k: v for k, v in m.meta.items() if k != PROGRESS_KEY})
+        skip = (PROGRESS_KEY, LINKS_KEY)
+        seen = (ev.kind, m.state, {k: v for k, v in m.meta.items() if k not in skip})
         before = self._seen.get(m.node)
         self._seen[m.node] = seen
-        return seen != before
+        if seen != before:
+            return True
+        links = m.meta.get(LINKS_KEY)
+        if self._links_seen.get(m.node) == links:
+            return False
+        self._links_seen[m.node] = links
+        now, then = self.view(), self._latest_view
+        return (now and now.epoch) != (then and then.epoch)
 
     def _supersede_old_views(self, why: str) -> None:
         """We moved off every watched view but the current one: we will not run collectives on
@@ -624,6 +687,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             DATA_KEY: data,
             ROLE_KEY: config.role,
             RELEASE_KEY: RELEASE,
+            **({SITE_KEY: config.site} if config.site else {}),
         }
         async with (
             open_node(replace(nc, meta=meta), node_id=node_id) as node,
@@ -636,6 +700,8 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)
             nursery.start_soon(mesh._publish_progress)
+            if config.links_interval > 0:
+                nursery.start_soon(mesh._publish_links)
             try:
                 yield mesh
             finally:

@@ -21,6 +21,7 @@ the training script prints. Metadata values are scalars (``check_meta``), hence 
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -32,6 +33,7 @@ from numbers import Integral, Real
 
 from .. import __version__
 from ..collective import reach as _reach
+from ..collective import topology
 from ..collective.reach import Exclusion
 from ..errors import ConfigError, RemoteProtocolError
 from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
@@ -59,6 +61,14 @@ train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; 
 ROLES = ("train", "joining", "starting", "spare", "observer", "done")
 PROGRESS_KEY = "progress"
 """Member metadata key: the member's training progress, ``Progress.encode()``."""
+SITE_KEY = "site"
+"""Member metadata key: the member's explicit site label (``--site``), an input of the ring
+plan (``ftmesh.collective.topology``). A label that does not parse makes the member unusable,
+like any other key the mesh interprets: a ring silently planned without it would be wrong."""
+LINKS_KEY = "links"
+"""Member metadata key: the member's measured round trips to its peers, quantized
+(``topology.format_links``), an input of the ring plan. A value that does not parse is
+dropped (the member stays, as one that measured nothing) and counted as ``bad_meta``."""
 BETWEEN_STEPS = "between steps"
 """Prefix of ``Progress.fault`` while a member's training thread is busy between steps
 (``ftmesh.torch.between``): its ring neighbours wait for its next collective past
@@ -177,6 +187,12 @@ class MemberInfo:
     """Advertised committed-state size, if any."""
     progress: Progress | None = None
     """Its training progress, if it publishes any (``Mesh.report_progress``)."""
+    site: str = ""
+    """Its explicit site label (``SITE_KEY``), ``""`` for none."""
+    links: tuple[tuple[str, int], ...] = ()
+    """Its published round-trip buckets (``LINKS_KEY``): ``(node id prefix, bucket)``."""
+    dropped: str = ""
+    """Why an optional key was dropped (``LINKS_KEY`` that does not parse), ``""`` if none."""
 
 
 def host_port(text: object, what: str) -> Address:
@@ -209,6 +225,19 @@ def read_member(m: MemberSnapshot) -> MemberInfo:
     if nbytes is not None and (type(nbytes) is not int or nbytes < 0):
         raise BadMetadataError(f"{STATE_BYTES_KEY}: expected a size, got {str(nbytes)[:40]!r}")
     progress = Progress.parse(meta[PROGRESS_KEY]) if PROGRESS_KEY in meta else None
+    site = meta.get(SITE_KEY, "")
+    if site != "":
+        try:
+            topology.check_label(site)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise BadMetadataError(f"{SITE_KEY}: {exc}") from None
+    links: tuple[tuple[str, int], ...] = ()
+    dropped = ""
+    if LINKS_KEY in meta:
+        try:
+            links = tuple(sorted(topology.parse_links(meta[LINKS_KEY]).items()))
+        except ValueError as exc:
+            dropped = str(exc)
     return MemberInfo(
         node=m.node,
         name=m.name,
@@ -218,6 +247,9 @@ def read_member(m: MemberSnapshot) -> MemberInfo:
         state_addr=state_addr,
         state_bytes=nbytes,
         progress=progress,
+        site=str(site),
+        links=links,
+        dropped=dropped,
     )
 
 
@@ -254,10 +286,14 @@ class MetadataGate:
         problems = {}
         for m in members:
             try:
-                out.append(read_member(m))
+                info = read_member(m)
             except BadMetadataError as exc:
                 problems[m.node] = str(exc)
                 self._count(m, exc)
+                continue
+            out.append(info)
+            if info.dropped:
+                self._count(m, BadMetadataError(info.dropped), left_out=False)
         self._problems = problems
         return out
 
@@ -265,7 +301,7 @@ class MetadataGate:
         """Node id -> why its metadata is unusable, as of the last ``usable`` call."""
         return dict(self._problems)
 
-    def _count(self, m: MemberSnapshot, exc: BadMetadataError) -> None:
+    def _count(self, m: MemberSnapshot, exc: BadMetadataError, *, left_out: bool = True) -> None:
         if self._seen.get(m.node) == m.incarnation:
             return
         if len(self._seen) >= MAX_TRACKED:
@@ -277,15 +313,34 @@ class MetadataGate:
         if now - self._logged.get(m.node, -1e9) >= LOG_EVERY:
             self._logged[m.node] = now
             log.warning(
-                "member %s (%s, %s:%d) is left out of the mesh: its metadata does not parse "
-                "(%s; %d such so far)",
+                "member %s (%s, %s:%d) %s: its metadata does not parse (%s; %d such so far)",
                 m.name,
                 m.node[:12],
                 m.addr[0],
                 m.addr[1],
+                "is left out of the mesh" if left_out else "keeps its place, a key dropped",
                 exc,
                 self.bad_meta,
             )
+
+
+def ring_plan(members: Sequence[MemberInfo]) -> topology.RingPlan:
+    """The ring plan of a view of ``members`` (``topology.plan_ring``) from what they publish:
+    site labels and measured links, the links' id prefixes resolved against the view's
+    members. The same for every member holding the same metadata; cached (a view is computed
+    on every membership event and before collectives)."""
+    ids = [m.node for m in members]
+    return _plan(
+        tuple(
+            topology.MemberLinks.of(m.node, m.site, topology.links_of(dict(m.links), ids))
+            for m in sorted(members, key=lambda m: m.node)
+        )
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(members: tuple[topology.MemberLinks, ...]) -> topology.RingPlan:
+    return topology.plan_ring(members)
 
 
 REACH_KEY = "reach"

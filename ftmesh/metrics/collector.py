@@ -51,6 +51,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ftmesh_train_straggler_steps_total": ("counter", ()),
     "ftmesh_train_failslow_pauses_total": ("counter", ()),
     "ftmesh_train_nonfinite_steps_total": ("counter", ()),
+    "ftmesh_train_skipped_samples_total": ("counter", ()),
     "ftmesh_train_loss": ("gauge", ()),
     # prometheus_client's ProcessCollector (Linux: read from /proc) and PlatformCollector
     "process_virtual_memory_bytes": ("gauge", ()),
@@ -243,4 +244,10 @@ def _training(s: TrainerStatistics) -> Iterator[Metric]:
         "ftmesh_train_nonfinite_steps",
         "Committed steps whose update every member skipped (non-finite gradients).",
         value=s.nonfinite_steps_total,
+    )
+    yield CounterMetricFamily(
+        "ftmesh_train_skipped_samples",
+        "Samples of committed steps not trained: the shares of members lost during a step "
+        "(recovery='keep').",
+        value=s.samples_skipped_total,
     )

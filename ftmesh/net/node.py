@@ -82,6 +82,9 @@ SO_EE_ORIGIN_ICMP = 2
 _EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
 MAX_ERRORS_READ = 64
 """Queued datagram errors read at one wake-up of the UDP loop."""
+ROUND_TRIPS_KEPT = 256
+"""Probe round trips kept until the mesh takes them (it does every few seconds; one probe
+per probe interval comes in, so none is lost unless nobody takes them)."""
 
 MAX_CONCURRENT_PUSH_PULLS = 16
 """Outgoing TCP exchanges at once; more are refused (and retried later), bounding our sockets
@@ -283,6 +286,12 @@ class Node:
     def members(self) -> list[MemberSnapshot]:
         """Every known member, us first; dead and left ones until they are forgotten."""
         return self._swim.members()
+
+    def take_round_trips(self) -> list[tuple[str, float]]:
+        """The round trips our probes measured since the last call (``Swim.take_round_trips``:
+        ``(member, seconds)``, at most ``ROUND_TRIPS_KEPT``, oldest dropped first). The mesh
+        turns them into the link summary it publishes (``ftmesh.collective.topology``)."""
+        return self._swim.take_round_trips()
 
     def alive_members(self) -> list[MemberSnapshot]:
         return [m for m in self._swim.members() if m.state == 0]
@@ -740,6 +749,7 @@ async def open_node(
         rng=random.Random(os.urandom(16)),
         now=trio.current_time(),
         meta=config.meta,
+        round_trips=ROUND_TRIPS_KEPT,
     )
     node = Node(config, swim, udp, wall_clock)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(tcp))

@@ -29,6 +29,11 @@ closure API's body runs H local steps of the user's optimizer, and the step's al
 carries the outer gradient instead of the micro-batches' (``Step.contribute``); the outer
 optimizer is a registered part.
 
+With ``recovery="keep"`` (``TrainerConfig.recovery``) each bucket's gradients are copied as
+they go out (``_outgoing``, ``ftmesh.torch.keep``), and a retry after the loss of a member
+may send the copy again instead of computing the step on the new split (``Compute.kept``:
+no micro-batches, the header's count and loss the kept ones).
+
 Several models and optimizers (a GAN, an encoder and a decoder, an EMA copy): the models are
 one ``model`` (a ``torch.nn.ModuleDict``), since the step's allreduce averages the model's
 gradients only; every other optimizer is registered (``register``) and guarded like the
@@ -109,6 +114,7 @@ from .data import LOOKAHEAD_STEPS, BatchSource, ElasticLoader, Key, sampler_for
 from .diloco import OUTER_PART, Rounds
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
+from .keep import KeptContribution
 from .loop import NextAttempt, StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .state import TrainingState
@@ -191,6 +197,16 @@ class ElasticTrainer:
                 raise LocalUsageError("sync=DiLoCo(...) does not take a ShardedStream")
             self._rounds = Rounds(cfg.sync, params, optimizer)
             self._state.register(OUTER_PART, self._rounds.outer, note=f"[{cfg.sync.tag}]")
+        self._kept: KeptContribution | None = None
+        """``recovery="keep"``: our local contribution to the step, kept across its attempts
+        (``ftmesh.torch.keep``)."""
+        if cfg.recovery == "keep":
+            if self._stream is not None:
+                raise LocalUsageError(
+                    "recovery='keep' does not take a ShardedStream (its position commits "
+                    "what each member drew): use recovery='redo'"
+                )
+            self._kept = KeptContribution()
         self._buckets: GradBuckets | None = None
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
         self._compression: dict[int, Int8Compression | None] = {}
@@ -712,6 +728,11 @@ class ElasticTrainer:
             return np.arange(len(drawn.samples)), drawn.micro
         sampler = self.sampler
         assert isinstance(sampler, ElasticSampler)
+        if action.kept:  # the samples we computed the kept gradients on: none computed now
+            kept = self._kept
+            if kept is not None and kept.kept_for(action.index):
+                return kept.indices, []
+            return np.empty(0, dtype=np.int64), []  # (sends nothing: the attempt fails)
         if me in action.workers:
             share = sampler.indices(action.index, action.workers, me, action.weights)
         else:  # a hot spare: contributes nothing, applies the reduced gradients
@@ -726,7 +747,7 @@ class ElasticTrainer:
             return
         action, me, mb = step.action, self.mesh.node_id, self.config.micro_batch
         sampler = self.sampler
-        if me not in action.workers or not isinstance(sampler, ElasticSampler):
+        if me not in action.workers or action.kept or not isinstance(sampler, ElasticSampler):
             return
         for index in range(action.index, action.index + LOOKAHEAD_STEPS):
             share = sampler.indices(index, action.workers, me, action.weights)
@@ -791,18 +812,26 @@ class ElasticTrainer:
                 comp.attempt()
         self._own_nonfinite = False
         self._verdict = None
+        kept, action = self._kept, step.action
+        if kept is not None and not action.kept:
+            kept.start(action.index, step.indices_share, len(buckets.buffers))
 
         def launch(buf: Wire) -> Future[Any]:
-            self._check_own(buf)
+            self._outgoing(step, buf)
             return ring.submit(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
         def run(buf: Wire) -> object:
-            self._check_own(buf)
+            self._outgoing(step, buf)
             return ring.run(CollectiveOp.allreduce("sum", comps[id(buf)]), buf)
 
         buckets.start(launch, run)
         header = buckets.header
         header[0] = step.share
+        if action.kept:  # no micro-batches: the kept gradients go out as they are
+            assert kept is not None
+            buckets.micro_batch(1.0, last=True)
+            header[1] = kept.loss_sum
+            self._own_nonfinite = kept.nonfinite and kept.kept_for(action.index)
         if self._stream is not None:  # the planned count (a holder of ended shards took less)
             drawn = self._stream.attempt
             assert drawn is not None
@@ -812,6 +841,24 @@ class ElasticTrainer:
             step.checks = self._state.check_values()
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
         step.started = time.perf_counter()
+
+    def _outgoing(self, step: Step, buf: Wire) -> None:
+        """A bucket's allreduce is about to start: check our gradients in it; under
+        ``recovery="keep"`` keep a copy of them as they go out, or, in a kept attempt, send
+        the copy instead, rescaled to the mean over the samples the step trains."""
+        kept, action = self._kept, step.action
+        if kept is None:
+            self._check_own(buf)
+            return
+        assert self._buckets is not None
+        grads = self._buckets.gradients(buf)
+        if action.kept:
+            assert action.trained
+            factor = step.samples / action.trained
+            kept.contribute(action.index, id(buf), grads, factor)
+            return
+        self._check_own(buf)
+        kept.keep(id(buf), grads, self._own_nonfinite)
 
     def _check_own(self, buf: Wire) -> None:
         """Before a bucket's allreduce: are our own gradients in it finite? If not, we send
@@ -833,6 +880,8 @@ class ElasticTrainer:
         # shares="speed": our compute time is the body up to its last backward (the earlier
         # buckets' allreduces run meanwhile; the wait for them is not counted)
         seconds = time.perf_counter() - step.started
+        if self._kept is not None and not step.action.kept:
+            self._kept.loss_sum = float(buckets.header[1])
         checks = tuple(step.checks) if step.checks is not None else None
         fill = self._in_step(Measured(step.share, seconds, checks), Reduce)
         if fill.announce:
@@ -1070,6 +1119,8 @@ class ElasticTrainer:
 
     def _reported(self, report: StepReport) -> None:
         self.last_report = report
+        if self._kept is not None:
+            self._kept.clear()
         self.mesh.report_progress(self._machine.progress())
         for hook in self._step_hooks:
             hook(self, report)

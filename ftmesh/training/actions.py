@@ -340,6 +340,15 @@ class Compute:
     weights: tuple[float, ...] | None
     check: bool
     attempt: int
+    kept: bool = False
+    """``TrainerConfig.recovery="keep"``: contribute the local gradients kept from this step's
+    failed attempt (computed on its split, not computed again), rescaled by the step's global
+    batch over ``trained``; ``workers`` are the members of the view, all of which computed
+    that attempt."""
+    trained: int | None = None
+    """The samples the attempt trains, all members together (``None``: the step's whole
+    global batch; with ``kept``, the kept shares of the members of the view): what the
+    reduced header's sample count must be."""
 
 
 @dataclass(frozen=True, slots=True)

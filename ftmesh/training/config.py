@@ -20,6 +20,8 @@ from .protocol import QUORUM_POLICIES, SHARES
 from .stragglers import StragglerRule
 
 SPARE_MODES = ("hot", "cold")
+RECOVERIES = ("redo", "keep")
+"""What a step does after the loss of a member (``TrainerConfig.recovery``)."""
 DEFAULT_REPLICAS = 2
 """Copies of each optimizer shard in sharded mode (the owner and the next member)."""
 
@@ -186,11 +188,27 @@ class TrainerConfig:
     carried from round to round, as for gradients). Not with ``shard_optimizer`` or a
     ``ShardedStream``. Mesh-wide."""
 
+    recovery: Literal["redo", "keep"] = "redo"
+    """What a step interrupted by the loss of a member does on its retry. ``redo`` (lossless):
+    the survivors compute the step again, forward and backward, on the new view's split of
+    the same global batch. ``keep`` (fast): each survivor keeps its local contribution of
+    the failed attempt (its unreduced gradients, copied as they went out) and sends it again
+    on the new ring with no forward or backward; the step commits without the lost members'
+    shares: those samples are *skipped* (not trained, and not returned to the epoch), counted
+    in ``StepReport.skipped`` and the ``samples_skipped_total`` statistic, and the update is
+    the mean over the samples actually trained. The attempt falls back to ``redo`` whenever
+    the new view holds a member that did not compute the failed attempt (a joiner, a spare),
+    or the last failure was not a loss. Only with an ``ElasticSampler`` or ``DataLoader`` and
+    synchronous steps (a ``DiLoCo`` round already keeps its outer gradient this way).
+    Mesh-wide."""
+
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
             object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
         if self.spares not in SPARE_MODES:
             raise ConfigError(f"spares must be 'hot' or 'cold', got {self.spares!r}")
+        if self.recovery not in RECOVERIES:
+            raise ConfigError(f"recovery must be one of {RECOVERIES}, got {self.recovery!r}")
         if self.shares not in SHARES:
             raise ConfigError(f"shares must be one of {SHARES}, got {self.shares!r}")
         if self.quorum not in QUORUM_POLICIES:
@@ -236,6 +254,11 @@ class TrainerConfig:
                 )
             if self.shard_optimizer:
                 raise ConfigError("sync=DiLoCo(...) does not combine with shard_optimizer")
+            if self.recovery != "redo":
+                raise ConfigError(
+                    "recovery='keep' is for synchronous steps: a DiLoCo round keeps each "
+                    "member's outer gradient across its attempts already"
+                )
         if self.spares == "cold" and self.max_peers and self.max_peers < self.min_peers:
             # (hot spares count towards min_peers: they are in the ring)
             raise ConfigError(f"max_peers ({self.max_peers}) is below min_peers ({self.min_peers})")

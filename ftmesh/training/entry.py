@@ -84,6 +84,9 @@ enough for membership to drop a dead peer after the data plane reported it (~0.1
 neighbours that wait for us give up (``view_timeout``, 5 s)."""
 HEADER_RETRY_S = 0.3
 """After a malformed header, the pause before the next attempt unless the view changes."""
+GATHER_SETTLES = 2.0
+"""On a cold start, the longest the first view waits for members still seen at the start gate
+(role ``starting``), in multiples of ``join_settle`` (see :meth:`Ring.gather`)."""
 
 
 def training_mesh(members: Sequence[MemberInfo]) -> bool:
@@ -139,6 +142,34 @@ class Ring:
         now, _ = yield SetRole("train")
         self.in_ring = True
         return now, deadline, training
+
+    def gather(self, now: float, view: RingView, deadline: float) -> Steps[tuple[float, RingView]]:
+        """A cold start's first view: wait until it holds the members we still see at the
+        start gate (alive, role ``starting``), at most ``GATHER_SETTLES * join_settle`` and
+        never past ``deadline``. Members that passed the gate together take the role
+        ``train`` at about the same moment, but under CPU starvation the news of one of them
+        can take longer than the view's settle to spread: without this wait step 1 ran on
+        the others (a first sync the next view supersedes, and a first step without it).
+        A view that leaves us out or is too small is not taken: the caller waits again."""
+        end = min(now + GATHER_SETTLES * self.config.join_settle, deadline)
+        while now < end:
+            now, out = yield ReadMembers()
+            members = members_of(out)
+            if training_mesh(members):
+                break  # (a training mesh: we join it as it is)
+            waiting = [
+                m.node
+                for m in members
+                if m.state == MemberState.ALIVE and m.role == "starting" and m.node not in view
+            ]
+            if not waiting:
+                break
+            log.debug("first view %s: waiting for %s at the start gate", view.epoch, waiting)
+            now, seen = yield WaitViewChange(view.epoch, end - now)
+            new = seen_of(seen)
+            if new is not None and self.me in new and new.size >= self.config.min_peers:
+                view = new
+        return now, view
 
     def wait_for_slot(self, now: float) -> Steps[float]:
         """Cold spares: wait as a ``spare`` until the ring has room for us. Free slots

@@ -60,6 +60,10 @@ class StepReport:
     computing: tuple[str, ...] = ()
     """The members that computed the step (the others of ``members`` were hot spares: over
     ``max_peers``, or sitting out as stragglers); ``()`` for an adopted step."""
+    skipped: int = 0
+    """Samples of the global batch the step did not train (``TrainerConfig.recovery="keep"``:
+    the shares of the members lost during the step; ``loss`` and the update are then the
+    mean over the ``samples - skipped`` trained). 0 for an adopted step, whatever it skipped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,8 @@ class Counters:
     step_seconds: Histogram = field(default_factory=Histogram)
     recovery_seconds: Histogram = field(default_factory=Histogram)
     samples_total: int = 0
+    samples_skipped_total: int = 0
+    """Samples of committed steps not trained (``StepReport.skipped``)."""
     steps_total: int = 0
     share: int = 0
     world_size: int = 0
@@ -125,14 +131,22 @@ class Counters:
         )
 
     def computed(
-        self, ending: Ending, out: Computed, workers: tuple[str, ...], synced: bool
+        self,
+        ending: Ending,
+        out: Computed,
+        workers: tuple[str, ...],
+        synced: bool,
+        trained: int | None = None,
     ) -> StepReport:
         """The report of a step we computed (``out``) with ``workers``; ``synced``: the run
-        synced first."""
+        synced first; ``trained``: the samples the step trained (``None``: all of them)."""
         self.world_size = len(workers)
         self.share = out.share
         self.samples_total += out.share
-        self.loss = out.loss_sum / ending.samples
+        trained = ending.samples if trained is None else trained
+        skipped = ending.samples - trained
+        self.samples_skipped_total += skipped
+        self.loss = out.loss_sum / trained if trained else math.nan
         rate = out.share / max(self.last_step_s, 1e-6)
         self.sps = rate if self.steps_total == 1 else self.sps + SPS_SMOOTHING * (rate - self.sps)
         return StepReport(
@@ -148,6 +162,7 @@ class Counters:
             share=out.share,
             leaving=out.leaving,
             computing=workers,
+            skipped=skipped,
         )
 
     def progress(self, committed: int, backend: str) -> Progress:
@@ -196,4 +211,5 @@ class Counters:
             fallbacks_total=fallbacks,
             last_sync_bytes=sync[0],
             last_sync_seconds=sync[1],
+            samples_skipped_total=self.samples_skipped_total,
         )

@@ -41,7 +41,8 @@ half-way can still fetch from one whose sync completed.
 All of this needs every member to run with the same *settings* (``SharedSettings``): whether
 the optimizer is sharded, ``replicas`` (the layout, the size of the holdings record) and the
 checkpoint period (which steps' parameter allgather carries the optimizer state); and, in
-every mode, ``max_peers``, the state-check period, the gradient compression, the layouts of
+every mode, ``max_peers``, the state-check period, the gradient compression, the recovery
+policy, the layouts of
 the registered state and of the gradient buckets, and the data order. Members that differ
 would fail these collectives on every retry, compute different layouts or train some samples
 twice. So each member writes its settings into slots of its own next to the sync vector
@@ -64,6 +65,7 @@ import numpy as np
 
 from ..compression import COMPRESSIONS
 from ..errors import ConfigError, FtmeshError, LocalUsageError, StateLostError
+from .config import RECOVERIES
 from .protocol import DIGEST_SLOTS, FRESH, SHARES, digest_of, digest_slots
 
 VERSIONS = 2
@@ -100,6 +102,9 @@ class SharedSettings:
     depend on it)."""
     stragglers: int = 0
     """A hash of the straggler rule (who computes depends on it), 0 when off."""
+    recovery: int = 0
+    """``TrainerConfig.recovery`` as its index in ``RECOVERIES`` (a retry after a loss sends
+    kept gradients or computes again: the header's sample count checks one or the other)."""
 
     @classmethod
     def of(
@@ -125,6 +130,7 @@ _FIELDS = (
     "data_layout",
     "shares",
     "stragglers",
+    "recovery",
 )
 _SHARD_FIELDS = ("replicas", "checkpoint_every")
 _LABELS = {
@@ -135,7 +141,7 @@ _LABELS = {
 }
 COMPRESSION_CODES = ("none", *COMPRESSIONS)
 """``TrainerConfig.compression`` as the number its settings slot carries."""
-_VALUE_NAMES = {"compression": COMPRESSION_CODES, "shares": SHARES}
+_VALUE_NAMES = {"compression": COMPRESSION_CODES, "shares": SHARES, "recovery": RECOVERIES}
 SETTINGS_SLOTS = len(_FIELDS)
 """Slots per member for its ``SharedSettings`` after the sync vector."""
 LAYOUT_BITS = 62

@@ -26,9 +26,9 @@ of *attempts*:
    a running mesh waits for one); as a cold spare, wait for a free slot; then take the role
    ``train``.
 2. **View**: wait for a view of ``min_peers`` (on a cold start, one unchanged for
-   ``join_settle / 4``, so that the first sync runs on all the members that entered
-   together); a cold spare that is one too many steps back out; without a quorum of the
-   last view, wait for another view.
+   ``join_settle / 4`` that holds the members still seen at the start gate, so that the
+   first sync runs on all the members that entered together); a cold spare that is one too
+   many steps back out; without a quorum of the last view, wait for another view.
 3. **Sync** (when the view differs from the one we last synced on): the sync allreduce, then
    fetch the newest state if we are behind, a barrier while others fetch, and the re-shard of
    the optimizer state in sharded mode. If the sync shows that the others committed the step
@@ -65,6 +65,15 @@ lost peer, until a view without a member of the failed one arrives, at most
 ``LOSS_WAIT_S``: never a sleep the view change does not end, nor an immediate retry on the
 view that has just lost a member), and starts over at 1 or 2. The step's global batch never changes
 between attempts, only its split; the deadline ``step_timeout`` bounds the whole run.
+
+*The recovery policy* (``TrainerConfig.recovery``). Under ``"keep"`` the machine remembers
+the split of an attempt once its micro-batches ended (``Measured``: the driver then keeps
+its local contribution, ``ftmesh.torch.keep``), and the retry after a loss is a *kept
+attempt* (``Compute.kept``) when every member of the new view computed that attempt: each
+sends again what it kept, and the step commits over ``Compute.trained`` samples, the lost
+members' shares skipped and counted (``StepReport.skipped``). Anything else (a joiner or a
+spare in the view, a failure no loss explains) computes the step again, as under the default
+``"redo"``; the reduced header's sample count checks that every member did the same.
 
 The machine owns the run, written as one generator per phase (enter and view, quorum, sync
 or settle, compute, commit, failure, retry pause). Parts of its own hold the rest of a
@@ -129,6 +138,7 @@ from .held import LOSSES, Held
 from .pace import Pace
 from .protocol import (
     FRESH,
+    split_share,
 )
 from .reports import Counters, Ending, StepReport
 from .runs import Abort, Leave, Steps, failed_of, seen_of, view_of
@@ -165,6 +175,17 @@ class _Tries:
     """The run synced (its report says so)."""
     failed_at: float | None = None
     """When its first attempt failed (the recovery time runs from there)."""
+    lost: bool = False
+    """Its last failure was a loss (``held.LOSSES``): a kept contribution may be sent again."""
+
+
+@dataclass(slots=True)
+class KeptSplit:
+    """``TrainerConfig.recovery="keep"``: the split our kept contribution of step ``index`` was
+    computed on (the driver keeps the gradients themselves): each member's sample count."""
+
+    index: int
+    counts: dict[str, int]
 
 
 class StepMachine:
@@ -221,6 +242,10 @@ class StepMachine:
         """(state, bucket, data) layout hashes (``SharedSettings``; :meth:`registered`)."""
         self._run: _Run | None = None
         self._pending: Action | None = None
+        self.kept: KeptSplit | None = None
+        """``recovery="keep"``: the split of the attempt whose local contribution the driver
+        keeps (set when its micro-batches ended; ``None`` after a commit, or a failure that
+        was not a loss)."""
 
     @property
     def committed(self) -> int:
@@ -481,6 +506,8 @@ class StepMachine:
         if self.leave_requested and seen_of(seen) is None:
             self._depart()
         view = view_of(seen)
+        if settle:
+            now, view = yield from self.ring.gather(now, view, run.deadline)
         if self.ring.over_max_peers(view, self.committed):
             log.info("%d members train (max_peers %d): back to spare", view.size, cfg.max_peers)
             self.ring.in_ring = False
@@ -522,18 +549,25 @@ class StepMachine:
         """Our share of the next step on ``view``: its report once committed, or the
         failure."""
         index = self.committed
-        computing = self.pace.compute_set(view)
-        action = Compute(
-            view=view,
-            index=index,
-            workers=computing,
-            weights=self.pace.split_weights(computing),
-            check=self.config.check_due(index),
-            attempt=run.attempts,
-        )
+        action = self._kept_attempt(view, run)
+        if action is None:
+            computing = self.pace.compute_set(view)
+            action = Compute(
+                view=view,
+                index=index,
+                workers=computing,
+                weights=self.pace.split_weights(computing),
+                check=self.config.check_due(index),
+                attempt=run.attempts,
+            )
         self.held.row_out = False
         now, out = yield action
         if isinstance(out, Measured):  # (else Failed: ``Computed`` comes only after ``Apply``)
+            if self.config.recovery == "keep" and not action.kept:
+                # the driver now keeps our local contribution, as it goes out
+                workers = sorted(action.workers)
+                counts = split_share(self.batch_size(index), action.weights, len(workers))
+                self.kept = KeptSplit(index, dict(zip(workers, counts, strict=True)))
             now, out = yield from _header(self, now, action, out)
         if isinstance(out, Computed):
             return (yield from self._commit(now, action, out, run))
@@ -542,6 +576,39 @@ class StepMachine:
             self.held.forget()  # others may have committed it, or we differ
         return now, failure
 
+    def _kept_attempt(self, view: RingView, run: _Tries) -> Compute | None:
+        """``recovery="keep"``: the attempt that sends our kept contribution again, when the
+        last failure was a loss and every member of ``view`` computed the attempt we kept
+        (every member decides the same from the same view; a joiner or a spare in it, or
+        nothing left to train: ``None``, compute the step again)."""
+        kept = self.kept
+        if kept is None or kept.index != self.committed or not run.lost:
+            return None
+        members = view.node_ids
+        if not all(m in kept.counts for m in members):
+            return None
+        trained = sum(kept.counts[m] for m in members)
+        if trained == 0:
+            return None
+        batch = self.batch_size(kept.index)
+        log.info(
+            "step %d: the survivors send the gradients they kept (%d of %d samples; %d skipped)",
+            kept.index + 1,
+            trained,
+            batch,
+            batch - trained,
+        )
+        return Compute(
+            view=view,
+            index=kept.index,
+            workers=members,
+            weights=None,
+            check=self.config.check_due(kept.index),
+            attempt=run.attempts,
+            kept=True,
+            trained=trained,
+        )
+
     def _commit(
         self, now: float, action: Compute, out: Computed, run: _Tries
     ) -> Generator[Action, tuple[float, Outcome], tuple[float, StepReport]]:
@@ -549,6 +616,7 @@ class StepMachine:
         when due, and see off the members that announced their departure."""
         view = action.view
         self._committed = action.index + 1
+        self.kept = None
         self.held.tried.clear()
         self.judge.committed(out.nonfinite, out.skipped)
         self.pace.committed(action, out.speeds, out.frozen, self.committed)
@@ -576,6 +644,9 @@ class StepMachine:
         when the state is lost, give up past the deadline, else pause before the retry."""
         self.held.tried.add(view.epoch)
         run.failed_at = now if run.failed_at is None else run.failed_at
+        run.lost = failure.kind in LOSSES
+        if not run.lost:
+            self.kept = None  # (a failure no loss explains: the step is computed again)
         self._stats.last_fault = f"step {self.committed + 1}: {failure.detail}"
         if failure.kind is Failure.DESYNC:
             log.warning(
@@ -635,7 +706,7 @@ class StepMachine:
         if computed is None:  # adopted
             return self._stats.adopted(ending, len(self.pace.compute_set(view)))
         out, action = computed
-        return self._stats.computed(ending, out, action.workers, run.synced)
+        return self._stats.computed(ending, out, action.workers, run.synced, action.trained)
 
     # -- fail-slow members -----------------------------------------------------------------
 
@@ -676,7 +747,9 @@ def _header(
     rows (:meth:`StepMachine.check_step`) for the driver to apply. Returns the outcome that
     ends the compute (``Computed``, or a ``Failed`` at any point)."""
     announce = m.leave_requested
-    slots = m.speed_slots(action, measured.share, measured.seconds)
+    # (a kept attempt computed nothing: it leaves our measured speed as it was)
+    seconds = 0.0 if action.kept else measured.seconds
+    slots = m.speed_slots(action, measured.share, seconds)
     now, out = yield Reduce(slots, announce)
     if not isinstance(out, Contributed):
         return now, out

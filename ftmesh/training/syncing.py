@@ -62,7 +62,7 @@ from .actions import (
     WaitViewChange,
     WorldChanged,
 )
-from .config import TrainerConfig
+from .config import RECOVERIES, TrainerConfig
 from .entry import QUORUM_POLL_S, Ring
 from .held import LOSSES, Held
 from .pace import Pace
@@ -155,6 +155,7 @@ class Syncer:
             data_layout=self.member.layout[2],
             shares=SHARES.index(c.shares),
             stragglers=c.straggler_rule.key,
+            recovery=RECOVERIES.index(c.recovery),
         )
 
     def sync_vector(self, view: RingView, nbytes: int, digest: str) -> np.ndarray:

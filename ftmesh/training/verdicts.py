@@ -17,8 +17,9 @@ header):
    registered parts, compared as they are. Members that differ from a strict majority are
    offenders (the attempt fails); without a strict majority for us, the verdict is a
    divergence (the driver raises ``StateDivergedError``, naming every member's values).
-3. **Round.** The reduced header must be of this round (``protocol.reduction_problem``):
-   else a ``DESYNC`` failure.
+3. **Round.** The reduced header must be of this round (``protocol.reduction_problem``),
+   its sample count the attempt's (the global batch, or what a kept attempt trains:
+   :func:`expected_samples`): else a ``DESYNC`` failure.
 4. **Going on.** The step's agreed speeds (one per view rank; 0 for a member whose claim
    was not believed), and whether every member skips the update (some member flagged
    non-finite gradients, or the reduced ones are not finite). A member whose gradients were
@@ -84,6 +85,12 @@ class StepVerdict:
     nonfinite: tuple[str, ...] = ()
 
 
+def expected_samples(action: Compute, batch_size: Callable[[int], int]) -> int:
+    """The sample count ``action``'s reduced header must hold: the step's global batch, or
+    what a kept attempt trains (``Compute.trained``, ``TrainerConfig.recovery="keep"``)."""
+    return batch_size(action.index) if action.trained is None else action.trained
+
+
 def leaving(action: Compute, header: Sequence[float]) -> tuple[str, ...]:
     """The members that announced in ``action``'s reduced header (checked) that they leave
     after the step."""
@@ -129,7 +136,7 @@ class HeaderJudge:
         problem = reduction_problem(
             action.index,
             view.size,
-            self.batch_size(action.index),
+            expected_samples(action, self.batch_size),
             header,
             own_checks,
             view.rank_of(self.me),
@@ -167,7 +174,7 @@ class HeaderJudge:
         problem = reduction_problem(
             index,
             action.view.size,
-            self.batch_size(index),
+            expected_samples(action, self.batch_size),
             header[: len(header) - SPEED_SLOTS] if tag is not None else header,
             own_checks,
             action.view.rank_of(self.me),

@@ -93,6 +93,7 @@ def main() -> int:
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=900.0)
+    p.add_argument("--recovery", choices=["redo", "keep"], default="redo")
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # the bench's stall report
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -117,7 +118,9 @@ def main() -> int:
     deadline = time.monotonic() + args.max_seconds
     with ftmesh.connect() as mesh:
         t_connected = time.monotonic()
-        trainer = ElasticTrainer(mesh, model, optimizer, sampler, min_peers=1)
+        trainer = ElasticTrainer(
+            mesh, model, optimizer, sampler, min_peers=1, recovery=args.recovery
+        )
         # Wrap the instances the trainer calls (not the classes: nothing else changes).
         monitor_wait = mesh.wait_view_change
         for name, kind in (
@@ -196,6 +199,7 @@ def main() -> int:
                     "ids": list(r.members),
                     "node": mesh.node_id,
                     "attempts": r.attempts,
+                    "skipped": r.skipped,
                     "synced": r.synced,
                     "sync_bytes": r.sync_bytes,
                     "sync_seconds": r.sync_seconds,

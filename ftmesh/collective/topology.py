@@ -1,0 +1,364 @@
+"""The ring plan: which members share a site, the ring order, flat or hierarchical. Pure.
+
+Theory of operation. A flat ring ordered by node id crosses a slow link between two sites as
+many times as the order happens to alternate between them, and every crossing carries the
+whole reduction. Every member derives, from gossiped inputs alone and without a coordinator,
+the same :class:`RingPlan`:
+
+1. *Sites.* If any member of the view publishes an explicit site label (``--site NAME``, the
+   analogue of Kubernetes' ``topology.kubernetes.io/zone``), labels decide: members with the
+   same label form a site, and the unlabeled ones (if any) one more site. Otherwise the sites
+   come from measurement: each member publishes the round-trip time it measured to its peers,
+   quantized to half-octave buckets (:func:`rtt_bucket`); the planner symmetrises the matrix
+   (the larger bucket of both directions, or the one that is known), and clusters it by single
+   linkage: for each threshold ``t`` among the buckets present, in increasing order, the
+   members joined by links of bucket ``<= t`` form components; the first ``t`` whose
+   components (at least two) are separated by links of bucket ``>= t + SITE_GAP`` (about 4x
+   slower than the slowest link inside a site) and ``>= MIN_CROSS_BUCKET`` (about 5 ms), with
+   at least one measured link between every two components, gives the sites. No such
+   threshold, or a member with no measurement: one site (missing measurements never split).
+2. *Order.* Sites sorted by label (measured sites: by their smallest node id, labelled
+   ``~1``, ``~2``...), members by node id inside a site; the ring is the sites one after the
+   other, so it crosses between two sites once per direction.
+3. *Hierarchical or flat.* Hierarchical when there are at least two sites, all of the same
+   size, of at least two members: an allreduce then runs as a reduce-scatter inside each site,
+   an allreduce of each shard across sites among the members that hold it, and an allgather
+   inside each site (``DataPlane``). Sites of unequal size run the flat, site-ordered ring
+   (``RingPlan.why_flat`` says so): the cross-site phase pairs the k-th member of every site.
+
+The plan is a function of its inputs only (no clock, no randomness, no dict order): members
+that hold the same inputs derive the same plan, bit for bit, and its hash (:attr:`RingPlan.hash`)
+goes into the view's epoch when it has more than one site (``view``). Inputs are buckets, not
+raw times, so noise inside a bucket changes nothing; the measuring side holds a bucket until
+the estimate leaves it by half a bucket (:class:`LinkEstimator`), so a time near a boundary
+does not flap.
+
+The metadata format of the measurements (:func:`format_links`, :func:`parse_links`): one string
+of fixed-width entries, the first ``LINK_ID_CHARS`` hex characters of a peer's node id and the
+bucket as one base-36 digit, at most ``MAX_LINKS`` entries (the nearest peers first), so a
+member's summary takes at most 432 bytes of the 2 KiB of metadata it may publish. A view of more
+than ``MAX_LINKS + 1`` members is planned from partial measurements (label such meshes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+RTT_BASE_S = 50e-6
+"""Lower edge of bucket 1, in seconds; bucket 0 holds everything faster."""
+BUCKETS_PER_OCTAVE = 2
+"""Half-octave buckets: bucket ``b >= 1`` holds round trips in ``[base * 2**((b-1)/2), base *
+2**(b/2))``; a factor of 4 is 4 buckets."""
+MAX_BUCKET = 35
+"""Highest bucket (one base-36 digit; about 6.5 s and beyond)."""
+SITE_GAP = 4
+"""Buckets between the slowest link inside a site and the fastest between sites (about 4x)."""
+MIN_CROSS_BUCKET = 14
+"""Least bucket of a link between sites: 14 holds 4.5-6.4 ms (about 5 ms), so a LAN's jitter
+never splits it into sites."""
+LINK_ID_CHARS = 8
+"""Hex characters of a peer's node id in a published link (32 bits: among 49 peers, two
+share a prefix with a chance of about 3e-7; a shared prefix is ignored, see ``links_of``)."""
+MAX_LINKS = 48
+"""Links one member publishes at most: 48 * 9 = 432 characters, inside a metadata value's 512."""
+LINKS_VERSION = "1"
+"""First character of a published summary: the format's version."""
+MAX_LABEL = 63
+LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+"""A site label: a Kubernetes-label-like name (``eu-west-1a``, ``lab``, ``rack.7``)."""
+_LINK_RE = re.compile(rf"([0-9a-f]{{{LINK_ID_CHARS}}}[0-9a-z])*")
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def rtt_position(seconds: float) -> float:
+    """Where ``seconds`` falls on the bucket scale, continuously (bucket = its floor)."""
+    if not seconds > RTT_BASE_S:
+        return 0.0
+    return min(BUCKETS_PER_OCTAVE * math.log2(seconds / RTT_BASE_S) + 1.0, MAX_BUCKET + 0.999)
+
+
+def rtt_bucket(seconds: float) -> int:
+    """The bucket of a round trip of ``seconds``: 0 below 50 us, then one per half octave."""
+    return int(rtt_position(seconds))
+
+
+def bucket_bounds(bucket: int) -> tuple[float, float]:
+    """``[low, high)`` seconds of ``bucket`` (for display)."""
+    if bucket <= 0:
+        return 0.0, RTT_BASE_S
+    low = RTT_BASE_S * 2 ** ((bucket - 1) / BUCKETS_PER_OCTAVE)
+    high = math.inf if bucket >= MAX_BUCKET else RTT_BASE_S * 2 ** (bucket / BUCKETS_PER_OCTAVE)
+    return low, high
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLinks:
+    """One member's inputs to the plan, as gossiped: its site label (``""``: none) and the
+    bucket of its measured round trip to each peer (by full node id)."""
+
+    node: str
+    site: str = ""
+    rtt: tuple[tuple[str, int], ...] = ()
+    """``(peer, bucket)`` pairs; order does not matter (the planner sorts)."""
+
+    @classmethod
+    def of(cls, node: str, site: str = "", rtt: Mapping[str, int] | None = None) -> MemberLinks:
+        return cls(node, site, tuple(sorted((rtt or {}).items())))
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """A site: its label (an explicit one, ``~k`` for a measured one, ``""`` for the unlabeled
+    members of a mesh where others have labels) and its members, by node id."""
+
+    label: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The plan every member derives (see the module doc). Build it with :func:`plan_ring`."""
+
+    sites: tuple[Site, ...]
+    hierarchical: bool
+    source: str
+    """``labels``, ``measured`` or ``none`` (one site: no labels, no usable measurement)."""
+    why_flat: str = ""
+    """Why a plan of several sites runs the flat ring (``""`` when hierarchical or one site)."""
+    hash: str = field(init=False)
+    """16 hex characters (64 bits) over the sites, their labels and the mode."""
+    _site_of: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        h = hashlib.blake2b(digest_size=8, person=b"ftmesh-plan-v1")
+        for site in self.sites:
+            _put(h, site.label)
+            h.update(len(site.members).to_bytes(4, "little"))
+            for node in site.members:
+                _put(h, node)
+        h.update(b"H" if self.hierarchical else b"F")
+        object.__setattr__(self, "hash", h.hexdigest())
+        where = {n: i for i, s in enumerate(self.sites) for n in s.members}
+        object.__setattr__(self, "_site_of", where)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The ring order: each site's members in turn."""
+        return tuple(n for s in self.sites for n in s.members)
+
+    @property
+    def flat(self) -> bool:
+        """One site: the ring (and the view's epoch) is exactly the unplanned one."""
+        return len(self.sites) <= 1
+
+    def site_of(self, node: str) -> int:
+        """Index of ``node``'s site in ``sites``."""
+        return self._site_of[node]
+
+    def describe(self) -> str:
+        """One line: ``2 sites (labels) a[2] b[2], hierarchical, plan 1a2b3c4d``."""
+        if self.flat:
+            return f"1 site ({self.source}), flat ring, plan {self.hash[:8]}"
+        sites = " ".join(f"{s.label or '(unlabeled)'}[{len(s.members)}]" for s in self.sites)
+        mode = "hierarchical" if self.hierarchical else f"flat ring ({self.why_flat})"
+        return f"{len(self.sites)} sites ({self.source}) {sites}, {mode}, plan {self.hash[:8]}"
+
+
+def _put(h: hashlib.blake2b, text: str) -> None:
+    raw = text.encode()
+    h.update(len(raw).to_bytes(4, "little"))
+    h.update(raw)
+
+
+def plan_ring(members: Iterable[MemberLinks]) -> RingPlan:
+    """The plan of a view whose members published ``members`` (see the module doc). Links to
+    nodes that are not in ``members`` are ignored; so is a member's link to itself."""
+    by_node = {m.node: m for m in members}
+    nodes = sorted(by_node)
+    if any(by_node[n].site for n in nodes):
+        groups: dict[str, list[str]] = {}
+        for n in nodes:
+            groups.setdefault(by_node[n].site, []).append(n)
+        sites = tuple(Site(label, tuple(groups[label])) for label in sorted(groups))
+        return _finish(sites, "labels")
+    measured = _cluster(nodes, _symmetric(by_node))
+    if measured is None:
+        source = "measured" if any(m.rtt for m in by_node.values()) else "none"
+        return RingPlan((Site("", tuple(nodes)),), False, source)
+    measured.sort(key=lambda c: c[0])
+    return _finish(tuple(Site(f"~{i + 1}", tuple(c)) for i, c in enumerate(measured)), "measured")
+
+
+def _finish(sites: tuple[Site, ...], source: str) -> RingPlan:
+    if len(sites) < 2:
+        return RingPlan(sites, False, source)
+    sizes = sorted({len(s.members) for s in sites})
+    if len(sizes) > 1:
+        shape = "+".join(str(len(s.members)) for s in sites)
+        return RingPlan(sites, False, source, f"sites of unequal size {shape}")
+    if sizes[0] < 2:
+        return RingPlan(sites, False, source, "one member per site")
+    return RingPlan(sites, True, source)
+
+
+def _symmetric(by_node: Mapping[str, MemberLinks]) -> dict[tuple[str, str], int]:
+    """``(a, b)`` with ``a < b`` -> the larger bucket of both directions, or the known one."""
+    out: dict[tuple[str, str], int] = {}
+    for a, m in by_node.items():
+        for b, bucket in m.rtt:
+            if b == a or b not in by_node or not 0 <= bucket <= MAX_BUCKET:
+                continue
+            key = (a, b) if a < b else (b, a)
+            out[key] = max(out.get(key, bucket), bucket)
+    return out
+
+
+def _cluster(nodes: list[str], links: dict[tuple[str, str], int]) -> list[list[str]] | None:
+    """Single-linkage sites of ``nodes`` (each sorted), or None for one site."""
+    if len(nodes) < 2 or not links:
+        return None
+    index = {n: i for i, n in enumerate(nodes)}
+    edges = sorted((b, index[x], index[y]) for (x, y), b in links.items())
+    parent = list(range(len(nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    k = 0
+    for t in sorted({b for b, _, _ in edges}):
+        while k < len(edges) and edges[k][0] <= t:  # Kruskal: merge every link up to t
+            _, x, y = edges[k]
+            rx, ry = root(x), root(y)
+            if rx != ry:
+                parent[max(rx, ry)] = min(rx, ry)
+            k += 1
+        comps = {root(i) for i in range(len(nodes))}
+        if len(comps) < 2:
+            return None  # (higher thresholds only merge more)
+        crossing: set[tuple[int, int]] = set()
+        ok = True
+        for b, x, y in edges[k:]:
+            rx, ry = root(x), root(y)
+            if rx != ry:
+                if b < max(t + SITE_GAP, MIN_CROSS_BUCKET):
+                    ok = False
+                    break
+                crossing.add((min(rx, ry), max(rx, ry)))
+        if ok and len(crossing) == len(comps) * (len(comps) - 1) // 2:
+            groups: dict[int, list[str]] = {}
+            for i, n in enumerate(nodes):
+                groups.setdefault(root(i), []).append(n)
+            return list(groups.values())
+    return None
+
+
+# -- the published summary --------------------------------------------------------------------
+
+
+def format_links(buckets: Mapping[str, int]) -> str:
+    """Our measured buckets (peer node id -> bucket) as a metadata value: the version digit,
+    then at most ``MAX_LINKS`` entries, the nearest first (ties by id), sorted by id."""
+    chosen = sorted(buckets.items(), key=lambda kv: (kv[1], kv[0]))[:MAX_LINKS]
+    parts = []
+    for node, b in sorted(chosen):
+        prefix = node[:LINK_ID_CHARS].lower()
+        if len(prefix) == LINK_ID_CHARS and all(c in _DIGITS[:16] for c in prefix):
+            parts.append(prefix + _DIGITS[min(max(b, 0), MAX_BUCKET)])
+    return LINKS_VERSION + "".join(parts)
+
+
+def parse_links(value: object) -> dict[str, int]:
+    """``format_links``'s output back (id prefix -> bucket); ``ValueError`` if malformed (a
+    value from the network: bounded, checked character by character)."""
+    if not isinstance(value, str) or len(value) > 1 + MAX_LINKS * (LINK_ID_CHARS + 1):
+        raise ValueError("links: expected a short string")
+    if not value.startswith(LINKS_VERSION) or not _LINK_RE.fullmatch(value, 1):
+        raise ValueError(f"links: malformed {value[:40]!r}")
+    step = LINK_ID_CHARS + 1
+    out: dict[str, int] = {}
+    for i in range(1, len(value), step):
+        prefix = value[i : i + LINK_ID_CHARS]
+        if prefix in out:
+            raise ValueError(f"links: {prefix} twice")
+        out[prefix] = _DIGITS.index(value[i + LINK_ID_CHARS])
+    return out
+
+
+def links_of(published: Mapping[str, int], nodes: Iterable[str]) -> dict[str, int]:
+    """Published ``prefix -> bucket`` resolved against the view's ``nodes``: a prefix that
+    matches no node, or two, is ignored (the same for every member that holds the view)."""
+    owners: dict[str, list[str]] = {}
+    for n in nodes:
+        owners.setdefault(n[:LINK_ID_CHARS].lower(), []).append(n)
+    return {owners[p][0]: b for p, b in published.items() if p in owners and len(owners[p]) == 1}
+
+
+def check_label(label: str) -> str:
+    """``label`` if it is a valid site label, else ``ValueError``."""
+    if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
+        raise ValueError(
+            f"site label must be 1-{MAX_LABEL} letters, digits, '.', '_' or '-', starting with "
+            f"a letter or digit; got {str(label)[:80]!r}"
+        )
+    return label
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+HYSTERESIS = 0.5
+"""Buckets an estimate must move past the published bucket's edge before the bucket changes."""
+WINDOW = 8
+"""Round-trip samples per peer the estimate is the minimum of: queueing and scheduling only
+ever add to a round trip, so the minimum of the last few is the steadiest estimate of the
+link's own delay (as TCP's min-RTT filters do)."""
+
+
+class LinkEstimator:
+    """Round trips measured to each peer -> the buckets to publish, with hysteresis: a peer's
+    published bucket changes only when the estimate (the minimum of its last ``WINDOW``
+    samples) leaves the bucket by ``HYSTERESIS`` of a bucket, so a link whose time sits on a
+    boundary does not flap (a published change is a metadata change, which every member
+    gossips and which may change the plan and the view). Pure: the caller feeds samples."""
+
+    def __init__(self, window: int = WINDOW, hysteresis: float = HYSTERESIS) -> None:
+        self.window = window
+        self.hysteresis = hysteresis
+        self._samples: dict[str, list[float]] = {}
+        self._published: dict[str, int] = {}
+
+    def add(self, peer: str, seconds: float) -> None:
+        """One round trip measured to ``peer`` (seconds; non-finite or negative ignored)."""
+        if not 0 <= seconds < math.inf:
+            return
+        s = self._samples.setdefault(peer, [])
+        s.append(seconds)
+        if len(s) > self.window:
+            del s[0]
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop every peer not in ``keep`` (members that left)."""
+        keep = set(keep)
+        for d in (self._samples, self._published):
+            for peer in [p for p in d if p not in keep]:
+                del d[peer]
+
+    def estimate(self, peer: str) -> float | None:
+        s = self._samples.get(peer)
+        return min(s) if s else None
+
+    def buckets(self) -> dict[str, int]:
+        """The buckets to publish now (updating the held ones where the estimate moved far
+        enough)."""
+        for peer, s in self._samples.items():
+            pos = rtt_position(min(s))
+            held = self._published.get(peer)
+            if held is None or not held - self.hysteresis <= pos < held + 1 + self.hysteresis:
+                self._published[peer] = int(pos)
+        return dict(self._published)

@@ -1,0 +1,302 @@
+"""The ring plan on real members (``ftmesh.collective.topology`` through ``ftmesh.mesh``):
+measured links published from SWIM's probes, sites from labels, the view and its epoch, and the
+hierarchical allreduce, with its bytes and its failures.
+
+Real meshes in one process: SWIM over loopback UDP with the ``local`` preset, same-host
+discovery in a per-test registry, real data-plane sockets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+from tests_support import local_mesh_config
+
+from ftmesh.collective import RingView
+from ftmesh.collective.topology import links_of, parse_links
+from ftmesh.collective.view import view_epoch
+from ftmesh.mesh.blocking import SyncMesh
+from ftmesh.mesh.core import Mesh, MeshConfig, open_mesh
+from ftmesh.mesh.meta import LINKS_KEY
+
+NO_HANG = 30.0
+
+
+def config(
+    registry: Path, site: str = "", links_interval: float = 0.0, name: str = ""
+) -> MeshConfig:
+    base = local_mesh_config(registry, "plan", max_cached_views=1)
+    node = dataclasses.replace(base.node, name=name) if name else base.node
+    return dataclasses.replace(base, node=node, site=site, links_interval=links_interval)
+
+
+@asynccontextmanager
+async def meshes(
+    registry: Path, sites: list[str], links_interval: float = 0.0
+) -> AsyncIterator[list[Mesh]]:
+    async with AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(open_mesh(config(registry, s, links_interval)))
+            for s in sites
+        ]
+
+
+async def one_view(ms: list[Mesh], size: int) -> str:
+    """Wait until every member holds the same view of ``size`` members; its epoch."""
+    with trio.fail_after(NO_HANG):
+        while True:
+            views = [v for m in ms if (v := m.view()) is not None and v.size == size]
+            if len(views) == len(ms) and len({v.epoch for v in views}) == 1:
+                return views[0].epoch
+            await trio.sleep(0.05)
+
+
+async def test_members_measure_and_publish_their_links(tmp_path: Path) -> None:
+    """Every member times its probes' acks and publishes a bucket per peer; on one host the
+    links are all fast, so the plan is one site, measured, and the epoch is the unplanned one."""
+    async with meshes(tmp_path, ["", "", ""], links_interval=0.2) as ms:
+        await one_view(ms, 3)
+        ids = sorted(m.node_id for m in ms)
+        with trio.fail_after(NO_HANG):
+            while True:
+                published = [
+                    links_of(parse_links(m.node.me().meta.get(LINKS_KEY, "1")), ids) for m in ms
+                ]
+                if all(len(p) == 2 for p in published):
+                    break
+                await trio.sleep(0.1)
+        for m, p in zip(ms, published, strict=True):
+            assert set(p) == set(ids) - {m.node_id}
+            assert all(b <= 13 for b in p.values()), p  # loopback: well under 5 ms
+            assert m.links_published >= 1
+        epoch = await one_view(ms, 3)
+        view = ms[0].view()
+        assert view is not None and view.plan is not None
+        # every member's links are in every member's view (gossip converged): measured
+        with trio.fail_after(NO_HANG):
+            while ms[0].view().plan.source != "measured":  # type: ignore[union-attr]
+                await trio.sleep(0.1)
+        assert view.plan.flat and epoch == view_epoch(ids)
+
+
+# -- explicit sites: the plan, the hierarchical allreduce, its bytes -----------------------------
+
+
+@contextmanager
+def sync_meshes(registry: Path, sites: list[str]) -> Iterator[list[SyncMesh]]:
+    with ExitStack() as stack:
+        yield [
+            stack.enter_context(SyncMesh.start(config(registry, s, name=f"m{i}")))
+            for i, s in enumerate(sites)
+        ]
+
+
+def common_view(ms: list[SyncMesh], size: int) -> RingView:
+    deadline = time.monotonic() + NO_HANG
+    while time.monotonic() < deadline:
+        views = [v for m in ms if (v := m.view()) is not None and v.size == size]
+        if len(views) == len(ms) and len({v.epoch for v in views}) == 1:
+            return views[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no common view of {size}")
+
+
+def in_threads(ms: list[SyncMesh], fn: Callable[[SyncMesh], Any]) -> list[Any]:
+    out: list[Any] = [None] * len(ms)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = fn(ms[i])
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(NO_HANG)
+    assert not any(t.is_alive() for t in threads), "a collective hung"
+    return out
+
+
+def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path) -> None:
+    """2 + 2 members with ``--site`` labels: every member derives the same plan (sites
+    adjacent on the ring, hierarchical) and the same epoch, which is not the unplanned one.
+    Allreduces (sum, avg; an odd length, so the site blocks differ in size) give every member
+    the same bits, equal (allclose) to the sum in float64. Across the sites, each direction
+    carries exactly one buffer (S bytes) per allreduce, where the flat ring on the same order
+    would carry 2 (N-1)/N S = 1.5 S."""
+    with sync_meshes(tmp_path, ["east", "west", "east", "west"]) as ms:
+        view = common_view(ms, 4)
+        plans = [m.view().plan for m in ms]  # type: ignore[union-attr]
+        assert all(p is not None and p.hierarchical and p.source == "labels" for p in plans)
+        assert len({p.hash for p in plans if p is not None}) == 1
+        plan = view.plan
+        assert plan is not None and [s.label for s in plan.sites] == ["east", "west"]
+        east = {ms[0].node_id, ms[2].node_id}
+        assert set(plan.sites[0].members) == east and view.node_ids == plan.order
+        assert view.epoch != view_epoch(view.node_ids)
+        rng = np.random.default_rng(5)
+        n = 100_003
+        inputs = {m.node_id: rng.standard_normal(n).astype(np.float32) for m in ms}
+        want = np.sum([inputs[k].astype(np.float64) for k in sorted(inputs)], axis=0)
+        for op, expect in (("sum", want), ("avg", want / 4)):
+
+            def reduce(m: SyncMesh, op: str = op) -> Any:
+                return m.session(view).allreduce(inputs[m.node_id].copy(), op).output
+
+            outs = in_threads(ms, reduce)
+            assert not [o for o in outs if isinstance(o, Exception)], outs
+            assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
+            assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+
+        # the view's ring and both sub-rings stay open from one allreduce to the next (a
+        # sub-ring counts as its view's in the ring cache: max_cached_views=1 here)
+        def rings(m: SyncMesh) -> list[Any]:
+            dp = m.mesh.data_plane
+            return [dp.whole_ring(v.epoch) for v in (view, *view.groups(m.node_id))]
+
+        opened = [rings(m) for m in ms]
+        assert all(r is not None for rs in opened for r in rs), opened
+        # bytes: one more allreduce of S bytes, counted per destination
+        s_bytes = 4 * 65536
+        before = [m.mesh.data_plane.sent_bytes() for m in ms]
+        outs = in_threads(
+            ms, lambda m: m.session(view).allreduce(np.ones(65536, np.float32)).output
+        )
+        assert all(np.array_equal(o, np.full(65536, 4.0, np.float32)) for o in outs), outs
+        after = [m.mesh.data_plane.sent_bytes() for m in ms]
+        assert [rings(m) for m in ms] == opened  # (the same Ring objects: none reopened)
+        sent = {
+            (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
+            for i in range(4)
+            for peer in after[i]
+        }
+        west = set(view.node_ids) - east
+
+        def between(a: set[str], b: set[str]) -> int:
+            return sum(v for (src, dst), v in sent.items() if src in a and dst in b)
+
+        assert between(east, west) == between(west, east) == s_bytes
+        # inside each site: the reduce-scatter and allgather halves, (k-1)/k S each, per member
+        assert between(east, east) == between(west, west) == 2 * s_bytes
+        # a compressed allreduce runs the flat, site-ordered ring: it still works
+        outs = in_threads(
+            ms, lambda m: m.session(view).allreduce(np.ones(4096, np.float32), "sum", "int8").output
+        )
+        assert all(np.allclose(o, 4.0, atol=0.1) for o in outs), outs
+        # ftmesh status shows the plan
+        status = subprocess.run(
+            [sys.executable, "-m", "ftmesh", "status", "--mesh", "plan",
+             "--registry-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )  # fmt: skip
+        assert status.returncode == 0, status.stdout + status.stderr
+        name = {m.node_id: f"m{i}" for i, m in enumerate(ms)}
+        east_names, west_names = ([name[n] for n in s.members] for s in plan.sites)
+        assert status.stdout.splitlines()[-4:] == [
+            f"ring plan: 2 sites (labels) east[2] west[2], hierarchical, plan {plan.hash[:8]}",
+            f"  site east: {', '.join(east_names)}",
+            f"  site west: {', '.join(west_names)}",
+            f"  ring: {' -> '.join(name[n] for n in view.node_ids)} -> (back to the first)",
+        ], status.stdout
+        assert sorted(east_names) == ["m0", "m2"]
+
+
+async def test_the_async_face_runs_the_hierarchical_allreduce(tmp_path: Path) -> None:
+    """``Mesh.allreduce`` (inside trio) on a 2 + 2 mesh: the same phases, the same result."""
+    async with meshes(tmp_path, ["a", "b", "a", "b"]) as ms:
+        epoch = await one_view(ms, 4)
+        view = ms[0].view()
+        assert view is not None and view.hierarchical and view.epoch == epoch
+        outs: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            x = np.arange(1001, dtype=np.float64) * (i + 1)
+            outs[i] = (await ms[i].allreduce(x, "avg")).output
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert len({o.tobytes() for o in outs.values()}) == 1
+        assert np.allclose(outs[0], np.arange(1001) * 2.5)
+
+
+# -- a kill during a hierarchical allreduce ----------------------------------------------------
+
+WORKER = Path(__file__).with_name("plan_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_kill_fails_the_hierarchical_allreduce_and_the_next_view_works(tmp_path: Path) -> None:
+    """Four member processes, sites 2 + 2, allreducing 4 MiB hierarchically in a loop; one is
+    SIGKILLed. Every survivor's allreduce fails with one of the session's typed errors (a lost
+    peer, or a view moved on), none hangs, and all three then reduce on the view of three (two
+    sites of unequal size: the flat, site-ordered ring)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), site, "4"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for site in ("east", "west", "east", "west")
+    ]
+    lines: list[list[dict[str, Any]]] = [[] for _ in procs]
+
+    def read(i: int) -> None:
+        out = procs[i].stdout
+        assert out is not None
+        for line in out:
+            lines[i].append(json.loads(line))
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(4)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not all(sum("ok" in x for x in ls) >= 2 for ls in lines):
+            assert time.monotonic() < deadline, lines
+            assert all(p.poll() is None for p in procs), lines
+            time.sleep(0.05)
+        procs[3].kill()
+        killed_at, killed_wall = time.monotonic(), time.time()
+        (tmp_path / "killed").write_text("")
+        for p in procs[:3]:
+            assert p.wait(60) == 0, lines
+        survivors = lines[:3]
+        print("survivors:", [[x for x in ls if "ok" not in x] for ls in survivors])
+        for ls in survivors:
+            assert all(x["right"] for x in ls if "ok" in x), ls
+            # (errors before the kill: a loaded host's hiccups, retried on the next view)
+            errors = [x for x in ls if "error" in x and x["t"] >= killed_wall - 0.05]
+            assert len(errors) == 1, ls
+            assert errors[0]["error"] in (
+                "RingPeerLostError", "PeerStalledError", "ViewSupersededError",
+                "ViewMismatchError",
+            ), ls  # fmt: skip
+            after = [x for x in ls if "after" in x]
+            assert after and after[0]["right"] and not after[0]["hierarchical"], ls
+        assert time.monotonic() - killed_at < 50  # (far below io_timeout: nobody waited it out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+        for t in readers:
+            t.join(5)

@@ -1,0 +1,89 @@
+"""``recovery="keep"`` end to end: three worker processes, two of them SIGKILLed mid-step; the
+survivors commit each interrupted step with the gradients they had computed for it, and the
+lost member's share is skipped and counted, never trained twice or silently lost.
+
+The launcher kills a worker right after it reports step K, during the short pause after
+each step (``--step-delay``), so the others' step K+1 fails in its gradient allreduce after
+their micro-batches ended: the case ``keep`` is for (the machine's scripted and seeded
+tests, ``tests/test_training_step.py``, cover every other moment and the joiner's
+fall-back)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from tests_support import EXAMPLE, check_consistency, launch, progress
+
+from ftmesh.torch import ElasticSampler
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TRAIN_SAMPLES = 1437
+"""``load_digits`` minus its 20% test split (``examples/train_digits.py``)."""
+BATCH = 32
+
+
+def test_keep_skips_the_lost_share_and_trains_every_other_sample_once(tmp_path: Path) -> None:
+    logs = tmp_path / "mesh"
+    res = launch(
+        logs,
+        "-n",
+        "3",
+        "--seed",
+        "3",
+        "--kill-at",
+        "10",
+        "--kill-at",
+        "30",
+        EXAMPLE,
+        "--epochs",
+        "2",
+        "--step-delay",
+        "0.02",
+        "--recovery",
+        "keep",
+        "--log-indices",
+        "--digest-every",
+        "1",
+        timeout=280,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("kill -9") == 2, res.stdout[-3000:]
+    records = progress(logs)
+    total = int(records["w0"][0]["total"])  # type: ignore[call-overload]
+    # identical digests on every member at every committed step, none skipped or repeated
+    check_consistency(records, total, batch=BATCH)
+    sampler = ElasticSampler(TRAIN_SAMPLES, BATCH, seed=0)
+    trained: dict[int, list[int]] = defaultdict(list)
+    skipped: dict[int, set[int]] = defaultdict(set)
+    for recs in records.values():
+        for r in recs:
+            if "done" in r:
+                continue
+            step = int(r["step"])  # type: ignore[call-overload]
+            trained[step] += [int(i) for i in r["indices"]]  # type: ignore[attr-defined]
+            skipped[step].add(int(r["skipped"]))  # type: ignore[call-overload]
+    assert all(len(s) == 1 for s in skipped.values()), "members disagree on a step's skip"
+    lossy = {step for step, s in skipped.items() if s != {0}}
+    assert lossy, "no step committed without the killed member's share"
+    assert len(lossy) <= 2, lossy
+    epoch_trained: dict[int, list[int]] = defaultdict(list)
+    epoch_skipped: dict[int, int] = defaultdict(int)
+    for step in range(1, total + 1):
+        (skip,) = skipped[step]
+        mine = trained[step]
+        # each sample of the step trained once, by one member, or counted as skipped
+        assert len(mine) == len(set(mine)), f"step {step} trained a sample twice"
+        assert set(mine) <= set(sampler.global_indices(step - 1).tolist()), step
+        assert len(mine) + skip == sampler.batch_size(step - 1), (step, len(mine), skip)
+        epoch = sampler.epoch_of(step - 1)
+        epoch_trained[epoch] += mine
+        epoch_skipped[epoch] += skip
+    for epoch, samples in epoch_trained.items():
+        assert len(samples) == len(set(samples)), f"epoch {epoch} trained a sample twice"
+        steps = sampler.steps_per_epoch
+        size = sum(sampler.batch_size(epoch * steps + k) for k in range(steps))
+        assert len(samples) + epoch_skipped[epoch] == size, epoch
+    assert sum(epoch_skipped.values()) > 0
