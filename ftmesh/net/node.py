@@ -4,7 +4,10 @@ Theory of operation: the ``Swim`` machine decides; this module only moves bytes 
 Four long-lived tasks run in the node's nursery:
 
 * the UDP loop opens each datagram with the ``PacketCodec`` (bad input is counted and dropped
-  here, never raised further) and feeds the messages to the machine;
+  here, never raised further) and feeds the messages to the machine; on Linux it also reads
+  the errors our own datagrams caused (``IP_RECVERR``: the socket's error queue, which must
+  be drained or the socket stays readable) and hands each ICMP *port unreachable*, with the
+  address the datagram went to, to the machine (``Swim.port_unreachable``);
 * the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
   call makes an earlier deadline) and then ticks it;
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
