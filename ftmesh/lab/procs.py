@@ -9,6 +9,7 @@ the test failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,29 @@ from typing import Any
 from ..errors import DeadlineExceeded
 
 Record = dict[str, Any]
+
+
+def terminate(pid: int, ours: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Stop a helper process the lab started (the WAN forwarder, a fail-slow pulser): SIGTERM,
+    wait up to ``timeout`` for it to exit (reaped if it is our child), then SIGKILL. ``ours``
+    says whether ``pid`` is still that process (a pid can be reused): nothing is signalled
+    once it is not."""
+    if not ours():
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        if not ours():
+            return
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LabError
+from .procs import terminate
 
 PERIOD_US = 10_000
 """CFS period of a throttled host (10 ms): the quota is spent and refilled every period, so a
@@ -280,20 +281,7 @@ def is_pulser(pid: int) -> bool:
 
 def stop_pulser(pid: int, timeout: float = 5.0) -> None:
     """SIGTERM the pulser ``pid`` (it thaws its host first) and wait for it to exit."""
-    if not is_pulser(pid):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        if not is_pulser(pid):
-            return
-        time.sleep(0.02)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    terminate(pid, lambda: is_pulser(pid), timeout)
 
 
 def read_pulse_stats(stats: Path) -> dict[str, Any]:

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import ctypes
 import fcntl
 import json
@@ -69,7 +68,6 @@ import os
 import random
 import re
 import select
-import signal
 import socket
 import struct
 import subprocess
@@ -80,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import LabError
+from .procs import terminate
 
 TUN_DEV = "wan0"
 """Name of the TUN device in each router namespace."""
@@ -258,22 +257,7 @@ def is_forwarder(pid: int, prefix: str) -> bool:
 def stop_forwarder(pid: int, prefix: str, timeout: float = 5.0) -> None:
     """SIGTERM lab ``prefix``'s forwarder ``pid``, wait for it (reaped if it is our child),
     SIGKILL after ``timeout``."""
-    if not is_forwarder(pid, prefix):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        if not is_forwarder(pid, prefix):
-            return
-        time.sleep(0.01)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+    terminate(pid, lambda: is_forwarder(pid, prefix), timeout)
 
 
 def control_request(prefix: str, message: dict[str, Any]) -> dict[str, Any]:
