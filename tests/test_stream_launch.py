@@ -32,7 +32,7 @@ def test_every_sample_is_trained_once_through_a_kill_and_a_join(tmp_path: Path) 
             [str(ROOT / "tests" / "hooks"), str(ROOT), os.environ.get("PYTHONPATH", "")]
         ),
         "FTMESH_TEST_TRACE": "1",
-        "FTMESH_TEST_STEP_DELAY": "0.05",
+        "STREAM_DRAW_DELAY": "0.05",  # (the pace, inside each step: see stream_worker)
         "FTMESH_TEST_HOLD": "12:3",  # the joiner (started at step 9) arrives mid-run
         "OMP_NUM_THREADS": "1",
         "STREAM_RECORD_DIR": str(records),

@@ -8,12 +8,16 @@ Each sample carries its id (``shard * 1000 + offset``). The worker appends JSON 
 step id, the attempt's view and the sample ids), and ``commit`` after every step it
 committed itself (the step, the committed attempt's view, the members computing it, the
 epoch). A test joins the two: the ids of a committed step are the draws of its members on
-its view."""
+its view. ``$STREAM_DRAW_DELAY`` seconds are spent inside each step, after its draws, so
+that a kill from the launcher fails an attempt in which the others had drawn (a kill
+between steps no longer does: the survivors see the connection close and leave the dead
+member out before their next step)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 import ftmesh
 from ftmesh.torch import ElasticTrainer, ShardedStream
 
+DRAW_DELAY = float(os.environ.get("STREAM_DRAW_DELAY") or 0)
 LENGTHS = [20 + 3 * k for k in range(12)]
 FEATURES, CLASSES, BATCH, EPOCHS = 8, 3, 16, 2
 
@@ -56,6 +61,7 @@ def main() -> None:
                 for ids, x, y in step.batches():
                     view = step.action.view.epoch
                     write({"draw": step.index, "view": view, "ids": ids.tolist()})
+                    time.sleep(DRAW_DELAY)  # (inside the step: a kill lands after the draws)
                     F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
             report = step.report
