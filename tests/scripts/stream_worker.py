@@ -10,8 +10,8 @@ committed itself (the step, the committed attempt's view, the members computing 
 epoch). A test joins the two: the ids of a committed step are the draws of its members on
 its view. ``$STREAM_DRAW_DELAY`` seconds are spent inside each step, after its draws, so
 that a kill from the launcher fails an attempt in which the others had drawn (a kill
-between steps no longer does: the survivors see the connection close and leave the dead
-member out before their next step)."""
+between steps need not: survivors that drop the dead member before their next step starts
+never draw on the old view)."""
 
 from __future__ import annotations
 
