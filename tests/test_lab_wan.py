@@ -307,27 +307,30 @@ def _lab_cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.netns
 @needs_root
 def test_cli_two_sites_up_wan_status_down(tmp_path: Path) -> None:
+    """docs/guide/lab.md's ``ftmesh lab up --sites 2x2 --wan-rate 20mbit --wan-delay 50ms``
+    (with ``--name`` to keep the test's lab apart), then ``wan``, ``run``, ``status``,
+    ``down``."""
     try:
         up = _lab_cli(
-            tmp_path, "up", "--sites", "1x2", "--wan-rate", "5mbit", "--wan-delay", "20ms"
+            tmp_path, "up", "--sites", "2x2", "--wan-rate", "20mbit", "--wan-delay", "50ms"
         )
         up_json = json.loads((tmp_path / "ftmwant.json").read_text())
         pid = up_json["lan"]["wan_pid"]
         assert is_forwarder(pid, "ftmwant")
-        assert "site 1" in up.stdout and "delay 20 ms" in up.stdout
+        assert "site 1" in up.stdout and "delay 50 ms" in up.stdout
         _lab_cli(tmp_path, "wan", "--delay", "3ms", "--loss", "1")
         _lab_cli(tmp_path, "run", "0", "--", *_argv("ping", "10.78.0.130", 9, 1, 0))
         status = json.loads(_lab_cli(tmp_path, "status", "--json").stdout)
-        assert [h["site"] for h in status["hosts"]] == [0, 1, 1]
+        assert [h["site"] for h in status["hosts"]] == [0, 0, 1, 1]
         assert status["wan_stats"]["link"] == {
-            "rate": "5mbit", "delay_ms": 3.0, "loss_percent": 1.0, "queue_ms": 100.0
+            "rate": "20mbit", "delay_ms": 3.0, "loss_percent": 1.0, "queue_ms": 100.0
         }  # fmt: skip
         assert (
             status["wan_stats"]["a_to_b"]["packets"] + status["wan_stats"]["a_to_b"]["dropped_loss"]
             >= 1
         )
         down = _lab_cli(tmp_path, "down")
-        assert "removed 7 namespaces" in down.stdout, down.stdout
+        assert "removed 8 namespaces" in down.stdout, down.stdout
         deadline = time.monotonic() + 5
         while is_forwarder(pid, "ftmwant") and time.monotonic() < deadline:
             time.sleep(0.05)
