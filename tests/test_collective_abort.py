@@ -8,6 +8,7 @@ comes out towards its right, exactly what a SIGSTOPped process looks like from t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -249,6 +250,50 @@ async def test_a_barrier_waits_past_io_timeout_when_told() -> None:
                 nursery.start_soon(member, 1, 0.0, None)
                 nursery.start_soon(member, 2, 2.0, None)
         assert any(isinstance(r, PeerStalledError) for r in out.values()), out
+
+
+async def test_a_member_sends_while_its_left_neighbour_streams() -> None:
+    """A member whose right neighbour starts a collective late starts sending when that
+    neighbour's ``READY`` arrives, not when its left neighbour's stream pauses: ``m0`` starts
+    only once ``m2`` is inside its first receive, and ``m1``'s whole stream waits in ``m2``'s
+    socket. Reading that backlog without looking at the other socket, ``m2`` held its first
+    send until it had received everything: no overlap, and a member held inside its last
+    receive (as the test below does) never sent at all."""
+    async with ring_of(3, SLOW) as (dps, view):
+        with trio.fail_after(NO_HANG):  # connect the ring: the collective below runs on it
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(dps[i].allreduce, view, np.ones(4, np.float32))
+        events: list[tuple[str, int]] = []
+        paused, m1_sent = threading.Event(), threading.Event()
+
+        async def member(i: int) -> None:
+            plan = dps[i].plan(view, CollectiveOp(kind=Kind.ALLGATHER), np.full(1 << 18, i, "f4"))
+            if i == 0:
+                while not paused.is_set():
+                    await trio.sleep(0.01)
+            elif i == 1:
+                last_send = len(plan.sched.sends) - 1
+                plan.bufs.on_send = lambda j: m1_sent.set() if j == last_send else None
+            else:
+
+                def on_recv(j: int) -> None:
+                    events.append(("recv", j))
+                    if j == 0:
+                        paused.set()
+                        m1_sent.wait(NO_HANG)
+                        time.sleep(0.2)  # m1's last frames reach m2's socket
+
+                plan.bufs.on_recv = on_recv
+                plan.bufs.on_send = lambda j: events.append(("send", j))
+            await dps[i].run_plan(plan)
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(member, i)
+        last_recv = max(j for kind, j in events if kind == "recv")
+        assert events.index(("send", 0)) < events.index(("recv", last_recv)), events
 
 
 @pytest.mark.parametrize("moved_on", ["the finished member", "everyone"])

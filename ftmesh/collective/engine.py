@@ -24,7 +24,10 @@ right neighbour's ``READY`` for the same collective has arrived. So a member nev
 collective into a connection before its receiver has started that collective; without this, a
 member whose ring formed early could stream a collective, give the ring up, and leave frames
 that the receiver, once its own ring formed, would read as its first collective (same sequence
-number and shape, data of a round long gone).
+number and shape, data of a round long gone). While the ``HEADER`` is held the loop reads the
+reverse direction on every pass, not only when both sockets are idle: a steady stream from the
+left would otherwise keep the ``READY`` unread, and a member would send nothing until it had
+received everything.
 
 Failure handling keeps every member informed without any coordinator:
 
@@ -596,6 +599,8 @@ class Pipeline:
                     last_tx = last_sent = now
                 elif not self.tx_pending and not self.tx_closed and now - last_sent >= poll_s:
                     self.tx_pending.extend(self._keepalive())
+                if waiting:  # the right's READY: a steady stream from the left skips the poll
+                    self._poll_back()
                 continue
             if block:  # the blocking receive already waited poll_interval
                 events = poller.poll(0) if tx_reg else []
