@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import trio
 
 from ftmesh.collective import CollectiveConfig, Peer, RingView, SyncDataPlane
 from ftmesh.errors import FtmeshError, PeerLostError
@@ -106,6 +107,30 @@ def until_lost(dp: SyncDataPlane, view: RingView) -> None:
     emit({"finished": True})
 
 
+def watch_idle(dp: SyncDataPlane, view: RingView) -> None:
+    """One allreduce, then idle with the ring open, printing every neighbour the data plane
+    reports closed (``DataPlane.on_closed``); on ``{"supersede": true}`` from the parent, give
+    the view up (as a member moving on to a newer view does) and exit."""
+
+    def closed(peer: str, refused: bool) -> None:
+        emit({"closed": peer, "refused": refused, "t": time.monotonic()})
+
+    dp.dp.on_closed = closed
+    dp.session(view).allreduce(np.ones(1 << 16, np.float32))
+    emit({"idle": True})
+    for _ in range(100):
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if json.loads(line).get("supersede"):
+            token = dp._token  # (the data plane's trio thread)
+            trio.from_thread.run_sync(
+                dp.dp.supersede_view, view.epoch, "the test moved on", trio_token=token
+            )
+            emit({"superseded": True})
+            return
+
+
 def abort_on_request(dp: SyncDataPlane, view: RingView) -> None:
     """Reads ``{"abort": peer}`` lines from the parent (as membership would declare a death)."""
     for _ in range(100):
@@ -126,6 +151,8 @@ def main() -> int:
         rank = view.rank_of(node_id)
         if setup["mode"] == "correctness":
             correctness(dp, view, rank)
+        elif setup["mode"] == "watch_idle":
+            watch_idle(dp, view)
         else:
             if setup["mode"] == "until_abort":
                 threading.Thread(target=abort_on_request, args=(dp, view), daemon=True).start()

@@ -340,3 +340,57 @@ async def test_moving_on_after_a_collective_does_not_fail_its_last_reads(moved_o
             assert [float(r[0]) for r in out[i]] == [0.0, 1.0, 2.0] and out[i].shape == (3, 1 << 18)
         with trio.fail_after(NO_HANG), pytest.raises(ViewSupersededError):
             await dps[1].allreduce(view, np.ones(4, np.float32))
+
+
+def record_closed(dps: list[DataPlane]) -> dict[str, list[tuple[str, bool]]]:
+    """What each data plane reports closed (``DataPlane.on_closed``), by member."""
+    seen: dict[str, list[tuple[str, bool]]] = {d.node_id: [] for d in dps}
+    for d in dps:
+        d.on_closed = lambda peer, refused, me=d.node_id: seen[me].append((peer, refused))
+    return seen
+
+
+@pytest.mark.parametrize("mode", list(AUTHS))
+async def test_a_neighbour_whose_connections_close_mid_collective_is_reported(mode: str) -> None:
+    """Issue #30 item 1: a ring member whose connections close under a collective (what the
+    kernel does to a killed process's sockets) is reported closed by a neighbour (by both,
+    unless one hears of the loss round the ring before it sees its own connection close: an
+    abort known first means nothing first-hand is reported), the survivors fail naming it,
+    and nobody else is reported."""
+    async with ring_of(4, SLOW, AUTHS[mode]) as (dps, view):
+        seen = record_closed(dps)
+        out: dict[int, Any] = {}
+
+        async def member(i: int) -> None:
+            try:
+                out[i] = await dps[i].allreduce(view, np.ones(1 << 18, np.float32))
+            except Exception as exc:
+                out[i] = exc
+
+        with trio.fail_after(NO_HANG):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dps[2].open_ring, view)  # agrees, never takes part...
+                for i in (0, 1, 3):
+                    nursery.start_soon(member, i)
+                while (ring := dps[2].cached_ring(view)) is None:
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)
+                ring.close()  # ...and dies
+        for i in (0, 1, 3):
+            assert isinstance(out[i], RingPeerLostError) and out[i].peer == STALLED, out
+        assert (STALLED, False) in seen["m1"] + seen["m3"], seen
+        assert all(r == (STALLED, False) for reports in seen.values() for r in reports), seen
+
+
+async def test_a_refused_connection_is_reported_once_as_refused() -> None:
+    cfg = CollectiveConfig(connect_timeout=0.5, view_timeout=5.0, io_timeout=5.0)
+    gone = trio.socket.socket()
+    await gone.bind(("127.0.0.1", 0))
+    port = gone.getsockname()[1]
+    gone.close()  # nothing listens there any more: connections are refused
+    async with open_data_plane("m0", config=cfg) as dp:
+        seen = record_closed([dp])
+        view = RingView.of([Peer("m0", *dp.address), Peer("gone", "127.0.0.1", port)])
+        with trio.fail_after(NO_HANG), pytest.raises(RingPeerLostError):
+            await dp.allreduce(view, np.ones(8, np.float32))
+        assert seen["m0"] == [("gone", True)]

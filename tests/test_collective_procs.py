@@ -146,3 +146,59 @@ def test_sigstopped_peer_is_aborted_by_abort_view_long_before_io_timeout() -> No
         if procs[2].poll() is None:
             procs[2].send_signal(signal.SIGCONT)
         stop(procs)
+
+
+def read_until(p: subprocess.Popen[str], key: str, limit: int = 1000) -> dict[str, object]:
+    assert p.stdout is not None
+    for _ in range(limit):
+        raw = p.stdout.readline()
+        assert raw, f"worker exited before printing {key!r}"
+        line: dict[str, object] = json.loads(raw)
+        if key in line:
+            return line
+    raise AssertionError(f"no {key!r} line")
+
+
+@pytest.mark.slow
+def test_a_neighbour_killed_between_collectives_is_reported_without_a_collective() -> None:
+    """Issue #30 item 2: the ring's connections stay open between collectives, and a
+    neighbour killed then is reported closed (``DataPlane.on_closed``) by both of its
+    neighbours at once, while nobody runs a collective; nothing is reported before."""
+    procs = start(3, "watch_idle")
+    try:
+        for p in procs:
+            assert read_until(p, "idle") == {"idle": True}
+        victim = procs[1]
+        victim.kill()
+        killed_at = time.monotonic()
+        for p in (procs[0], procs[2]):
+            line = read_until(p, "closed")
+            assert line["closed"] == "p1" and line["refused"] is False, line
+            latency = float(line["t"]) - killed_at  # type: ignore[arg-type]
+            print(f"reported {latency * 1000:.1f} ms after the kill")
+            assert latency < 2.0  # (milliseconds on a quiet host: no timer is involved)
+    finally:
+        stop(procs)
+
+
+@pytest.mark.slow
+def test_a_neighbour_that_gives_the_ring_up_and_exits_is_not_reported() -> None:
+    """A live member that moves on from a view writes abort notices before its connections
+    close: its neighbours see the close with the notice unread, and report nothing (no
+    needless suspicion); a neighbour killed afterwards still is."""
+    procs = start(4, "watch_idle")
+    try:
+        for p in procs:
+            assert read_until(p, "idle") == {"idle": True}
+        leaver = procs[1]
+        assert leaver.stdin is not None
+        leaver.stdin.write(json.dumps({"supersede": True}) + "\n")
+        leaver.stdin.flush()
+        assert read_until(leaver, "superseded") == {"superseded": True}
+        assert leaver.wait(30) == 0  # its data plane closed: the connections with it too
+        procs[3].kill()  # a marker: reported by its neighbours p0 and p2, after nothing else
+        for p in (procs[0], procs[2]):
+            line = read_until(p, "closed")
+            assert line["closed"] == "p3", line
+    finally:
+        stop(procs)

@@ -145,6 +145,8 @@ steps = st.lists(
         st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
         st.tuples(st.just("meta"), meta),
         st.tuples(st.just("unreachable"), ids),
+        st.tuples(st.just("closed"), ids),
+        st.tuples(st.just("icmp"), addrs),
         st.tuples(st.just("leave"), st.none()),
     ),
     max_size=40,
@@ -181,6 +183,12 @@ def test_swim_invariants(script: list[tuple[str, object]], seed: int) -> None:
         elif kind == "unreachable":
             assert isinstance(arg, str)
             effects = swim.report_unreachable(now, arg)
+        elif kind == "closed":
+            assert isinstance(arg, str)
+            effects = swim.connection_closed(now, arg)
+        elif kind == "icmp":
+            assert isinstance(arg, tuple)
+            effects = swim.port_unreachable(now, arg)
         else:
             effects = swim.leave(now)
         codec = PacketCodec("m", MeshAuth.none())

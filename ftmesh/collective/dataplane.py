@@ -115,6 +115,19 @@ class DataPlane:
     def busy(self, fn: Callable[[str], str | None] | None) -> None:
         self._transport.busy = fn
 
+    @property
+    def on_closed(self) -> Callable[[str, bool], None] | None:
+        """Told ``(peer, refused)`` when a ring neighbour closed or reset a connection with
+        nothing left unsaid (during a collective, before any abort reason was known, or
+        between collectives: ``transport.HangupWatch``), or refused to connect (``True``):
+        the mesh hands these to membership (``Swim.connection_closed``). Called from engine
+        threads and the trio thread; must not block."""
+        return self._transport.on_closed
+
+    @on_closed.setter
+    def on_closed(self, fn: Callable[[str, bool], None] | None) -> None:
+        self._transport.on_closed = fn
+
     def sent_bytes(self) -> dict[str, int]:
         """Payload bytes this member sent to each peer (node id) in collectives that
         completed, over every ring and sub-ring (frame heads and control messages not
@@ -653,6 +666,8 @@ class DataPlane:
                     try:
                         pipe.run_blocking()
                     except BaseException:
+                        if pipe.hangup is not None:
+                            self._transport.report_closed(pipe.hangup)
                         self._observe_failure(ring, pipe.abort)
                         raise
                     self._count_sent(ring, plan)

@@ -179,6 +179,10 @@ class Pipeline:
         self.scratch = np.empty(chunk_bytes // self.isz + 1 if need else 1, bufs.acc.dtype)
         self.scratch_b = self.scratch.view(np.uint8).data
         self.lock = threading.Lock()
+        self.hangup: str | None = None
+        """The neighbour whose connection closed or reset under this collective before any
+        abort reason was known (no notice came first): what a killed process's sockets do.
+        The data plane tells membership (``Transport.report_closed``)."""
         self.abort: Abort | None = None
         self.fatal = False
         self.broken = False
@@ -221,6 +225,14 @@ class Pipeline:
         if fatal:
             self._notify_left(reason, from_left=from_left)
             self.ring.shutdown_towards(reason.peer)
+
+    def _hung_up(self, peer: str) -> None:
+        """``peer``'s connection closed or failed: note it as ``hangup`` unless we knew of an
+        abort already (it gave the ring up after a notice, or we shut the socket ourselves:
+        ``Ring.kill``, or ``Ring.shutdown`` on a cancellation, which marks the ring broken)."""
+        with self.lock:
+            if self.abort is None and self.hangup is None and not self.ring.broken:
+                self.hangup = peer
 
     def abort_from_outside(self, reason: Abort) -> None:
         """``Ring.kill``: a member of the view is dead; end this round with ``reason``. Any
@@ -271,6 +283,7 @@ class Pipeline:
         if not data:
             self.right_closed = self.broken = True
             if not (self.tx_closed and not self.tx_pending):  # else it has all it needs from us
+                self._hung_up(right)
                 self._set_abort(
                     self._reason(AbortKind.PEER_LOST, right, f"{right} closed the connection")
                 )
@@ -565,6 +578,7 @@ class Pipeline:
                 sent = self._tx(tx)
             except OSError as exc:
                 self._poll_back()  # a notice sent before the connection broke names the culprit
+                self._hung_up(right)
                 msg = f"connection to {right} broke: {exc!r}"
                 raise _Stop(self._reason(AbortKind.PEER_LOST, right, msg)) from None
             # Nothing to write until more arrives: block on the left (no poll, no busy loop),
@@ -575,6 +589,7 @@ class Pipeline:
                 got = self._rx(reader, _WAITALL if block else _DONTWAIT)
             except (EOFError, OSError) as exc:
                 self._poll_back()
+                self._hung_up(left)
                 what = "closed the connection" if isinstance(exc, EOFError) else f"failed: {exc!r}"
                 msg = f"connection from {left} {what}"
                 raise _Stop(self._reason(AbortKind.PEER_LOST, left, msg)) from None

@@ -35,11 +35,13 @@ server's tag (``secure.session_keys``), and everything after ``view_ok`` is seal
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import select
 import socket as _stdsocket
 import struct
+import termios
 import threading
 import time
 from collections import OrderedDict
@@ -167,6 +169,8 @@ class Ring:
     retiring: Abort | None = None
     """Set by ``kill(..., let_finish=True)`` while a collective runs: it ends on its own
     (completes, or fails as its neighbours decide), then the ring is killed with this reason."""
+    on_close: Callable[[], None] | None = field(default=None, repr=False)
+    """Called once as ``close`` begins, before the sockets close (``HangupWatch.remove``)."""
 
     def kill(self, reason: Abort, *, let_finish: bool = False) -> bool:
         """Abort whatever runs on this ring and refuse anything later (``DataPlane.abort_view``);
@@ -235,6 +239,9 @@ class Ring:
                     s.shutdown(_stdsocket.SHUT_RDWR)
 
     def close(self) -> None:
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
         for s in (self.send_sock, self.recv_sock):
             if s is not None:
                 s.close()
@@ -272,6 +279,93 @@ def _shut_by_peer(sock: Socket) -> bool:
     return any(ev & (_POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
 
 
+def _unread(sock: _stdsocket.socket) -> int:
+    """Bytes received on ``sock`` and not read yet (0 if that cannot be told)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", raw)[0])
+
+
+class HangupWatch:
+    """The connections of open rings, watched for a neighbour that hangs up on them while no
+    collective runs (item 2 of issue #30): a ring's connections stay open between collectives,
+    so a neighbour killed between two steps is noticed when its kernel closes them, not when
+    the next step's collective finds them closed.
+
+    One ``epoll`` set holds every ring connection with ``EPOLLRDHUP`` alone (the peer's FIN
+    or reset, and errors: never mere data, so the bytes of the next collective wake nobody),
+    and trio waits on that set's own descriptor: no thread and no task per connection. Each
+    connection is reported at most once and then leaves the set. Reported to ``report``
+    (``Transport.report_closed``) only when it means something: the ring is idle (during a
+    collective the engine sees the same close and reports it, ``Pipeline.hangup``), neither
+    killed nor broken by us (then we shut it ourselves), and nothing the neighbour sent is
+    unread (a live neighbour that gives a ring up writes an abort notice before it closes
+    it; a killed process writes nothing). Without ``select.epoll`` (not Linux) nothing is
+    watched."""
+
+    def __init__(self) -> None:
+        self._ep = select.epoll() if hasattr(select, "epoll") else None
+        self._watched: dict[int, tuple[Ring, str, _stdsocket.socket]] = {}
+        self.reported = 0
+        """Hang-ups reported (for tests and statistics)."""
+
+    def add(self, ring: Ring) -> None:
+        """Watch ``ring``'s two connections until it closes (``Ring.on_close``)."""
+        ep = self._ep
+        if ep is None:
+            return
+        for sock, peer in ((ring.send_sock, ring.right), (ring.recv_sock, ring.left)):
+            if sock is None:
+                continue
+            fd = sock.fileno()
+            self._watched[fd] = (ring, peer.node_id, sock)
+            try:
+                ep.register(fd, select.EPOLLRDHUP)
+            except OSError:
+                self._watched.pop(fd, None)
+        ring.on_close = lambda: self.remove(ring)
+
+    def remove(self, ring: Ring) -> None:
+        """Stop watching ``ring``'s connections (before they close). Any thread."""
+        ep = self._ep
+        if ep is None:
+            return
+        for sock in (ring.send_sock, ring.recv_sock):
+            fd = sock.fileno() if sock is not None else -1
+            entry = self._watched.get(fd)
+            if entry is not None and entry[0] is ring:
+                self._watched.pop(fd, None)
+                with contextlib.suppress(OSError, ValueError):
+                    ep.unregister(fd)
+
+    async def run(self, report: Callable[[str], None]) -> None:
+        ep = self._ep
+        if ep is None:
+            return
+        while True:
+            await trio.lowlevel.wait_readable(ep.fileno())
+            for fd, _events in ep.poll(0):
+                entry = self._watched.pop(fd, None)
+                with contextlib.suppress(OSError, ValueError):
+                    ep.unregister(fd)  # reported once: the condition stays
+                if entry is None:
+                    continue
+                ring, peer, sock = entry
+                idle = ring.active is None and not ring.running
+                live = ring.killed is None and not ring.broken and sock.fileno() != -1
+                if idle and live and _unread(sock) == 0:
+                    self.reported += 1
+                    log.debug("ring %s: %s hung up between collectives", ring.view.epoch, peer)
+                    report(peer)
+
+    def close(self) -> None:
+        if self._ep is not None:
+            self._ep.close()
+        self._watched.clear()
+
+
 class Transport:
     """Owns the listening socket, parked inbound connections and open rings of one member."""
 
@@ -303,6 +397,11 @@ class Transport:
         self._poll = min(config.poll_interval, config.io_timeout)
         self.busy: Callable[[str], str | None] | None = None
         """``DataPlane.busy``: how a neighbour busy between steps is named, else None."""
+        self.on_closed: Callable[[str, bool], None] | None = None
+        """``DataPlane.on_closed``: told of a neighbour that closed, reset or (``True``)
+        refused a connection (``report_closed``)."""
+        self.hangups = HangupWatch()
+        """The open rings' connections, watched between collectives."""
 
     def kill_ring(self, epoch: str, reason: Abort, *, let_finish: bool = False) -> None:
         """``Ring.kill`` the open ring of ``epoch`` (if any) and forget it; with ``let_finish``
@@ -319,9 +418,21 @@ class Transport:
         if ring.active is None:
             self._killed.append(ring)
 
+    def report_closed(self, peer: str, *, refused: bool = False) -> None:
+        """Tell ``on_closed`` that ``peer`` closed or reset a ring connection with nothing
+        left unsaid (``refused``: refused to connect). Any thread; never raises."""
+        fn = self.on_closed
+        if fn is None or not peer or peer == self.node_id:
+            return
+        try:
+            fn(peer, refused)
+        except Exception:  # (a report must never break the collective that made it)
+            log.exception("reporting %s's closed connection failed", peer)
+
     # -- inbound ------------------------------------------------------------------------
     async def serve(self) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.hangups.run, self.report_closed)
             await accept_loop(
                 self.listener.accept,
                 lambda conn: nursery.start_soon(self._inbound, *conn),
@@ -432,6 +543,7 @@ class Transport:
         for s, _keys in self._parked.values():
             s.close()
         self._parked.clear()
+        self.hangups.close()
         self.listener.close()
 
     async def open_ring(self, view: RingView) -> Ring:
@@ -447,6 +559,7 @@ class Transport:
             return ring
         rank = view.rank_of(self.node_id)
         ring = Ring(view, rank, view.right_of(self.node_id), view.left_of(self.node_id), None, None)
+        log.debug("opening ring of %s: rank %d of %d", view.epoch, rank, view.size)
         if view.size > 1:
             (send, send_keys), (recv, recv_keys) = await self._formed_halves(ring)
             ring.send_sock = to_blocking(send, self._poll)
@@ -469,6 +582,7 @@ class Transport:
                 sock_name(ring.send_sock),
             )
         self._rings[view.epoch] = ring
+        self.hangups.add(ring)
         log.debug("opened ring %x of %s: rank %d of %d", id(ring), view.epoch, rank, view.size)
         # The cache holds the rings of the last ``max_cached_views`` views; a sub-view's ring
         # (a phase of a hierarchical allreduce, ``RingView.sub``) counts as its view's.
@@ -641,7 +755,7 @@ class Transport:
         delay = 0.01
         addr = f"{peer.host}:{peer.port}"
         self.observe(Connecting(time.monotonic(), peer.node_id, addr))
-        connected = False
+        connected = refused = False
         try:
             with trio.move_on_after(self.config.connect_timeout):
                 for _attempt in range(1000):  # bounded by count and by the deadline above
@@ -657,6 +771,9 @@ class Transport:
                         sock.close()
                         last = exc
                         self.observe(ConnectFailed(time.monotonic(), peer.node_id, addr, repr(exc)))
+                        if isinstance(exc, ConnectionRefusedError) and not refused:
+                            refused = True  # (its listener is gone: membership probes it)
+                            self.report_closed(peer.node_id, refused=True)
                     except RemoteProtocolError as exc:
                         sock.close()
                         self.observe(ConnectFailed(time.monotonic(), peer.node_id, addr, str(exc)))

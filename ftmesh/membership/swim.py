@@ -137,6 +137,11 @@ class _Probe:
     indirect_sent: int = 0
     nacks: int = 0
     acked: bool = False
+    closed: bool = False
+    """Started because the target's connection closed (``Swim.connection_closed``): no ack
+    within the probe timeout confirms its suspicion."""
+    settled: bool = False
+    """A closed probe whose outcome was taken before its timeout (``Swim.port_unreachable``)."""
     sent: float = -1.0
     """When the direct ping went out, for the round trip its ack measures (-1: not timed)."""
 
@@ -210,6 +215,8 @@ _LAST_ADOPTED: list[tuple[Mapping[str, MemberSnapshot], int, int, int]] = []
 """The last table adopted wholesale: its size, ALIVE and SUSPECT counts (``Swim.adopt``)."""
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
+MAX_DIRECT = 64
+"""Members a leave, or a suspicion after a closed connection, is also sent to directly."""
 
 
 class Swim:
@@ -274,6 +281,7 @@ class Swim:
             "probe": self._fire_probe,
             "probe_timeout": self._fire_probe_timeout,
             "probe_end": self._fire_probe_end,
+            "closed_timeout": self._fire_closed_timeout,
             "relay_timeout": self._fire_relay_timeout,
             "suspicion": self._fire_suspicion,
             "last_chance": self._fire_last_chance,
@@ -593,11 +601,7 @@ class Swim:
         self.leaving = True
         msg = Dead(node=self.node_id, incarnation=self._me.incarnation, accuser=self.node_id)
         self._broadcast(msg)
-        targets = [m for m in self._members.values() if m.state in _LIVE]
-        if len(targets) > 64:
-            targets = self._rng.sample(targets, 64)
-        for m in targets:
-            self._out.append(Send(m.addr, (msg,)))
+        self._send_direct(msg)
         return self._flush()
 
     def report_unreachable(self, now: float, node_id: str) -> list[Effect]:
@@ -612,6 +616,81 @@ class Swim:
             self._count("fast_probes")
             self._start_probe(now, m, indirect_now=True)
         return self._flush()
+
+    def connection_closed(self, now: float, node_id: str) -> list[Effect]:
+        """Evidence from the data plane: ``node_id`` closed or reset an established
+        connection with nothing left unsaid (EOF or ``ECONNRESET`` on a ring connection we
+        still held, no abort notice before it: what the kernel does to a killed process's
+        sockets), or refused one (``ECONNREFUSED``: its listener is gone).
+
+        Not a death by itself, nor even a suspicion: a live member closes connections too,
+        without a word, when it believes *us* lost (a false suspicion of us, a stall) or gives
+        a broken ring up, and a live member whose data port is misconfigured refuses. (Taken
+        as a suspicion at once, each such close suspected a live member, who then refuted:
+        view changes in cascade, seen under load in ``ftmesh bench recovery``.) So it starts
+        a probe, direct and indirect at once, and if no ack comes within the probe timeout
+        (not the whole probe interval) the member is suspected then, the suspicion is sent
+        straight to the live members (it included: a live one refutes at once) besides
+        being gossiped, and it counts as fully confirmed (its timeout drops to the minimum,
+        ``suspicion_min_timeout``), after which the final direct probe decides the death as
+        for any suspicion. A member that answers is left alone. So a member starved of CPU
+        for less than the probe timeout is not even suspected, and one starved for less
+        than the minimum suspicion timeout is never declared dead.
+
+        A member that is not ALIVE or SUSPECT (dead, left: a graceful leave stays ``left``)
+        is not probed, nor one whose closed connection is being probed already."""
+        self._now = now
+        m = self._members.get(node_id)
+        if m is None or m.state not in _LIVE or self.leaving:
+            self._count("closed_ignored")
+            return self._flush()
+        if any(p.closed and p.target == node_id for p in self._probes.values()):
+            return self._flush()
+        self._count("closed_probes")
+        seq = self._start_probe(now, m, indirect_now=True)
+        self._probes[seq].closed = True
+        self._arm(now + self._awareness.scale(self.config.probe_timeout), "closed_timeout", seq)
+        return self._flush()
+
+    def port_unreachable(self, now: float, addr: Address) -> list[Effect]:
+        """A datagram we sent to ``addr`` was answered with ICMP *port unreachable*: the host
+        is up and nothing listens on the member's gossip port any more, so its process is
+        gone (a live member always holds that port). Taken as the answer to a pending probe
+        of a member whose connection closed (``connection_closed``): two independent facts,
+        its connection closed and its port, so the probe fails now instead of at its
+        timeout. Without such a probe it is only counted: an ICMP message is not
+        authenticated, and alone it is not worth a suspicion."""
+        self._now = now
+        for seq, probe in list(self._probes.items()):
+            m = self._members.get(probe.target)
+            if probe.closed and not probe.settled and m is not None and m.addr == addr:
+                self._count("closed_port_unreachable")
+                self._fire_closed_timeout(now, seq)
+                probe.settled = True
+                return self._flush()
+        self._count("port_unreachable_ignored")
+        return self._flush()
+
+    def _fire_closed_timeout(self, now: float, seq: object) -> None:
+        """The probe of a member whose connection closed went unanswered for the probe
+        timeout (``connection_closed``), or its port is closed (``port_unreachable``). (The
+        probe itself stays until its end, which does Lifeguard's accounting of the nacks:
+        they come after the relays' own timeout.)"""
+        assert isinstance(seq, int)
+        probe = self._probes.get(seq)
+        m = self._members.get(probe.target) if probe else None
+        if probe is None or probe.acked or probe.settled or m is None or m.state not in _LIVE:
+            return
+        s = Suspect(node=m.node, incarnation=m.incarnation, accuser=self.node_id)
+        self._on_suspect(now, s)  # a suspicion, or our confirmation of one
+        if m.state == MemberState.ALIVE:
+            self._send_direct(s)
+        susp = self._suspicions.get(m.node)
+        if susp is None or susp.incarnation != self._members[m.node].incarnation:
+            return
+        self._count("closed_suspects")
+        susp.k = 0  # as good as fully confirmed: the minimum timeout
+        self._arm(susp.deadline, "suspicion", m.node)
 
     # ------------------------------------------------------------------ probing
 
@@ -653,7 +732,7 @@ class Swim:
             self._probe_round = _ProbeRound(self._peer_ids)
         return None
 
-    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> None:
+    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> int:
         seq = self._next_seq()
         self._probes[seq] = _Probe(target.node, sent=-1.0 if indirect_now else now)
         ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
@@ -673,6 +752,7 @@ class Swim:
         else:
             self._arm(now + self._awareness.scale(self.config.probe_timeout), "probe_timeout", seq)
         self._arm(now + self._awareness.scale(self.config.probe_interval), "probe_end", seq)
+        return seq
 
     def _fire_probe_timeout(self, now: float, seq: object) -> None:
         assert isinstance(seq, int)
@@ -1000,6 +1080,15 @@ class Swim:
                 budget -= self._size_of(m)
         rumours = self._take_rumours(budget) if budget > 32 else []
         self._out.append(Send(dest, (*msgs, *rumours)))
+
+    def _send_direct(self, msg: Gossip) -> None:
+        """Send ``msg`` alone to every live member (at most ``MAX_DIRECT``, drawn at random),
+        besides gossiping it: news every member must act on at once."""
+        targets = [m for m in self._members.values() if m.state in _LIVE]
+        if len(targets) > MAX_DIRECT:
+            targets = self._rng.sample(targets, MAX_DIRECT)
+        for m in targets:
+            self._out.append(Send(m.addr, (msg,)))
 
     def _take_rumours(self, budget: int) -> list[Gossip]:
         if not self._rumours:

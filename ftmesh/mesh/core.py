@@ -19,7 +19,13 @@ both ring neighbours that they hold the same view epoch, so if gossip has not co
 call waits and retries on the newer view, up to ``agree_timeout``. A neighbour that dies during a
 collective is reported to membership as hard evidence (an immediate probe), and the error is
 raised: whether to retry, and with what inputs, is the caller's decision (see
-``ftmesh.training``), because an in-place collective may have partly overwritten its input.
+``ftmesh.training``), because an in-place collective may have partly overwritten its input. A
+neighbour whose ring connection closes or resets with nothing left unsaid (a killed process's
+kernel closes its sockets), during a collective or between two, or that refuses a connection,
+is handed to membership as such (``DataPlane.on_closed``, ``Swim.connection_closed``): it is
+probed at once and suspected if it does not answer within the probe timeout, so the view drops
+it well before the probe round would, and often before the next collective finds the ring
+broken.
 
 Progress: ``report_progress`` (the trainer, after each committed step) keeps the latest
 ``Progress``; a task publishes it in our metadata (key ``progress``) at once if nothing was
@@ -573,6 +579,24 @@ class Mesh:
         while len(self._views) > MAX_VIEWS_WATCHED:
             del self._views[next(iter(self._views))]
 
+    def _closed_reporter(self) -> Callable[[str, bool], None]:
+        """``DataPlane.on_closed`` for this mesh (call in its trio thread): hands each report
+        to membership in this thread, from whichever thread saw the connection close."""
+        token = trio.lowlevel.current_trio_token()
+
+        def closed(peer: str, refused: bool) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._connection_closed, peer, refused)
+
+        return closed
+
+    def _connection_closed(self, peer: str, refused: bool) -> None:
+        log.debug("data plane: %s %s a connection", peer, "refused" if refused else "closed")
+        try:
+            self.node.connection_closed(peer)
+        except Exception:  # (a callback of trio's: an exception would end the run)
+            log.exception("membership could not take %s's closed connection", peer)
+
     def busy_between_steps(self, node_id: str) -> str | None:
         """If ``node_id`` declares itself busy between steps (its progress, as gossiped), how
         to name it in a log line (its name and id), else None: the data plane then waits for
@@ -671,6 +695,7 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
         ):
             mesh = Mesh(config, node, dp, nursery, events)
             dp.busy = mesh.busy_between_steps
+            dp.on_closed = mesh._closed_reporter()
             node.statistics_sources["collectives"] = dp.statistics
             nursery.start_soon(mesh._watch)
             nursery.start_soon(mesh.reach.run, nursery)

@@ -4,7 +4,10 @@ Theory of operation: the ``Swim`` machine decides; this module only moves bytes 
 Four long-lived tasks run in the node's nursery:
 
 * the UDP loop opens each datagram with the ``PacketCodec`` (bad input is counted and dropped
-  here, never raised further) and feeds the messages to the machine;
+  here, never raised further) and feeds the messages to the machine; on Linux it also reads
+  the errors our own datagrams caused (``IP_RECVERR``: the socket's error queue, which must
+  be drained or the socket stays readable) and hands each ICMP *port unreachable*, with the
+  address the datagram went to, to the machine (``Swim.port_unreachable``);
 * the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
   call makes an earlier deadline) and then ticks it;
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
@@ -30,10 +33,13 @@ the public address whose ports lead here (fixed ports make that forwarding possi
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import socket
+import struct
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -72,6 +78,13 @@ from .ratelimit import RateLimiter
 
 log = logging.getLogger("ftmesh.node")
 
+IP_RECVERR = getattr(socket, "IP_RECVERR", 11 if sys.platform == "linux" else None)
+"""Linux: queue the ICMP errors our datagrams cause, with the address each was sent to
+(``Node._read_errors``)."""
+SO_EE_ORIGIN_ICMP = 2
+_EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
+MAX_ERRORS_READ = 64
+"""Queued datagram errors read at one wake-up of the UDP loop."""
 ROUND_TRIPS_KEPT = 256
 """Probe round trips kept until the mesh takes them (it does every few seconds; one probe
 per probe interval comes in, so none is lost unless nobody takes them)."""
@@ -324,6 +337,12 @@ class Node:
         """Hard evidence from the data plane: probe ``node_id`` now."""
         self._apply(self._swim.report_unreachable(trio.current_time(), node_id))
 
+    def connection_closed(self, node_id: str) -> None:
+        """The data plane saw ``node_id`` close, reset or refuse a connection: probe it now,
+        and suspect it if the probe's short timeout passes unanswered
+        (``Swim.connection_closed``)."""
+        self._apply(self._swim.connection_closed(trio.current_time(), node_id))
+
     def discovery_status(self) -> DiscoveryStatus:
         """What discovery found and how the joins went (see ``DiscoveryStatus``)."""
         cfg = self.config
@@ -432,15 +451,54 @@ class Node:
 
     # ------------------------------------------------------------------ tasks
 
-    async def _udp_loop(self) -> None:
-        tsock = trio.socket.from_stdlib_socket(self._sock)
-        while True:
+    def _read_errors(self) -> int:
+        """Read the errors queued on the UDP socket (``IP_RECVERR``); hand each ICMP *port
+        unreachable* to the machine with the address the datagram went to
+        (``Swim.port_unreachable``: a member whose process is gone). How many were read."""
+        if IP_RECVERR is None:
+            return 0
+        read = 0
+        for _ in range(MAX_ERRORS_READ):
             try:
-                data, src = await tsock.recvfrom(MAX_DATAGRAM + 1)
-            except OSError as exc:  # e.g. ICMP port unreachable surfacing on Linux
-                self._count("rx_errors")
-                self._log_limited("rx_err", "recvfrom failed: %s", exc)
+                _data, anc, _flags, dest = self._sock.recvmsg(1, 256, socket.MSG_ERRQUEUE)
+            except OSError:  # (BlockingIOError: none left)
+                break
+            read += 1
+            for level, kind, raw in anc:
+                if level != socket.IPPROTO_IP or kind != IP_RECVERR:
+                    continue
+                if len(raw) < _EXTENDED_ERR.size or not isinstance(dest, tuple):
+                    continue
+                code, origin = _EXTENDED_ERR.unpack_from(raw)[:2]
+                if code == errno.ECONNREFUSED and origin == SO_EE_ORIGIN_ICMP:
+                    self._count("rx_port_unreachable")
+                    addr = (str(dest[0]), int(dest[1]))
+                    self._apply(self._swim.port_unreachable(trio.current_time(), addr))
+        return read
+
+    async def _udp_loop(self) -> None:
+        sock = self._sock  # non-blocking
+        idle = 0
+        while True:
+            await trio.lowlevel.checkpoint()
+            try:
+                data, src = sock.recvfrom(MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError):
+                # Nothing to read; or woken by a queued error only (IP_RECVERR). A wake-up
+                # with neither, again and again, would spin: then wait a little first.
+                if self._read_errors():
+                    continue
+                idle += 1
+                if idle > 16:
+                    await trio.sleep(0.01)
+                await trio.lowlevel.wait_readable(sock)
                 continue
+            except OSError as exc:  # an ICMP error surfacing (IP_RECVERR on Linux)
+                if not self._read_errors():
+                    self._count("rx_errors")
+                    self._log_limited("rx_err", "recvfrom failed: %s", exc)
+                continue
+            idle = 0
             self._traffic[2] += 1
             self._traffic[3] += len(data)
             # Same-host members share 127.0.0.1: tell them apart by port there.
@@ -646,6 +704,9 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+            if IP_RECVERR is not None:
+                with suppress(OSError):
+                    udp.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
             udp.bind((host, port))
             udp.setblocking(False)
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

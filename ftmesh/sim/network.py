@@ -192,6 +192,12 @@ class SimNetwork:
         self._apply(node, node.swim.update_meta(self.now, meta))
         self._reschedule(node)
 
+    def connection_closed(self, node: SimNode, about: SimNode) -> None:
+        """Tell ``node`` that ``about`` closed, reset or refused a data-plane connection, as a
+        mesh's data plane does (``Swim.connection_closed``)."""
+        self._apply(node, node.swim.connection_closed(self.now, about.swim.node_id))
+        self._reschedule(node)
+
     def inject(self, node: SimNode, src: Address, msgs: tuple[Message, ...]) -> None:
         """Hand ``msgs`` to ``node`` now as if a datagram from ``src`` had arrived."""
         self._apply(node, node.swim.receive(self.now, src, msgs))
