@@ -19,9 +19,11 @@ from there); the summation order differs from the flat ring's (site partial sums
 sites), so the result may differ from a flat ring's in the last bits. Between two sites each
 member sends its block once across (``S / k`` of an ``S``-byte buffer, so ``S`` per direction
 per site pair), where the flat ring's edge between the sites carries ``2 (N-1)/N * S``. A
-failure in any phase fails the whole collective with the phase's typed error, and this member
-kills its other sub-rings of the view (their neighbours get the abort as a notice); an abort
-of the view (``abort_view``, ``supersede_view``) reaches its sub-rings.
+failure in any phase (or of a sub-ring to open) fails the whole collective with the phase's
+typed error, and this member kills every ring it has of the view, the sub-rings and the
+view's own (``_fail_phases``: their neighbours get the abort as a notice, and every member's
+next attempt opens them all afresh); an abort of the view (``abort_view``,
+``supersede_view``) reaches its sub-rings.
 """
 
 from __future__ import annotations
