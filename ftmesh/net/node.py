@@ -648,8 +648,8 @@ def _why(exc: BaseException) -> str:
 
 
 LIVENESS_TOS = 0xC0
-"""The IP TOS byte of gossip datagrams: DSCP CS6, network control (RFC 4594; what routing
-protocols and Ceph's heartbeats use), so that links that classify by DSCP forward probes and
+"""The IP TOS byte of gossip datagrams: DSCP CS6, network control (RFC 4594's class for
+routing and other control traffic), so that links that classify by DSCP forward probes and
 acks ahead of bulk data (module doc)."""
 
 LIVENESS_PRIORITY = 6
