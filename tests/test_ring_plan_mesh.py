@@ -23,9 +23,11 @@ import numpy as np
 import trio
 from tests_support import local_mesh_config
 
-from ftmesh.collective import RingView
+from ftmesh.collective import RingView, ViewSupersededError
+from ftmesh.collective.ops import CollectiveOp
 from ftmesh.collective.topology import links_of, parse_links
 from ftmesh.collective.view import view_epoch
+from ftmesh.errors import CollectiveError, PeerLostError
 from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.mesh.core import Mesh, MeshConfig, open_mesh
 from ftmesh.mesh.meta import LINKS_KEY
@@ -300,3 +302,102 @@ def test_a_kill_fails_the_hierarchical_allreduce_and_the_next_view_works(tmp_pat
                 p.stdout.close()
         for t in readers:
             t.join(5)
+
+
+# -- one member gives up an attempt: the others fail promptly and the retry converges -----------
+
+
+def retried_allreduce(m: SyncMesh, view: RingView, until: float) -> tuple[int, float, str]:
+    """Allreduce ones on ``view`` until an attempt succeeds, as the trainer retries a step:
+    the attempts made, the seconds it took and the last error (``""``: none failed). Gives
+    up at ``until`` (``time.monotonic()``)."""
+    start, attempts, last = time.monotonic(), 0, ""
+    while time.monotonic() < until:
+        attempts += 1
+        try:
+            out = m.session(view).allreduce(np.ones(65536, np.float32)).output
+        except (CollectiveError, PeerLostError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            continue
+        assert np.array_equal(out, np.full(65536, 4.0, np.float32))
+        return attempts, time.monotonic() - start, last
+    raise AssertionError(f"{m.node_id[:8]}: no attempt succeeded in {attempts}: {last}")
+
+
+def test_a_member_that_lost_its_rings_alone_does_not_livelock_the_retries(
+    tmp_path: Path,
+) -> None:
+    """A suspicion that only one member saw, refuted (the lab's saturated WAN link: the view
+    comes back with the same epoch): that member's rings of the view were killed, while its
+    neighbours' whole-view rings still look healthy to them. A hierarchical allreduce opens
+    the whole view's ring first and then the phases' sub-rings, so the member reopening the
+    whole ring waited for neighbours that went straight to a sub-ring, and they for it: every
+    retry failed after ``view_timeout`` for as long as the view lasted (the lab run's stall).
+    A member that fails any part of a hierarchical attempt now also gives up the whole
+    view's ring, so the retries meet again within a few attempts."""
+    with sync_meshes(tmp_path, ["a", "b", "a", "b"]) as ms:
+        view = common_view(ms, 4)
+        assert view.hierarchical
+        until = time.monotonic() + 25
+        assert all(r[0] == 1 for r in in_threads(ms, lambda m: retried_allreduce(m, view, until)))
+        # m0 alone hears that m2 (its site's other member) is suspect, and the suspicion is
+        # refuted at once: the view (and its epoch) stays, m0's rings of it are killed
+        ms[0].call_sync(
+            ms[0].mesh.data_plane.abort_view, view.epoch, ms[2].node_id, "test: suspect"
+        )
+        assert ms[0].view() == view
+        until = time.monotonic() + 25
+        outs = in_threads(ms, lambda m: retried_allreduce(m, view, until))
+        assert not [o for o in outs if isinstance(o, BaseException)], outs
+        # (each failed attempt costs a view_timeout (5 s) at most; a livelock runs to `until`)
+        assert max(o[1] for o in outs) < 12, outs
+        assert max(o[0] for o in outs) <= 3, outs
+
+
+def test_a_member_abandoning_the_cross_site_phase_fails_the_others_promptly(
+    tmp_path: Path,
+) -> None:
+    """One member of site a gives its attempt up after the site phase, before the cross-site
+    phase (its view moved on, as ``Mesh._in_use`` says when it opens the cross sub-ring). The
+    three others fail promptly -- its cross-site partner waits in the cross phase, the two
+    others in the site phases after theirs -- not after ``io_timeout`` (60 s here): it tells
+    every sub-ring it is on (notices both ways). The next attempt of all four succeeds."""
+    with sync_meshes(tmp_path, ["a", "b", "a", "b"]) as ms:
+        view = common_view(ms, 4)
+        until = time.monotonic() + 25
+        assert all(r[0] == 1 for r in in_threads(ms, lambda m: retried_allreduce(m, view, until)))
+        quitter = ms[0]
+        _site, cross = view.groups(quitter.node_id)
+        plane = quitter.mesh.data_plane
+
+        def abandon(m: SyncMesh) -> Any:
+            if m is not quitter:
+                start = time.monotonic()
+                try:
+                    m.session(view).allreduce(np.ones(65536, np.float32))
+                except (CollectiveError, PeerLostError) as exc:
+                    return time.monotonic() - start, exc
+                return time.monotonic() - start, None
+
+            def ring_of(sub: RingView) -> Any:
+                if sub.epoch == cross.epoch:
+                    raise ViewSupersededError("test: moved on", epoch=view.epoch)
+                ring = m.mesh.ring_in_use(sub)
+                assert ring is not None  # (open since the first allreduce)
+                return ring
+
+            phases = plane.plan_phases(view, CollectiveOp.allreduce("sum"), np.ones(65536, "f4"))
+            try:
+                plane.run_phases_blocking(phases, ring_of)
+            except ViewSupersededError:
+                return None
+            raise AssertionError("the quitter's attempt did not fail")
+
+        outs = in_threads(ms, abandon)
+        others = [o for m, o in zip(ms, outs, strict=True) if m is not quitter]
+        assert all(isinstance(o, tuple) and o[1] is not None for o in others), outs
+        assert max(o[0] for o in others) < 5, outs  # (io_timeout is 60 s)
+        until = time.monotonic() + 25
+        outs = in_threads(ms, lambda m: retried_allreduce(m, view, until))
+        assert not [o for o in outs if isinstance(o, BaseException)], outs
+        assert max(o[1] for o in outs) < 12, outs

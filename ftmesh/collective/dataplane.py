@@ -19,9 +19,11 @@ from there); the summation order differs from the flat ring's (site partial sums
 sites), so the result may differ from a flat ring's in the last bits. Between two sites each
 member sends its block once across (``S / k`` of an ``S``-byte buffer, so ``S`` per direction
 per site pair), where the flat ring's edge between the sites carries ``2 (N-1)/N * S``. A
-failure in any phase fails the whole collective with the phase's typed error, and this member
-kills its other sub-rings of the view (their neighbours get the abort as a notice); an abort
-of the view (``abort_view``, ``supersede_view``) reaches its sub-rings.
+failure in any phase (or of a sub-ring to open) fails the whole collective with the phase's
+typed error, and this member kills every ring it has of the view, the sub-rings and the
+view's own (``_fail_phases``: their neighbours get the abort as a notice, and every member's
+next attempt opens them all afresh); an abort of the view (``abort_view``,
+``supersede_view``) reaches its sub-rings.
 """
 
 from __future__ import annotations
@@ -532,15 +534,21 @@ class DataPlane:
         return CollectiveResult(view.epoch, view.node_ids, phases.finish())
 
     def _fail_phases(self, phases: Phases[Any], exc: BaseException) -> None:
-        """A phase failed: kill this member's other sub-rings of the view, so that members
-        waiting in (or about to start) another phase hear of it from us at once (a notice)
-        rather than at ``io_timeout``."""
+        """This member gave up the attempt (a phase failed, a sub-ring did not open, or it
+        moved on from the view): kill every ring it has of the view -- each sub-ring and the
+        view's own ring -- so that members waiting in (or about to start) any phase hear of it
+        from us at once (a notice both ways, ``Ring.kill``) rather than at ``io_timeout``, and
+        so that our next attempt opens them all afresh, as a neighbour whose rings were killed
+        does. A view's ring kept open here while a neighbour reopens its own would leave us
+        opening the first sub-ring while it waits for us on the view's ring: every retry
+        would fail after ``view_timeout`` until the view changes (``ViewSession.run_on_ring``
+        opens the view's ring before the phases)."""
         reason = getattr(exc, "abort", None)
         if not isinstance(reason, Abort):
             why = f"{self.node_id} failed a hierarchical allreduce: {type(exc).__name__}: {exc}"
             reason = Abort(AbortKind.COMM_FAILED, "", self.node_id, why[:300])
-        for sub in {p.view.epoch for p in phases.plans}:
-            self._transport.kill_ring(sub, reason)
+        for epoch in (phases.view.epoch, *{p.view.epoch for p in phases.plans}):
+            self._transport.kill_ring(epoch, reason)
 
     # -- execution ------------------------------------------------------------------------
     def _reducers(self, op: str, dtype: str, size: int) -> tuple[Any, Any]:

@@ -19,6 +19,14 @@ Four long-lived tasks run in the node's nursery:
   join that fails is retried with exponential backoff (``JOIN_RETRY``) until the address is a
   live member.
 
+Gossip datagrams are marked as network control (``LIVENESS_TOS``, ``LIVENESS_PRIORITY``): a
+member's collectives can fill a slow link with bulk data, and a probe or ack queued behind it,
+or dropped by a full queue, makes a healthy member suspect. The socket priority puts them in
+the host's own interactive band (ahead of bulk data in its ``pfifo_fast`` queue) and the DSCP
+class lets links that classify by it (a site's WAN edge with a QoS policy) send them first; a
+path that ignores DSCP (a plain drop-tail queue, as most of the internet, and the lab's WAN
+forwarder) still drops them, and Lifeguard's refutation then has to undo the suspicion.
+
 Effects come back from every machine call and are applied at once: datagrams are sent without
 blocking (a full socket buffer drops the datagram, as the network might, and counts it);
 push-pulls run as short tasks with a deadline; member events go to every subscriber's bounded
@@ -697,8 +705,31 @@ def _why(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+LIVENESS_TOS = 0xC0
+"""The IP TOS byte of gossip datagrams: DSCP CS6, network control (RFC 4594's class for
+routing and other control traffic), so that links that classify by DSCP forward probes and
+acks ahead of bulk data (module doc)."""
+
+LIVENESS_PRIORITY = 6
+"""``SO_PRIORITY`` of the gossip socket: ``TC_PRIO_INTERACTIVE``, band 0 of the host's
+``pfifo_fast`` queue (the highest a process may set without ``CAP_NET_ADMIN``). Set after the
+TOS byte, which would otherwise derive it (CS6 maps to best effort there)."""
+
+
+def mark_liveness(sock: socket.socket) -> None:
+    """Mark ``sock``'s datagrams as network control (``LIVENESS_TOS``, ``LIVENESS_PRIORITY``);
+    best effort: a platform without the options sends them unmarked."""
+    with suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, LIVENESS_TOS)
+    priority = getattr(socket, "SO_PRIORITY", None)
+    if priority is not None:
+        with suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, priority, LIVENESS_PRIORITY)
+
+
 def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
-    """A UDP and a TCP socket bound to the same port (a free one when ``port`` is 0)."""
+    """A UDP and a TCP socket bound to the same port (a free one when ``port`` is 0); the UDP
+    one marked as network control (``mark_liveness``)."""
     last: OSError | None = None
     for _ in range(50 if port == 0 else 1):
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -707,6 +738,7 @@ def _bind_udp_tcp(host: str, port: int) -> tuple[socket.socket, socket.socket]:
             if IP_RECVERR is not None:
                 with suppress(OSError):
                     udp.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+            mark_liveness(udp)
             udp.bind((host, port))
             udp.setblocking(False)
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
