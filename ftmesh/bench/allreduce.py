@@ -506,12 +506,12 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         cell["algbw"][impl] = alg
         cell["busbw"][impl] = {k: v * factor for k, v in alg.items()}
     med = {k: cell["busbw"][k]["median"] for k in raw["times"]}
+    if "gloo" in med and "ceiling" in med:
+        cell["gloo_vs_ceiling"] = med["gloo"] / med["ceiling"]
     if "ftmesh" in med:
         for other in ("gloo", "ceiling"):
             if other in med:
                 cell[f"vs_{other}"] = med["ftmesh"] / med[other]
-    if "gloo" in med and "ceiling" in med:
-        cell["gloo_vs_ceiling"] = med["gloo"] / med["ceiling"]
         if ENC in med:
             cell["encrypted_vs_plain"] = med[ENC] / med["ftmesh"]
         if INT8 in med:
