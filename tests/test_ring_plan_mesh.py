@@ -75,12 +75,15 @@ async def test_members_measure_and_publish_their_links(tmp_path: Path) -> None:
                 published = [
                     links_of(parse_links(m.node.me().meta.get(LINKS_KEY, "1")), ids) for m in ms
                 ]
-                if all(len(p) == 2 for p in published):
+                # loopback: well under 5 ms (bucket 13). The estimate is the minimum of the
+                # samples so far: on a loaded host a first sample can be slower, and the
+                # next fast one brings the bucket down (the local preset probes each of two
+                # peers every 0.5 s).
+                if all(len(p) == 2 and all(b <= 13 for b in p.values()) for p in published):
                     break
                 await trio.sleep(0.1)
         for m, p in zip(ms, published, strict=True):
             assert set(p) == set(ids) - {m.node_id}
-            assert all(b <= 13 for b in p.values()), p  # loopback: well under 5 ms
             assert m.links_published >= 1
         epoch = await one_view(ms, 3)
         view = ms[0].view()

@@ -81,7 +81,10 @@ def test_forgotten_members_are_never_picked_and_return_to_one_slot() -> None:
     # living.
     for i in range(40, 45):  # news to spread, so gossip rounds send packets
         swim.receive(now, ("h", 1), [peer(i)])
-    now, sent_to = run(swim, now, now + 5, set(range(30, 45)))
+    # 50 probe periods (5 s when the local preset probed every 0.1 s): every member is
+    # probed or gossiped to in that time.
+    window = 50 * LOCAL.probe_interval
+    now, sent_to = run(swim, now, now + window, set(range(30, 45)))
     assert sent_to == {("10.0.1.1", 1000 + i) for i in range(30, 45)}
     # Five of the forgotten come back: each is known once and picked like any other.
     for i in range(5):
@@ -90,7 +93,7 @@ def test_forgotten_members_are_never_picked_and_return_to_one_slot() -> None:
     assert len(known) == 20 and swim.num_live() == 21
     assert sorted(swim._peer_ids) == sorted(set(swim._peer_ids))
     assert set(swim._peer_ids) - swim._stale == known
-    now, sent_to = run(swim, now, now + 5, set(range(5)) | set(range(30, 45)))
+    now, sent_to = run(swim, now, now + window, set(range(5)) | set(range(30, 45)))
     assert sent_to == {("10.0.1.1", 1000 + i) for i in [*range(5), *range(30, 45)]}
     assert swim.num_live() == 21
 
@@ -544,7 +547,7 @@ def test_an_acked_probe_leaves_no_wake_up_and_a_silent_one_times_out_on_time() -
     pinged: dict[str, list[float]] = {}
     indirect: list[float] = []
     now = 0.0
-    while now < 3.0:
+    while now < 30 * LOCAL.probe_interval:  # 30 probe periods
         now = swim.next_deadline()
         wake_ups.append(now)
         for e in swim.tick(now):

@@ -8,10 +8,25 @@ rotating their order so machine noise hits all of them; a gloo barrier precedes 
 call and a repetition's time is the slowest rank's. We report medians (and min/max) of
 
 * algbw = bytes / time, busbw = algbw * 2(N-1)/N (the bytes each rank moves, NCCL's convention);
-* ``ceiling``: the same chunked ring reduce-scatter + allgather written as plainly as possible
-  over blocking sockets (a sender and a receiver thread, ``np.add`` in place, no framing or
-  event loop): what Python can get out of loopback TCP with this algorithm. ``--ceiling wire``
-  drops the reduction instead, i.e. pure data movement.
+* ``ceiling`` (``--ceiling stream``, the default): the bytes a ring allreduce moves, and
+  nothing else. Each member streams ``2(N-1)/N`` of the buffer to its right neighbour, one
+  ``sendall`` per ring step from a sender thread, while its main thread receives as many
+  from its left into a sink (``MSG_WAITALL`` per ring step): the same process count, the same
+  ring of loopback TCP connections, the same bytes per link, the kernel's socket buffer
+  autotuning (as gloo has it; ``--ceiling-sockbuf`` fixes a size, which ran slower), but no
+  reduction, no wait for the receive a chunk depends on, no framing and no event
+  loop. Every ring allreduce (ftmesh's, gloo's) does all of this and more, so it is an upper
+  bound on a host with CPU to spare: ``ftm/ceil`` and ``gloo/ceil`` read at most 1.0 up to
+  noise. On a host whose CPUs other processes keep busy it is not: there the scheduler sets
+  every implementation's pace (gloo's C++ threads fared better than any Python ring: at load
+  20-29 on 2 CPUs gloo/ceil read 0.56-1.69 between runs), so the JSON carries the load
+  average before and after (``loadavg``, ``cpus``) and a cell above the ceiling is noted.
+  It reduces nothing, so ``--check`` skips it. ``--ceiling reduce`` is the earlier probe
+  instead: the chunked ring reduce-scatter + allgather written plainly in Python (a sender
+  and a receiver thread, ``np.add`` in place, a chunk sent only once the receive it depends
+  on is reduced). It is a Python implementation, not a bound: gloo, in C++, ran above it
+  (it read 1.13-1.21x ftmesh while ftmesh was 0.83-0.89x gloo). ``--ceiling wire`` is that
+  ring without the reduction.
 
 Noise: the machine is shared, so repetitions are many (``--iters``, by default about 1 GiB of
 traffic per implementation and cell, 6 to 40 repetitions) and the implementations take turns
@@ -29,6 +44,11 @@ Compression: ``--compression int8`` adds ``ftmesh_int8``, the same data plane wi
 ``ftmesh_int8`` / busbw of ``ftmesh``. Its algbw counts the float32 bytes reduced, so the ratio
 is the speed-up a caller sees. On loopback the codec's CPU time dominates; on slow links it
 is the bytes.
+
+Chunk size: ``--alt-chunk 1M`` adds ``ftmesh_alt``, a second data plane in every process
+whose ``chunk_bytes`` is that size, to the turns, and reports per cell ``alt_vs_ftmesh`` =
+its busbw / plain ``ftmesh``'s (``--chunk``): two chunk sizes compared in one run, where a
+loaded host makes ratios between runs meaningless.
 
 torch process group: ``--torch-pg`` adds ``gloo_pg``, torch's gloo process group as ftmesh
 builds it for a view epoch (rendezvous on the ring store, every call through the epoch
@@ -73,6 +93,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -94,6 +115,8 @@ PG = "gloo_pg"
 epoch manager (``ftmesh.collective.torch_pg``, the GPU path's CI stand-in; ``--torch-pg``)."""
 SITES = "ftmesh_sites"
 """With ``--sites``: the flat ring in the ring plan's order (sites adjacent)."""
+ALT = "ftmesh_alt"
+"""With ``--alt-chunk``: ftmesh on a second data plane whose ``chunk_bytes`` differs."""
 HIER = "ftmesh_hier"
 """With ``--sites``: the planned hierarchical allreduce."""
 LAB_ITERS = 6
@@ -116,12 +139,26 @@ def _fmt_size(n: int) -> str:
 
 # -- raw TCP ring (the ceiling) ------------------------------------------------------------
 class RawRing:
-    """Chunked ring allreduce over blocking sockets: same schedule as ftmesh, no framing."""
+    """Raw ring probes over blocking sockets (a sender thread and this thread receiving).
+
+    ``stream`` (the ceiling): every member streams the bytes the ring allreduce sends,
+    ``2(N-1)/N`` of the buffer, to its right neighbour, one ``sendall`` per ring step, while
+    it receives as many from its left into a sink, ``MSG_WAITALL`` per ring step; no
+    reduction, no chunk waits for a receive, no framing. Any ring allreduce moves these bytes
+    over the same loopback TCP connections and does more besides (reduce, wait for the chunk
+    it forwards), so this is an upper bound for ftmesh and gloo alike.
+
+    ``reduce``: the chunked ring reduce-scatter + allgather written plainly (the send of a
+    chunk waits for the receive that produced it, ``np.add`` in place): a correct allreduce in
+    plain Python, not a bound (a C++ ring, gloo, can beat it). ``wire``: the same without the
+    reduction."""
 
     def __init__(
-        self, rank: int, n: int, store: Any, chunk_bytes: int, reduce: bool, host: str
+        self, rank: int, n: int, store: Any, chunk_bytes: int, mode: str, host: str, sockbuf: int
     ) -> None:
-        self.rank, self.n, self.chunk_bytes, self.reduce = rank, n, chunk_bytes, reduce
+        self.rank, self.n, self.chunk_bytes, self.mode = rank, n, chunk_bytes, mode
+        self.reduce = mode == "reduce"
+        self.sink: np.ndarray[Any, Any] | None = None
         lst = socket.socket()
         lst.bind((host, 0))
         lst.listen(4)
@@ -133,10 +170,48 @@ class RawRing:
         for s in (self.tx, self.rx):
             s.settimeout(120)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            if sockbuf:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sockbuf)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
 
     def allreduce(self, a: np.ndarray[Any, Any]) -> None:
+        if self.mode == "stream":
+            self._stream(a)
+        else:
+            self._ring(a)
+
+    def _stream(self, a: np.ndarray[Any, Any]) -> None:
+        """The ceiling: the ring's bytes, both ways at once, nothing else (see the class)."""
+        n, r, isz = self.n, self.rank, a.itemsize
+        bounds = segment_bounds(a.size, n)
+        if self.sink is None or self.sink.nbytes < a.nbytes:
+            self.sink = np.zeros(a.size, a.dtype)  # reused: its pages are faulted in once
+        raw, sink = a.view(np.uint8).data, self.sink.view(np.uint8).data
+        steps = [((r - t - 1) % n, (r - t - 2) % n) for t in range(2 * n - 2)]
+        failed: list[BaseException] = []
+
+        def sender() -> None:
+            try:
+                for ss, _ in steps:
+                    self.tx.sendall(raw[bounds[ss] * isz : bounds[ss + 1] * isz])
+            except BaseException as exc:  # reported by the caller's thread
+                failed.append(exc)
+
+        th = threading.Thread(target=sender)
+        th.start()
+        for _, rs in steps:
+            view = sink[bounds[rs] * isz : bounds[rs + 1] * isz]
+            got, nb = 0, len(view)
+            while got < nb:
+                k = self.rx.recv_into(view[got:], nb - got, socket.MSG_WAITALL)
+                if not k:
+                    raise ConnectionError("raw ring: peer closed")
+                got += k
+        th.join(120)
+        if failed:
+            raise ConnectionError(f"raw ring: send failed: {failed[0]!r}")
+
+    def _ring(self, a: np.ndarray[Any, Any]) -> None:
         n, r = self.n, self.rank
         bounds = segment_bounds(a.size, n)
         widest = max(bounds[i + 1] - bounds[i] for i in range(n))
@@ -216,7 +291,14 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
         dp_enc = SyncDataPlane.start(f"bench-{rank:03d}", host=me, auth=auth, config=config)
         enc_view = _publish_view(store, ENC, dp_enc, rank, nprocs)
     pg_mgr = _pg_manager(dp) if PG in impls else None
-    raw = RawRing(rank, nprocs, store, cfg["chunk"], cfg["ceiling"] == "reduce", me)
+    dp_alt = alt_view = None
+    if ALT in impls:  # the same data plane with another chunk size (--alt-chunk)
+        alt_config = replace(config, chunk_bytes=cfg["alt_chunk"])
+        dp_alt = SyncDataPlane.start(f"bench-{rank:03d}", host=me, config=alt_config)
+        alt_view = _publish_view(store, ALT, dp_alt, rank, nprocs)
+    raw = RawRing(
+        rank, nprocs, store, cfg["chunk"], cfg["ceiling"], me, cfg.get("ceiling_sockbuf", 0)
+    )
     results = []
     try:
         for size in cfg["sizes"]:
@@ -240,11 +322,15 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
                 fns["gloo"] = functools.partial(dist.all_reduce, torch.from_numpy(bufs["gloo"]))
             if pg_mgr is not None:
                 fns[PG] = functools.partial(pg_mgr.allreduce, view, torch.from_numpy(bufs[PG]))
+            if dp_alt is not None and alt_view is not None:
+                fns[ALT] = functools.partial(dp_alt.session(alt_view).allreduce, bufs[ALT])
             if "ceiling" in bufs:
                 fns["ceiling"] = functools.partial(raw.allreduce, bufs["ceiling"])
             check = None
             if cfg["check"]:
-                check = _check(rank, nprocs, bufs, fns)
+                # The stream ceiling reduces nothing: there is no result to check.
+                skip = {"ceiling"} if cfg["ceiling"] == "stream" else set()
+                check = _check(rank, nprocs, bufs, fns, skip)
             iters = cfg["iters"] or max(6, min(40, (1 << 30) // max(size, 1)))
             times: dict[str, list[float]] = {k: [] for k in impls}
             for rep in range(cfg["warmup"] + iters):
@@ -269,6 +355,8 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
         dp.close()
         if dp_enc is not None:
             dp_enc.close()
+        if dp_alt is not None:
+            dp_alt.close()
         raw.close()
         dist.destroy_process_group()
     if rank == 0:
@@ -323,6 +411,14 @@ def _publish_view(
     return RingView.of(peers)
 
 
+def _loadavg() -> float:
+    """The 1-minute load average (0.0 where there is none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def _fits(total_bytes: int) -> bool:
     """Whether ``total_bytes`` (all processes' buffers) fit in 80% of MemAvailable."""
     try:
@@ -336,13 +432,20 @@ def _fits(total_bytes: int) -> bool:
 
 
 def _check(
-    rank: int, nprocs: int, bufs: dict[str, Any], fns: dict[str, Callable[[], object]]
+    rank: int,
+    nprocs: int,
+    bufs: dict[str, Any],
+    fns: dict[str, Callable[[], object]],
+    skip: set[str],
 ) -> dict[str, bool]:
-    """One allreduce per implementation of ``rank + 1`` everywhere, then compare every element
-    with the exact sum (integers below 2**24 are exact in float32)."""
+    """One allreduce per implementation (but those in ``skip``) of ``rank + 1`` everywhere,
+    then compare every element with the exact sum (integers below 2**24 are exact in
+    float32)."""
     want = np.float32(nprocs * (nprocs + 1) // 2)
     ok = {}
     for impl, buf in bufs.items():
+        if impl in skip:
+            continue
         buf.fill(rank + 1)
         fns[impl]()
         if impl == INT8:  # within one quantization step of the sum
@@ -403,6 +506,8 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
         cell["algbw"][impl] = alg
         cell["busbw"][impl] = {k: v * factor for k, v in alg.items()}
     med = {k: cell["busbw"][k]["median"] for k in raw["times"]}
+    if "gloo" in med and "ceiling" in med:
+        cell["gloo_vs_ceiling"] = med["gloo"] / med["ceiling"]
     if "ftmesh" in med:
         for other in ("gloo", "ceiling"):
             if other in med:
@@ -411,6 +516,8 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
             cell["encrypted_vs_plain"] = med[ENC] / med["ftmesh"]
         if INT8 in med:
             cell["vs_uncompressed"] = med[INT8] / med["ftmesh"]
+        if ALT in med:
+            cell["alt_vs_ftmesh"] = med[ALT] / med["ftmesh"]
     if PG in med and "gloo" in med:
         cell["pg_vs_gloo"] = med[PG] / med["gloo"]
     if HIER in med:
@@ -422,15 +529,19 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
 def _print_table(cells: list[dict[str, Any]]) -> None:
     top = max((b["median"] for c in cells for b in c.get("busbw", {}).values()), default=0.0)
     gb, unit = (1e9, "GB/s") if top >= 1e8 else (1e6, "MB/s")  # (slow links: MB/s)
-    extra = tuple(x for x in (ENC, INT8, PG, SITES, HIER) if any(x in c["busbw"] for c in cells))
+    extra = tuple(
+        x for x in (ENC, INT8, PG, SITES, HIER, ALT) if any(x in c["busbw"] for c in cells)
+    )
     impls = IMPLS + extra
-    ratios = {"vs_gloo": "ftm/gloo", "vs_ceiling": "ftm/ceil"}
+    ratios = {"vs_gloo": "ftm/gloo", "vs_ceiling": "ftm/ceil", "gloo_vs_ceiling": "gloo/ceil"}
     if ENC in extra:
         ratios["encrypted_vs_plain"] = "enc/plain"
     if INT8 in extra:
         ratios["vs_uncompressed"] = "int8/f32"
     if PG in extra:
         ratios["pg_vs_gloo"] = "pg/gloo"
+    if ALT in extra:
+        ratios["alt_vs_ftmesh"] = "alt/ftm"
     if HIER in extra:
         ratios["hier_vs_flat"] = "hier/flat"
         ratios["hier_vs_sites"] = "hier/site"
@@ -461,6 +572,8 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
     print("algbw = bytes/time; busbw = algbw*2(N-1)/N; time = slowest rank, per repetition.")
     if ENC in extra:
         print("enc/plain = busbw of ftmesh with encryption (AES-256-GCM) / without.")
+    if ALT in extra:
+        print("alt/ftm = busbw of ftmesh with --alt-chunk / with --chunk.")
     if INT8 in extra:
         print("int8/f32 = busbw of ftmesh with int8 compression / without (float32 bytes).")
     if PG in extra:
@@ -548,13 +661,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1M,16M,64M,256M", help="buffer sizes in bytes (K/M/G)")
     ap.add_argument("--iters", type=int, default=0, help="timed repetitions (0: by size)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--chunk", default="1M", help="ftmesh/ceiling pipeline chunk size")
-    ap.add_argument("--ceiling", choices=("reduce", "wire"), default="reduce")
+    ap.add_argument("--chunk", default="4M", help="ftmesh/ceiling pipeline chunk size (largest)")
+    ap.add_argument(
+        "--alt-chunk",
+        default=None,
+        help=f"also run ftmesh with this chunk size ({ALT}); reports alt_vs_ftmesh",
+    )
+    ap.add_argument(
+        "--ceiling",
+        choices=("stream", "reduce", "wire"),
+        default="stream",
+        help="stream: the ring's bytes both ways at once (an upper bound); reduce/wire: a "
+        "plain Python chunked ring with/without the reduction (not a bound)",
+    )
     ap.add_argument(
         "--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}"
     )
     ap.add_argument(
         "--sockbuf", default="4M", help="ftmesh SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)"
+    )
+    ap.add_argument(
+        "--ceiling-sockbuf",
+        default="0",
+        help="the ceiling's SO_SNDBUF/SO_RCVBUF (0: kernel autotuning, as gloo)",
     )
     ap.add_argument("--check", action="store_true", help="verify one result per cell first")
     ap.add_argument(
@@ -625,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         "impls": [i for i in IMPLS if i in args.impls.split(",")],
         "check": args.check,
         "sockbuf": parse_size(args.sockbuf),
+        "ceiling_sockbuf": parse_size(args.ceiling_sockbuf),
+        "alt_chunk": parse_size(args.alt_chunk) if args.alt_chunk else 0,
         "secret": os.urandom(32).hex(),
         "block_size": args.block_size,
         "sites": sites,
@@ -636,10 +767,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg["impls"] = ["ftmesh", ENC] + [i for i in cfg["impls"] if i != "ftmesh"]
     if args.compression == "int8":  # likewise ftmesh_int8, against plain ftmesh
         cfg["impls"] = ["ftmesh", INT8] + [i for i in cfg["impls"] if i != "ftmesh"]
+    if args.alt_chunk:  # ftmesh_alt takes turns right after plain ftmesh
+        cfg["impls"] = ["ftmesh", ALT] + [i for i in cfg["impls"] if i != "ftmesh"]
     if args.torch_pg:  # gloo_pg takes turns right after gloo, which is always measured with it
         cfg["impls"] = [i for i in cfg["impls"] if i != "gloo"] + ["gloo", PG]
     if sites:  # the planned rings take turns with plain ftmesh, which is always measured
         cfg["impls"] = ["ftmesh", SITES, HIER] + [i for i in cfg["impls"] if i != "ftmesh"]
+    load_before = _loadavg()
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):
         if nprocs < 2:
@@ -664,10 +798,20 @@ def main(argv: list[str] | None = None) -> int:
             "link_rate": args.link_rate,
             "sites": args.sites,
             "wan": None if wan is None else wan.to_json(),
+            "loadavg": [load_before, _loadavg()],
+            "cpus": os.cpu_count(),
         }
         print(json.dumps({**out, "cells": cells}))
     else:
         _print_table(cells)
+    over = [c for c in cells if max(c.get("vs_ceiling", 0), c.get("gloo_vs_ceiling", 0)) > 1.05]
+    if over:
+        print(
+            f"note: {len(over)} cell(s) ran above the ceiling (load {load_before:.1f} -> "
+            f"{_loadavg():.1f} on {os.cpu_count()} CPUs): on a contended host the scheduler, "
+            "not the bytes, sets the pace, and ratios to the ceiling mean little",
+            file=sys.stderr,
+        )
     if args.plot:
         plot_allreduce(cells, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)

@@ -13,11 +13,16 @@ class CollectiveConfig:
     three fields (``ftmesh.mesh.core.MESH_COLLECTIVE``, ``MeshConfig.collective``'s
     default, says which and why)."""
 
-    chunk_bytes: int = 1 << 20
-    """Pipeline chunk (bytes). Each ring step is cut into chunks so that a chunk can be forwarded
-    as soon as it is reduced, overlapping reduction with the wire. Smaller: more overlap and less
-    latency for mid-size buffers, but more per-chunk Python overhead; 1 MiB keeps that overhead
-    under 1% while a 64 MiB / 4-member step still has 16 chunks in flight."""
+    chunk_bytes: int = 4 << 20
+    """Largest pipeline chunk (bytes). Each ring step is cut into chunks so that a chunk can be
+    forwarded as soon as it is reduced, overlapping reduction with the wire; a segment is cut
+    into at least ``schedule.MIN_CHUNKS`` (4) chunks while they stay at least 256 KiB, so
+    mid-size buffers still overlap. Larger: fewer passes through the engine's loop, fewer
+    wake-ups and system calls per byte; smaller: finer overlap. 4 MiB (it was 1 MiB): in three
+    runs of a 64 MiB / 4-member allreduce on a loaded 2-core host, 1 MiB chunks moved 0.77,
+    0.96 and 0.98 of 4 MiB's busbw (same runs, ``--alt-chunk``; docs/STATUS.md): its 16 MiB
+    segments are 4 chunks. A 16 MiB buffer's 4 MiB segments are cut as before, into 4
+    chunks of 1 MiB. Every member of a ring must use the same value."""
 
     io_timeout: float = 30.0
     """Seconds a collective may go without any progress (no byte sent or received) before it is

@@ -62,8 +62,18 @@ def segment_bounds(n: int, parts: int) -> list[int]:
     return out
 
 
+MIN_CHUNKS = 4
+"""Chunks per segment at least, while each stays at least ``MIN_CHUNK_BYTES``: a ring step
+is forwarded chunk by chunk, so a segment sent whole (a 4 MiB segment under a 4 MiB
+``chunk_bytes``) would leave the next member idle until all of it arrived."""
+MIN_CHUNK_BYTES = 256 << 10
+
+
 def chunks_per_segment(seg_elems: int, itemsize: int, chunk_bytes: int) -> int:
-    return max(1, -(-seg_elems * itemsize // chunk_bytes))
+    """Chunks of at most ``chunk_bytes`` (the engine's scratch holds one), and at least
+    ``MIN_CHUNKS`` of at least ``MIN_CHUNK_BYTES`` where the segment is large enough."""
+    nbytes = seg_elems * itemsize
+    return max(1, -(-nbytes // chunk_bytes), min(MIN_CHUNKS, nbytes // MIN_CHUNK_BYTES))
 
 
 def ring(
