@@ -648,8 +648,7 @@ class Swim:
         if any(p.closed and p.target == node_id for p in self._probes.values()):
             return self._flush()
         self._count("closed_probes")
-        seq = self._start_probe(now, m, indirect_now=True)
-        self._probes[seq].closed = True
+        seq = self._start_probe(now, m, indirect_now=True, closed=True)
         self._arm(now + self._awareness.scale(self.config.probe_timeout), "closed_timeout", seq)
         return self._flush()
 
@@ -733,9 +732,12 @@ class Swim:
             self._probe_round = _ProbeRound(self._peer_ids)
         return None
 
-    def _start_probe(self, now: float, target: MemberSnapshot, *, indirect_now: bool) -> int:
+    def _start_probe(
+        self, now: float, target: MemberSnapshot, *, indirect_now: bool, closed: bool = False
+    ) -> int:
         seq = self._next_seq()
         self._probes[seq] = _Probe(target.node, sent=-1.0 if indirect_now else now)
+        self._probes[seq].closed = closed
         ping = Ping(seq=seq, target=target.node, source=self.node_id, source_addr=self._me.addr)
         if target.state == MemberState.SUSPECT:
             # Tell a suspect directly that we suspect it, so it refutes to us even if the
@@ -754,8 +756,11 @@ class Swim:
             self._arm(now + self._awareness.scale(self.config.probe_timeout), "probe_timeout", seq)
         # A fast probe (hard evidence: a connection broke) ends after the probe timeout, not
         # the whole period: the period is the tolerance for a member that merely stood still
-        # (``MembershipConfig.preset``), and a broken connection is more than that.
-        end = self.config.probe_timeout if indirect_now else self.config.probe_interval
+        # (``MembershipConfig.preset``), and a broken connection is more than that. A probe of
+        # a closed connection suspects at its own ``closed_timeout`` and stays to its end
+        # for Lifeguard's accounting (``connection_closed``).
+        fast = indirect_now and not closed
+        end = self.config.probe_timeout if fast else self.config.probe_interval
         self._arm(now + self._awareness.scale(end), "probe_end", seq)
         return seq
 
