@@ -59,7 +59,7 @@ from ftmesh.lab import VirtualLan
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.netns,
-    pytest.mark.timeout(480),
+    pytest.mark.timeout(600),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("ip") is None,
         reason="needs root (and iproute2) to create network namespaces; CI runs as root",
