@@ -7,8 +7,9 @@ the test set. Run it on a local mesh with ``ftmesh launch``:
 
 or on several machines with ``ftmesh worker examples/train_digits.py`` on each. With
 ``--single`` it trains in one process without a mesh (the baseline the tests compare with).
-The last line is ``test accuracy: 0.NNN``. SIGTERM or SIGINT makes a worker leave the mesh
-after its current step and exit 0 (``ftmesh.Departed``); the others train on.
+The last lines are ``test loss: N.NNNN`` (the held-out cross-entropy) and ``test accuracy:
+0.NNN``. SIGTERM or SIGINT makes a worker leave the mesh after its current step and exit 0
+(``ftmesh.Departed``); the others train on.
 
 ``--idle-when-done`` is for a StatefulSet (``examples/k8s/``), which restarts a container
 that exits: the worker stays up after training until SIGTERM, and a worker whose
@@ -74,6 +75,23 @@ def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         return float((model(x).argmax(1) == y).float().mean())
+
+
+def held_out_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The mean cross-entropy on the held-out set (comparable across sync modes, unlike a
+    step's training loss: a DiLoCo round reports its inner steps' mean)."""
+    with torch.no_grad():
+        return float(F.cross_entropy(model(x), y))
+
+
+def evaluation(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """``--eval-every``'s fields of a progress record: the test accuracy and loss."""
+    with torch.no_grad():
+        out = model(x)
+        return {
+            "accuracy": float((out.argmax(1) == y).float().mean()),
+            "test_loss": round(float(F.cross_entropy(out, y)), 4),
+        }
 
 
 def progress(record: dict[str, object]) -> None:
@@ -173,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-every",
         type=int,
         default=0,
-        help="add the test accuracy to the progress record every N steps (time-to-accuracy)",
+        help="add the test accuracy and loss to the progress record every N steps "
+        "(time-to-accuracy)",
     )
     p.add_argument(
         "--compression",
@@ -301,7 +320,7 @@ def train(args: argparse.Namespace) -> int:
             loss_fn(sampler.global_indices(step)).backward()
             optimizer.step()
             if args.eval_every and (step + 1) % args.eval_every == 0:
-                progress({"step": step + 1, "accuracy": accuracy(model, x_test, y_test)})
+                progress({"step": step + 1, **evaluation(model, x_test, y_test)})
     else:
         with ftmesh.connect() as mesh:
             trainer = ElasticTrainer(
@@ -371,10 +390,17 @@ def train(args: argparse.Namespace) -> int:
                         "node": mesh.node_id,
                         "digest": trainer.digest() if report else None,
                         "shards": trainer.shard_digests() if report else None,
+                        # DiLoCo: the outer optimizer's state alone (its momentum), which a
+                        # joiner must receive with the global parameters
+                        **(
+                            {"outer": trainer.part_digests()["outer_optimizer"]}
+                            if report and sync is not None
+                            else {}
+                        ),
                         "fallbacks": trainer.fallbacks,
                         **({"indices": indices} if args.log_indices else {}),
                         **(
-                            {"accuracy": accuracy(model, x_test, y_test)}
+                            evaluation(model, x_test, y_test)
                             if args.eval_every and r.step % args.eval_every == 0
                             else {}
                         ),
@@ -419,6 +445,7 @@ def report_result(
         f"trained {total} steps in {time.monotonic() - started:.1f}s; "
         f"final digest {State(model=model, optimizer=optimizer, rng=False).live_digest()}"
     )
+    print(f"test loss: {held_out_loss(model, x_test, y_test):.4f}")
     print(f"test accuracy: {acc:.3f}", flush=True)
 
 

@@ -229,7 +229,7 @@ def test_a_member_lost_mid_round_is_left_out_of_it(make_hub: Callable[..., Hub])
         die = dies if n == "c" else None
         _start(hub, m, rounds, digests, lock, die_in_round=die, check_every=1)
     wait_all(hub, 45)
-    assert members["c"].status == "killed", members["c"].status
+    assert members["c"].status == "killed", (members["c"].status, members["c"].error)
     for n in "ab":
         assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
     _check_identical(digests, rounds)
@@ -381,12 +381,12 @@ def test_settings_are_checked() -> None:
         TrainerConfig(sync="diloco")  # type: ignore[arg-type]
 
 
-def test_the_loop_api_is_refused_and_the_layout_carries_the_settings() -> None:
+def test_the_layout_carries_the_settings() -> None:
     """Members with other DiLoCo settings differ in the registered state's layout (the sync
-    turns that into a ``ConfigError``); the loop API says to use the closure API."""
+    turns that into a ``ConfigError``)."""
     hub = Hub()
     try:
-        layouts = []
+        layouts: list[Any] = []
         for settings in (SETTINGS, DiLoCo(inner_steps=H + 1), None):
             model = make_model()
             t = ElasticTrainer(
@@ -394,10 +394,141 @@ def test_the_loop_api_is_refused_and_the_layout_carries_the_settings() -> None:
                 make_optimizer("sgd", model), _sampler(), sync=settings,
             )  # fmt: skip
             layouts.append(t._state.layout)
-            if settings is not None:
-                with pytest.raises(LocalUsageError, match="closure API"):
-                    next(iter(t.steps(1)))
             t.close()
         assert len(set(layouts)) == 3, layouts
     finally:
         hub.shutdown()
+
+
+def _run_loop(
+    hub: Hub,
+    member: Member,
+    total: int,
+    digests: Digests,
+    lock: threading.Lock,
+    *,
+    die_in_round: int | None = None,
+    arrived: dict[str, threading.Event] | None = None,
+    arrive_in: int | None = None,
+    **settings: Any,
+) -> None:
+    """``_run`` with the loop API: ``for step in trainer.steps(total): with step:``, the body
+    one inner step per batch of ``step.indices()`` (zero_grad, forward, backward,
+    ``optimizer.step()``), as the closure path runs them. ``arrived``: in round
+    ``arrive_in`` each member sets its event at its first inner batch (its attempt's view
+    is fixed then), and the dying member waits for the others' before it dies, so that it
+    dies in the round on every member's view (else, on a loaded host, the others could start
+    the round after its death, on a view without it)."""
+    with member_thread(hub, member, None):
+        model = make_model()
+        opt = make_optimizer("sgd", model)
+        t = ElasticTrainer(
+            cast(SyncMesh, FakeMesh(hub, member.name)), model, opt, _sampler(),
+            quorum="any", join_settle=0.0, step_timeout=30.0, sync=SETTINGS, **settings,
+        )  # fmt: skip
+        member.trainer = t
+        for step in t.steps(total):
+            with step:
+                for k, idx in enumerate(step.indices()):
+                    if arrived is not None and step.index == arrive_in and k == 0:
+                        arrived[member.name].set()
+                    if die_in_round is not None and step.index == die_in_round and k == 1:
+                        for name, ev in (arrived or {}).items():
+                            assert ev.wait(20.0), f"{name} never reached round {die_in_round}"
+                        hub.kill(member.name)  # its next call into the mesh ends the thread
+                    opt.zero_grad()
+                    loss = _loss(model, idx)
+                    loss.backward()  # type: ignore[no-untyped-call]
+                    step.record_loss(loss)
+                    opt.step()
+            report = step.report
+            assert report is not None
+            member.reports.append(report)
+            with lock:
+                digests.setdefault(report.step, {})[member.name] = t.part_digests()
+        t.finish(timeout=20.0)
+
+
+def test_the_loop_api_runs_the_same_rounds(make_hub: Callable[..., Hub]) -> None:
+    """The loop API (``trainer.steps()``, the inner steps in the body): ``c`` dies in round
+    2's inner steps, ``a`` and ``b`` commit it with their own outer gradients (no inner step
+    run twice) and go on: the same registered state on every member after every round, and
+    the weights of single-process DiLoCo with that plan (as the closure path's test); the
+    reported loss is the members' mean inner loss, as the closure path reports it."""
+    rounds, dies = 4, 2
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    arrived = {n: threading.Event() for n in "abc"}
+    for n, m in members.items():
+        th = threading.Thread(
+            target=_run_loop, args=(hub, m, rounds, digests, lock), name=n, daemon=True,
+            kwargs={"die_in_round": dies if n == "c" else None, "check_every": 1,
+                    "arrived": arrived, "arrive_in": dies},
+        )  # fmt: skip
+        hub.threads.append(th)
+        th.start()
+    wait_all(hub, 45)
+    assert members["c"].status == "killed", members["c"].status
+    for n in "ab":
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
+    _check_identical(digests, rounds)
+    assert set(digests[dies + 1]) == {"a", "b"}
+    plan = [("abc", "abc")] * dies + [("abc", "ab")] + [("ab", "ab")] * (rounds - dies - 1)
+    ref = _reference(plan)
+    for n in "ab":
+        t = cast(ElasticTrainer, members[n].trainer)
+        assert t.diloco_rounds_computed == rounds, "a survivor ran a round's inner steps twice"
+        assert t.recoveries >= 1
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+    losses = [r.loss for r in members["a"].reports]
+    assert all(np.isfinite(losses)) and all(0.1 < x < 5 for x in losses), losses
+
+
+def test_the_loop_api_refuses_an_outer_step_of_its_own_and_restores_on_errors(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """In a DiLoCo loop body ``optimizer.step()`` after the loop over the inner batches is
+    refused (the outer step is the trainer's), ``step.batches()`` is refused (no DataLoader
+    plan for rounds), and an error in the middle of the inner steps reaches the caller with
+    the committed (global) parameters in the model; the next round trains on."""
+    hub = make_hub(start_with=1)
+    model = make_model()
+    opt = make_optimizer("sgd", model)
+    t = ElasticTrainer(
+        cast(SyncMesh, FakeMesh(hub, "a")), model, opt, _sampler(),
+        sync=SETTINGS, quorum="any", join_settle=0.0, step_timeout=30.0,
+    )  # fmt: skip
+
+    def inner(step: Any, fail_at: int | None = None) -> None:
+        for k, idx in enumerate(step.indices()):
+            if k == fail_at:
+                raise RuntimeError("boom")
+            opt.zero_grad()
+            _loss(model, idx).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+
+    try:
+        steps = iter(t.steps())
+        step = next(steps)
+        with step:
+            inner(step)
+            with pytest.raises(LocalUsageError, match="inner step"):
+                opt.step()
+        assert t.committed == 1
+        before = t.part_digests()
+        step = next(steps)
+        with pytest.raises(RuntimeError, match="boom"), step:
+            inner(step, fail_at=2)
+        assert t.committed == 1 and t.part_digests() == before
+        step = next(iter(t.steps()))  # (an error in a body ends its loop: a new one)
+        with pytest.raises(LocalUsageError, match=r"step\.indices\(\)"), step:
+            next(iter(step.batches()))
+        step = next(iter(t.steps()))
+        with step:
+            inner(step)
+        assert t.committed == 2 and t.part_digests() != before
+    finally:
+        t.close()

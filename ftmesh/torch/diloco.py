@@ -32,6 +32,11 @@ each of its samples at most once without faults; with a fault, the lost member's
 dropped from that epoch, and a joiner's retry share counts twice. That replaces "every sample
 once per epoch" of synchronous steps.
 
+*Who runs the inner steps.* The closure API hands ``loss_fn`` to :meth:`Rounds.compute`; the
+loop API's body runs them itself, inside :meth:`Rounds.inner_steps` (``ftmesh.torch.loop``:
+``step.indices()`` yields the inner batches). Both keep the same ``Δ`` and put ``θ`` back, on
+an error too.
+
 *The inner optimizer's state* (Adam's moments, SGD's momentum) is member-local, as in the
 paper: it differs between members, so it is not part of the committed state. Each member
 keeps it aside between rounds (``InnerState``) and the registered ``optimizer`` part holds
@@ -76,7 +81,7 @@ from ..errors import LocalUsageError
 from ..training.config import DiLoCo
 from .buckets import GradBuckets, micro_batches
 
-__all__ = ["DiLoCo", "Rounds", "fragments_of", "inner_batches"]
+__all__ = ["DiLoCo", "InnerRun", "Rounds", "fragments_of", "inner_batches"]
 
 OUTER_PART = "outer_optimizer"
 """The registered part that holds the outer optimizer (its momentum)."""
@@ -108,6 +113,14 @@ def fragments_of(sizes: list[int], fragments: int) -> list[int]:
             out.append(f)
             i += 1
     return out
+
+
+@dataclass
+class InnerRun:
+    """What the caller of ``Rounds.inner_steps`` adds up while it runs them."""
+
+    loss_sum: float = 0.0
+    """The inner steps' losses times their samples, summed."""
 
 
 @dataclass
@@ -190,9 +203,27 @@ class Rounds:
     ) -> None:
         """Run the round's inner steps on ``share`` and keep ``Δ``; the model's parameters
         are the global ones again afterwards."""
+        with self.inner_steps(index, len(share), buckets) as acc:
+            for batch in inner_batches(share, self.settings.steps_per_sync):
+                if not len(batch):
+                    continue
+                self.inner.zero_grad()
+                for mb in micro_batches(batch, micro_batch):
+                    loss = loss_fn(mb)
+                    acc.loss_sum += float(loss.detach()) * len(mb)
+                    (loss * (len(mb) / len(batch))).backward()  # type: ignore[no-untyped-call]
+                self.inner.step()
+
+    @contextlib.contextmanager
+    def inner_steps(self, index: int, samples: int, buckets: GradBuckets) -> Iterator[InnerRun]:
+        """The inner steps of round ``index`` on a share of ``samples``, run by the caller
+        inside: the inner optimizer holds this member's own state and may step, the buckets
+        are detached; the caller adds its losses (times their samples) to the yielded
+        ``loss_sum``. On a normal exit ``Δ`` is kept for the round; on any exit (an error,
+        the generator of a loop body closed) the model holds the global parameters again."""
         start = [p.detach().clone() for p in self.params]
         due = self.fragment(index)
-        loss_sum = 0.0
+        acc = InnerRun()
         delta: list[torch.Tensor | None] = []
         local: list[torch.Tensor] | None = None
         try:
@@ -201,15 +232,7 @@ class Rounds:
                     for p, mine in zip(self.params, self.local, strict=True):
                         p.copy_(mine)
             with buckets.detached(), self._inner_optimizer():
-                for batch in inner_batches(share, self.settings.steps_per_sync):
-                    if not len(batch):
-                        continue
-                    self.inner.zero_grad()
-                    for mb in micro_batches(batch, micro_batch):
-                        loss = loss_fn(mb)
-                        loss_sum += float(loss.detach()) * len(mb)
-                        (loss * (len(mb) / len(batch))).backward()  # type: ignore[no-untyped-call]
-                    self.inner.step()
+                yield acc
                 self.inner.zero_grad()
             with torch.no_grad():
                 delta = [
@@ -218,11 +241,11 @@ class Rounds:
                 ]
                 if due is not None:
                     local = [p.detach().clone() for p in self.params]
-        finally:  # (also when the user's loss_fn raised: the live state stays the committed one)
+        finally:  # (also when the user's code raised: the live state stays the committed one)
             with torch.no_grad():
                 for g, p in zip(start, self.params, strict=True):
                     p.copy_(g)
-        self._kept = _Kept(index, delta, local, loss_sum, len(share))
+        self._kept = _Kept(index, delta, local, acc.loss_sum, samples)
         self.rounds_computed += 1
 
     def _in(self, k: int, fragment: int | None) -> bool:

@@ -45,6 +45,19 @@ such a hand-back gets a WARNING naming the step and the failure (its code after 
 ran for an attempt that did not commit). Any other exception leaves the ``with`` block as
 usual (the step is not committed).
 
+DiLoCo rounds (``sync=DiLoCo(...)``, ``ftmesh.torch.diloco``): a step is a round, and its body
+is the round's inner steps. ``step.indices()`` yields this member's inner batches (its share
+of the round split into ``H`` of them, each whole: ``micro_batch`` does not split them), and
+the body runs one inner step on each, ``optimizer.step()`` included, inside the loop (the
+trainer's ``Rounds.inner_steps``: the buckets detached, the member's own inner optimizer
+state). When the loop ends, the outer gradient is reduced and the outer step applied, both the
+trainer's: an ``optimizer.step()`` after the loop is refused. A retry yields nothing to a
+member that holds its outer gradient of the round (its inner steps are not run again) and its
+new share's inner batches to one that does not (a joiner). ``record_loss`` counts in the
+round's reported loss; ``step.batches()`` (a ``DataLoader``'s plan) is refused. A body that
+raises in the middle of its inner steps leaves the model holding the global parameters
+(``with step`` closes the loop's generator).
+
 Between steps is the user's time: evaluating, saving or logging on one member, for longer than
 the data plane's ``io_timeout``, does not fail the others' next attempt. After a second of it
 the member publishes ``between steps Ns (after step K)`` in its progress
@@ -63,7 +76,8 @@ block ends). The trainer ends an attempt by setting ``step.failure`` and raising
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -78,6 +92,7 @@ from ..training.actions import (
 from ..training.step import (
     StepReport,
 )
+from .diloco import InnerRun, inner_batches
 
 if TYPE_CHECKING:
     from .buckets import GradBuckets
@@ -143,6 +158,25 @@ class StepDriver(Protocol):
         """``with step:`` ends; returns whether to swallow ``error``."""
         ...
 
+    @property
+    def inner_steps(self) -> int:
+        """DiLoCo rounds (``sync=DiLoCo(...)``): the inner steps of a step; 0: synchronous
+        steps."""
+        ...
+
+    def round_inner(self, step: Step) -> AbstractContextManager[InnerRun] | None:
+        """DiLoCo: the context the attempt's inner steps run in (``Rounds.inner_steps``), or
+        ``None`` when this member runs none (it holds its outer gradient, or is a spare)."""
+        ...
+
+    def round_fill(self, step: Step) -> None:
+        """DiLoCo: write this member's outer gradient into the gradient buckets."""
+        ...
+
+    def round_outer(self, step: Step) -> None:
+        """DiLoCo: apply the reduced mean outer gradient (the outer optimizer's step)."""
+        ...
+
 
 class StepAborted(FtmeshError):
     """The step's body ends early (``failure``: the attempt that failed): the step was adopted,
@@ -188,6 +222,7 @@ class Step:
         is logged: see the module docstring)."""
         self._entered = False
         self._iterated = False
+        self._inner_gen: Generator[np.ndarray, None, None] | None = None
         self.exited = False
         self.next: Compute | Finished | None = None
         """What the trainer does after this step (set when the step committed, was adopted,
@@ -217,6 +252,7 @@ class Step:
         self.reduced = False
         self.failure: Failed | None = None
         self.loss_sum = 0.0
+        self._inner: InnerRun | None = None  # DiLoCo: the inner steps being run
         self.checks: list[int] | None = None
         self.announced = False
         """This member set its leave bit in the step's header (a planned departure)."""
@@ -254,6 +290,8 @@ class Step:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: Any) -> bool:
         self.exited = True
+        if self._inner_gen is not None:  # DiLoCo: inner steps the body left (it raised) end
+            self._inner_gen.close()  # here: the model holds the global parameters again
         return self._driver.end(self, ev)
 
     def _running(self) -> None:
@@ -270,6 +308,10 @@ class Step:
         if self._iterated:
             raise LocalUsageError("a step's micro-batches are iterated once")
         driver = self._driver
+        if driver.inner_steps:
+            self._inner_gen = self._inner_batches()
+            yield from self._inner_gen
+            return
         for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
             self._iterated = True
             buckets = driver.buckets
@@ -283,6 +325,32 @@ class Step:
                     buckets.between(len(idx) / len(micro[k + 1]))
             self._size = 0
             if self._reduced_or_retried():
+                return
+
+    def _inner_batches(self) -> Generator[np.ndarray, None, None]:
+        """DiLoCo rounds: this member's share of the round as its inner batches (one per inner
+        step, whole: ``micro_batch`` does not split them), which the body trains with its
+        optimizer's steps; when they end, the outer gradient is reduced (the retries as in
+        :meth:`contribute`: a member that holds its outer gradient of the round gets no
+        batch again) and the outer step applied."""
+        driver = self._driver
+        for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
+            self._iterated = True
+            run = driver.round_inner(self)
+            if run is not None:
+                with run as acc:
+                    self._inner = acc
+                    try:
+                        for idx in inner_batches(self.indices_share, driver.inner_steps):
+                            if len(idx):
+                                self._size = len(idx)
+                                yield idx
+                    finally:
+                        self._size = 0
+                        self._inner = None
+            driver.round_fill(self)
+            if self._reduced_or_retried():
+                driver.round_outer(self)
                 return
 
     def contribute(self, fill: Callable[[], None]) -> None:
@@ -320,6 +388,11 @@ class Step:
         """This member's share as micro-batches from the trainer's ``DataLoader`` (collated as
         the loader does); see :meth:`indices`."""
         loader = self._driver.loader
+        if self._driver.inner_steps:
+            raise LocalUsageError(
+                "with sync=DiLoCo(...), iterate step.indices() (a round's inner batches); "
+                "step.batches() plans a DataLoader's batches per synchronous micro-batch"
+            )
         if loader is None:
             raise LocalUsageError(
                 "step.batches() needs a trainer built with a DataLoader or a ShardedStream; "
@@ -337,4 +410,7 @@ class Step:
                 "record_loss() belongs inside the loop over a step's micro-batches"
             )
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if self._inner is not None:  # DiLoCo: the round's kept loss (a retry reports it)
+            self._inner.loss_sum += value * self._size
+            return
         self._driver.buckets.header[1] += value * self._size

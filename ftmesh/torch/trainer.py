@@ -25,9 +25,11 @@ the loop, on the same machine:
   ``loss_fn(indices)`` returns the mean loss of a micro-batch of sample indices.
 
 With ``sync=DiLoCo(inner_steps=H, ...)`` a step is a *round* (``ftmesh.torch.diloco``): the
-closure API's body runs H local steps of the user's optimizer, and the step's allreduce
-carries the outer gradient instead of the micro-batches' (``Step.contribute``); the outer
-optimizer is a registered part.
+closure API's body runs H local steps of the user's optimizer (``Rounds.compute``), or, in the
+loop API, the user's body runs them on the inner batches ``step.indices()`` yields, inside
+``Rounds.inner_steps`` (``_round_inner``); either way the step's allreduce carries the outer
+gradient instead of the micro-batches' (``_round_fill``) and the outer step follows its
+reduction (``_round_outer``); the outer optimizer is a registered part.
 
 With ``recovery="keep"`` (``TrainerConfig.recovery``) each bucket's gradients are copied as
 they go out (``_outgoing``, ``ftmesh.torch.keep``), and a retry after the loss of a member
@@ -59,6 +61,7 @@ import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
@@ -111,7 +114,7 @@ from ..training.step import (
 from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, Wire, all_finite, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, BatchSource, ElasticLoader, Key, sampler_for
-from .diloco import OUTER_PART, Rounds
+from .diloco import OUTER_PART, InnerRun, Rounds
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
 from .keep import KeptContribution
@@ -419,11 +422,6 @@ class ElasticTrainer:
         neither: forever. Run each one's body inside ``with step:``; a failed attempt is
         retried inside ``step.batches()``, so code after the block runs once per committed
         (or adopted) step (``ftmesh.torch.loop`` names the two sharded-mode exceptions)."""
-        if self._rounds is not None:
-            raise LocalUsageError(
-                "with sync=DiLoCo(...), run rounds with the closure API, trainer.step(loss_fn) "
-                "(the loop API's step body is one synchronous step)"
-            )
         if self._stream is not None and self._epoch is not None:
             yield from self._stream_epoch(self._stream, self._epoch)
             return
@@ -512,9 +510,7 @@ class ElasticTrainer:
             with attempt:
 
                 def fill(step: Step = attempt) -> None:
-                    me = self.mesh.node_id
-                    computing = me in step.workers
-                    if computing and not rounds.kept_for(step.index):
+                    if self.mesh.node_id in step.workers and not rounds.kept_for(step.index):
                         rounds.compute(
                             step.index,
                             step.indices_share,
@@ -522,18 +518,41 @@ class ElasticTrainer:
                             loss_fn,
                             self.buckets,
                         )
-                    weight = 1.0 / len(step.workers) if computing else 0.0
-                    mean_loss = rounds.contribute(step.index, weight, self.buckets)
-                    # the header's loss: each member's mean inner loss times its share, so
-                    # the report's is the members' mean weighted by their shares
-                    self.buckets.header[1] = mean_loss * step.share
+                    self._round_fill(step)
 
                 attempt.contribute(fill)
-                verdict = self._verdict
-                rounds.outer_step(attempt.index, skip=verdict is not None and verdict.skip)
+                self._round_outer(attempt)
             attempt.report_read = True  # no code after the block: a hand-back is retried here
         assert self.last_report is not None
         return self.last_report
+
+    def _round_inner(self, step: Step) -> AbstractContextManager[InnerRun] | None:
+        """DiLoCo, the loop API: this attempt's inner steps, run by the body inside the
+        returned context (``Rounds.inner_steps``); ``None`` when this member has none to run
+        (it holds its outer gradient of the round already, or is a hot spare)."""
+        rounds = self._rounds
+        assert rounds is not None
+        if self.mesh.node_id not in step.workers or rounds.kept_for(step.index):
+            return None
+        return rounds.inner_steps(step.index, len(step.indices_share), self.buckets)
+
+    def _round_fill(self, step: Step) -> None:
+        """DiLoCo: this member's contribution to the attempt's allreduce, its kept outer
+        gradient over the members computing (zeros from a hot spare)."""
+        rounds = self._rounds
+        assert rounds is not None
+        weight = 1.0 / len(step.workers) if self.mesh.node_id in step.workers else 0.0
+        mean_loss = rounds.contribute(step.index, weight, self.buckets)
+        # the header's loss: each member's mean inner loss times its share, so the report's
+        # is the members' mean weighted by their shares
+        self.buckets.header[1] = mean_loss * step.share
+
+    def _round_outer(self, step: Step) -> None:
+        """DiLoCo: the reduced mean outer gradient applied (every member alike)."""
+        rounds = self._rounds
+        assert rounds is not None
+        verdict = self._verdict
+        rounds.outer_step(step.index, skip=verdict is not None and verdict.skip)
 
     @property
     def diloco_rounds_computed(self) -> int:
@@ -991,8 +1010,14 @@ class ElasticTrainer:
         )
 
     def _before_optimizer_step(self, *_: Any) -> None:
-        if self._rounds is not None and self._rounds.running_inner:
-            return  # a DiLoCo inner step (ftmesh.torch.diloco)
+        if self._rounds is not None:
+            if self._rounds.running_inner:
+                return  # a DiLoCo inner step (ftmesh.torch.diloco)
+            raise LocalUsageError(
+                "with sync=DiLoCo(...), optimizer.step() is an inner step: call it inside the "
+                "loop over step.indices(), once per inner batch; the outer step is the "
+                "trainer's, when that loop ends"
+            )
         step = self._current
         if step is None or step.exited or not step.reduced:
             raise LocalUsageError(
@@ -1188,6 +1213,20 @@ class LoopSide:
 
     def end(self, step: Step, error: BaseException | None) -> bool:
         return self._trainer._end(step, error)
+
+    @property
+    def inner_steps(self) -> int:
+        rounds = self._trainer._rounds
+        return rounds.settings.steps_per_sync if rounds is not None else 0
+
+    def round_inner(self, step: Step) -> AbstractContextManager[InnerRun] | None:
+        return self._trainer._round_inner(step)
+
+    def round_fill(self, step: Step) -> None:
+        self._trainer._round_fill(step)
+
+    def round_outer(self, step: Step) -> None:
+        self._trainer._round_outer(step)
 
 
 def _abort(step: Step, failure: Failed) -> NoReturn:

@@ -205,10 +205,11 @@ class TrainerConfig:
     """``None``: every step reduces the gradients of the global batch (synchronous data
     parallelism). ``DiLoCo(inner_steps=H, ...)``: a step is a *round* of H local steps per
     member, committed by an outer step on the averaged outer gradient (see ``DiLoCo``; the
-    closure API ``trainer.step(loss_fn)`` runs one round). With ``compression="int8"`` the
-    outer gradient travels as blockwise int8 with error feedback (each member's residual
-    carried from round to round, as for gradients). Not with ``shard_optimizer`` or a
-    ``ShardedStream``. Mesh-wide."""
+    closure API ``trainer.step(loss_fn)`` runs one round, and so does a loop API step whose
+    body steps the optimizer once per inner batch of ``step.indices()``). With
+    ``compression="int8"`` the outer gradient travels as blockwise int8 with error feedback
+    (each member's residual carried from round to round, as for gradients). Not with
+    ``shard_optimizer`` or a ``ShardedStream``. Mesh-wide."""
 
     recovery: Literal["redo", "keep"] = "redo"
     """What a step interrupted by the loss of a member does on its retry. ``redo`` (lossless):
