@@ -68,6 +68,28 @@ record that shows X (so it includes the record's trip through the pipe, well und
    ratio of the medians (``keep_vs_redo``) and the samples each ``keep`` kill skipped (0 when
    the kill came before the survivors' micro-batches ended, or between steps).
 
+7. **torchft (tuned).** ``--torchft-kills`` rounds on torchft 0.2.0 (``workloads/
+   torchft_worker.py``: the same MLP, data, batch and split; one replica group of one process
+   each, torchft's ``Manager`` with a synchronous quorum and its reconfigurable
+   ``ProcessGroupGloo``, its lighthouse on this host; the tuned settings are
+   :data:`TORCHFT_LIGHTHOUSE` and :data:`TORCHFT_MANAGER`, the worker's header says why).
+   torchft lives in its own venv (torch pinned to its wheel): the workers run under
+   ``--torchft-python``, else ``$FTMESH_TORCHFT_PYTHON``, else this interpreter, whichever is
+   named first, once it has been seen to ``import torchft``; when it cannot, one line says
+   torchft is not installed, the torchft fields and ratios are ``null``
+   (``torchft_skipped`` says why) and the run goes on. Half the rounds run before the ftmesh
+   phases and half after, each half on a fresh torchft job, so a drifting host load weighs
+   on both alike. Each round is timed like an ftmesh kill (all N trained two steps together,
+   a random fraction of a step period, SIGKILL of a random replica): ``torchft_kill_to_step_s``
+   runs to the first step a survivor commits with N-1 participants. A replacement starts
+   right away; ``torchft_join_start_to_step_s`` runs from its process start to its first
+   committed step in which it trained with all N (torchft's heal, a state fetch over HTTP
+   from a peer, comes before it), in the phases of :func:`join_phases` (``launch`` is only
+   the interpreter here: the worker stamps its start before importing torch, where ftmesh's
+   stamps it after). ``vs_torchft_kill`` and ``vs_torchft_join`` are ftmesh's medians over
+   torchft's (under 1: ftmesh is faster); the goals of issue #30 are ``vs_torchft_kill`` <= 0.5
+   and ``vs_torchft_join`` <= 1.
+
 Per round: ``kill_breakdowns_s``, ``leave_breakdowns_s`` and ``sigstop_breakdowns_s`` hold
 the milestones above for every kill, SIGTERM and SIGSTOP round, and each ``*_to_step_s`` its
 ``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.bench.plots``).
