@@ -23,18 +23,19 @@ A killed peer makes the allreduce fail (its sockets close) or time out (the proc
 ``--pg-timeout``); the step does not commit and the next ``start_quorum`` waits for the
 lighthouse to drop the dead replica.
 
-Tuned settings (what the bench passes; torchft's defaults in brackets), chosen as torchft
-documents them for fast recovery on one host: lighthouse ``min_replicas=1`` (a quorum of the
-survivors is valid), ``quorum_tick_ms=10`` [100], ``join_timeout_ms=100`` [60000] (how long a
-quorum waits for a replica that heartbeats but has not asked), ``heartbeat_timeout_ms=500``
-[5000]; manager ``heartbeat_interval=50 ms`` [100 ms], ``min_replica_size=1``,
-``use_async_quorum=False`` (a joiner heals *before* its first forward pass and trains in its
-first committed step, as an ftmesh joiner does; with the async default its first step would
-only heal), ``init_sync=False`` (every replica builds the same model from the same seed),
-``timeout=5 s`` [60 s] for RPCs and the checkpoint fetch, process group timeout ``1 s``
-[60 s]: a survivor whose ring neighbour is alive but gave up on the step waits for it (that
-neighbour's sockets stay open until its next quorum), so this timeout bounds the wait; the
-lighthouse's majority rule (a quorum needs more than half the heartbeating replicas) makes
+Tuned settings (what the bench passes; torchft's defaults in brackets), chosen for fast
+recovery on one host from the knobs torchft documents (``torchft_lighthouse --help``, the
+``Manager`` docstring; its own lighthouse tests use a 100 ms join timeout): lighthouse
+``min_replicas=1`` (a quorum of the survivors is valid), ``quorum_tick_ms=10`` [100],
+``join_timeout_ms=100`` [60000] (how long a quorum waits for a replica that heartbeats but has
+not asked), ``heartbeat_timeout_ms=500`` [5000]; manager ``heartbeat_interval=50 ms`` [100 ms],
+``min_replica_size=1``, ``use_async_quorum=False`` (a joiner heals *before* its first forward
+pass and trains in its first committed step, as an ftmesh joiner does; with the async default
+its first step would only heal), ``init_sync=False`` (every replica builds the same model from
+the same seed), ``timeout=5 s`` [60 s] for RPCs and the checkpoint fetch, process group timeout
+``1 s`` [60 s]: a survivor whose ring neighbour is alive but gave up on the step waits for it
+(that neighbour's sockets stay open until its next quorum), so this timeout bounds the wait;
+the lighthouse's majority rule (a quorum needs more than half the heartbeating replicas) makes
 the others wait for such a survivor too.
 
 Records (``FTMESH {json}`` lines on stdout, each with ``t``, this process's
