@@ -68,6 +68,30 @@ record that shows X (so it includes the record's trip through the pipe, well und
    ratio of the medians (``keep_vs_redo``) and the samples each ``keep`` kill skipped (0 when
    the kill came before the survivors' micro-batches ended, or between steps).
 
+7. **torchft (tuned).** ``--torchft-kills`` rounds on torchft 0.2.0 (``workloads/
+   torchft_worker.py``: the same MLP, data, batch and split; one replica group of one process
+   each, torchft's ``Manager`` with a synchronous quorum and its reconfigurable
+   ``ProcessGroupGloo``, its lighthouse on this host; the tuned settings are
+   :data:`TORCHFT_LIGHTHOUSE` and :data:`TORCHFT_MANAGER`, the worker's header says why).
+   torchft lives in its own venv (torch pinned to its wheel): the workers run under
+   ``--torchft-python``, else ``$FTMESH_TORCHFT_PYTHON``, else this interpreter, whichever is
+   named first, once it has been seen to ``import torchft``; when it cannot, one line says
+   torchft is not installed, the torchft fields and ratios are ``null`` (``torchft_skipped``
+   says why) and the run goes on. Half the rounds run before the ftmesh phases and half after,
+   each half on a fresh torchft job, so a drifting host load weighs on both alike. Each round
+   is timed like an ftmesh kill (all N trained two steps together, a random fraction of a step
+   period, SIGKILL of a random replica): ``torchft_kill_to_step_s`` runs to the first step a
+   survivor commits with fewer than N participants (N-1, or fewer when the lighthouse's join
+   timeout also left out a survivor that asked late: under load torchft can run such quorums
+   for many steps). A replacement starts right away; ``torchft_join_start_to_step_s`` runs from
+   its process start to its first committed step in which it trained (torchft's heal, a state
+   fetch over HTTP from a peer, comes before it; ``first_step_world`` says with how many), in
+   the phases of :func:`join_phases` (``launch`` is only the interpreter here: the worker
+   stamps its start before importing torch, where ftmesh's stamps it after).
+   ``vs_torchft_kill`` and ``vs_torchft_join`` are ftmesh's medians over torchft's (under 1:
+   ftmesh is faster); the goals of issue #30 are ``vs_torchft_kill`` <= 0.5 and
+   ``vs_torchft_join`` <= 1.
+
 Per round: ``kill_breakdowns_s``, ``leave_breakdowns_s`` and ``sigstop_breakdowns_s`` hold
 the milestones above for every kill, SIGTERM and SIGSTOP round, and each ``*_to_step_s`` its
 ``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.bench.plots``).
@@ -888,6 +912,210 @@ def _torchrun_phase(
     return {"times": times, "breakdowns": breakdowns, "steps_redone": lost, "failures": failures}
 
 
+# -- torchft phase -------------------------------------------------------------------------
+TORCHFT_PYTHON_ENV = "FTMESH_TORCHFT_PYTHON"
+"""The environment variable naming a python that can ``import torchft`` (its own venv)."""
+
+TORCHFT_LIGHTHOUSE = {
+    "--min-replicas": "1",
+    "--quorum-tick-ms": "10",
+    "--join-timeout-ms": "100",
+    "--heartbeat-timeout-ms": "500",
+}
+"""The lighthouse's tuned settings (``workloads/torchft_worker.py`` says why)."""
+
+TORCHFT_MANAGER = {"--heartbeat-ms": "50", "--pg-timeout": "1.0", "--timeout": "5.0"}
+"""Each replica's tuned settings (the worker also always runs a synchronous quorum)."""
+
+
+def torchft_python(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The interpreter to run torchft with, or ``None`` and why not: ``--torchft-python``,
+    else ``$FTMESH_TORCHFT_PYTHON``, else this interpreter; each only if it can
+    ``import torchft`` (checked by running it: it lives in another venv)."""
+    chosen = args.torchft_python or os.environ.get(TORCHFT_PYTHON_ENV) or sys.executable
+    try:
+        res = subprocess.run(
+            [chosen, "-c", "import torchft"],
+            capture_output=True,
+            text=True,
+            timeout=300,  # torch's import, on a loaded host
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{chosen} cannot be run ({exc})"
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or ["import failed"])[-1]
+        return None, f"{chosen} cannot import torchft ({last})"
+    return chosen, ""
+
+
+def _torchft_empty() -> dict[str, Any]:
+    return {"kills": [], "attempts": [], "joins": [], "failures": [], "blocks": 0}
+
+
+def torchft_phase(
+    args: argparse.Namespace,
+    log_dir: Path,
+    rng: random.Random,
+    say: Callable[[str], None],
+    kills: int,
+    out: dict[str, Any],
+) -> None:
+    """``kills`` rounds on a fresh torchft job, added to ``out`` (:func:`_torchft_empty`):
+    a lighthouse and N one-process replica groups (``workloads/torchft_worker.py``) under
+    ``args.torchft``, the interpreter of torchft's venv. Timed like the ftmesh kills: once
+    all N trained two steps together, a random fraction of a step period, SIGKILL a random
+    replica, and the first step a survivor commits with fewer than N participants
+    (``out["kills"]``); then a replacement starts, and process start -> its first committed
+    step in which it trained (``out["joins"]``, with its phases), as ftmesh's joiner's first
+    step; the next round waits for all N to train together again."""
+    n = args.procs
+    out["blocks"] += 1
+    where = log_dir / f"torchft-{out['blocks']}"
+    where.mkdir(parents=True, exist_ok=True)
+    procs = Procs(_env(n), where)
+    worker = str(WORKLOADS / "torchft_worker.py")
+    py: str = args.torchft
+    steps: dict[int, list[dict[str, Any]]] = {}  # by pid: its step records, recv-stamped
+    hellos: dict[int, dict[str, Any]] = {}
+    lighthouse: list[str] = []
+    replicas: list[Proc] = []
+
+    def ingest(ev: Event) -> None:
+        t, proc, rec = ev
+        if "lighthouse" in rec:
+            lighthouse.append(str(rec["lighthouse"]))
+        elif rec.get("hello"):
+            hellos[proc.pid] = rec
+        elif "step" in rec:
+            steps.setdefault(proc.pid, []).append({**rec, "recv": t})
+
+    def wait(pred: Callable[[Event], bool], what: str) -> Event:
+        return procs.wait(pred, args.wait_timeout, what, ingest)
+
+    def live() -> list[Proc]:
+        return [p for p in replicas if not p.killed]
+
+    def start() -> Proc:
+        index = len(replicas)
+        argv = [py, worker, "--lighthouse", lighthouse[0], "--index", str(index)]
+        argv += ["--state-mb", str(args.state_mb), "--global-batch", str(args.global_batch)]
+        argv += ["--step-delay", str(args.step_delay), "--seed", str(args.seed)]
+        argv += [x for kv in TORCHFT_MANAGER.items() for x in kv]
+        proc = procs.start(argv, f"torchft-r{index}")
+        replicas.append(proc)
+        return proc
+
+    def full(_: Event) -> bool:
+        return len(live()) == n and all(
+            sum(1 for r in steps.get(p.pid, [])[-2:] if r["world"] == n) == 2 for p in live()
+        )
+
+    def period() -> float:
+        ds = [
+            statistics.median(np.diff([r["t"] for r in steps[p.pid][-12:]]).tolist())
+            for p in live()
+            if len(steps.get(p.pid, [])) >= 3
+        ]
+        return statistics.median(ds) if ds else 0.1
+
+    try:
+        lh = [py, worker, "--lighthouse-server"]
+        procs.start(lh + [x for kv in TORCHFT_LIGHTHOUSE.items() for x in kv], "torchft-lh")
+        wait(lambda _: bool(lighthouse), "torchft's lighthouse")
+        for _ in range(n):
+            start()
+        wait(full, f"{n} torchft replicas training together")
+        say(f"torchft: {n} replicas training, step period {period() * 1e3:.0f} ms")
+        for k in range(kills):
+            time.sleep(rng.uniform(0, period()))
+            victim = rng.choice(live())
+            t0 = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.killed = True
+
+            def without(ev: Event, victim: Proc = victim, t0: float = t0) -> bool:
+                # Fewer than N: without the victim, and maybe without a slow survivor too
+                # (the lighthouse's join timeout leaves out one that asks late; under load
+                # such quorums can go on for many steps before all N-1 are back).
+                t, proc, rec = ev
+                return proc is not victim and 0 < int(rec.get("world", n)) < n and t >= t0
+
+            ev = wait(without, f"a torchft step without killed {victim.name}")
+            out["kills"].append(ev[0] - t0)
+            out["attempts"].append(int(ev[2].get("attempts", 0)))
+            joiner = start()
+
+            def joined(ev: Event, joiner: Proc = joiner) -> bool:
+                return ev[1] is joiner and bool(ev[2].get("participating"))
+
+            jev = wait(joined, f"torchft replacement {joiner.name} to train")
+            phases = join_phases(joiner.started, hellos.get(joiner.pid), jev[0])
+            out["joins"].append(
+                {
+                    "start_to_step_s": jev[0] - joiner.started,
+                    **phases,
+                    "model_s": float(hello["t_model"] - hello["t_imported"])
+                    if (hello := hellos.get(joiner.pid))
+                    else None,
+                    "healed": any(r.get("healed") for r in steps[joiner.pid]),
+                    "steps_before_full": len(steps[joiner.pid]) - 1,
+                    "first_step_world": int(jev[2]["world"]),
+                    "first_step": int(jev[2]["step"]),
+                    "survivors_step": max(
+                        int(steps[p.pid][-1]["step"])
+                        for p in live()
+                        if p is not joiner and steps.get(p.pid)
+                    ),
+                }
+            )
+            say(
+                f"torchft kill {k + 1}/{kills}: {victim.name} -> step in "
+                f"{out['kills'][-1]:.3f}s; joiner {joiner.name} start -> step in "
+                f"{out['joins'][-1]['start_to_step_s']:.3f}s"
+            )
+            wait(full, f"{n} torchft replicas training together again")
+    except BenchError as exc:
+        out["failures"].append(f"torchft: {exc}")
+    finally:
+        procs.close()
+
+
+def _torchft_summary(
+    tf: dict[str, Any], kill: dict[str, Any], join: float | None, skipped: str
+) -> dict[str, Any]:
+    """The torchft figures and the ratios (ftmesh over torchft: under 1, ftmesh is faster);
+    all ``None`` when torchft did not run (``skipped`` says why)."""
+    kills, joins = _stats(tf["kills"]), tf["joins"]
+    tjoin = _median([j["start_to_step_s"] for j in joins])
+    return {
+        "torchft_skipped": skipped or None,
+        "torchft_settings": {
+            "lighthouse": {
+                k.strip("-").replace("-", "_"): int(v) for k, v in TORCHFT_LIGHTHOUSE.items()
+            },
+            "manager": {
+                **{k.strip("-").replace("-", "_"): float(v) for k, v in TORCHFT_MANAGER.items()},
+                "use_async_quorum": False,
+                "process_group": "ProcessGroupGloo",
+            },
+        }
+        if not skipped
+        else None,
+        "torchft_kill_to_step_s": kills if not skipped else None,
+        "torchft_kill_attempts": _counts(tf["attempts"]) if not skipped else None,
+        "torchft_join_start_to_step_s": tjoin,
+        "torchft_join_phases_s": {k: _median([j.get(k) for j in joins]) for k in JOIN_PHASES}
+        if joins
+        else None,
+        "torchft_joins_detail": joins if not skipped else None,
+        "vs_torchft_kill": kill["median"] / kills["median"]
+        if kill["median"] and kills["median"]
+        else None,
+        "vs_torchft_join": join / tjoin if join and tjoin else None,
+    }
+
+
 def _join_summary(state_mb: float, ft: dict[str, Any], ceiling: float) -> dict[str, Any]:
     joins = ft["joins"]
     sync = _median([j["bytes"] / j["sync_seconds"] / 1e6 for j in joins if j["sync_seconds"]])
@@ -998,8 +1226,20 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
     log_dir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="ftmesh-bench-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    tf, skipped = _torchft_empty(), "--torchft-kills 0"
+    if args.torchft_kills > 0:
+        args.torchft, skipped = torchft_python(args)
+        if args.torchft is None:
+            say(f"torchft is not installed: {skipped}; the torchft ratios are skipped (null)")
+    # Half the torchft kills before the ftmesh phases and half after: a drifting host load
+    # weighs on both alike.
+    before = 0 if skipped else args.torchft_kills // 2
     try:
+        if before:
+            torchft_phase(args, log_dir, rng, say, before, tf)
         ft = _ftmesh_phases(args, log_dir, rng, say)
+        if not skipped:
+            torchft_phase(args, log_dir, rng, say, args.torchft_kills - before, tf)
         nbytes = ft["state_bytes"] or int(args.state_mb * (1 << 20))
         ceiling = raw_tcp_mb_per_s(nbytes)
         ceiling_fresh = raw_tcp_mb_per_s(nbytes, fresh=True)
@@ -1086,9 +1326,11 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "failures": ft["failures"]
         + pol["failures"]
         + tr["failures"]
-        + [f for row in by_size for f in row["failures"]],
+        + [f for row in by_size for f in row["failures"]]
+        + tf["failures"],
         "wall_s": time.monotonic() - started,
     }
+    result.update(_torchft_summary(tf, kill, result["join_start_to_step_s"], skipped))
     result["goals"] = {
         "kill_median_under_0.5s": kill["median"] is not None and kill["median"] < 0.5,
         # A planned departure: the survivors lose under 50 ms (p99) and redo no step.
@@ -1102,6 +1344,10 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "join_transfer_at_least_half_ceiling": largest["join_transfer_vs_ceiling"] is not None
         and largest["join_transfer_vs_ceiling"] >= 0.5,
     }
+    if not skipped:  # issue #30: at most half torchft's kill -> step, joins no slower
+        vk, vj = result["vs_torchft_kill"], result["vs_torchft_join"]
+        result["goals"]["kill_at_most_half_torchft"] = vk is not None and vk <= 0.5
+        result["goals"]["join_at_most_torchft"] = vj is not None and vj <= 1.0
     return result
 
 
@@ -1153,12 +1399,27 @@ def format_report(r: dict[str, Any]) -> str:
         + "; attempts of the step (first survivor): "
         + ", ".join(f"{n} x{c}" for n, c in r["kill_attempts_count"].items()),
         _policy_line(r["recovery_policies"]),
+        _torchft_line(r),
         "  torchrun breakdown (median s after the kill): "
         + ", ".join(f"{key} {_fmt(v, '')}" for key, v in r["torchrun_breakdown_s"].items()),
         "  goals: " + ", ".join(f"{g} {'yes' if ok else 'NO'}" for g, ok in r["goals"].items()),
     ]
     lines += [f"  failure: {f}" for f in r["failures"]]
     return "\n".join(lines)
+
+
+def _torchft_line(r: dict[str, Any]) -> str:
+    if r["torchft_skipped"]:
+        return f"  torchft: skipped ({r['torchft_skipped']})"
+    k, j = r["torchft_kill_to_step_s"], r["torchft_join_start_to_step_s"]
+    phases = r["torchft_join_phases_s"] or {}
+    return (
+        f"  torchft (tuned): kill -9 -> next step median {_fmt(k['median'])} (n={k['n']}), "
+        f"ftmesh/torchft {_fmt(r['vs_torchft_kill'], 'x')}; joiner start -> first step median "
+        f"{_fmt(j)} (phases: "
+        + ", ".join(f"{key[:-2]} {_fmt(v, '')}" for key, v in phases.items())
+        + f"), ftmesh/torchft {_fmt(r['vs_torchft_join'], 'x')}"
+    )
 
 
 def _policy_line(p: dict[str, Any]) -> str:
@@ -1202,6 +1463,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=-1,
         help="kill rounds under torchrun (-1: min(kills, 4))",
     )
+    ap.add_argument(
+        "--torchft-kills",
+        type=int,
+        default=-1,
+        help="kill rounds under torchft, each followed by a joiner, half before the ftmesh "
+        "phases and half after (-1: min(kills, 4); 0: none)",
+    )
+    ap.add_argument(
+        "--torchft-python",
+        default="",
+        metavar="PATH",
+        help=f"a python that can import torchft (default: ${TORCHFT_PYTHON_ENV}, else this one)",
+    )
     ap.add_argument("--state-mb", type=float, default=16.0, help="model + optimizer state, MiB")
     ap.add_argument(
         "--join-sizes",
@@ -1238,6 +1512,8 @@ def run(args: argparse.Namespace) -> int:
         args.torchrun_kills = min(args.kills, 4)
     if args.policy_kills < 0:
         args.policy_kills = min(args.kills, 4)
+    if args.torchft_kills < 0:
+        args.torchft_kills = min(args.kills, 4)
     if problem := plot_path_error(args.plot):  # before a run that can take minutes
         print(f"ftmesh bench recovery: error: {problem}", file=sys.stderr)
         return 2
