@@ -17,13 +17,15 @@ round) and their last lines:
   part, the outer optimizer's momentum), every round of the run is committed by someone, each
   a round of ``H`` x 32 samples, and no member repeats or skips a round without a sync.
 * **The kill lands in a round**: the victim runs without a pause between rounds, so when the
-  test sees its record of round ``KILL_AT`` it is already computing round ``KILL_AT + 1``
-  (the others, paced, enter that round ``PACE`` after their commit of the last, well before
-  the membership declares a killed member dead: 0.59 s median in ``ftmesh bench kill``, more
-  with the worker's default ``lan`` preset), so the survivors' first attempt of that round
-  holds the victim and fails, and they commit the round on a later attempt of two members,
-  with the outer gradients they had computed (``ftmesh.torch.diloco``): ``attempts`` >= 2,
-  ``members`` and ``computing`` 2.
+  test sees its record of round ``KILL_AT`` it is already computing round ``KILL_AT + 1``;
+  it never commits that round, and the survivors commit it as a round of two members who
+  both computed it (``members`` and ``computing`` 2, a whole round of samples). Whether
+  their first attempt of it still held the victim depends on how fast its death is seen:
+  the data plane reports the closed connections of a killed process at once, usually
+  before the survivors, paced, enter the round (one attempt); when it is seen later, the
+  attempt fails and they commit on a later one with the outer gradients they had computed
+  (``attempts`` >= 2; that retry is proven in process by
+  ``tests/test_training_diloco.py::test_a_member_lost_mid_round_is_left_out_of_it``).
 * **The outer state restored on the joiner**: its first record is a round it entered with a
   sync (``synced``, ``fetched`` > 0), after the kill, before the end; the digest of its outer
   optimizer's state (the record's ``outer``: the ``outer_optimizer`` part alone) equals the
@@ -199,7 +201,6 @@ def test_diloco_on_three_lab_hosts_through_a_kill_and_a_join(
     for theirs in survivors:
         rec = theirs[lost]
         assert rec["members"] == 2 and rec["computing"] == 2 and rec["samples"] == ROUND, rec
-        assert rec["attempts"] >= 2, f"the first attempt of round {lost} did not hold the victim"
 
     # the join: mid-run, with a sync, and the outer state the survivors hold
     first = mine[min(mine)]
