@@ -6,6 +6,7 @@ committed weights are those of single-process SGD on the samples actually traine
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import cast
 
 import numpy as np
@@ -27,7 +28,7 @@ from trainer_sim import (
 
 from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.torch import ElasticTrainer
-from ftmesh.torch.keep import KeptContribution
+from ftmesh.torch.keep import Kept, KeptContribution
 
 
 def test_a_whole_copy_is_sent_again_rescaled_even_after_the_wire_was_reduced() -> None:
@@ -61,6 +62,47 @@ def test_without_a_whole_copy_zeros_go_out_and_a_new_attempt_starts_over() -> No
     assert kept.kept_for(0)
     kept.clear()  # committed
     assert not kept.kept_for(0)
+
+
+def test_a_kept_round_sends_its_parts_as_they_are_and_lets_them_go_when_it_ends() -> None:
+    # DiLoCo's use (``Rounds``): the parts are the Δ tensors themselves, put by reference,
+    # sent with factor 1 (a plain copy, whatever their dtype), zeros for a parameter outside
+    # the kept parts (streaming: outside the step's fragment) and for another round.
+    kept = Kept()
+    delta = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    kept.expect(7, parts=1)
+    assert not kept.kept_for(7)
+    kept.put(0, delta)
+    kept.loss_sum, kept.samples = 6.0, 3
+    assert kept.kept_for(7) and not kept.kept_for(6)
+    grad, other = torch.full((2,), 9.0), torch.full((3,), 9.0)
+    kept.contribute(7, 0, grad)
+    kept.contribute(7, 1, other)  # no part 1: zeros
+    assert grad.tolist() == [1.5, -2.0] and other.tolist() == [0.0, 0.0, 0.0]
+    kept.contribute(8, 0, grad)  # another round: nothing kept for it
+    assert grad.tolist() == [0.0, 0.0]
+    ref = weakref.ref(delta)
+    del delta
+    assert ref() is not None  # held while the round is kept
+    kept.clear()
+    assert ref() is None and not kept.kept_for(7)  # the outer step let it go
+    kept.expect(8, parts=1)  # a new round starts from nothing kept
+    assert kept.loss_sum == 0.0 and kept.samples == 0 and not kept.kept_for(8)
+
+
+def test_the_trainer_copies_outlive_clear_and_are_reused() -> None:
+    kept = KeptContribution()
+    grads = np.ones(4, dtype=np.float32)
+    kept.start(0, np.arange(2), buckets=1)
+    kept.keep(1, grads, nonfinite=False)
+    first = kept._copies[1]
+    kept.clear()
+    kept.start(1, np.arange(2), buckets=1)
+    kept.keep(1, grads * 3.0, nonfinite=False)
+    assert kept._copies[1] is first  # the same array, rewritten
+    out = np.zeros(4, dtype=np.float32)
+    kept.contribute(1, 1, out)
+    assert out.tolist() == [3.0] * 4 and kept.samples == 2
 
 
 # -- three trainers on the in-process fake mesh (``trainer_sim``) -----------------------------

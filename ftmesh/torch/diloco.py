@@ -80,6 +80,7 @@ import torch
 from ..errors import LocalUsageError
 from ..training.config import DiLoCo
 from .buckets import GradBuckets, micro_batches
+from .keep import Kept
 
 __all__ = ["DiLoCo", "InnerRun", "Rounds", "fragments_of", "inner_batches"]
 
@@ -123,20 +124,6 @@ class InnerRun:
     """The inner steps' losses times their samples, summed."""
 
 
-@dataclass
-class _Kept:
-    """What a member computed of a round: kept across the round's attempts."""
-
-    index: int
-    delta: list[torch.Tensor | None]
-    """``θ - θ_local`` per parameter (streaming: ``None`` outside the step's fragment)."""
-    local: list[torch.Tensor] | None
-    """Streaming: the member's local parameters after the step's inner steps."""
-    loss_sum: float
-    """The inner steps' losses times their samples, summed."""
-    samples: int
-
-
 class Rounds:
     """One trainer's DiLoCo state: the outer optimizer, the inner optimizer's local state and
     the outer gradient of the round in progress; see the module docstring."""
@@ -155,7 +142,11 @@ class Rounds:
         )
         self._inner_state: collections.defaultdict[Any, Any] = collections.defaultdict(dict)
         """The inner optimizer's state between rounds (member-local)."""
-        self._kept: _Kept | None = None
+        self._kept = Kept()
+        """The round's ``Δ`` (``ftmesh.torch.keep``): parameter position -> ``θ - θ_local``
+        (streaming: the step's fragment only), kept across the round's attempts."""
+        self._kept_local: list[torch.Tensor] | None = None
+        """Streaming: the member's local parameters after the kept round's inner steps."""
         self.fragment_of = (
             fragments_of([p.numel() for p in params], settings.fragments)
             if settings.fragments > 1
@@ -176,7 +167,7 @@ class Rounds:
 
     def kept_for(self, index: int) -> bool:
         """Whether this member holds its outer gradient of round ``index``."""
-        return self._kept is not None and self._kept.index == index
+        return self._kept.kept_for(index)
 
     @contextlib.contextmanager
     def _inner_optimizer(self) -> Iterator[None]:
@@ -245,7 +236,12 @@ class Rounds:
             with torch.no_grad():
                 for g, p in zip(start, self.params, strict=True):
                     p.copy_(g)
-        self._kept = _Kept(index, delta, local, acc.loss_sum, samples)
+        kept = self._kept
+        kept.expect(index, sum(d is not None for d in delta))
+        for k, d in enumerate(delta):
+            if d is not None:
+                kept.put(k, d)
+        kept.loss_sum, kept.samples, self._kept_local = acc.loss_sum, samples, local
         self.rounds_computed += 1
 
     def _in(self, k: int, fragment: int | None) -> bool:
@@ -257,16 +253,11 @@ class Rounds:
         ``weight * Δ`` (zeros without one: a hot spare); returns the mean loss of the inner
         steps (0 without)."""
         buckets.micro_batch(weight, last=True)  # (attaches the bucket views as .grad)
-        kept = self._kept if self.kept_for(index) else None
-        with torch.no_grad():
-            for k, p in enumerate(self.params):
-                assert p.grad is not None
-                d = kept.delta[k] if kept is not None else None
-                if d is None:
-                    p.grad.zero_()
-                else:
-                    p.grad.copy_(d)
-        if kept is None or not kept.samples:
+        for k, p in enumerate(self.params):
+            assert p.grad is not None
+            self._kept.contribute(index, k, p.grad)
+        kept = self._kept
+        if not kept.kept_for(index) or not kept.samples:
             return 0.0
         return kept.loss_sum / kept.samples
 
@@ -286,13 +277,14 @@ class Rounds:
             finally:
                 for p, g in zip(self.params, grads, strict=True):
                     p.grad = g
-        kept = self._kept if self.kept_for(index) else None
-        if due is not None and kept is not None and kept.local is not None:
+        local = self._kept_local if self.kept_for(index) else None
+        if due is not None and local is not None:
             with torch.no_grad():
-                for k, (p, mine) in enumerate(zip(self.params, kept.local, strict=True)):
+                for k, (p, mine) in enumerate(zip(self.params, local, strict=True)):
                     if self._in(k, due):
                         mine.copy_(p.detach())
-            self.local, self.local_step = kept.local, index
+            self.local, self.local_step = local, index
         else:
             self.local, self.local_step = None, -1
-        self._kept = None
+        self._kept.clear()
+        self._kept_local = None

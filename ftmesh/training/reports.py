@@ -63,7 +63,15 @@ class StepReport:
     skipped: int = 0
     """Samples of the global batch the step did not train (``TrainerConfig.recovery="keep"``:
     the shares of the members lost during the step; ``loss`` and the update are then the
-    mean over the ``samples - skipped`` trained). 0 for an adopted step, whatever it skipped."""
+    mean over the ``samples - skipped`` trained). 0 for an adopted step, whatever it skipped:
+    the member took that step's state in a sync, and nothing it holds then says what the
+    committing attempt trained. A joiner knows nothing of the step; a member that failed at the
+    step's end cannot tell whether the others committed the attempt it was in, or a later,
+    kept attempt without it, which skipped its share as well; and the sync carries each
+    member's committed step, state size and digest (``ftmesh.training.protocol``), not this.
+    Reporting it would take one more slot per member in the sync vector, a protocol change.
+    (``loss`` is ``nan`` for the same reason; ``samples_skipped_total`` counts the skipped
+    samples of the steps this member computed only.)"""
 
 
 @dataclass(frozen=True, slots=True)
