@@ -63,6 +63,7 @@ def _delivered(lan: VirtualLan, src: int, dst: int, n: int = 400) -> int:
 
 
 @pytest.mark.netns
+@pytest.mark.timing  # a loss rate: 30 % end to end (a starved receiver would drop more)
 @needs_root
 def test_partition_heal_and_lan_loss() -> None:
     with VirtualLan(hosts=3) as lan:
