@@ -306,6 +306,9 @@ def _lab_cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.netns
 @needs_root
+# six CLI processes, each importing ftmesh: 6 s alone, 24 s to over 30 s beside two other labs
+# at load 20+ (the module's 30 s fits the other tests)
+@pytest.mark.timeout(90)
 def test_cli_two_sites_up_wan_status_down(tmp_path: Path) -> None:
     """docs/guide/lab.md's ``ftmesh lab up --sites 2x2 --wan-rate 20mbit --wan-delay 50ms``
     (with ``--name`` to keep the test's lab apart), then ``wan``, ``run``, ``status``,
