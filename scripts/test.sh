@@ -2,9 +2,12 @@
 # Sets up (if needed) and runs every check: ruff, mypy, the import contracts, the docs site
 # (strict) and the whole pytest suite (what CI runs), and prints its slowest tests; arguments
 # go to pytest. The suite runs serially by default (about 40 minutes on 2 cores).
-# FTMESH_TEST_WORKERS=3 runs it on 3 xdist workers (the lab's network namespaces and the heavy
-# trainings each in one group, the rest spread, see tests/conftest.py), then the tests marked
-# `quiet` (timing that holds only on a lightly loaded host) serially after them.
+# FTMESH_TEST_WORKERS=3 runs it on 3 xdist workers, then the tests marked `quiet` (timing that
+# holds only on a lightly loaded host) serially after them. In the parallel run each xdist
+# group runs on one worker, one test at a time (tests/conftest.py says which test goes where):
+# `lab` holds the lab tests marked `timing` (CPU throttles, fail-slow, loss rates, latency
+# bounds, measured round trips), `lab-a` and `lab-b` split the functional lab tests (their
+# namespaces never collide) and `train` holds the heaviest trainings; the rest spreads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

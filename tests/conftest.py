@@ -3,10 +3,37 @@
 - ``node_group``: ``ftmesh node`` processes on this host, killed after the test.
 - ``references`` / ``single_run``: single-process reference runs of the examples, one per
   argument set, cached on disk keyed by the code (``tests_support.References``).
-- xdist groups (``FTMESH_TEST_WORKERS=3 scripts/test.sh`` runs ``-n 3 --dist loadgroup``):
-  every ``netns`` test in group ``lab`` (namespaces, cgroup throttles and timing share the
-  host: one at a time), the heaviest CPU trainings (``TRAIN_FILES``) in group ``train``; the
-  rest spreads over the workers, mostly waiting, so three workers overlap it on two cores.
+- xdist groups (``FTMESH_TEST_WORKERS=3 scripts/test.sh`` runs ``-n 3 --dist loadgroup``): a
+  test in a group runs on that group's one worker, one after another; the rest spreads over
+  the workers, mostly waiting, so three workers overlap it on two cores.
+
+  - ``lab``: the ``netns`` tests marked ``timing`` (and ``quiet``, in a run that selects
+    them, such as ``-m netns``), one at a time. Their assertion is about
+    time, rates or CPU, which another lab beside them would bend: cgroup CPU throttles and
+    fail-slow pulses (``test_lab_slowness``, ``test_lab_uneven``), loss rates
+    (``set_lan_loss``: the 30 % of ``test_lab_netns``, the 10 % minute of
+    ``test_lab_scenarios``), latency bounds (kill -9 declared dead within the preset's bound),
+    measured round trips (``test_ring_plan_lab``: sites from measured latency), and runs
+    that must see no false death or no retry under faults (the chaos soaks, the docs' chaos
+    line, the convergence bench smoke). Timing that holds only on a lightly loaded host is
+    marked ``quiet`` instead and runs serially after the parallel run.
+  - ``lab-a``, ``lab-b``: every other ``netns`` test: functional properties (a mesh forms, a
+    command runs as written, pods, NAT, a partition heals, state moves), which hold beside
+    other labs. Two labs never collide: a lab's names carry its creator's pid and a counter
+    (``ftm<pid>x<n>``, ``ftmesh.lab.netns``, which also sweeps a dead process's leftovers
+    that carry a reused pid), every bridge, veth, TUN, nftables table and
+    WAN control socket lives inside the lab's own namespaces, a throttled host's cgroup is
+    named after its namespace, and the tests' persistent labs (``--name``) have names of
+    their own. A test that SIGKILLs a lab's creator gives it a base of its own
+    (``cleanup_stale(base)``), so that no other lab's constructor sweeps it first and no
+    other test's leak check sees it. A module's tests share one of the two groups
+    (``LAB_GROUPS``: module fixtures such as ``test_k8s_pods``'s image are built once;
+    chosen so that the two groups take about as long); a module not listed goes to
+    ``lab-a``. The rule for a new lab test: mark it ``timing`` when what it asserts would
+    change if the host were busier (a time, a rate, a CPU share, no suspicion or no retry
+    under faults); a test that only waits, however long, for something to happen is
+    functional.
+  - ``train``: the heaviest CPU trainings (``TRAIN_FILES``), one at a time.
 - The leak check (every test): a test errors at teardown when, once its
   fixtures are torn down, a thread, a live child process, an open file descriptor (a file, a
   socket, a pipe, an epoll) or a lab network namespace is left
@@ -85,6 +112,22 @@ TRAIN_FILES = frozenset(
 (xdist group ``train``), so that their step-gated chaos and the benches' no-retry asserts
 are not starved by each other (seen: 4 retries in the train bench's smoke beside them)."""
 
+LAB_GROUPS = {
+    "test_k8s_pods.py": "lab-b",
+    "test_lab_doors.py": "lab-a",
+    "test_training_partition.py": "lab-a",
+    "test_lab_scenarios.py": "lab-a",
+    "test_mesh_netns.py": "lab-a",
+    "test_lab_nat.py": "lab-a",
+    "test_lab_netns.py": "lab-a",
+    "test_lab_wan.py": "lab-a",
+    "test_discovery_mdns.py": "lab-a",
+    "test_reach_procs.py": "lab-a",
+    "test_bench_smoke.py": "lab-b",
+}
+"""xdist group of each module's functional lab tests (not marked ``timing``), chosen from their
+measured times so that the two groups take about as long (docs/STATUS.md, "The suite")."""
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     from multiprocessing import resource_tracker
@@ -100,7 +143,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("netns"):
-            item.add_marker(pytest.mark.xdist_group("lab"))
+            if item.get_closest_marker("timing") or item.get_closest_marker("quiet"):
+                group = "lab"
+            else:
+                group = LAB_GROUPS.get(item.path.name, "lab-a")
+            item.add_marker(pytest.mark.xdist_group(group))
         elif item.path.name in TRAIN_FILES:
             item.add_marker(pytest.mark.xdist_group("train"))
 
@@ -215,8 +262,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     if base is not None and not item.get_closest_marker("leaks_ok"):
         threads, children, namespaces, fds = base
         if not item.get_closest_marker("netns"):
-            # only netns tests make labs (one at a time, in xdist group "lab"): the others
-            # would see the lab worker's namespaces come and go
+            # only netns tests make labs: the others would see the lab workers' namespaces
+            # come and go (a netns test counts only its own, ``_ours``)
             namespaces = NO_NAMESPACES
         leaked = _leaks(threads, children, namespaces, fds)
         if leaked:

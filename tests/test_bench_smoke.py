@@ -305,6 +305,7 @@ def test_allreduce_bench_two_sites_smoke() -> None:
 
 
 @pytest.mark.netns
+@pytest.mark.timing  # no retry in either run: a false suspicion under load would retry a step
 @needs_root
 def test_convergence_bench_lab_smoke() -> None:
     """Synchronous float32 against DiLoCo with int8 outer gradients: both reach the target,

@@ -63,6 +63,7 @@ def _delivered(lan: VirtualLan, src: int, dst: int, n: int = 400) -> int:
 
 
 @pytest.mark.netns
+@pytest.mark.timing  # a loss rate: 30 % end to end (a starved receiver would drop more)
 @needs_root
 def test_partition_heal_and_lan_loss() -> None:
     with VirtualLan(hosts=3) as lan:
@@ -104,6 +105,30 @@ def test_persistent_lab_outlives_its_object() -> None:
             VirtualLan.attach(state)
     finally:
         cleanup_named(name)
+
+
+@pytest.mark.netns
+@needs_root
+def test_a_reused_pid_does_not_inherit_a_dead_labs_names() -> None:
+    """Pids are reused (``pid_max`` may be 32768), so a SIGKILLed creator's leftover lab can
+    carry this process's pid and the very name its next lab would get. Building that lab
+    sweeps the leftover (this process made none of it) instead of failing on the taken name,
+    and keeps this process's own live lab."""
+    with VirtualLan(hosts=1, prefix="ftmpid") as mine:
+        counter = int(mine.prefix.rsplit("x", 1)[1])
+        left = f"ftmpid{os.getpid()}x{counter + 1}"  # the next lab's name in this process
+        leftovers = [f"{left}br", f"{left}h0"]
+        try:
+            for ns in leftovers:
+                subprocess.run(["ip", "netns", "add", ns], check=True, timeout=15)
+            with VirtualLan(hosts=1, prefix="ftmpid") as after:
+                assert after.prefix == left
+                assert after.run(0, ["ip", "-br", "addr"]).stdout.count("10.77.0.1") == 1
+                assert {f"{mine.prefix}br", f"{mine.prefix}h0"} <= set(_list_netns())
+        finally:
+            for ns in leftovers:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=15)
+    assert not [ns for ns in _list_netns() if ns.startswith("ftmpid")]
 
 
 def _lab(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

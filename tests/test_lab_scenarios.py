@@ -90,6 +90,7 @@ def test_mdns_discovery_late_joiner_and_observer(tmp_path: Path) -> None:
         print(f"late joiner in every view {took:.2f}s after its start")
 
 
+@pytest.mark.timing  # loss and no false death under it
 def test_ten_percent_loss_for_a_minute_no_false_deaths(lan4: VirtualLan, tmp_path: Path) -> None:
     """10 % end-to-end loss between every pair of hosts for ``LOSS_SECONDS`` (a minute with
     ``FTMESH_NIGHTLY=1``): members get suspected (and refute) but nobody is declared dead,
@@ -277,6 +278,7 @@ def test_junk_flood_changes_nothing_and_is_counted(lan4: VirtualLan, tmp_path: P
         assert dropped >= 0.9 * total, (sent, stats)
 
 
+@pytest.mark.timing  # a latency bound: declared dead within the preset's detection bound
 def test_kill_minus_nine_host_is_declared_dead_within_bound(
     lan4: VirtualLan, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from ftmesh.lab.netns import LabError, _list_netns
 
 pytestmark = [
     pytest.mark.netns,
+    pytest.mark.timing,  # cgroup CPU throttles and fail-slow pulses
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("ip") is None or not cpu_cgroups_available(),
         reason="needs root (network namespaces) and the cgroup cpu controller; CI runs as root",

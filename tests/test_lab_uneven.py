@@ -53,6 +53,7 @@ from ftmesh.lab import VirtualLan
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.netns,
+    pytest.mark.timing,  # cgroup CPU throttles and fail-slow pulses decide who trains
     pytest.mark.timeout(300),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("ip") is None or not cpu_cgroups_available(),

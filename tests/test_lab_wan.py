@@ -306,6 +306,9 @@ def _lab_cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.netns
 @needs_root
+# six CLI processes, each importing ftmesh: 6 s alone, 24 s to over 30 s beside two other labs
+# at load 20+ (the module's 30 s fits the other tests)
+@pytest.mark.timeout(90)
 def test_cli_two_sites_up_wan_status_down(tmp_path: Path) -> None:
     """docs/guide/lab.md's ``ftmesh lab up --sites 2x2 --wan-rate 20mbit --wan-delay 50ms``
     (with ``--name`` to keep the test's lab apart), then ``wan``, ``run``, ``status``,
@@ -344,11 +347,14 @@ def test_cli_two_sites_up_wan_status_down(tmp_path: Path) -> None:
         )
 
 
+KILLED_BASE = "ftmkill"
+"""The base of the killed creator's lab: no other test's."""
+
 _KILLED_CREATOR = """
 import json, os, sys, time
 from ftmesh.lab import VirtualLan
 from ftmesh.lab.wan import WanLink
-lan = VirtualLan(sites=(1, 1), wan=WanLink(delay_ms=1))
+lan = VirtualLan(sites=(1, 1), wan=WanLink(delay_ms=1), prefix=sys.argv[1])
 print(json.dumps(lan.to_state()), flush=True)
 time.sleep(60)
 """
@@ -357,8 +363,13 @@ time.sleep(60)
 @pytest.mark.netns
 @needs_root
 def test_stale_cleanup_removes_the_forwarder_of_a_killed_lab() -> None:
+    """A lab whose creator was SIGKILLed is removed by ``cleanup_stale``, its WAN forwarder
+    with it. The lab gets a base of its own (``KILLED_BASE``): every lab's constructor sweeps
+    its base's stale labs, so under the default base a lab built meanwhile elsewhere (another
+    xdist worker, another run on the host) could sweep this one first, and another test's
+    leak check would see it."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_CREATOR],
+        [sys.executable, "-c", _KILLED_CREATOR, KILLED_BASE],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -372,7 +383,7 @@ def test_stale_cleanup_removes_the_forwarder_of_a_killed_lab() -> None:
         proc.communicate()
     pid = state["wan_pid"]
     assert is_forwarder(pid, state["prefix"])
-    removed = cleanup_stale("ftm")
+    removed = cleanup_stale(KILLED_BASE)
     assert set(state["namespaces"]) <= set(removed)
     deadline = time.monotonic() + 5
     while is_forwarder(pid, state["prefix"]) and time.monotonic() < deadline:

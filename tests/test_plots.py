@@ -329,6 +329,7 @@ to it."""
 
 @pytest.mark.slow
 @pytest.mark.netns
+@pytest.mark.timing  # a chaos soak: exit 0 means no false death under its faults
 @pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
 def test_lab_chaos_plot_runs_as_written(tmp_path: Path) -> None:
     """The lab page's chaos line, as written: a training soak on three lab hosts, a timeline

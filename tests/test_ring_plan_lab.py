@@ -40,6 +40,7 @@ ROUNDS = 2
 
 @pytest.mark.netns
 @pytest.mark.slow
+@pytest.mark.timing  # the sites come from measured round trips (10 ms apart, 0.1 ms inside)
 @needs_root
 def test_two_measured_sites_plan_alike_and_cross_the_wan_once_per_direction(
     tmp_path: Path,

@@ -48,7 +48,11 @@ Cleanup: ``down()`` signals every process left in the namespaces and deletes the
 idempotent and runs on ``__exit__``, on a failed construction and at interpreter exit. A run
 killed with SIGKILL cannot clean up, so the creating pid is part of every name
 (``<base><pid>x<n>``) and :func:`cleanup_stale` removes namespaces whose creator is dead; the
-constructor calls it for its own base prefix.
+constructor calls it for its own base prefix. Pids are reused (``pid_max`` may be 32768), so a
+killed creator's leftovers can carry the pid of a live process: those carrying this process's
+own pid but made by none of its labs are stale too, and are removed before this process names
+a lab (else its ``<base><pid>x0`` could be taken). Two labs alive at once never share a name:
+their creators' pids differ, or their counters do.
 
 Requires root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's ``ip``; ``tc`` and ``sch_tbf``
 for ``set_rate``; ``nft`` (package ``nftables``) and ``nft_numgen`` for ``set_loss``; TUN
@@ -100,6 +104,7 @@ _NFT_TABLE = "ftmlab"  # nftables table holding loss rules, inside the bridge na
 _ROUTER_PORT = "gw"  # a router's port on its site's bridge (two-site labs)
 _KINDS = r"(?:br\d*|r\d+|h\d+)"  # namespaces of a lab: bridges, routers, hosts
 _counter = itertools.count()
+_made: set[str] = set()  # prefixes of the pid-bound labs this process named (never removed)
 _live: set[VirtualLan] = set()  # strong refs: a lab dropped without down() is still cleaned
 _live_lock = threading.Lock()
 
@@ -209,7 +214,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
-    """Delete lab namespaces under base ``prefix`` whose creating process is dead.
+    """Delete lab namespaces under base ``prefix`` whose creating process is dead (or whose
+    pid is this process's while none of its labs made them: an earlier process's, pid reused).
 
     Names look like ``<prefix><pid>x<n>h<i>`` / ``<prefix><pid>x<n>br`` (and ``br1``,
     ``r0``, ``r1`` for two sites); namespaces of live
@@ -218,11 +224,16 @@ def cleanup_stale(prefix: str = DEFAULT_BASE) -> list[str]:
     processes in them (a two-site lab's WAN forwarder lives in its router ``r0``).
     """
     _require_tools()
-    pattern = re.compile(rf"{re.escape(prefix)}(\d+)x\d+{_KINDS}")
+    pattern = re.compile(rf"({re.escape(prefix)}(\d+)x\d+){_KINDS}")
+    me = os.getpid()
     removed = []
     for ns in _list_netns():
         m = pattern.fullmatch(ns)
-        if m and not _pid_alive(int(m.group(1))):
+        if m is None:
+            continue
+        pid = int(m.group(2))
+        stale = m.group(1) not in _made if pid == me else not _pid_alive(pid)
+        if stale:
             _delete_netns(ns)
             removed.append(ns)
     _remove_stale_cgroups(rf"{re.escape(prefix)}\d+x\d+h\d+")
@@ -313,6 +324,7 @@ class VirtualLan:
         if name is None:
             cleanup_stale(base)
             prefix_full = f"{base}{os.getpid()}x{next(_counter)}"
+            _made.add(prefix_full)
         else:
             prefix_full = name
             taken = [ns for ns in _list_netns() if _owned_by(name, ns)]
