@@ -72,20 +72,10 @@ def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     )
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
-
-
-def held_out_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """The mean cross-entropy on the held-out set (comparable across sync modes, unlike a
-    step's training loss: a DiLoCo round reports its inner steps' mean)."""
-    with torch.no_grad():
-        return float(F.cross_entropy(model(x), y))
-
-
 def evaluation(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """``--eval-every``'s fields of a progress record: the test accuracy and loss."""
+    """The test accuracy and the held-out loss (mean cross-entropy, comparable across sync
+    modes, unlike a step's training loss: a DiLoCo round reports its inner steps' mean); the
+    fields of ``--eval-every``'s progress records."""
     with torch.no_grad():
         out = model(x)
         return {
@@ -440,13 +430,13 @@ def report_result(
         tmp = f"{args.save_model}.{os.getpid()}-{uuid.uuid4().hex}.tmp"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, args.save_model)
-    acc = accuracy(model, x_test, y_test)
+    ev = evaluation(model, x_test, y_test)
     print(
         f"trained {total} steps in {time.monotonic() - started:.1f}s; "
         f"final digest {State(model=model, optimizer=optimizer, rng=False).live_digest()}"
     )
-    print(f"test loss: {held_out_loss(model, x_test, y_test):.4f}")
-    print(f"test accuracy: {acc:.3f}", flush=True)
+    print(f"test loss: {ev['test_loss']:.4f}")
+    print(f"test accuracy: {ev['accuracy']:.3f}", flush=True)
 
 
 if __name__ == "__main__":
