@@ -30,7 +30,7 @@ from ftmesh.state import State
 from ftmesh.torch import ElasticSampler, ElasticTrainer, StepReport
 from lightning.fabric import Fabric
 
-from train_digits import DigitsNet, accuracy, load_data
+from train_digits import DigitsNet, evaluation, load_data
 
 
 def progress(record: dict[str, object]) -> None:
@@ -117,7 +117,7 @@ def main() -> int:
         progress({"done": True, "step": trainer.committed, "digest": trainer.digest()})
     final = State(model=net, optimizer=optimizer.optimizer, rng=False).live_digest()
     print(f"trained {total} steps; final digest {final}")
-    print(f"test accuracy: {accuracy(net, x_test, y_test):.3f}", flush=True)
+    print(f"test accuracy: {evaluation(net, x_test, y_test)['accuracy']:.3f}", flush=True)
     if strategy is not None:
         strategy.teardown()
     return 0
