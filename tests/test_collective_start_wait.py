@@ -12,11 +12,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
+from tests_support import local_mesh_config
 
 from ftmesh.collective import (
     CollectiveConfig,
@@ -28,6 +30,9 @@ from ftmesh.collective import (
     open_data_plane,
 )
 from ftmesh.collective.dataplane import DataPlane
+from ftmesh.mesh.core import open_mesh
+from ftmesh.mesh.meta import Progress
+from ftmesh.torch.between import between_text
 
 IO = 0.5
 """The tests' ``io_timeout``; a late member starts ``LATE`` (4x) after the others."""
@@ -192,3 +197,32 @@ async def test_a_busy_member_is_waited_for_to_open_a_new_views_ring(declared: bo
             # m0 and m1 give up on m2; m2 then finds them gone
             assert all(isinstance(v, ViewMismatchError) for v in out.values()), out
             assert all(out[i].peer == "m2" for i in (0, 1)), out
+
+
+async def test_a_pause_that_just_ended_still_counts_for_io_timeout(tmp_path: Path) -> None:
+    """Real meshes: a member publishes a pause between steps, then its end (as its next
+    step begins). Its neighbour, which may have waited ``io_timeout`` since before the end,
+    learns of the end before the member's first frame: the member still counts as busy for
+    ``io_timeout`` after the end (so it gets that long to send), not as silent at once."""
+    cfg = local_mesh_config(tmp_path, "resumed", io_timeout=2.0)
+    async with open_mesh(cfg) as a, open_mesh(cfg) as b:
+        with trio.fail_after(NO_HANG):
+            await a.wait_view(min_members=2, timeout=NO_HANG)
+        assert a.busy_between_steps(b.node_id) is None  # never paused
+
+        async def seen(busy: bool) -> None:
+            with trio.fail_after(NO_HANG):
+                while (b.node_id in a._between) != busy:
+                    await trio.sleep(0.01)
+
+        b.report_progress(Progress(step=3, fault=between_text(1.0, 3)))
+        await seen(True)
+        assert b.node_id in str(a.busy_between_steps(b.node_id))
+        b.report_progress(Progress(step=3))
+        await seen(False)
+        ended = time.monotonic()
+        assert b.node_id in str(a.busy_between_steps(b.node_id))  # just ended: still waited for
+        with trio.fail_after(NO_HANG):
+            while a.busy_between_steps(b.node_id) is not None:
+                await trio.sleep(0.05)
+        assert time.monotonic() - ended >= 2.0 - 0.1  # io_timeout after the end

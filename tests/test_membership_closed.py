@@ -101,3 +101,34 @@ async def test_a_closed_port_alone_suspects_nobody() -> None:
         # The probe that met the closed port failed only at its end (the probe interval).
         assert trio.current_time() - ignored_at >= SLOW_PROBES.probe_timeout / 2
         assert "closed_port_unreachable" not in a.statistics()
+
+
+@pytest.mark.skipif(IP_RECVERR is None, reason="datagram errors are read on Linux only")
+async def test_datagrams_to_a_dead_member_cost_no_datagram_to_a_live_one() -> None:
+    """With ``IP_RECVERR`` the kernel reports a dead member's ICMP answer on the *next* send,
+    whoever it goes to, and drops that datagram: gossip to the dead (``gossip_to_dead``) then
+    cost every other datagram to the living (lost pings, lost rumours). Every one of those
+    sends is sent again, so none fails, and a live member hears each metadata change."""
+    async with node_and_peer("closed-next-send") as (a, b, _b_id):
+        host, port = a.me().addr
+        config = NodeConfig(mesh="closed-next-send", discovery="none", bind="127.0.0.1",
+                            membership=SLOW_PROBES, join=[f"{host}:{port}"])  # fmt: skip
+        async with open_node(config) as c:
+            with trio.fail_after(30):
+                while len(c.alive_members()) < 3:
+                    await trio.sleep(0.05)
+            b.send_signal(signal.SIGKILL)
+            b.wait()
+            with trio.fail_after(30):  # a's gossip and probes reach the dead port
+                while a.statistics().get("rx_port_unreachable", 0) < 5:
+                    await trio.sleep(0.05)
+            for i in range(20):  # each change must reach c (before: about half were lost)
+                a.update_meta({"i": str(i)})
+                with trio.fail_after(5):
+                    while next(m for m in c.members() if m.node == a.node_id).meta.get("i") != str(
+                        i
+                    ):
+                        await trio.sleep(0.01)
+            stats = a.statistics()
+            assert stats.get("tx_resent_after_error", 0) >= 1, stats
+            assert "tx_errors" not in stats, stats

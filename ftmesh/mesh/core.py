@@ -41,6 +41,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -228,6 +229,9 @@ class Mesh:
         self._between: dict[str, str] = {}
         """Members whose published progress says they are busy between steps -> their names
         (replaced whole on change: read from any thread)."""
+        self._resumed: dict[str, tuple[str, float]] = {}
+        """Members whose pause between steps ended -> their names and when (monotonic; as
+        ``_between``): see :meth:`busy_between_steps`."""
         self._latest_view: RingView | None = None  # as of the last event _watch handled
         self.metadata = MetadataGate()
         """Counts (``bad_meta``) and logs members whose metadata does not parse."""
@@ -600,8 +604,21 @@ class Mesh:
     def busy_between_steps(self, node_id: str) -> str | None:
         """If ``node_id`` declares itself busy between steps (its progress, as gossiped), how
         to name it in a log line (its name and id), else None: the data plane then waits for
-        its next collective up to ``start_wait``. Any thread."""
-        return self._between.get(node_id)
+        its next collective up to ``start_wait``. Any thread.
+
+        A member whose pause ended less than ``io_timeout`` ago counts as busy too: it
+        publishes the end as its next step begins, and that news may overtake its first
+        frame; a neighbour that has waited ``io_timeout`` since before the pause ended must
+        give it ``io_timeout`` from there, not fail it as silent."""
+        named = self._between.get(node_id)
+        if named is not None:
+            return named
+        resumed = self._resumed.get(node_id)
+        if resumed is None:
+            return None
+        if time.monotonic() - resumed[1] < self.config.collective.io_timeout:
+            return resumed[0]
+        return None
 
     def _note_between(self, m: MemberSnapshot) -> None:
         parts = str(m.meta.get(PROGRESS_KEY, "")).split("|", 6)  # (Progress.encode)
@@ -609,8 +626,14 @@ class Mesh:
             m.state == MemberState.ALIVE and len(parts) == 7 and parts[6].startswith(BETWEEN_STEPS)
         )
         if busy != (m.node in self._between):
+            named = f"{m.name} ({m.node})"
             rest = {n: v for n, v in self._between.items() if n != m.node}
-            self._between = {**rest, m.node: f"{m.name} ({m.node})"} if busy else rest
+            self._between = {**rest, m.node: named} if busy else rest
+            resumed = {n: v for n, v in self._resumed.items() if n != m.node}
+            ended = not busy and m.state == MemberState.ALIVE  # (not a death)
+            self._resumed = {**resumed, m.node: (named, time.monotonic())} if ended else resumed
+        elif m.state != MemberState.ALIVE and m.node in self._resumed:
+            self._resumed = {n: v for n, v in self._resumed.items() if n != m.node}
 
     async def _watch(self) -> None:
         async for ev in self.node.events():

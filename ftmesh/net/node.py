@@ -7,7 +7,9 @@ Four long-lived tasks run in the node's nursery:
   here, never raised further) and feeds the messages to the machine; on Linux it also reads
   the errors our own datagrams caused (``IP_RECVERR``: the socket's error queue, which must
   be drained or the socket stays readable) and hands each ICMP *port unreachable*, with the
-  address the datagram went to, to the machine (``Swim.port_unreachable``);
+  address the datagram went to, to the machine (``Swim.port_unreachable``); the kernel also
+  reports such an error on the socket's next send, dropping that datagram, which is then sent
+  again (``Node._send``);
 * the timer loop sleeps until the machine's next deadline (the sleep is shortened whenever a
   call makes an earlier deadline) and then ticks it;
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
@@ -93,6 +95,13 @@ SO_EE_ORIGIN_ICMP = 2
 _EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err
 MAX_ERRORS_READ = 64
 """Queued datagram errors read at one wake-up of the UDP loop."""
+REPORTED_LATER = frozenset(
+    {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
+)
+"""Errors a send may report on behalf of an earlier datagram's ICMP answer (``Node._send``)."""
+SEND_TRIES = 3
+"""Sends of one datagram while they fail with ``REPORTED_LATER``: the socket holds one pending
+error, which the failing send clears; a third try covers one more arriving in between."""
 ROUND_TRIPS_KEPT = 256
 """Probe round trips kept until the mesh takes them (it does every few seconds; one probe
 per probe interval comes in, so none is lost unless nobody takes them)."""
@@ -388,15 +397,7 @@ class Node:
         for eff in effects:
             if isinstance(eff, Send):
                 data = self._codec.seal(eff.msgs, self._wall(), self._nonce_rng.randbytes(8))
-                try:
-                    self._sock.sendto(data, eff.dest)
-                    self._traffic[0] += 1
-                    self._traffic[1] += len(data)
-                except (BlockingIOError, InterruptedError):
-                    self._count("tx_dropped_full")
-                except OSError as exc:
-                    self._count("tx_errors")
-                    self._log_limited("tx", "send to %s failed: %s", eff.dest, exc)
+                self._send(data, eff.dest)
             elif isinstance(eff, StartPushPull):
                 if self._nursery is not None:
                     self._nursery.start_soon(self._push_pull, eff.dest, eff.join)
@@ -411,6 +412,31 @@ class Node:
                         self._subscribers.remove(ch)
         if self._timer_scope is not None:
             self._timer_scope.deadline = min(self._timer_scope.deadline, self._swim.next_deadline())
+
+    def _send(self, data: bytes, dest: Address) -> None:
+        """Send one datagram. With ``IP_RECVERR`` the kernel reports an ICMP error that an
+        *earlier* datagram caused (say to a member that just died, which gossip still
+        reaches for ``gossip_to_dead``) on the next send, to whomever it goes, and drops
+        that datagram: so a refused or unreachable send is sent again (``SEND_TRIES``) before
+        it counts as failed. Without this, every datagram to a dead member cost the next
+        one to a live member: lost pings (false suspicions) and lost rumours (a busy
+        member's flag that never arrived)."""
+        for attempt in range(SEND_TRIES):
+            try:
+                self._sock.sendto(data, dest)
+            except (BlockingIOError, InterruptedError):
+                self._count("tx_dropped_full")
+                return
+            except OSError as exc:
+                if exc.errno in REPORTED_LATER and attempt + 1 < SEND_TRIES:
+                    self._count("tx_resent_after_error")
+                    continue
+                self._count("tx_errors")
+                self._log_limited("tx", "send to %s failed: %s", dest, exc)
+                return
+            self._traffic[0] += 1
+            self._traffic[1] += len(data)
+            return
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
