@@ -214,7 +214,7 @@ def test_labels_are_checked() -> None:
 
 
 def test_estimator_holds_a_bucket_until_the_estimate_leaves_it_by_half_a_bucket() -> None:
-    est = LinkEstimator(window=4)
+    est = LinkEstimator(window=4, min_samples=1)
     peer = nid(1)
     lo, hi = bucket_bounds(10)
     est.add(peer, (lo * hi) ** 0.5)
@@ -239,6 +239,20 @@ def test_estimator_holds_a_bucket_until_the_estimate_leaves_it_by_half_a_bucket(
     est.add(peer, float("nan"))
     est.forget([])
     assert est.buckets() == {}
+
+
+def test_a_link_is_published_only_once_it_has_enough_samples() -> None:
+    """A process's first round trips (imports, a loaded host) may all be slow: a link
+    published from one of them could split a site off and flip the plan, and the view, for a
+    links interval."""
+    est = LinkEstimator(window=8, min_samples=3)
+    peer = nid(1)
+    lo, hi = bucket_bounds(10)
+    est.add(peer, 0.02)  # a slow first sample (bucket 16: a site's distance)
+    est.add(peer, 0.02)
+    assert est.buckets() == {}  # not yet: an unpublished link splits nothing
+    est.add(peer, (lo * hi) ** 0.5)
+    assert est.buckets() == {peer: 10}  # the minimum of the three
 
 
 # -- properties ------------------------------------------------------------------------------

@@ -318,6 +318,11 @@ WINDOW = 8
 """Round-trip samples per peer the estimate is the minimum of: queueing and scheduling only
 ever add to a round trip, so the minimum of the last few is the steadiest estimate of the
 link's own delay (as TCP's min-RTT filters do)."""
+MIN_SAMPLES = 4
+"""Samples a peer's link needs before it is published: one or two round trips measured while
+a process starts (imports, a loaded host) can all be slow, and a link published from them
+could split a site off for one links interval (a plan, and a view, that flip and flip back);
+an unpublished link never splits."""
 
 
 class LinkEstimator:
@@ -325,11 +330,15 @@ class LinkEstimator:
     published bucket changes only when the estimate (the minimum of its last ``WINDOW``
     samples) leaves the bucket by ``HYSTERESIS`` of a bucket, so a link whose time sits on a
     boundary does not flap (a published change is a metadata change, which every member
-    gossips and which may change the plan and the view). Pure: the caller feeds samples."""
+    gossips and which may change the plan and the view); a peer is published once it has
+    ``min_samples`` samples. Pure: the caller feeds samples."""
 
-    def __init__(self, window: int = WINDOW, hysteresis: float = HYSTERESIS) -> None:
+    def __init__(
+        self, window: int = WINDOW, hysteresis: float = HYSTERESIS, min_samples: int = MIN_SAMPLES
+    ) -> None:
         self.window = window
         self.hysteresis = hysteresis
+        self.min_samples = min(min_samples, window)
         self._samples: dict[str, list[float]] = {}
         self._published: dict[str, int] = {}
 
@@ -357,8 +366,10 @@ class LinkEstimator:
         """The buckets to publish now (updating the held ones where the estimate moved far
         enough)."""
         for peer, s in self._samples.items():
-            pos = rtt_position(min(s))
             held = self._published.get(peer)
+            if held is None and len(s) < self.min_samples:
+                continue  # too few samples to trust (MIN_SAMPLES)
+            pos = rtt_position(min(s))
             if held is None or not held - self.hysteresis <= pos < held + 1 + self.hysteresis:
                 self._published[peer] = int(pos)
         return dict(self._published)

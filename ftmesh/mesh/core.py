@@ -678,7 +678,14 @@ class Mesh:
         """We moved off every watched view but the current one: we will not run collectives on
         them, so the members still running or opening one must not wait ``io_timeout`` for us
         (a joiner's arrival would otherwise stall the ring that far)."""
-        current = self._latest_view = self.view()
+        before, current = self._latest_view, self.view()
+        self._latest_view = current
+        plans = [v.plan.hash if v and v.plan and not v.plan.flat else "" for v in (before, current)]
+        if before is not None and current is not None and plans[0] != plans[1]:
+            # Sites appear or go away with measured links or labels: say so, a view change
+            # (and a retried step) that no member's arrival or death explains otherwise.
+            plan = current.plan
+            log.info("ring plan now %s (%s)", plan.describe() if plan else "one site", why)
         self._supersede([e for e in self._views if current is None or e != current.epoch], why)
 
     def _supersede(self, epochs: list[str], why: str) -> None:
