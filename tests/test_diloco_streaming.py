@@ -115,9 +115,62 @@ def _run(
         t.finish(timeout=20.0)
 
 
-def _start(hub: Hub, member: Member, *args: Any, **kwargs: Any) -> None:
+def _run_loop(
+    hub: Hub,
+    member: Member,
+    total: int,
+    digests: Digests,
+    lock: threading.Lock,
+    *,
+    start_after: threading.Event | None = None,
+    on_step: Callable[[int], None] | None = None,
+    epochs: bool = False,
+) -> None:
+    """``_run`` with the loop API: ``for step in trainer.steps(total): with step:`` (or, with
+    ``epochs``, ``for epoch in trainer.epochs(n): for step in trainer.steps():``), the body
+    one inner step per batch of ``step.indices()``, as the closure path runs them."""
+    with member_thread(hub, member, start_after):
+        model = make_model()
+        opt = make_optimizer("sgd", model)
+        t = ElasticTrainer(
+            cast(SyncMesh, FakeMesh(hub, member.name)), model, opt, _sampler(), quorum="any",
+            join_settle=0.0, step_timeout=30.0, sync=SETTINGS, check_every=1,
+        )  # fmt: skip
+        member.trainer = t
+
+        def run(steps: Iterator[Any]) -> None:
+            for step in steps:
+                with step:
+                    for idx in step.indices():
+                        opt.zero_grad()
+                        loss = _loss(model, idx)
+                        loss.backward()  # type: ignore[no-untyped-call]
+                        step.record_loss(loss)
+                        opt.step()
+                report = step.report
+                assert report is not None
+                member.reports.append(report)
+                with lock:
+                    digests.setdefault(report.step, {})[member.name] = t.part_digests()
+                if on_step is not None:
+                    on_step(report.step)
+
+        if epochs:
+            per_epoch = t.sampler.steps_per_epoch
+            assert total % per_epoch == 0, (total, per_epoch)
+            for _ in t.epochs(total // per_epoch):  # (it runs finish() at the end)
+                run(t.steps())
+        else:
+            run(t.steps(total))
+            t.finish(timeout=20.0)
+
+
+def _start(hub: Hub, member: Member, *args: Any, api: str = "closure", **kwargs: Any) -> None:
+    target = _run if api == "closure" else _run_loop
+    if api == "epochs":
+        kwargs["epochs"] = True
     th = threading.Thread(
-        target=_run, args=(hub, member, *args), kwargs=kwargs, name=member.name, daemon=True
+        target=target, args=(hub, member, *args), kwargs=kwargs, name=member.name, daemon=True
     )
     hub.threads.append(th)
     th.start()
@@ -192,17 +245,26 @@ def _syncs(hub: Hub) -> list[int]:
     ]
 
 
-def test_fragments_match_single_process_streaming_diloco(make_hub: Callable[..., Hub]) -> None:
+APIS = ["closure", "loop", "epochs"]
+"""``trainer.step(loss_fn)``; ``trainer.steps(n)`` with the inner steps in the body; the same
+inside ``trainer.epochs(n)``."""
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_fragments_match_single_process_streaming_diloco(
+    make_hub: Callable[..., Hub], api: str
+) -> None:
     """3 members, 6 steps of H / F = 2 inner steps: one global state after every step, the
     weights of single-process streaming DiLoCo (not those of plain DiLoCo), each step's
-    allreduce carrying its fragment only, the fragments alternating."""
+    allreduce carrying its fragment only, the fragments alternating; the same with the
+    loop API, in ``steps()`` and in ``epochs()``."""
     steps = 6
     hub = make_hub(start_with=3)
     digests: Digests = {}
     lock = threading.Lock()
     members = {n: Member(n) for n in "abc"}
     for m in members.values():
-        _start(hub, m, steps, digests, lock)
+        _start(hub, m, steps, digests, lock, api=api)
     wait_all(hub, 45)
     for n, m in members.items():
         assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
@@ -250,11 +312,13 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_keep_their_parameters
         assert worst < CLOSE, f"{n}: differs from single-process streaming DiLoCo by {worst}"
 
 
+@pytest.mark.parametrize("api", APIS)
 def test_a_joiner_gets_the_global_parameters_and_the_outer_state(
-    make_hub: Callable[..., Hub],
+    make_hub: Callable[..., Hub], api: str
 ) -> None:
     """``j`` starts after step 2 and fetches the state: the same state as the others after
-    every step it commits, both fragments' outer momentum included."""
+    every step it commits, both fragments' outer momentum included; with the loop API too
+    (in ``epochs()`` the joiner starts at the mesh's epoch)."""
     steps = 8
     hub = make_hub(start_with=2)
     digests: Digests = {}
@@ -267,16 +331,19 @@ def test_a_joiner_gets_the_global_parameters_and_the_outer_state(
 
     members = {n: Member(n) for n in ["a", "b", "j"]}
     for n in "ab":
-        _start(hub, members[n], steps, digests, lock, on_step=on_step)
-    _start(hub, members["j"], steps, digests, lock, start_after=joined)
+        _start(hub, members[n], steps, digests, lock, on_step=on_step, api=api)
+    _start(hub, members["j"], steps, digests, lock, start_after=joined, api=api)
     wait_all(hub, 45)
     for n, m in members.items():
         assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
     _check_identical(digests, steps)
     first = members["j"].reports[0]
-    assert first.step >= 2 and first.synced and first.sync_bytes > 0, first
-    assert next(s for s, by in sorted(digests.items()) if "j" in by) < steps
     t = cast(ElasticTrainer, members["j"].trainer)
+    if api == "closure":  # its first step fetched the state
+        assert first.step >= 2 and first.synced and first.sync_bytes > 0, first
+    else:  # the loop joins (and fetches) before its first step
+        assert first.step >= 2 and t.statistics().state_transfer_bytes_total > 0, first
+    assert next(s for s, by in sorted(digests.items()) if "j" in by) < steps
     assert t._rounds is not None and len(t._rounds.outer.state) == 4
     assert 0 < t.diloco_rounds_computed < steps
 
