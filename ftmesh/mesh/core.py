@@ -161,7 +161,9 @@ class MeshConfig:
     """Seconds between two looks at the round trips our membership probes measured; a
     quantized summary is published under ``LINKS_KEY`` when a bucket changed (with
     hysteresis: ``topology.LinkEstimator``), so at most one metadata change per interval and
-    none while the links hold steady. 0: measure nothing, publish nothing."""
+    none while the links hold steady. 0: measure nothing, publish nothing. A peer that
+    advertises our own address runs on this machine: its link is published as the fastest
+    bucket whatever its probes measure (their time is the processes' scheduling)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -327,8 +329,13 @@ class Mesh:
         refused = False
         while True:
             await trio.sleep(self.config.links_interval)
+            here = self.node.me().addr[0]
+            hosts = {m.node: m.addr[0] for m in self.node.members()}
             for node, seconds in self.node.take_round_trips():
-                self.links.add(node, seconds)
+                # A peer at our own address runs on this machine: a probe's round trip to it
+                # measures the two processes' scheduling, not a link, and a loaded host would
+                # look like a distant site (a plan, and a view, that flip): it is 0.
+                self.links.add(node, 0.0 if hosts.get(node) == here else seconds)
             live = (MemberState.ALIVE, MemberState.SUSPECT)
             self.links.forget(m.node for m in self.node.members() if m.state in live)
             value = format_links(self.links.buckets())
