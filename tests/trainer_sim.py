@@ -439,6 +439,11 @@ class FakeMesh:
 
 # -- the model, data and optimizers ---------------------------------------------------------
 
+# torch's first optimizer imports torch._dynamo and sympy (5-30 s on a loaded 2-core host):
+# pay it here, at import, not inside the scenarios' bounded waits (``wait_all``), where three
+# member threads would wait for it together.
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
 DATA_X = torch.randn(64, 6, generator=torch.Generator().manual_seed(5))
 DATA_Y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(6))
 GLOBAL_BATCH = 8
