@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import LocalUsageError
 
@@ -82,6 +82,22 @@ class Histogram:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkStatistics:
+    """What a member knows of its data-plane connection to one neighbour
+    (``DataPlane.links``; the kernel's figures: ``ftmesh.collective.links``)."""
+
+    sent_bytes: int = 0
+    """Payload bytes sent to the neighbour in collectives that completed, over every ring."""
+    min_rtt_s: float = 0.0
+    """The smallest round trip the kernel saw on the connection (seconds; 0: not known)."""
+    delivery_rate: float = 0.0
+    """Bytes per second the kernel last measured delivered while the sender was not
+    application limited (0: not yet): what the path carried when it had to."""
+    retransmits: int = 0
+    """Segments the kernel sent again on the connection."""
+
+
+@dataclass(frozen=True, slots=True)
 class CollectiveStatistics:
     """What a data plane did since it started (``DataPlane.statistics()``)."""
 
@@ -93,6 +109,8 @@ class CollectiveStatistics:
     """Payload bytes of completed collectives per ``(op, backend)`` (the input's size)."""
     aborts_total: dict[str, int]
     """Collectives that ended with an abort, per abort kind (``lost``, ``superseded``, ...)."""
+    links: dict[str, LinkStatistics] = field(default_factory=dict)
+    """Per neighbour (node id) this member sent collectives to (``DataPlane.links``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,10 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "ftmesh_collective_seconds": ("histogram", frozenset({"op", "backend"})),
     "ftmesh_collective_bytes": ("counter", frozenset({"op", "backend"})),
     "ftmesh_collective_aborts": ("counter", frozenset({"kind"})),
+    "ftmesh_link_sent_bytes": ("counter", frozenset({"peer"})),
+    "ftmesh_link_min_rtt_seconds": ("gauge", frozenset({"peer"})),
+    "ftmesh_link_delivery_rate_bytes": ("gauge", frozenset({"peer"})),
+    "ftmesh_link_retransmits": ("counter", frozenset({"peer"})),
     "ftmesh_train_committed_step": ("gauge", frozenset()),
     "ftmesh_train_step_seconds": ("histogram", frozenset()),
     "ftmesh_train_samples": ("counter", frozenset()),
@@ -124,6 +128,7 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
             time.sleep(0.05)
         view = a.view()
         assert view is not None
+        b_id = b.node_id
         with ThreadPoolExecutor(2) as pool:
             outs = list(pool.map(lambda m: m.session(view).allreduce(np.ones(1000)).output, (a, b)))
         assert all(np.array_equal(o, np.full(1000, 2.0)) for o in outs)
@@ -156,6 +161,12 @@ def test_a_scrape_holds_the_golden_families(tmp_path: Path) -> None:
     assert [s.value for s in fams["ftmesh_train_loss"].samples] == [0.75]
     packets = {s.labels["direction"]: s.value for s in fams["ftmesh_gossip_packets"].samples}
     assert packets["tx"] > 0 and packets["rx"] > 0
+    # the link to b: a 2-ring allreduce sends the whole input to the neighbour once (its half
+    # in the reduce-scatter, its reduced half in the allgather); the kernel's round trip
+    sent = {s.labels["peer"]: s.value for s in fams["ftmesh_link_sent_bytes"].samples}
+    assert sent == {b_id: 8000.0}, sent
+    rtt = {s.labels["peer"]: s.value for s in fams["ftmesh_link_min_rtt_seconds"].samples}
+    assert set(rtt) == {b_id} and 0 < rtt[b_id] < 0.1, rtt
 
 
 def test_a_training_member_exports_its_trainer_statistics(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -45,12 +45,13 @@ from ..compression import Int8Compression
 from ..errors import LocalUsageError
 from ..net.ports import bind_error
 from ..security import MeshAuth
-from ..stats import CollectiveStatistics
+from ..stats import CollectiveStatistics, LinkStatistics
 from . import compressed, schedule, shared_scale
 from .aborts import Abort, AbortKind, error_for
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline
 from .errors import RingPeerLostError
+from .links import read_tcp_info, updated
 from .ops import (
     REDUCE_OPS,
     CollectiveOp,
@@ -67,6 +68,10 @@ from .transport import Observer, Ring, Transport, tune_socket
 from .view import Peer, RingView
 
 T = TypeVar("T")
+
+MAX_LINKS_KEPT = 64
+"""Neighbours whose ``LinkStatistics`` a data plane keeps (the most recently sent to): a long
+run's churn must not grow them without bound."""
 log = logging.getLogger(__name__)
 
 MAX_ABORTED_VIEWS = 64
@@ -102,8 +107,7 @@ class DataPlane:
         self._parents: OrderedDict[str, str] = OrderedDict()
         """Sub-view epoch -> its view's epoch (hierarchical allreduce): an abort of the view
         is one of its sub-views (``_check_aborted``, ``_abort``)."""
-        self._sent: dict[str, int] = {}
-        self._sent_lock = threading.Lock()
+        self._links: dict[str, LinkStatistics] = {}  # (replaced whole: read from any thread)
 
     @property
     def busy(self) -> Callable[[str], str | None] | None:
@@ -133,15 +137,20 @@ class DataPlane:
     def sent_bytes(self) -> dict[str, int]:
         """Payload bytes this member sent to each peer (node id) in collectives that
         completed, over every ring and sub-ring (frame heads and control messages not
-        counted); safe from any thread. What a hierarchical plan moves between sites is the
-        sum over the members of one site of what they sent to the other's."""
-        with self._sent_lock:
-            return dict(self._sent)
+        counted; the ``MAX_LINKS_KEPT`` peers sent to last); safe from any thread. What a
+        hierarchical plan moves between sites is the sum over the members of one site of
+        what they sent to the other's."""
+        return {peer: r.sent_bytes for peer, r in self._links.items()}
+
+    def links(self) -> dict[str, LinkStatistics]:
+        """What this member knows of its connection to each peer it sent collectives to: the
+        bytes and the kernel's newest reading (``ftmesh.collective.links``); any thread."""
+        return self._links
 
     def statistics(self) -> CollectiveStatistics:
         """Completed collectives (seconds, bytes) per ``(op, backend)`` and aborts per kind;
         safe from any thread."""
-        return self._recorder.snapshot()
+        return replace(self._recorder.snapshot(), links=self._links)
 
     def abort_view(self, epoch: str, peer: str, reason: str) -> None:
         """Declare that ``peer`` is dead for view ``epoch``: every collective on that epoch on
@@ -693,10 +702,16 @@ class DataPlane:
                 ring.end_collective()  # (a kill left for now: closed at the next open_ring)
 
     def _count_sent(self, ring: Ring, plan: Plan[Any]) -> None:
+        """Engine thread (one at a time: ``_engine_lock``): the bytes a completed round sent
+        to the right, and the kernel's reading of that connection."""
         nbytes = sum(x.stop - x.start for x in plan.sched.sends) * plan.bufs.acc.itemsize
         peer = ring.right.node_id
-        with self._sent_lock:
-            self._sent[peer] = self._sent.get(peer, 0) + nbytes
+        tcp = read_tcp_info(ring.send_sock) if ring.send_sock is not None else None
+        links = {k: v for k, v in self._links.items() if k != peer}
+        links[peer] = updated(self._links.get(peer, LinkStatistics()), nbytes, tcp)
+        while len(links) > MAX_LINKS_KEPT:  # the least recently used first (dict order)
+            del links[next(iter(links))]
+        self._links = links
 
     def _observe_failure(self, ring: Ring, reason: Abort | None) -> None:
         """Report a round that this member aborted because of one of its neighbours (stalled,

@@ -163,7 +163,9 @@ class MeshConfig:
     hysteresis: ``topology.LinkEstimator``), so at most one metadata change per interval and
     none while the links hold steady. 0: measure nothing, publish nothing. A peer that
     advertises our own address runs on this machine: its link is published as the fastest
-    bucket whatever its probes measure (their time is the processes' scheduling)."""
+    bucket whatever its probes measure (their time is the processes' scheduling). Our ring
+    neighbours' links also take the kernel's smallest round trip on the data-plane connection
+    (``DataPlane.links``) as a sample."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -336,6 +338,11 @@ class Mesh:
                 # measures the two processes' scheduling, not a link, and a loaded host would
                 # look like a distant site (a plan, and a view, that flip): it is 0.
                 self.links.add(node, 0.0 if hosts.get(node) == here else seconds)
+            for node, link in self.data_plane.links().items():
+                # The kernel's smallest round trip on our ring connection to a neighbour:
+                # the path's own delay, free of the scheduling a probe's includes.
+                if link.min_rtt_s > 0 and node in hosts:
+                    self.links.add(node, 0.0 if hosts[node] == here else link.min_rtt_s)
             live = (MemberState.ALIVE, MemberState.SUSPECT)
             self.links.forget(m.node for m in self.node.members() if m.state in live)
             value = format_links(self.links.buckets())

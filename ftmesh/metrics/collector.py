@@ -38,6 +38,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ftmesh_collective_seconds": ("histogram", ("op", "backend")),
     "ftmesh_collective_bytes_total": ("counter", ("op", "backend")),
     "ftmesh_collective_aborts_total": ("counter", ("kind",)),
+    "ftmesh_link_sent_bytes_total": ("counter", ("peer",)),
+    "ftmesh_link_min_rtt_seconds": ("gauge", ("peer",)),
+    "ftmesh_link_delivery_rate_bytes": ("gauge", ("peer",)),
+    "ftmesh_link_retransmits_total": ("counter", ("peer",)),
     "ftmesh_train_committed_step": ("gauge", ()),
     "ftmesh_train_step_seconds": ("histogram", ()),
     "ftmesh_train_samples_total": ("counter", ()),
@@ -185,6 +189,36 @@ def _collective(snap: CollectiveStatistics) -> Iterator[Metric]:
     for kind, n in sorted(snap.aborts_total.items()):
         aborts.add_metric([kind], n)
     yield aborts
+    yield from _links(snap)
+
+
+def _links(snap: CollectiveStatistics) -> Iterator[Metric]:
+    """Per data-plane neighbour (``peer``: its node id): bytes sent and the kernel's figures
+    of the connection (``ftmesh.collective.links``)."""
+    sent = CounterMetricFamily(
+        "ftmesh_link_sent_bytes", "Collective payload bytes sent to a neighbour.", labels=["peer"]
+    )
+    rtt = GaugeMetricFamily(
+        "ftmesh_link_min_rtt_seconds",
+        "Smallest round trip the kernel saw on the connection to a neighbour.",
+        labels=["peer"],
+    )
+    rate = GaugeMetricFamily(
+        "ftmesh_link_delivery_rate_bytes",
+        "Bytes per second the kernel last measured delivered to a neighbour (not app-limited).",
+        labels=["peer"],
+    )
+    retrans = CounterMetricFamily(
+        "ftmesh_link_retransmits", "Segments sent again to a neighbour.", labels=["peer"]
+    )
+    for peer, link in sorted(snap.links.items()):
+        sent.add_metric([peer], link.sent_bytes)
+        if link.min_rtt_s > 0:
+            rtt.add_metric([peer], link.min_rtt_s)
+        if link.delivery_rate > 0:
+            rate.add_metric([peer], link.delivery_rate)
+        retrans.add_metric([peer], link.retransmits)
+    yield from (sent, rtt, rate, retrans)
 
 
 def _training(s: TrainerStatistics) -> Iterator[Metric]:
