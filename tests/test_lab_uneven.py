@@ -325,6 +325,9 @@ def _failslow_run(
     return ms, records
 
 
+# Serial tail: beside two other labs at load 15-18 its three workers were not all training
+# after 120 s (twice, 2026-12-06), and its freeze watch reads the host's pace.
+@pytest.mark.quiet
 def test_a_fail_slow_member_steps_out_and_rejoins(tmp_path: Path) -> None:
     """Frozen again and again, a member steps out of the ring (the others train on as two,
     without waiting for it), then joins again, fetches the state and computes; one model."""
