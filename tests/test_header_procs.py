@@ -25,9 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 START = 90.0
 """Seconds a worker may take to import torch and join (several start at once on 2 cores)."""
-RATE_WINDOW = 3.0
+RATE_WINDOW = 1.0
 """Seconds of training measured before the fault and after the insider is left out (the
-step-rate ratio is printed: a figure for the issue's note, not asserted on a shared host)."""
+step-rate ratio is printed: a rough figure, not asserted on a shared host; the measured one
+is ``ftmesh bench insider``'s, run by ``test_bench_smoke.py::test_insider_bench_smoke``).
+Was 3 s: 12 s of the suite's time for a printed number."""
 LEFT_OUT_BOUND = 2 * 0.4 * ReachConfig().bad_bytes_strikes + REACH_TICK + 1.0 + 10.0
 """Seconds from the fault to the first commit without the insider: ``bad_bytes_strikes``
 failed attempts (each followed by a wait of at most 0.4 s, twice for slack), the tracker's

@@ -49,17 +49,52 @@ def _share(pids: list[int], seconds: float) -> float:
     return (sum(_cpu_seconds(p) for p in pids) - before) / (time.monotonic() - t0)
 
 
+QUOTA = 0.25
+"""The throttle's quota on a quiet host (CPUs)."""
+
+
+def _quota(free: float) -> float:
+    """The quota for two busy loops that the host lets use ``free`` CPUs in their cgroup:
+    ``QUOTA``, or a quarter of ``free`` when that is less, so that the quota bites.
+
+    A quota bites only on what the host would give: on cgroup v1 every lab host's cgroup sits
+    under one parent (``slowness.CGROUP_DIR``) that competes with the root cgroup's tasks as
+    one task would (``cpu.shares`` 1024), so at a load average of 10 on 2 cores the two loops
+    get about 0.2 CPU in all, below a 0.25 quota, and the kernel never throttles them (seen in
+    parallel suite runs: 0.09 s throttled)."""
+    return max(slowness.MIN_SHARE, min(QUOTA, round(free / 4, 2)))
+
+
+def _cgroup_of(pid: int) -> str:
+    """The cpu controller's cgroup path of ``pid`` (cgroup v1 line ``N:cpu...:/path``, or the
+    v2 line ``0::/path``)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(",") or (controllers == "" and slowness.cpu_mount()[1] == 2):
+            return path
+    return ""
+
+
 def test_throttle_and_fail_slow_fire() -> None:
     with VirtualLan(hosts=2) as lan:
         early = lan.popen(0, BUSY)  # started before the throttle: moved into the cgroup
-        lan.set_cpu(0, 0.25)
+        lan.set_cpu(0, 2.0)  # a quota two busy loops cannot reach on 2 cores: what they get
         late = lan.popen(0, BUSY)  # started after: joins the cgroup before it execs
+        own = f"/{slowness.CGROUP_DIR}/{lan.ns_name(0)}"
         time.sleep(0.3)
+        assert _cgroup_of(early.pid) == own and _cgroup_of(late.pid) == own
+        free = _share([early.pid, late.pid], 1.0)
+        quota = _quota(free)  # (QUOTA on a quiet host)
+        lan.set_cpu(0, quota)
+        assert _cgroup_of(early.pid) == own and _cgroup_of(late.pid) == own
+        before = lan.cpu_stats(0)
         used = _share([early.pid, late.pid], 1.5)
-        assert used <= 0.25 * 1.25, f"two busy loops under a 0.25 CPU quota used {used:.2f}"
         stats = lan.cpu_stats(0)
-        assert stats["throttled"] > 0 and stats["throttled_s"] > 0.5, stats
-        assert lan.faults()["cpu"] == {0: 0.25}
+        print(f"two busy loops: {free:.2f} CPU in the cgroup, {used:.2f} under a {quota} quota")
+        assert used <= quota * 1.25, f"two busy loops under a {quota} CPU quota used {used:.2f}"
+        bit = {k: stats[k] - before[k] for k in ("throttled", "throttled_s")}
+        assert bit["throttled"] > 0 and bit["throttled_s"] > 0.5, (bit, stats)
+        assert lan.faults()["cpu"] == {0: quota}
         lan.set_cpu(0, None)  # lifted: the processes leave the cgroup, which is deleted
         cg = slowness.cpu_mount()[0] / slowness.CGROUP_DIR / lan.ns_name(0)
         assert not cg.exists() and lan.faults()["cpu"] == {}

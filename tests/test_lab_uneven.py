@@ -33,6 +33,7 @@ import itertools
 import os
 import shutil
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from tests_support import (
     wait_until,
 )
 
-from ftmesh.lab import VirtualLan
+from ftmesh.lab import VirtualLan, slowness
 
 pytestmark = [
     pytest.mark.slow,
@@ -210,8 +211,14 @@ def test_shares_follow_a_cpu_throttle(tmp_path: Path) -> None:
 
 
 EVICT_SHARE = 0.03
-"""The straggler's quota (CPUs): about twenty times slower than the others, and still about
-seven times at a load average of 10 (other tests on the host), above the factor below."""
+"""The straggler's quota (CPUs) on a quiet host: about twenty times slower than the others
+(three workers on 2 cores get about 0.6 CPU each). On a busy host the others get less, so the
+quota is a twentieth of what the straggler's host used, unthrottled, in this run
+(``_evict_share``), down to the lab's smallest: a fixed 0.03 was only about three times
+slower at a load average of 20 (seen in a parallel suite run: the straggler never sat out
+within 120 s)."""
+SLOWDOWN = 20
+"""How many times slower than unthrottled the straggler's quota makes it."""
 EVICT_ARGS = (
     *("--straggler-factor", "3", "--straggler-steps", "5", "--readmit-steps", "10"),
     *NOT_FAILSLOW,
@@ -226,10 +233,33 @@ steps to see it (smoothed speeds, then ``--straggler-steps``), and then room for
 back (a loaded host), retried ``--readmit-steps`` later."""
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (gone)
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _evict_share(lan: VirtualLan, seconds: float = 1.0) -> tuple[float, float]:
+    """The straggler's quota: ``EVICT_SHARE``, or ``SLOWDOWN`` times less than the CPUs its
+    host's processes used over ``seconds`` of training when that is less (a busy host); and
+    that use."""
+    pids = lan.host_pids(SLOW)
+    before, t0 = _cpu_seconds(pids), time.monotonic()
+    time.sleep(seconds)
+    used = (_cpu_seconds(pids) - before) / (time.monotonic() - t0)
+    return max(slowness.MIN_SHARE, min(EVICT_SHARE, round(used / SLOWDOWN, 2))), used
+
+
 def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
-    """A member at 3 % of a core sits out as a hot spare (share 0, still in the ring
-    and committing every step) while throttled, and computes again once the throttle is
-    lifted; nothing is lost or trained twice, and everyone ends with the same model."""
+    """A member at 3 % of a core (less on a busy host: ``EVICT_SHARE``) sits out as a hot
+    spare (share 0, still in the ring and committing every step) while throttled, and
+    computes again once the throttle is lifted; nothing is lost or trained twice, and
+    everyone ends with the same model."""
 
     def out(m: Machine) -> list[int]:
         return [int(r["step"]) for r in m.records if r.get("share") == 0 and "done" not in r]
@@ -239,7 +269,8 @@ def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
         slow = ms[SLOW]
         try:
             wait_until(lambda: min(m.step() for m in ms) >= WARM, 120, "3 workers training", ms)
-            lan.set_cpu(SLOW, EVICT_SHARE)
+            share, used = _evict_share(lan)
+            lan.set_cpu(SLOW, share)
             throttled_at = slow.step()
             # Lifted before its first trial (--readmit-steps 10), so that the trial is judged
             # on an unthrottled step.
@@ -251,6 +282,7 @@ def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
         finally:
             _kill(ms)
     marks = {throttled_at: "throttled", lifted_at: "lifted"}
+    print(f"the straggler's host used {used:.2f} CPU unthrottled; quota {share}")
     shares = _check_run(ms, records, EVICT_EPOCHS, fired, marks)
     assert len({str(m.records[-1]["digest"]) for m in ms}) == 1, "final models differ"
     sat_out = [s for s, row in shares.items() if row[SLOW] == 0]
@@ -293,6 +325,9 @@ def _failslow_run(
     return ms, records
 
 
+# Serial tail: beside two other labs at load 15-18 its three workers were not all training
+# after 120 s (twice, 2026-12-06), and its freeze watch reads the host's pace.
+@pytest.mark.quiet
 def test_a_fail_slow_member_steps_out_and_rejoins(tmp_path: Path) -> None:
     """Frozen again and again, a member steps out of the ring (the others train on as two,
     without waiting for it), then joins again, fetches the state and computes; one model."""

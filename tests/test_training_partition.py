@@ -1,6 +1,7 @@
 """A training mesh split in two by a network partition (in namespaces the test creates): after
-the grace period both sides go on; when the partition heals the mesh merges and ends with one
-model (the side with the newest step wins, deterministically)."""
+the grace period both sides go on (each commits steps in a view of its side alone: the test
+waits for that, not for a fixed time); when the partition heals the mesh merges and ends with
+one model (the side with the newest step wins, deterministically)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,16 @@ class Worker:
     def step(self) -> int:
         return max((int(r["step"]) for r in self.records if "step" in r), default=0)  # type: ignore[call-overload]
 
+    def side_step(self, split_at: int) -> int:
+        """The first step past ``split_at`` this worker committed with its side alone (2 of
+        the 4 members), or 0."""
+        steps = [
+            int(r["step"])  # type: ignore[call-overload]
+            for r in list(self.records)
+            if r.get("members") == 2 and int(r.get("step", 0)) > split_at  # type: ignore[call-overload]
+        ]
+        return min(steps, default=0)
+
 
 def test_partition_heals_into_one_model(tmp_path: Path) -> None:
     with VirtualLan(hosts=4) as lan:
@@ -68,8 +79,12 @@ def test_partition_heals_into_one_model(tmp_path: Path) -> None:
             assert min(w.step() for w in workers) >= 20, [w.lines[-5:] for w in workers]
             lan.partition([[0, 1], [2, 3]])
             split_at = max(w.step() for w in workers)
-            time.sleep(15)  # suspicion + quorum grace, then both sides train
-            progressed = [w.step() - split_at for w in workers]
+            # Suspicion, the quorum grace, then both sides train: every worker commits a step
+            # past the split in a view of its own side alone (2 members).
+            deadline = time.monotonic() + 120
+            while not all(w.side_step(split_at) for w in workers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            progressed = [w.side_step(split_at) for w in workers]
             lan.heal()
             for w in workers:
                 w.proc.wait(timeout=400)
@@ -79,6 +94,6 @@ def test_partition_heals_into_one_model(tmp_path: Path) -> None:
                     w.proc.kill()
             (tmp_path / "logs.txt").write_text("".join(line for w in workers for line in w.lines))
         assert all(w.proc.returncode == 0 for w in workers), [w.lines[-10:] for w in workers]
-        assert min(progressed) > 0, f"a side did not train during the partition: {progressed}"
+        assert min(progressed) > 0, f"a side did not train alone during the partition: {progressed}"
         finals = {str(w.records[-1]["digest"]) for w in workers if w.records[-1].get("done")}
         assert len(finals) == 1, finals
