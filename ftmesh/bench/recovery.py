@@ -560,6 +560,9 @@ class FtmeshMesh:
             "start_to_step_s": ev[0] - joiner.started,
             **join_phases(joiner.started, joiner.hello, ev[0]),
         }
+        if joiner.hello is not None and "t_model" in joiner.hello:
+            # the part of connect_s that is the model, optimizer and data (as torchft's)
+            out["model_s"] = float(joiner.hello["t_model"] - joiner.hello["t_imported"])
         if fts:
             out["transfer_seconds"] = fts[-1]["b"] - fts[-1]["a"]
         # Where the joiner's sync went: the spans of its last (successful) sync.
@@ -1142,6 +1145,7 @@ def _torchft_summary(
         "torchft_join_phases_s": {k: _median([j.get(k) for j in joins]) for k in JOIN_PHASES}
         if joins
         else None,
+        "torchft_join_model_s": _median([j.get("model_s") for j in joins]) if joins else None,
         "torchft_joins_detail": joins if not skipped else None,
         "vs_torchft_kill": kill["median"] / kills["median"]
         if kill["median"] and kills["median"]
@@ -1215,10 +1219,11 @@ def join_phases(started: float, hello: dict[str, Any] | None, received: float) -
     """A join's consecutive phases (:data:`JOIN_PHASES`; they add up to ``start_to_step_s``):
     ``launch_s`` (process start to the worker's first line: the interpreter and the packages
     its module sits in, ``ftmesh.bench.workloads`` importing torch), ``imports_s`` (the rest
-    of the worker's imports), ``connect_s`` (the model built and ``ftmesh.connect``),
-    ``enter_s`` (the trainer enters the ring, takes a view, syncs, fetches the state, and its
-    first step commits: what ``join_settle`` used to add seconds to, issue #30). ``{}``
-    without the worker's hello."""
+    of the worker's imports), ``connect_s`` (the model built and ``ftmesh.connect``; of it,
+    ``model_s`` in each join and ``join_model_s``: model, optimizer and data, torch's first
+    operations, as torchft's worker reports them), ``enter_s`` (the trainer enters the ring,
+    takes a view, syncs, fetches the state, and its first step commits: what
+    ``join_settle`` used to add seconds to, issue #30). ``{}`` without the worker's hello."""
     if hello is None:
         return {}
     stamps = (started, hello["t_start"], hello["t_imported"], hello["t_connected"], received)
@@ -1349,6 +1354,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "join_sync_seconds": _median([j["sync_seconds"] for j in joins]),
         "join_start_to_step_s": _median([j["start_to_step_s"] for j in joins]),
         "join_phases_s": {k: _median([j.get(k) for j in joins]) for k in JOIN_PHASES},
+        "join_model_s": _median([j.get("model_s") for j in joins]),
         "join_sync_breakdown_s": {
             k: _median([j.get(k) for j in joins])
             for k in ("serialize_own_s", "digest_s", "agree_s", "fetch_s", "load_s")
