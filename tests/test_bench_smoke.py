@@ -76,7 +76,10 @@ def test_recovery_bench_smoke() -> None:
         phases = [join[k] for k in JOIN_PHASES]
         assert all(v >= 0 for v in phases), join
         assert sum(phases) == pytest.approx(join["start_to_step_s"], abs=1e-3)
+        assert 0 < join["model_s"] <= join["connect_s"], join  # model etc.: part of connect
     assert list(r["join_phases_s"]) == list(JOIN_PHASES)
+    assert 0 < r["join_model_s"] <= r["join_start_to_step_s"]
+    assert r["worker_bytecode"] == "compiled"  # the default: a compiled copy, as installed
     leave = r["leave_to_step_s"]
     assert leave["n"] == 1 and 0 < leave["median"] < 60, leave
     assert r["leave_steps_redone"] == [0], r["leave_steps_redone"]  # a departure costs no retry

@@ -31,6 +31,7 @@ TORCHFT_FIELDS = (
     "torchft_kill_attempts",
     "torchft_join_start_to_step_s",
     "torchft_join_phases_s",
+    "torchft_join_model_s",
     "torchft_joins_detail",
     "vs_torchft_kill",
     "vs_torchft_join",

@@ -92,6 +92,17 @@ record that shows X (so it includes the record's trip through the pipe, well und
    ftmesh is faster); the goals of issue #30 are ``vs_torchft_kill`` <= 0.5 and
    ``vs_torchft_join`` <= 1.
 
+8. **Bytecode, as installed.** torchft and torch run from their venvs' ``site-packages``,
+   whose bytecode ``pip`` compiled at install; ftmesh's workers import this checkout. Where
+   the interpreter writes no bytecode (``PYTHONDONTWRITEBYTECODE``, as on CI hosts) every
+   ftmesh worker, the joiner included, would compile its ~1.2 MB of ftmesh source at start
+   (0.3-0.7 s on this 2-core host, 2 s and more under load: most of the import gap to
+   torchft that issue #30 measured). So by default (``--worker-bytecode compiled``) the bench
+   copies the package into its log folder, compiles it (``compileall``) and runs its ftmesh
+   workers from that copy, as from an installed wheel; ``--worker-bytecode source`` runs them
+   from the checkout as they are (``worker_bytecode`` in the result says which). The checkout
+   itself is never written to.
+
 Per round: ``kill_breakdowns_s``, ``leave_breakdowns_s`` and ``sigstop_breakdowns_s`` hold
 the milestones above for every kill, SIGTERM and SIGSTOP round, and each ``*_to_step_s`` its
 ``samples``; ``--plot FILE.png`` draws detection and resume per round (``ftmesh.bench.plots``).
@@ -102,6 +113,7 @@ Everything runs on 127.0.0.1; OMP_NUM_THREADS is the CPU count divided by N (at 
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import itertools
 import json
@@ -160,9 +172,12 @@ class Proc:
 class Procs:
     """Worker processes with reader threads feeding one queue of timestamped records."""
 
-    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, env: dict[str, str], log_dir: Path, cwd: Path | None = None) -> None:
         self.env = env
         self.log_dir = log_dir
+        self.cwd = cwd
+        """The workers' folder: ``python -m`` puts it first on their path, before
+        ``PYTHONPATH`` (an ftmesh worker's is the tree it imports ftmesh from)."""
         self.procs: list[Proc] = []
         self.events: queue.Queue[Event] = queue.Queue()
 
@@ -181,6 +196,7 @@ class Procs:
                 stderr=stderr,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
+                cwd=self.cwd,
                 start_new_session=True,
             )
         proc = Proc(name, popen, log_path, time.monotonic())
@@ -289,16 +305,34 @@ def _cpu_ticks(pid: int) -> str:
         return "unknown"
 
 
-def _env(nprocs: int) -> dict[str, str]:
+def _env(nprocs: int, root: Path = REPO_ROOT) -> dict[str, str]:
+    """The workers' environment: ``root`` (where they import ``ftmesh`` from) first on the
+    path, and the host's cores split between the ``nprocs`` workers."""
     env = dict(os.environ)
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     path = env.get("PYTHONPATH", "")
     env.update(
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS=str(threads),
-        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT),
+        PYTHONPATH=f"{root}{os.pathsep}{path}" if path else str(root),
     )
     return env
+
+
+def compiled_tree(dest: Path) -> Path:
+    """A copy of the ``ftmesh`` package under ``dest`` with its bytecode compiled, as an
+    installed wheel has it (section 8 of the module's header); returns ``dest``, the folder
+    to put on the workers' path."""
+    package = dest / "ftmesh"
+    shutil.copytree(
+        REPO_ROOT / "ftmesh",
+        package,
+        symlinks=True,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    if not compileall.compile_dir(package, quiet=2, workers=1):
+        raise FtmeshError(f"could not compile the copy of ftmesh in {package}")
+    return dest
 
 
 def _stats(xs: list[float]) -> dict[str, Any]:
@@ -327,14 +361,14 @@ class FtmeshMesh:
         self.args = args
         self.rng = rng
         self.registry = tempfile.mkdtemp(prefix="ftmesh-bench-recovery-")
-        env = _env(args.procs)
+        env = _env(args.procs, args.worker_root)
         env.update(
             FTMESH_MESH=f"bench-recovery-{os.getpid()}-{rng.getrandbits(32):08x}",
             FTMESH_DISCOVERY="local",
             FTMESH_REGISTRY_DIR=self.registry,
             FTMESH_PRESET="local",
         )
-        self.procs = Procs(env, log_dir)
+        self.procs = Procs(env, log_dir, args.worker_root)
         self.by_node: dict[str, Proc] = {}
         self.spans: dict[str, list[dict[str, Any]]] = {}
         self.steps: dict[str, list[dict[str, Any]]] = {}
@@ -526,6 +560,9 @@ class FtmeshMesh:
             "start_to_step_s": ev[0] - joiner.started,
             **join_phases(joiner.started, joiner.hello, ev[0]),
         }
+        if joiner.hello is not None and "t_model" in joiner.hello:
+            # the part of connect_s that is the model, optimizer and data (as torchft's)
+            out["model_s"] = float(joiner.hello["t_model"] - joiner.hello["t_imported"])
         if fts:
             out["transfer_seconds"] = fts[-1]["b"] - fts[-1]["a"]
         # Where the joiner's sync went: the spans of its last (successful) sync.
@@ -814,9 +851,9 @@ def _torchrun_phase(
     args: argparse.Namespace, log_dir: Path, rng: random.Random, say: Callable[[str], None]
 ) -> dict[str, Any]:
     ckpt = Path(tempfile.mkdtemp(prefix="ftmesh-bench-torchrun-"))
-    env = _env(args.procs)
+    env = _env(args.procs, args.worker_root)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    procs = Procs(env, log_dir)
+    procs = Procs(env, log_dir, args.worker_root)
     port = _free_port()
     n = args.procs
     argv = [
@@ -1108,6 +1145,7 @@ def _torchft_summary(
         "torchft_join_phases_s": {k: _median([j.get(k) for j in joins]) for k in JOIN_PHASES}
         if joins
         else None,
+        "torchft_join_model_s": _median([j.get("model_s") for j in joins]) if joins else None,
         "torchft_joins_detail": joins if not skipped else None,
         "vs_torchft_kill": kill["median"] / kills["median"]
         if kill["median"] and kills["median"]
@@ -1181,10 +1219,11 @@ def join_phases(started: float, hello: dict[str, Any] | None, received: float) -
     """A join's consecutive phases (:data:`JOIN_PHASES`; they add up to ``start_to_step_s``):
     ``launch_s`` (process start to the worker's first line: the interpreter and the packages
     its module sits in, ``ftmesh.bench.workloads`` importing torch), ``imports_s`` (the rest
-    of the worker's imports), ``connect_s`` (the model built and ``ftmesh.connect``),
-    ``enter_s`` (the trainer enters the ring, takes a view, syncs, fetches the state, and its
-    first step commits: what ``join_settle`` used to add seconds to, issue #30). ``{}``
-    without the worker's hello."""
+    of the worker's imports), ``connect_s`` (the model built and ``ftmesh.connect``; of it,
+    ``model_s`` in each join and ``join_model_s``: model, optimizer and data, torch's first
+    operations, as torchft's worker reports them), ``enter_s`` (the trainer enters the ring,
+    takes a view, syncs, fetches the state, and its first step commits: what
+    ``join_settle`` used to add seconds to, issue #30). ``{}`` without the worker's hello."""
     if hello is None:
         return {}
     stamps = (started, hello["t_start"], hello["t_imported"], hello["t_connected"], received)
@@ -1225,6 +1264,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
     keep = args.keep_logs
     log_dir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="ftmesh-bench-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    args.worker_root = REPO_ROOT
     started = time.monotonic()
     tf, skipped = _torchft_empty(), "--torchft-kills 0"
     if args.torchft_kills > 0:
@@ -1235,6 +1275,9 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
     # weighs on both alike.
     before = 0 if skipped else args.torchft_kills // 2
     try:
+        if args.worker_bytecode == "compiled":
+            args.worker_root = compiled_tree(log_dir / "ftmesh-compiled")
+            say(f"ftmesh workers import a compiled copy of the package: {args.worker_root}")
         if before:
             torchft_phase(args, log_dir, rng, say, before, tf)
         ft = _ftmesh_phases(args, log_dir, rng, say)
@@ -1277,6 +1320,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
     result: dict[str, Any] = {
         "benchmark": "recovery",
         "procs": args.procs,
+        "worker_bytecode": args.worker_bytecode,
         "preset": "local",
         "state_mb": args.state_mb,
         "state_bytes": ft["state_bytes"],
@@ -1310,6 +1354,7 @@ def run_recovery_bench(args: argparse.Namespace, say: Callable[[str], None]) -> 
         "join_sync_seconds": _median([j["sync_seconds"] for j in joins]),
         "join_start_to_step_s": _median([j["start_to_step_s"] for j in joins]),
         "join_phases_s": {k: _median([j.get(k) for j in joins]) for k in JOIN_PHASES},
+        "join_model_s": _median([j.get("model_s") for j in joins]),
         "join_sync_breakdown_s": {
             k: _median([j.get(k) for j in joins])
             for k in ("serialize_own_s", "digest_s", "agree_s", "fetch_s", "load_s")
@@ -1378,7 +1423,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"  joiner start -> first step: median {_fmt(r['join_start_to_step_s'])} (per join: "
         + ", ".join(_fmt(j["start_to_step_s"], "") for j in r["joins_detail"])
         + "); phases (medians): "
-        + ", ".join(f"{k[:-2]} {_fmt(v, '')}" for k, v in r["join_phases_s"].items()),
+        + ", ".join(f"{k[:-2]} {_fmt(v, '')}" for k, v in r["join_phases_s"].items())
+        + f" (ftmesh {r.get('worker_bytecode', 'source')} bytecode)",
         f"  join: {_fmt(r['join_mb_per_s'], ' MB/s')} (sync), "
         f"{_fmt(r['join_transfer_mb_per_s'], ' MB/s')} (fetch only); raw TCP "
         f"{r['raw_tcp_mb_per_s']:.0f} MB/s -> {_fmt(r['join_vs_ceiling'], 'x')} / "
@@ -1491,6 +1537,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wait-timeout", type=float, default=90.0, help="seconds per wait")
     ap.add_argument("--keep-logs", default="", metavar="DIR", help="keep worker logs in DIR")
+    ap.add_argument(
+        "--worker-bytecode",
+        choices=("compiled", "source"),
+        default="compiled",
+        help="ftmesh workers import a compiled copy of the package, as installed (default),"
+        " or this checkout's source as it is (compiled at every start where Python writes no"
+        " bytecode)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument(
         "--plot", metavar="FILE.png", help="also draw detection and resume per fault round"

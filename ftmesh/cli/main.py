@@ -32,10 +32,16 @@ def installed_version() -> str:
         return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _top_parser() -> argparse.ArgumentParser:
+    """The parser of ``ftmesh`` without its subcommands: the top-level flags."""
     parser = Parser(prog="ftmesh", description="Peer-to-peer fault-tolerant training mesh.")
     parser.add_argument("-v", "--verbose", action="count", default=0)
     parser.add_argument("--version", action="version", version=f"ftmesh {installed_version()}")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _top_parser()
     sub = parser.add_subparsers(dest="command", required=True)
 
     node = sub.add_parser("node", help="run a mesh member until SIGINT/SIGTERM")
@@ -109,6 +115,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word after the top-level ``-v`` flags
+    (``None`` for anything else: ``--help``, ``--version``, an unknown flag)."""
+    for word in argv:
+        if word == "--verbose" or (len(word) > 1 and word.strip("v") == "-"):
+            continue
+        return None if word.startswith("-") else word
+    return None
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """:func:`build_parser` with the ``worker`` subcommand only: what every process of
+    ``ftmesh launch`` parses. The other subcommands' parsers import their modules (the lab,
+    checkpoint export, the launcher and its live view), which a worker never runs and which
+    would delay its first step (a joiner's start-up, issue #30); the worker's flags, help
+    and errors are the same as through the whole parser."""
+    from .worker_cmd import add_worker_parser
+
+    parser = _top_parser()
+    add_worker_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 DELEGATED_BENCHES = ("allreduce", "convergence", "insider", "recovery", "stragglers", "train")
 """Benchmarks with their own argument parsers: ``ftmesh bench NAME ...`` runs
 ``ftmesh.bench.NAME.main(...)`` with the rest of the command line."""
@@ -120,7 +149,8 @@ def run(argv: list[str] | None = None) -> int:
         import importlib
 
         return int(importlib.import_module(f"ftmesh.bench.{argv[1]}").main(argv[2:]))
-    args = build_parser().parse_args(argv)
+    parser = worker_parser() if command_of(argv) == "worker" else build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command != "worker":  # a worker's script logs through its connect()
             verbose = ("info", "debug")[min(args.verbose, 2) - 1] if args.verbose else None

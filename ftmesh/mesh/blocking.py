@@ -34,14 +34,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
 
 from ..collective import CollectiveResult, RingView
-from ..collective.backend import DeviceInfo
-from ..collective.epochs import CommFactory, EpochConfig
 from ..collective.jobs import JobThread
 from ..collective.reach import Exclusion
 from ..collective.session import GpuPath, Host, ViewSession, is_device_buffer
@@ -52,8 +50,11 @@ from ..settings import Settings
 from ..state import Lookup, Snapshot, TransferStats
 from ..training.start import StartConfig
 from .core import Mesh, MeshConfig, open_mesh
-from .gpu import enable_gpu
 from .meta import Progress
+
+if TYPE_CHECKING:  # the GPU path, imported by enable_gpu: a CPU member never loads it
+    from ..collective.backend import DeviceInfo
+    from ..collective.epochs import CommFactory, EpochConfig
 
 T = TypeVar("T")
 
@@ -209,6 +210,8 @@ class SyncMesh:
         membership (a member suspected or gone aborts the GPU collectives that wait for it)."""
         if self._gpu is not None:
             raise LocalUsageError("the GPU path is enabled already")
+        from .gpu import enable_gpu
+
         self._gpu = enable_gpu(self, factory, devices, config, is_device)
         return self._gpu
 

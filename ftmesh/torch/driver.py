@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from ..errors import (
 from ..membership.messages import MemberSnapshot
 from ..mesh.blocking import SyncMesh
 from ..mesh.meta import advertises_state, role_of
-from ..state import CheckpointWriter, Snapshot, StateLostError, latest_valid_checkpoint
+from ..state import Snapshot, StateLostError
 from ..state.memory import prepared_zeros
 from ..state.transfer import SIZE_HINT_FACTOR, own_size_limit
 from ..training.actions import (
@@ -77,7 +77,10 @@ from ..training.shards import round_id
 from ..training.step import StepMachine
 from .starting import wait_to_start
 from .state import TrainingState
-from .zero import ShardedOptimizer
+
+if TYPE_CHECKING:  # built only with checkpoint_dir / shard_optimizer (issue #30: start-up)
+    from ..state import CheckpointWriter
+    from .zero import ShardedOptimizer
 
 log = logging.getLogger("ftmesh.torch")
 
@@ -140,8 +143,12 @@ class MeshDriver:
         self._fetch_buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._advertised = -1
         directory = config.checkpoint_dir
-        self.checkpoints = CheckpointWriter(directory) if directory is not None else None
+        self.checkpoints: CheckpointWriter | None = None
         """Writes the checkpoints; a failed save is logged and counted, training goes on."""
+        if directory is not None:
+            from ..state import CheckpointWriter
+
+            self.checkpoints = CheckpointWriter(directory)
 
     def _collective(self, run: Callable[[], Outcome]) -> Outcome:
         try:
@@ -312,6 +319,8 @@ class MeshDriver:
         exc = failure.error
         assert isinstance(exc, StateLostError)
         where_dir = self.config.checkpoint_dir
+        from ..state import latest_valid_checkpoint
+
         found = latest_valid_checkpoint(where_dir) if where_dir else None
         if found is None:
             where = f"in {where_dir}" if where_dir else "(no checkpoint_dir)"

@@ -92,11 +92,11 @@ from ..training.actions import (
 from ..training.step import (
     StepReport,
 )
-from .diloco import InnerRun, inner_batches
 
 if TYPE_CHECKING:
     from .buckets import GradBuckets
     from .data import BatchSource
+    from .diloco import InnerRun
     from .sampler import ElasticSampler
     from .stream import StreamSizes
 
@@ -333,6 +333,8 @@ class Step:
         optimizer's steps; when they end, the outer gradient is reduced (the retries as in
         :meth:`contribute`: a member that holds its outer gradient of the round gets no
         batch again) and the outer step applied."""
+        from .diloco import inner_batches  # (DiLoCo only: a plain trainer never loads it)
+
         driver = self._driver
         for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
             self._iterated = True

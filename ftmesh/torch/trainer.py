@@ -62,7 +62,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ from ..errors import FtmeshError, LocalUsageError, MeshClosedError
 from ..membership.messages import MemberState
 from ..mesh.blocking import SyncMesh
 from ..mesh.meta import BadMetadataError, read_member
-from ..state import CheckpointWriter, Snapshot, State, latest_valid_checkpoint
+from ..state import Snapshot, State
 from ..stats import TrainerStatistics
 from ..training.actions import (
     Action,
@@ -114,15 +114,21 @@ from ..training.step import (
 from .between import BetweenSteps, between_text
 from .buckets import GradBuckets, Wire, all_finite, check_bucketable, micro_batches
 from .data import LOOKAHEAD_STEPS, BatchSource, ElasticLoader, Key, sampler_for
-from .diloco import OUTER_PART, InnerRun, Rounds
 from .driver import MeshDriver, failure_of
 from .freezes import FreezeWatch
-from .keep import KeptContribution
 from .loop import NextAttempt, StateDivergedError, Step, StepAborted
 from .sampler import ElasticSampler
 from .state import TrainingState
-from .stream import Position, ShardedStream, StreamFeed, StreamSizes
-from .zero import ShardedOptimizer
+
+if TYPE_CHECKING:
+    # What only some trainers use is imported where it is built: a stream
+    # (``ShardedStream``), DiLoCo rounds, ``recovery="keep"``, a sharded optimizer,
+    # checkpoints. A plain trainer never loads them (a joiner's start-up, issue #30).
+    from ..state import CheckpointWriter
+    from .diloco import InnerRun, Rounds
+    from .keep import KeptContribution
+    from .stream import Position, ShardedStream, StreamFeed, StreamSizes
+    from .zero import ShardedOptimizer
 
 __all__ = ["ElasticTrainer", "StepReport"]
 
@@ -170,14 +176,16 @@ class ElasticTrainer:
             self._loader = ElasticLoader(data, self._plan)
         elif isinstance(data, ElasticSampler):
             self.sampler = data
-        elif isinstance(data, ShardedStream):
+        else:
+            from .stream import ShardedStream, StreamFeed, StreamSizes
+
+            if not isinstance(data, ShardedStream):
+                raise LocalUsageError(
+                    "data must be an ElasticSampler, a DataLoader or a ShardedStream, got "
+                    f"{type(data).__name__}"
+                )
             self._stream = StreamFeed(data)
             self.sampler = StreamSizes(self._stream)
-        else:
-            raise LocalUsageError(
-                "data must be an ElasticSampler, a DataLoader or a ShardedStream, got "
-                f"{type(data).__name__}"
-            )
         self._state = TrainingState(model, optimizer)
         self.state: State = self._state.state
         if self._stream is not None:  # the stream's position: committed with every step
@@ -188,16 +196,18 @@ class ElasticTrainer:
         self._params = params
         self._check_reduced("optimizer", optimizer)
         # Sharded mode: ``optimizer`` only keeps the hyper-parameters; the state lives here.
-        self._zero = (
-            ShardedOptimizer(params, optimizer, cfg.replicas, [n for n, _ in named])
-            if cfg.shard_optimizer
-            else None
-        )
+        self._zero: ShardedOptimizer | None = None
+        if cfg.shard_optimizer:
+            from .zero import ShardedOptimizer
+
+            self._zero = ShardedOptimizer(params, optimizer, cfg.replicas, [n for n, _ in named])
         self._rounds: Rounds | None = None
         """``sync=DiLoCo(...)``: the rounds' outer optimizer and kept outer gradient."""
         if cfg.sync is not None:
             if self._stream is not None:
                 raise LocalUsageError("sync=DiLoCo(...) does not take a ShardedStream")
+            from .diloco import OUTER_PART, Rounds
+
             self._rounds = Rounds(cfg.sync, params, optimizer)
             self._state.register(OUTER_PART, self._rounds.outer, note=f"[{cfg.sync.tag}]")
         self._kept: KeptContribution | None = None
@@ -209,6 +219,8 @@ class ElasticTrainer:
                     "recovery='keep' does not take a ShardedStream (its position commits "
                     "what each member drew): use recovery='redo'"
                 )
+            from .keep import KeptContribution
+
             self._kept = KeptContribution()
         self._buckets: GradBuckets | None = None
         self._bucket_bytes = int(cfg.bucket_mb * 2**20)
@@ -446,6 +458,8 @@ class ElasticTrainer:
     def _stream_epoch(self, feed: StreamFeed, epoch: int) -> Iterator[Step]:
         """A stream's steps of ``epoch`` (0-based): until the committed position is in the
         next one."""
+        from .stream import Position
+
         while feed.position.epoch <= epoch:
             yield from self._attempts()
             pos = feed.position
@@ -466,6 +480,8 @@ class ElasticTrainer:
         labels = list(range(1, epochs + 1)) if isinstance(epochs, int) else list(epochs)
         self.join()
         if self._stream is not None:  # (an epoch's start: its end-of-epoch code may not have run)
+            from .stream import Position
+
             pos = self._stream.position
             fresh = pos == Position.start(len(pos.offsets), pos.epoch)
             first = pos.epoch - 1 if fresh and pos.epoch > 0 else pos.epoch
@@ -623,6 +639,8 @@ class ElasticTrainer:
         if cfg.failslow_freezes:
             self._freezes = FreezeWatch(cfg.failslow_freeze).start()
         if cfg.checkpoint_dir is not None:
+            from ..state import latest_valid_checkpoint
+
             found = latest_valid_checkpoint(cfg.checkpoint_dir)
             if found is not None:
                 self._driver.load_checkpoint(found.snapshot)

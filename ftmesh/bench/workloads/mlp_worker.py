@@ -106,6 +106,7 @@ def main() -> int:
     optimizer = make_optimizer(model)
     x, y = make_data("mlp", args.dataset, seed=args.seed)
     sampler = ElasticSampler(args.dataset, args.global_batch, seed=args.seed)
+    t_model = time.monotonic()  # model, optimizer and data built (torch's first operations)
     tl = Timeline()
 
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
@@ -186,6 +187,7 @@ def main() -> int:
                 "params": param_count(model),
                 "t_start": T_START,
                 "t_imported": T_IMPORTED,
+                "t_model": t_model,
                 "t_connected": t_connected,
             }
         )
