@@ -244,14 +244,18 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def _evict_share(lan: VirtualLan, seconds: float = 1.0) -> tuple[float, float]:
+def _slow_cpu(lan: VirtualLan) -> tuple[float, float]:
+    """CPU seconds the straggler's host's processes used so far, and when."""
+    return _cpu_seconds(lan.host_pids(SLOW)), time.monotonic()
+
+
+def _evict_share(lan: VirtualLan, since: tuple[float, float]) -> tuple[float, float]:
     """The straggler's quota: ``EVICT_SHARE``, or ``SLOWDOWN`` times less than the CPUs its
-    host's processes used over ``seconds`` of training when that is less (a busy host); and
-    that use."""
-    pids = lan.host_pids(SLOW)
-    before, t0 = _cpu_seconds(pids), time.monotonic()
-    time.sleep(seconds)
-    used = (_cpu_seconds(pids) - before) / (time.monotonic() - t0)
+    host's processes used since ``since`` (``_slow_cpu``: the workers' start-up and warm-up
+    steps, no extra wait: on a quiet host the run is only seconds long) when that is less (a
+    busy host); and that use."""
+    cpu, now = _slow_cpu(lan)
+    used = (cpu - since[0]) / max(now - since[1], 1e-3)
     return max(slowness.MIN_SHARE, min(EVICT_SHARE, round(used / SLOWDOWN, 2))), used
 
 
@@ -268,8 +272,9 @@ def test_a_throttled_straggler_sits_out_and_comes_back(tmp_path: Path) -> None:
         ms = _run(tmp_path, lan, EVICT_EPOCHS, *EVICT_ARGS)
         slow = ms[SLOW]
         try:
+            started = _slow_cpu(lan)
             wait_until(lambda: min(m.step() for m in ms) >= WARM, 120, "3 workers training", ms)
-            share, used = _evict_share(lan)
+            share, used = _evict_share(lan, started)
             lan.set_cpu(SLOW, share)
             throttled_at = slow.step()
             # Lifted before its first trial (--readmit-steps 10), so that the trial is judged

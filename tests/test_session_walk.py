@@ -33,6 +33,7 @@ ALLOWED = {
     "ftmesh.collective.view",
     "ftmesh.collective.wire",  # frame headers
     "ftmesh.collective.statistics",  # a timer
+    "ftmesh.collective.links",  # the kernel's figures of the connection, after the round
     "ftmesh.stats",
     "ftmesh.compression.feedback",  # CollectiveOp.allreduce's compression=None
 }
