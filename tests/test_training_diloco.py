@@ -239,7 +239,9 @@ def test_a_member_lost_mid_round_is_left_out_of_it(make_hub: Callable[..., Hub])
     for n in "ab":
         t = cast(ElasticTrainer, members[n].trainer)
         assert t.diloco_rounds_computed == rounds, "a survivor ran a round's inner steps twice"
-        assert t.recoveries >= 1
+        # the loss of c costs a survivor at most one failed attempt: one when the round's
+        # collectives had started on a view with c, none when the view had lost c first
+        assert t.recoveries <= 1, t.recoveries
         worst = _max_diff(t, ref)
         assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
     # from the round c died in, the outer-gradient allreduces ran on a and b (the one with c
@@ -480,7 +482,9 @@ def test_the_loop_api_runs_the_same_rounds(make_hub: Callable[..., Hub]) -> None
     for n in "ab":
         t = cast(ElasticTrainer, members[n].trainer)
         assert t.diloco_rounds_computed == rounds, "a survivor ran a round's inner steps twice"
-        assert t.recoveries >= 1
+        # the loss of c costs a survivor at most one failed attempt: one when the round's
+        # collectives had started on a view with c, none when the view had lost c first
+        assert t.recoveries <= 1, t.recoveries
         worst = _max_diff(t, ref)
         assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
     losses = [r.loss for r in members["a"].reports]
