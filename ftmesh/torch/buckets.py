@@ -272,6 +272,14 @@ class GradBuckets:
         self._last = last
         self._attach_views()
 
+    def send(self) -> None:
+        """The gradients in the buckets are final already (DiLoCo's overlap: an outer
+        gradient written as the step begins, ``ftmesh.torch.diloco``): launch every bucket
+        but the last now; ``finish`` runs the last (the header)."""
+        self._last = True
+        self._pending = [0] * len(self.buckets)
+        self._launch_ready()
+
     def between(self, ratio: float) -> None:
         """After a micro-batch that was not the last: rescale the running sum by ``ratio``
         (this micro-batch's weight over the next one's; see the module docstring)."""

@@ -147,12 +147,19 @@ class Rounds:
         (streaming: the step's fragment only), kept across the round's attempts."""
         self._kept_local: list[torch.Tensor] | None = None
         """Streaming: the member's local parameters after the kept round's inner steps."""
+        self.overlap = settings.overlap
         self.fragment_of = (
             fragments_of([p.numel() for p in params], settings.fragments)
-            if settings.fragments > 1
+            if settings.fragments > 1 or settings.overlap
             else None
         )
-        """Streaming: each parameter's fragment (``None``: plain DiLoCo)."""
+        """Streaming (or overlap): each parameter's fragment (``None``: plain DiLoCo)."""
+        self._ran: tuple[int, float, int] | None = None
+        """Overlap: (the step whose inner steps this member ran, their summed loss, samples);
+        their local parameters are ``_kept_local``."""
+        self._none_for = -1
+        """Overlap: the step this member sends no outer gradient in (it had no local
+        parameters of the step before)."""
         self.local: list[torch.Tensor] | None = None
         """Streaming: this member's local parameters, as committed with step ``local_step``."""
         self.local_step = -1
@@ -168,6 +175,46 @@ class Rounds:
     def kept_for(self, index: int) -> bool:
         """Whether this member holds its outer gradient of round ``index``."""
         return self._kept.kept_for(index)
+
+    def ran(self, index: int) -> bool:
+        """Whether this member ran the inner steps of round ``index`` (in any attempt)."""
+        if self.overlap:
+            return self._ran is not None and self._ran[0] == index
+        return self._kept.kept_for(index)
+
+    def _local_for(self, index: int) -> list[torch.Tensor] | None:
+        """This member's local parameters as step ``index`` begins, if it has them (it
+        committed step ``index - 1`` with its own inner steps)."""
+        return self.local if self.local_step == index - 1 else None
+
+    def send(self, index: int, computing: bool, buckets: GradBuckets) -> bool:
+        """Overlap, as an attempt of step ``index`` starts: write this member's outer gradient
+        of the step's fragment, ``Δ_p = θ_p - θ_m,p`` from its local parameters as they stand
+        (taken at the step's first attempt, kept for the others), into the buckets, unweighted
+        (the mean divides by the count of members that sent one, the header's last slot);
+        zeros without one (no local parameters of the step before, or not ``computing``: a
+        hot spare). Returns whether it sent one. The caller launches the buckets."""
+        kept, due = self._kept, self.fragment(index)
+        if computing and not kept.kept_for(index) and self._none_for != index:
+            local = self._local_for(index)
+            if local is not None:
+                parts = [k for k in range(len(self.params)) if self._in(k, due)]
+                kept.expect(index, len(parts))
+                with torch.no_grad():
+                    for k in parts:
+                        kept.put(k, self.params[k].detach() - local[k])
+            else:
+                self._none_for = index
+        buckets.micro_batch(1.0, last=True)  # (attaches the bucket views as .grad)
+        sends = computing and kept.kept_for(index)
+        for k, p in enumerate(self.params):
+            assert p.grad is not None
+            if self._in(k, due):
+                if sends:
+                    kept.contribute(index, k, p.grad)
+                else:
+                    p.grad.zero_()
+        return sends
 
     @contextlib.contextmanager
     def _inner_optimizer(self) -> Iterator[None]:
@@ -216,18 +263,19 @@ class Rounds:
         due = self.fragment(index)
         acc = InnerRun()
         delta: list[torch.Tensor | None] = []
-        local: list[torch.Tensor] | None = None
+        local = self._local_for(index) if due is not None else None
         try:
-            if due is not None and self.local is not None and self.local_step == index - 1:
+            if local is not None:
                 with torch.no_grad():  # streaming: from this member's own parameters
-                    for p, mine in zip(self.params, self.local, strict=True):
+                    for p, mine in zip(self.params, local, strict=True):
                         p.copy_(mine)
+            local = None
             with buckets.detached(), self._inner_optimizer():
                 yield acc
                 self.inner.zero_grad()
             with torch.no_grad():
                 delta = [
-                    g - p.detach() if due is None or self._in(k, due) else None
+                    g - p.detach() if not self.overlap and self._in(k, due) else None
                     for k, (g, p) in enumerate(zip(start, self.params, strict=True))
                 ]
                 if due is not None:
@@ -236,13 +284,16 @@ class Rounds:
             with torch.no_grad():
                 for g, p in zip(start, self.params, strict=True):
                     p.copy_(g)
+        self.rounds_computed += 1
+        if self.overlap:  # (its outer gradient went out as the step began: ``send``)
+            self._ran, self._kept_local = (index, acc.loss_sum, samples), local
+            return
         kept = self._kept
         kept.expect(index, sum(d is not None for d in delta))
         for k, d in enumerate(delta):
             if d is not None:
                 kept.put(k, d)
         kept.loss_sum, kept.samples, self._kept_local = acc.loss_sum, samples, local
-        self.rounds_computed += 1
 
     def _in(self, k: int, fragment: int | None) -> bool:
         """Whether parameter ``k`` is synced by a step that syncs ``fragment``."""
@@ -251,7 +302,11 @@ class Rounds:
     def contribute(self, index: int, weight: float, buckets: GradBuckets) -> float:
         """Write the kept ``Δ`` of round ``index`` into the gradient buckets, to be sent as
         ``weight * Δ`` (zeros without one: a hot spare); returns the mean loss of the inner
-        steps (0 without)."""
+        steps (0 without). Overlap: the buckets went out as the step began (``send``); only
+        the loss."""
+        if self.overlap:
+            ran = self._ran
+            return ran[1] / ran[2] if ran is not None and ran[0] == index and ran[2] else 0.0
         buckets.micro_batch(weight, last=True)  # (attaches the bucket views as .grad)
         for k, p in enumerate(self.params):
             assert p.grad is not None
@@ -261,30 +316,39 @@ class Rounds:
             return 0.0
         return kept.loss_sum / kept.samples
 
-    def outer_step(self, index: int, skip: bool) -> None:
+    def outer_step(self, index: int, skip: bool, senders: int = 0) -> None:
         """Apply the reduced mean outer gradient (``.grad``) of round ``index`` to the global
         parameters (streaming: of its fragment only; the member's local parameters of that
-        fragment become the global ones); ``skip``: every member skips it alike
-        (non-finite)."""
+        fragment become the global ones, or with overlap are mixed with them); ``skip``:
+        every member skips it alike (non-finite). Overlap: ``.grad`` holds the sum of the
+        outer gradients of ``senders`` members (none sent one: no outer step)."""
         due = self.fragment(index)
+        if self.overlap and senders == 0:
+            skip = True
         if not skip:
             grads = [p.grad for p in self.params]
             try:
                 for k, p in enumerate(self.params):
                     if not self._in(k, due):
                         p.grad = None  # (SGD passes over it: no step, no momentum decay)
+                    elif self.overlap and p.grad is not None:
+                        p.grad.div_(senders)
                 self.outer.step()
             finally:
                 for p, g in zip(self.params, grads, strict=True):
                     p.grad = g
-        local = self._kept_local if self.kept_for(index) else None
+        local = self._kept_local if self.ran(index) else None
         if due is not None and local is not None:
+            mix = self.settings.mix if self.overlap else 0.0
             with torch.no_grad():
                 for k, (p, mine) in enumerate(zip(self.params, local, strict=True)):
-                    if self._in(k, due):
+                    if self._in(k, due) and mix:
+                        mine.mul_(mix).add_(p.detach(), alpha=1.0 - mix)
+                    elif self._in(k, due):
                         mine.copy_(p.detach())
             self.local, self.local_step = local, index
         else:
             self.local, self.local_step = None, -1
         self._kept.clear()
         self._kept_local = None
+        self._ran = None

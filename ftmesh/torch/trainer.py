@@ -202,6 +202,10 @@ class ElasticTrainer:
 
             self._zero = ShardedOptimizer(params, optimizer, cfg.replicas, [n for n, _ in named])
         self._rounds: Rounds | None = None
+        self._senders_slot = 0
+        """DiLoCo's overlap: 1, the header's last slot counts the members that sent an outer
+        gradient (``_senders`` after the reduction); else 0."""
+        self._senders = 0
         """``sync=DiLoCo(...)``: the rounds' outer optimizer and kept outer gradient."""
         if cfg.sync is not None:
             if self._stream is not None:
@@ -526,7 +530,7 @@ class ElasticTrainer:
             with attempt:
 
                 def fill(step: Step = attempt) -> None:
-                    if self.mesh.node_id in step.workers and not rounds.kept_for(step.index):
+                    if self.mesh.node_id in step.workers and not rounds.ran(step.index):
                         rounds.compute(
                             step.index,
                             step.indices_share,
@@ -548,7 +552,7 @@ class ElasticTrainer:
         (it holds its outer gradient of the round already, or is a hot spare)."""
         rounds = self._rounds
         assert rounds is not None
-        if self.mesh.node_id not in step.workers or rounds.kept_for(step.index):
+        if self.mesh.node_id not in step.workers or rounds.ran(step.index):
             return None
         return rounds.inner_steps(step.index, len(step.indices_share), self.buckets)
 
@@ -568,7 +572,8 @@ class ElasticTrainer:
         rounds = self._rounds
         assert rounds is not None
         verdict = self._verdict
-        rounds.outer_step(step.index, skip=verdict is not None and verdict.skip)
+        skip = verdict is not None and verdict.skip
+        rounds.outer_step(step.index, skip, self._senders)
 
     @property
     def diloco_rounds_computed(self) -> int:
@@ -624,7 +629,10 @@ class ElasticTrainer:
         state = self._state
         state.frozen = True
         state.capture()  # the starting point (a fresh mesh adopts rank 0's)
-        slots = header_size(len(state.names), self.config.measures_speed)
+        # DiLoCo's overlap: one more slot at the end, whether the member sent an outer
+        # gradient (reduced: how many did; ``ftmesh.torch.diloco``)
+        self._senders_slot = int(self._rounds is not None and self._rounds.overlap)
+        slots = header_size(len(state.names), self.config.measures_speed) + self._senders_slot
         fragments = self._rounds.fragment_of if self._rounds is not None else None
         self._buckets = buckets = GradBuckets(
             self._params, self._bucket_bytes, slots, self._device_buckets(), fragments
@@ -880,6 +888,11 @@ class ElasticTrainer:
         if step.action.check:
             step.checks = self._state.check_values()
             header[HEADER_SLOTS : HEADER_SLOTS + len(step.checks)] = step.checks
+        if self._senders_slot:  # DiLoCo's overlap: the outer gradient goes out now
+            assert self._rounds is not None
+            computing = self.mesh.node_id in step.workers
+            header[-1] = float(self._rounds.send(step.index, computing, buckets))
+            buckets.send()
         step.started = time.perf_counter()
 
     def _outgoing(self, step: Step, buf: Wire) -> None:
@@ -927,10 +940,11 @@ class ElasticTrainer:
         if fill.announce:
             buckets.header[COUNTER_SLOTS:HEADER_SLOTS] = leave_slots(step.rank)
             step.announced = True
+        end = len(buckets.header) - self._senders_slot  # (the machine's header ends here)
         if len(fill.slots):
-            buckets.header[len(buckets.header) - len(fill.slots) :] = fill.slots
+            buckets.header[end - len(fill.slots) : end] = fill.slots
         view = step.action.view
-        mine = buckets.header.copy()  # (reduced in place by the last bucket's allreduce)
+        mine = buckets.header[:end].copy()  # (reduced in place by the last bucket's allreduce)
         try:
             buckets.finish(timeout=self.config.step_timeout)
             # (after the last bucket's check: our flag covers every bucket)
@@ -952,7 +966,9 @@ class ElasticTrainer:
             rows = rows[:, :width]
             if problem:
                 _abort(step, Failed(Failure.DESYNC, f"step {step.number}: {problem}"))
-        header = tuple(float(v) for v in buckets.header)
+        header = tuple(float(v) for v in buckets.header[:end])
+        if self._senders_slot:
+            self._senders = _senders(step, float(buckets.header[end]))
         # (the loss in the header may be NaN: only gradients count)
         finite = all(all_finite(buckets.gradients(b)) for b in buckets.buffers)
         judged = self._in_step(Gathered(header, rows, bool(finite)), Apply)
@@ -1245,6 +1261,15 @@ class LoopSide:
 
     def round_outer(self, step: Step) -> None:
         self._trainer._round_outer(step)
+
+
+def _senders(step: Step, reduced: float) -> int:
+    """DiLoCo's overlap: the reduced senders slot, the count of members that sent an outer
+    gradient; anything but a whole number up to the view's size is data of another round."""
+    size = step.action.view.size
+    if not (reduced.is_integer() and 0 <= reduced <= size):
+        _abort(step, Failed(Failure.DESYNC, f"step {step.number}: {reduced} senders of {size}"))
+    return int(reduced)
 
 
 def _abort(step: Step, failure: Failed) -> NoReturn:

@@ -55,6 +55,18 @@ class DiLoCo:
     outer step applies to that fragment). Each member's local parameters of the other
     fragments carry on from step to step (``ftmesh.torch.diloco``). 1: plain DiLoCo, the
     whole model every step. Must divide ``inner_steps``."""
+    overlap: bool = False
+    """Overlap each sync with the inner steps after it (streaming DiLoCo's ``τ``): a step
+    sends its fragment's outer gradient, taken from this member's local parameters as the
+    step begins, and runs its inner steps while it travels; the outer step and the merge
+    (``mix``) follow when both are done. So the link and the computation work at the same
+    time, and the fragment's update lands one step's inner steps late. With ``fragments=1``
+    the whole model's outer gradient travels during the next step's inner steps (one-step
+    delayed DiLoCo). ``ftmesh.torch.diloco``."""
+    mix: float = 0.5
+    """With ``overlap``: after the outer step, each member's local copy of the synced fragment
+    becomes ``mix * local + (1 - mix) * global`` (the paper's alpha: 0 drops the inner steps
+    the member ran while the fragment travelled, 1 ignores the global update)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int):
@@ -74,6 +86,10 @@ class DiLoCo:
                 f"DiLoCo fragments must be >= 1 and divide inner_steps ({self.inner_steps}), "
                 f"got {self.fragments}"
             )
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"DiLoCo overlap must be a bool, got {self.overlap!r}")
+        if isinstance(self.mix, bool) or not 0 <= self.mix < 1:
+            raise ConfigError(f"DiLoCo mix must be in [0, 1), got {self.mix!r}")
 
     @property
     def steps_per_sync(self) -> int:
@@ -85,9 +101,10 @@ class DiLoCo:
         """The settings as text (folded into the registered state's layout, so members with
         other DiLoCo settings get a ``ConfigError``)."""
         streaming = f",F={self.fragments}" if self.fragments > 1 else ""
+        overlap = f",overlap,mix={self.mix!r}" if self.overlap else ""
         return (
             f"H={self.inner_steps},lr={self.outer_lr!r},m={self.outer_momentum!r},"
-            f"nesterov={self.nesterov}{streaming}"
+            f"nesterov={self.nesterov}{streaming}{overlap}"
         )
 
 
