@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="streaming DiLoCo: F fragments of the model, one synced per step, a step of H/F "
         "inner steps and H/F x --global-batch samples (F must divide H)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="DiLoCo: each step's sync travels while the step's inner steps run (the outer "
+        "gradient taken as the step begins, merged one step late; with --fragments F, "
+        "streaming DiLoCo's overlap)",
+    )
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
     p.add_argument(
         "--outer-momentum",
@@ -285,6 +292,7 @@ def train(args: argparse.Namespace) -> int:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             fragments=args.fragments,
+            overlap=args.overlap,
         )
         if args.diloco
         else None

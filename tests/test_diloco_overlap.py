@@ -169,6 +169,11 @@ def _check_identical(digests: Digests, steps: int) -> None:
         assert len(distinct) == 1, f"step {step}: members differ: {by_member}"
 
 
+def _delta(params: list[torch.nn.Parameter], model: torch.nn.Module) -> list[torch.Tensor]:
+    """The global parameters minus a member's."""
+    return [g.detach() - p.detach() for g, p in zip(params, model.parameters(), strict=True)]
+
+
 def _reference(
     plan: Sequence[tuple[str, str]], frags: int, overlap: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -193,13 +198,13 @@ def _reference(
             if last.get(m) != s - 1:
                 model.load_state_dict(global_model.state_dict())
             elif overlap:
-                deltas.append([g.detach() - p.detach() for g, p in zip(params, model.parameters())])
+                deltas.append(_delta(params, model))
             for batch in np.array_split(sampler.indices(s, sorted(split), m), H // frags):
                 inner.zero_grad()
                 _loss(model, batch).backward()  # type: ignore[no-untyped-call]
                 inner.step()
             if not overlap:
-                deltas.append([g.detach() - p.detach() for g, p in zip(params, model.parameters())])
+                deltas.append(_delta(params, model))
         for k, p in enumerate(params):
             p.grad = (
                 sum((d[k] / len(deltas) for d in deltas), torch.zeros_like(p))

@@ -1,6 +1,6 @@
 """``ftmesh bench convergence``: time to the same test accuracy of ``examples/train_digits.py``
 on slow lab links, synchronous (float32, int8) against DiLoCo rounds (float32, int8,
-streaming), in one run.
+streaming, overlapped), in one run.
 
 Theory of operation: one virtual LAN (``ftmesh.lab.VirtualLan``, root) of ``--procs`` hosts,
 every link limited to ``--link-rate`` (tc tbf, each direction); or, with ``--sites AxB``, two
@@ -24,6 +24,9 @@ keeps each site's members adjacent and reduces within the sites first). The mode
   the next inner steps (``ftmesh.torch.diloco``) it sends the bytes of ``diloco`` in ``F``
   smaller syncs: about ``diloco``'s time, a lower peak bandwidth. On the wide model the
   fragments are uneven (its hidden layer's weight is 92 % of it, one tensor).
+* ``overlap``: streaming DiLoCo with the overlap (``--overlap``): a step's fragment travels
+  while the step's inner steps run, so a step takes about the longer of the two rather than
+  their sum; ``overlap-int8``: the same, int8 outer gradients.
 
 Every mode computes the same per member and step: ``--batch`` samples per member per
 (inner) step, so a synchronous step's global batch is ``batch x procs`` and a round's
@@ -74,6 +77,7 @@ class Mode:
     diloco: bool
     compression: str
     streaming: bool = False
+    overlap: bool = False
 
 
 MODES = {
@@ -84,6 +88,8 @@ MODES = {
         Mode("diloco", True, "none"),
         Mode("diloco-int8", True, "int8"),
         Mode("streaming", True, "none", streaming=True),
+        Mode("overlap", True, "none", streaming=True, overlap=True),
+        Mode("overlap-int8", True, "int8", streaming=True, overlap=True),
     )
 }
 SMOOTH = 3
@@ -128,6 +134,7 @@ def _argv(
     if mode.diloco:
         argv += ["--diloco", str(args.diloco), "--outer-lr", str(args.outer_lr)]
         argv += ["--outer-momentum", str(args.outer_momentum), "--fragments", str(fragments)]
+        argv += ["--overlap"] if mode.overlap else []
     # only host 0 measures accuracy (the bench reads its records): an evaluation on every
     # host would cost N times the CPU the hosts share on this machine, for nothing; DiLoCo's
     # once per H inner steps (every round; streaming: every F steps of H/F)
@@ -281,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
-    if "streaming" in modes and (args.fragments < 1 or args.diloco % args.fragments):
+    streams = {"streaming", "overlap", "overlap-int8"} & set(modes)
+    if streams and (args.fragments < 1 or args.diloco % args.fragments):
         ap.error(f"--fragments {args.fragments} must divide --diloco {args.diloco}")
     rate = None if args.link_rate == "none" else args.link_rate
     delay_ms = _milliseconds(args.delay)

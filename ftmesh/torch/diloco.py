@@ -59,11 +59,23 @@ goes to the outer SGD with the other fragments' ``.grad`` set to ``None``, so th
 (and its momentum) moves fragment ``p`` only; then ``θ_m,p = θ_p`` (the paper's merge with
 ``alpha = 0``). ``θ_m`` is valid only for the step after the one it was committed with: a member
 that did not commit the previous step with its own outer gradient (a joiner, a hot spare
-taking over, a member that fetched state) starts from ``θ_m = θ``. What the paper adds and
-this does not: the overlap of fragment ``p``'s allreduce with the next step's inner steps
-(its merge then mixes, ``θ_m,p = alpha θ_m,p + (1 - alpha) θ_p``); here a step's allreduce runs
-after its inner steps, as in plain DiLoCo, so streaming lowers the bytes of each sync (its
-peak bandwidth), not the time per inner step.
+taking over, a member that fetched state) starts from ``θ_m = θ``. Without overlap a step's
+allreduce runs after its inner steps, as in plain DiLoCo, so streaming lowers the bytes of
+each sync (its peak bandwidth), not the time per inner step.
+
+*Overlap* (``DiLoCo(overlap=True, mix=a)``, the paper's ``τ`` of one step's inner steps; with
+``fragments=1`` the whole model, one-step delayed DiLoCo). As an attempt of step ``t`` starts
+(``send``), a member takes ``Δ_p = θ_p - θ_m,p`` of fragment ``p = t % F`` from its local
+parameters as they stand (the inner steps since ``p``'s last merge), writes it into ``p``'s
+buckets unweighted and launches them (``GradBuckets.send``); the step's inner steps then run
+while they travel, and only the header's bucket waits for them. A member without local
+parameters of step ``t - 1`` sends zeros, and the header's last slot (1 from a member that
+sent a ``Δ_p``) reduces to the count of senders, which the outer step divides the sum by (no
+sender, as at the first step: no outer step). On commit the outer SGD moves ``θ_p`` and every
+member that ran the step's inner steps mixes ``θ_m,p = a θ_m,p + (1 - a) θ_p``: its inner
+steps during the sync count with weight ``a``. A retry sends the kept ``Δ_p`` again (the
+inner steps are not run again: ``ran``). So one step costs about the longer of its inner
+steps and its sync rather than their sum.
 """
 
 from __future__ import annotations
