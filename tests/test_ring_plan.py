@@ -84,12 +84,24 @@ def test_labels_win_over_measurement_and_unlabeled_members_form_a_site() -> None
     assert plan.source == "labels"
 
 
-def test_unequal_sites_run_flat_but_site_ordered() -> None:
+def test_unequal_sites_reduce_hierarchically_in_blocks_of_the_smallest_site() -> None:
+    """3 + 2: hierarchical, 2 blocks; the third member of the larger site has no cross-site
+    group. 2 + 1: 1 block. Sites of one member each: the flat ring."""
     ids = [nid(i) for i in range(5)]
     plan = plan_ring(MemberLinks.of(n, site="a" if i < 3 else "b") for i, n in enumerate(ids))
-    assert len(plan.sites) == 2 and not plan.hierarchical
-    assert "unequal size 3+2" in plan.why_flat and "flat ring" in plan.describe()
+    assert len(plan.sites) == 2 and plan.hierarchical and plan.blocks == 2
+    assert plan.why_flat == "" and "a[3] b[2], hierarchical" in plan.describe()
     assert plan.order == tuple(sorted(ids[:3])) + tuple(sorted(ids[3:]))
+    view = RingView.of(peers(ids), plan)
+    a, b = plan.sites
+    crosses = {n: view.groups(n)[1] for n in ids}
+    assert crosses[a.members[2]] is None
+    for k in range(2):
+        for n in (a.members[k], b.members[k]):
+            cross = crosses[n]
+            assert cross is not None and cross.node_ids == (a.members[k], b.members[k])
+    small = plan_ring(MemberLinks.of(n, site="a" if i < 2 else "b") for i, n in enumerate(ids[:3]))
+    assert small.hierarchical and small.blocks == 1
     single = plan_ring(MemberLinks.of(n, site=str(i)) for i, n in enumerate(ids[:2]))
     assert not single.hierarchical and single.why_flat == "one member per site"
 
@@ -142,7 +154,7 @@ def test_symmetrised_with_the_larger_direction() -> None:
     skew = {**base, b: {a: far, c: far, d: far}}
     plan = plan_ring(MemberLinks.of(n, rtt=r) for n, r in skew.items())
     assert sorted(len(s.members) for s in plan.sites) == [1, 1, 2]
-    assert not plan.hierarchical and "unequal" in plan.why_flat
+    assert plan.hierarchical and plan.blocks == 1
     # a direction nobody measured takes the other one's bucket
     half = {**base, b: {c: far, d: far}}
     assert plan_ring(MemberLinks.of(n, rtt=r) for n, r in half.items()).hierarchical
@@ -297,7 +309,8 @@ def test_clean_measurements_find_the_true_sites(shape: list[int], salt: int) -> 
         return
     # (a singleton site next to larger ones is found too: its links are all far)
     assert {frozenset(s.members) for s in plan.sites} == {frozenset(s) for s in multi}
-    assert plan.hierarchical == (len({len(s) for s in multi}) == 1 and len(multi[0]) >= 2)
+    assert plan.hierarchical == (max(len(s) for s in multi) >= 2)
+    assert plan.blocks == min(len(s) for s in multi)
 
 
 @settings(max_examples=60, deadline=None)
@@ -381,6 +394,7 @@ def test_sub_views_have_their_own_epochs() -> None:
     seen = {view.epoch}
     for n in ids:
         site, cross = view.groups(n)
+        assert cross is not None
         assert n in site and n in cross and site.size == 2 and cross.size == 2
         assert site.parent == cross.parent == view.epoch
         assert site.node_ids == plan.sites[plan.site_of(n)].members  # in the plan's order
@@ -392,7 +406,7 @@ def test_sub_views_have_their_own_epochs() -> None:
     other = RingView.of(
         peers(ids), plan_ring(MemberLinks.of(n, site=f"x{i < 2}") for i, n in enumerate(ids))
     )
-    assert not {g.epoch for n in ids for g in other.groups(n)} & seen
+    assert not {g.epoch for n in ids for g in other.groups(n) if g is not None} & seen
     with pytest.raises(LocalUsageError):
         RingView.of(peers(ids)).groups(ids[0])
 

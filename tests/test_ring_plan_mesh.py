@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 from tests_support import local_mesh_config
 
@@ -169,7 +170,8 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
         # sub-ring counts as its view's in the ring cache: max_cached_views=1 here)
         def rings(m: SyncMesh) -> list[Any]:
             dp = m.mesh.data_plane
-            return [dp.whole_ring(v.epoch) for v in (view, *view.groups(m.node_id))]
+            subs = [v for v in view.groups(m.node_id) if v is not None]
+            return [dp.whole_ring(v.epoch) for v in (view, *subs)]
 
         opened = [rings(m) for m in ms]
         assert all(r is not None for rs in opened for r in rs), opened
@@ -219,6 +221,52 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
         assert sorted(east_names) == ["m0", "m2"]
 
 
+@pytest.mark.parametrize("sites", ["aaabb", "aab"])
+def test_unequal_sites_reduce_hierarchically(tmp_path: Path, sites: str) -> None:
+    """3 + 2 and 2 + 1 labelled members: the plan is hierarchical in blocks of the smallest
+    site's size; allreduces (sum, avg; an odd length) give every member the same bits, equal
+    (allclose) to the float64 sum; across the sites each direction carries exactly one buffer
+    (S bytes) per allreduce, where the flat site-ordered ring would carry 2 (N-1)/N S."""
+    with sync_meshes(tmp_path, list(sites)) as ms:
+        n_members = len(sites)
+        view = common_view(ms, n_members)
+        plan = view.plan
+        assert plan is not None and plan.hierarchical and plan.blocks == sites.count("b")
+        rng = np.random.default_rng(7)
+        n = 100_003
+        inputs = {m.node_id: rng.standard_normal(n).astype(np.float32) for m in ms}
+        want = np.sum([inputs[k].astype(np.float64) for k in sorted(inputs)], axis=0)
+        for op, expect in (("sum", want), ("avg", want / n_members)):
+
+            def reduce(m: SyncMesh, op: str = op) -> Any:
+                return m.session(view).allreduce(inputs[m.node_id].copy(), op).output
+
+            outs = in_threads(ms, reduce)
+            assert not [o for o in outs if isinstance(o, Exception)], outs
+            assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
+            assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+        s_bytes = 4 * 65536
+        before = [m.mesh.data_plane.sent_bytes() for m in ms]
+        outs = in_threads(
+            ms, lambda m: m.session(view).allreduce(np.ones(65536, np.float32)).output
+        )
+        want_ones = np.full(65536, float(n_members), np.float32)
+        assert all(np.array_equal(o, want_ones) for o in outs), outs
+        after = [m.mesh.data_plane.sent_bytes() for m in ms]
+        a = {m.node_id for m, s in zip(ms, sites, strict=True) if s == "a"}
+        b = set(view.node_ids) - a
+        sent = {
+            (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
+            for i in range(n_members)
+            for peer in after[i]
+        }
+
+        def between(x: set[str], y: set[str]) -> int:
+            return sum(v for (src, dst), v in sent.items() if src in x and dst in y)
+
+        assert between(a, b) == between(b, a) == s_bytes
+
+
 async def test_the_async_face_runs_the_hierarchical_allreduce(tmp_path: Path) -> None:
     """``Mesh.allreduce`` (inside trio) on a 2 + 2 mesh: the same phases, the same result."""
     async with meshes(tmp_path, ["a", "b", "a", "b"]) as ms:
@@ -248,7 +296,7 @@ def test_a_kill_fails_the_hierarchical_allreduce_and_the_next_view_works(tmp_pat
     """Four member processes, sites 2 + 2, allreducing 4 MiB hierarchically in a loop; one is
     SIGKILLed. Every survivor's allreduce fails with one of the session's typed errors (a lost
     peer, or a view moved on), none hangs, and all three then reduce on the view of three (two
-    sites of unequal size: the flat, site-ordered ring)."""
+    sites of unequal size, 2 + 1: hierarchical in one block)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [
         subprocess.Popen(
@@ -293,7 +341,8 @@ def test_a_kill_fails_the_hierarchical_allreduce_and_the_next_view_works(tmp_pat
                 "ViewMismatchError",
             ), ls  # fmt: skip
             after = [x for x in ls if "after" in x]
-            assert after and after[0]["right"] and not after[0]["hierarchical"], ls
+            # (the view of three: sites 2 + 1, hierarchical in one block)
+            assert after and after[0]["right"] and after[0]["hierarchical"], ls
         assert time.monotonic() - killed_at < 50  # (far below io_timeout: nobody waited it out)
     finally:
         for p in procs:
@@ -370,6 +419,7 @@ def test_a_member_abandoning_the_cross_site_phase_fails_the_others_promptly(
         assert all(r[0] == 1 for r in in_threads(ms, lambda m: retried_allreduce(m, view, until)))
         quitter = ms[0]
         _site, cross = view.groups(quitter.node_id)
+        assert cross is not None
         plane = quitter.mesh.data_plane
 
         def abandon(m: SyncMesh) -> Any:

@@ -7,18 +7,21 @@ first time a view is used (``transport``), (3) builds this member's schedule (``
 (4) drives it over the two sockets (``engine``). Collectives on one data plane run one at a
 time, in call order; every member must call the same collectives in the same order on a view.
 
-A view whose ring plan is hierarchical (``topology``: sites of equal size, at least two of
-them, of at least two members) runs an uncompressed allreduce in three phases on sub-views
-(``RingView.groups``): the reduce-scatter half of the ring inside the member's site, an
-allreduce of the member's block across the sites among the members at the same place in every
-site (``avg`` divides there, by the whole view's size), and the allgather half inside the
-site. They are the steps of the flat ring's schedule, split over three rings, on the same
+A view whose ring plan is hierarchical (``topology``: at least two sites, one of at least two
+members) runs an uncompressed allreduce in three phases on sub-views (``RingView.groups``): the
+reduce-scatter half of the ring inside the member's site, an allreduce of the member's block
+across the sites among the members at the same place in every site (``avg`` divides there, by
+the whole view's size), and the allgather half inside the site. The buffer is cut into ``K``
+blocks, ``K`` the smallest site's size (``RingPlan.blocks``); in a site of ``k > K`` members the
+ring's segments ``K..k-1`` are empty, so the members at those places hold no block, sit out the
+cross-site phase and receive the result in the allgather; a site of one member has no site
+phase. They are the steps of the flat ring's schedule, split over three rings, on the same
 buffer in place; each sub-view has its own ring (and epoch, derived from the parent's). Every
 member ends with the same bits (each block is finalised by one cross-site ring, and copied
 from there); the summation order differs from the flat ring's (site partial sums, then across
-sites), so the result may differ from a flat ring's in the last bits. Between two sites each
-member sends its block once across (``S / k`` of an ``S``-byte buffer, so ``S`` per direction
-per site pair), where the flat ring's edge between the sites carries ``2 (N-1)/N * S``. A
+sites), so the result may differ from a flat ring's in the last bits. Between two sites the
+``K`` blocks cross once each (``S / K`` of an ``S``-byte buffer, so ``S`` per direction per site
+pair), where the flat ring's edge between the sites carries ``2 (N-1)/N * S``. A
 failure in any phase (or of a sub-ring to open) fails the whole collective with the phase's
 typed error, and this member kills every ring it has of the view, the sub-rings and the
 view's own (``_fail_phases``: their neighbours get the abort as a notice, and every member's
@@ -469,17 +472,19 @@ class DataPlane:
         run, on ``x``'s staged buffer in place."""
         site, cross = view.groups(self.node_id)
         for sub in (site, cross):
-            self._parents[sub.epoch] = view.epoch
-            self._parents.move_to_end(sub.epoch)
+            if sub is not None:
+                self._parents[sub.epoch] = view.epoch
+                self._parents.move_to_end(sub.epoch)
         while len(self._parents) > MAX_ABORTED_VIEWS:
             self._parents.popitem(last=False)
         st = stage(x, writable=True)
         red, scale = self._reducers(op.op, st.dtype, view.size)
         flat = st.flat
-        k, rs = site.size, site.rank_of(self.node_id)
-        bounds = schedule.segment_bounds(int(flat.size), k)
+        assert view.plan is not None
+        k, rs, blocks, n = site.size, site.rank_of(self.node_id), view.plan.blocks, int(flat.size)
+        # K blocks, then empty segments for the places a smaller site lacks (module doc)
+        bounds = schedule.segment_bounds(n, blocks) + [n] * (k - blocks)
         block = flat[bounds[rs] : bounds[rs + 1]]
-        m, rc = cross.size, cross.rank_of(self.node_id)
         chunk, item = self.config.chunk_bytes, flat.itemsize
 
         def phase(
@@ -495,22 +500,27 @@ class DataPlane:
                 b, rank, first_step=first, last_step=last, itemsize=item, chunk_bytes=chunk
             )
 
-        cross_bounds = schedule.segment_bounds(int(block.size), m)
-        plans = [
-            phase(site, "allreduce/site", st.shape, steps(bounds, rs, 0, k - 2),
-                  Buffers(flat, flat, red)),
-            phase(cross, "allreduce/cross", (int(block.size),),
-                  steps(cross_bounds, rc, 0, 2 * m - 3), Buffers(block, block, red, scale)),
-            phase(site, "allgather/site", st.shape, steps(bounds, rs, k - 1, 2 * k - 3),
-                  Buffers(flat, flat)),
-        ]  # fmt: skip
+        plans = []
+        if k > 1:
+            rs_steps = steps(bounds, rs, 0, k - 2)
+            plans.append(
+                phase(site, "allreduce/site", st.shape, rs_steps, Buffers(flat, flat, red))
+            )
+        if cross is not None:
+            m, rc = cross.size, cross.rank_of(self.node_id)
+            ar_steps = steps(schedule.segment_bounds(int(block.size), m), rc, 0, 2 * m - 3)
+            bufs = Buffers(block, block, red, scale)
+            plans.append(phase(cross, "allreduce/cross", (int(block.size),), ar_steps, bufs))
+        if k > 1:
+            ag_steps = steps(bounds, rs, k - 1, 2 * k - 3)
+            plans.append(phase(site, "allgather/site", st.shape, ag_steps, Buffers(flat, flat)))
 
         def finish() -> T:
             if st.commit is not None:
                 st.commit()
             return x
 
-        return Phases(view, plans, finish)
+        return Phases(view, plans, finish, int(flat.nbytes))
 
     async def run_phases(self, phases: Phases[T]) -> CollectiveResult[T]:
         """Run a hierarchical allreduce inside trio: each phase's sub-ring opened if needed,
@@ -775,11 +785,8 @@ class Phases(Generic[T]):
     view: RingView
     plans: list[Plan[None]]
     finish: Callable[[], T]
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the collective's input in bytes."""
-        return self.plans[0].nbytes
+    nbytes: int
+    """Size of the collective's input in bytes."""
 
 
 def _last_round(plan: Plan[T]) -> Plan[T]:

@@ -20,11 +20,13 @@ the same :class:`RingPlan`:
 2. *Order.* Sites sorted by label (measured sites: by their smallest node id, labelled
    ``~1``, ``~2``...), members by node id inside a site; the ring is the sites one after the
    other, so it crosses between two sites once per direction.
-3. *Hierarchical or flat.* Hierarchical when there are at least two sites, all of the same
-   size, of at least two members: an allreduce then runs as a reduce-scatter inside each site,
-   an allreduce of each shard across sites among the members that hold it, and an allgather
-   inside each site (``DataPlane``). Sites of unequal size run the flat, site-ordered ring
-   (``RingPlan.why_flat`` says so): the cross-site phase pairs the k-th member of every site.
+3. *Hierarchical or flat.* Hierarchical when there are at least two sites and one of them
+   has two members or more: an allreduce then runs as a reduce-scatter inside each site into
+   ``K`` blocks (``K`` the smallest site's size, :attr:`RingPlan.blocks`; the members at places
+   ``K`` and beyond in a larger site hold none), an allreduce of each block across the sites
+   among the members at its place in every site, and an allgather inside each site
+   (``DataPlane``). Sites of one member each run the flat, site-ordered ring
+   (``RingPlan.why_flat`` says so): the hierarchy would change nothing.
 
 The plan is a function of its inputs only (no clock, no randomness, no dict order): members
 that hold the same inputs derive the same plan, bit for bit, and its hash (:attr:`RingPlan.hash`)
@@ -155,6 +157,12 @@ class RingPlan:
         """One site: the ring (and the view's epoch) is exactly the unplanned one."""
         return len(self.sites) <= 1
 
+    @property
+    def blocks(self) -> int:
+        """Blocks of a hierarchical allreduce: the smallest site's size (each block crosses
+        between the sites in a ring of the members at its place in every site)."""
+        return min(len(s.members) for s in self.sites)
+
     def site_of(self, node: str) -> int:
         """Index of ``node``'s site in ``sites``."""
         return self._site_of[node]
@@ -196,11 +204,7 @@ def plan_ring(members: Iterable[MemberLinks]) -> RingPlan:
 def _finish(sites: tuple[Site, ...], source: str) -> RingPlan:
     if len(sites) < 2:
         return RingPlan(sites, False, source)
-    sizes = sorted({len(s.members) for s in sites})
-    if len(sizes) > 1:
-        shape = "+".join(str(len(s.members)) for s in sites)
-        return RingPlan(sites, False, source, f"sites of unequal size {shape}")
-    if sizes[0] < 2:
+    if max(len(s.members) for s in sites) < 2:
         return RingPlan(sites, False, source, "one member per site")
     return RingPlan(sites, True, source)
 

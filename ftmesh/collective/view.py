@@ -122,17 +122,19 @@ class RingView:
         """Whether an allreduce on this view runs hierarchically (``plan.hierarchical``)."""
         return self.plan is not None and self.plan.hierarchical and not self.parent
 
-    def groups(self, node_id: str) -> tuple[RingView, RingView]:
+    def groups(self, node_id: str) -> tuple[RingView, RingView | None]:
         """For a hierarchical view: ``node_id``'s site sub-view and its cross-site sub-view
-        (the members at the same place in every site, site by site)."""
+        (the members at the same place in every site, site by site), ``None`` for a member
+        at a place beyond the smallest site's size (``RingPlan.blocks``: it holds no block)."""
         plan = self.plan
         if plan is None or not plan.hierarchical:
             raise LocalUsageError(f"view {self.epoch} is not hierarchical")
         s = plan.site_of(node_id)
         k = plan.sites[s].members.index(node_id)
         site = self.sub(f"site:{s}", plan.sites[s].members)
-        cross = self.sub(f"cross:{k}", [x.members[k] for x in plan.sites])
-        return site, cross
+        if k >= plan.blocks:
+            return site, None
+        return site, self.sub(f"cross:{k}", [x.members[k] for x in plan.sites])
 
     @property
     def size(self) -> int:
