@@ -75,6 +75,8 @@ def test_leaver_announces_and_the_rest_go_on_without_a_retry(hub: Hub, shard: bo
     )
     _check(members, {"b": 5})  # asked after step 4: announced in step 5, left after it
     assert hub.failed_rounds() == []  # no collective failed, for anybody
+    # its last word before the leave: the role that takes it out of the others' next view
+    assert hub.roles["b"] == "leaving"
     for name in "acd":
         m = members[name]
         announced = next(r for r in m.reports if r.step == 5)

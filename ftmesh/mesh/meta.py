@@ -57,8 +57,10 @@ RELEASE = ".".join(__version__.split(".")[:2])
 ROLE_KEY = "role"
 """Member metadata key: ``train`` members form the ring; others not (``joining``: about to
 train; ``spare``: waits for a free slot, see ``ElasticTrainer(max_peers=...)``; ``observer``;
-``done``: finished training, about to leave)."""
-ROLES = ("train", "joining", "starting", "spare", "observer", "done")
+``done``: finished training, about to leave; ``leaving``: a planned departure, after its
+last step: the others' next view leaves it out as soon as they hear of it, without waiting
+for the leave itself)."""
+ROLES = ("train", "joining", "starting", "spare", "observer", "done", "leaving")
 PROGRESS_KEY = "progress"
 """Member metadata key: the member's training progress, ``Progress.encode()``."""
 SITE_KEY = "site"

@@ -29,6 +29,7 @@ _WHY_NOT = {
     "spare": "a cold spare (or paused as fail-slow): waiting for a slot in the ring",
     "observer": "an observer: never in the ring",
     "done": "done: the training finished",
+    "leaving": "leaving: a planned departure",
 }
 
 

@@ -191,7 +191,9 @@ class Ring:
             alive = [m for m in members if m.state == MemberState.ALIVE]
             training = [m.node for m in alive if m.role == "train"]
             finished = any(m.role == "done" for m in members)
-            left = any(m.state == MemberState.LEFT and m.role == "train" for m in members)
+            left = any(
+                m.state == MemberState.LEFT and m.role in ("train", "leaving") for m in members
+            )
             if not training and (finished or left):
                 raise Abort(
                     TrainingFinishedError("the training finished while we waited as a spare")
