@@ -275,13 +275,13 @@ class Rounds:
         due = self.fragment(index)
         acc = InnerRun()
         delta: list[torch.Tensor | None] = []
-        local = self._local_for(index) if due is not None else None
+        own = self._local_for(index) if due is not None else None
+        local: list[torch.Tensor] | None = None
         try:
-            if local is not None:
+            if own is not None:
                 with torch.no_grad():  # streaming: from this member's own parameters
-                    for p, mine in zip(self.params, local, strict=True):
+                    for p, mine in zip(self.params, own, strict=True):
                         p.copy_(mine)
-            local = None
             with buckets.detached(), self._inner_optimizer():
                 yield acc
                 self.inner.zero_grad()

@@ -202,11 +202,11 @@ class ElasticTrainer:
 
             self._zero = ShardedOptimizer(params, optimizer, cfg.replicas, [n for n, _ in named])
         self._rounds: Rounds | None = None
+        """``sync=DiLoCo(...)``: the rounds' outer optimizer and kept outer gradient."""
         self._senders_slot = 0
         """DiLoCo's overlap: 1, the header's last slot counts the members that sent an outer
         gradient (``_senders`` after the reduction); else 0."""
         self._senders = 0
-        """``sync=DiLoCo(...)``: the rounds' outer optimizer and kept outer gradient."""
         if cfg.sync is not None:
             if self._stream is not None:
                 raise LocalUsageError("sync=DiLoCo(...) does not take a ShardedStream")
@@ -968,7 +968,7 @@ class ElasticTrainer:
                 _abort(step, Failed(Failure.DESYNC, f"step {step.number}: {problem}"))
         header = tuple(float(v) for v in buckets.header[:end])
         if self._senders_slot:
-            self._senders = _senders(step, float(buckets.header[end]))
+            self._senders = _sender_count(step, float(buckets.header[end]))
         # (the loss in the header may be NaN: only gradients count)
         finite = all(all_finite(buckets.gradients(b)) for b in buckets.buffers)
         judged = self._in_step(Gathered(header, rows, bool(finite)), Apply)
@@ -1263,7 +1263,7 @@ class LoopSide:
         self._trainer._round_outer(step)
 
 
-def _senders(step: Step, reduced: float) -> int:
+def _sender_count(step: Step, reduced: float) -> int:
     """DiLoCo's overlap: the reduced senders slot, the count of members that sent an outer
     gradient; anything but a whole number up to the view's size is data of another round."""
     size = step.action.view.size
