@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,8 +53,14 @@ CASES = [
 ]
 
 
+EMPTY_REGISTRY = tempfile.mkdtemp(prefix="ftmesh-cli-errors-")
+"""A registry no mesh writes to: ``ftmesh status`` finds nothing there (in the default one
+it would note any mesh of this host, a line more)."""
+
+
 def ftmesh(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FTMESH_")}
+    clean["FTMESH_REGISTRY_DIR"] = EMPTY_REGISTRY
     return subprocess.run(
         [sys.executable, "-m", "ftmesh", *argv],
         capture_output=True,
@@ -79,6 +86,7 @@ def test_misconfiguration_is_one_line_and_exit_2(
     # the process-level behaviour is checked on a few of them below.
     for k in [k for k in os.environ if k.startswith("FTMESH_")]:
         monkeypatch.delenv(k)
+    monkeypatch.setenv("FTMESH_REGISTRY_DIR", EMPTY_REGISTRY)
     monkeypatch.chdir(ROOT)
     try:
         rc = run(argv)
