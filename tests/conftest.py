@@ -1,6 +1,7 @@
 """Fixtures shared by the whole suite.
 
 - ``node_group``: ``ftmesh node`` processes on this host, killed after the test.
+- ``make_hub``: in-process fake meshes (``trainer_sim.Hub``), shut down after the test.
 - ``references`` / ``single_run``: single-process reference runs of the examples, one per
   argument set, cached on disk keyed by the code (``tests_support.References``).
 - xdist groups (``FTMESH_TEST_WORKERS=3 scripts/test.sh`` runs ``-n 3 --dist loadgroup``): a
@@ -60,13 +61,17 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from tests_support import References, SingleRun, references_dir
 
 from ftmesh.lab.procs import NodeGroup
+
+if TYPE_CHECKING:
+    from trainer_sim import Hub
 
 GRACE_S = 5.0
 """How long leftovers get to end on their own after a test before they count as leaks."""
@@ -182,6 +187,23 @@ def node_group(tmp_path: Path) -> Iterator[NodeGroup]:
     """``ftmesh node`` processes on this host; all killed after the test, pass or fail."""
     with NodeGroup(log_dir=tmp_path) as group:
         yield group
+
+
+@pytest.fixture
+def make_hub() -> Iterator[Callable[..., Hub]]:
+    """Hubs of the fake mesh for the test (``trainer_sim``, imported here only when a test
+    asks: it loads torch); every member thread is killed and joined afterwards."""
+    from trainer_sim import Hub
+
+    hubs: list[Hub] = []
+
+    def make(**kwargs: Any) -> Hub:
+        hubs.append(Hub(**kwargs))
+        return hubs[-1]
+
+    yield make
+    for hub in hubs:
+        hub.shutdown()
 
 
 @pytest.fixture(scope="session")

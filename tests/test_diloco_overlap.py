@@ -14,7 +14,7 @@ fake mesh's collectives block, so it had completed by then)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -63,19 +63,6 @@ def _sampler() -> ElasticSampler:
 def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
     i = torch.as_tensor(idx)
     return F.cross_entropy(model(DATA_X[i]), DATA_Y[i])
-
-
-@pytest.fixture
-def make_hub() -> Iterator[Callable[..., Hub]]:
-    hubs: list[Hub] = []
-
-    def make(**kwargs: Any) -> Hub:
-        hubs.append(Hub(**kwargs))
-        return hubs[-1]
-
-    yield make
-    for hub in hubs:
-        hub.shutdown()
 
 
 def _fragment_syncs(hub: Hub, frags: int) -> int:

@@ -64,19 +64,6 @@ def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
     return F.cross_entropy(model(DATA_X[i]), DATA_Y[i])
 
 
-@pytest.fixture
-def make_hub() -> Iterator[Callable[..., Hub]]:
-    hubs: list[Hub] = []
-
-    def make(**kwargs: Any) -> Hub:
-        hubs.append(Hub(**kwargs))
-        return hubs[-1]
-
-    yield make
-    for hub in hubs:
-        hub.shutdown()
-
-
 def _run(
     hub: Hub,
     member: Member,

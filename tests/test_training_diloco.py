@@ -11,7 +11,7 @@ others commit it with their outer gradients; a joiner fetches the outer state.""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,19 +57,6 @@ def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
 
 Digests = dict[int, dict[str, dict[str, str]]]
 """round (committed step) -> member -> part -> digest."""
-
-
-@pytest.fixture
-def make_hub() -> Iterator[Callable[..., Hub]]:
-    hubs: list[Hub] = []
-
-    def make(**kwargs: Any) -> Hub:
-        hubs.append(Hub(**kwargs))
-        return hubs[-1]
-
-    yield make
-    for hub in hubs:
-        hub.shutdown()
 
 
 def _run(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -43,20 +43,6 @@ pytestmark = pytest.mark.timeout(60)
 CLOSE = 1e-5
 """Mesh vs single-process weights: equal up to summation order (a lost or stale piece of
 optimizer state moves them by far more)."""
-
-
-@pytest.fixture
-def make_hub() -> Iterator[Callable[..., Hub]]:
-    """Hubs for the test; every member thread is killed and joined afterwards."""
-    hubs: list[Hub] = []
-
-    def make(**kwargs: Any) -> Hub:
-        hubs.append(Hub(**kwargs))
-        return hubs[-1]
-
-    yield make
-    for hub in hubs:
-        hub.shutdown()
 
 
 def _trainer(m: Member) -> ElasticTrainer:
