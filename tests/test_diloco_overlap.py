@@ -20,13 +20,13 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from trainer_sim import (
     DATA_X,
-    DATA_Y,
     FakeMesh,
     Hub,
     Member,
+    check_identical,
+    data_loss,
     make_model,
     make_optimizer,
     member_thread,
@@ -60,11 +60,6 @@ def _sampler() -> ElasticSampler:
     return ElasticSampler(len(DATA_X), STEP_BATCH, seed=3)
 
 
-def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
-    i = torch.as_tensor(idx)
-    return F.cross_entropy(model(DATA_X[i]), DATA_Y[i])
-
-
 def _fragment_syncs(hub: Hub, frags: int) -> int:
     """The committed allreduces of a fragment's bucket so far."""
     return sum(
@@ -87,7 +82,7 @@ class _Run:
 
     def _inner(self, t: ElasticTrainer, model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
         self.synced_before_inner.setdefault(t.committed, _fragment_syncs(self.hub, self.frags))
-        return _loss(model, idx)
+        return data_loss(model, idx)
 
     def run(
         self,
@@ -149,13 +144,6 @@ class _Run:
         th.start()
 
 
-def _check_identical(digests: Digests, steps: int) -> None:
-    assert sorted(digests) == list(range(1, steps + 1)), sorted(digests)
-    for step, by_member in digests.items():
-        distinct = {tuple(sorted(d.items())) for d in by_member.values()}
-        assert len(distinct) == 1, f"step {step}: members differ: {by_member}"
-
-
 def _delta(params: list[torch.nn.Parameter], model: torch.nn.Module) -> list[torch.Tensor]:
     """The global parameters minus a member's."""
     return [g.detach() - p.detach() for g, p in zip(params, model.parameters(), strict=True)]
@@ -188,7 +176,7 @@ def _reference(
                 deltas.append(_delta(params, model))
             for batch in np.array_split(sampler.indices(s, sorted(split), m), H // frags):
                 inner.zero_grad()
-                _loss(model, batch).backward()  # type: ignore[no-untyped-call]
+                data_loss(model, batch).backward()  # type: ignore[no-untyped-call]
                 inner.step()
             if not overlap:
                 deltas.append(_delta(params, model))
@@ -232,7 +220,7 @@ def test_overlap_matches_single_process_streaming_diloco_with_the_delayed_merge(
     wait_all(hub, 45)
     for n, r in runs.items():
         assert r.member.status == "ok", f"{n}: {r.member.status} {r.member.error!r}"
-    _check_identical(digests, steps)
+    check_identical(digests, steps)
     ref = _reference([("abc", "abc")] * steps, frags)
     for r in runs.values():
         t = cast(ElasticTrainer, r.member.trainer)
@@ -260,7 +248,7 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_send_their_kept_gradi
         r.start(steps, lock, die_in_step=dies if n == "c" else None)
     wait_all(hub, 45)
     assert runs["c"].member.status == "killed", runs["c"].member.status
-    _check_identical(digests, steps)
+    check_identical(digests, steps)
     plan = [("abc", "abc")] * dies + [("abc", "ab")] + [("ab", "ab")] * (steps - dies - 1)
     ref = _reference(plan, frags)
     for n in "ab":
@@ -296,7 +284,7 @@ def test_a_joiner_sends_nothing_at_its_first_step_then_its_own(
     wait_all(hub, 45)
     for n, r in runs.items():
         assert r.member.status == "ok", f"{n}: {r.member.status} {r.member.error!r}"
-    _check_identical(digests, steps)
+    check_identical(digests, steps)
     j = runs["j"]
     first = min(j.senders)  # (the first step it computed; it may have adopted one before)
     assert first < steps, "the joiner committed no step with the others"

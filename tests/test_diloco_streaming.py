@@ -20,13 +20,13 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from trainer_sim import (
     DATA_X,
-    DATA_Y,
     FakeMesh,
     Hub,
     Member,
+    check_identical,
+    data_loss,
     make_model,
     make_optimizer,
     member_thread,
@@ -59,11 +59,6 @@ def _sampler() -> ElasticSampler:
     return ElasticSampler(len(DATA_X), STEP_BATCH, seed=3)
 
 
-def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
-    i = torch.as_tensor(idx)
-    return F.cross_entropy(model(DATA_X[i]), DATA_Y[i])
-
-
 def _run(
     hub: Hub,
     member: Member,
@@ -89,7 +84,7 @@ def _run(
             calls[0] += 1
             if die_in_step is not None and t.committed == die_in_step and calls[0] > 1:
                 hub.kill(member.name)  # its next call into the mesh ends the thread
-            return _loss(model, idx)
+            return data_loss(model, idx)
 
         while t.committed < total:
             calls[0] = 0
@@ -130,7 +125,7 @@ def _run_loop(
                 with step:
                     for idx in step.indices():
                         opt.zero_grad()
-                        loss = _loss(model, idx)
+                        loss = data_loss(model, idx)
                         loss.backward()  # type: ignore[no-untyped-call]
                         step.record_loss(loss)
                         opt.step()
@@ -163,13 +158,6 @@ def _start(hub: Hub, member: Member, *args: Any, api: str = "closure", **kwargs:
     th.start()
 
 
-def _check_identical(digests: Digests, steps: int) -> None:
-    assert sorted(digests) == list(range(1, steps + 1)), sorted(digests)
-    for step, by_member in digests.items():
-        distinct = {tuple(sorted(d.items())) for d in by_member.values()}
-        assert len(distinct) == 1, f"step {step}: members differ: {by_member}"
-
-
 def _reference(plan: Sequence[tuple[str, str]], streaming: bool = True) -> dict[str, torch.Tensor]:
     """Single-process streaming DiLoCo. ``plan[s]``: (the members step ``s``'s samples are
     split among, the members whose outer gradient it averages). ``streaming=False``: plain
@@ -199,7 +187,7 @@ def _reference(plan: Sequence[tuple[str, str]], streaming: bool = True) -> dict[
                 model.load_state_dict(global_model.state_dict())
             for batch in np.array_split(sampler.indices(s, sorted(split), m), H // FRAGS):
                 inner.zero_grad()
-                _loss(model, batch).backward()  # type: ignore[no-untyped-call]
+                data_loss(model, batch).backward()  # type: ignore[no-untyped-call]
                 inner.step()
             pairs = zip(params, model.parameters(), strict=True)
             deltas.append([g.detach() - p.detach() for g, p in pairs])
@@ -255,7 +243,7 @@ def test_fragments_match_single_process_streaming_diloco(
     wait_all(hub, 45)
     for n, m in members.items():
         assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
-    _check_identical(digests, steps)
+    check_identical(digests, steps)
     ref = _reference([("abc", "abc")] * steps)
     for m in members.values():
         t = cast(ElasticTrainer, m.trainer)
@@ -289,7 +277,7 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_keep_their_parameters
     assert members["c"].status == "killed", members["c"].status
     for n in "ab":
         assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
-    _check_identical(digests, steps)
+    check_identical(digests, steps)
     plan = [("abc", "abc")] * dies + [("abc", "ab")] + [("ab", "ab")] * (steps - dies - 1)
     ref = _reference(plan)
     for n in "ab":
@@ -323,7 +311,7 @@ def test_a_joiner_gets_the_global_parameters_and_the_outer_state(
     wait_all(hub, 45)
     for n, m in members.items():
         assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
-    _check_identical(digests, steps)
+    check_identical(digests, steps)
     first = members["j"].reports[0]
     t = cast(ElasticTrainer, members["j"].trainer)
     if api == "closure":  # its first step fetched the state

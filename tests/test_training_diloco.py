@@ -18,13 +18,12 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from trainer_sim import (
     DATA_X,
-    DATA_Y,
     FakeMesh,
     Hub,
     Member,
+    data_loss,
     make_model,
     make_optimizer,
     member_thread,
@@ -48,11 +47,6 @@ CLOSE = 1e-5
 
 def _sampler() -> ElasticSampler:
     return ElasticSampler(len(DATA_X), ROUND_BATCH, seed=3)
-
-
-def _loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
-    i = torch.as_tensor(idx)
-    return F.cross_entropy(model(DATA_X[i]), DATA_Y[i])
 
 
 Digests = dict[int, dict[str, dict[str, str]]]
@@ -88,7 +82,7 @@ def _run(
             calls[0] += 1
             if die_in_round is not None and t.committed == die_in_round and calls[0] > 1:
                 hub.kill(member.name)  # its next call into the mesh ends the thread
-            return _loss(model, idx)
+            return data_loss(model, idx)
 
         while t.committed < total:
             calls[0] = 0
@@ -140,7 +134,7 @@ def _reference(plan: Sequence[tuple[Sequence[str], Sequence[str]]]) -> dict[str,
             share = sampler.indices(r, sorted(split), m)
             for batch in np.array_split(share, H):
                 inner.zero_grad()
-                _loss(model, batch).backward()  # type: ignore[no-untyped-call]
+                data_loss(model, batch).backward()  # type: ignore[no-untyped-call]
                 inner.step()
             pairs = zip(global_model.parameters(), model.parameters(), strict=True)
             deltas.append([g.detach() - p.detach() for g, p in pairs])
@@ -335,7 +329,7 @@ def test_an_error_in_the_inner_steps_leaves_the_committed_state(
         sync=SETTINGS, quorum="any", join_settle=0.0, step_timeout=30.0,
     )  # fmt: skip
     try:
-        t.step(lambda idx: _loss(model, idx))
+        t.step(lambda idx: data_loss(model, idx))
         before = t.part_digests()
         calls = [0]
 
@@ -343,13 +337,13 @@ def test_an_error_in_the_inner_steps_leaves_the_committed_state(
             calls[0] += 1
             if calls[0] == 2:
                 raise RuntimeError("boom")
-            return _loss(model, idx)
+            return data_loss(model, idx)
 
         with pytest.raises(RuntimeError, match="boom"):
             t.step(failing)
         assert t.committed == 1
         assert t.part_digests() == before
-        t.step(lambda idx: _loss(model, idx))
+        t.step(lambda idx: data_loss(model, idx))
         assert t.committed == 2
     finally:
         t.close()
@@ -426,7 +420,7 @@ def _run_loop(
                             assert ev.wait(20.0), f"{name} never reached round {die_in_round}"
                         hub.kill(member.name)  # its next call into the mesh ends the thread
                     opt.zero_grad()
-                    loss = _loss(model, idx)
+                    loss = data_loss(model, idx)
                     loss.backward()  # type: ignore[no-untyped-call]
                     step.record_loss(loss)
                     opt.step()
@@ -498,7 +492,7 @@ def test_the_loop_api_refuses_an_outer_step_of_its_own_and_restores_on_errors(
             if k == fail_at:
                 raise RuntimeError("boom")
             opt.zero_grad()
-            _loss(model, idx).backward()  # type: ignore[no-untyped-call]
+            data_loss(model, idx).backward()  # type: ignore[no-untyped-call]
             opt.step()
 
     try:

@@ -478,12 +478,26 @@ def make_sampler() -> ElasticSampler:
     return ElasticSampler(len(DATA_X), GLOBAL_BATCH, seed=1)
 
 
+def data_loss(model: torch.nn.Module, idx: np.ndarray) -> torch.Tensor:
+    """The mean loss of ``model`` on the samples ``idx`` of the data."""
+    i = torch.as_tensor(idx)
+    return torch.nn.functional.cross_entropy(model(DATA_X[i]), DATA_Y[i])
+
+
 def loss_fn_for(model: torch.nn.Module) -> Callable[[np.ndarray], torch.Tensor]:
     def loss_fn(idx: np.ndarray) -> torch.Tensor:
-        i = torch.as_tensor(idx)
-        return torch.nn.functional.cross_entropy(model(DATA_X[i]), DATA_Y[i])
+        return data_loss(model, idx)
 
     return loss_fn
+
+
+def check_identical(digests: dict[int, dict[str, dict[str, str]]], steps: int) -> None:
+    """``digests``: committed step -> member -> part -> digest. Every step 1..``steps`` was
+    committed, and its committers hold the same registered state after it."""
+    assert sorted(digests) == list(range(1, steps + 1)), sorted(digests)
+    for step, by_member in digests.items():
+        distinct = {tuple(sorted(d.items())) for d in by_member.values()}
+        assert len(distinct) == 1, f"step {step}: members differ: {by_member}"
 
 
 def reference(opt: str, steps: int, tiny: bool = False) -> dict[str, torch.Tensor]:
