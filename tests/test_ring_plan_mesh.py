@@ -135,6 +135,24 @@ def in_threads(ms: list[SyncMesh], fn: Callable[[SyncMesh], Any]) -> list[Any]:
     return out
 
 
+def check_sum_and_avg(ms: list[SyncMesh], view: RingView, seed: int) -> None:
+    """Allreduces (sum, avg) of an odd length on ``view``: every member gets the same bits,
+    equal (allclose) to the float64 sum (mean)."""
+    rng = np.random.default_rng(seed)
+    n = 100_003
+    inputs = {m.node_id: rng.standard_normal(n).astype(np.float32) for m in ms}
+    want = np.sum([inputs[k].astype(np.float64) for k in sorted(inputs)], axis=0)
+    for op, expect in (("sum", want), ("avg", want / len(ms))):
+
+        def reduce(m: SyncMesh, op: str = op) -> Any:
+            return m.session(view).allreduce(inputs[m.node_id].copy(), op).output
+
+        outs = in_threads(ms, reduce)
+        assert not [o for o in outs if isinstance(o, Exception)], outs
+        assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
+        assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+
+
 def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path) -> None:
     """2 + 2 members with ``--site`` labels: every member derives the same plan (sites
     adjacent on the ring, hierarchical) and the same epoch, which is not the unplanned one.
@@ -152,19 +170,7 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
         east = {ms[0].node_id, ms[2].node_id}
         assert set(plan.sites[0].members) == east and view.node_ids == plan.order
         assert view.epoch != view_epoch(view.node_ids)
-        rng = np.random.default_rng(5)
-        n = 100_003
-        inputs = {m.node_id: rng.standard_normal(n).astype(np.float32) for m in ms}
-        want = np.sum([inputs[k].astype(np.float64) for k in sorted(inputs)], axis=0)
-        for op, expect in (("sum", want), ("avg", want / 4)):
-
-            def reduce(m: SyncMesh, op: str = op) -> Any:
-                return m.session(view).allreduce(inputs[m.node_id].copy(), op).output
-
-            outs = in_threads(ms, reduce)
-            assert not [o for o in outs if isinstance(o, Exception)], outs
-            assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
-            assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+        check_sum_and_avg(ms, view, seed=5)
 
         # the view's ring and both sub-rings stay open from one allreduce to the next (a
         # sub-ring counts as its view's in the ring cache: max_cached_views=1 here)
@@ -232,19 +238,7 @@ def test_unequal_sites_reduce_hierarchically(tmp_path: Path, sites: str) -> None
         view = common_view(ms, n_members)
         plan = view.plan
         assert plan is not None and plan.hierarchical and plan.blocks == sites.count("b")
-        rng = np.random.default_rng(7)
-        n = 100_003
-        inputs = {m.node_id: rng.standard_normal(n).astype(np.float32) for m in ms}
-        want = np.sum([inputs[k].astype(np.float64) for k in sorted(inputs)], axis=0)
-        for op, expect in (("sum", want), ("avg", want / n_members)):
-
-            def reduce(m: SyncMesh, op: str = op) -> Any:
-                return m.session(view).allreduce(inputs[m.node_id].copy(), op).output
-
-            outs = in_threads(ms, reduce)
-            assert not [o for o in outs if isinstance(o, Exception)], outs
-            assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
-            assert np.allclose(outs[0], expect, rtol=1e-5, atol=1e-5)
+        check_sum_and_avg(ms, view, seed=7)
         s_bytes = 4 * 65536
         before = [m.mesh.data_plane.sent_bytes() for m in ms]
         outs = in_threads(
