@@ -41,7 +41,8 @@
     change if the host were busier (a time, a rate, a CPU share, no suspicion or no retry
     under faults); a test that only waits, however long, for something to happen is
     functional.
-  - ``train``: the heaviest CPU trainings (``TRAIN_FILES``), one at a time.
+  - ``train``, ``train-b``: the heaviest CPU trainings (``TRAIN_GROUPS``), one at a time in
+    each group.
 - The leak check (every test): a test errors at teardown when, once its
   fixtures are torn down, a thread, a live child process, an open file descriptor (a file, a
   socket, a pipe, an epoll) or a lab network namespace is left
@@ -50,6 +51,10 @@
   polled), so a test whose processes are merely exiting is not blamed; what is left is named
   in the error, and leaked children are killed. ``@pytest.mark.leaks_ok(reason)`` opts a test
   out (two do: gloo keeps an aborted group's sockets until its op timeout).
+- CPU accounting: with ``FTMESH_TEST_CPU=FILE`` every test appends ``cpu_s wall_s nodeid`` to
+  FILE (tab-separated): the CPU of the test process and of the children it waited for, from
+  set-up to the end of teardown. On two cores the parallel run is bounded by CPU as much as by
+  waiting; this says which tests pay for it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import contextlib
 import gc
 import os
 import re
+import resource
 import signal
 import threading
 import time
@@ -99,30 +105,32 @@ LAB_NS = re.compile(r"^ftm(\d+)x")
 """A lab namespace's name starts with ``ftm<pid of its creator>x`` (``ftmesh.lab.netns``)."""
 
 
-TRAIN_FILES = frozenset(
-    {
-        "test_training_chaos.py",
-        "test_training_sharded.py",
-        "test_training_spares.py",
-        "test_training_port.py",
-        "test_compression_training.py",
-        "test_nonfinite_training.py",
-        "test_install.py",
-        "test_launch.py",
-        "test_bench_stragglers.py",
-        "test_bench_smoke.py",
-        "test_header_procs.py",
-        "test_loop_between_steps.py",
-        "test_torch_distributed.py",
-        "test_torch_pg.py",
-        "test_lightning.py",
-        "test_stream_launch.py",
-        "test_diloco_launch.py",
-    }
-)
-"""Multi-process trainings and benches that keep both cores busy: run one after another
-(xdist group ``train``), so that their step-gated chaos and the benches' no-retry asserts
-are not starved by each other (seen: 4 retries in the train bench's smoke beside them)."""
+TRAIN_GROUPS = {
+    # what asserts no retry, counts retries, or times: one after another
+    "test_bench_smoke.py": "train",
+    "test_bench_stragglers.py": "train",
+    "test_stream_launch.py": "train",
+    "test_loop_between_steps.py": "train",
+    "test_header_procs.py": "train",
+    "test_nonfinite_training.py": "train",
+    "test_training_spares.py": "train",
+    "test_training_chaos.py": "train",
+    "test_torch_pg.py": "train",
+    "test_torch_distributed.py": "train",
+    # functional trainings (an accuracy, a digest, a clean exit): beside the first lane
+    "test_install.py": "train-b",
+    "test_launch.py": "train-b",
+    "test_training_port.py": "train-b",
+    "test_lightning.py": "train-b",
+    "test_training_sharded.py": "train-b",
+    "test_diloco_launch.py": "train-b",
+    "test_compression_training.py": "train-b",
+}
+"""xdist group of the multi-process trainings and benches, which keep both cores busy: a
+group's tests run one after another. ``train`` holds those whose assertion a second training
+beside them would bend (the benches' no-retry asserts, seen: 4 retries in the train bench's
+smoke beside other trainings; step-gated chaos); ``train-b`` the functional ones, which only
+wait longer on a busier host."""
 
 LAB_GROUPS = {
     "test_k8s_pods.py": "lab-b",
@@ -160,8 +168,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             else:
                 group = LAB_GROUPS.get(item.path.name, "lab-a")
             item.add_marker(pytest.mark.xdist_group(group))
-        elif item.path.name in TRAIN_FILES:
-            item.add_marker(pytest.mark.xdist_group("train"))
+        elif item.path.name in TRAIN_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(TRAIN_GROUPS[item.path.name]))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which sends the ids to the scheduler
@@ -272,6 +280,27 @@ SNAPSHOT = pytest.StashKey[Snapshot]()
 
 def _snapshot() -> Snapshot:
     return set(threading.enumerate()), set(_children()), _lab_namespaces(), _fds()
+
+
+def _cpu_s() -> float:
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+    path = os.environ.get("FTMESH_TEST_CPU")
+    if not path:
+        return (yield)
+    cpu, wall = _cpu_s(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        with open(path, "a") as out:  # one short line: appends from the workers do not mix
+            out.write(f"{_cpu_s() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}\n")
 
 
 @pytest.hookimpl(wrapper=True)

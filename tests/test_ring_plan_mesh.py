@@ -321,8 +321,13 @@ def test_a_kill_fails_the_hierarchical_allreduce_and_the_next_view_works(tmp_pat
         procs[3].kill()
         killed_at, killed_wall = time.monotonic(), time.time()
         (tmp_path / "killed").write_text("")
+        while not all(any("after" in x for x in ls) for ls in lines[:3]):
+            assert time.monotonic() < killed_at + 60, f"no allreduce after the kill: {lines}"
+            assert all(p.poll() is None for p in procs[:3]), lines
+            time.sleep(0.05)
+        (tmp_path / "stop").write_text("")
         for p in procs[:3]:
-            assert p.wait(60) == 0, lines
+            assert p.wait(30) == 0, lines
         survivors = lines[:3]
         print("survivors:", [[x for x in ls if "ok" not in x] for ls in survivors])
         for ls in survivors:
