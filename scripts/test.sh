@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # Sets up (if needed) and runs every check: ruff, mypy, the import contracts, the docs site
-# (strict) and the whole pytest suite (what CI runs), and prints its slowest tests; arguments
-# go to pytest. The suite runs serially by default (about 40 minutes on 2 cores).
-# FTMESH_TEST_WORKERS=3 runs it on 3 xdist workers, then the tests marked `quiet` (timing that
-# holds only on a lightly loaded host) serially after them. In the parallel run each xdist
-# group runs on one worker, one test at a time (tests/conftest.py says which test goes where):
-# `lab` holds the lab tests marked `timing` (CPU throttles, fail-slow, loss rates, latency
-# bounds, measured round trips), `lab-a` and `lab-b` split the functional lab tests (their
-# namespaces never collide) and `train` holds the heaviest trainings; the rest spreads.
+# (strict) and the whole pytest suite (what CI runs), and prints its slowest tests and each
+# stage's time; arguments go to pytest. The suite runs on FTMESH_TEST_WORKERS xdist workers
+# (default 3; 0 runs it serially, about 36 minutes on 2 cores), then the tests marked `quiet`
+# (timing that holds only on a lightly loaded host) serially after them. In the parallel run
+# each xdist group runs on one worker, one test at a time (tests/conftest.py says which test
+# goes where): `lab` holds the lab tests marked `timing` (CPU throttles, fail-slow, loss
+# rates, latency bounds, measured round trips), `lab-a` and `lab-b` split the functional lab
+# tests (their namespaces never collide), `train` holds the trainings and benches whose
+# assertions a second training beside them would bend and `train-b` the other trainings; the
+# rest spreads. FTMESH_TEST_CPU=FILE writes each test's CPU seconds (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "== ruff"
+t0=$SECONDS
+stage() { echo "== $1 (at $((SECONDS - t0)) s)"; }
+stage ruff
 .venv/bin/ruff check ftmesh tests examples
 .venv/bin/ruff format --check ftmesh tests examples
-echo "== mypy"
+stage mypy
 .venv/bin/mypy
 .venv/bin/lint-imports --no-logo  # the import contracts: layers and the pure core (pyproject.toml)
-echo "== docs"
+stage docs
 # The site from docs/ and the docstrings (mkdocs.yml), offline; strict: a broken link, anchor
 # or API reference fails. Not -q: mkdocs counts strict mode's warnings only when it logs them,
 # so its INFO lines are kept back and shown, with the warnings, only when the build fails.
@@ -28,23 +32,25 @@ if ! docs_log=$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d "$docs_
     exit 1
 fi
 rm -rf "$docs_site"
-echo "== pytest"
+stage pytest
 # Bytecode of the package, the tests and the examples, written once here: where Python writes
 # none (PYTHONDONTWRITEBYTECODE, as on this project's CI hosts) every process the suite starts
 # (hundreds of workers and nodes) would compile ftmesh's source again, about 0.4 s of CPU
 # each (tests/test_node_procs.py: 22.1 / 26.3 s against 25.1 / 30.1 s without, interleaved).
 .venv/bin/python -m compileall -q ftmesh tests examples > /dev/null
-if [ "${FTMESH_TEST_WORKERS:-0}" = 0 ]; then
+workers=${FTMESH_TEST_WORKERS:-3}
+if [ "$workers" = 0 ]; then
     exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 fi
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$FTMESH_TEST_WORKERS" \
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" \
     --dist loadgroup -m "not quiet" "$@" || status=$?
 if [ "$status" = 5 ]; then status=0; fi  # 5: the selection held only quiet tests
-echo "== pytest: the quiet tail, serially"
+stage "pytest: the quiet tail, serially"
 tail=0
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m quiet "$@" || tail=$?
 if [ "$tail" != 0 ] && [ "$tail" != 5 ]; then  # 5: the selection held no quiet test
     status=$tail
 fi
+stage "done: exit $status"
 exit "$status"

@@ -47,9 +47,7 @@ def fresh_env(path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{path / 'bin'}{os.pathsep}{env['PATH']}"
     env["VIRTUAL_ENV"] = str(path)
-    # --no-compile: how torch got there is not under test, and byte-compiling its thousands
-    # of modules at install costs more CPU than the demo's processes compiling what they import
-    run(["pip", "install", "-q", "--no-compile", *TORCH_PIN], path, env, 600)
+    run(["pip", "install", "-q", *TORCH_PIN], path, env, 600)
     return env
 
 
