@@ -49,14 +49,18 @@ class Net(nn.Module):
 
 
 def synced(output, target, loss):
-    """The batch's accuracy over every process and each process's loss, as a metric's
-    ``sync_dist`` and a logging gather compute them when the script runs distributed."""
-    counts = torch.tensor([float(output.argmax(dim=1).eq(target).sum()), float(len(target))])
-    losses = [loss.item()]
+    """The batch's accuracy over every process and the mean of the processes' losses, as a
+    metric's ``sync_dist`` and a logging gather compute them when the script runs
+    distributed. A process without a batch (``output`` None) adds nothing but takes part."""
+    counts = torch.zeros(2)
+    if output is not None:
+        counts += torch.tensor([float(output.argmax(dim=1).eq(target).sum()), float(len(target))])
+    losses = [None if loss is None else loss.item()]
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts)
         losses = [None] * dist.get_world_size()
-        dist.all_gather_object(losses, loss.item())
+        dist.all_gather_object(losses, None if loss is None else loss.item())
+    losses = [x for x in losses if x is not None]
     return (counts[0] / counts[1]).item(), sum(losses) / len(losses)
 
 
@@ -64,6 +68,7 @@ def train(args, model, device, train_loader, optimizer, epoch):
     model.train()
     for batch_idx, step in enumerate(train_loader.steps()):
         with step:
+            output = target = loss = None  # a member sitting out (a straggler) gets no batch
             for data, target in step.batches():
                 data, target = data.to(device), target.to(device)
                 optimizer.zero_grad()
@@ -72,10 +77,12 @@ def train(args, model, device, train_loader, optimizer, epoch):
                 loss.backward()
             optimizer.step()
             accuracy, mean_loss = synced(output, target, loss)
+        if step.report is None:  # the sync above failed: the loop hands the step back
+            continue
         if batch_idx % args.log_interval == 0:
             print(
-                f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)}]"
-                f"\tLoss: {loss.item():.6f}\tAll: {accuracy:.4f} {mean_loss:.6f}"
+                f"Train Epoch: {epoch} [{batch_idx * args.batch_size}/{len(train_loader.dataset)}]"
+                f"\tAll: {accuracy:.4f} {mean_loss:.6f}"
             )
             if args.dry_run:
                 break

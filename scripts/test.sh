@@ -2,7 +2,7 @@
 # Sets up (if needed) and runs every check: ruff, mypy, the import contracts, the docs site
 # (strict) and the whole pytest suite (what CI runs), and prints its slowest tests and each
 # stage's time; arguments go to pytest. The suite runs on FTMESH_TEST_WORKERS xdist workers
-# (default 3; 0 runs it serially, about 36 minutes on 2 cores), then the tests marked `quiet`
+# (default 4; 0 runs it serially, about 36 minutes on 2 cores), then the tests marked `quiet`
 # (timing that holds only on a lightly loaded host) serially after them. In the parallel run
 # each xdist group runs on one worker, one test at a time (tests/conftest.py says which test
 # goes where): `lab` holds the lab tests marked `timing` (CPU throttles, fail-slow, loss
@@ -38,7 +38,7 @@ stage pytest
 # (hundreds of workers and nodes) would compile ftmesh's source again, about 0.4 s of CPU
 # each (tests/test_node_procs.py: 22.1 / 26.3 s against 25.1 / 30.1 s without, interleaved).
 .venv/bin/python -m compileall -q ftmesh tests examples > /dev/null
-workers=${FTMESH_TEST_WORKERS:-3}
+workers=${FTMESH_TEST_WORKERS:-4}
 if [ "$workers" = 0 ]; then
     exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 fi

@@ -4,9 +4,9 @@
 - ``make_hub``: in-process fake meshes (``trainer_sim.Hub``), shut down after the test.
 - ``references`` / ``single_run``: single-process reference runs of the examples, one per
   argument set, cached on disk keyed by the code (``tests_support.References``).
-- xdist groups (``FTMESH_TEST_WORKERS=3 scripts/test.sh`` runs ``-n 3 --dist loadgroup``): a
+- xdist groups (``scripts/test.sh`` runs ``-n 4 --dist loadgroup``, ``FTMESH_TEST_WORKERS``): a
   test in a group runs on that group's one worker, one after another; the rest spreads over
-  the workers, mostly waiting, so three workers overlap it on two cores.
+  the workers.
 
   - ``lab``: the ``netns`` tests marked ``timing`` (and ``quiet``, in a run that selects
     them, such as ``-m netns``), one at a time. Their assertion is about

@@ -1,6 +1,6 @@
 """The MNIST-structured port (``examples/mnist_port.py``: dropout, Adadelta, StepLR stepped
 once per epoch, a test pass after every epoch, train/eval modes, a DataLoader with a worker
-process) against its plain single-process version (``examples/mnist_plain.py``): at most 15
+process) against its plain single-process version (``examples/mnist_plain.py``): at most 18
 changed lines, and on 3 workers with a kill and a join it reaches the single-process
 accuracy, with the learning rate equal on every member at every step (a scheduler outside the
 trainer's state once diverged the members silently after a join: issue 13) and one state
@@ -39,13 +39,13 @@ def _code(path: Path) -> list[str]:
     return text[end:].splitlines()
 
 
-def test_the_port_changes_at_most_15_lines() -> None:
+def test_the_port_changes_at_most_18_lines() -> None:
     plain, port = _code(PLAIN), _code(PORT)
     changed = 0
     for tag, a, b, c, d in difflib.SequenceMatcher(None, plain, port).get_opcodes():
         if tag != "equal":
             changed += max(b - a, d - c)
-    assert 0 < changed <= 15, "\n".join(difflib.unified_diff(plain, port, lineterm=""))
+    assert 0 < changed <= 18, "\n".join(difflib.unified_diff(plain, port, lineterm=""))
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +144,9 @@ def test_the_port_trains_through_a_kill_and_a_join_like_one_process(
 def synced_metrics(text: str, into: dict[int, set[str]]) -> None:
     """The ``All: <accuracy> <mean loss>`` of each ``Train Epoch`` line, by the step whose
     progress line precedes it, for steps this worker computed (not adopted ones: the script's
-    values are then those of its failed attempt). Only the first line after a progress line:
-    a second one comes from an attempt whose ``dist`` call failed (the loop runs the code
-    after the block for it, ``step.report is None``, and the port has no guard)."""
+    values are then those of its failed attempt). Only the first line after a progress line
+    (the port skips the code after the block for an attempt whose ``dist`` call failed,
+    ``step.report is None``; it used to print for it too)."""
     record: dict[str, object] | None = None
     for line in text.splitlines():
         if line.startswith("FTMESH "):
