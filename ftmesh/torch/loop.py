@@ -26,16 +26,16 @@ after its loop over micro-batches. A failed attempt (a peer lost, the ring broke
 another round) is retried *inside* ``step.batches()``: the trainer re-syncs and the loop over
 micro-batches goes on with the next attempt's share (``step.attempt``, ``step.share``,
 ``step.workers``, ``step.rank`` change; the gradients start from zero again), so only the code
-inside that loop runs again. The loop may get no micro-batch at all: a member sitting out as a
-straggler (``ftmesh.training.stragglers``) takes part in the step with a share of 0, its body
-and its ``torch.distributed`` calls included, so the body's code after the loop must not
-assume one (``examples/mnist_port.py``). Under ``recovery="keep"`` a retry after a loss may instead send
-the gradients this member already computed (a *kept* attempt, ``step.action.kept``): the
-loop then gets no micro-batch for it (``step.share`` is what was kept). When the others
-committed the step meanwhile (this member failed at its very end), this member adopts it:
-``step.batches()`` ends the body (:class:`StepAborted`, swallowed by ``with step``),
-``step.report`` is the adopted step's (``report.adopted``), and the code after the block
-runs once for it, like the others'.
+inside that loop runs again. The loop may get no micro-batch at all: a member sitting out as
+a straggler (``ftmesh.training.stragglers``) takes part in the step with a share of 0, its
+body and its ``torch.distributed`` calls included, so the body's code after the loop must
+not assume one (``examples/mnist_port.py``). Under ``recovery="keep"`` a retry after a loss
+may instead send the gradients this member already computed (a *kept* attempt,
+``step.action.kept``): the loop then gets no micro-batch for it (``step.share`` is what was
+kept). When the others committed the step meanwhile (this member failed at its very end),
+this member adopts it: ``step.batches()`` ends the body (:class:`StepAborted`, swallowed by
+``with step``), ``step.report`` is the adopted step's (``report.adopted``), and the code
+after the block runs once for it, like the others'.
 
 Three failures cannot be retried inside the body, and hand the loop a new :class:`Step` for the
 step after the block, with ``step.report is None``: with ``shard_optimizer=True``, a failure of
