@@ -2,15 +2,14 @@
 # Sets up (if needed) and runs every check: ruff, mypy, the import contracts, the docs site
 # (strict) and the whole pytest suite (what CI runs), and prints its slowest tests and each
 # stage's time; arguments go to pytest. The suite runs on FTMESH_TEST_WORKERS xdist workers
-# (default 4; 0 runs it serially, about 36 minutes on 2 cores); the tests marked `quiet`
-# (timing that holds only where they get the CPU they ask for) run serially beside them, at
-# a higher priority. In the parallel run each xdist group runs on one worker, one test at a
-# time (tests/conftest.py says which test goes where): `lab` holds the lab tests marked
-# `timing` (CPU throttles, fail-slow, loss rates, latency bounds, measured round trips),
-# `lab-a` and `lab-b` split the functional lab tests (their namespaces never collide),
-# `train` holds the trainings and benches whose assertions a second training beside them
-# would bend and `train-b` the other trainings; the rest spreads. FTMESH_TEST_CPU=FILE writes
-# each test's CPU seconds (tests/conftest.py).
+# (default 4; 0 runs it serially, about 36 minutes on 2 cores), then the tests marked `quiet`
+# (timing that holds only where they get the CPU they ask for) serially. In the parallel run
+# each xdist group runs on one worker, one test at a time (tests/conftest.py says which test
+# goes where): `lab` holds the lab tests marked `timing` (CPU throttles, fail-slow, loss
+# rates, latency bounds, measured round trips), `lab-a` and `lab-b` split the functional lab
+# tests (their namespaces never collide), `train` holds the trainings and benches whose
+# assertions a second training beside them would bend and `train-b` the other trainings; the
+# rest spreads. FTMESH_TEST_CPU=FILE writes each test's CPU seconds (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -43,23 +42,16 @@ workers=${FTMESH_TEST_WORKERS:-4}
 if [ "$workers" = 0 ]; then
     exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 fi
-# The tests marked `quiet` hold only when they get the CPU they ask for: they run serially
-# beside the parallel run, which runs at a lower priority (nice 10: about a tenth of a core's
-# weight against theirs), so that they get it while the rest uses what is left. Their
-# output is kept and shown after the parallel run's.
-quiet_log=$(mktemp)
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m quiet "$@" \
-    > "$quiet_log" 2>&1 &
-quiet_pid=$!
 status=0
-nice -n 10 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" \
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" \
     --dist loadgroup -m "not quiet" "$@" || status=$?
 if [ "$status" = 5 ]; then status=0; fi  # 5: the selection held only quiet tests
+# The tests marked `quiet` hold only when they get the CPU they ask for: serially, after.
+# (Beside the parallel run at nice 10 they passed, but their CPU starved the lab's timing
+# tests: fail-slow step-outs in the DiLoCo lab test, a throttled straggler's missed steps.)
+stage "pytest: the quiet tail, serially"
 tail=0
-wait "$quiet_pid" || tail=$?
-stage "pytest: the quiet tests (run beside it, at normal priority)"
-cat "$quiet_log"
-rm -f "$quiet_log"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m quiet "$@" || tail=$?
 if [ "$tail" != 0 ] && [ "$tail" != 5 ]; then  # 5: the selection held no quiet test
     status=$tail
 fi

@@ -17,10 +17,9 @@
     measured round trips (``test_ring_plan_lab``: sites from measured latency), and runs
     that must see no false death or no retry under faults (the chaos soaks, the docs' chaos
     line, the convergence bench smoke). Timing that holds only where the test gets the CPU
-    it asks for is marked ``quiet`` instead; ``scripts/test.sh`` runs those serially beside
-    the parallel run, which it runs at nice 10 (among them the convergence bench smoke, the
-    docs' chaos line and the fail-slow step-out, which failed beside two other labs at load
-    15-18). A fault sized in
+    it asks for is marked ``quiet`` instead; ``scripts/test.sh`` runs those serially after
+    the parallel run (among them the convergence bench smoke, the docs' chaos line and the
+    fail-slow step-out, which failed beside two other labs at load 15-18). A fault sized in
     absolute terms that a busy host already imposes, such as a CPU quota below the CPU the
     host would give anyway, does not bite there: size it from a measurement in the same run
     (``test_lab_slowness``'s throttle, ``test_lab_uneven``'s straggler: a fraction of the CPU
