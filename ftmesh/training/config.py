@@ -204,7 +204,8 @@ class TrainerConfig:
     (``ftmesh.torch.freezes``) in this many of its last ``straggler_steps`` committed steps is
     fail-slow: it steps out of the ring (role ``spare``; its freezes would stop every
     collective) for ``failslow_pause`` seconds, then joins again and fetches the state. Its
-    own decision: the others see it leave as in a departure. 0: never."""
+    own decision: the others see it leave as in a departure. Never from a view of fewer than
+    three members (it would leave one training alone). 0: never."""
     failslow_freeze: float = 0.2
     """Seconds of standing still that count as a freeze."""
     failslow_pause: float = 30.0

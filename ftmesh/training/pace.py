@@ -232,7 +232,10 @@ class Pace:
         if self._back_since is None and self.pauses:
             self._back_since = committed  # our first step back after a pause
         self._froze.append(frozen > 0)
-        if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 1:
+        # Only from a view of three or more: stepping out of a pair leaves one member
+        # training alone, and a whole host that stalls (every member freezing alike) would
+        # otherwise empty the ring one member after another.
+        if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 2:
             # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
             soon = self._back_since is not None and (
                 committed - self._back_since < cfg.readmit_steps
