@@ -3,7 +3,7 @@
 # (strict) and the whole pytest suite (what CI runs), and prints its slowest tests and each
 # stage's time; arguments go to pytest. The suite runs on FTMESH_TEST_WORKERS xdist workers
 # (default 4; 0 runs it serially, about 36 minutes on 2 cores), then the tests marked `quiet`
-# (timing that holds only where they get the CPU they ask for) serially. In the parallel run
+# (timing that holds only where they get the CPU they ask for) in two lanes. In the parallel run
 # each xdist group runs on one worker, one test at a time (tests/conftest.py says which test
 # goes where): `lab` holds the lab tests marked `timing` (CPU throttles, fail-slow, loss
 # rates, latency bounds, measured round trips), `lab-a` and `lab-b` split the functional lab
@@ -46,12 +46,15 @@ status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" \
     --dist loadgroup -m "not quiet" "$@" || status=$?
 if [ "$status" = 5 ]; then status=0; fi  # 5: the selection held only quiet tests
-# The tests marked `quiet` hold only when they get the CPU they ask for: serially, after.
-# (Beside the parallel run at nice 10 they passed, but their CPU starved the lab's timing
-# tests: fail-slow step-outs in the DiLoCo lab test, a throttled straggler's missed steps.)
-stage "pytest: the quiet tail, serially"
+# The tests marked `quiet` hold only when they get the CPU they ask for: after the parallel
+# run, on two workers, one test at a time in each of two lanes (tests/conftest.py,
+# QUIET_LANES: never two lab timing tests at once). (Beside the parallel run at nice 10 they
+# passed, but their CPU starved the lab's timing tests: fail-slow step-outs in the DiLoCo lab
+# test, a throttled straggler's missed steps.)
+stage "pytest: the quiet tail, two lanes"
 tail=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m quiet "$@" || tail=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -n 2 --dist loadgroup \
+    -m quiet "$@" || tail=$?
 if [ "$tail" != 0 ] && [ "$tail" != 5 ]; then  # 5: the selection held no quiet test
     status=$tail
 fi

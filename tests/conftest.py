@@ -17,9 +17,10 @@
     measured round trips (``test_ring_plan_lab``: sites from measured latency), and runs
     that must see no false death or no retry under faults (the chaos soaks, the docs' chaos
     line, the convergence bench smoke). Timing that holds only where the test gets the CPU
-    it asks for is marked ``quiet`` instead; ``scripts/test.sh`` runs those serially after
-    the parallel run (among them the convergence bench smoke, the docs' chaos line and the
-    fail-slow step-out, which failed beside two other labs at load 15-18). A fault sized in
+    it asks for is marked ``quiet`` instead; ``scripts/test.sh`` runs those after the
+    parallel run, in two lanes (``QUIET_LANES``; among them the convergence bench smoke,
+    the docs' chaos line and the fail-slow step-out, which failed beside two other labs at
+    load 15-18). A fault sized in
     absolute terms that a busy host already imposes, such as a CPU quota below the CPU the
     host would give anyway, does not bite there: size it from a measurement in the same run
     (``test_lab_slowness``'s throttle, ``test_lab_uneven``'s straggler: a fraction of the CPU
@@ -149,6 +150,19 @@ LAB_GROUPS = {
 measured times so that the two groups take about as long (docs/STATUS.md, "The suite")."""
 
 
+QUIET_LANES = {
+    "test_loop_between_steps.py": "quiet-b",
+    "test_lab_scenarios.py": "quiet-b",
+    "test_training_stragglers.py": "quiet-b",
+    "test_training_shares.py": "quiet-b",
+}
+"""The quiet tail (``-m quiet``, which ``scripts/test.sh`` runs on two workers after the parallel
+run) in two lanes of about 75 s, one test at a time in each: ``quiet-a`` (the default) the lab
+timing tests, ``quiet-b`` those that use little CPU while they wait (the loop's evaluations
+sleep, the junk flood's sender is one process, the speed-share runs last a second or two):
+so a quiet test has at most one other beside it, and never a second lab timing test."""
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     from multiprocessing import resource_tracker
 
@@ -160,9 +174,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the groups into node ids
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    quiet_tail = config.getoption("markexpr") == "quiet"
     for item in items:
-        if item.get_closest_marker("netns"):
+        if quiet_tail and item.get_closest_marker("quiet"):
+            lane = QUIET_LANES.get(item.path.name, "quiet-a")
+            item.add_marker(pytest.mark.xdist_group(lane))
+        elif item.get_closest_marker("netns"):
             if item.get_closest_marker("timing") or item.get_closest_marker("quiet"):
                 group = "lab"
             else:
