@@ -33,14 +33,14 @@ from ftmesh.lab.pods import PodLab, load_manifest
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.slow,
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(600),  # the image and the StatefulSet: 218 s at most, loaded
     pytest.mark.skipif(not is_root(), reason="needs root: network, PID and mount namespaces"),
 ]
 
 MANIFEST = ROOT / "examples" / "k8s" / "ftmesh-train.yaml"
 JOB_MANIFEST = ROOT / "examples" / "k8s" / "ftmesh-job.yaml"
 DOCKERFILE = ROOT / "examples" / "k8s" / "Dockerfile"
-WAIT_S = 400.0  # generous: four pods import torch at once on a shared 2-core host
+WAIT_S = 300.0  # generous: four pods import torch at once on a shared 2-core host
 
 
 def _records(lab: PodLab, i: int) -> list[dict[str, Any]]:
@@ -82,7 +82,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
         wheel = pool.submit(build_wheel, tmp)
         env = fresh_env(tmp / "image")
         reqs = dockerfile_requirements(DOCKERFILE, wheel.result())
-    run(["pip", "install", "-q", *reqs], tmp, env, 600)
+    run(["pip", "install", "-q", *reqs], tmp, env, 300)
     return tmp / "image" / "bin"
 
 
