@@ -327,7 +327,7 @@ class Machine:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        with open(self.log, "w") as out:
+        with self.proc.stdout, open(self.log, "w") as out:  # (the pipe closed at its end)
             for line in self.proc.stdout:
                 out.write(line)
                 self.lines.append(line)
