@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import venv
@@ -83,7 +84,10 @@ def _link_installed(name: str, site: Path, python: Path) -> None:
                 dst.write_text(f"#!{python}\n" + "".join(lines[1:]))
                 dst.chmod(src.stat().st_mode)
             else:
-                os.link(src, dst)
+                try:
+                    os.link(src, dst)  # (pip finds torch there and writes none of its files)
+                except OSError:  # another filesystem
+                    shutil.copy2(src, dst)
 
 
 def dockerfile_requirements(dockerfile: Path, wheel: Path) -> list[str]:

@@ -2,10 +2,11 @@
 README's documented extras into a fresh virtual environment (no dev extra, no editable
 install), runs the README's commands as written from a clone's root.
 
-The one liberty taken: the fresh environment gets this machine's torch (the CPU build in
-``scripts/constraints.txt``) before the README's ``pip install``, as a user who already has
-torch would -- the README says a torch in the tested range is kept -- because an unpinned
-torch here would be a multi-GB CUDA build.
+The one liberty taken: the fresh environment already has this machine's torch (the CPU build
+in ``scripts/constraints.txt``, its installed files hard-linked from the suite's environment:
+``install_support.fresh_env``) before the README's ``pip install``, as a user who already
+has torch would -- the README says a torch in the tested range is kept -- because an
+unpinned torch here would be a multi-GB CUDA build.
 
 The demo's run is also the suite's one proof of ``ftmesh launch`` through a kill and a join:
 four workers take their first step together, the killed one is the only one that does not
