@@ -4,16 +4,20 @@ in-process for several simulated members, against an unsharded optimizer as the 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trainer_sim import FakeMesh, Hub
 
+from ftmesh.collective import Peer, RingView
 from ftmesh.errors import ConfigError, LocalUsageError
+from ftmesh.mesh.blocking import SyncMesh
 from ftmesh.state import StateLostError
 from ftmesh.state.sharding import ShardLayout
 from ftmesh.torch.zero import ELEMENTWISE_OPTIMIZERS, HeldPiece, ShardedOptimizer
@@ -24,6 +28,7 @@ from ftmesh.training.shards import (
     Version,
     check_settings,
     holdings_record,
+    on_offer,
     plan_shard_sync,
     read_holdings,
     read_settings,
@@ -474,3 +479,67 @@ def test_a_declared_optimizer_is_accepted_and_the_declaration_matters() -> None:
 
     with pytest.raises(AssertionError, match="step 1"):
         _check_against_unsharded(lambda params: _WronglyDeclared(params), rtol=1e-4, atol=1e-4)
+
+
+# -- what a member offers in a sync -------------------------------------------------------------
+
+
+def test_on_offer_drops_contained_pieces_and_keeps_at_most_the_widest() -> None:
+    # (held shards first, then the pieces held before a re-shard, as ShardedOptimizer offers)
+    assert on_offer([(0, 5), (5, 10), (0, 10)], 4) == [2]  # the whole one covers both halves
+    assert on_offer([(0, 5), (5, 10), (0, 5)], 4) == [0, 1]  # a duplicate range once
+    assert on_offer([(0, 2), (2, 4), (4, 6), (6, 9), (9, 10)], 4) == [0, 1, 2, 3]
+    assert on_offer([(0, 1), (1, 4), (4, 6), (6, 9), (9, 10)], 2) == [1, 3]  # widest, in order
+    assert on_offer([], 4) == []
+
+
+def test_a_member_alone_then_joined_twice_at_one_step_syncs_each_time() -> None:
+    """A member training alone after a fall-back to a checkpoint (the whole state as one
+    piece) takes in two joiners one after the other at the same step (seen in CI: two
+    adjacent losses, then the replacements arriving a moment apart), and syncs once more on
+    the same view, as a retried sync does. Each sync offers what a
+    holdings record holds (it offered 5 of at most 4 and stopped with ``LocalUsageError``),
+    and every member ends with its shards of the checkpoint's state."""
+    hub = Hub(timeout=10.0)
+    members = {n: _Member(n, 2) for n in "abc"}
+    meshes = {n: FakeMesh(hub, n) for n in "abc"}
+    for n, m in members.items():
+        hub.servers[n] = lambda step, digest, z=m.zero: z.served.get(digest)
+    length = members["a"].zero.length
+    gen = torch.Generator().manual_seed(3)
+    full = {
+        "step": torch.tensor(5.0),
+        "exp_avg": torch.randn(length, generator=gen),
+        "exp_avg_sq": torch.rand(length, generator=gen),
+    }
+    members["a"].zero.load_full(45, 9, {k: v.clone() for k, v in full.items()})
+    try:
+        for ids in ("a", "ab", "abc", "abc"):  # (the last: a sync retried on the same view)
+            view = RingView.of(Peer(i, "127.0.0.1", 1) for i in ids)
+            errors: list[BaseException] = []
+
+            def sync(n: str, view: RingView = view, errors: list[BaseException] = errors) -> None:
+                try:
+                    members[n].zero.sync(
+                        cast(SyncMesh, meshes[n]), view, 45, [view.rank_of("a")], wait=10.0
+                    )
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=sync, args=(n,)) for n in ids]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not errors, errors
+            for n in ids:
+                for _, _, held in members[n].zero.versions():
+                    assert len(on_offer([(p.start, p.stop) for p in held], 4)) <= 4
+        for n, m in members.items():
+            held = m.zero.held()
+            assert held, n
+            for p in held:
+                assert torch.equal(p.state["exp_avg"], full["exp_avg"][p.start : p.stop]), n
+                assert torch.equal(p.state["exp_avg_sq"], full["exp_avg_sq"][p.start : p.stop])
+    finally:
+        hub.shutdown()

@@ -48,6 +48,7 @@ from ..training.shards import (
     Version,
     anyone_fetches,
     holdings_record,
+    on_offer,
     plan_shard_sync,
     read_holdings,
 )
@@ -204,15 +205,16 @@ class ShardedOptimizer:
         pieces: dict[str, HeldPiece] = {}
         served: dict[str, Snapshot] = {}
         versions = []
+        max_pieces = 2 * self.replicas  # held shards, and those held before a re-shard
         for v_step, v_round, held in self.versions():
             described = []
-            for p in held:
+            offer = on_offer([(p.start, p.stop) for p in held], max_pieces)
+            for p in (held[i] for i in offer):
                 snap = piece_snapshot(v_step, p)
                 served[snap.digest], pieces[snap.digest] = snap, p
                 described.append(Piece(p.start, p.stop, snap.digest))
             versions.append(Version(v_step, v_round, tuple(described)))
         self.served = served
-        max_pieces = 2 * self.replicas  # held shards, and those held before a re-shard
         record = holdings_record(versions, max_pieces)
         session = mesh.session(view)
         holdings = read_holdings(session.allgather(record).output, max_pieces)

@@ -281,6 +281,26 @@ class Version:
     pieces: tuple[Piece, ...]
 
 
+def on_offer(ranges: Sequence[tuple[int, int]], at_most: int) -> list[int]:
+    """Which of one version's pieces (their element ranges, in the order held) a member
+    offers in a sync: at most ``at_most`` (what a holdings record carries), none whose range
+    lies inside another's (the pieces of one version hold the same state wherever they
+    overlap), the widest first when more are left. Returns their positions, in order.
+
+    A member re-sharded twice at one step keeps, besides the shards of the new layout, the
+    pieces it offered before (``ShardedOptimizer``'s previous pieces): without this bound
+    they add up (a member that trained alone after a fall-back and then took in two joiners
+    one after the other offered 5 of at most 4 and stopped with ``LocalUsageError``)."""
+    order = sorted(range(len(ranges)), key=lambda i: (-(ranges[i][1] - ranges[i][0]), i))
+    kept: list[int] = []
+    for i in order:
+        a, b = ranges[i]
+        if any(ranges[k][0] <= a and b <= ranges[k][1] for k in kept):
+            continue
+        kept.append(i)
+    return sorted(kept[:at_most])
+
+
 def record_size(max_pieces: int) -> int:
     return VERSIONS * (_VERSION_HEAD + _PIECE_SLOTS * max_pieces)
 
