@@ -46,6 +46,7 @@ Root only (network namespaces)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -202,13 +203,16 @@ def test_diloco_on_three_lab_hosts_through_a_kill_and_a_join(
         rec = theirs[lost]
         assert rec["members"] == 2 and rec["computing"] == 2 and rec["samples"] == ROUND, rec
 
-    # the join: mid-run, with a sync, and the outer state the survivors hold
+    # the join: mid-run, with a sync, and the outer state the survivors hold. (A joiner that
+    # arrives as the pair commits the lost round takes that round's state in its sync: its
+    # first record is then that round, adopted, its loss unknown: seen once in CI.)
     first = mine[min(mine)]
-    assert lost < first["step"] < total, first
+    adopted = first["step"] == lost and math.isnan(float(first["loss"]))
+    assert lost < first["step"] < total or adopted, first
     assert first["synced"] and int(first["fetched"]) > 0, first
     for s, rec in mine.items():
         assert rec["outer"] == survivors[0][s]["outer"] == survivors[1][s]["outer"], s
-        assert rec["members"] == 3, rec
+        assert rec["members"] == 3 or s == lost, rec
     assert first["outer"] != survivors[0][1]["outer"], "the outer state never changed"
     assert len({r["outer"] for r in survivors[0].values()}) == len(survivors[0])
     done = [m.records[-1] for m in finishers]

@@ -69,9 +69,10 @@ def _run(
     die_in_step: int | None = None,
     start_after: threading.Event | None = None,
     on_step: Callable[[int], None] | None = None,
-    trained: dict[int, int] | None = None,
+    in_step: Callable[[int], None] | None = None,
 ) -> None:
-    """``trained``: filled with the samples this member's inner steps took per step index."""
+    """``in_step``: called with the step index at each of the member's inner batches (before
+    ``die_in_step`` takes effect)."""
     with member_thread(hub, member, start_after):
         model = make_model()
         t = ElasticTrainer(
@@ -84,10 +85,10 @@ def _run(
 
         def loss_fn(idx: np.ndarray) -> torch.Tensor:
             calls[0] += 1
+            if in_step is not None:
+                in_step(t.committed)
             if die_in_step is not None and t.committed == die_in_step and calls[0] > 1:
                 hub.kill(member.name)  # its next call into the mesh ends the thread
-            if trained is not None:
-                trained[t.committed] = trained.get(t.committed, 0) + len(idx)
             return data_loss(model, idx)
 
         while t.committed < total:
@@ -270,30 +271,35 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_keep_their_parameters
     """``c`` dies during step 2's inner steps: ``a`` and ``b`` commit step 2 with their own
     outer gradients of its fragment (not run again), then go on as a pair from their own
     local parameters. The weights are single-process streaming DiLoCo's with that plan.
-    (On a busy host ``c`` can run ahead and die before the others begin step 2, or before
-    they computed in its first attempt: they then split it between the two of them; the
-    samples ``a``'s inner steps took say which plan ran, and that one is checked.)"""
+    ``c`` dies only once ``a`` and ``b`` are inside step 2's inner steps: on a busy host it
+    could run ahead and die before they began step 2, or before one of them computed, and
+    then another plan runs (the pair's split; or, when only one of them had computed, a
+    mix of the two splits, whose samples the reference cannot follow: STATUS, "Missing")."""
     steps, dies = 6, 2
     hub = make_hub(start_with=3)
     digests: Digests = {}
     lock = threading.Lock()
     members = {n: Member(n) for n in "abc"}
-    trained: dict[int, int] = {}
+    inside = {n: threading.Event() for n in "ab"}
+
+    def survivor(n: str) -> Callable[[int], None]:
+        return lambda index: inside[n].set() if index == dies else None
+
+    def victim(index: int) -> None:
+        if index == dies:
+            assert all(e.wait(30) for e in inside.values()), "a or b never began step 2"
+
     for n, m in members.items():
-        extra: dict[str, Any] = {"die_in_step": dies} if n == "c" else {}
-        if n == "a":
-            extra["trained"] = trained
-        _start(hub, m, steps, digests, lock, **extra)
+        if n == "c":
+            _start(hub, m, steps, digests, lock, die_in_step=dies, in_step=victim)
+        else:
+            _start(hub, m, steps, digests, lock, in_step=survivor(n))
     wait_all(hub, 45)
     assert members["c"].status == "killed", members["c"].status
     for n in "ab":
         assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
     check_identical(digests, steps)
-    # a computed step 2 once: on the split among three (its kept outer gradient then went
-    # again on the pair's view) or on the pair's split.
-    assert trained[dies] in (STEP_BATCH // 3, STEP_BATCH // 2), trained
-    split = "abc" if trained[dies] == STEP_BATCH // 3 else "ab"
-    plan = [("abc", "abc")] * dies + [(split, "ab")] + [("ab", "ab")] * (steps - dies - 1)
+    plan = [("abc", "abc")] * dies + [("abc", "ab")] + [("ab", "ab")] * (steps - dies - 1)
     ref = _reference(plan)
     for n in "ab":
         t = cast(ElasticTrainer, members[n].trainer)
