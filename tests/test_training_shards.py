@@ -531,10 +531,7 @@ def test_a_member_alone_then_joined_twice_at_one_step_syncs_each_time() -> None:
                 t.start()
             for t in threads:
                 t.join(30)
-            assert not errors, errors
-            for n in ids:
-                for _, _, held in members[n].zero.versions():
-                    assert len(on_offer([(p.start, p.stop) for p in held], 4)) <= 4
+            assert not errors, errors  # (without the bound: "at most 4 pieces, got 6")
         for n, m in members.items():
             held = m.zero.held()
             assert held, n
