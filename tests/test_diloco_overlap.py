@@ -92,7 +92,11 @@ class _Run:
         die_in_step: int | None = None,
         start_after: threading.Event | None = None,
         on_step: Callable[[int], None] | None = None,
+        in_step: Callable[[int], None] | None = None,
+        dead: threading.Event | None = None,
     ) -> None:
+        """``in_step``: called with the step index at each inner batch (before
+        ``die_in_step`` takes effect); ``dead`` is set once the member died."""
         hub, member = self.hub, self.member
         with member_thread(hub, member, start_after):
             model = make_model()
@@ -107,8 +111,12 @@ class _Run:
 
             def loss_fn(idx: np.ndarray) -> torch.Tensor:
                 calls[0] += 1
+                if in_step is not None:
+                    in_step(t.committed)
                 if die_in_step is not None and t.committed == die_in_step and calls[0] > 1:
                     hub.kill(member.name)  # its next call into the mesh ends the thread
+                    if dead is not None:
+                        dead.set()
                 return self._inner(t, model, idx)
 
             def after(report: Any) -> None:
@@ -244,8 +252,20 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_send_their_kept_gradi
     digests: Digests = {}
     lock = threading.Lock()
     runs = {n: _Run(hub, Member(n), frags, digests) for n in "abc"}
+    inside = {n: threading.Event() for n in "ab"}
+
+    def survivor(n: str) -> Callable[[int], None]:
+        return lambda index: inside[n].set() if index == dies else None
+
+    def victim(index: int) -> None:  # (c dies once a and b run step 2 on its view)
+        if index == dies:
+            assert all(e.wait(30) for e in inside.values()), "a or b never began step 2"
+
     for n, r in runs.items():
-        r.start(steps, lock, die_in_step=dies if n == "c" else None)
+        if n == "c":
+            r.start(steps, lock, die_in_step=dies, in_step=victim)
+        else:
+            r.start(steps, lock, in_step=survivor(n))
     wait_all(hub, 45)
     assert runs["c"].member.status == "killed", runs["c"].member.status
     check_identical(digests, steps)
@@ -259,6 +279,56 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_send_their_kept_gradi
         assert r.senders[dies + 1] == 2, r.senders
         worst = _max_diff(t, ref)
         assert worst < CLOSE, f"{n}: differs from the reference by {worst}"
+        (lost,) = [x for x in r.member.reports if x.step == dies + 1]
+        third = STEP_BATCH // 3
+        assert (lost.share, lost.skipped) == (third, third), lost  # c's third: skipped
+
+
+def test_a_step_lost_before_one_survivor_computed_is_run_again_on_the_new_split(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """``c`` dies during step 2's inner steps after ``a`` began them, and before ``b`` began
+    step 2 (``b`` waits for the loss): the retry runs step 2 on the pair's split, ``a``
+    again from its local parameters as the step found them (its outer gradient, taken from
+    them, is the same), so that no sample trains twice and none is lost."""
+    steps, dies, frags = 5, 2, 2
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    runs = {n: _Run(hub, Member(n), frags, digests) for n in "abc"}
+    a_inside, c_dead = threading.Event(), threading.Event()
+
+    def a_step(index: int) -> None:
+        if index == dies:
+            a_inside.set()
+
+    def victim(index: int) -> None:
+        if index == dies:
+            assert a_inside.wait(30), "a never began step 2"
+
+    def hold_b(step: int) -> None:
+        if step == dies:
+            assert c_dead.wait(30), "c did not die"
+
+    runs["a"].start(steps, lock, in_step=a_step)
+    runs["b"].start(steps, lock, on_step=hold_b)
+    runs["c"].start(steps, lock, die_in_step=dies, in_step=victim, dead=c_dead)
+    wait_all(hub, 45)
+    assert runs["c"].member.status == "killed", runs["c"].member.status
+    check_identical(digests, steps)
+    ref = _reference([("abc", "abc")] * dies + [("ab", "ab")] * (steps - dies), frags)
+    for n in "ab":
+        r = runs[n]
+        assert r.member.status == "ok", f"{n}: {r.member.status} {r.member.error!r}"
+        t = cast(ElasticTrainer, r.member.trainer)
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from the reference by {worst}"
+        (lost,) = [x for x in r.member.reports if x.step == dies + 1]
+        assert (lost.share, lost.skipped) == (STEP_BATCH // 2, 0), lost
+    computed = {
+        n: cast(ElasticTrainer, runs[n].member.trainer).diloco_rounds_computed for n in "ab"
+    }
+    assert computed == {"a": steps + 1, "b": steps}, computed
 
 
 def test_a_joiner_sends_nothing_at_its_first_step_then_its_own(

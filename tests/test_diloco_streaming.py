@@ -70,9 +70,10 @@ def _run(
     start_after: threading.Event | None = None,
     on_step: Callable[[int], None] | None = None,
     in_step: Callable[[int], None] | None = None,
+    dead: threading.Event | None = None,
 ) -> None:
     """``in_step``: called with the step index at each of the member's inner batches (before
-    ``die_in_step`` takes effect)."""
+    ``die_in_step`` takes effect); ``dead`` is set once the member died."""
     with member_thread(hub, member, start_after):
         model = make_model()
         t = ElasticTrainer(
@@ -89,6 +90,8 @@ def _run(
                 in_step(t.committed)
             if die_in_step is not None and t.committed == die_in_step and calls[0] > 1:
                 hub.kill(member.name)  # its next call into the mesh ends the thread
+                if dead is not None:
+                    dead.set()
             return data_loss(model, idx)
 
         while t.committed < total:
@@ -273,8 +276,8 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_keep_their_parameters
     local parameters. The weights are single-process streaming DiLoCo's with that plan.
     ``c`` dies only once ``a`` and ``b`` are inside step 2's inner steps: on a busy host it
     could run ahead and die before they began step 2, or before one of them computed, and
-    then another plan runs (the pair's split; or, when only one of them had computed, a
-    mix of the two splits, whose samples the reference cannot follow: STATUS, "Missing")."""
+    then another plan runs (the pair's split; or, when only one of them had computed, the
+    pair's split too, one of them running the step's inner steps twice: the next test)."""
     steps, dies = 6, 2
     hub = make_hub(start_with=3)
     digests: Digests = {}
@@ -306,6 +309,57 @@ def test_a_member_lost_mid_step_is_left_out_and_the_others_keep_their_parameters
         assert t.diloco_rounds_computed == steps, "a survivor ran a step's inner steps twice"
         worst = _max_diff(t, ref)
         assert worst < CLOSE, f"{n}: differs from single-process streaming DiLoCo by {worst}"
+        (lost,) = [r for r in members[n].reports if r.step == dies + 1]
+        third = STEP_BATCH // 3
+        assert (lost.share, lost.skipped) == (third, third), lost  # c's third: skipped
+
+
+def test_a_step_lost_before_one_survivor_computed_is_run_again_from_its_own_parameters(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """``c`` dies during step 2's inner steps after ``a`` began them, and before ``b`` began
+    step 2 (``b`` waits for the loss): the retry runs step 2 on the pair's split, ``a``
+    again from its own local parameters and inner optimizer state as its first run found
+    them (not from what that run left), so that no sample trains twice and none is lost;
+    the weights are single-process streaming DiLoCo's with that plan."""
+    steps, dies = 5, 2
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    a_inside, c_dead = threading.Event(), threading.Event()
+
+    def a_step(index: int) -> None:
+        if index == dies:
+            a_inside.set()
+
+    def victim(index: int) -> None:
+        if index == dies:
+            assert a_inside.wait(30), "a never began step 2"
+
+    def hold_b(step: int) -> None:
+        if step == dies:
+            assert c_dead.wait(30), "c did not die"
+
+    _start(hub, members["a"], steps, digests, lock, in_step=a_step)
+    _start(hub, members["b"], steps, digests, lock, on_step=hold_b)
+    _start(
+        hub, members["c"], steps, digests, lock, die_in_step=dies, in_step=victim, dead=c_dead
+    )  # fmt: skip
+    wait_all(hub, 45)
+    assert members["c"].status == "killed", members["c"].status
+    for n in "ab":
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
+    check_identical(digests, steps)
+    ref = _reference([("abc", "abc")] * dies + [("ab", "ab")] * (steps - dies))
+    for n in "ab":
+        t = cast(ElasticTrainer, members[n].trainer)
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process streaming DiLoCo by {worst}"
+        (lost,) = [r for r in members[n].reports if r.step == dies + 1]
+        assert (lost.share, lost.skipped) == (STEP_BATCH // 2, 0), lost
+    computed = {n: cast(ElasticTrainer, members[n].trainer).diloco_rounds_computed for n in "ab"}
+    assert computed == {"a": steps + 1, "b": steps}, computed
 
 
 @pytest.mark.parametrize("api", APIS)

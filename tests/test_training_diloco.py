@@ -63,6 +63,7 @@ def _run(
     die_in_round: int | None = None,
     in_round: tuple[int, threading.Event] | None = None,
     die_after: tuple[threading.Event, ...] = (),
+    dead: threading.Event | None = None,
     start_after: threading.Event | None = None,
     on_round: Callable[[Member, int], None] | None = None,
     **settings: Any,
@@ -70,8 +71,8 @@ def _run(
     """A member's thread: ``total`` rounds with the closure API, then finish; after each
     round it records its part digests. ``die_in_round``: the member dies (killed in the hub)
     during the inner steps of that 0-based round, after its first inner step and once every
-    event of ``die_after`` is set. ``in_round=(r, event)``: ``event`` is set as the member
-    starts the inner steps of round ``r``."""
+    event of ``die_after`` is set, and then sets ``dead``. ``in_round=(r, event)``:
+    ``event`` is set as the member starts the inner steps of round ``r``."""
     with member_thread(hub, member, start_after):
         mesh = FakeMesh(hub, member.name)
         model = make_model()
@@ -90,6 +91,8 @@ def _run(
                 for event in die_after:  # (the others' rounds started with it in the view)
                     event.wait(30)
                 hub.kill(member.name)  # its next call into the mesh ends the thread
+                if dead is not None:
+                    dead.set()
             return data_loss(model, idx)
 
         while t.committed < total:
@@ -240,12 +243,59 @@ def test_a_member_lost_mid_round_is_left_out_of_it(make_hub: Callable[..., Hub])
         assert t.recoveries <= 1, t.recoveries
         worst = _max_diff(t, ref)
         assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+        # the round's report counts what was trained: a third each, c's third skipped
+        (lost,) = [r for r in members[n].reports if r.step == dies + 1]
+        third = ROUND_BATCH // 3
+        assert (lost.share, lost.skipped, lost.computing) == (third, third, ("a", "b")), lost
     # from the round c died in, the outer-gradient allreduces ran on a and b (the one with c
     # failed, or never formed: the view lost c first)
     grads = [r for r in hub.history if r.kind == "allreduce" and r.dtype == "float32"]
     done = [r for r in grads if not r.failed]
     assert len(done) == rounds, grads
     assert [r.members for r in done[dies:]] == [("a", "b")] * (rounds - dies), done
+
+
+def test_a_round_lost_before_one_survivor_computed_is_run_again_on_the_new_split(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """``c`` dies during round 2's inner steps, after ``a`` started them and before ``b``
+    began the round (``b`` waits for the loss): ``a`` holds an outer gradient of its third,
+    ``b`` none. The retry must not mix the two splits: ``a`` drops its ``Δ`` and runs the
+    round's inner steps again on its half, with its inner optimizer's state as the first run
+    found it, and the round trains each of its samples once (no sample skipped, none
+    twice). The weights are single-process DiLoCo's with the pair's split of round 2."""
+    rounds, dies = 4, 2
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+    a_started, c_dead = threading.Event(), threading.Event()
+
+    def hold_b(m: Member, step: int) -> None:
+        if step == dies:
+            assert c_dead.wait(30), "c did not die"
+
+    _start(hub, members["a"], rounds, digests, lock, in_round=(dies, a_started), check_every=1)
+    _start(hub, members["b"], rounds, digests, lock, on_round=hold_b, check_every=1)
+    _start(
+        hub, members["c"], rounds, digests, lock, die_in_round=dies, die_after=(a_started,),
+        dead=c_dead, check_every=1,
+    )  # fmt: skip
+    wait_all(hub, 45)
+    assert members["c"].status == "killed", (members["c"].status, members["c"].error)
+    for n in "ab":
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
+    _check_identical(digests, rounds)
+    ref = _reference([("abc", "abc")] * dies + [("ab", "ab")] * (rounds - dies))
+    for n in "ab":
+        t = cast(ElasticTrainer, members[n].trainer)
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+        (lost,) = [r for r in members[n].reports if r.step == dies + 1]
+        assert (lost.share, lost.skipped) == (ROUND_BATCH // 2, 0), lost
+    # a ran round 2's inner steps twice (its third, then its half), b once
+    computed = {n: cast(ElasticTrainer, members[n].trainer).diloco_rounds_computed for n in "ab"}
+    assert computed == {"a": rounds + 1, "b": rounds}, computed
 
 
 def test_a_joiner_gets_the_global_parameters_and_the_outer_state(

@@ -23,14 +23,21 @@ contributes to the step's allreduce and how the reduced result is applied differ
   checkpoint holds them.
 
 *A failed attempt.* A member lost during the round fails the round's allreduce (or its sync);
-the survivors re-sync on the new view and retry the same round: each contributes the ``Δ`` it
-kept (its inner steps are not run again), divided by the new number of members computing.
-The lost member's inner steps, and with them its share of the round's samples, are not in the
-round. A member that enters the ring at the retry (a joiner) has no ``Δ`` of that round: it
-computes its share of the retry's split, which overlaps the survivors'. So a round trains
-each of its samples at most once without faults; with a fault, the lost member's samples are
-dropped from that epoch, and a joiner's retry share counts twice. That replaces "every sample
-once per epoch" of synchronous steps.
+the survivors re-sync on the new view and retry the same round. When every member of the new
+view ran the round's inner steps on the failed attempt's split, the retry is the step
+machine's *kept attempt* (``Compute.kept``, ``ftmesh.training.step``): each contributes the
+``Δ`` it kept (its inner steps are not run again), divided by the new number of members
+computing, and the round commits over the samples they trained; the lost member's share is
+*skipped* (``StepReport.skipped``: not trained, not returned to the epoch). Otherwise (a
+joiner or a spare in the new view, a survivor whose attempt failed before its inner steps
+ran, a failure no loss explains) the retry computes the round on the new split, and a member
+whose kept ``Δ`` was taken on another share drops it (:meth:`Rounds.attempt`) and runs the
+inner steps again from the global parameters, its inner optimizer's state put back as that
+run found it (a copy of that state is kept for the purpose while the round is open). The
+reduced header's sample count checks that every member did the same (``DESYNC`` otherwise,
+and the next attempt computes). So a round trains each of its samples at most once; with a
+fault the lost member's samples are skipped and counted. That replaces "every sample once per
+epoch" of synchronous steps.
 
 *Who runs the inner steps.* The closure API hands ``loss_fn`` to :meth:`Rounds.compute`; the
 loop API's body runs them itself, inside :meth:`Rounds.inner_steps` (``ftmesh.torch.loop``:
@@ -159,6 +166,11 @@ class Rounds:
         (streaming: the step's fragment only), kept across the round's attempts."""
         self._kept_local: list[torch.Tensor] | None = None
         """Streaming: the member's local parameters after the kept round's inner steps."""
+        self._share: np.ndarray | None = None
+        """The share (sample indices) the kept round's inner steps ran on."""
+        self._inner_before: dict[Any, dict[str, Any]] | None = None
+        """The inner optimizer's state as the kept round's inner steps found it (a round run
+        again starts from it: :meth:`attempt`)."""
         self.overlap = settings.overlap
         self.fragment_of = (
             fragments_of([p.numel() for p in params], settings.fragments)
@@ -193,6 +205,32 @@ class Rounds:
         if self.overlap:
             return self._ran is not None and self._ran[0] == index
         return self._kept.kept_for(index)
+
+    def attempt(self, index: int, share: np.ndarray) -> None:
+        """An attempt of round ``index`` that computes (not a kept attempt) starts, with
+        ``share`` this member's share of its split: a ``Δ`` kept from the round's inner steps
+        on another share is dropped, and the inner optimizer's state put back as they found
+        it, so that :meth:`ran` is false and the inner steps run again on ``share``."""
+        if not self.ran(index) or (self._share is not None and np.array_equal(self._share, share)):
+            return
+        if self._inner_before is not None:
+            self._inner_state = collections.defaultdict(dict, self._inner_before)
+        self._drop_round()
+
+    def kept_share(self, index: int) -> np.ndarray:
+        """The share this member ran round ``index``'s inner steps on (empty when it holds no
+        outer gradient of it): what a kept attempt trains."""
+        if not self.ran(index) or self._share is None:
+            return np.empty(0, dtype=np.int64)
+        return self._share
+
+    def _drop_round(self) -> None:
+        """Forget the round in progress: its kept ``Δ``, local parameters and share."""
+        self._kept.clear()
+        self._kept_local = None
+        self._ran = None
+        self._share = None
+        self._inner_before = None
 
     def _local_for(self, index: int) -> list[torch.Tensor] | None:
         """This member's local parameters as step ``index`` begins, if it has them (it
@@ -253,7 +291,7 @@ class Rounds:
     ) -> None:
         """Run the round's inner steps on ``share`` and keep ``Δ``; the model's parameters
         are the global ones again afterwards."""
-        with self.inner_steps(index, len(share), buckets) as acc:
+        with self.inner_steps(index, share, buckets) as acc:
             for batch in inner_batches(share, self.settings.steps_per_sync):
                 if not len(batch):
                     continue
@@ -265,13 +303,19 @@ class Rounds:
                 self.inner.step()
 
     @contextlib.contextmanager
-    def inner_steps(self, index: int, samples: int, buckets: GradBuckets) -> Iterator[InnerRun]:
-        """The inner steps of round ``index`` on a share of ``samples``, run by the caller
+    def inner_steps(
+        self, index: int, share: np.ndarray, buckets: GradBuckets
+    ) -> Iterator[InnerRun]:
+        """The inner steps of round ``index`` on ``share`` (its sample indices), run by the caller
         inside: the inner optimizer holds this member's own state and may step, the buckets
         are detached; the caller adds its losses (times their samples) to the yielded
         ``loss_sum``. On a normal exit ``Δ`` is kept for the round; on any exit (an error,
         the generator of a loop body closed) the model holds the global parameters again."""
         start = [p.detach().clone() for p in self.params]
+        before = {
+            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for p, st in self._inner_state.items()
+        }
         due = self.fragment(index)
         acc = InnerRun()
         delta: list[torch.Tensor | None] = []
@@ -297,15 +341,16 @@ class Rounds:
                 for g, p in zip(start, self.params, strict=True):
                     p.copy_(g)
         self.rounds_computed += 1
+        self._share, self._inner_before = share, before
         if self.overlap:  # (its outer gradient went out as the step began: ``send``)
-            self._ran, self._kept_local = (index, acc.loss_sum, samples), local
+            self._ran, self._kept_local = (index, acc.loss_sum, len(share)), local
             return
         kept = self._kept
         kept.expect(index, sum(d is not None for d in delta))
         for k, d in enumerate(delta):
             if d is not None:
                 kept.put(k, d)
-        kept.loss_sum, kept.samples, self._kept_local = acc.loss_sum, samples, local
+        kept.loss_sum, kept.samples, self._kept_local = acc.loss_sum, len(share), local
 
     def _in(self, k: int, fragment: int | None) -> bool:
         """Whether parameter ``k`` is synced by a step that syncs ``fragment``."""
@@ -361,6 +406,4 @@ class Rounds:
             self.local, self.local_step = local, index
         else:
             self.local, self.local_step = None, -1
-        self._kept.clear()
-        self._kept_local = None
-        self._ran = None
+        self._drop_round()

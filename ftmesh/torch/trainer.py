@@ -554,7 +554,7 @@ class ElasticTrainer:
         assert rounds is not None
         if self.mesh.node_id not in step.workers or rounds.ran(step.index):
             return None
-        return rounds.inner_steps(step.index, len(step.indices_share), self.buckets)
+        return rounds.inner_steps(step.index, step.indices_share, self.buckets)
 
     def _round_fill(self, step: Step) -> None:
         """DiLoCo: this member's contribution to the attempt's allreduce, its kept outer
@@ -774,6 +774,8 @@ class ElasticTrainer:
             return np.arange(len(drawn.samples)), drawn.micro
         sampler = self.sampler
         assert isinstance(sampler, ElasticSampler)
+        if action.kept and self._rounds is not None:  # DiLoCo: the kept round's share
+            return self._rounds.kept_share(action.index), []
         if action.kept:  # the samples we computed the kept gradients on: none computed now
             kept = self._kept
             if kept is not None and kept.kept_for(action.index):
@@ -861,6 +863,8 @@ class ElasticTrainer:
         kept, action = self._kept, step.action
         if kept is not None and not action.kept:
             kept.start(action.index, step.indices_share, len(buckets.buffers))
+        if self._rounds is not None and not action.kept:  # (a Δ of another split is dropped)
+            self._rounds.attempt(action.index, step.indices_share)
 
         def launch(buf: Wire) -> Future[Any]:
             self._outgoing(step, buf)
@@ -875,7 +879,7 @@ class ElasticTrainer:
         buckets.start(launch, run, fragment)
         header = buckets.header
         header[0] = step.share
-        if action.kept:  # no micro-batches: the kept gradients go out as they are
+        if action.kept and self._rounds is None:  # the kept gradients go out as they are
             assert kept is not None
             buckets.micro_batch(1.0, last=True)
             header[1] = kept.loss_sum

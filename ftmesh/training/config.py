@@ -240,8 +240,8 @@ class TrainerConfig:
     the mean over the samples actually trained. The attempt falls back to ``redo`` whenever
     the new view holds a member that did not compute the failed attempt (a joiner, a spare),
     or the last failure was not a loss. Only with an ``ElasticSampler`` or ``DataLoader`` and
-    synchronous steps (a ``DiLoCo`` round already keeps its outer gradient this way).
-    Mesh-wide."""
+    synchronous steps (a ``DiLoCo`` round keeps its outer gradient this way by itself, its
+    inner steps not run again). Mesh-wide."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, Path):
@@ -325,6 +325,13 @@ class TrainerConfig:
         """Whether members measure their compute speed and share it in the step's header
         (speed shares or straggler detection)."""
         return self.shares == "speed" or self.straggler_rule.enabled
+
+    @property
+    def keeps_contribution(self) -> bool:
+        """Whether the retry of a step after a loss may send the local contributions kept
+        from the failed attempt (``recovery="keep"``, or a DiLoCo round's outer gradient):
+        the step machine's *kept attempt* (``ftmesh.training.step``)."""
+        return self.recovery == "keep" or self.sync is not None
 
     @property
     def checkpointing(self) -> bool:

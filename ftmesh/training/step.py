@@ -73,7 +73,11 @@ attempt* (``Compute.kept``) when every member of the new view computed that atte
 sends again what it kept, and the step commits over ``Compute.trained`` samples, the lost
 members' shares skipped and counted (``StepReport.skipped``). Anything else (a joiner or a
 spare in the view, a failure no loss explains) computes the step again, as under the default
-``"redo"``; the reduced header's sample count checks that every member did the same.
+``"redo"``; the reduced header's sample count checks that every member did the same. A DiLoCo
+round always works this way (``TrainerConfig.keeps_contribution``): its retry after a loss
+sends the outer gradients kept from the failed attempt when every member of the new view ran
+the round's inner steps on that attempt's split, and runs them again on the new split
+otherwise (``ftmesh.torch.diloco``), so that no round mixes two splits.
 
 The machine owns the run, written as one generator per phase (enter and view, quorum, sync
 or settle, compute, commit, failure, retry pause). Parts of its own hold the rest of a
@@ -181,7 +185,7 @@ class _Tries:
 
 @dataclass(slots=True)
 class KeptSplit:
-    """``TrainerConfig.recovery="keep"``: the split our kept contribution of step ``index`` was
+    """``TrainerConfig.keeps_contribution``: the split our kept contribution of step ``index`` was
     computed on (the driver keeps the gradients themselves): each member's sample count."""
 
     index: int
@@ -243,9 +247,9 @@ class StepMachine:
         self._run: _Run | None = None
         self._pending: Action | None = None
         self.kept: KeptSplit | None = None
-        """``recovery="keep"``: the split of the attempt whose local contribution the driver
-        keeps (set when its micro-batches ended; ``None`` after a commit, or a failure that
-        was not a loss)."""
+        """``keeps_contribution``: the split of the attempt whose local contribution the
+        driver keeps (set when its micro-batches ended; ``None`` after a commit, or a failure
+        that was not a loss)."""
 
     @property
     def committed(self) -> int:
@@ -563,7 +567,7 @@ class StepMachine:
         self.held.row_out = False
         now, out = yield action
         if isinstance(out, Measured):  # (else Failed: ``Computed`` comes only after ``Apply``)
-            if self.config.recovery == "keep" and not action.kept:
+            if self.config.keeps_contribution and not action.kept:
                 # the driver now keeps our local contribution, as it goes out
                 workers = sorted(action.workers)
                 counts = split_share(self.batch_size(index), action.weights, len(workers))
@@ -577,7 +581,7 @@ class StepMachine:
         return now, failure
 
     def _kept_attempt(self, view: RingView, run: _Tries) -> Compute | None:
-        """``recovery="keep"``: the attempt that sends our kept contribution again, when the
+        """``keeps_contribution``: the attempt that sends our kept contribution again, when the
         last failure was a loss and every member of ``view`` computed the attempt we kept
         (every member decides the same from the same view; a joiner or a spare in it, or
         nothing left to train: ``None``, compute the step again)."""
