@@ -190,7 +190,8 @@ class Rounds:
         self.running_inner = False
         """True while the inner steps run (the inner optimizer may step then)."""
         self.rounds_computed = 0
-        """Rounds whose inner steps this member ran (one per round, not per attempt)."""
+        """Runs of a round's inner steps by this member: one per round, not per attempt, but
+        for a round run again on a new split (:meth:`attempt`)."""
 
     def fragment(self, index: int) -> int | None:
         """Streaming: the fragment step ``index`` (0-based) syncs (``None``: all of them)."""

@@ -7,8 +7,8 @@ step, the attempt fails and the survivors try the same step again on a new ring.
 send, in that retry, what they had already computed instead of computing it again: the
 synchronous trainer under ``recovery="keep"`` (the step machine's *kept attempt*,
 ``Compute.kept``, ``ftmesh.training.step``) and DiLoCo (``ftmesh.torch.diloco.Rounds``: a
-round's inner steps run once whatever its attempts). Both hold the contribution in a
-:class:`Kept`:
+round's inner steps run once, unless a retry gives the member another share). Both hold the
+contribution in a :class:`Kept`:
 
 * *When it is kept, for which index.* :meth:`Kept.expect` opens a contribution to step (round)
   ``index``, 0-based, made of a known number of *parts*, and drops whatever was kept before;
@@ -42,13 +42,17 @@ round's inner steps run once whatever its attempts). Both hold the contribution 
   attempt's every bucket went out; DiLoCo's next round computed). In between, failures do not
   drop it: after a failure that no loss explains the step machine forgets the split the copy
   was computed on (``StepMachine.kept``), so the next attempt computes again and starts a new
-  copy; DiLoCo sends its ``Δ`` again in every attempt of the round.
+  copy; DiLoCo keeps its ``Δ`` for the attempts that send it again (kept attempts, or one
+  whose split gives this member the same share) and drops it for one that computes another
+  share (``Rounds.attempt``).
 * *Memory.* While kept: one model's worth of contribution, on the parts' device. The
   trainer's copy is float32 like the wire, taken at every step (only under
   ``recovery="keep"``: one copy of the gradients per step is what the policy costs when no
   member is lost) into arrays :class:`KeptContribution` reuses from step to step, so they
   outlive ``clear``. DiLoCo's parts are the ``Δ`` tensors themselves (the parameters' dtype,
-  no copy), released by ``clear``.
+  no copy), released by ``clear``; ``Rounds`` keeps beside them a copy of the inner
+  optimizer's state as the round found it (Adam: two models' worth), for a round that must
+  run again on a new split.
 """
 
 from __future__ import annotations

@@ -577,7 +577,8 @@ class ElasticTrainer:
 
     @property
     def diloco_rounds_computed(self) -> int:
-        """``sync=DiLoCo(...)``: the rounds whose inner steps this member ran (0 otherwise)."""
+        """``sync=DiLoCo(...)``: the runs of a round's inner steps by this member, one per
+        round but for a round run again on a new split (0 otherwise)."""
         return self._rounds.rounds_computed if self._rounds is not None else 0
 
     def resume(self) -> int:
