@@ -51,7 +51,7 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("FTMESH_LOG", "WARNING"))
 
     torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_data()
+    x_train, y_train, x_test, y_test = load_data(args.seed)
     sampler = ElasticSampler(len(x_train), args.global_batch, seed=args.seed)
     total = args.epochs * sampler.steps_per_epoch
 

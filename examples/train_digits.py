@@ -22,14 +22,12 @@ run's steps) does not train again but idles the same way. An Indexed Job
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import ftmesh
 import numpy as np
@@ -37,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from ftmesh.state import State
 from ftmesh.torch import DiLoCo, ElasticSampler, ElasticTrainer
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 from torch import nn
 
 
@@ -58,36 +58,17 @@ class DigitsNet(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: 1,797 flattened 8x8 images (values 0-16) and their labels, read
-    from the file scikit-learn ships (what ``sklearn.datasets.load_digits`` reads) without
-    importing scikit-learn, whose import costs a worker about as much CPU as torch's (1.3 s
-    on a 2-core test host): every worker, joiners included, starts that much sooner."""
-    spec = importlib.util.find_spec("sklearn")
-    where = spec.submodule_search_locations if spec is not None else None
-    path = Path(next(iter(where)), "datasets", "data", "digits.csv.gz") if where else None
-    if path is None or not path.is_file():  # another layout: through scikit-learn's API
-        from sklearn.datasets import load_digits as sklearn_digits
-
-        bunch = sklearn_digits()
-        return bunch.data, bunch.target
-    table = np.loadtxt(path, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(np.int64)
-
-
-def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The images scaled to [0, 1] and split, the same on every run, into a test set of every
-    fifth image of each digit (20%, stratified by label) and the training set of the rest."""
-    flat, labels = load_digits()
-    x = (flat / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    test = np.zeros(len(labels), dtype=bool)
-    for digit in np.unique(labels):
-        test[np.flatnonzero(labels == digit)[::5]] = True
+def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[:, None, :, :]
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, digits.target, test_size=0.2, random_state=seed, stratify=digits.target
+    )
     return (
-        torch.from_numpy(x[~test]),
-        torch.from_numpy(labels[~test]).long(),
-        torch.from_numpy(x[test]),
-        torch.from_numpy(labels[test]).long(),
+        torch.from_numpy(x_train),
+        torch.from_numpy(y_train).long(),
+        torch.from_numpy(x_test),
+        torch.from_numpy(y_test).long(),
     )
 
 
@@ -300,7 +281,7 @@ def train(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    x_train, y_train, x_test, y_test = (t.to(device) for t in load_data())
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
     model = DigitsNet(args.hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # --diloco H: one step is a round of H x global_batch samples (the epoch's as many);

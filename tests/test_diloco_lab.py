@@ -76,10 +76,10 @@ VICTIM = 2
 JOINER = 3
 H = 4
 EPOCHS = 6
-"""66 rounds of ``H`` x 32 samples (11 per epoch of the 1433 training digits)."""
+"""66 rounds of ``H`` x 32 samples (11 per epoch of the 1437 training digits)."""
 ROUND = 32 * H
-EVALS_PER_EPOCH = 1433 // ROUND
-"""Evaluations per epoch at one per round (the 1433 training digits)."""
+EVALS_PER_EPOCH = 1437 // ROUND
+"""Evaluations per epoch at one per round (the 1437 training digits)."""
 LAST_EPOCHS = 3
 """The final loss is the mean over the evaluations of this many last epochs."""
 KILL_AT = 5

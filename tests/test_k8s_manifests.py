@@ -161,7 +161,7 @@ def test_the_script_arguments_parse_and_checkpoint_to_the_claim(train: dict[str,
         assert Path(path).is_relative_to(claim_path), path
     # The finite run (see the header): the last step is a checkpoint step, so a restarted
     # finished pod finds it, and finished pods idle instead of exiting.
-    total = opts.epochs * (len(module.load_data()[0]) // opts.global_batch)
+    total = opts.epochs * (len(module.load_data(opts.seed)[0]) // opts.global_batch)
     assert opts.checkpoint_every > 0 and total % opts.checkpoint_every == 0, total
     assert opts.idle_when_done
 

@@ -306,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         args.procs = sum(sites)
     elif delay_ms:
         ap.error("--delay is the WAN link's: it needs --sites")
-    if any(MODES[m].diloco for m in modes) and args.batch * args.procs * args.diloco > 1433:
-        ap.error("a round (--batch x --procs x --diloco) must fit the 1433 training digits")
+    if any(MODES[m].diloco for m in modes) and args.batch * args.procs * args.diloco > 1437:
+        ap.error("a round (--batch x --procs x --diloco) must fit the 1437 training digits")
     from ..lab.netns import VirtualLan
     from ..lab.wan import WanLink
 
