@@ -124,7 +124,7 @@ def _check_run(
     marks: dict[int, str],
 ) -> dict[int, list[int]]:
     """What both tests check of a finished run; prints the shares by step (``marks`` next to
-    theirs) and returns them."""
+    theirs) and returns them from the first step every member computed."""
     shares = _shares(ms)
     print("step  " + " ".join(f"h{h:<2}" for h in range(HOSTS)))
     for s, row in shares.items():
@@ -133,10 +133,11 @@ def _check_run(
     print("cgroup:", fired)
     total = int(ms[0].records[0]["total"])
     check_consistency(records, total, GLOBAL_BATCH)  # digests agree, no step lost or repeated
-    # Every member is in every step from the first all of them trained on (before the slow
-    # window: a host whose start is slow on a loaded host may let the first steps run
-    # without it, as the start gate's bounded wait allows).
-    full = [s for s, row in shares.items() if -1 not in row]
+    # Every member computes in every step from the first all of them computed in (before the
+    # slow window: a host whose start is slow on a loaded host may let the first steps run
+    # without it, as the start gate's bounded wait allows; and a member's first step, the
+    # one it enters the ring at by a sync, is adopted: share 0).
+    full = [s for s, row in shares.items() if min(row) > 0]
     assert full and full[0] < min(marks), f"not all of them trained before step {min(marks)}"
     assert all(-1 not in row for s, row in shares.items() if s >= full[0]), "a member missed steps"
     assert all(sum(max(v, 0) for v in row) == GLOBAL_BATCH for row in shares.values()), (
@@ -144,7 +145,7 @@ def _check_run(
     )
     _check_exactly_once(ms, total, epochs)
     assert fired["throttled"] > 0 and fired["throttled_s"] > 0, f"the quota never bit: {fired}"
-    return shares
+    return {s: row for s, row in shares.items() if s >= full[0]}
 
 
 NOT_FAILSLOW = ("--failslow-freezes", "0")
