@@ -24,6 +24,7 @@ from trainer_sim import (
     DATA_X,
     FakeMesh,
     Hub,
+    LossBeforeOneComputes,
     Member,
     check_identical,
     data_loss,
@@ -296,23 +297,10 @@ def test_a_step_lost_before_one_survivor_computed_is_run_again_on_the_new_split(
     digests: Digests = {}
     lock = threading.Lock()
     runs = {n: _Run(hub, Member(n), frags, digests) for n in "abc"}
-    a_inside, c_dead = threading.Event(), threading.Event()
-
-    def a_step(index: int) -> None:
-        if index == dies:
-            a_inside.set()
-
-    def victim(index: int) -> None:
-        if index == dies:
-            assert a_inside.wait(30), "a never began step 2"
-
-    def hold_b(step: int) -> None:
-        if step == dies:
-            assert c_dead.wait(30), "c did not die"
-
-    runs["a"].start(steps, lock, in_step=a_step)
-    runs["b"].start(steps, lock, on_step=hold_b)
-    runs["c"].start(steps, lock, die_in_step=dies, in_step=victim, dead=c_dead)
+    loss = LossBeforeOneComputes(dies)
+    runs["a"].start(steps, lock, in_step=loss.a_step)
+    runs["b"].start(steps, lock, on_step=loss.hold_b)
+    runs["c"].start(steps, lock, die_in_step=dies, in_step=loss.victim, dead=loss.dead)
     wait_all(hub, 45)
     assert runs["c"].member.status == "killed", runs["c"].member.status
     check_identical(digests, steps)

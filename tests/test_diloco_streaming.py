@@ -24,6 +24,7 @@ from trainer_sim import (
     DATA_X,
     FakeMesh,
     Hub,
+    LossBeforeOneComputes,
     Member,
     check_identical,
     data_loss,
@@ -327,24 +328,12 @@ def test_a_step_lost_before_one_survivor_computed_is_run_again_from_its_own_para
     digests: Digests = {}
     lock = threading.Lock()
     members = {n: Member(n) for n in "abc"}
-    a_inside, c_dead = threading.Event(), threading.Event()
-
-    def a_step(index: int) -> None:
-        if index == dies:
-            a_inside.set()
-
-    def victim(index: int) -> None:
-        if index == dies:
-            assert a_inside.wait(30), "a never began step 2"
-
-    def hold_b(step: int) -> None:
-        if step == dies:
-            assert c_dead.wait(30), "c did not die"
-
-    _start(hub, members["a"], steps, digests, lock, in_step=a_step)
-    _start(hub, members["b"], steps, digests, lock, on_step=hold_b)
+    loss = LossBeforeOneComputes(dies)
+    _start(hub, members["a"], steps, digests, lock, in_step=loss.a_step)
+    _start(hub, members["b"], steps, digests, lock, on_step=loss.hold_b)
     _start(
-        hub, members["c"], steps, digests, lock, die_in_step=dies, in_step=victim, dead=c_dead
+        hub, members["c"], steps, digests, lock, die_in_step=dies, in_step=loss.victim,
+        dead=loss.dead,
     )  # fmt: skip
     wait_all(hub, 45)
     assert members["c"].status == "killed", members["c"].status

@@ -22,6 +22,7 @@ from trainer_sim import (
     DATA_X,
     FakeMesh,
     Hub,
+    LossBeforeOneComputes,
     Member,
     data_loss,
     make_model,
@@ -269,17 +270,16 @@ def test_a_round_lost_before_one_survivor_computed_is_run_again_on_the_new_split
     digests: Digests = {}
     lock = threading.Lock()
     members = {n: Member(n) for n in "abc"}
-    a_started, c_dead = threading.Event(), threading.Event()
-
-    def hold_b(m: Member, step: int) -> None:
-        if step == dies:
-            assert c_dead.wait(30), "c did not die"
-
-    _start(hub, members["a"], rounds, digests, lock, in_round=(dies, a_started), check_every=1)
-    _start(hub, members["b"], rounds, digests, lock, on_round=hold_b, check_every=1)
+    loss = LossBeforeOneComputes(dies)
+    a_inside = (dies, loss.a_inside)
+    _start(hub, members["a"], rounds, digests, lock, in_round=a_inside, check_every=1)
     _start(
-        hub, members["c"], rounds, digests, lock, die_in_round=dies, die_after=(a_started,),
-        dead=c_dead, check_every=1,
+        hub, members["b"], rounds, digests, lock, on_round=lambda m, s: loss.hold_b(s),
+        check_every=1,
+    )  # fmt: skip
+    _start(
+        hub, members["c"], rounds, digests, lock, die_in_round=dies, die_after=(loss.a_inside,),
+        dead=loss.dead, check_every=1,
     )  # fmt: skip
     wait_all(hub, 45)
     assert members["c"].status == "killed", (members["c"].status, members["c"].error)

@@ -623,6 +623,31 @@ def run_members(
     return members
 
 
+@dataclass
+class LossBeforeOneComputes:
+    """The timing of a loss that catches one survivor inside step ``at``'s computation and the
+    other before the step (the retry must not mix two splits): ``a_step`` (``a``'s hook at
+    each inner batch) marks ``a`` inside the step, ``victim`` (``c``'s hook) waits for that
+    before ``c`` dies, ``dead`` is set once it died, and ``hold_b`` (``b``'s hook after each
+    committed step) holds ``b`` before step ``at`` until then."""
+
+    at: int
+    a_inside: threading.Event = field(default_factory=threading.Event)
+    dead: threading.Event = field(default_factory=threading.Event)
+
+    def a_step(self, index: int) -> None:
+        if index == self.at:
+            self.a_inside.set()
+
+    def victim(self, index: int) -> None:
+        if index == self.at:
+            assert self.a_inside.wait(30), f"a never began step {self.at}"
+
+    def hold_b(self, step: int) -> None:
+        if step == self.at:
+            assert self.dead.wait(30), "c did not die"
+
+
 def wait_all(hub: Hub, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for t in list(hub.threads):
