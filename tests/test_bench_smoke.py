@@ -290,21 +290,25 @@ def test_allreduce_bench_lab_smoke() -> None:
 @pytest.mark.netns
 @needs_root
 def test_allreduce_bench_two_sites_smoke() -> None:
-    """``--sites 2x2``: the flat ring in node-id order, the site-ordered flat ring and the
-    hierarchical allreduce take turns over one WAN link, every result checked (speed ratios
-    are the bench's to print, not the smoke's to assert; ``tests/test_ring_plan_lab.py``
-    counts the WAN bytes)."""
+    """``--sites 2x2 --compression int8``: the flat ring in node-id order, the site-ordered
+    flat ring and the hierarchical allreduce, each in float32 and int8, take turns over one
+    WAN link, every result checked (speed ratios are the bench's to print, not the smoke's
+    to assert; ``tests/test_ring_plan_lab.py`` counts the WAN bytes)."""
     r = _bench(
         "ftmesh.bench.allreduce",
         *("--lab", "--sites", "2x2", "--wan-rate", "100mbit", "--wan-delay", "5"),
         *("--sizes", "256K", "--iters", "1", "--warmup", "0", "--impls", "ftmesh", "--check"),
+        *("--compression", "int8"),
         timeout=240,
     )
     assert r["sites"] == "2x2" and r["wan"]["delay_ms"] == 5.0
     (cell,) = r["cells"]
     assert cell["procs"] == 4
-    assert cell["check"] == {"ftmesh": True, "ftmesh_sites": True, "ftmesh_hier": True}
+    impls = ["ftmesh", "ftmesh_sites", "ftmesh_hier"]
+    impls += [i.replace("ftmesh", "ftmesh_int8") for i in impls]
+    assert cell["check"] == dict.fromkeys(impls, True)
     assert _positive(cell["hier_vs_flat"]) and _positive(cell["hier_vs_sites"])
+    assert _positive(cell["int8_hier_vs_sites"]) and _positive(cell["int8_hier_vs_hier"])
 
 
 @pytest.mark.netns

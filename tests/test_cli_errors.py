@@ -53,7 +53,8 @@ CASES = [
 ]
 
 
-EMPTY_REGISTRY = tempfile.mkdtemp(prefix="ftmesh-cli-errors-")
+_EMPTY = tempfile.TemporaryDirectory(prefix="ftmesh-cli-errors-")  # (removed at exit)
+EMPTY_REGISTRY = _EMPTY.name
 """A registry no mesh writes to: ``ftmesh status`` finds nothing there (in the default one
 it would note any mesh of this host, a line more)."""
 

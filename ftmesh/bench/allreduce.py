@@ -71,7 +71,10 @@ sites given as labels: reduce-scatter in the site, allreduce across, allgather i
 the buffer once per direction). The data planes' node ids are chosen so that plain ``ftmesh``
 -- the ring in node-id order, as before ring plans, where ids fall as they may -- alternates
 between the sites and crosses the WAN at every hop. Per cell ``hier_vs_flat`` and
-``hier_vs_sites`` are the hierarchical busbw over each flat one.
+``hier_vs_sites`` are the hierarchical busbw over each flat one. With ``--compression int8``
+too, ``ftmesh_int8_sites`` (int8 on the site-ordered flat ring) and ``ftmesh_int8_hier`` (the
+hierarchical allreduce, int8 across the sites only) take turns as well: ``int8_hier_vs_sites``
+and ``int8_hier_vs_hier`` (over the float32 hierarchical one).
 
 Large buffers: ``--impls ftmesh --check --sizes 2.5G --procs 2`` allreduces a buffer larger than
 2**31 bytes and checks every element. Each process holds one buffer per implementation; a cell
@@ -119,6 +122,12 @@ ALT = "ftmesh_alt"
 """With ``--alt-chunk``: ftmesh on a second data plane whose ``chunk_bytes`` differs."""
 HIER = "ftmesh_hier"
 """With ``--sites``: the planned hierarchical allreduce."""
+INT8_SITES = "ftmesh_int8_sites"
+"""With ``--sites`` and ``--compression int8``: the int8 allreduce on the flat site-ordered ring."""
+INT8_HIER = "ftmesh_int8_hier"
+"""With ``--sites`` and ``--compression int8``: the planned hierarchical allreduce, int8 across
+the sites only (``ftmesh.collective.hierarchical_int8``)."""
+COMPRESSED = (INT8, INT8_SITES, INT8_HIER)
 LAB_ITERS = 6
 """Default repetitions with ``--lab``: a 16 MB allreduce at 100 Mbit/s takes about 2 s."""
 
@@ -313,6 +322,11 @@ def _worker(rank: int, nprocs: int, port: int, cfg: dict[str, Any], out: Any) ->
                 fns["ftmesh"] = functools.partial(session.allreduce, bufs["ftmesh"])
             for impl, v in planned.items():
                 fns[impl] = functools.partial(dp.session(v).allreduce, bufs[impl])
+            for impl, plain in ((INT8_SITES, SITES), (INT8_HIER, HIER)):
+                if impl in bufs:
+                    v = planned[plain]
+                    c = Int8Compression(cfg["block_size"])
+                    fns[impl] = functools.partial(dp.session(v).allreduce, bufs[impl], "sum", c)
             if dp_enc is not None and enc_view is not None:
                 fns[ENC] = functools.partial(dp_enc.session(enc_view).allreduce, bufs[ENC])
             if INT8 in bufs:  # one residual per buffer, carried from repetition to repetition
@@ -449,7 +463,7 @@ def _check(
             continue
         buf.fill(rank + 1)
         fns[impl]()
-        if impl == INT8:  # within one quantization step of the sum
+        if impl in COMPRESSED:  # within one quantization step of the sum
             ok[impl] = bool(np.all(np.abs(buf - want) <= want / 127))
         else:
             ok[impl] = bool(np.all(buf == want))
@@ -524,6 +538,9 @@ def summarise(nprocs: int, raw: dict[str, Any]) -> dict[str, Any]:
     if HIER in med:
         cell["hier_vs_flat"] = med[HIER] / med["ftmesh"]
         cell["hier_vs_sites"] = med[HIER] / med[SITES]
+    if INT8_HIER in med:
+        cell["int8_hier_vs_sites"] = med[INT8_HIER] / med[INT8_SITES]
+        cell["int8_hier_vs_hier"] = med[INT8_HIER] / med[HIER]
     return cell
 
 
@@ -531,7 +548,9 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
     top = max((b["median"] for c in cells for b in c.get("busbw", {}).values()), default=0.0)
     gb, unit = (1e9, "GB/s") if top >= 1e8 else (1e6, "MB/s")  # (slow links: MB/s)
     extra = tuple(
-        x for x in (ENC, INT8, PG, SITES, HIER, ALT) if any(x in c["busbw"] for c in cells)
+        x
+        for x in (ENC, INT8, PG, SITES, HIER, INT8_SITES, INT8_HIER, ALT)
+        if any(x in c["busbw"] for c in cells)
     )
     impls = IMPLS + extra
     ratios = {"vs_gloo": "ftm/gloo", "vs_ceiling": "ftm/ceil", "gloo_vs_ceiling": "gloo/ceil"}
@@ -546,6 +565,9 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
     if HIER in extra:
         ratios["hier_vs_flat"] = "hier/flat"
         ratios["hier_vs_sites"] = "hier/site"
+    if INT8_HIER in extra:
+        ratios["int8_hier_vs_sites"] = "i8h/i8s"
+        ratios["int8_hier_vs_hier"] = "i8h/hier"
     width = 26 * len(impls)
     heads = " ".join(f"{h:>9}" for h in ratios.values())
     print(f"{'N':>2} {'size':>6} | {f'busbw {unit} (median [min-max])':^{width}} | {heads}")
@@ -583,6 +605,12 @@ def _print_table(cells: list[dict[str, Any]]) -> None:
         print(
             "hier/flat, hier/site = busbw of the hierarchical allreduce / the flat ring in "
             "node-id order (alternating sites) / the flat ring with each site's hosts adjacent."
+        )
+    if INT8_HIER in extra:
+        print(
+            "i8h/i8s, i8h/hier = busbw of the hierarchical int8 allreduce (int8 across the "
+            "sites only) / the int8 allreduce on the site-ordered flat ring / the float32 "
+            "hierarchical allreduce."
         )
 
 
@@ -773,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_pg:  # gloo_pg takes turns right after gloo, which is always measured with it
         cfg["impls"] = [i for i in cfg["impls"] if i != "gloo"] + ["gloo", PG]
     if sites:  # the planned rings take turns with plain ftmesh, which is always measured
-        cfg["impls"] = ["ftmesh", SITES, HIER] + [i for i in cfg["impls"] if i != "ftmesh"]
+        planned = [SITES, HIER] + ([INT8_SITES, INT8_HIER] if args.compression == "int8" else [])
+        cfg["impls"] = ["ftmesh", *planned] + [i for i in cfg["impls"] if i != "ftmesh"]
     load_before = _loadavg()
     cells = []
     for nprocs in (int(p) for p in args.procs.split(",") if p.strip()):

@@ -8,7 +8,8 @@ first time a view is used (``transport``), (3) builds this member's schedule (``
 time, in call order; every member must call the same collectives in the same order on a view.
 
 A view whose ring plan is hierarchical (``topology``: at least two sites, one of at least two
-members) runs an uncompressed allreduce in three phases on sub-views (``RingView.groups``): the
+members) runs an allreduce in three phases on sub-views (``RingView.groups``; an int8-compressed
+one compresses only the cross-site phase: ``hierarchical_int8``): the
 reduce-scatter half of the ring inside the member's site, an allreduce of the member's block
 across the sites among the members at the same place in every site (``avg`` divides there, by
 the whole view's size), and the allgather half inside the site. The buffer is cut into ``K``
@@ -54,6 +55,7 @@ from .aborts import Abort, AbortKind, error_for
 from .config import CollectiveConfig
 from .engine import Buffers, Pipeline
 from .errors import RingPeerLostError
+from .hierarchical_int8 import HierarchicalInt8
 from .links import read_tcp_info, updated
 from .ops import (
     REDUCE_OPS,
@@ -461,15 +463,16 @@ class DataPlane:
     # -- the hierarchical allreduce (module doc) -------------------------------------------
     @staticmethod
     def hierarchical(view: RingView, op: CollectiveOp) -> bool:
-        """Whether ``op`` on ``view`` runs as a hierarchical allreduce: an uncompressed
-        allreduce on a view whose plan says so (compressed ones run the flat, site-ordered
-        ring)."""
-        return op.kind is Kind.ALLREDUCE and op.compression is None and view.hierarchical
+        """Whether ``op`` on ``view`` runs as a hierarchical allreduce: an allreduce on a view
+        whose plan says so (an int8-compressed one compresses only across sites:
+        ``hierarchical_int8``)."""
+        return op.kind is Kind.ALLREDUCE and view.hierarchical
 
     def plan_phases(self, view: RingView, op: CollectiveOp, x: T) -> Phases[T]:
         """The three phases of ``op`` (an allreduce) on this member's ``x`` over hierarchical
         ``view``: plans on the member's site and cross-site sub-views, in the order they
-        run, on ``x``'s staged buffer in place."""
+        run, on ``x``'s staged buffer in place (compressed: on its float32 contribution,
+        with the cross-site phase in int8, ``hierarchical_int8``)."""
         site, cross = view.groups(self.node_id)
         for sub in (site, cross):
             if sub is not None:
@@ -478,8 +481,14 @@ class DataPlane:
         while len(self._parents) > MAX_ABORTED_VIEWS:
             self._parents.popitem(last=False)
         st = stage(x, writable=True)
-        red, scale = self._reducers(op.op, st.dtype, view.size)
-        flat = st.flat
+        hint8 = None
+        if op.compression is None:
+            red, scale = self._reducers(op.op, st.dtype, view.size)
+            flat = st.flat
+        else:
+            hint8 = HierarchicalInt8(op.compression, st, op.op, view.size)
+            red, scale = self._reducers("sum", "float32", view.size)
+            flat = hint8.work
         assert view.plan is not None
         k, rs, blocks, n = site.size, site.rank_of(self.node_id), view.plan.blocks, int(flat.size)
         # K blocks, then empty segments for the places a smaller site lacks (module doc)
@@ -500,13 +509,18 @@ class DataPlane:
                 b, rank, first_step=first, last_step=last, itemsize=item, chunk_bytes=chunk
             )
 
-        plans = []
+        plans: list[Plan[Any]] = []
         if k > 1:
             rs_steps = steps(bounds, rs, 0, k - 2)
             plans.append(
                 phase(site, "allreduce/site", st.shape, rs_steps, Buffers(flat, flat, red))
             )
-        if cross is not None:
+        if cross is not None and hint8 is not None:
+            comp = hint8.block_compression(bounds[rs], bounds[rs + 1])
+            plans.append(
+                self._plan_compressed(cross, block, "sum", stage(block, writable=True), comp)
+            )
+        elif cross is not None:
             m, rc = cross.size, cross.rank_of(self.node_id)
             ar_steps = steps(schedule.segment_bounds(int(block.size), m), rc, 0, 2 * m - 3)
             bufs = Buffers(block, block, red, scale)
@@ -516,11 +530,13 @@ class DataPlane:
             plans.append(phase(site, "allgather/site", st.shape, ag_steps, Buffers(flat, flat)))
 
         def finish() -> T:
+            if hint8 is not None:
+                hint8.finish()
             if st.commit is not None:
                 st.commit()
             return x
 
-        return Phases(view, plans, finish, int(flat.nbytes))
+        return Phases(view, plans, finish, int(st.flat.nbytes))
 
     async def run_phases(self, phases: Phases[T]) -> CollectiveResult[T]:
         """Run a hierarchical allreduce inside trio: each phase's sub-ring opened if needed,
@@ -531,7 +547,7 @@ class DataPlane:
                 try:
                     for plan in phases.plans:
                         ring = await self._open_ring(plan.view)
-                        await self._drive(ring, plan)
+                        (await self._drive(ring, plan)).finish()
                 except BaseException as exc:
                     self._fail_phases(phases, exc)
                     raise
@@ -546,7 +562,7 @@ class DataPlane:
         with self._recorder.timed("allreduce", "tcp", phases.nbytes):
             try:
                 for plan in phases.plans:
-                    self._run_pipeline(ring_of(plan.view), plan)
+                    self._run_pipeline(ring_of(plan.view), plan).finish()
             except BaseException as exc:
                 self._fail_phases(phases, exc)
                 raise
@@ -783,7 +799,9 @@ class Phases(Generic[T]):
     each on a sub-view of ``view``, in order, and how to produce the output."""
 
     view: RingView
-    plans: list[Plan[None]]
+    plans: list[Plan[Any]]
+    """Each phase's plan; its last round's ``finish`` runs before the next phase starts (the
+    compressed cross-site phase decodes its result into the block there)."""
     finish: Callable[[], T]
     nbytes: int
     """Size of the collective's input in bytes."""

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -564,6 +565,7 @@ def check_processes(t: Table, args: argparse.Namespace, logs: Path) -> None:
             check_training(t, gpu, [e for i, e in of(seen, "trained") if i in survivors])
     finally:
         w.close()
+        shutil.rmtree(reg, ignore_errors=True)
 
 
 def kill_rows(
