@@ -216,8 +216,7 @@ _LAST_ADOPTED: list[tuple[Mapping[str, MemberSnapshot], int, int, int]] = []
 MAX_RELAYS = 4096
 """Indirect probes relayed at once: bounds what a flood of ping-reqs can make us hold."""
 MAX_DIRECT = 64
-"""Members a leave, an urgent metadata change (a role) or a suspicion after a closed connection
-is also sent to directly."""
+"""Members a leave, or a suspicion after a closed connection, is also sent to directly."""
 
 
 class Swim:
@@ -584,21 +583,15 @@ class Swim:
         self._count("join_failed")
         return self._flush()
 
-    def update_meta(self, now: float, meta: Meta, *, urgent: bool = False) -> list[Effect]:
-        """Replace our metadata; spreads as an Alive with a higher incarnation. ``urgent``:
-        news every member must act on at once (a role change reshapes the ring): also sent
-        straight to every live member, as a leave is, instead of waiting for the next gossip
-        round (up to ``gossip_interval``)."""
+    def update_meta(self, now: float, meta: Meta) -> list[Effect]:
+        """Replace our metadata; spreads as an Alive with a higher incarnation."""
         self._now = now
         try:
             self._me.meta = check_meta(meta)
         except RemoteProtocolError as exc:
             raise LocalUsageError(f"invalid member metadata: {exc}") from None
         self._me.incarnation = min(self._me.incarnation + 1, MAX_COUNTER)
-        alive = self._alive_self()
-        self._broadcast(alive)
-        if urgent:
-            self._send_direct(alive)
+        self._broadcast(self._alive_self())
         return self._flush()
 
     def leave(self, now: float) -> list[Effect]:

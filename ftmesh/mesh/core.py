@@ -292,13 +292,11 @@ class Mesh:
         raise DeadlineExceeded(f"no view of {min_members} members within {timeout:.0f}s{why}")
 
     def set_role(self, role: str) -> None:
-        """Change our role (``train`` members form the ring): sent to every member at once,
-        besides gossip, since each one's next view depends on it (a departure's ``leaving``
-        reaches the others in a datagram's time instead of at the next gossip round)."""
+        """Change our role (``train`` members form the ring); spreads by gossip."""
         if role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {role!r}")
         if self.node.me().meta.get(ROLE_KEY) != role:
-            self._update_meta({ROLE_KEY: role}, urgent=True)
+            self._update_meta({ROLE_KEY: role})
 
     @property
     def role(self) -> str:
@@ -375,16 +373,16 @@ class Mesh:
                 if self.progress_refused == 1:  # (then counted, not logged every second)
                     log.warning("progress not published: %s", exc)
 
-    def _update_meta(self, changes: dict[str, Any], *, urgent: bool = False) -> None:
+    def _update_meta(self, changes: dict[str, Any]) -> None:
         """Publish our metadata with ``changes``, and the pending progress report if there is
-        one (one metadata change, one incarnation, for both); ``urgent``: ``Node.update_meta``."""
+        one (one metadata change, one incarnation, for both)."""
         me = self.node.me()
         meta = {**me.meta, **changes}
         if self._progress_due.is_set() and self._progress is not None:
             self._progress_due = trio.Event()
             meta[PROGRESS_KEY] = self._progress.encode()
         if meta != me.meta:
-            self.node.update_meta(meta, urgent=urgent)
+            self.node.update_meta(meta)
             self._meta_changed_at = trio.current_time()
             if meta.get(PROGRESS_KEY) != me.meta.get(PROGRESS_KEY):
                 self.progress_published += 1

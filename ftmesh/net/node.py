@@ -342,10 +342,9 @@ class Node:
             async for ev in recv:
                 yield ev
 
-    def update_meta(self, meta: Meta, *, urgent: bool = False) -> None:
-        """Replace our metadata; it spreads to every member with a higher incarnation
-        (``urgent``: sent to each at once too, ``Swim.update_meta``)."""
-        self._apply(self._swim.update_meta(trio.current_time(), meta, urgent=urgent))
+    def update_meta(self, meta: Meta) -> None:
+        """Replace our metadata; it spreads to every member with a higher incarnation."""
+        self._apply(self._swim.update_meta(trio.current_time(), meta))
 
     def join(self, addrs: list[Address]) -> None:
         """Contact these addresses to join (or merge with) their mesh."""

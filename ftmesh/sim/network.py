@@ -188,14 +188,8 @@ class SimNetwork:
         self._apply(node, node.swim.leave(self.now))
         self._reschedule(node)
 
-    def update_meta(
-        self,
-        node: SimNode,
-        meta: dict[str, str | int | float | bool | None],
-        *,
-        urgent: bool = False,
-    ) -> None:
-        self._apply(node, node.swim.update_meta(self.now, meta, urgent=urgent))
+    def update_meta(self, node: SimNode, meta: dict[str, str | int | float | bool | None]) -> None:
+        self._apply(node, node.swim.update_meta(self.now, meta))
         self._reschedule(node)
 
     def connection_closed(self, node: SimNode, about: SimNode) -> None:
