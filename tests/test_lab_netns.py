@@ -21,19 +21,25 @@ needs_root = pytest.mark.skipif(
     reason="needs root to create network namespaces (and iproute2, nftables); CI runs as root",
 )
 
-# Counts UDP datagrams carrying this measurement's tag (argv[1]) on port 9999: waits up to 3 s
-# for the first (ARP may have to be resolved again after a partition), then stops after 0.7 s
-# of silence. The tag keeps out datagrams of an earlier measurement that the kernel held back
-# (queued while ARP could not resolve during a partition) and released on heal.
+# Counts UDP datagrams carrying this measurement's tag (argv[1]) on port 9999 until the test
+# says on stdin that the sender is done, then stops after a silence: 0.7 s once something
+# came, 3 s if nothing did yet (ARP may have to be resolved again after a partition), and in
+# any case after 60 s. (It used to wait 3 s for the first datagram from its start: on a
+# loaded host the two sender processes took longer than that to start, and it counted 0.)
+# The tag keeps out datagrams of an earlier measurement that the kernel held back (queued
+# while ARP could not resolve during a partition) and released on heal.
 _RECV = (
-    "import socket, sys\n"
+    "import select, socket, sys, time\n"
     "tag = sys.argv[1].encode()\n"
     "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999))\n"
     "print('ready', flush=True)\n"
-    "s.settimeout(3.0); n = 0\n"
-    "try:\n"
-    "    while True: n += s.recv(64) == tag; s.settimeout(0.7)\n"
-    "except OSError: pass\n"
+    "n, done, last = 0, None, time.monotonic(); end = last + 60\n"
+    "while time.monotonic() < end:\n"
+    "    r, _, _ = select.select([s] if done else [s, sys.stdin], [], [], 0.1)\n"
+    "    if s in r: n += s.recv(64) == tag; last = time.monotonic()\n"
+    "    if sys.stdin in r: sys.stdin.readline(); done = time.monotonic()\n"
+    "    if done is not None and time.monotonic() - max(last, done) > (0.7 if n else 3.0):\n"
+    "        break\n"
     "print(n)\n"
 )
 _SEND_WARMUP = (
@@ -52,13 +58,19 @@ _SEND = (
 
 def _delivered(lan: VirtualLan, src: int, dst: int, n: int = 400) -> int:
     tag = os.urandom(6).hex()
-    recv = lan.popen(dst, [sys.executable, "-c", _RECV, tag], stdout=subprocess.PIPE, text=True)
+    recv = lan.popen(
+        dst,
+        [sys.executable, "-c", _RECV, tag],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert recv.stdout is not None
     assert recv.stdout.readline().strip() == "ready"  # bound: no datagram can be missed
     # A few unmeasured datagrams first, so ARP is resolved again after a partition.
     lan.run(src, [sys.executable, "-c", _SEND_WARMUP, lan.host_ip(dst)])
     lan.run(src, [sys.executable, "-c", _SEND, lan.host_ip(dst), str(n), tag])
-    out, _ = recv.communicate(timeout=20)
+    out, _ = recv.communicate("sent\n", timeout=70)
     return int(out)
 
 
