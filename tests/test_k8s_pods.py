@@ -154,7 +154,10 @@ def test_the_statefulset_as_written(image: Path) -> None:
         assert trains(4), late + lab.logs(4)[-3000:]
         members = [0, 2, 3, 4]
 
-        _wait("the run to finish", lambda: all(done(i) for i in members), lab)
+        def finished(i: int) -> bool:  # (a pod prints its accuracy after its final record)
+            return done(i) and "test accuracy: " in lab.logs(i)
+
+        _wait("the run to finish", lambda: all(finished(i) for i in members), lab)
         total = _steps(lab, 0)[-1]["total"]
         finals = {next(r for r in _records(lab, i) if r.get("done"))["digest"] for i in members}
         assert len(finals) == 1, finals  # one model
