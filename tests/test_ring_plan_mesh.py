@@ -136,6 +136,28 @@ def in_threads(ms: list[SyncMesh], fn: Callable[[SyncMesh], Any]) -> list[Any]:
     return out
 
 
+def sent_counts(ms: list[SyncMesh]) -> list[dict[str, int]]:
+    """Each member's payload bytes sent so far, by destination (``DataPlane.sent_bytes``)."""
+    return [m.mesh.data_plane.sent_bytes() for m in ms]
+
+
+def sent_since(
+    ms: list[SyncMesh], before: list[dict[str, int]]
+) -> Callable[[set[str], set[str]], int]:
+    """``between(x, y)``: the bytes members ``x`` sent to members ``y`` since ``before``."""
+    after = sent_counts(ms)
+    sent = {
+        (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
+        for i in range(len(ms))
+        for peer in after[i]
+    }
+
+    def between(x: set[str], y: set[str]) -> int:
+        return sum(v for (src, dst), v in sent.items() if src in x and dst in y)
+
+    return between
+
+
 def check_sum_and_avg(ms: list[SyncMesh], view: RingView, seed: int) -> None:
     """Allreduces (sum, avg) of an odd length on ``view``: every member gets the same bits,
     equal (allclose) to the float64 sum (mean)."""
@@ -184,22 +206,14 @@ def test_two_labelled_sites_plan_alike_and_reduce_hierarchically(tmp_path: Path)
         assert all(r is not None for rs in opened for r in rs), opened
         # bytes: one more allreduce of S bytes, counted per destination
         s_bytes = 4 * 65536
-        before = [m.mesh.data_plane.sent_bytes() for m in ms]
+        before = sent_counts(ms)
         outs = in_threads(
             ms, lambda m: m.session(view).allreduce(np.ones(65536, np.float32)).output
         )
         assert all(np.array_equal(o, np.full(65536, 4.0, np.float32)) for o in outs), outs
-        after = [m.mesh.data_plane.sent_bytes() for m in ms]
+        between = sent_since(ms, before)
         assert [rings(m) for m in ms] == opened  # (the same Ring objects: none reopened)
-        sent = {
-            (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
-            for i in range(4)
-            for peer in after[i]
-        }
         west = set(view.node_ids) - east
-
-        def between(a: set[str], b: set[str]) -> int:
-            return sum(v for (src, dst), v in sent.items() if src in a and dst in b)
 
         assert between(east, west) == between(west, east) == s_bytes
         # inside each site: the reduce-scatter and allgather halves, (k-1)/k S each, per member
@@ -256,17 +270,9 @@ def test_an_int8_allreduce_compresses_only_across_the_sites(tmp_path: Path, site
             assert len({o.tobytes() for o in outs}) == 1  # the same bits everywhere
             return outs
 
-        before = [m.mesh.data_plane.sent_bytes() for m in ms]
+        before = sent_counts(ms)
         (out, *_) = reduce("sum")
-        after = [m.mesh.data_plane.sent_bytes() for m in ms]
-        sent = {
-            (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
-            for i in range(size)
-            for peer in after[i]
-        }
-
-        def between(x: set[str], y: set[str]) -> int:
-            return sum(v for (src, dst), v in sent.items() if src in x and dst in y)
+        between = sent_since(ms, before)
 
         s_bytes = 4 * n
         for x, y in ((a, b), (b, a)):
@@ -305,23 +311,15 @@ def test_unequal_sites_reduce_hierarchically(tmp_path: Path, sites: str) -> None
         assert plan is not None and plan.hierarchical and plan.blocks == sites.count("b")
         check_sum_and_avg(ms, view, seed=7)
         s_bytes = 4 * 65536
-        before = [m.mesh.data_plane.sent_bytes() for m in ms]
+        before = sent_counts(ms)
         outs = in_threads(
             ms, lambda m: m.session(view).allreduce(np.ones(65536, np.float32)).output
         )
         want_ones = np.full(65536, float(n_members), np.float32)
         assert all(np.array_equal(o, want_ones) for o in outs), outs
-        after = [m.mesh.data_plane.sent_bytes() for m in ms]
+        between = sent_since(ms, before)
         a = {m.node_id for m, s in zip(ms, sites, strict=True) if s == "a"}
         b = set(view.node_ids) - a
-        sent = {
-            (ms[i].node_id, peer): after[i].get(peer, 0) - before[i].get(peer, 0)
-            for i in range(n_members)
-            for peer in after[i]
-        }
-
-        def between(x: set[str], y: set[str]) -> int:
-            return sum(v for (src, dst), v in sent.items() if src in x and dst in y)
 
         assert between(a, b) == between(b, a) == s_bytes
 
