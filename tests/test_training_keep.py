@@ -21,7 +21,7 @@ from ftmesh.torch import ElasticSampler
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TRAIN_SAMPLES = 1437
-"""``load_digits`` minus its 20% test split (``examples/train_digits.py``)."""
+"""The digits minus their 20% test split (``examples/train_digits.py``: 1,797 - 360)."""
 BATCH = 32
 
 
