@@ -160,6 +160,26 @@ def test_graceful_leave_is_left_never_dead(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_metadata_changed_just_before_a_leave_reaches_everyone(seed: int) -> None:
+    """A member that changes its metadata and leaves at once (a departing trainer's last
+    progress and role) leaves no member with the older metadata: the leave goes to each in
+    one datagram behind the new Alive, so nobody hears of the leave first (it has the same
+    incarnation and would shut the newer metadata out)."""
+    net, nodes = build(8, seed)
+    leaver = nodes[3]
+    net.update_meta(leaver, {"role": "leaving", "step": 7})
+    net.leave(leaver)  # no gossip round in between
+    net.run_until(net.now + 3 * LOCAL.gossip_interval)
+    net.crash(leaver)
+    net.run_until(net.now + LOCAL.crash_detection_bound(8))
+    for node in nodes:
+        if node is not leaver:
+            snap = node.swim.member(leaver.swim.node_id)
+            assert snap is not None and snap.state == MemberState.LEFT, snap
+            assert snap.meta == {"role": "leaving", "step": 7}, snap.meta
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_metadata_update_reaches_everyone(seed: int) -> None:
     net, nodes = build(8, seed)
     node = nodes[1]

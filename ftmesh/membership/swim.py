@@ -48,6 +48,7 @@ seconds) and a seeded ``random.Random``, feeds received messages to :meth:`Swim.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 from collections import deque
@@ -453,7 +454,11 @@ class Swim:
             # handlers would decide (return without effect), without calling them.
             if type(msg) is Alive:
                 m = known.get(msg.node)
-                if m is not None and msg.incarnation <= m.incarnation:
+                if (
+                    m is not None
+                    and msg.incarnation <= m.incarnation
+                    and (m.state is not MemberState.LEFT or msg.meta == m.meta)
+                ):
                     old_alive += 1
                     continue
             elif type(msg) is Suspect:
@@ -596,12 +601,18 @@ class Swim:
 
     def leave(self, now: float) -> list[Effect]:
         """Announce a graceful leave. The driver should keep running for about two gossip
-        intervals so the news spreads, then stop."""
+        intervals so the news spreads, then stop.
+
+        The leave goes straight to every live member in one datagram behind our current
+        ``Alive``: the leave has the same incarnation, so a member that heard of it before our
+        latest metadata (a last role or progress, changed just before leaving and perhaps not
+        gossiped yet) would keep the older one; read in order from one datagram, the metadata
+        always comes first, and the leaver need not wait for it to spread."""
         self._now = now
         self.leaving = True
         msg = Dead(node=self.node_id, incarnation=self._me.incarnation, accuser=self.node_id)
         self._broadcast(msg)
-        self._send_direct(msg)
+        self._send_direct(self._alive_self(), msg)
         return self._flush()
 
     def report_unreachable(self, now: float, node_id: str) -> list[Effect]:
@@ -862,6 +873,8 @@ class Swim:
     def _on_alive(self, now: float, a: Alive) -> None:
         m = self._members.get(a.node)
         if m is not None and a.incarnation <= m.incarnation:
+            if m.state == MemberState.LEFT and a.incarnation == m.incarnation and a.meta != m.meta:
+                self._last_words(now, m, a)
             return  # the common case under gossip: old news
         if a.node == self.node_id:
             if a.incarnation > self._me.incarnation or (
@@ -888,6 +901,15 @@ class Swim:
             self._emit("alive" if before == MemberState.SUSPECT else "joined", m, now)
         elif changed:
             self._emit("updated", m, now)
+        self._broadcast(a)
+
+    def _last_words(self, now: float, m: MemberSnapshot, a: Alive) -> None:
+        """The metadata a member published just before its leave (its last role, progress),
+        heard after the leave, which has the same incarnation: a leaver's metadata changes no
+        more after its leave, so it is the newest; kept (the member stays ``left``, no
+        event) and passed on. The leave itself carries it first to every member
+        (``leave``); this covers the gossip that passes both on in either order."""
+        self._put(dataclasses.replace(m, meta=a.meta), m.state, now)
         self._broadcast(a)
 
     def _on_suspect(self, now: float, s: Suspect) -> None:
@@ -1091,14 +1113,14 @@ class Swim:
         rumours = self._take_rumours(budget) if budget > 32 else []
         self._out.append(Send(dest, (*msgs, *rumours)))
 
-    def _send_direct(self, msg: Gossip) -> None:
-        """Send ``msg`` alone to every live member (at most ``MAX_DIRECT``, drawn at random),
-        besides gossiping it: news every member must act on at once."""
+    def _send_direct(self, *msgs: Gossip) -> None:
+        """Send ``msgs`` alone, in one datagram, to every live member (at most ``MAX_DIRECT``,
+        drawn at random), besides gossiping them: news every member must act on at once."""
         targets = [m for m in self._members.values() if m.state in _LIVE]
         if len(targets) > MAX_DIRECT:
             targets = self._rng.sample(targets, MAX_DIRECT)
         for m in targets:
-            self._out.append(Send(m.addr, (msg,)))
+            self._out.append(Send(m.addr, msgs))
 
     def _take_rumours(self, budget: int) -> list[Gossip]:
         if not self._rumours:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -245,7 +244,6 @@ class Mesh:
         """Metadata updates ``report_progress`` made (at most one per interval)."""
         self.progress_refused = 0
         """Progress reports the metadata had no room for (logged once)."""
-        self._meta_changed_at = -math.inf  # trio time of our last metadata change
         self.links = LinkEstimator()
         """Our measured round trips to each member, as published (``LINKS_KEY``)."""
         self.links_published = 0
@@ -383,19 +381,8 @@ class Mesh:
             meta[PROGRESS_KEY] = self._progress.encode()
         if meta != me.meta:
             self.node.update_meta(meta)
-            self._meta_changed_at = trio.current_time()
             if meta.get(PROGRESS_KEY) != me.meta.get(PROGRESS_KEY):
                 self.progress_published += 1
-
-    async def _let_metadata_spread(self) -> None:
-        """Before we leave: give our last metadata change (the last step's progress, the
-        ``done`` role) two gossip rounds to spread. The leave that follows has the same
-        incarnation, so a member that hears of the leave first keeps the older metadata."""
-        spread = min(2 * self.config.node.membership.gossip_interval, 1.0)
-        left = self._meta_changed_at + spread - trio.current_time()
-        if left > 0:
-            with trio.CancelScope(shield=True):  # (bounded by ``spread``, at most 1 s)
-                await trio.sleep(left)
 
     async def wait_quiet(
         self,
@@ -753,7 +740,6 @@ async def open_mesh(config: MeshConfig | None = None) -> AsyncIterator[Mesh]:
                 mesh.flush_progress()  # the last step, reported while throttled
                 if mesh._progress is not None:
                     _closed_progress[:] = [mesh._progress]
-                await mesh._let_metadata_spread()
                 nursery.cancel_scope.cancel()
 
 

@@ -237,8 +237,8 @@ class MeshDriver:
     def depart(self, step: int) -> NoReturn:
         """Leave the mesh gracefully (membership sees ``left``) and end the training call."""
         log.warning("planned departure: leaving the mesh after step %d", step)
-        # the others' next view leaves us out once the role reaches them (a gossip round),
-        # not once the leave does (after the metadata's time to spread: Mesh.close)
+        # the others' next view leaves us out once the role or the leave reaches them (the
+        # leave goes straight to each, behind the role: Swim.leave)
         self.mesh.set_role("leaving")
         self.mesh.close(join_timeout=DEPARTURE_CLOSE_S)
         raise Departed(step)
