@@ -15,7 +15,7 @@ import pytest
 from tests_support import cpu_cgroups_available
 
 from ftmesh.lab import VirtualLan, slowness
-from ftmesh.lab.netns import LabError, _list_netns, _netns_pids
+from ftmesh.lab.netns import LabError, _list_netns
 
 pytestmark = [
     pytest.mark.netns,
@@ -75,11 +75,11 @@ def _cgroup_of(pid: int) -> str:
     return ""
 
 
-def _wait_in_netns(ns: str, pid: int, timeout: float = 10.0) -> None:
-    """Until ``pid`` runs in network namespace ``ns`` (``ip netns pids``)."""
+def _wait_in_host(lan: VirtualLan, i: int, pid: int, timeout: float = 10.0) -> None:
+    """Until ``pid`` runs in host ``i``'s namespace (``VirtualLan.host_pids``)."""
     end = time.monotonic() + timeout
-    while pid not in _netns_pids(ns):
-        assert time.monotonic() < end, f"pid {pid} did not enter {ns} in {timeout:.0f}s"
+    while pid not in lan.host_pids(i):
+        assert time.monotonic() < end, f"pid {pid} did not enter host {i} in {timeout:.0f}s"
         time.sleep(0.02)
 
 
@@ -88,7 +88,7 @@ def test_throttle_and_fail_slow_fire() -> None:
         early = lan.popen(0, BUSY)  # started before the throttle: moved into the cgroup
         # (once in the namespace: `ip netns exec` may not have entered it yet on a loaded
         # host, and the throttle moves the namespace's processes: run 30 on 8843703)
-        _wait_in_netns(lan.ns_name(0), early.pid)
+        _wait_in_host(lan, 0, early.pid)
         lan.set_cpu(0, 2.0)  # a quota two busy loops cannot reach on 2 cores: what they get
         late = lan.popen(0, BUSY)  # started after: joins the cgroup before it execs
         own = f"/{slowness.CGROUP_DIR}/{lan.ns_name(0)}"
