@@ -845,16 +845,34 @@ def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
     assert m.check_reduction(a, _leave_header(view, "c"), None) is None
     assert walk_round(m, leavers=("c",), loss_sum=0.0) == [Advertise()]
     assert m.feed(0.0, Done()) == Barrier(view)
-    assert m.feed(0.0, Failed(Failure.PEER_LOST, "c went")) == ReadView()  # a barrier failure
-    assert m.feed(0.0, ViewSeen(view)) == WaitViewChange(view.epoch, 2.0)
-    rest = _view("a", "b")
-    assert m.feed(0.1, ViewSeen(rest)) == WorldChanged(3, 2)
-    done = m.feed(0.1, Done())
+    done = m.feed(0.0, Failed(Failure.PEER_LOST, "c went"))  # a barrier failure
     assert isinstance(done, Finished) and done.report is not None
     assert done.report.leaving == ("c",)
-    a = m.begin(1.0)
+    # The next run, not this one, waits for the view without the leaver: the loop's work
+    # between the two steps overlaps the leave.
+    assert m.begin(0.5) == ReadView()
+    assert m.feed(0.5, ViewSeen(view)) == WaitViewChange(view.epoch, 2.0)
+    rest = _view("a", "b")
+    assert m.feed(0.6, ViewSeen(rest)) == WorldChanged(3, 2)
+    a = m.feed(0.6, Done())
     assert isinstance(a, WaitView)
     assert isinstance(m.feed(1.0, ViewSeen(rest)), Compute)  # no Sync: same state everywhere
+
+
+def test_a_view_without_the_leaver_seen_by_the_next_run_is_taken_at_once() -> None:
+    m = _machine("a")
+    view = _view("a", "b", "c")
+    a = _alone_until_compute(m, view)
+    assert m.check_reduction(a, _leave_header(view, "c"), None) is None
+    assert walk_round(m, leavers=("c",), loss_sum=0.0) == [Advertise()]
+    assert m.feed(0.0, Done()) == Barrier(view)
+    assert isinstance(m.feed(0.0, Done()), Finished)
+    rest = _view("a", "b")
+    assert m.begin(0.5) == ReadView()
+    assert m.feed(0.5, ViewSeen(rest)) == WorldChanged(3, 2)  # no wait: it is there already
+    assert isinstance(m.feed(0.5, Done()), WaitView)
+    assert isinstance(m.feed(0.5, ViewSeen(rest)), Compute)  # no Sync
+    assert m.syncer.departed is None  # once only: the run after next goes to its view
 
 
 def test_a_failed_announcing_attempt_departs_at_once() -> None:

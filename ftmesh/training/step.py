@@ -52,11 +52,13 @@ of *attempts*:
 
 5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
    leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
-   (the ``Depart`` action: it leaves the mesh, the call raises ``ftmesh.Departed``), the others
-   wait briefly for the view without the leavers and take it without a sync (they all hold
-   the same state). A member asked to leave (:meth:`StepMachine.request_leave`, fed by the
-   driver) announces in the next step it computes; outside the ring, at the start gate, as a
-   cold spare, while waiting for a view, or after a failed attempt it departs at once.
+   (the ``Depart`` action: it leaves the mesh, the call raises ``ftmesh.Departed``); the
+   others' run ends, and their next one begins by waiting briefly for the view without the
+   leavers and taking it without a sync (they all hold the same state): whatever the loop
+   does between the two steps overlaps the leave spreading through membership. A member
+   asked to leave (:meth:`StepMachine.request_leave`, fed by the driver) announces in the
+   next step it computes; outside the ring, at the start gate, as a cold spare, while
+   waiting for a view, or after a failed attempt it departs at once.
 
 A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
 attempt: the machine forgets the synced view (the next attempt syncs again, unless the sync
@@ -462,6 +464,7 @@ class StepMachine:
         """A run of attempts (the module docstring's 1 to 4), until one commits a step (or,
         without ``compute``, settles on a view)."""
         run = _Tries(now, now + self.config.step_timeout, max(self.committed, 0))
+        now = yield from self.syncer.without_leavers(now)  # after a step some members left
         while True:
             run.attempts += 1
             self._stats.attempts_total += 1
@@ -638,7 +641,7 @@ class StepMachine:
             now, _ = yield Barrier(view)  # a failure does not matter: the step is committed
             if self.me in out.leaving:
                 self._depart(report)
-            yield from self.syncer.without_leavers(now, view, out.leaving)
+            self.syncer.saw_off(view, out.leaving)  # (the next run takes the view without them)
         return now, report
 
     def _failed(

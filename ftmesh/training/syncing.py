@@ -27,9 +27,10 @@ performs nothing either). On a view other than the one it last settled on, a mem
 
 A view is also settled on *without* a sync, when ``Held.needless`` says every member of it
 already holds our state (after a loss before our row went out), and after a planned
-departure (:meth:`Syncer.without_leavers`: the members that stay wait briefly for the view
-without the leavers and take it when it is exactly the rest; sharded optimizer state always
-syncs, to re-spread the leavers' shards). Before a member leaves the mesh at the end it
+departure (:meth:`Syncer.without_leavers`: at the start of their next run, so that the
+loop's work between steps overlaps the leave, the members that stay wait briefly for the
+view without the leavers and take it when it is exactly the rest; sharded optimizer state
+always syncs, to re-spread the leavers' shards). Before a member leaves the mesh at the end it
 syncs a last time (:meth:`Syncer.final`), so that one whose last step failed after the
 others committed it catches up instead of redoing it alone.
 
@@ -137,6 +138,9 @@ class Syncer:
         self.last_seconds = 0.0
         """Seconds the last sync took (agreement plus state transfer)."""
         self._own: np.ndarray | None = None
+        self.departed: tuple[RingView, tuple[str, ...]] | None = None
+        """The last committed step's view and the members that left after it, until the next
+        run takes the view without them (:meth:`saw_off`)."""
 
     @property
     def settings(self) -> SharedSettings:
@@ -310,27 +314,40 @@ class Syncer:
 
     # -- departures ------------------------------------------------------------------------
 
-    def without_leavers(self, now: float, view: RingView, gone: tuple[str, ...]) -> Steps[None]:
-        """After a step on ``view`` whose members ``gone`` leave (and the barrier that lets
-        them go): wait for membership to show the view without them and take it without a
-        sync (we hold the same state), or else sync as after any change."""
+    def saw_off(self, view: RingView, gone: tuple[str, ...]) -> None:
+        """A step on ``view`` committed, and its members ``gone`` leave after it (they have
+        passed its barrier): the next run begins by taking the view without them
+        (:meth:`without_leavers`), not this one's end, so that whatever the training loop
+        does between the two steps overlaps their leave spreading through membership."""
+        self.departed = (view, gone)
+
+    def without_leavers(self, now: float) -> Steps[float]:
+        """At the start of a run after a step whose members left (:meth:`saw_off`): wait
+        for membership to show the view without them and take it without a sync (we hold
+        the same state), or else sync as after any change (the run's own view and sync)."""
+        if self.departed is None:
+            return now
+        view, gone = self.departed
+        self.departed = None
         end = now + DEPARTURE_WAIT_S
         now, seen = yield ReadView()
         current = seen_of(seen)
         while current is not None and any(n in current.node_ids for n in gone):
             if now >= end:
-                return
+                return now
             now, seen = yield WaitViewChange(current.epoch, end - now)
             current = seen_of(seen)
         rest = tuple(n for n in view.node_ids if n not in gone)
         if current is not None and current.node_ids == rest and not self.config.shard_optimizer:
             # (Sharded: the leavers' shards must be re-spread, which the sync does.)
-            yield from self.settle_on(now, current)
+            now = yield from self.settle_on(now, current)
+        return now
 
     def final(self, now: float, timeout: float) -> Steps[None]:
         """A last sync on the current view before leaving, so that a member whose final step
         failed after others committed it catches up instead of redoing it alone."""
         deadline = now + timeout
+        now = yield from self.without_leavers(now)
         while now < deadline:
             now, seen = yield WaitView(1, 0.0, max(deadline - now, 0.1))
             view = view_of(seen)
