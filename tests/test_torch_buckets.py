@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftmesh.torch.buckets import GradBuckets
+from ftmesh.torch.buckets import GradBuckets, all_finite
 
 
 def _model() -> torch.nn.Module:
@@ -165,3 +165,18 @@ def test_device_buckets_reduce_on_the_device_and_the_header_gets_its_own_host_bu
         assert p.grad is not None and p.grad.dtype == dtype
         assert torch.allclose(p.grad.float(), g * 0.5, rtol=tol, atol=tol)
     buckets.close()
+
+
+def test_all_finite_finds_a_nan_or_an_infinity_and_clears_an_overflowing_sum() -> None:
+    x = np.ones(1 << 16, dtype=np.float32)
+    assert all_finite(x) and all_finite(torch.from_numpy(x)) and all_finite(x[:0])
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[12345] = bad
+        assert not all_finite(y) and not all_finite(torch.from_numpy(y)), bad
+    # finite, but their float32 sum is infinite: the tensor path's quick sum says "maybe",
+    # the exact check says finite
+    big = np.full(8, 3e38, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(big.sum())
+    assert all_finite(big) and all_finite(torch.from_numpy(big))
