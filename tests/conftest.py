@@ -52,9 +52,10 @@
   polled), so a test whose processes are merely exiting is not blamed; what is left is named
   in the error, and leaked children are killed. ``@pytest.mark.leaks_ok(reason)`` opts a test
   out (two do: gloo keeps an aborted group's sockets until its op timeout).
-- CPU accounting: with ``FTMESH_TEST_CPU=FILE`` every test appends ``cpu_s wall_s nodeid`` to
-  FILE (tab-separated): the CPU of the test process and of the children it waited for, from
-  set-up to the end of teardown. On two cores the parallel run is bounded by CPU as much as by
+- CPU accounting: with ``FTMESH_TEST_CPU=FILE`` every test appends ``cpu_s wall_s nodeid
+  end worker`` to FILE (tab-separated): the CPU of the test process and of the children it
+  waited for, from set-up to the end of teardown, then when it ended (Unix time) and on which
+  xdist worker (what ran beside what, and what ran last). On two cores the parallel run is bounded by CPU as much as by
   waiting; this says which tests pay for it.
 """
 
@@ -318,7 +319,11 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
         return (yield)
     finally:
         with open(path, "a") as out:  # one short line: appends from the workers do not mix
-            out.write(f"{_cpu_s() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}\n")
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+            out.write(
+                f"{_cpu_s() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}"
+                f"\t{time.time():.1f}\t{worker}\n"
+            )
 
 
 @pytest.hookimpl(wrapper=True)
