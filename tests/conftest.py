@@ -55,8 +55,8 @@
 - CPU accounting: with ``FTMESH_TEST_CPU=FILE`` every test appends ``cpu_s wall_s nodeid
   end worker`` to FILE (tab-separated): the CPU of the test process and of the children it
   waited for, from set-up to the end of teardown, then when it ended (Unix time) and on which
-  xdist worker (what ran beside what, and what ran last). On two cores the parallel run is bounded by CPU as much as by
-  waiting; this says which tests pay for it.
+  xdist worker (what ran beside what, and what ran last). On two cores the parallel run is
+  bounded by CPU as much as by waiting; this says which tests pay for it.
 """
 
 from __future__ import annotations

@@ -117,6 +117,8 @@ def test_honest_rows_pass_and_give_each_members_own_speed() -> None:
         (HEADER_SLOTS, 1.0, RowFault.CHECKS),
         (-2, 3.0, RowFault.SPLIT),
         (-1, 0.5, RowFault.FLAG),
+        (-1, 4.0, RowFault.FLAG),
+        (-1, -2.0, RowFault.FLAG),
     ],
 )
 def test_a_bad_slot_in_one_row_fails_the_attempt_naming_its_member(

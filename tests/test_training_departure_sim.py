@@ -124,6 +124,31 @@ def test_a_leaver_whose_announcing_step_fails_leaves_at_once(hub: Hub) -> None:
     assert [r.step for r in members["a"].reports] == list(range(1, TOTAL + 1))
 
 
+def test_a_leave_asked_during_the_gradient_allreduce_leaves_after_that_step(hub: Hub) -> None:
+    """Asked once its leave bit had gone out (SIGTERM during the step's allreduce): it says
+    so in its gathered row and leaves after that same step, not after one more."""
+    armed: dict[str, Any] = {}
+
+    def on_step(m: Member, r: StepReport) -> None:
+        if m.name == "b" and r.step == 4:
+            armed["b"] = m.mesh
+
+    def inject(r: Any) -> dict[str, BaseException]:
+        if r.kind == "allreduce" and r.dtype == "float32" and "b" in armed:
+            armed.pop("b").request_leave()  # step 5's gradients are summed: too late for it
+        return {}
+
+    hub.inject = inject
+    members = run_members(hub, "abcd", opt="sgd", total=TOTAL, shard=False, on_step=on_step)
+    _check(members, {"b": 5})
+    assert hub.failed_rounds() == []
+    for name in "acd":
+        m = members[name]
+        assert next(r for r in m.reports if r.step == 5).leaving == ("b",)
+        nxt = _after(m, 5)
+        assert nxt.members == ("a", "c", "d") and nxt.attempts == 1 and not nxt.synced, nxt
+
+
 def test_leaving_before_the_first_step(hub: Hub) -> None:
     """A member asked to leave before it entered the ring (SIGTERM during start-up) goes at
     once; the others never wait for it."""

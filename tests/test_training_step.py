@@ -60,7 +60,15 @@ from ftmesh.training.actions import (
 )
 from ftmesh.training.config import DiLoCo, TrainerConfig
 from ftmesh.training.entry import GATHER_SETTLES, LOSS_WAIT_S
-from ftmesh.training.protocol import FRESH, LEAVE_SLOTS, leave_slots, round_tag, split_share
+from ftmesh.training.protocol import (
+    FLAG_LEAVING,
+    FLAG_NONFINITE,
+    FRESH,
+    LEAVE_SLOTS,
+    leave_slots,
+    round_tag,
+    split_share,
+)
 from ftmesh.training.start import StartConfig
 from ftmesh.training.step import (
     StepMachine,
@@ -809,6 +817,39 @@ def test_the_header_goes_through_the_machine() -> None:
     assert m.feed(0.0, Done()) == Barrier(view)
     out = m.feed(0.0, Done())
     assert isinstance(out, Depart) and out.report is not None and out.report.leaving == ("b",)
+
+
+def test_a_leave_asked_after_the_header_went_out_rides_in_the_row() -> None:
+    """Asked to leave during the gradient allreduce (our leave bit had gone out without it):
+    our row says ``FLAG_LEAVING``, every member reads it from the gathered rows, and we leave
+    after this step instead of computing one more to announce."""
+    m = _machine("b")
+    view = _view("a", "b", "c")
+    _alone_until_compute(m, view)
+    fill = m.feed(0.0, Measured(3, 0.01))
+    assert isinstance(fill, Reduce) and not fill.announce
+    m.request_leave()  # (the driver feeds it before ``Contributed``)
+    rows = np.zeros((3, 3 + LEAVE_SLOTS + 1))
+    for r, share in enumerate([3, 3, 2]):
+        rows[r, :3] = share, 0.0, round_tag(0)
+    gather = m.feed(0.0, Contributed(rows[1, :-1].astype(np.float32), False))
+    assert isinstance(gather, Gather) and gather.row[-1] == FLAG_LEAVING
+    rows[1, -1] = FLAG_LEAVING
+    header = tuple(rows[:, :-1].sum(axis=0).tolist())
+    apply = m.feed(0.0, Gathered(header, rows, True))
+    assert isinstance(apply, Apply) and apply.verdict.failed is None
+    assert apply.leaving == ("b",) and not apply.verdict.skip
+    assert m.feed(0.0, Computed(3, 0.0, ("b",))) == Advertise()
+    assert m.feed(0.0, Done()) == Barrier(view)
+    out = m.feed(0.0, Done())
+    assert isinstance(out, Depart) and out.report is not None and out.report.leaving == ("b",)
+    # Another member reads the same rows: b leaves, and both flags at once are one row's.
+    other = _machine("a")
+    a = _alone_until_compute(other, view)
+    rows[1, -1] = FLAG_LEAVING + FLAG_NONFINITE
+    verdict = other.check_step(a, header, rows, None)
+    assert verdict.failed is None and verdict.skip and verdict.nonfinite == ("b",)
+    assert other.leaving(a, header, rows) == ("b",) and other.leaving(a, header) == ()
 
 
 def test_a_header_round_that_fails_or_a_row_that_lies_costs_an_attempt() -> None:

@@ -953,6 +953,7 @@ class ElasticTrainer:
         try:
             buckets.finish(timeout=self.config.step_timeout)
             # (after the last bucket's check: our flag covers every bucket)
+            self._poll_leave()  # (a leave asked during the allreduce rides in our row)
             gather = self._in_step(Contributed(mine, self._own_nonfinite), Gather)
             # Each member's own contribution, as it says it added it: what it claims about
             # itself is read from its row only (DESIGN-NOTES: the step header).

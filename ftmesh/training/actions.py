@@ -363,7 +363,7 @@ class Reduce:
 
 @dataclass(frozen=True, slots=True)
 class Gather:
-    """Allgather ``row`` (our claims: our contribution and non-finite flag,
+    """Allgather ``row`` (our claims: our contribution and flags,
     :meth:`StepMachine.row`) on ``view`` -> Gathered | Failed. From here on the others can
     commit the step without us."""
 

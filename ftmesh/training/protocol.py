@@ -13,7 +13,9 @@ parts that the rest of the package cites by number:
    where members that completed the step hand it to the others: a step is committed by every
    survivor or by none, never applied twice, never skipped.
 4. **Planned departure.** A leaver sets its bit in the leave slots (:func:`leave_slots`,
-   :func:`leavers`); all pass one barrier, and the others go on without it, without a sync.
+   :func:`leavers`), or, asked to leave after its header went out, the ``FLAG_LEAVING`` bit in
+   its gathered row (:func:`row_leaves`); all pass one barrier, and the others go on without
+   it, without a sync.
 5. **Speed-proportional shares** (``shares="speed"``): speeds ride in the header, and every
    member makes the same next split from them (:func:`speed_weights`, :func:`split_tag`).
 
@@ -332,8 +334,24 @@ def reduction_problem(
 # -- each member's own contribution, gathered (``DESIGN-NOTES``: the step header) ------------
 
 ROW_FLAG = 1
-"""Slots a member's gathered row has after its header contribution: its non-finite flag (1:
-its own gradients held a NaN or an infinity, so it sent zeros instead)."""
+"""Slots a member's gathered row has after its header contribution: its flags, a sum of
+``FLAG_*`` bits (0 to 3)."""
+FLAG_NONFINITE = 1
+"""Its own gradients held a NaN or an infinity, so it sent zeros instead."""
+FLAG_LEAVING = 2
+"""It leaves after the step (4 above), asked to after its leave bit had gone out in the
+header: said in its row, so that it need not compute one more step to announce. Every member
+reads the same rows, so every member sees the same leavers (:func:`row_leaves`)."""
+
+
+def row_nonfinite(flags: float) -> bool:
+    """Whether a row's flags (checked by :func:`row_faults`) say ``FLAG_NONFINITE``."""
+    return flags in (1.0, 3.0)
+
+
+def row_leaves(flags: float) -> bool:
+    """Whether a row's flags (checked by :func:`row_faults`) say ``FLAG_LEAVING``."""
+    return flags in (2.0, 3.0)
 
 
 class RowFault(enum.Enum):
@@ -357,7 +375,7 @@ class RowFault(enum.Enum):
     SPLIT = "split"
     """Its split tag is not the step's (:func:`split_tag`)."""
     FLAG = "flag"
-    """Its non-finite flag is not 0 or 1."""
+    """Its flags are not a sum of ``FLAG_*`` bits (0 to 3)."""
     SPEED = "speed"
     """Its own speed is out of ``[0, MAX_SPEED]``, or 0 although it computed samples."""
     OTHERS_SLOT = "others_slot"
@@ -391,7 +409,7 @@ def row_faults(
     tag: int | None,
 ) -> list[Offence]:
     """The faults of the gathered ``row`` of the member at ``rank`` (its header contribution,
-    then its non-finite flag) for computing ``step`` (0-based) of ``batch`` samples with
+    then its flags) for computing ``step`` (0-based) of ``batch`` samples with
     ``parts`` check slots (``check``: a check step), ``tag``: the split tag (``None``: no
     speed slots). Never raises, whatever the values: every read is range-checked first."""
     found: list[Offence] = []
@@ -432,8 +450,8 @@ def row_faults(
             bad(RowFault.SPEED, f"speed {own:g} samples/s with {share:g} samples computed")
         if v[n - 1] != tag:
             bad(RowFault.SPLIT, f"split tag {v[n - 1]:g}, expected {tag}")
-    if v[n] not in (0.0, 1.0):
-        bad(RowFault.FLAG, f"non-finite flag {v[n]:g}")
+    if v[n] not in (0.0, 1.0, 2.0, 3.0):
+        bad(RowFault.FLAG, f"flags {v[n]:g}")
     return found
 
 

@@ -143,6 +143,8 @@ from .entry import SLOT_POLL_S, Ring
 from .held import LOSSES, Held
 from .pace import Pace
 from .protocol import (
+    FLAG_LEAVING,
+    FLAG_NONFINITE,
     FRESH,
     split_share,
 )
@@ -389,15 +391,16 @@ class StepMachine:
         """Check the reduced header of ``action`` (:meth:`HeaderJudge.check_reduction`)."""
         return self.judge.check_reduction(action, header, own_checks, announced)
 
-    def row(self, header: np.ndarray, nonfinite: bool) -> np.ndarray:
+    def row(self, header: np.ndarray, nonfinite: bool, leaves: bool = False) -> np.ndarray:
         """Our row for the step's gathered claims: our own header contribution as we added
-        it, then our non-finite flag (``protocol.row_faults``); float64, which holds the
-        float32 header exactly. Made for the pending ``Compute``'s ``Gather``, once the driver
-        fed ``Contributed`` (after the gradient allreduce): from then on the others can
-        commit the step without us, so that a failure after it syncs on the next view
-        (``Held.needless``)."""
+        it, then our flags (``protocol.FLAG_NONFINITE``, ``FLAG_LEAVING`` with ``leaves``;
+        ``protocol.row_faults``); float64, which holds the float32 header exactly. Made for
+        the pending ``Compute``'s ``Gather``, once the driver fed ``Contributed`` (after the
+        gradient allreduce): from then on the others can commit the step without us, so that
+        a failure after it syncs on the next view (``Held.needless``)."""
         self.held.row_out = True
-        return np.append(np.asarray(header, dtype=np.float64), float(nonfinite))
+        flags = (FLAG_NONFINITE if nonfinite else 0) + (FLAG_LEAVING if leaves else 0)
+        return np.append(np.asarray(header, dtype=np.float64), float(flags))
 
     def check_step(
         self,
@@ -409,7 +412,7 @@ class StepMachine:
         reduced_finite: bool = True,
     ) -> StepVerdict:
         """Judge a step from its reduced ``header`` and every member's gathered ``rows`` (its
-        own contribution and non-finite flag, :meth:`row`): ``ftmesh.training.verdicts``."""
+        own contribution and flags, :meth:`row`): ``ftmesh.training.verdicts``."""
         return self.judge.check_step(
             action, header, rows, own_checks, self.parts, announced, reduced_finite
         )
@@ -435,10 +438,13 @@ class StepMachine:
         """This member's smoothed compute speed (``Pace.speed``)."""
         return self.pace.speed
 
-    def leaving(self, action: Compute, header: Sequence[float]) -> tuple[str, ...]:
-        """The members that announced in ``action``'s reduced header (checked with
-        :meth:`check_reduction`) that they leave after the step."""
-        return leaving(action, header)
+    def leaving(
+        self, action: Compute, header: Sequence[float], rows: np.ndarray | None = None
+    ) -> tuple[str, ...]:
+        """The members that announced that they leave after ``action``'s step, in its
+        reduced header (checked with :meth:`check_reduction`) or in their gathered ``rows``
+        (judged with :meth:`check_step`)."""
+        return leaving(action, header, rows)
 
     def progress(self, backend: str = "tcp") -> Progress:
         """What the member publishes after a committed step (``Counters.progress``)."""
@@ -760,9 +766,12 @@ def _header(
     now, out = yield Reduce(slots, announce)
     if not isinstance(out, Contributed):
         return now, out
-    now, out = yield Gather(action.view, m.row(out.header, out.nonfinite))
+    # Asked to leave since our leave bit went out (the driver feeds the request before
+    # ``Contributed``): say so in our row, instead of computing one more step to announce.
+    late = m.leave_requested and not announce
+    now, out = yield Gather(action.view, m.row(out.header, out.nonfinite, leaves=late))
     if not isinstance(out, Gathered):
         return now, out
     checks, header = measured.checks, out.header
     verdict = m.check_step(action, header, out.rows, checks, announce, out.reduced_finite)
-    return (yield Apply(verdict, leaving(action, header)))
+    return (yield Apply(verdict, leaving(action, header, out.rows)))

@@ -3,7 +3,8 @@
 Theory of operation. After a step's gradient allreduce every member holds the same reduced
 header (sample count, loss, round tag, leave slots, state check values, speeds:
 ``ftmesh.training.protocol``) and, from one allgather, every member's *row*: its own
-header contribution as it says it added it, and its non-finite flag. A row is written by
+header contribution as it says it added it, and its flags (non-finite gradients; leaving
+after the step, asked too late for its leave bit). A row is written by
 its member only, so what it says is attributable. :class:`HeaderJudge` turns the two into a
 :class:`StepVerdict`, and never raises, whatever the numbers (``DESIGN-NOTES``: the step
 header):
@@ -52,6 +53,8 @@ from .protocol import (
     leavers,
     reduction_problem,
     row_faults,
+    row_leaves,
+    row_nonfinite,
     rows_mismatch,
     speeds_problem,
 )
@@ -91,11 +94,17 @@ def expected_samples(action: Compute, batch_size: Callable[[int], int]) -> int:
     return batch_size(action.index) if action.trained is None else action.trained
 
 
-def leaving(action: Compute, header: Sequence[float]) -> tuple[str, ...]:
-    """The members that announced in ``action``'s reduced header (checked) that they leave
-    after the step."""
-    ranks = leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), action.view.size)
-    return tuple(action.view.node_ids[r] for r in ranks or ())
+def leaving(
+    action: Compute, header: Sequence[float], rows: np.ndarray | None = None
+) -> tuple[str, ...]:
+    """The members that announced that they leave after ``action``'s step: in its reduced
+    header (checked), or with ``FLAG_LEAVING`` in their gathered ``rows`` (judged), in view
+    order."""
+    size = action.view.size
+    ranks = set(leavers(np.asarray(header[COUNTER_SLOTS:HEADER_SLOTS]), size) or ())
+    if rows is not None and rows.ndim == 2 and rows.shape[0] == size:
+        ranks |= {r for r in range(size) if row_leaves(float(rows[r, -1]))}
+    return tuple(action.view.node_ids[r] for r in sorted(ranks))
 
 
 class HeaderJudge:
@@ -159,7 +168,7 @@ class HeaderJudge:
         reduced_finite: bool = True,
     ) -> StepVerdict:
         """Judge a step from its reduced ``header`` and every member's gathered ``rows`` (its
-        own contribution and non-finite flag): the step goes on, or fails with a typed
+        own contribution and flags): the step goes on, or fails with a typed
         reason, or our state differs from the majority's (the module docstring's 1 to 4).
         ``parts``: the header's check slots when ``own_checks`` is ``None``;
         ``reduced_finite``: whether the reduced gradients are all finite."""
@@ -284,7 +293,7 @@ class HeaderJudge:
                 0.0 if r in soft or r >= SPEED_RANKS else float(rows[r, base + r])
                 for r in range(size)
             )
-        flagged = tuple(names[r] for r in range(size) if rows[r, -1] == 1.0)
+        flagged = tuple(names[r] for r in range(size) if row_nonfinite(float(rows[r, -1])))
         skip = bool(flagged) or not reduced_finite
         offences += self._nonfinite_offences(names, flagged)
         if skip:
