@@ -879,18 +879,25 @@ def test_a_header_round_that_fails_or_a_row_that_lies_costs_an_attempt() -> None
         assert m.synced_epoch == ""
 
 
-def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
-    m = _machine("a")
+def _commit_the_step_c_leaves_after(m: StepMachine, barrier: Outcome) -> RingView:
+    """Walk ``m`` (member "a" of a, b, c) through a step in which "c" announced its leave, up
+    to the end of that run (``barrier``: the outcome of the step's barrier)."""
     view = _view("a", "b", "c")
     a = _alone_until_compute(m, view)
     assert m.check_reduction(a, _leave_header(view, "c"), None) is None
     assert walk_round(m, leavers=("c",), loss_sum=0.0) == [Advertise()]
     assert m.feed(0.0, Done()) == Barrier(view)
-    done = m.feed(0.0, Failed(Failure.PEER_LOST, "c went"))  # a barrier failure
+    done = m.feed(0.0, barrier)
     assert isinstance(done, Finished) and done.report is not None
     assert done.report.leaving == ("c",)
+    return view
+
+
+def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
+    m = _machine("a")
+    view = _commit_the_step_c_leaves_after(m, Failed(Failure.PEER_LOST, "c went"))
     # The next run, not this one, waits for the view without the leaver: the loop's work
-    # between the two steps overlaps the leave.
+    # between the two steps overlaps the leave. (The barrier's failure does not matter.)
     assert m.begin(0.5) == ReadView()
     assert m.feed(0.5, ViewSeen(view)) == WaitViewChange(view.epoch, 2.0)
     rest = _view("a", "b")
@@ -902,12 +909,7 @@ def test_the_others_take_the_view_without_the_leaver_without_a_sync() -> None:
 
 def test_a_view_without_the_leaver_seen_by_the_next_run_is_taken_at_once() -> None:
     m = _machine("a")
-    view = _view("a", "b", "c")
-    a = _alone_until_compute(m, view)
-    assert m.check_reduction(a, _leave_header(view, "c"), None) is None
-    assert walk_round(m, leavers=("c",), loss_sum=0.0) == [Advertise()]
-    assert m.feed(0.0, Done()) == Barrier(view)
-    assert isinstance(m.feed(0.0, Done()), Finished)
+    _commit_the_step_c_leaves_after(m, Done())
     rest = _view("a", "b")
     assert m.begin(0.5) == ReadView()
     assert m.feed(0.5, ViewSeen(rest)) == WorldChanged(3, 2)  # no wait: it is there already
