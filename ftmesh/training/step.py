@@ -50,15 +50,17 @@ of *attempts*:
    driver runs the optimizer (skipped alike by every member when some member's gradients
    were not finite) and feeds ``Computed``: the step is committed.
 
-5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots say who
-   leaves after it. Everyone passes one barrier on the step's view; a leaver then departs
-   (the ``Depart`` action: it leaves the mesh, the call raises ``ftmesh.Departed``); the
-   others' run ends, and their next one begins by waiting briefly for the view without the
-   leavers and taking it without a sync (they all hold the same state): whatever the loop
-   does between the two steps overlaps the leave spreading through membership. A member
+5. **Departures** (``ftmesh.training.protocol``, 4): the step's reduced leave slots and the
+   ``FLAG_LEAVING`` bits of its gathered rows say who leaves after it. Everyone passes one
+   barrier on the step's view; a leaver then departs (the ``Depart`` action: it leaves the
+   mesh, the call raises ``ftmesh.Departed``); the others' run ends, and their next one
+   begins by waiting briefly for the view without the leavers and taking it without a sync
+   (they all hold the same state): whatever the loop does between the two steps overlaps the
+   leave spreading through membership. A member
    asked to leave (:meth:`StepMachine.request_leave`, fed by the driver) announces in the
-   next step it computes; outside the ring, at the start gate, as a cold spare, while
-   waiting for a view, or after a failed attempt it departs at once.
+   step it is computing, with its leave bit if the header has not gone out yet, else in its
+   row, else in the next step it computes; outside the ring, at the start gate, as a cold
+   spare, while waiting for a view, or after a failed attempt it departs at once.
 
 A failure in 3 or 4 (a peer lost, a ring that disagreed, data of another round) costs one
 attempt: the machine forgets the synced view (the next attempt syncs again, unless the sync
