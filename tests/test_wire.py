@@ -18,7 +18,9 @@ from ftmesh.membership.messages import (
     MemberState,
     Message,
     Meta,
+    MsgType,
     Nack,
+    PacketPair,
     Ping,
     PushPull,
     Suspect,
@@ -81,11 +83,36 @@ EVERY_MESSAGE: list[Message] = [
     Dead(node=NODE, incarnation=5, accuser=NODE),
     PushPull(source=NODE, members=(SNAP,), join=True, observer=False),
     PushPull(source=NODE, members=(), join=False, observer=True),
+    PacketPair(seq=9, part=1, source=NODE, filler=wire.MAX_PAIR_FILLER),
+    PacketPair(seq=0, part=0, source=PEER),
 ]
 
 
 def test_every_message_type_is_covered() -> None:
     assert {type(m) for m in EVERY_MESSAGE} == set(TYPE_OF)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [int(MsgType.PACKET_PAIR), 1, 2, NODE, ()],  # part 0 or 1 only
+        [int(MsgType.PACKET_PAIR), 1, 0, NODE, (0,) * (wire.MAX_PAIR_FILLER + 1)],
+        [int(MsgType.PACKET_PAIR), 1, 0, NODE, b"\0" * 100],  # a bin: old members refuse it
+        [int(MsgType.PACKET_PAIR), 1, 0, NODE],
+    ],
+)
+def test_a_malformed_packet_pair_is_refused(fields: list[object]) -> None:
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_message(tuple(fields))
+
+
+def test_a_packet_pair_pads_with_an_array_that_old_envelopes_accept() -> None:
+    """Members of older releases open the envelope with the same caps (a ``bin`` of at most
+    the nonce's 8 bytes) and skip the unknown type: a pair must not fail their envelope."""
+    codec = plain()
+    data = codec.seal([PacketPair(seq=1, part=0, source=NODE, filler=1100)], NOW, nonce())
+    assert 1100 < len(data) < 1200
+    assert codec.open(data, NOW) == [PacketPair(seq=1, part=0, source=NODE, filler=1100)]
 
 
 @pytest.mark.parametrize("msg", EVERY_MESSAGE, ids=lambda m: type(m).__name__)

@@ -17,6 +17,13 @@ the same :class:`RingPlan`:
    slower than the slowest link inside a site) and ``>= MIN_CROSS_BUCKET`` (about 5 ms), with
    at least one measured link between every two components, gives the sites. No such
    threshold, or a member with no measurement: one site (missing measurements never split).
+   When the round trips find one site, the same clustering runs on measured *throughput*
+   (:func:`rate_bucket`, half-octave buckets of bits per second; packet-pair capacity,
+   ``ftmesh.net.pairs``), fastest links first: the sites are the components joined by fast
+   links whose links between them are all at least ``RATE_GAP`` buckets (4x) slower and at
+   most ``MAX_CROSS_RATE_BUCKET`` (about 250 Mbit/s). That finds the sites a round trip cannot
+   see: two offices a few milliseconds apart over a 50 Mbit/s line, a shaped VPN link, an
+   edge fleet on a slow uplink. The symmetrised rate of a pair is its slower direction.
 2. *Order.* Sites sorted by label (measured sites: by their smallest node id, labelled
    ``~1``, ``~2``...), members by node id inside a site; the ring is the sites one after the
    other, so it crosses between two sites once per direction.
@@ -35,11 +42,14 @@ raw times, so noise inside a bucket changes nothing; the measuring side holds a 
 the estimate leaves it by half a bucket (:class:`LinkEstimator`), so a time near a boundary
 does not flap.
 
-The metadata format of the measurements (:func:`format_links`, :func:`parse_links`): one string
-of fixed-width entries, the first ``LINK_ID_CHARS`` hex characters of a peer's node id and the
-bucket as one base-36 digit, at most ``MAX_LINKS`` entries (the nearest peers first), so a
-member's summary takes at most 432 bytes of the 2 KiB of metadata it may publish. A view of more
-than ``MAX_LINKS + 1`` members is planned from partial measurements (label such meshes).
+The metadata format of the measurements (:func:`format_links`, :func:`parse_summary`): one
+string of fixed-width entries, the first ``LINK_ID_CHARS`` hex characters of a peer's node id
+and the round-trip bucket as one base-36 digit (version ``1``), or that and the rate bucket
+(version ``2``, published once a rate is measured; ``-`` for a figure not measured), at most
+``MAX_LINKS`` entries (the nearest peers first), so a member's summary takes at most 481 bytes
+of the 2 KiB of metadata it may publish. A member of an older release reads a version-2
+summary as malformed and plans as if that member measured nothing. A view of more than
+``MAX_LINKS + 1`` members is planned from partial measurements (label such meshes).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 RTT_BASE_S = 50e-6
@@ -68,11 +78,25 @@ share a prefix with a chance of about 3e-7; a shared prefix is ignored, see ``li
 MAX_LINKS = 48
 """Links one member publishes at most: 48 * 9 = 432 characters, inside a metadata value's 512."""
 LINKS_VERSION = "1"
-"""First character of a published summary: the format's version."""
+"""First character of a published summary of round trips only: the format's version."""
+RATES_VERSION = "2"
+"""First character of a summary with rates: each entry has a round-trip and a rate digit."""
+UNKNOWN = "-"
+"""A figure not measured, in a version-2 entry."""
+RATE_BASE_BPS = 1e6
+"""Lower edge of rate bucket 1, in bits per second; bucket 0 holds everything slower."""
+RATE_GAP = 4
+"""Rate buckets between the slowest link inside a throughput site and the fastest between
+sites (about 4x)."""
+MAX_CROSS_RATE_BUCKET = 16
+"""Highest rate bucket of a link between throughput sites: 16 holds 181-256 Mbit/s. Packet
+pairs sent by a Python process cannot time a gigabit link (the sender's own gap between the
+two datagrams is of that order), so a LAN never reads below it and never splits."""
 MAX_LABEL = 63
 LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 """A site label: a Kubernetes-label-like name (``eu-west-1a``, ``lab``, ``rack.7``)."""
 _LINK_RE = re.compile(rf"([0-9a-f]{{{LINK_ID_CHARS}}}[0-9a-z])*")
+_RATED_RE = re.compile(rf"([0-9a-f]{{{LINK_ID_CHARS}}}[0-9a-z-][0-9a-z-])*")
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
@@ -86,6 +110,29 @@ def rtt_position(seconds: float) -> float:
 def rtt_bucket(seconds: float) -> int:
     """The bucket of a round trip of ``seconds``: 0 below 50 us, then one per half octave."""
     return int(rtt_position(seconds))
+
+
+def rate_position(bytes_per_s: float) -> float:
+    """Where a rate of ``bytes_per_s`` falls on the rate scale (bucket = its floor): bucket
+    ``b >= 1`` holds ``[1 Mbit/s * 2**((b-1)/2), 1 Mbit/s * 2**(b/2))``."""
+    bits = 8.0 * bytes_per_s
+    if not bits > RATE_BASE_BPS:
+        return 0.0
+    return min(BUCKETS_PER_OCTAVE * math.log2(bits / RATE_BASE_BPS) + 1.0, MAX_BUCKET + 0.999)
+
+
+def rate_bucket(bytes_per_s: float) -> int:
+    """The bucket of a rate of ``bytes_per_s``: 0 below 1 Mbit/s, then one per half octave."""
+    return int(rate_position(bytes_per_s))
+
+
+def rate_bounds(bucket: int) -> tuple[float, float]:
+    """``[low, high)`` bits per second of rate ``bucket`` (for display)."""
+    if bucket <= 0:
+        return 0.0, RATE_BASE_BPS
+    low = RATE_BASE_BPS * 2 ** ((bucket - 1) / BUCKETS_PER_OCTAVE)
+    high = math.inf if bucket >= MAX_BUCKET else RATE_BASE_BPS * 2 ** (bucket / BUCKETS_PER_OCTAVE)
+    return low, high
 
 
 def bucket_bounds(bucket: int) -> tuple[float, float]:
@@ -106,10 +153,20 @@ class MemberLinks:
     site: str = ""
     rtt: tuple[tuple[str, int], ...] = ()
     """``(peer, bucket)`` pairs; order does not matter (the planner sorts)."""
+    rate: tuple[tuple[str, int], ...] = ()
+    """``(peer, rate bucket)`` pairs: the throughput measured from the peer to this member."""
 
     @classmethod
-    def of(cls, node: str, site: str = "", rtt: Mapping[str, int] | None = None) -> MemberLinks:
-        return cls(node, site, tuple(sorted((rtt or {}).items())))
+    def of(
+        cls,
+        node: str,
+        site: str = "",
+        rtt: Mapping[str, int] | None = None,
+        rate: Mapping[str, int] | None = None,
+    ) -> MemberLinks:
+        return cls(
+            node, site, tuple(sorted((rtt or {}).items())), tuple(sorted((rate or {}).items()))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +185,8 @@ class RingPlan:
     sites: tuple[Site, ...]
     hierarchical: bool
     source: str
-    """``labels``, ``measured`` or ``none`` (one site: no labels, no usable measurement)."""
+    """``labels``, ``measured`` (round trips), ``throughput`` or ``none`` (one site: no labels,
+    no usable measurement)."""
     why_flat: str = ""
     """Why a plan of several sites runs the flat ring (``""`` when hierarchical or one site)."""
     hash: str = field(init=False)
@@ -193,12 +251,17 @@ def plan_ring(members: Iterable[MemberLinks]) -> RingPlan:
             groups.setdefault(by_node[n].site, []).append(n)
         sites = tuple(Site(label, tuple(groups[label])) for label in sorted(groups))
         return _finish(sites, "labels")
-    measured = _cluster(nodes, _symmetric(by_node))
+    source = "measured"
+    measured = _cluster(nodes, _symmetric(by_node, "rtt"), SITE_GAP, MIN_CROSS_BUCKET)
     if measured is None:
-        source = "measured" if any(m.rtt for m in by_node.values()) else "none"
+        source = "throughput"  # distance: how much slower than the fastest bucket
+        cross = MAX_BUCKET - MAX_CROSS_RATE_BUCKET
+        measured = _cluster(nodes, _symmetric(by_node, "rate"), RATE_GAP, cross)
+    if measured is None:
+        source = "measured" if any(m.rtt or m.rate for m in by_node.values()) else "none"
         return RingPlan((Site("", tuple(nodes)),), False, source)
     measured.sort(key=lambda c: c[0])
-    return _finish(tuple(Site(f"~{i + 1}", tuple(c)) for i, c in enumerate(measured)), "measured")
+    return _finish(tuple(Site(f"~{i + 1}", tuple(c)) for i, c in enumerate(measured)), source)
 
 
 def _finish(sites: tuple[Site, ...], source: str) -> RingPlan:
@@ -209,20 +272,27 @@ def _finish(sites: tuple[Site, ...], source: str) -> RingPlan:
     return RingPlan(sites, True, source)
 
 
-def _symmetric(by_node: Mapping[str, MemberLinks]) -> dict[tuple[str, str], int]:
-    """``(a, b)`` with ``a < b`` -> the larger bucket of both directions, or the known one."""
+def _symmetric(by_node: Mapping[str, MemberLinks], what: str) -> dict[tuple[str, str], int]:
+    """``(a, b)`` with ``a < b`` -> the distance of the pair: the larger of both directions, or
+    the known one. A round trip's distance is its bucket; a rate's is ``MAX_BUCKET`` minus its
+    bucket (slower is farther)."""
     out: dict[tuple[str, str], int] = {}
     for a, m in by_node.items():
-        for b, bucket in m.rtt:
+        for b, bucket in m.rtt if what == "rtt" else m.rate:
             if b == a or b not in by_node or not 0 <= bucket <= MAX_BUCKET:
                 continue
+            d = bucket if what == "rtt" else MAX_BUCKET - bucket
             key = (a, b) if a < b else (b, a)
-            out[key] = max(out.get(key, bucket), bucket)
+            out[key] = max(out.get(key, d), d)
     return out
 
 
-def _cluster(nodes: list[str], links: dict[tuple[str, str], int]) -> list[list[str]] | None:
-    """Single-linkage sites of ``nodes`` (each sorted), or None for one site."""
+def _cluster(
+    nodes: list[str], links: dict[tuple[str, str], int], gap: int, least_cross: int
+) -> list[list[str]] | None:
+    """Single-linkage sites of ``nodes`` (each sorted) over the distances ``links``, or None
+    for one site: components joined by links up to a threshold ``t`` whose links between
+    them are all ``>= max(t + gap, least_cross)``."""
     if len(nodes) < 2 or not links:
         return None
     index = {n: i for i, n in enumerate(nodes)}
@@ -251,7 +321,7 @@ def _cluster(nodes: list[str], links: dict[tuple[str, str], int]) -> list[list[s
         for b, x, y in edges[k:]:
             rx, ry = root(x), root(y)
             if rx != ry:
-                if b < max(t + SITE_GAP, MIN_CROSS_BUCKET):
+                if b < max(t + gap, least_cross):
                     ok = False
                     break
                 crossing.add((min(rx, ry), max(rx, ry)))
@@ -266,33 +336,57 @@ def _cluster(nodes: list[str], links: dict[tuple[str, str], int]) -> list[list[s
 # -- the published summary --------------------------------------------------------------------
 
 
-def format_links(buckets: Mapping[str, int]) -> str:
-    """Our measured buckets (peer node id -> bucket) as a metadata value: the version digit,
-    then at most ``MAX_LINKS`` entries, the nearest first (ties by id), sorted by id."""
-    chosen = sorted(buckets.items(), key=lambda kv: (kv[1], kv[0]))[:MAX_LINKS]
+def format_links(rtt: Mapping[str, int], rates: Mapping[str, int] | None = None) -> str:
+    """Our measured buckets (peer node id -> round-trip bucket, and -> rate bucket) as a
+    metadata value: the version digit, then at most ``MAX_LINKS`` entries, the nearest first
+    (ties by id), sorted by id. Without rates, version 1 (round trips only)."""
+    rates = rates or {}
+    peers = set(rtt) | set(rates)
+    nearest = sorted(peers, key=lambda p: (rtt.get(p, MAX_BUCKET + 1), p))[:MAX_LINKS]
     parts = []
-    for node, b in sorted(chosen):
+    for node in sorted(nearest):
         prefix = node[:LINK_ID_CHARS].lower()
-        if len(prefix) == LINK_ID_CHARS and all(c in _DIGITS[:16] for c in prefix):
-            parts.append(prefix + _DIGITS[min(max(b, 0), MAX_BUCKET)])
-    return LINKS_VERSION + "".join(parts)
+        if len(prefix) != LINK_ID_CHARS or not all(c in _DIGITS[:16] for c in prefix):
+            continue
+        digits = _digit(rtt.get(node))
+        if rates:
+            digits += _digit(rates.get(node))
+        parts.append(prefix + digits)
+    return (RATES_VERSION if rates else LINKS_VERSION) + "".join(parts)
+
+
+def _digit(bucket: int | None) -> str:
+    return UNKNOWN if bucket is None else _DIGITS[min(max(bucket, 0), MAX_BUCKET)]
+
+
+def parse_summary(value: object) -> tuple[dict[str, int], dict[str, int]]:
+    """``format_links``'s output back: (id prefix -> round-trip bucket, id prefix -> rate
+    bucket); ``ValueError`` if malformed (a value from the network: bounded, checked
+    character by character)."""
+    rated = isinstance(value, str) and value.startswith(RATES_VERSION)
+    width = LINK_ID_CHARS + (2 if rated else 1)
+    if not isinstance(value, str) or len(value) > 1 + MAX_LINKS * width:
+        raise ValueError("links: expected a short string")
+    pattern = _RATED_RE if rated else _LINK_RE
+    if not value.startswith((LINKS_VERSION, RATES_VERSION)) or not pattern.fullmatch(value, 1):
+        raise ValueError(f"links: malformed {value[:40]!r}")
+    rtt: dict[str, int] = {}
+    rate: dict[str, int] = {}
+    seen: set[str] = set()
+    for i in range(1, len(value), width):
+        prefix = value[i : i + LINK_ID_CHARS]
+        if prefix in seen:
+            raise ValueError(f"links: {prefix} twice")
+        seen.add(prefix)
+        for out, c in zip((rtt, rate), value[i + LINK_ID_CHARS : i + width], strict=False):
+            if c != UNKNOWN:
+                out[prefix] = _DIGITS.index(c)
+    return rtt, rate
 
 
 def parse_links(value: object) -> dict[str, int]:
-    """``format_links``'s output back (id prefix -> bucket); ``ValueError`` if malformed (a
-    value from the network: bounded, checked character by character)."""
-    if not isinstance(value, str) or len(value) > 1 + MAX_LINKS * (LINK_ID_CHARS + 1):
-        raise ValueError("links: expected a short string")
-    if not value.startswith(LINKS_VERSION) or not _LINK_RE.fullmatch(value, 1):
-        raise ValueError(f"links: malformed {value[:40]!r}")
-    step = LINK_ID_CHARS + 1
-    out: dict[str, int] = {}
-    for i in range(1, len(value), step):
-        prefix = value[i : i + LINK_ID_CHARS]
-        if prefix in out:
-            raise ValueError(f"links: {prefix} twice")
-        out[prefix] = _DIGITS.index(value[i + LINK_ID_CHARS])
-    return out
+    """The round-trip buckets of a published summary (``parse_summary``)."""
+    return parse_summary(value)[0]
 
 
 def links_of(published: Mapping[str, int], nodes: Iterable[str]) -> dict[str, int]:
@@ -335,19 +429,38 @@ class LinkEstimator:
     samples) leaves the bucket by ``HYSTERESIS`` of a bucket, so a link whose time sits on a
     boundary does not flap (a published change is a metadata change, which every member
     gossips and which may change the plan and the view); a peer is published once it has
-    ``min_samples`` samples. Pure: the caller feeds samples."""
+    ``min_samples`` samples. Pure: the caller feeds samples.
+
+    :meth:`for_rates` makes the same estimator of throughputs (bytes per second, rate buckets):
+    its estimate is the median of the window, since a packet pair errs both ways (cross
+    traffic between the two datagrams spreads them: too slow; a queue after the narrow link
+    bunches them: too fast)."""
 
     def __init__(
-        self, window: int = WINDOW, hysteresis: float = HYSTERESIS, min_samples: int = MIN_SAMPLES
+        self,
+        window: int = WINDOW,
+        hysteresis: float = HYSTERESIS,
+        min_samples: int = MIN_SAMPLES,
+        *,
+        position: Callable[[float], float] = rtt_position,
+        pick: Callable[[list[float]], float] = min,
     ) -> None:
         self.window = window
         self.hysteresis = hysteresis
         self.min_samples = min(min_samples, window)
+        self._position = position
+        self._pick = pick
         self._samples: dict[str, list[float]] = {}
         self._published: dict[str, int] = {}
 
+    @classmethod
+    def for_rates(cls, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> LinkEstimator:
+        """An estimator of throughputs (see the class doc)."""
+        return cls(window, HYSTERESIS, min_samples, position=rate_position, pick=_median)
+
     def add(self, peer: str, seconds: float) -> None:
-        """One round trip measured to ``peer`` (seconds; non-finite or negative ignored)."""
+        """One sample measured to ``peer`` (a round trip in seconds, or a rate in bytes per
+        second; non-finite or negative ignored)."""
         if not 0 <= seconds < math.inf:
             return
         s = self._samples.setdefault(peer, [])
@@ -364,7 +477,7 @@ class LinkEstimator:
 
     def estimate(self, peer: str) -> float | None:
         s = self._samples.get(peer)
-        return min(s) if s else None
+        return self._pick(s) if s else None
 
     def buckets(self) -> dict[str, int]:
         """The buckets to publish now (updating the held ones where the estimate moved far
@@ -373,7 +486,11 @@ class LinkEstimator:
             held = self._published.get(peer)
             if held is None and len(s) < self.min_samples:
                 continue  # too few samples to trust (MIN_SAMPLES)
-            pos = rtt_position(min(s))
+            pos = self._position(self._pick(s))
             if held is None or not held - self.hysteresis <= pos < held + 1 + self.hysteresis:
                 self._published[peer] = int(pos)
         return dict(self._published)
+
+
+def _median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]

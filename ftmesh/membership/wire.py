@@ -60,6 +60,7 @@ from .messages import (
     Meta,
     MsgType,
     Nack,
+    PacketPair,
     Ping,
     PushPull,
     Suspect,
@@ -101,6 +102,8 @@ MAX_NONCES = 65_536
 """Replay cache entries (~4 MiB): a full cache evicts the oldest, which is already outside the
 timestamp window in any mesh sending fewer than MAX_NONCES/(2 * replay_window) packets a
 second."""
+MAX_PAIR_FILLER = 1500
+"""Padding bytes of a packet-pair datagram: one MTU's worth is all a measurement needs."""
 MAX_COUNTER = 2**62
 """Incarnations and sequence numbers fit in a signed 64-bit integer everywhere."""
 
@@ -147,6 +150,13 @@ def _int(x: Any, what: str, lo: int = 0, hi: int = MAX_COUNTER) -> int:
     if type(x) is not int or not lo <= x <= hi:
         raise _fail("malformed", f"{what}: expected int in [{lo}, {hi}]")
     return x
+
+
+def _padding(x: Any, cap: int, what: str) -> int:
+    """The length of a padding array (its contents are not read)."""
+    if not isinstance(x, tuple) or len(x) > cap:
+        raise _fail("malformed", f"{what}: expected a list of at most {cap}")
+    return len(x)
 
 
 def _bool(x: Any, what: str) -> bool:
@@ -246,6 +256,15 @@ _DECODERS: dict[int, tuple[int, Callable[[tuple[Any, ...]], Message]]] = {
             node=_node_id(f[0]), incarnation=_int(f[1], "incarnation"), accuser=_node_id(f[2])
         ),
     ),
+    MsgType.PACKET_PAIR: (
+        4,
+        lambda f: PacketPair(
+            seq=_int(f[0], "seq"),
+            part=_int(f[1], "part", 0, 1),
+            source=_node_id(f[2]),
+            filler=_padding(f[3], MAX_PAIR_FILLER, "filler"),
+        ),
+    ),
     MsgType.PUSH_PULL: (
         4,
         lambda f: PushPull(
@@ -282,6 +301,8 @@ def message_fields(msg: Message) -> list[Any]:
         return [MsgType.SUSPECT, msg.node, msg.incarnation, msg.accuser]
     if isinstance(msg, Dead):
         return [MsgType.DEAD, msg.node, msg.incarnation, msg.accuser]
+    if isinstance(msg, PacketPair):
+        return [MsgType.PACKET_PAIR, msg.seq, msg.part, msg.source, [0] * msg.filler]
     return [
         MsgType.PUSH_PULL,
         msg.source,

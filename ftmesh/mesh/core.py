@@ -63,7 +63,7 @@ from ..collective import (
 )
 from ..collective.ops import CollectiveOp, Kind
 from ..collective.reach import Exclusion, ReachConfig, ReachEvent
-from ..collective.topology import LinkEstimator, check_label, format_links
+from ..collective.topology import MAX_BUCKET, LinkEstimator, check_label, format_links
 from ..collective.transport import Ring
 from ..errors import ConfigError, DeadlineExceeded, LocalUsageError
 from ..membership.messages import MemberSnapshot, MemberState
@@ -102,6 +102,7 @@ from .reach import BAD_STATE_REASONS, ReachDriver, describe_exclusion, new_queue
 
 T = TypeVar("T")
 log = logging.getLogger("ftmesh.mesh")
+_LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
 
 MAX_VIEWS_WATCHED = 4
 """Recent views whose collectives a membership loss aborts."""
@@ -164,7 +165,9 @@ class MeshConfig:
     advertises our own address runs on this machine: its link is published as the fastest
     bucket whatever its probes measure (their time is the processes' scheduling). Our ring
     neighbours' links also take the kernel's smallest round trip on the data-plane connection
-    (``DataPlane.links``) as a sample."""
+    (``DataPlane.links``) as a sample. The capacities our packet pairs measured from each
+    peer (``ftmesh.net.pairs``; the median of a window, with the same hysteresis) ride in the
+    same summary once one is measured; a peer on this machine then reads as the fastest."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -246,6 +249,8 @@ class Mesh:
         """Progress reports the metadata had no room for (logged once)."""
         self.links = LinkEstimator()
         """Our measured round trips to each member, as published (``LINKS_KEY``)."""
+        self.rates = LinkEstimator.for_rates()
+        """The capacities our packet pairs measured from each member, as published."""
         self.links_published = 0
         """Metadata updates that changed our published links."""
 
@@ -341,9 +346,17 @@ class Mesh:
                 # the path's own delay, free of the scheduling a probe's includes.
                 if link.min_rtt_s > 0 and node in hosts:
                     self.links.add(node, 0.0 if hosts[node] == here else link.min_rtt_s)
-            live = (MemberState.ALIVE, MemberState.SUSPECT)
-            self.links.forget(m.node for m in self.node.members() if m.state in live)
-            value = format_links(self.links.buckets())
+            for node, rate in self.node.take_rates():
+                if node in hosts:
+                    self.rates.add(node, rate)
+            live = [m.node for m in self.node.members() if m.state in _LIVE]
+            self.links.forget(live)
+            self.rates.forget(live)
+            rates = self.rates.buckets()
+            if rates:  # peers on this machine are never timed: nothing lies between us
+                me = self.node_id
+                rates.update({n: MAX_BUCKET for n, h in hosts.items() if h == here and n != me})
+            value = format_links(self.links.buckets(), rates)
             before = self.node.me().meta.get(LINKS_KEY)
             if value == before or (before is None and value == format_links({})):
                 continue

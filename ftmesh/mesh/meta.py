@@ -68,9 +68,10 @@ SITE_KEY = "site"
 plan (``ftmesh.collective.topology``). A label that does not parse makes the member unusable,
 like any other key the mesh interprets: a ring silently planned without it would be wrong."""
 LINKS_KEY = "links"
-"""Member metadata key: the member's measured round trips to its peers, quantized
-(``topology.format_links``), an input of the ring plan. A value that does not parse is
-dropped (the member stays, as one that measured nothing) and counted as ``bad_meta``."""
+"""Member metadata key: the member's measured round trips to its peers, and the capacities
+it measured from them, quantized (``topology.format_links``), an input of the ring plan. A
+value that does not parse is dropped (the member stays, as one that measured nothing) and
+counted as ``bad_meta``."""
 BETWEEN_STEPS = "between steps"
 """Prefix of ``Progress.fault`` while a member's training thread is busy between steps
 (``ftmesh.torch.between``): its ring neighbours wait for its next collective past
@@ -193,6 +194,8 @@ class MemberInfo:
     """Its explicit site label (``SITE_KEY``), ``""`` for none."""
     links: tuple[tuple[str, int], ...] = ()
     """Its published round-trip buckets (``LINKS_KEY``): ``(node id prefix, bucket)``."""
+    rates: tuple[tuple[str, int], ...] = ()
+    """Its published rate buckets (``LINKS_KEY``, version 2): ``(node id prefix, bucket)``."""
     dropped: str = ""
     """Why an optional key was dropped (``LINKS_KEY`` that does not parse), ``""`` if none."""
 
@@ -234,12 +237,15 @@ def read_member(m: MemberSnapshot) -> MemberInfo:
         except ValueError as exc:
             raise BadMetadataError(f"{SITE_KEY}: {exc}") from None
     links: tuple[tuple[str, int], ...] = ()
+    rates: tuple[tuple[str, int], ...] = ()
     dropped = ""
     if LINKS_KEY in meta:
         try:
-            links = tuple(sorted(topology.parse_links(meta[LINKS_KEY]).items()))
+            rtt, rate = topology.parse_summary(meta[LINKS_KEY])
         except ValueError as exc:
             dropped = str(exc)
+        else:
+            links, rates = tuple(sorted(rtt.items())), tuple(sorted(rate.items()))
     return MemberInfo(
         node=m.node,
         name=m.name,
@@ -251,6 +257,7 @@ def read_member(m: MemberSnapshot) -> MemberInfo:
         progress=progress,
         site=str(site),
         links=links,
+        rates=rates,
         dropped=dropped,
     )
 
@@ -334,7 +341,12 @@ def ring_plan(members: Sequence[MemberInfo]) -> topology.RingPlan:
     ids = [m.node for m in members]
     return _plan(
         tuple(
-            topology.MemberLinks.of(m.node, m.site, topology.links_of(dict(m.links), ids))
+            topology.MemberLinks.of(
+                m.node,
+                m.site,
+                topology.links_of(dict(m.links), ids),
+                topology.links_of(dict(m.rates), ids),
+            )
             for m in sorted(members, key=lambda m: m.node)
         )
     )

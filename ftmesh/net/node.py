@@ -1,7 +1,7 @@
 """The trio runtime of one mesh member: drives the SWIM machine over UDP and TCP.
 
 Theory of operation: the ``Swim`` machine decides; this module only moves bytes and time.
-Four long-lived tasks run in the node's nursery:
+Five long-lived tasks run in the node's nursery:
 
 * the UDP loop opens each datagram with the ``PacketCodec`` (bad input is counted and dropped
   here, never raised further) and feeds the messages to the machine; on Linux it also reads
@@ -15,6 +15,9 @@ Four long-lived tasks run in the node's nursery:
 * the TCP listener answers push-pull exchanges (joins, anti-entropy, ``ftmesh status``);
   connections that have not sent a valid push-pull yet are pending, under the caps and the
   deadline of ``ftmesh.net.admission``, so idle connections cannot block joins;
+* the pair loop sends, every ``pair_interval``, two full-sized datagrams back to back to one
+  peer at a time, and the UDP loop times the pairs that arrive (kernel receive stamps) into
+  capacity samples of the path from their sender (``ftmesh.net.pairs``);
 * discovery (``ftmesh.discovery``) announces us and reports peers, which become joins; the
   ``join`` addresses are offered again every ``JOIN_POLL`` seconds with every discovery (``seeds``
   does it itself). A
@@ -62,7 +65,14 @@ import trio
 from ..discovery import Advert, make_discovery
 from ..errors import ConfigError, RemoteProtocolError
 from ..membership.config import MembershipConfig
-from ..membership.messages import Address, MemberSnapshot, MemberState, Meta
+from ..membership.messages import (
+    Address,
+    MemberSnapshot,
+    MemberState,
+    Message,
+    Meta,
+    PacketPair,
+)
 from ..membership.swim import Effect, MemberEvent, Send, StartPushPull, Swim
 from ..membership.wire import (
     MAX_DATAGRAM,
@@ -83,6 +93,7 @@ from .frames import (
     send_challenge,
     write_push_pull,
 )
+from .pairs import ANCILLARY_BYTES, PAIR_BYTES, PairTimer, enable_timestamps, kernel_time_ns
 from .ports import bind_error
 from .ratelimit import RateLimiter
 
@@ -214,6 +225,10 @@ class NodeConfig:
     metrics_port: int | None = None
     """Serve Prometheus metrics (``/metrics``, ``ftmesh.metrics``) on ``bind`` at this TCP
     port (0: any free one); ``None``: off, at no cost."""
+    pair_interval: float = 1.0
+    """Seconds between two packet pairs we send (to one peer at a time, in turn), which time
+    the capacity of the path from us (``ftmesh.net.pairs``): about 2.4 KB per interval.
+    0: send none (peers then measure no rate from us)."""
 
     def __post_init__(self) -> None:
         if not self.mesh or len(self.mesh) > MAX_MESH_NAME:
@@ -224,6 +239,8 @@ class NodeConfig:
             raise ConfigError(f"port out of range: {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics port out of range: {self.metrics_port}")
+        if not self.pair_interval >= 0:
+            raise ConfigError(f"pair_interval must be >= 0, got {self.pair_interval}")
         for j in self.join:
             parse_hostport(j)
 
@@ -274,6 +291,10 @@ class Node:
         self._started = 0.0
         per_source = max(RATE_PER_SOURCE, 20 / config.membership.gossip_interval)
         self._limiter = RateLimiter(per_source, 2 * per_source, GLOBAL_RATE)
+        self._stamped = enable_timestamps(sock)
+        """The kernel stamps our datagrams' arrival: packet pairs can be timed."""
+        self._pairs = PairTimer()
+        self._rates: list[tuple[str, float]] = []
 
     # ------------------------------------------------------------------ public API
 
@@ -312,6 +333,13 @@ class Node:
         ``(member, seconds)``, at most ``ROUND_TRIPS_KEPT``, oldest dropped first). The mesh
         turns them into the link summary it publishes (``ftmesh.collective.topology``)."""
         return self._swim.take_round_trips()
+
+    def take_rates(self) -> list[tuple[str, float]]:
+        """The capacities our packet pairs measured since the last call: ``(member, bytes per
+        second)`` of the path from that member to us, at most ``ROUND_TRIPS_KEPT``
+        (``ftmesh.net.pairs``)."""
+        out, self._rates = self._rates, []
+        return out
 
     def alive_members(self) -> list[MemberSnapshot]:
         return [m for m in self._swim.members() if m.state == 0]
@@ -516,7 +544,11 @@ class Node:
         while True:
             await trio.lowlevel.checkpoint()
             try:
-                data, src = sock.recvfrom(MAX_DATAGRAM + 1)
+                if self._stamped:
+                    data, anc, _flags, src = sock.recvmsg(MAX_DATAGRAM + 1, ANCILLARY_BYTES)
+                else:
+                    data, src = sock.recvfrom(MAX_DATAGRAM + 1)
+                    anc = []
             except (BlockingIOError, InterruptedError):
                 # Nothing to read; or woken by a queued error only (IP_RECVERR). A wake-up
                 # with neither, again and again, would spin: then wait a little first.
@@ -554,7 +586,56 @@ class Node:
             except RemoteProtocolError as exc:
                 self._drop(exc, src)
                 continue
+            if any(type(m) is PacketPair for m in msgs):
+                self._time_pair(msgs, kernel_time_ns(anc), len(data))
+                msgs = [m for m in msgs if type(m) is not PacketPair]
+                if not msgs:
+                    continue
             self._apply(self._swim.receive(trio.current_time(), addr, msgs))
+
+    def _time_pair(self, msgs: list[Message], at_ns: int | None, nbytes: int) -> None:
+        """A half of a packet pair arrived (``ftmesh.net.pairs``): a pair datagram holds it
+        alone; one with other messages, or without a kernel stamp, is not timed."""
+        pair = msgs[0]
+        if at_ns is None or len(msgs) != 1 or not isinstance(pair, PacketPair):
+            self._count("rx_pair_untimed")
+            return
+        rate = self._pairs.arrived(pair.source, pair.seq, pair.part, at_ns, nbytes)
+        if rate is not None:
+            self._count("rx_pair_samples")
+            self._rates.append((pair.source, rate))
+            if len(self._rates) > ROUND_TRIPS_KEPT:
+                del self._rates[0]
+
+    async def _pair_loop(self) -> None:
+        """Every ``pair_interval``: a packet pair to the next peer in turn (alive, not at our
+        own address: nothing lies between two processes of one host)."""
+        seq = turn = 0
+        while True:
+            await trio.sleep(self.config.pair_interval)
+            here = self.address[0]
+            peers = sorted(
+                (m for m in self._swim.members() if m.state == MemberState.ALIVE),
+                key=lambda m: m.node,
+            )
+            peers = [m for m in peers if m.node != self.node_id and m.addr[0] != here]
+            if not peers:
+                continue
+            dest = peers[turn % len(peers)].addr
+            turn += 1
+            seq += 1
+            halves = [self._seal_pair(seq, part) for part in (0, 1)]
+            for data in halves:  # sealed first: back to back, nothing between the sends
+                self._send(data, dest)
+            self._count("tx_pairs")
+
+    def _seal_pair(self, seq: int, part: int) -> bytes:
+        def seal(filler: int) -> bytes:
+            msg = PacketPair(seq=seq, part=part, source=self.node_id, filler=filler)
+            return self._codec.seal([msg], self._wall(), self._nonce_rng.randbytes(8))
+
+        bare = len(seal(0))
+        return seal(max(0, PAIR_BYTES - bare - 2))  # (a long array's header: 2 bytes more)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -830,6 +911,8 @@ async def open_node(
             nursery.start_soon(node._udp_loop)
             nursery.start_soon(node._timer_loop)
             nursery.start_soon(node._serve_tcp, listener)
+            if config.pair_interval > 0:
+                nursery.start_soon(node._pair_loop)
             if render is not None and config.metrics_port is not None:
                 from ..metrics.probes import readiness
                 from ..metrics.server import serve_metrics
