@@ -1,7 +1,8 @@
-"""The ring plan on two lab sites (issue 31, item 2): 2 + 2 hosts joined by one WAN link with a
-delay, no site labels. Every member measures its round trips, publishes them, and derives the
-same plan (two measured sites, hierarchical); an allreduce then crosses the WAN link once per
-direction: the link's own counters (``VirtualLan.wan_stats``) carry about one buffer each way
+"""The ring plan on two lab sites (issue 31, item 2): 2 + 2 hosts joined by one WAN link, no
+site labels. Every member measures its links, publishes them, and derives the same plan (two
+measured sites, hierarchical): from the round trips when the link has a delay, from the
+throughput its packet pairs time when the link is narrow but adds no delay (a round trip
+cannot see that one). An allreduce then crosses the WAN link once per direction: the link's own counters (``VirtualLan.wan_stats``) carry about one buffer each way
 per allreduce, where the flat ring on the same order would carry 1.5 buffers.
 
 Root only (network namespaces, TUN devices)."""
@@ -40,12 +41,20 @@ ROUNDS = 2
 
 @pytest.mark.netns
 @pytest.mark.slow
-@pytest.mark.timing  # the sites come from measured round trips (10 ms apart, 0.1 ms inside)
+@pytest.mark.timing  # the sites come from measured round trips, or timed packet pairs
 @needs_root
+@pytest.mark.parametrize(
+    ("link", "source"),
+    [
+        # 20 ms round trips across, well over 5 ms (0.1 ms inside)
+        pytest.param(WanLink(rate="100mbit", delay_ms=10.0), "measured", id="delay"),
+        # no delay: the round trips are alike; 20 Mbit/s across, loopback-fast veths inside
+        pytest.param(WanLink(rate="20mbit"), "throughput", id="narrow"),
+    ],
+)
 def test_two_measured_sites_plan_alike_and_cross_the_wan_once_per_direction(
-    tmp_path: Path,
+    tmp_path: Path, link: WanLink, source: str
 ) -> None:
-    link = WanLink(rate="100mbit", delay_ms=10.0)  # 20 ms round trips across, well over 5 ms
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with VirtualLan(sites=(2, 2), wan=link) as lan:
         seed = f"{lan.host_ip(0)}:7946"
@@ -53,7 +62,7 @@ def test_two_measured_sites_plan_alike_and_cross_the_wan_once_per_direction(
         def start(h: int) -> subprocess.Popen[str]:
             join = "-" if h == 0 else seed
             argv = [sys.executable, WORKER, lan.host_ip(h), join, str(tmp_path), "4"]
-            argv += [str(NBYTES), str(ROUNDS)]
+            argv += [str(NBYTES), str(ROUNDS), "0.25"]  # a packet pair every 0.25 s
             return lan.popen(h, argv, stdout=subprocess.PIPE, text=True, env=env)
 
         procs = [start(h) for h in range(4)]
@@ -75,12 +84,12 @@ def test_two_measured_sites_plan_alike_and_cross_the_wan_once_per_direction(
                 assert all(p.poll() is None for p in procs), lines
                 time.sleep(0.1)
             ready = [next(x for x in ls if "ready" in x) for ls in lines]
-            print("plans:", ready)
+            print(f"plans after {time.monotonic() - deadline + 120:.1f} s:", ready)
             # the same plan on every member: two measured sites, the lab's
             assert len({(r["plan"], r["epoch"]) for r in ready}) == 1, ready
             ids = [r["ready"] for r in ready]
             sites = {frozenset(s) for s in ready[0]["sites"]}
-            assert ready[0]["source"] == "measured"
+            assert ready[0]["source"] == source
             assert sites == {frozenset(ids[:2]), frozenset(ids[2:])}, (sites, ids)
             before = lan.wan_stats()
             (tmp_path / "go").write_text("")
@@ -108,7 +117,10 @@ def test_two_measured_sites_plan_alike_and_cross_the_wan_once_per_direction(
             print(f"WAN bytes per direction: {a_to_b} / {b_to_a} for {ROUNDS} x {NBYTES} B")
             for crossed in (a_to_b, b_to_a):
                 assert ROUNDS * NBYTES <= crossed <= 1.2 * ROUNDS * NBYTES, (a_to_b, b_to_a)
-            assert after.a_to_b.dropped_queue == after.b_to_a.dropped_queue == 0
+            if source == "measured":
+                # (at 20 Mbit/s TCP fills the drop-tail queue and loses a few packets: their
+                # retransmissions are inside the bound above)
+                assert after.a_to_b.dropped_queue == after.b_to_a.dropped_queue == 0
             for p in procs:
                 assert p.wait(60) == 0
         finally:
