@@ -23,7 +23,10 @@ the same :class:`RingPlan`:
    links whose links between them are all at least ``RATE_GAP`` buckets (4x) slower and at
    most ``MAX_CROSS_RATE_BUCKET`` (about 250 Mbit/s). That finds the sites a round trip cannot
    see: two offices a few milliseconds apart over a 50 Mbit/s line, a shaped VPN link, an
-   edge fleet on a slow uplink. The symmetrised rate of a pair is its slower direction.
+   edge fleet on a slow uplink. The symmetrised rate of a pair is its *faster* direction
+   (the one known, if one): both must read slow before a pair counts as a slow link, since
+   a packet pair can read a fast link slow (cross traffic, a sender descheduled between its
+   two datagrams) and a token bucket with tokens left lets a pair through at line rate.
 2. *Order.* Sites sorted by label (measured sites: by their smallest node id, labelled
    ``~1``, ``~2``...), members by node id inside a site; the ring is the sites one after the
    other, so it crosses between two sites once per direction.
@@ -273,9 +276,9 @@ def _finish(sites: tuple[Site, ...], source: str) -> RingPlan:
 
 
 def _symmetric(by_node: Mapping[str, MemberLinks], what: str) -> dict[tuple[str, str], int]:
-    """``(a, b)`` with ``a < b`` -> the distance of the pair: the larger of both directions, or
-    the known one. A round trip's distance is its bucket; a rate's is ``MAX_BUCKET`` minus its
-    bucket (slower is farther)."""
+    """``(a, b)`` with ``a < b`` -> the distance of the pair, or the one direction known. A
+    round trip's distance is its bucket, the larger of both directions; a rate's is
+    ``MAX_BUCKET`` minus its bucket (slower is farther), the smaller of both (module doc)."""
     out: dict[tuple[str, str], int] = {}
     for a, m in by_node.items():
         for b, bucket in m.rtt if what == "rtt" else m.rate:
@@ -283,7 +286,8 @@ def _symmetric(by_node: Mapping[str, MemberLinks], what: str) -> dict[tuple[str,
                 continue
             d = bucket if what == "rtt" else MAX_BUCKET - bucket
             key = (a, b) if a < b else (b, a)
-            out[key] = max(out.get(key, d), d)
+            other = out.get(key, d)
+            out[key] = max(other, d) if what == "rtt" else min(other, d)
     return out
 
 
