@@ -205,7 +205,18 @@ def test_links_format_round_trip_and_bounds() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [None, 7, "", "3", "2" + "0" * 9, "1abc", "1" + "g" * 9, "1" + "A" * 9, "1" + "0" * 9 * 2, "1" + "a" * 500],
+    [
+        None,
+        7,
+        "",
+        "3",
+        "2" + "0" * 9,
+        "1abc",
+        "1" + "g" * 9,
+        "1" + "A" * 9,
+        "1" + "0" * 18,
+        "1" + "a" * 500,
+    ],
 )
 def test_links_parser_refuses_malformed_values(bad: object) -> None:
     with pytest.raises(ValueError):

@@ -2,8 +2,9 @@
 site labels. Every member measures its links, publishes them, and derives the same plan (two
 measured sites, hierarchical): from the round trips when the link has a delay, from the
 throughput its packet pairs time when the link is narrow but adds no delay (a round trip
-cannot see that one). An allreduce then crosses the WAN link once per direction: the link's own counters (``VirtualLan.wan_stats``) carry about one buffer each way
-per allreduce, where the flat ring on the same order would carry 1.5 buffers.
+cannot see that one). An allreduce then crosses the WAN link once per direction: the link's
+own counters (``VirtualLan.wan_stats``) carry about one buffer each way per allreduce, where
+the flat ring on the same order would carry 1.5 buffers.
 
 Root only (network namespaces, TUN devices)."""
 
