@@ -31,9 +31,9 @@ from trainer_sim import (
     wait_all,
 )
 
-from ftmesh.errors import ConfigError, LocalUsageError
+from ftmesh.errors import ConfigError, Departed, LocalUsageError
 from ftmesh.mesh.blocking import SyncMesh
-from ftmesh.torch import ElasticSampler, ElasticTrainer, TrainerConfig
+from ftmesh.torch import ElasticSampler, ElasticTrainer, StateDivergedError, TrainerConfig
 from ftmesh.training.config import DiLoCo
 
 pytestmark = pytest.mark.timeout(60)
@@ -352,6 +352,72 @@ def test_a_hot_spare_applies_the_rounds_of_the_others(make_hub: Callable[..., Hu
         assert t.diloco_rounds_computed == (0 if n == "c" else rounds), n
         worst = _max_diff(t, ref)
         assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+
+
+def test_a_planned_departure_leaves_after_the_round_it_announced_in(
+    make_hub: Callable[..., Hub],
+) -> None:
+    """``c`` is asked to leave (SIGTERM's ``request_leave``) after round 1: its leave bit goes
+    out in round 2's header, its outer gradient counts in round 2, and it leaves after it
+    (``Departed``); ``a`` and ``b`` run rounds 3-4 on the view without it with no failed
+    collective and no retried attempt, and equal the single-process DiLoCo of that plan."""
+    rounds = 4
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+
+    def leave(member: Member, step: int) -> None:
+        if member.name == "c" and step == 1:
+            cast(ElasticTrainer, member.trainer).mesh.request_leave()
+
+    for m in members.values():
+        _start(hub, m, rounds, digests, lock, on_round=leave)
+    wait_all(hub, 45)
+    c = members["c"]
+    assert c.status == "left" and isinstance(c.error, Departed), (c.status, c.error)
+    assert c.error.step == 2
+    for n in "ab":
+        m = members[n]
+        assert m.status == "ok", f"{n}: {m.status} {m.error!r}"
+        assert [r.members for r in m.reports] == [("a", "b", "c")] * 2 + [("a", "b")] * 2
+        assert [r.leaving for r in m.reports][1] == ("c",)
+        assert all(r.attempts == 1 for r in m.reports), [r.attempts for r in m.reports]
+    assert hub.failed_rounds() == []
+    _check_identical(digests, rounds)
+    ref = _reference([("abc", "abc")] * 2 + [("ab", "ab")] * 2)
+    for n in "ab":
+        worst = _max_diff(cast(ElasticTrainer, members[n].trainer), ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+
+
+def test_a_diverged_outer_state_is_caught_at_the_next_check(make_hub: Callable[..., Hub]) -> None:
+    """``check_every=2``: ``b``'s outer momentum is changed behind the trainer's back after
+    round 1; at the next state check ``b``, alone against a strict majority, raises
+    ``StateDivergedError`` naming ``outer_optimizer``, and ``a`` and ``c`` go on and finish."""
+    rounds = 4
+    hub = make_hub(start_with=3)
+    digests: Digests = {}
+    lock = threading.Lock()
+    members = {n: Member(n) for n in "abc"}
+
+    def corrupt(member: Member, step: int) -> None:
+        if member.name == "b" and step == 1:
+            t = cast(ElasticTrainer, member.trainer)
+            outer = t._state.state.objects["outer_optimizer"]
+            for state in outer.state.values():
+                state["momentum_buffer"].add_(1.0)
+
+    for m in members.values():
+        _start(hub, m, rounds, digests, lock, on_round=corrupt, check_every=2)
+    wait_all(hub, 45)
+    b = members["b"]
+    assert b.status == "error" and isinstance(b.error, StateDivergedError), (b.status, b.error)
+    assert b.error.parts.get("outer_optimizer") == [["a", "c"], ["b"]], b.error.parts
+    assert cast(ElasticTrainer, b.trainer).committed == 2  # checks at rounds 1, 3, ...: 3
+    for n in "ac":
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
+    assert {(r, accused) for r, accused, _ in hub.offences} == {("a", "b"), ("c", "b")}
 
 
 def test_a_checkpoint_holds_the_outer_state(make_hub: Callable[..., Hub], tmp_path: Path) -> None:
