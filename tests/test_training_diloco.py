@@ -18,8 +18,10 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+import torch.utils.data as tud
 from trainer_sim import (
     DATA_X,
+    DATA_Y,
     FakeMesh,
     Hub,
     LossBeforeOneComputes,
@@ -601,6 +603,68 @@ def test_the_loop_api_runs_the_same_rounds(make_hub: Callable[..., Hub]) -> None
         assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
     losses = [r.loss for r in members["a"].reports]
     assert all(np.isfinite(losses)) and all(0.1 < x < 5 for x in losses), losses
+
+
+def test_the_loop_api_trains_rounds_from_a_data_loader(make_hub: Callable[..., Hub]) -> None:
+    """A trainer built on a ``DataLoader`` (shuffled, two worker processes kept across
+    iterators; ``batch_size`` the round's global batch), the body ``for x, y in
+    step.batches()``: the inner batches come collated from the loader, and ``c``'s death in
+    round 2's inner steps starts its iterator over on the new view. The weights are those of
+    single-process DiLoCo with that plan, as with ``step.indices()``."""
+    rounds, dies = 4, 2
+    hub = make_hub(start_with=3)
+    members = {n: Member(n) for n in "abc"}
+    arrived = {n: threading.Event() for n in "abc"}
+    dataset = tud.TensorDataset(DATA_X, DATA_Y)
+
+    def run(member: Member) -> None:
+        with member_thread(hub, member, None):
+            model = make_model()
+            opt = make_optimizer("sgd", model)
+            loader = tud.DataLoader(
+                dataset, batch_size=ROUND_BATCH, shuffle=True, drop_last=True, num_workers=2,
+                persistent_workers=True,
+            )  # fmt: skip
+            t = ElasticTrainer(
+                cast(SyncMesh, FakeMesh(hub, member.name)), model, opt, loader, data_seed=3,
+                quorum="any", join_settle=0.0, step_timeout=30.0, sync=SETTINGS,
+            )  # fmt: skip
+            member.trainer = t
+            try:
+                for step in t.steps(rounds):
+                    with step:
+                        for k, (x, y) in enumerate(step.batches()):
+                            if step.index == dies and k == 0:
+                                arrived[member.name].set()
+                            if member.name == "c" and step.index == dies and k == 1:
+                                for ev in arrived.values():
+                                    assert ev.wait(20.0)
+                                hub.kill(member.name)
+                            opt.zero_grad()
+                            loss = torch.nn.functional.cross_entropy(model(x), y)
+                            loss.backward()  # type: ignore[no-untyped-call]
+                            opt.step()
+                    assert step.report is not None
+                    member.reports.append(step.report)
+                t.finish(timeout=20.0)
+            finally:
+                t.close()  # (a killed member's too: its loader's worker processes)
+
+    for m in members.values():
+        th = threading.Thread(target=run, args=(m,), name=m.name, daemon=True)
+        hub.threads.append(th)
+        th.start()
+    wait_all(hub, 50)
+    assert members["c"].status == "killed", (members["c"].status, members["c"].error)
+    plan = [("abc", "abc")] * dies + [("abc", "ab")] + [("ab", "ab")] * (rounds - dies - 1)
+    ref = _reference(plan)
+    for n in "ab":
+        assert members[n].status == "ok", f"{n}: {members[n].status} {members[n].error!r}"
+        t = cast(ElasticTrainer, members[n].trainer)
+        assert t.committed == rounds and t.diloco_rounds_computed == rounds
+        worst = _max_diff(t, ref)
+        assert worst < CLOSE, f"{n}: differs from single-process DiLoCo by {worst}"
+        assert t._loader is not None and t._loader.restarts >= 1
 
 
 def test_the_loop_api_refuses_an_outer_step_of_its_own_and_restores_on_errors(

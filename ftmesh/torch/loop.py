@@ -339,6 +339,7 @@ class Step:
         from .diloco import inner_batches  # (DiLoCo only: a plain trainer never loads it)
 
         driver = self._driver
+        inner = driver.inner_steps
         for _ in range(1 << 40):  # bounded: the trainer's step_timeout ends a step's retries
             self._iterated = True
             run = driver.round_inner(self)
@@ -346,9 +347,9 @@ class Step:
                 with run as acc:
                     self._inner = acc
                     try:
-                        for idx in inner_batches(self.indices_share, driver.inner_steps):
+                        for k, idx in enumerate(inner_batches(self.indices_share, inner)):
                             if len(idx):
-                                self._size = len(idx)
+                                self._size, self._k = len(idx), k
                                 yield idx
                     finally:
                         self._size = 0
@@ -391,13 +392,9 @@ class Step:
 
     def batches(self) -> Iterator[Any]:
         """This member's share as micro-batches from the trainer's ``DataLoader`` (collated as
-        the loader does); see :meth:`indices`."""
+        the loader does; with ``sync=DiLoCo(...)``, a round's inner batches: one
+        ``optimizer.step()`` each); see :meth:`indices`."""
         loader = self._driver.loader
-        if self._driver.inner_steps:
-            raise LocalUsageError(
-                "with sync=DiLoCo(...), iterate step.indices() (a round's inner batches); "
-                "step.batches() plans a DataLoader's batches per synchronous micro-batch"
-            )
         if loader is None:
             raise LocalUsageError(
                 "step.batches() needs a trainer built with a DataLoader or a ShardedStream; "

@@ -789,8 +789,9 @@ class ElasticTrainer:
         return share, micro_batches(share, mb)
 
     def _plan(self) -> Iterator[tuple[Key, list[int]]]:
-        """The batch sampler's plan (``ftmesh.torch.data``): this member's micro-batches of
-        the current attempt's step and the steps after it, on the same compute set."""
+        """The batch sampler's plan (``ftmesh.torch.data``): this member's micro-batches (a
+        DiLoCo round's: its inner batches) of the current attempt's step and the steps after
+        it, on the same compute set."""
         step = self._current
         if step is None:
             return
@@ -798,10 +799,18 @@ class ElasticTrainer:
         sampler = self.sampler
         if me not in action.workers or action.kept or not isinstance(sampler, ElasticSampler):
             return
+        inner = self._rounds.settings.steps_per_sync if self._rounds is not None else 0
         for index in range(action.index, action.index + LOOKAHEAD_STEPS):
             share = sampler.indices(index, action.workers, me, action.weights)
-            for k, idx in enumerate(micro_batches(share, mb)):
-                yield (index, action.workers, action.weights, k), idx.tolist()
+            if inner:  # DiLoCo: the round's inner batches, as ``Step.indices`` yields them
+                from .diloco import inner_batches
+
+                batches = inner_batches(share, inner)
+            else:
+                batches = micro_batches(share, mb)
+            for k, idx in enumerate(batches):
+                if len(idx):
+                    yield (index, action.workers, action.weights, k), idx.tolist()
 
     def _arm(self, step: Step) -> None:
         """``with step:`` begins: the first attempt starts."""
