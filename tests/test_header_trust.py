@@ -117,7 +117,7 @@ def test_honest_rows_pass_and_give_each_members_own_speed() -> None:
         (HEADER_SLOTS, 1.0, RowFault.CHECKS),
         (-2, 3.0, RowFault.SPLIT),
         (-1, 0.5, RowFault.FLAG),
-        (-1, 4.0, RowFault.FLAG),
+        (-1, 16.0, RowFault.FLAG),
         (-1, -2.0, RowFault.FLAG),
     ],
 )

@@ -1,8 +1,11 @@
 """Fail-slow members (#15 item 4): ``ftmesh.torch.freezes.FreezeWatch`` notices a process that was
 stopped and continued (a real SIGSTOP/SIGCONT of a real process), and the step machine makes
-a member that froze in ``failslow_freezes`` of its last ``straggler_steps`` steps step out of
-the ring as a spare for ``failslow_pause``, then join again (and sync); the others' quorum
-does not wait for a member that stepped out."""
+a member that froze in ``failslow_freezes`` of its last ``straggler_steps`` steps ask, in
+its next step's row, to step out of the ring; when that step commits it steps out as a spare
+for ``failslow_pause``, then joins again (and syncs); the others' quorum does not wait for a
+member that stepped out. Agreed through the rows: a freeze that half of the others share
+(the whole host stalled) does not count, and no request leaves fewer than two members
+computing."""
 
 from __future__ import annotations
 
@@ -78,9 +81,9 @@ def test_the_watch_notices_a_stopped_process_and_nothing_else() -> None:
     assert 0.8 < got["seconds"] < 2.0 and got["taken"] == [got["seconds"], 0.0]
 
 
-def _commit(m, view, frozen: float, now: float = 0.0):  # type: ignore[no-untyped-def]
+def _commit(m, view, frozen: float, now: float = 0.0, froze=()):  # type: ignore[no-untyped-def]
     a = _alone_until_compute(m, view, now)
-    out = walk_round(m, now=now, frozen=frozen)[0]
+    out = walk_round(m, now=now, frozen=frozen, froze=froze)[0]
     while isinstance(out, Advertise):
         out = m.feed(now, Done())
     assert isinstance(out, Finished), out
@@ -93,7 +96,10 @@ def test_a_member_that_keeps_freezing_steps_out_and_comes_back() -> None:
     for frozen in (0.0, 0.4, 0.0, 0.0, 0.0, 0.3):  # two in a window of 4: not yet
         _commit(m, view, frozen)
     assert not m.pace.sit_out
-    _commit(m, view, 0.5)  # the second freeze within the last 4 steps
+    _commit(m, view, 0.5)  # the second freeze within the last 4 steps: it asks
+    assert m.pace.wants_out and not m.pace.sit_out
+    _commit(m, view, 0.0)  # the step whose row asked: it may go (two others compute)
+    assert m.pace.sit_out and not m.pace.wants_out
     a = m.begin(10.0)
     assert a == SetRole("spare")
     slept = []
@@ -156,6 +162,7 @@ def test_a_member_fail_slow_again_soon_after_it_came_back_stays_out_longer() -> 
             _commit(m, view, 0.0)
         _commit(m, view, 0.4)
         _commit(m, view, 0.4)
+        _commit(m, view, 0.0)  # (its row asks)
         pauses.append(_pause_and_return(m, view, 100.0 * len(pauses)))
     # soon again: 2x, 4x, 8x, and no more; after readmit_steps clean steps back to 1x
     assert pauses == [3.0, 6.0, 12.0, 24.0, 3.0, 6.0], pauses
@@ -174,8 +181,46 @@ def test_off_alone_or_in_a_pair_never_steps_out() -> None:
         _commit(alone, _view("b"), 1.0)
         _commit(pair, _view("a", "b"), 1.0)
     _commit(three, _view("a", "b", "c"), 1.0)
-    assert not off.pace.sit_out and not alone.pace.sit_out and not pair.pace.sit_out
+    _commit(three, _view("a", "b", "c"), 0.0)
+    for m in (off, alone, pair):
+        assert not m.pace.sit_out and not m.pace.wants_out
     assert three.pace.sit_out  # (the same freezes in a view of three)
+
+
+def test_a_stall_of_the_whole_host_is_nobodys_fault() -> None:
+    """When half of the others froze in the same step too (a loaded host starving every
+    member at once), a freeze does not count: nobody steps out, however often it happens;
+    one the others did not share counts as before."""
+    view = _view("a", "b", "c", "d", "e")
+    m = _machine("b", failslow_freezes=2, straggler_steps=10)
+    for _ in range(6):
+        _commit(m, view, 0.5, froze=("a", "c"))  # two of the four others froze too
+    assert not m.pace.wants_out and not m.pace.sit_out
+    _commit(m, view, 0.5, froze=("a",))  # one of four: ours
+    _commit(m, view, 0.5)
+    assert m.pace.wants_out
+
+
+def test_a_request_that_would_leave_one_member_computing_is_refused() -> None:
+    """Two of three ask to step out in the same step's rows: ``may_step_out`` lets the
+    first by node id go (two keep computing), the other stays, on every member alike; with
+    one asking in a view that lost a member meanwhile (two computing), nobody goes."""
+    b = _machine("b", failslow_freezes=1)
+    c = _machine("c", failslow_freezes=1)
+    view = _view("a", "b", "c")
+    for wants in (False, True):  # a clean step first, then one whose rows both ask in
+        for m in (b, c):
+            m.pace.wants_out = wants  # (as if both reached the count in the step before)
+            _alone_until_compute(m, view)
+        for m, out in zip((b, c), walk_round(b, c), strict=True):
+            while isinstance(out, Advertise):
+                out = m.feed(0.0, Done())
+            assert isinstance(out, Finished), out
+    assert b.pace.sit_out and not c.pace.sit_out and not c.pace.wants_out
+    lone = _machine("c", failslow_freezes=1)
+    lone.pace.wants_out = True
+    _commit(lone, _view("a", "c"), 0.0)
+    assert not lone.pace.sit_out and not lone.pace.wants_out
 
 
 def test_the_quorum_does_not_wait_for_a_member_that_stepped_out() -> None:

@@ -61,8 +61,10 @@ from ftmesh.training.actions import (
 from ftmesh.training.config import DiLoCo, TrainerConfig
 from ftmesh.training.entry import GATHER_SETTLES, LOSS_WAIT_S
 from ftmesh.training.protocol import (
+    FLAG_FROZE,
     FLAG_LEAVING,
     FLAG_NONFINITE,
+    FLAG_STEPS_OUT,
     FRESH,
     LEAVE_SLOTS,
     leave_slots,
@@ -128,6 +130,7 @@ def walk_round(
     frozen: float = 0.0,
     fail: Collection[str] = (),
     strict: bool = True,
+    froze: Collection[str] = (),
 ) -> list[Action]:
     """Walk the header round of each machine's pending ``Compute`` (one step on one view,
     in lockstep) as the trainer does (``ElasticTrainer._reduce``): ``Measured`` -> ``Reduce``
@@ -136,7 +139,9 @@ def walk_round(
     twin (the first machine's checks, no speed; its leave bit set when in ``leavers``).
     ``seconds``: each machine's compute time (its speed); ``checks``: each machine's check
     values (default: ``1`` per registered part on a check step); ``fail``: members whose
-    allgather fails after their row went out; a kept attempt (``Compute.kept``) sends each
+    allgather fails after their row went out; ``frozen``: seconds each machine stood still
+    (``FLAG_FROZE`` in its row), ``froze``: twins whose rows say they froze too; a kept
+    attempt (``Compute.kept``) sends each
     member's kept share (``StepMachine.kept``), and a member whose own ``Compute`` differs
     from the first one's sends its own share of it. ``strict``: every verdict must let the
     step go on (else a failed verdict is fed back, as the trainer does). Returns each
@@ -171,13 +176,20 @@ def walk_round(
         loss = loss_sum if rank == 0 else 0.0
         count = own_share[name] if i is not None else share.get(name, 0)
         rows.append([count, loss, round_tag(index), *leave, *(mine or [0] * parts)])
-        rows[-1] += [*slots, 0.0]  # (then the non-finite flag)
+        flags = 0.0
+        if i is not None:
+            flags = (FLAG_FROZE if frozen > 0 else 0) + (
+                FLAG_STEPS_OUT if machines[i].pace.wants_out else 0
+            )
+        elif name in froze:
+            flags = FLAG_FROZE
+        rows[-1] += [*slots, float(flags)]  # (then the flags)
     table = np.asarray(rows, dtype=np.float64)
     header = tuple(float(np.float32(v)) for v in table[:, :-1].sum(axis=0))
     out: list[Action] = []
     for m in machines:
         row = table[view.rank_of(m.me)]
-        gather = m.feed(now, Contributed(row[:-1].astype(np.float32), False))
+        gather = m.feed(now, Contributed(row[:-1].astype(np.float32), False, frozen > 0))
         assert isinstance(gather, Gather), gather
         assert np.array_equal(gather.row, row, equal_nan=True)  # (our row, as we added it)
     for m in machines:

@@ -227,6 +227,9 @@ class Step:
         self._iterated = False
         self._inner_gen: Generator[np.ndarray, None, None] | None = None
         self.exited = False
+        self.frozen = 0.0
+        """Seconds this member's process stood still, taken as its rows went out (a freeze
+        counts for the step that commits: ``Computed.frozen``)."""
         self.next: Compute | Finished | None = None
         """What the trainer does after this step (set when the step committed, was adopted,
         or, in the cases the module docstring names, when an attempt failed)."""

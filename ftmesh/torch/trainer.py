@@ -963,7 +963,10 @@ class ElasticTrainer:
             buckets.finish(timeout=self.config.step_timeout)
             # (after the last bucket's check: our flag covers every bucket)
             self._poll_leave()  # (a leave asked during the allreduce rides in our row)
-            gather = self._in_step(Contributed(mine, self._own_nonfinite), Gather)
+            if self._freezes is not None:  # (said in our row: protocol.FLAG_FROZE)
+                step.frozen += self._freezes.take()
+            contributed = Contributed(mine, self._own_nonfinite, step.frozen > 0)
+            gather = self._in_step(contributed, Gather)
             # Each member's own contribution, as it says it added it: what it claims about
             # itself is read from its row only (DESIGN-NOTES: the step header).
             row = gather.row
@@ -1176,7 +1179,6 @@ class ElasticTrainer:
         for comp in self._compression.values():
             if comp is not None:  # the step commits: its int8 residuals stand
                 comp.settle()
-        frozen = self._freezes.take() if self._freezes is not None else 0.0
         verdict = self._verdict
         step.next = self._feed(
             Computed(
@@ -1184,7 +1186,7 @@ class ElasticTrainer:
                 step.loss_sum,
                 step.leaving,
                 step.speeds,
-                frozen,
+                step.frozen,
                 nonfinite=verdict.nonfinite if verdict is not None else (),
                 skipped=verdict is not None and verdict.skip,
             )

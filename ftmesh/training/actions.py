@@ -116,10 +116,13 @@ class Measured:
 @dataclass(frozen=True, slots=True)
 class Contributed:
     """The gradient allreduce finished: ``header`` is our own contribution to it, as we
-    added it, and ``nonfinite`` whether we sent zeros for non-finite gradients."""
+    added it, ``nonfinite`` whether we sent zeros for non-finite gradients, and ``frozen``
+    whether our process stood still since our last committed step (``ftmesh.torch.freezes``;
+    the same freeze as ``Computed.frozen``)."""
 
     header: np.ndarray
     nonfinite: bool
+    frozen: bool = False
 
 
 @dataclass(frozen=True, slots=True)

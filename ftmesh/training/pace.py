@@ -17,10 +17,21 @@ Inputs (each called by the machine at one point of a run):
   one per view rank) and the seconds this member stood still since the last one. The
   stragglers rule observes the speeds; the next split's weights follow them
   (``protocol.speed_weights``: proportional, a floor, a hysteresis), or, for a member back on
-  trial, its last known speed; enough freezes in the last ``straggler_steps`` steps make this
-  member *sit out* (:attr:`Pace.sit_out`): the machine then steps out of the ring for
-  :meth:`Pace.pause`'s seconds (``failslow_pause``, doubled for each pause that came within
-  ``readmit_steps`` of the member's return, at most ``2**MAX_BACKOFF_DOUBLINGS`` times).
+  trial, its last known speed.
+- :meth:`Pace.read_rows`: the step's gathered rows say who froze in it (``FLAG_FROZE``) and
+  who asks to step out after it (``FLAG_STEPS_OUT``); read before the step commits.
+
+Fail-slow, agreed through the rows. A freeze of ours counts only when fewer than half of the
+view's other members froze in the same step: a stall of the whole host (every member starved
+of CPU at once, a loaded machine running several) is nobody's fault, and stepping out would
+only empty the ring one member after another. Enough counted freezes in the last
+``straggler_steps`` steps make this member ask to step out (:attr:`Pace.wants_out`, its next
+row's ``FLAG_STEPS_OUT``); when that step commits, the rows say who asked, and
+``protocol.may_step_out`` lets as many of them go as leave two members computing (the first
+by node id): the same answer on every member. One that may *sits out* (:attr:`Pace.sit_out`):
+the machine then steps out of the ring for :meth:`Pace.pause`'s seconds (``failslow_pause``,
+doubled for each pause that came within ``readmit_steps`` of the member's return, at most
+``2**MAX_BACKOFF_DOUBLINGS`` times); one that may not stays, its count started over.
 
 Outputs: the compute set of a view (:meth:`Pace.compute_set`: the first ``max_peers`` of the
 members not sitting out), the weights of a split (:meth:`Pace.split_weights`), its tag
@@ -46,6 +57,7 @@ from .protocol import (
     SPEED_RANKS,
     SPEED_SLOTS,
     filled_speeds,
+    may_step_out,
     proportional_weights,
     speed_weights,
     split_share,
@@ -78,8 +90,12 @@ class Pace:
         speed now."""
         self._froze: deque[bool] = deque(maxlen=config.straggler_steps)
         """Whether we froze in each of the last committed steps (``ftmesh.torch.freezes``)."""
+        self.wants_out = False
+        """Fail-slow: ask to step out after the next step (our row's ``FLAG_STEPS_OUT``)."""
         self.sit_out = False
         """Fail-slow: step out of the ring before the next attempt (:meth:`pause`)."""
+        self._rows: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        """The pending step's rows: who froze in it, who asks to step out after it."""
         self._pause_doublings = 0
         """Fail-slow pauses that came soon after the one before (each doubles the next)."""
         self._back_since: int | None = None
@@ -175,13 +191,19 @@ class Pace:
             self._weights = self._known_weights(sorted(computing)) if speed else {}
         return computing
 
+    def read_rows(self, froze: Sequence[str], asking: Sequence[str]) -> None:
+        """The pending step's gathered rows: the members that froze in it (``FLAG_FROZE``)
+        and those that ask to step out after it (``FLAG_STEPS_OUT``)."""
+        self._rows = (tuple(froze), tuple(asking))
+
     def committed(
         self, action: Compute, speeds: Sequence[float], frozen: float, committed: int
     ) -> None:
         """``action`` committed (``committed`` steps now), with its agreed ``speeds``; we
-        stood still ``frozen`` seconds since the last committed step."""
+        stood still ``frozen`` seconds since the last committed step (our row said so)."""
         self._reweigh(action, speeds)
-        self._count_freeze(frozen, action.view, committed)
+        (froze, asking), self._rows = self._rows, ((), ())
+        self._count_freeze(frozen, action, committed, froze, asking)
 
     def pause(self) -> float:
         """Start the fail-slow pause :attr:`sit_out` asked for; returns its seconds."""
@@ -225,34 +247,60 @@ class Pace:
             return {}
         return dict(zip(workers, proportional_weights(filled, SHARE_FLOOR), strict=True))
 
-    def _count_freeze(self, frozen: float, view: RingView, committed: int) -> None:
-        """After committing a step in which we stood still ``frozen`` seconds: enough freezes
-        in the last ``straggler_steps`` make us sit out the next steps (:meth:`pause`)."""
+    def _count_freeze(
+        self,
+        frozen: float,
+        action: Compute,
+        committed: int,
+        froze: Sequence[str],
+        asking: Sequence[str],
+    ) -> None:
+        """After committing ``action``'s step, in which we stood still ``frozen`` seconds and
+        the rows said ``froze`` froze and ``asking`` ask to step out: see the module doc."""
         cfg = self.config
         if self._back_since is None and self.pauses:
             self._back_since = committed  # our first step back after a pause
-        self._froze.append(frozen > 0)
-        # Only from a view of three or more: stepping out of a pair leaves one member
-        # training alone, and a whole host that stalls (every member freezing alike) would
-        # otherwise empty the ring one member after another.
-        if cfg.failslow_freezes and sum(self._froze) >= cfg.failslow_freezes and view.size > 2:
-            # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
-            soon = self._back_since is not None and (
-                committed - self._back_since < cfg.readmit_steps
-            )
-            doublings = min(self._pause_doublings + 1, MAX_BACKOFF_DOUBLINGS) if soon else 0
-            self._pause_doublings = doublings
-            log.warning(
-                "this member froze (stood still for more than %.1fs) in %d of its last %d "
-                "steps: it is fail-slow and steps out of the ring for %.0fs (every freeze "
-                "in a collective stops the whole ring)",
-                cfg.failslow_freeze,
-                sum(self._froze),
-                len(self._froze),
-                self._pause_seconds(),
-            )
+        if self.wants_out and self.me in asking:  # our request rode in this step's row
+            self.wants_out = False
             self._froze.clear()
-            self.sit_out = True
+            if self.me in may_step_out(asking, action.workers):
+                self._step_out(committed, asking)
+            else:
+                log.warning(
+                    "this member is fail-slow but stays in the ring: %d asked to step out "
+                    "after step %d and %d compute, and two must go on computing",
+                    len(asking),
+                    committed,
+                    len(action.workers),
+                )
+            return
+        others = action.view.size - 1
+        host_wide = others > 0 and 2 * sum(m != self.me for m in froze) >= others
+        self._froze.append(frozen > 0 and not host_wide)
+        # Only from a view of three or more: stepping out of a pair leaves one member
+        # training alone.
+        if (
+            cfg.failslow_freezes
+            and sum(self._froze) >= cfg.failslow_freezes
+            and action.view.size > 2
+        ):
+            self.wants_out = True
+
+    def _step_out(self, committed: int, asking: Sequence[str]) -> None:
+        cfg = self.config
+        # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
+        soon = self._back_since is not None and committed - self._back_since < cfg.readmit_steps
+        self._pause_doublings = min(self._pause_doublings + 1, MAX_BACKOFF_DOUBLINGS) if soon else 0
+        log.warning(
+            "this member froze (stood still for more than %.1fs, alone or with fewer than half "
+            "of the others) in %d of its last %d steps: it is fail-slow and steps out of the "
+            "ring for %.0fs (every freeze in a collective stops the whole ring)",
+            cfg.failslow_freeze,
+            cfg.failslow_freezes,
+            cfg.straggler_steps,
+            self._pause_seconds(),
+        )
+        self.sit_out = True
 
     def _pause_seconds(self) -> float:
         """This fail-slow pause: ``failslow_pause``, doubled for each pause in a row that

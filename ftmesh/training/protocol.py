@@ -335,23 +335,45 @@ def reduction_problem(
 
 ROW_FLAG = 1
 """Slots a member's gathered row has after its header contribution: its flags, a sum of
-``FLAG_*`` bits (0 to 3)."""
+``FLAG_*`` bits (0 to 15)."""
 FLAG_NONFINITE = 1
 """Its own gradients held a NaN or an infinity, so it sent zeros instead."""
 FLAG_LEAVING = 2
 """It leaves after the step (4 above), asked to after its leave bit had gone out in the
 header: said in its row, so that it need not compute one more step to announce. Every member
 reads the same rows, so every member sees the same leavers (:func:`row_leaves`)."""
+FLAG_FROZE = 4
+"""Its process stood still (``ftmesh.torch.freezes``) since its last committed step: every
+member reads who froze in the same step, so a stall of the whole host (most members freezing
+together) is told apart from one fail-slow member (``ftmesh.training.pace``)."""
+FLAG_STEPS_OUT = 8
+"""It is fail-slow and asks to step out of the ring after the step; the rows decide who may
+(:func:`may_step_out`)."""
+MAX_FLAGS = 15
+
+
+def row_flag(flags: float, bit: int) -> bool:
+    """Whether a row's flags hold ``bit`` (a ``FLAG_*``); False for flags that are not a
+    sum of them (:func:`row_faults` says so), whatever the value."""
+    f = float(flags)
+    return math.isfinite(f) and 0 <= f <= MAX_FLAGS and f == int(f) and bool(int(f) & bit)
 
 
 def row_nonfinite(flags: float) -> bool:
     """Whether a row's flags (checked by :func:`row_faults`) say ``FLAG_NONFINITE``."""
-    return flags in (1.0, 3.0)
+    return row_flag(flags, FLAG_NONFINITE)
 
 
 def row_leaves(flags: float) -> bool:
     """Whether a row's flags (checked by :func:`row_faults`) say ``FLAG_LEAVING``."""
-    return flags in (2.0, 3.0)
+    return row_flag(flags, FLAG_LEAVING)
+
+
+def may_step_out(asking: Sequence[str], workers: Sequence[str]) -> tuple[str, ...]:
+    """Who of the members ``asking`` to step out (``FLAG_STEPS_OUT``) after a step computed
+    by ``workers`` may: the first by node id, as many as leave two members computing. The same
+    for every member that read the same rows."""
+    return tuple(sorted(asking)[: max(0, len(workers) - 2)])
 
 
 class RowFault(enum.Enum):
@@ -375,7 +397,7 @@ class RowFault(enum.Enum):
     SPLIT = "split"
     """Its split tag is not the step's (:func:`split_tag`)."""
     FLAG = "flag"
-    """Its flags are not a sum of ``FLAG_*`` bits (0 to 3)."""
+    """Its flags are not a sum of ``FLAG_*`` bits (0 to 15)."""
     SPEED = "speed"
     """Its own speed is out of ``[0, MAX_SPEED]``, or 0 although it computed samples."""
     OTHERS_SLOT = "others_slot"
@@ -450,7 +472,7 @@ def row_faults(
             bad(RowFault.SPEED, f"speed {own:g} samples/s with {share:g} samples computed")
         if v[n - 1] != tag:
             bad(RowFault.SPLIT, f"split tag {v[n - 1]:g}, expected {tag}")
-    if v[n] not in (0.0, 1.0, 2.0, 3.0):
+    if not (v[n] == int(v[n]) and 0 <= v[n] <= MAX_FLAGS):
         bad(RowFault.FLAG, f"flags {v[n]:g}")
     return found
 

@@ -145,8 +145,10 @@ from .entry import SLOT_POLL_S, Ring
 from .held import LOSSES, Held
 from .pace import Pace
 from .protocol import (
+    FLAG_FROZE,
     FLAG_LEAVING,
     FLAG_NONFINITE,
+    FLAG_STEPS_OUT,
     FRESH,
     split_share,
 )
@@ -156,7 +158,7 @@ from .shards import SharedSettings
 from .start import StartConfig
 from .stragglers import Stragglers
 from .syncing import Syncer
-from .verdicts import NONFINITE_LIMIT, HeaderJudge, StepVerdict, leaving
+from .verdicts import NONFINITE_LIMIT, HeaderJudge, StepVerdict, flagged, leaving
 
 if TYPE_CHECKING:
     from ..mesh.meta import Progress
@@ -393,15 +395,20 @@ class StepMachine:
         """Check the reduced header of ``action`` (:meth:`HeaderJudge.check_reduction`)."""
         return self.judge.check_reduction(action, header, own_checks, announced)
 
-    def row(self, header: np.ndarray, nonfinite: bool, leaves: bool = False) -> np.ndarray:
+    def row(
+        self, header: np.ndarray, nonfinite: bool, leaves: bool = False, frozen: bool = False
+    ) -> np.ndarray:
         """Our row for the step's gathered claims: our own header contribution as we added
-        it, then our flags (``protocol.FLAG_NONFINITE``, ``FLAG_LEAVING`` with ``leaves``;
-        ``protocol.row_faults``); float64, which holds the float32 header exactly. Made for
+        it, then our flags (``protocol.FLAG_NONFINITE``, ``FLAG_LEAVING`` with ``leaves``,
+        ``FLAG_FROZE`` with ``frozen``, ``FLAG_STEPS_OUT`` when we are fail-slow and ask to
+        step out: ``Pace.wants_out``; ``protocol.row_faults``); float64, which holds the
+        float32 header exactly. Made for
         the pending ``Compute``'s ``Gather``, once the driver fed ``Contributed`` (after the
         gradient allreduce): from then on the others can commit the step without us, so that
         a failure after it syncs on the next view (``Held.needless``)."""
         self.held.row_out = True
         flags = (FLAG_NONFINITE if nonfinite else 0) + (FLAG_LEAVING if leaves else 0)
+        flags += (FLAG_FROZE if frozen else 0) + (FLAG_STEPS_OUT if self.pace.wants_out else 0)
         return np.append(np.asarray(header, dtype=np.float64), float(flags))
 
     def check_step(
@@ -771,9 +778,13 @@ def _header(
     # Asked to leave since our leave bit went out (the driver feeds the request before
     # ``Contributed``): say so in our row, instead of computing one more step to announce.
     late = m.leave_requested and not announce
-    now, out = yield Gather(action.view, m.row(out.header, out.nonfinite, leaves=late))
+    row = m.row(out.header, out.nonfinite, leaves=late, frozen=out.frozen)
+    now, out = yield Gather(action.view, row)
     if not isinstance(out, Gathered):
         return now, out
     checks, header = measured.checks, out.header
     verdict = m.check_step(action, header, out.rows, checks, announce, out.reduced_finite)
+    m.pace.read_rows(
+        flagged(action, out.rows, FLAG_FROZE), flagged(action, out.rows, FLAG_STEPS_OUT)
+    )
     return (yield Apply(verdict, leaving(action, header, out.rows)))

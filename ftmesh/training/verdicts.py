@@ -53,6 +53,7 @@ from .protocol import (
     leavers,
     reduction_problem,
     row_faults,
+    row_flag,
     row_leaves,
     row_nonfinite,
     rows_mismatch,
@@ -105,6 +106,15 @@ def leaving(
     if rows is not None and rows.ndim == 2 and rows.shape[0] == size:
         ranks |= {r for r in range(size) if row_leaves(float(rows[r, -1]))}
     return tuple(action.view.node_ids[r] for r in sorted(ranks))
+
+
+def flagged(action: Compute, rows: np.ndarray, bit: int) -> tuple[str, ...]:
+    """The members whose gathered ``rows`` of ``action``'s step hold the flag ``bit``
+    (``protocol.FLAG_*``), in view order; none when the rows are not one per member."""
+    size = action.view.size
+    if rows.ndim != 2 or rows.shape[0] != size:
+        return ()
+    return tuple(action.view.node_ids[r] for r in range(size) if row_flag(float(rows[r, -1]), bit))
 
 
 class HeaderJudge:
