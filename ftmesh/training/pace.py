@@ -264,7 +264,7 @@ class Pace:
             self.wants_out = False
             self._froze.clear()
             if self.me in may_step_out(asking, action.workers):
-                self._step_out(committed, asking)
+                self._step_out(committed)
             else:
                 log.warning(
                     "this member is fail-slow but stays in the ring: %d asked to step out "
@@ -286,7 +286,7 @@ class Pace:
         ):
             self.wants_out = True
 
-    def _step_out(self, committed: int, asking: Sequence[str]) -> None:
+    def _step_out(self, committed: int) -> None:
         cfg = self.config
         # fail-slow again within readmit_steps of coming back: twice as long (at most 8x)
         soon = self._back_since is not None and committed - self._back_since < cfg.readmit_steps
