@@ -103,11 +103,26 @@ _RATED_RE = re.compile(rf"([0-9a-f]{{{LINK_ID_CHARS}}}[0-9a-z-][0-9a-z-])*")
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
+def _position(x: float, base: float) -> float:
+    """Where ``x`` falls on a half-octave scale from ``base``, continuously (bucket = its
+    floor): bucket ``b >= 1`` holds ``[base * 2**((b-1)/2), base * 2**(b/2))``, 0 below."""
+    if not x > base:
+        return 0.0
+    return min(BUCKETS_PER_OCTAVE * math.log2(x / base) + 1.0, MAX_BUCKET + 0.999)
+
+
+def _bounds(bucket: int, base: float) -> tuple[float, float]:
+    """``[low, high)`` of ``bucket`` on the scale of :func:`_position`."""
+    if bucket <= 0:
+        return 0.0, base
+    low = base * 2 ** ((bucket - 1) / BUCKETS_PER_OCTAVE)
+    high = math.inf if bucket >= MAX_BUCKET else base * 2 ** (bucket / BUCKETS_PER_OCTAVE)
+    return low, high
+
+
 def rtt_position(seconds: float) -> float:
     """Where ``seconds`` falls on the bucket scale, continuously (bucket = its floor)."""
-    if not seconds > RTT_BASE_S:
-        return 0.0
-    return min(BUCKETS_PER_OCTAVE * math.log2(seconds / RTT_BASE_S) + 1.0, MAX_BUCKET + 0.999)
+    return _position(seconds, RTT_BASE_S)
 
 
 def rtt_bucket(seconds: float) -> int:
@@ -115,13 +130,15 @@ def rtt_bucket(seconds: float) -> int:
     return int(rtt_position(seconds))
 
 
+def bucket_bounds(bucket: int) -> tuple[float, float]:
+    """``[low, high)`` seconds of ``bucket`` (for display)."""
+    return _bounds(bucket, RTT_BASE_S)
+
+
 def rate_position(bytes_per_s: float) -> float:
     """Where a rate of ``bytes_per_s`` falls on the rate scale (bucket = its floor): bucket
     ``b >= 1`` holds ``[1 Mbit/s * 2**((b-1)/2), 1 Mbit/s * 2**(b/2))``."""
-    bits = 8.0 * bytes_per_s
-    if not bits > RATE_BASE_BPS:
-        return 0.0
-    return min(BUCKETS_PER_OCTAVE * math.log2(bits / RATE_BASE_BPS) + 1.0, MAX_BUCKET + 0.999)
+    return _position(8.0 * bytes_per_s, RATE_BASE_BPS)
 
 
 def rate_bucket(bytes_per_s: float) -> int:
@@ -131,20 +148,7 @@ def rate_bucket(bytes_per_s: float) -> int:
 
 def rate_bounds(bucket: int) -> tuple[float, float]:
     """``[low, high)`` bits per second of rate ``bucket`` (for display)."""
-    if bucket <= 0:
-        return 0.0, RATE_BASE_BPS
-    low = RATE_BASE_BPS * 2 ** ((bucket - 1) / BUCKETS_PER_OCTAVE)
-    high = math.inf if bucket >= MAX_BUCKET else RATE_BASE_BPS * 2 ** (bucket / BUCKETS_PER_OCTAVE)
-    return low, high
-
-
-def bucket_bounds(bucket: int) -> tuple[float, float]:
-    """``[low, high)`` seconds of ``bucket`` (for display)."""
-    if bucket <= 0:
-        return 0.0, RTT_BASE_S
-    low = RTT_BASE_S * 2 ** ((bucket - 1) / BUCKETS_PER_OCTAVE)
-    high = math.inf if bucket >= MAX_BUCKET else RTT_BASE_S * 2 ** (bucket / BUCKETS_PER_OCTAVE)
-    return low, high
+    return _bounds(bucket, RATE_BASE_BPS)
 
 
 @dataclass(frozen=True, slots=True)
