@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ftmesh.cli.status_cmd import ring_plan_lines
 from ftmesh.collective.topology import (
     MAX_BUCKET,
     MAX_CROSS_RATE_BUCKET,
@@ -21,6 +22,9 @@ from ftmesh.collective.topology import (
     rate_bucket,
     rtt_bucket,
 )
+from ftmesh.membership.messages import MemberSnapshot, MemberState
+from ftmesh.mesh.core import view_of
+from ftmesh.mesh.meta import DATA_KEY, LINKS_KEY, ROLE_KEY
 
 MBIT = 1e6 / 8  # bytes per second
 
@@ -188,3 +192,43 @@ def test_rate_estimator_takes_the_median_with_hysteresis() -> None:
     for _ in range(5):
         est.add(peer, hi / 8 * 2**0.3)
     assert est.buckets() == {peer: 10}
+
+
+def test_members_publishing_rates_plan_the_view_and_status_shows_the_links_between() -> None:
+    """The metadata path: each member publishes a version-2 summary (round trips alike, rates
+    fast inside, 20 Mbit/s across); every member's view is the same two-site hierarchical
+    plan from throughput, and ``ftmesh status`` says what was measured between the sites."""
+    ids = [nid(i) for i in range(4)]
+    where = [0, 1, 0, 1]
+    near = rtt_bucket(2e-4)
+    members = []
+    for i in range(4):
+        peers = [j for j in range(4) if j != i]
+        rtt = {ids[j]: near for j in peers}
+        rate = {ids[j]: rate_bucket((1000 if where[i] == where[j] else 20) * MBIT) for j in peers}
+        members.append(
+            MemberSnapshot(
+                node=ids[i],
+                name=f"m{i}",
+                addr=(f"10.0.0.{i + 1}", 7946),
+                incarnation=1,
+                state=MemberState.ALIVE,
+                meta={
+                    ROLE_KEY: "train",
+                    DATA_KEY: f"10.0.0.{i + 1}:7947",
+                    LINKS_KEY: format_links(rtt, rate),
+                },
+            )
+        )
+    view = view_of(members)
+    assert view is not None and view.plan is not None and view.hierarchical
+    assert view.plan.source == "throughput"
+    assert {frozenset(s.members) for s in view.plan.sites} == {
+        frozenset(ids[0::2]),
+        frozenset(ids[1::2]),
+    }
+    lines = ring_plan_lines(members)
+    assert lines[0].startswith("ring plan: 2 sites (throughput) ~1[2] ~2[2], hierarchical")
+    lo, hi = rate_bounds(rate_bucket(20 * MBIT))
+    assert "  between sites (measured): round trips 0.2" in lines[3], lines
+    assert f"rates {lo / 1e6:.3g}-{hi / 1e6:.3g} Mbit/s" in lines[3], lines

@@ -14,9 +14,11 @@ reason. ``--json`` keeps its shape (a list of members: scripts read it) and give
 its ``devices``; ``--watch --json`` also gives each read's ``backend``.
 
 A line (and one per site) gives the ring plan every member derives from the same metadata
-(``ftmesh.collective.topology``): the sites (labels, or measured from round trips), the ring
-order, whether an allreduce runs hierarchically or on the flat ring (and why), and the plan's
-hash, the one that goes into the view's epoch. ``--watch --json`` gives it as ``plan``.
+(``ftmesh.collective.topology``): the sites (labels, or measured from round trips or
+throughput), the ring order, whether an allreduce runs hierarchically or on the flat ring (and
+why), and the plan's hash, the one that goes into the view's epoch; with several measured
+sites, what the members measured of the links between them (the range of round trips and
+rates their published buckets cover). ``--watch --json`` gives it as ``plan``.
 
 ``--watch`` reads the member list again every ``--interval`` seconds (``MeshReader``, still as
 an observer) and redraws the table of the members' progress, as they publish it in their
@@ -44,6 +46,7 @@ from typing import Any
 
 import trio
 
+from ..collective.topology import RingPlan, bucket_bounds, links_of, rate_bounds
 from ..discovery.local import live_meshes
 from ..errors import ConfigError, FtmeshError
 from ..membership.messages import MemberSnapshot, MemberState
@@ -109,6 +112,9 @@ def ring_plan_lines(members: list[MemberSnapshot]) -> list[str]:
     if len(plan["sites"]) > 1:
         for site in plan["sites"]:
             out.append(f"  site {site['label'] or '(unlabeled)'}: {', '.join(site['members'])}")
+        across = plan["across"]
+        if across:
+            out.append(f"  between sites (measured): {', '.join(across)}")
     out.append(f"  ring: {' -> '.join(plan['ring'])} -> (back to the first)")
     return out
 
@@ -133,7 +139,34 @@ def plan_json(members: list[MemberSnapshot]) -> dict[str, Any] | None:
         "hash": plan.hash,
         "epoch": view.epoch,
         "line": plan.describe(),
+        "across": _across(in_view, plan) if plan.source != "labels" else [],
     }
+
+
+def _across(members: list[MemberSnapshot], plan: RingPlan) -> list[str]:
+    """What the members measured of the links between the plan's sites, for a person: the
+    range of round trips and of rates their published buckets cover (``[]``: none)."""
+    ids = [m.node for m in members]
+    rtt: list[int] = []
+    rate: list[int] = []
+    for m in members:
+        info = read_member(m)
+        for into, published in ((rtt, info.links), (rate, info.rates)):
+            for peer, bucket in links_of(dict(published), ids).items():
+                if plan.site_of(peer) != plan.site_of(m.node):
+                    into.append(bucket)
+    out = []
+    if rtt:
+        lo, hi = bucket_bounds(min(rtt))[0], bucket_bounds(max(rtt))[1]
+        out.append(f"round trips {_range(lo * 1e3, hi * 1e3)} ms")
+    if rate:
+        lo, hi = rate_bounds(min(rate))[0], rate_bounds(max(rate))[1]
+        out.append(f"rates {_range(lo / 1e6, hi / 1e6)} Mbit/s")
+    return out
+
+
+def _range(lo: float, hi: float) -> str:
+    return f"{lo:.3g}-{hi:.3g}" if hi < float("inf") else f"{lo:.3g} and more"
 
 
 def backend_line(view: ViewBackend | None) -> str:
