@@ -21,7 +21,7 @@ the same :class:`RingPlan`:
    (:func:`rate_bucket`, half-octave buckets of bits per second; packet-pair capacity,
    ``ftmesh.net.pairs``), fastest links first: the sites are the components joined by fast
    links whose links between them are all at least ``RATE_GAP`` buckets (4x) slower and at
-   most ``MAX_CROSS_RATE_BUCKET`` (about 250 Mbit/s). That finds the sites a round trip cannot
+   most ``MAX_CROSS_RATE_BUCKET`` (about 125 Mbit/s). That finds the sites a round trip cannot
    see: two offices a few milliseconds apart over a 50 Mbit/s line, a shaped VPN link, an
    edge fleet on a slow uplink. The symmetrised rate of a pair is its *faster* direction
    (the one known, if one): both must read slow before a pair counts as a slow link, since
@@ -91,10 +91,12 @@ RATE_BASE_BPS = 1e6
 RATE_GAP = 4
 """Rate buckets between the slowest link inside a throughput site and the fastest between
 sites (about 4x)."""
-MAX_CROSS_RATE_BUCKET = 16
-"""Highest rate bucket of a link between throughput sites: 16 holds 181-256 Mbit/s. Packet
+MAX_CROSS_RATE_BUCKET = 14
+"""Highest rate bucket of a link between throughput sites: 14 holds 91-128 Mbit/s. Packet
 pairs sent by a Python process cannot time a gigabit link (the sender's own gap between the
-two datagrams is of that order), so a LAN never reads below it and never splits."""
+two datagrams is of that order): veths between lab hosts read about 1 Gbit/s on a quiet
+host and 256-512 Mbit/s (buckets 17-18) beside 8 busy processes on 2 cores, so a LAN keeps
+a margin of 3 buckets and more and does not split."""
 MAX_LABEL = 63
 LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 """A site label: a Kubernetes-label-like name (``eu-west-1a``, ``lab``, ``rack.7``)."""

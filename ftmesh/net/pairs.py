@@ -13,7 +13,7 @@ other traffic (cross traffic queued between the two datagrams spreads them, a sa
 low; a queue after the narrow link that holds the first one bunches them, too high: the
 mesh's estimate is the median of a window, ``topology.LinkEstimator.for_rates``). The sender
 is a Python process: its two ``sendto`` calls are a few microseconds apart, so a link faster
-than a few hundred Mbit/s reads as that (``topology.MAX_CROSS_RATE_BUCKET`` is below it). A
+than a few hundred Mbit/s reads as that (``topology.MAX_CROSS_RATE_BUCKET`` is well below). A
 sender descheduled between its two sends spreads the pair: rare, and the median drops it.
 
 Cost: one pair of ~1.2 KB datagrams per ``NodeConfig.pair_interval`` per member, to one peer
