@@ -6,11 +6,13 @@ from __future__ import annotations
 import socket
 import struct
 
+import pytest
 import trio
 
 from ftmesh.collective.topology import MAX_CROSS_RATE_BUCKET, rate_bucket
 from ftmesh.net.node import NodeConfig, open_node
 from ftmesh.net.pairs import HEADERS, SO_TIMESTAMPNS, PairTimer, kernel_time_ns
+from ftmesh.security import MeshAuth
 
 
 def test_the_second_half_gives_bytes_on_the_wire_over_the_spacing() -> None:
@@ -46,10 +48,17 @@ def test_the_kernel_stamp_is_read_from_its_control_message() -> None:
     assert kernel_time_ns([]) is None
 
 
-async def test_two_members_time_the_path_from_each_other() -> None:
+@pytest.mark.parametrize("auth", ["none", "secret", "encrypted"])
+async def test_two_members_time_the_path_from_each_other(auth: str) -> None:
     """On two loopback addresses (no narrow link between them): every pair arrives and is
-    timed, and loopback reads far above the cross-site ceiling (about 125 Mbit/s)."""
-    base = dict(mesh="pairs", discovery="none", pair_interval=0.02)
+    timed (sealed as the mesh seals its gossip: plain, with a tag, encrypted), and loopback
+    reads far above the cross-site ceiling (about 125 Mbit/s)."""
+    sealing = {
+        "none": MeshAuth.none(),
+        "secret": MeshAuth.from_secrets([b"pairs secret of 32 bytes or more!!"]),
+        "encrypted": MeshAuth.from_secrets([b"pairs secret of 32 bytes or more!!"], encrypt=True),
+    }[auth]
+    base = dict(mesh="pairs", discovery="none", pair_interval=0.02, auth=sealing)
     async with open_node(NodeConfig(bind="127.0.0.1", **base)) as a:  # type: ignore[arg-type]
         join = (f"127.0.0.1:{a.address[1]}",)
         async with open_node(NodeConfig(bind="127.0.0.2", join=join, **base)) as b:  # type: ignore[arg-type]
