@@ -1,8 +1,8 @@
 """A training member for tests/test_ring_plan_lab.py, run inside a lab host (run as a script).
 
-``plan_lab_worker.py BIND JOIN DIR SIZE NBYTES ROUNDS PAIRS``: joins mesh ``planlab`` with
-seeds (JOIN: ``HOST:PORT`` or ``-``), measuring its links every half second (a packet pair
-every PAIRS seconds), and waits for a view of
+``plan_lab_worker.py BIND JOIN DIR SIZE NBYTES ROUNDS PAIRS PRESET``: joins mesh ``planlab``
+with seeds (JOIN: ``HOST:PORT`` or ``-``) and membership preset PRESET, measuring its links
+every half second (a packet pair every PAIRS seconds), and waits for a view of
 SIZE members whose plan is measured and hierarchical and has held for two seconds; prints
 ``{"ready": ..., "plan": hash, "epoch": ..., "sites": [[ids]...]}``. Once ``DIR/go`` exists it
 runs a small allreduce (every member in), then ROUNDS allreduces of NBYTES of float32, and
@@ -41,7 +41,7 @@ def wait_file(path: Path, timeout: float) -> None:
 def main() -> None:
     bind, join, where = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     size, nbytes, rounds = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-    pairs = float(sys.argv[7])
+    pairs, preset = float(sys.argv[7]), sys.argv[8]
     config = MeshConfig(
         node=NodeConfig(
             mesh="planlab",
@@ -50,7 +50,7 @@ def main() -> None:
             port=7946,
             join=() if join == "-" else (join,),
             name=f"h-{bind}",
-            membership=MembershipConfig.preset("lan"),
+            membership=MembershipConfig.preset(preset),
             pair_interval=pairs,
         ),
         links_interval=0.5,
