@@ -64,11 +64,19 @@ def test_keep_skips_the_lost_share_and_trains_every_other_sample_once(tmp_path: 
     skipped: dict[int, set[int]] = defaultdict(set)
     computing: dict[int, set[int]] = defaultdict(set)
     reports: dict[int, int] = defaultdict(int)
+    adopted: dict[int, int] = defaultdict(int)
     for recs in records.values():
         for r in recs:
             if "done" in r:
                 continue
             step = int(r["step"])  # type: ignore[call-overload]
+            if int(r["computing"]) == 0:  # type: ignore[call-overload]
+                # A step the member took in a sync from one that committed it (its own
+                # attempt failed after its row went out, when the victim died): it trained
+                # nothing it can report and says nothing of the step's skip.
+                assert r["synced"] and not r["indices"], r
+                adopted[step] += 1
+                continue
             trained[step] += [int(i) for i in r["indices"]]  # type: ignore[attr-defined]
             skipped[step].add(int(r["skipped"]))  # type: ignore[call-overload]
             computing[step].add(int(r["computing"]))  # type: ignore[call-overload]
@@ -89,12 +97,14 @@ def test_keep_skips_the_lost_share_and_trains_every_other_sample_once(tmp_path: 
         assert len(mine) == len(set(mine)), f"step {step} trained a sample twice"
         assert set(mine) <= set(sampler.global_indices(step - 1).tolist()), step
         # A victim killed right after it committed a step may die before its report of that
-        # step is written: then its share is trained but unreported (one report missing).
+        # step is written, and a survivor may adopt it (above): then their shares are trained
+        # but unreported (one report missing, and one more per adopter).
         unreported = sampler.batch_size(step - 1) - len(mine) - skip
         if reports[step] == workers:
             assert unreported == 0, (step, len(mine), skip)
         else:
-            assert reports[step] == workers - 1 and unreported > 0, (step, reports[step], skip)
+            missing = workers - reports[step]
+            assert 1 <= missing <= 1 + adopted[step] and unreported > 0, (step, missing, skip)
             assert step in kill_steps, (step, kill_steps)
         epoch = sampler.epoch_of(step - 1)
         epoch_trained[epoch] += mine
