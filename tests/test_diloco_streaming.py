@@ -14,6 +14,7 @@ fragment's values and the header, nothing of the other fragment."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -367,6 +368,11 @@ def test_a_joiner_gets_the_global_parameters_and_the_outer_state(
     def on_step(step: int) -> None:
         if step >= 2:
             joined.set()
+        if step == 4:  # j enters the ring before the last steps, however slow its start on a
+            # loaded host (CI run 48: it had not by step 8); bounded, as the others wait here
+            deadline = time.monotonic() + 20.0
+            while hub.roles.get("j") != "train" and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     members = {n: Member(n) for n in ["a", "b", "j"]}
     for n in "ab":
